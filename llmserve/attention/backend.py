@@ -1,0 +1,293 @@
+"""Paged attention over a block-structured KV cache (vLLM's PagedAttention, Kwon et al. 2023).
+
+KV cache of one layer: a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
+model dtype (index 0 keys, 1 values). A token's K/V live in slot ``block_id * block_size +
+offset``; each request owns a list of blocks (its row of ``block_tables``).
+
+Each step the model hands the attention layer the flat tokens of all scheduled requests,
+decodes first (vLLM v1 orders its persistent batch the same way). ``PagedAttention.forward``
+1. writes this step's K/V into the cache at ``slot_mapping``;
+2. runs the decode requests (one query token each) in one batched op: the C++ kernel of
+   ``llmserve.attention.cpu_kernel`` when it built, else the pure-torch gather path here;
+3. runs each prefill / prefill chunk with ``scaled_dot_product_attention`` over its
+   context, causal within the chunk: query i of a request with query_len q and seq_len s
+   sees keys ``0 .. s - q + i`` (and, with a sliding window W, only keys > position - W,
+   as transformers' ``sliding_window_overlay``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the flat token batch, shared by all layers (vLLM's
+    ``CommonAttentionMetadata``).
+
+    num_actual_tokens: T, tokens in this step. slot_mapping: ``[T]`` int64, KV slot of each
+    token. query_start_loc: ``[B+1]`` int32 (CPU), cumulative query lengths. seq_lens:
+    ``[B]`` int32, context length of each request INCLUDING this step's tokens.
+    block_tables: ``[B, max_blocks_per_req]`` int32 block ids, padded with 0. num_decodes:
+    the first ``num_decodes`` requests have exactly one query token. query_lens_list /
+    seq_lens_list: python copies (no tensor syncs). max_seq_len: max of seq_lens.
+    block_size: tokens per KV block.
+    """
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_seq_len: int
+    block_size: int
+    # Tensors derived once per step and reused by every layer (decode masks, block views).
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+    def query_starts(self) -> list[int]:
+        """Python list of the B+1 cumulative query offsets (computed once)."""
+        qs = self._derived.get("query_starts")
+        if qs is None:
+            qs = [0]
+            for q in self.query_lens_list:
+                qs.append(qs[-1] + q)
+            self._derived["query_starts"] = qs
+        return qs
+
+
+def build_attn_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
+                        block_ids: Sequence[Sequence[int]], block_size: int,
+                        device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Build ``AttentionMetadata`` from per-request python lists.
+
+    query_lens[i]: tokens of request i in this step; seq_lens[i]: its context length after
+    this step; block_ids[i]: its KV block ids (enough for seq_lens[i] tokens). Requests with
+    one query token must come first (they become ``num_decodes``). The tokens of request i
+    are at positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+
+    Raises ValueError for inconsistent lengths, a decode after a prefill, or too few blocks.
+    """
+    if not (len(query_lens) == len(seq_lens) == len(block_ids)):
+        raise ValueError("query_lens, seq_lens and block_ids must have the same length")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    slots: list[int] = []
+    for i, (q, s, blocks) in enumerate(zip(query_lens, seq_lens, block_ids)):
+        if q < 1 or s < q:
+            raise ValueError(f"request {i}: need 1 <= query_len <= seq_len, got {q}, {s}")
+        if i >= num_decodes and q == 1 and any(ql > 1 for ql in query_lens[:i]):
+            raise ValueError("requests with one query token must come before prefills")
+        if len(blocks) * block_size < s:
+            raise ValueError(f"request {i}: {len(blocks)} blocks cannot hold {s} tokens")
+        for pos in range(s - q, s):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max((len(b) for b in block_ids), default=0)
+    table = torch.zeros(len(block_ids), max(max_blocks, 1), dtype=torch.int32)
+    for i, blocks in enumerate(block_ids):
+        if blocks:
+            table[i, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(list(query_lens), dtype=torch.int32).cumsum(0)
+    return AttentionMetadata(
+        num_actual_tokens=sum(query_lens),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        num_decodes=num_decodes,
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+        max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
+    )
+
+
+def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, int, int, int, int]:
+    """Shape of one layer's KV cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    (vLLM's ``AttentionBackend.get_kv_cache_shape``)."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Store K/V ``[T, num_kv_heads, head_dim]`` at the flat slots ``slot_mapping [T]``
+    of ``kv_cache`` (vLLM's ``reshape_and_cache``); casts to the cache dtype."""
+    _, nb, bs, nkv, hd = kv_cache.shape
+    kv_cache[0].view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def decode_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           max_seq_len: int, scale: float,
+                           sliding_window: Optional[int] = None,
+                           _cache: Optional[dict] = None) -> torch.Tensor:
+    """Batched single-token attention over paged K/V, in pure torch (the reference path).
+
+    query: ``[N, num_heads, head_dim]``; kv_cache: one layer's cache; block_tables ``[N, M]``
+    and seq_lens ``[N]`` of the N decode requests; max_seq_len: max of seq_lens.
+    Gathers each request's blocks (a copy), masks keys past seq_len (and, with a sliding
+    window W, keys at or before ``seq_len - 1 - W``), softmax in float32.
+    Returns ``[N, num_heads, head_dim]`` in the query dtype.
+    """
+    n, nh, hd = query.shape
+    _, _, bs, nkv, _ = kv_cache.shape
+    g = nh // nkv
+    nblk = (max_seq_len + bs - 1) // bs
+    key = None if _cache is None else _cache.get(("mask", sliding_window))
+    if key is None:
+        bt = block_tables[:n, :nblk].long()
+        pos = torch.arange(nblk * bs, device=query.device)
+        last = seq_lens[:n].long().unsqueeze(1)
+        mask = pos.unsqueeze(0) >= last
+        if sliding_window is not None:
+            mask |= pos.unsqueeze(0) <= last - 1 - sliding_window
+        key = (bt, mask.view(n, 1, 1, nblk * bs))
+        if _cache is not None:
+            _cache[("mask", sliding_window)] = key
+    bt, mask = key
+    k = kv_cache[0][bt].view(n, nblk * bs, nkv, hd)
+    v = kv_cache[1][bt].view(n, nblk * bs, nkv, hd)
+    q = query.view(n, nkv, g, hd).to(k.dtype)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float()  # [n, nkv, g, L]
+    scores.mul_(scale).masked_fill_(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [n, nkv, g, hd]
+    return out.reshape(n, nh, hd).to(query.dtype)
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """Attention of one request's chunk over its whole context with SDPA.
+
+    query ``[q, num_heads, head_dim]``; key/value ``[s, num_kv_heads, head_dim]`` (s >= q;
+    the query tokens are the last q of the s). Query i sees keys ``0 .. s - q + i``.
+    Runs in float32 on CPU (bf16 SDPA takes a slow path there; DESIGN.md).
+    Returns ``[q, num_heads, head_dim]`` in the query dtype.
+    """
+    ql, nh, hd = query.shape
+    sl, nkv, _ = key.shape
+    work = torch.float32 if query.device.type == "cpu" else query.dtype
+    q = query.transpose(0, 1).to(work)
+    k = key.transpose(0, 1).to(work)
+    v = value.transpose(0, 1).to(work)
+    mask = None
+    causal = sl == ql and sliding_window is None
+    if not causal:
+        qpos = torch.arange(sl - ql, sl, device=query.device).unsqueeze(1)
+        kpos = torch.arange(sl, device=query.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=nkv != nh)
+    return out.transpose(0, 1).to(query.dtype)
+
+
+class PagedAttention:
+    """One layer's attention over the paged KV cache (vLLM's ``Attention`` layer).
+
+    num_heads / num_kv_heads / head_dim: the layer's shape (GQA when num_kv_heads <
+    num_heads); scale: softmax scale (``head_dim ** -0.5``); sliding_window: attend only to
+    the last ``sliding_window`` positions (Mistral/Qwen2 windowed layers), None for full.
+    use_kernel: try the C++ decode kernel (falls back to torch if it cannot be built).
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: Optional[int] = None, use_kernel: bool = True) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.use_kernel = use_kernel
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: Optional[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """query ``[T, num_heads*head_dim]``, key/value ``[T, num_kv_heads*head_dim]`` ->
+        ``[T, num_heads*head_dim]``. ``kv_cache`` None (or empty) runs without a cache:
+        every request must then be a whole prompt (seq_len == query_len)."""
+        md = attn_metadata
+        t = md.num_actual_tokens
+        q = query[:t].view(t, self.num_heads, self.head_dim)
+        k = key[:t].view(t, self.num_kv_heads, self.head_dim)
+        v = value[:t].view(t, self.num_kv_heads, self.head_dim)
+        has_cache = kv_cache is not None and kv_cache.numel() > 0
+        if has_cache:
+            write_to_kv_cache(k, v, kv_cache, md.slot_mapping[:t])
+        out = torch.empty_like(q)
+        nd = md.num_decodes
+        if nd:
+            if not has_cache:
+                raise ValueError("decode requests need a KV cache")
+            out[:nd] = self._decode(q[:nd], kv_cache, md)
+        starts = md.query_starts()
+        for i in range(nd, md.num_reqs):
+            s0, s1 = starts[i], starts[i + 1]
+            sl = md.seq_lens_list[i]
+            if sl == s1 - s0:  # whole prompt in this step: its K/V are at hand
+                ki, vi = k[s0:s1], v[s0:s1]
+            else:
+                if not has_cache:
+                    raise ValueError("a prefill chunk with earlier context needs a KV cache")
+                ki, vi = self._gather_context(kv_cache, md, i, sl)
+            out[s0:s1] = prefill_attention(q[s0:s1], ki, vi, self.scale, self.sliding_window)
+        return out.view(t, self.num_heads * self.head_dim)
+
+    __call__ = forward
+
+    @staticmethod
+    def _gather_context(kv_cache: torch.Tensor, md: AttentionMetadata, i: int,
+                        seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = md.block_size
+        nblk = (seq_len + bs - 1) // bs
+        ids = md.block_tables[i, :nblk].long()
+        nkv, hd = kv_cache.shape[-2:]
+        k = kv_cache[0][ids].view(nblk * bs, nkv, hd)[:seq_len]
+        v = kv_cache[1][ids].view(nblk * bs, nkv, hd)[:seq_len]
+        return k, v
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        nd = md.num_decodes
+        if self.use_kernel and q.device.type == "cpu":
+            from llmserve.attention import cpu_kernel
+            op = cpu_kernel.get_decode_kernel()
+            if op is not None:
+                out = torch.empty_like(q)
+                op(out, q.contiguous(), kv_cache, md.block_tables, md.seq_lens,
+                   nd, self.scale, self.sliding_window or 0)
+                return out
+        max_len = md._derived.get("decode_max_len")
+        if max_len is None:
+            max_len = max(md.seq_lens_list[:nd])
+            md._derived["decode_max_len"] = max_len
+        return decode_attention_torch(q, kv_cache, md.block_tables, md.seq_lens, max_len,
+                                      self.scale, self.sliding_window, md._derived)
+
+
+def default_scale(head_dim: int) -> float:
+    """Softmax scale ``1 / sqrt(head_dim)`` (Vaswani et al. 2017)."""
+    return 1.0 / math.sqrt(head_dim)

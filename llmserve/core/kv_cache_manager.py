@@ -1,0 +1,231 @@
+"""Paged KV cache bookkeeping: a block pool with reference counts, a free-block queue,
+prefix caching by a hash chain over full blocks, and LRU eviction of cached free blocks.
+
+Follows vLLM's v1 KVCacheManager / BlockPool design (and the PagedAttention paper,
+Kwon et al. 2023). Deals in token counts and block ids only; never in tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from llmserve.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+_NONE_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    """Hash of one full block: (parent block hash, its token ids, extra keys).
+
+    Chaining the parent hash makes the hash identify the whole prefix, not just the
+    block. sha256 truncated to 64 bits: collisions are negligible.
+    """
+    data = pickle.dumps((parent_hash, tuple(token_ids), extra_keys), protocol=pickle.HIGHEST_PROTOCOL)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+class KVCacheBlock:
+    """Metadata of one block: id, reference count, and its hash once full and cached."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[int] = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """All KV blocks. Free blocks (ref_cnt 0) sit in an LRU queue: the first block of the
+    queue is evicted first. A free block may still hold a cached prefix (``block_hash``);
+    it is found by hash until it is evicted for reuse.
+
+    Block 0 is reserved as a null/padding block and never handed out.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.pop(b.block_id, None)
+            b.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop n free blocks (evicting their cached contents). Raises ValueError if short."""
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot get {n} free blocks from the pool")
+        out = []
+        for _ in range(n):
+            _, b = self.free_queue.popitem(last=False)
+            if b.block_hash is not None:
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one reference; blocks reaching 0 go to the tail of the LRU queue (callers
+        pass them in eviction order: the ones to evict first come first)."""
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = b
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is already cached; keep that one
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes. Only possible when no block is in use."""
+        if len(self.free_queue) != self.num_blocks - 1:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached.clear()
+        return True
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests (vLLM's KVCacheManager).
+
+    Args:
+      num_blocks: blocks in the cache (block 0 reserved). block_size: tokens per block.
+      enable_caching: prefix caching on/off. max_model_len: tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        # Counters for prefix-cache hit rate (tokens).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - 1 - self.pool.get_num_free_blocks()
+
+    def _update_block_hashes(self, request: Request) -> list[int]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        toks = request.all_token_ids
+        n_full = len(toks) // bs
+        while len(hashes) < n_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _NONE_HASH
+            hashes.append(hash_block_tokens(parent, toks[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in full blocks.
+
+        Returns (blocks, num_computed_tokens). At least one token is always left to
+        compute, so the model produces logits for the last position.
+        """
+        if not self.enable_caching or not request.use_prefix_cache:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for h in hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            blocks.append(b)
+        n = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += n
+        return blocks, n
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> Optional[list[KVCacheBlock]]:
+        """Make room for ``num_new_tokens`` more tokens of the request (after its
+        ``num_computed_tokens`` plus the ``new_computed_blocks`` prefix hits).
+
+        Returns the newly allocated blocks, or None when the pool is too small (nothing is
+        changed then).
+        """
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_required = -(-total // self.block_size)
+        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
+        # Prefix hits that are free right now leave the free queue when touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(req_blocks)
+        new_blocks = self.pool.get_new_blocks(max(0, num_new_blocks))
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_caching or not request.use_prefix_cache:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        start = self.num_cached_block.get(request.request_id, 0)
+        n_full = min(num_computed_tokens // self.block_size, len(blocks))
+        if n_full <= start:
+            return
+        hashes = self._update_block_hashes(request)
+        for i in range(start, min(n_full, len(hashes))):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_block[request.request_id] = min(n_full, len(hashes))
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; its last blocks are evicted first."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

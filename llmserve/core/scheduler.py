@@ -1,0 +1,286 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+One step: first the running requests (decodes, and prompts part-way through a chunked
+prefill), then waiting ones while the token budget (max_num_batched_tokens), the request
+cap (max_num_seqs) and the KV blocks allow. When a running request cannot get a block,
+the lowest-priority, latest-arriving running request is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed later with the same
+tokens. Follows vLLM's v1 Scheduler. No torch here.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.request import FinishReason, Request, RequestStatus
+from llmserve.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request in a step: its tokens [num_computed_tokens, + num_scheduled_tokens)
+    are run; block_ids cover them."""
+
+    request: Request
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner runs this step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns: per request id, the sampled token (absent when the
+    step ended inside a prompt chunk), sample logprobs and prompt logprobs (opaque here)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutputData:
+    """Per-request result of one step, before it is wrapped into a message."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: object = None
+    new_prompt_logprobs: object = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class Scheduler:
+    """Args: scheduler_config, cache_config, num_blocks (KV blocks available)."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self._priority = scheduler_config.policy == "priority"
+        self.num_preemptions_total = 0
+        self._step_preemptions = 0
+
+    # ---- queue management --------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        max_blocks = self.kv_cache_manager.pool.num_blocks - 1
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"The prompt ({request.num_prompt_tokens} tokens) is longer than the maximum "
+                f"model length of {self.max_model_len}.")
+        if -(-min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) // self.block_size) > max_blocks:
+            # It could never run to completion even alone; preemption would loop forever.
+            raise ValueError(
+                f"The request needs up to {min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)} "
+                f"tokens of KV cache but the cache holds only {max_blocks * self.block_size} tokens.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests: their blocks are freed at once."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            req.status = status
+            self._free_request(req)
+            done.append(req)
+        return done
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.add(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling --------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        if self._priority:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._step_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _next_waiting(self) -> Request:
+        if self._priority:
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV blocks."""
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+        self._step_preemptions = 0
+
+        if self._priority:
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            n = min(n, budget, self.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv_cache_manager.allocate_slots(req, n) is not None:
+                    break
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                scheduled.pop(victim.request_id, None)
+                if victim is req:
+                    break
+            if req.request_id in preempted:
+                continue  # req left self.running; index i now points at the next one
+            scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+        # Budget given back by requests preempted after being scheduled.
+        budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self._next_waiting()
+                computed_blocks, num_hit = [], 0
+                if req.num_computed_tokens == 0:
+                    computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+                n = req.num_tokens - req.num_computed_tokens - num_hit
+                if not self.config.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                if self.kv_cache_manager.allocate_slots(req, n, computed_blocks) is None:
+                    break
+                self.waiting.remove(req)
+                req.num_computed_tokens += num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled[req.request_id] = n
+                budget -= n
+
+        for req in self.running:
+            n = scheduled.get(req.request_id)
+            if n:
+                out.scheduled.append(ScheduledRequest(
+                    req, req.num_computed_tokens, n,
+                    self.kv_cache_manager.get_block_ids(req.request_id)))
+        out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
+        out.finished_req_ids = self.finished_req_ids
+        out.preempted_req_ids = preempted
+        self.finished_req_ids = set()
+        return out
+
+    # ---- results -----------------------------------------------------------
+    def _check_stop(self, req: Request) -> bool:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if req.num_tokens >= self.max_model_len or n_out >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if n_out < sp.min_tokens:
+            return False
+        last = req.output_token_ids[-1]
+        if not sp.ignore_eos and last == req.eos_token_id:
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in sp.all_stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = last
+            return True
+        return False
+
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutputData]:
+        """Advance computed-token counts, append sampled tokens, check stops, free
+        finished requests. Returns one EngineCoreOutputData per request with news."""
+        outputs: list[EngineCoreOutputData] = []
+        finished: list[Request] = []
+        for s in sched_out.scheduled:
+            req = s.request
+            if req.is_finished() or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_scheduled_tokens
+            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            tok = runner_out.sampled_token_ids.get(req.request_id)
+            plp = runner_out.prompt_logprobs.get(req.request_id)
+            if tok is None:
+                if plp is not None:
+                    outputs.append(EngineCoreOutputData(req.request_id, [], None, plp,
+                                                        num_cached_tokens=max(req.num_cached_tokens, 0)))
+                continue
+            req.append_output_token_ids(tok)
+            stopped = self._check_stop(req)
+            outputs.append(EngineCoreOutputData(
+                req.request_id, [tok], runner_out.logprobs.get(req.request_id), plp,
+                req.get_finished_reason() if stopped else None, req.stop_reason,
+                max(req.num_cached_tokens, 0)))
+            if stopped:
+                finished.append(req)
+        for req in finished:
+            self.running.remove(req)
+            self._free_request(req)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        st = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_used_blocks=kv.num_used_blocks,
+            num_total_blocks=kv.pool.num_blocks - 1,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self._step_preemptions,
+        )
+        kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+        return st

@@ -1,0 +1,250 @@
+"""AsyncLLM: the asyncio bridge between request handlers and the EngineCore process
+(vLLM's v1 AsyncLLM, an EngineClient).
+
+``generate()`` adds a request and yields RequestOutputs from its RequestOutputCollector.
+A background output_handler task (started lazily on the first request, holding no
+reference to the AsyncLLM) pulls EngineCoreOutputs, runs the OutputProcessor in chunks
+with ``await asyncio.sleep(0)`` between them, pushes to collectors, and feeds the stat
+loggers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import weakref
+from typing import Any, AsyncGenerator, Iterable, Optional
+
+from llmserve.config import EngineConfig
+from llmserve.engine.core_client import AsyncMPClient
+from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
+from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.engine.llm_engine import load_frontend
+from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector
+from llmserve.engine.parallel_sampling import ParentRequest
+from llmserve.engine_args import AsyncEngineArgs, EngineArgs
+from llmserve.metrics.stats import IterationStats
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_PROC_CHUNK_SIZE = int(os.environ.get("LLMSERVE_OUTPUT_PROC_CHUNK_SIZE", "128"))
+
+
+class LoggingStatLogger:
+    """Logs throughput and queue state every ``interval`` seconds (vLLM's LoggingStatLogger)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self.last = time.monotonic()
+        self.prompt_tokens = 0
+        self.gen_tokens = 0
+        self.sched = None
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        if iteration_stats is not None:
+            self.prompt_tokens += iteration_stats.num_prompt_tokens
+            self.gen_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self.sched = scheduler_stats
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            dt = now - self.last
+            s = self.sched
+            if self.prompt_tokens or self.gen_tokens or (s and (s.num_running_reqs or s.num_waiting_reqs)):
+                logger.info(
+                    "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%",
+                    self.prompt_tokens / dt, self.gen_tokens / dt, s.num_running_reqs if s else 0,
+                    s.num_waiting_reqs if s else 0, 100 * (s.kv_cache_usage if s else 0))
+            self.prompt_tokens = self.gen_tokens = 0
+            self.last = now
+
+
+class AsyncLLM:
+    """Async engine client.
+
+    Raises, from ``generate``: ValueError for bad input (before the first output),
+    EngineDeadError once the engine process is dead.
+    """
+
+    def __init__(self, config: EngineConfig, log_requests: bool = False, log_stats: bool = True,
+                 stat_loggers: Optional[list] = None) -> None:
+        self.config = config
+        self.engine_config = config
+        self.model_config = config.model_config
+        self.log_requests = log_requests
+        self.tokenizer, self.generation_config = load_frontend(config)
+        self.generation_config_defaults = {
+            k: v for k, v in self.generation_config.items()
+            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer, self.generation_config,
+                                              strict_max_tokens=True)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.stat_loggers = list(stat_loggers or [])
+        if log_stats:
+            self.stat_loggers.append(LoggingStatLogger())
+        self.engine_core = AsyncMPClient(config)
+        self.output_handler: Optional[asyncio.Task] = None
+        self._dead_error: Optional[BaseException] = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
+        log_requests = not getattr(engine_args, "disable_log_requests", True)
+        return cls(engine_args.create_engine_config(), log_requests=log_requests,
+                   log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLM":
+        return cls(config, **kwargs)
+
+    # ---- state ---------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.engine_dead or self._dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError(f"EngineCore died: {self.engine_core.dead_error}")
+
+    async def get_tokenizer(self):
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    # ---- requests ------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: Optional[float] = None, priority: int = 0) -> RequestOutputCollector:
+        """Add a request; returns its collector at once. Raises ValueError / EngineDeadError."""
+        if self.errored:
+            raise self.dead_error
+        self._run_output_handler()
+        arrival_time = arrival_time or time.time()
+        collector = RequestOutputCollector(params.output_kind)
+        if params.n == 1:
+            reqs = [self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)]
+            parent = None
+        else:
+            parent = ParentRequest(request_id, params)
+            reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time, priority)
+                    for i, cid in enumerate(parent.child_ids)]
+        for req, text in reqs:
+            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params,
+                                              arrival_time, parent=parent, collector=collector)
+        for req, _ in reqs:
+            await self.engine_core.add_request_async(req)
+        if self.log_requests:
+            logger.info("Added request %s: %d prompt tokens, params=%s", request_id,
+                        len(reqs[0][0].prompt_token_ids), params)
+        return collector
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Yield RequestOutputs of one request (output kind per sampling_params).
+
+        Closing or cancelling the generator aborts the request in the engine.
+        """
+        collector = None
+        try:
+            collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+            finished = False
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            if collector is not None:
+                await self.abort(request_id, internal=True)
+            raise
+        except EngineDeadError:
+            raise
+        except ValueError:
+            if collector is not None:
+                await self.abort(request_id, internal=True)
+            raise
+        except Exception as e:
+            await self.abort(request_id, internal=True)
+            raise EngineGenerateError(str(e)) from e
+
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
+        """Abort requests (and the children of n>1 requests)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        engine_ids = self.output_processor.abort_requests(ids)
+        if engine_ids and not self.errored:
+            try:
+                await self.engine_core.abort_requests_async(engine_ids)
+            except EngineDeadError:
+                pass
+        if self.log_requests and not internal:
+            logger.info("Aborted request(s) %s", ids)
+
+    # ---- utilities -----------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def get_engine_stats(self) -> dict:
+        """Engine-side counters: num_running_reqs, num_waiting_reqs, num_used_blocks..."""
+        return await self.engine_core.call_utility_async("get_stats")
+
+    # ---- output handler -------------------------------------------------------
+    def _run_output_handler(self) -> None:
+        if self.output_handler is not None:
+            return
+        engine_core = self.engine_core
+        output_processor = self.output_processor
+        stat_loggers = self.stat_loggers
+        log_stats = self.output_processor.log_stats
+
+        async def output_handler() -> None:
+            try:
+                while True:
+                    outs = await engine_core.get_output_async()
+                    items = outs.outputs
+                    iteration_stats = IterationStats() if log_stats else None
+                    for start in range(0, max(len(items), 1), OUTPUT_PROC_CHUNK_SIZE):
+                        chunk = items[start:start + OUTPUT_PROC_CHUNK_SIZE]
+                        processed = output_processor.process_outputs(chunk, outs.timestamp, iteration_stats)
+                        if processed.reqs_to_abort:
+                            await engine_core.abort_requests_async(processed.reqs_to_abort)
+                        if start + OUTPUT_PROC_CHUNK_SIZE < len(items):
+                            await asyncio.sleep(0)
+                    for sl in stat_loggers:
+                        try:
+                            sl.record(outs.scheduler_stats, iteration_stats)
+                        except Exception:
+                            logger.exception("stat logger failed")
+            except asyncio.CancelledError:
+                raise
+            except EngineDeadError as e:
+                logger.error("Engine is dead: %s", e)
+                output_processor.propagate_error(e)
+            except Exception as e:
+                logger.exception("AsyncLLM output_handler failed")
+                output_processor.propagate_error(EngineDeadError(f"output handler failed: {e}"))
+
+        self.output_handler = asyncio.get_running_loop().create_task(output_handler())
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Cancel the output handler, stop the engine process, remove the sockets."""
+        if self.output_handler is not None and not self.output_handler.done():
+            try:
+                self.output_handler.cancel()
+            except RuntimeError:
+                pass
+        self.engine_core.shutdown()
+
+    def __del__(self) -> None:
+        core = getattr(self, "engine_core", None)
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception:
+                pass

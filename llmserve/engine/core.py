@@ -1,0 +1,251 @@
+"""EngineCore (schedule -> forward -> sample -> update) and EngineCoreProc, the same
+core running in its own process behind ZMQ sockets (vLLM's v1 EngineCore/EngineCoreProc).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+import zmq
+
+from llmserve.config import EngineConfig
+from llmserve.core.request import FinishReason, Request, RequestStatus
+from llmserve.core.scheduler import Scheduler
+from llmserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """The inner loop of the engine, in whatever process it lives.
+
+    Builds the model runner, sizes the KV cache (raises ValueError if it cannot hold one
+    max_model_len sequence) and the scheduler.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from llmserve.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        self.model_runner.load_model()
+        num_blocks = self.model_runner.determine_num_blocks()
+        bs = config.cache_config.block_size
+        max_len = config.model_config.max_model_len
+        needed = -(-max_len // bs) + 1
+        if num_blocks < needed:
+            per_block = self.model_runner.kv_cache_bytes_per_block()
+            raise ValueError(
+                f"The KV cache is too small: {num_blocks} blocks of {bs} tokens "
+                f"({num_blocks * per_block / 2**20:.1f} MiB) cannot hold one sequence of "
+                f"max_model_len={max_len} tokens, which needs {needed} blocks "
+                f"({needed * per_block / 2**20:.1f} MiB). Increase kv_cache_memory or "
+                f"decrease max_model_len.")
+        self.num_blocks = num_blocks
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency for %d-token "
+                    "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs, max_len,
+                    (num_blocks - 1) * bs / max_len)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                          req.eos_token_id, req.arrival_time, req.priority)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """One engine iteration. Returns outputs (possibly empty)."""
+        sched = self.scheduler
+        if not sched.has_unfinished_requests():
+            self.model_runner.remove_requests(sched.finished_req_ids)
+            sched.finished_req_ids = set()
+            return EngineCoreOutputs(scheduler_stats=sched.make_stats(), timestamp=time.monotonic())
+        so = sched.schedule()
+        ro = self.model_runner.execute_model(so)
+        datas = sched.update_from_output(so, ro)
+        outs = [EngineCoreOutput(
+            request_id=d.request_id, new_token_ids=d.new_token_ids,
+            new_logprobs=d.new_logprobs, new_prompt_logprobs=d.new_prompt_logprobs,
+            finish_reason=int(d.finish_reason) if d.finish_reason is not None else None,
+            stop_reason=d.stop_reason, num_cached_tokens=d.num_cached_tokens) for d in datas]
+        return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(),
+                                 timestamp=time.monotonic())
+
+    # ---- utility calls ---------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        kv = s.kv_cache_manager
+        return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
+                "num_used_blocks": kv.num_used_blocks, "num_total_blocks": kv.pool.num_blocks - 1,
+                "kv_cache_usage": kv.usage, "num_preemptions": s.num_preemptions_total,
+                "num_blocks": self.num_blocks, "pid": os.getpid()}
+
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        if method not in _UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}")
+        return getattr(self, method)(*args)
+
+    def shutdown(self) -> None:
+        pass
+
+
+_UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping"}
+EngineCore.ping = lambda self: "pong"  # type: ignore[attr-defined]
+
+
+class EngineCoreProc:
+    """EngineCore in a child process: an input thread decodes requests from the input
+    socket onto a queue, the main thread steps while there is work, an output thread
+    encodes and sends EngineCoreOutputs. On an unrecoverable error it sends
+    ENGINE_CORE_DEAD (``engine_dead=True``) before exiting."""
+
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+        self.input_addr = input_addr
+        self.output_addr = output_addr
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.ctx = zmq.Context()
+        self.encoder = MsgpackEncoder()
+        self._out_thread = threading.Thread(target=self._process_output_socket, daemon=True)
+        self._out_thread.start()
+        try:
+            self.core = EngineCore(config)
+        except BaseException as e:
+            self.output_queue.put(EngineCoreOutputs(
+                engine_dead=True, error=f"Engine start-up failed: {type(e).__name__}: {e}"))
+            self.output_queue.put(None)
+            self._out_thread.join(timeout=5)
+            raise
+        self.output_queue.put(EngineCoreOutputs(ready_info={
+            "num_blocks": self.core.num_blocks, "pid": os.getpid()}))
+        self._in_thread = threading.Thread(target=self._process_input_socket, daemon=True)
+        self._in_thread.start()
+
+    @staticmethod
+    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+        """Entry point of the child process."""
+        logging.basicConfig(level=os.environ.get("LLMSERVE_LOGGING_LEVEL", "INFO"),
+                            format="%(levelname)s %(asctime)s [engine] %(message)s")
+        shutdown_requested = False
+
+        def _signal(signum, frame):
+            nonlocal shutdown_requested
+            if not shutdown_requested:
+                shutdown_requested = True
+                raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, _signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+        proc = None
+        try:
+            proc = EngineCoreProc(config, input_addr, output_addr)
+            proc.run_busy_loop()
+        except SystemExit:
+            logger.info("EngineCore shutting down")
+        except BaseException:
+            if proc is not None:
+                logger.error("EngineCore hit a fatal error:\n%s", traceback.format_exc())
+                proc.output_queue.put(EngineCoreOutputs(
+                    engine_dead=True, error=traceback.format_exc(limit=3)))
+            else:
+                logger.error("EngineCore failed to start:\n%s", traceback.format_exc())
+            if proc is None:
+                os._exit(1)
+        finally:
+            if proc is not None:
+                proc.output_queue.put(None)
+                proc._out_thread.join(timeout=5)
+
+    def run_busy_loop(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_work():
+                item = self.input_queue.get()
+                if self._handle(item):
+                    return
+            while not self.input_queue.empty():
+                if self._handle(self.input_queue.get_nowait()):
+                    return
+            if core.has_work():
+                outs = core.step()
+                if outs.outputs:
+                    self.output_queue.put(outs)
+                elif not core.has_work():
+                    self.output_queue.put(outs)  # final stats after the last request left
+
+    def _handle(self, item) -> bool:
+        """Apply one input message; True means shut down."""
+        rtype, payload = item
+        if rtype == EngineCoreRequestType.ADD:
+            try:
+                self.core.add_request(payload)
+            except ValueError as e:
+                # Rejected request: report it finished-aborted so its caller is not left waiting.
+                logger.warning("Rejected request %s: %s", payload.request_id, e)
+                self.output_queue.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                    payload.request_id, [], finish_reason=int(FinishReason.ABORT),
+                    stop_reason=f"rejected: {e}")]))
+        elif rtype == EngineCoreRequestType.ABORT:
+            self.core.abort_requests(payload)
+        elif rtype == EngineCoreRequestType.UTILITY:
+            try:
+                res = UtilityOutput(payload.call_id, result=self.core.call_utility(payload.method, payload.args))
+            except Exception as e:  # a bad utility call must not kill the engine
+                res = UtilityOutput(payload.call_id, failure_message=f"{type(e).__name__}: {e}")
+            self.output_queue.put(EngineCoreOutputs(utility_output=res))
+        elif rtype == EngineCoreRequestType.SHUTDOWN:
+            return True
+        return False
+
+    def _process_input_socket(self) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.input_addr)
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+            EngineCoreRequestType.SHUTDOWN: MsgpackDecoder(),
+        }
+        while True:
+            try:
+                type_frame, data = sock.recv_multipart(copy=False)
+                rtype = EngineCoreRequestType(bytes(type_frame.buffer))
+                self.input_queue.put((rtype, decoders[rtype].decode(data.buffer)))
+            except zmq.ContextTerminated:
+                return
+            except Exception:
+                logger.error("Bad message on the input socket:\n%s", traceback.format_exc())
+
+    def _process_output_socket(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(self.output_addr)
+        while True:
+            outs = self.output_queue.get()
+            if outs is None:
+                break
+            sock.send(self.encoder.encode(outs), copy=False)
+        sock.close()

@@ -1,0 +1,394 @@
+"""Clients of the EngineCore (vLLM's EngineCoreClient family).
+
+* InprocClient: the EngineCore in this process; ``get_output`` runs one step.
+* SyncMPClient: EngineCoreProc in a child process, blocking calls (used by LLMEngine).
+* AsyncMPClient: same, asyncio calls (used by AsyncLLM).
+
+The multiprocess clients bind two ZMQ ``ipc://`` sockets in a private temp dir, spawn
+the engine process, and wait for its READY handshake (or its start-up error). A monitor
+thread watches the process sentinel: if the process dies, it pushes an ENGINE_CORE_DEAD
+message into the client's own output socket, so every waiter wakes within a second.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any, Optional
+
+import zmq
+import zmq.asyncio
+
+from llmserve.config import EngineConfig
+from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityRequest,
+)
+from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("LLMSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
+
+
+class EngineCoreClient:
+    """Base class; ``make_client`` picks the implementation."""
+
+    @staticmethod
+    def make_client(multiprocess_mode: bool, asyncio_mode: bool, config: EngineConfig) -> "EngineCoreClient":
+        if asyncio_mode:
+            if not multiprocess_mode:
+                raise ValueError("asyncio mode needs multiprocess mode")
+            return AsyncMPClient(config)
+        if multiprocess_mode:
+            return SyncMPClient(config)
+        return InprocClient(config)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InprocClient(EngineCoreClient):
+    """The EngineCore runs in this process; each ``get_output`` is one ``step``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from llmserve.engine.core import EngineCore
+
+        self.engine_core = EngineCore(config)
+        self.num_blocks = self.engine_core.num_blocks
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.engine_core.call_utility(method, list(args))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        return self.engine_core.get_stats()
+
+
+class _MPResources:
+    """Everything to clean up; used by weakref.finalize so no cycle holds the client."""
+
+    def __init__(self) -> None:
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.ctx: Optional[zmq.Context] = None
+        self.tmpdir: Optional[str] = None
+        self.sockets: list = []
+        self.stop_event = threading.Event()
+        self.input_addr = ""
+
+    def __call__(self) -> None:
+        self.stop_event.set()
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            try:
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 500)
+                sock.connect(self.input_addr)
+                sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, MsgpackEncoder().encode(None)])
+                sock.close()
+            except Exception:
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+        for s in self.sockets:
+            try:
+                s.close(linger=0)
+            except Exception:
+                pass
+        if self.ctx is not None:
+            try:
+                self.ctx.destroy(linger=0)
+            except Exception:
+                pass
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _monitor(proc, output_addr: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """Watch the engine process; on death, send ENGINE_CORE_DEAD to the output socket."""
+    while not stop.is_set():
+        ready = multiprocessing.connection.wait([proc.sentinel], timeout=0.2)
+        if ready:
+            if stop.is_set():
+                return
+            try:
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(output_addr)
+                sock.send(MsgpackEncoder().encode(EngineCoreOutputs(
+                    engine_dead=True, error=f"EngineCore process died (exit code {proc.exitcode})")))
+                sock.close()
+            except Exception:
+                pass
+            return
+
+
+class MPClient(EngineCoreClient):
+    """Shared part of the multiprocess clients: spawn, handshake, sockets, cleanup."""
+
+    def __init__(self, config: EngineConfig, asyncio_mode: bool) -> None:
+        self.config = config
+        self.resources = res = _MPResources()
+        self._finalizer = weakref.finalize(self, res)
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.engine_dead = False
+        self.dead_error: Optional[str] = None
+        self._call_ids = itertools.count()
+        res.tmpdir = tempfile.mkdtemp(prefix="llmserve-")
+        input_addr = f"ipc://{res.tmpdir}/input.sock"
+        self.output_addr = output_addr = f"ipc://{res.tmpdir}/output.sock"
+        res.input_addr = input_addr
+        # Sync sockets for the handshake (and the sync client); the async client swaps in
+        # asyncio sockets on the same context.
+        res.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
+        sync_ctx = zmq.Context.shadow(res.ctx.underlying) if asyncio_mode else res.ctx
+        self._sync_ctx = sync_ctx
+        in_sock = sync_ctx.socket(zmq.PUSH)
+        in_sock.bind(input_addr)
+        out_sock = sync_ctx.socket(zmq.PULL)
+        out_sock.bind(output_addr)
+        res.sockets += [in_sock, out_sock]
+        from llmserve.engine.core import EngineCoreProc
+
+        mp = multiprocessing.get_context("spawn")
+        proc = mp.Process(target=EngineCoreProc.run_engine_core, name="EngineCore",
+                          args=(config, input_addr, output_addr), daemon=True)
+        proc.start()
+        res.proc = proc
+        try:
+            self.ready_info = self._wait_ready(out_sock, proc)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.num_blocks = self.ready_info["num_blocks"]
+        self._in_sock_sync = in_sock
+        self._out_sock_sync = out_sock
+        threading.Thread(target=_monitor, args=(proc, output_addr, sync_ctx, res.stop_event),
+                         daemon=True, name="EngineCoreMonitor").start()
+
+    def _wait_ready(self, out_sock, proc) -> dict:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if out_sock.poll(200):
+                msg: EngineCoreOutputs = self.decoder.decode(out_sock.recv())
+                if msg.engine_dead:
+                    proc.join(timeout=10)
+                    raise RuntimeError(msg.error or "Engine start-up failed")
+                if msg.ready_info is not None:
+                    return msg.ready_info
+            elif not proc.is_alive():
+                raise RuntimeError(f"Engine process exited during start-up (exit code {proc.exitcode}); "
+                                   "see the log above for the cause")
+        raise RuntimeError(f"Engine did not start within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def _check_dead(self, outs: EngineCoreOutputs) -> None:
+        if outs.engine_dead:
+            self.engine_dead = True
+            self.dead_error = outs.error
+            raise EngineDeadError(f"EngineCore died: {outs.error}")
+
+    def _ensure_alive(self) -> None:
+        if self.engine_dead:
+            raise EngineDeadError(f"EngineCore died: {self.dead_error}")
+
+    @property
+    def engine_pid(self) -> Optional[int]:
+        return self.resources.proc.pid if self.resources.proc else None
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """Blocking client. A reader thread puts outputs on a queue and resolves utility
+    futures."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, asyncio_mode=False)
+        self.outputs_queue: queue.Queue = queue.Queue()
+        self.utility_results: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._reader, daemon=True, name="EngineCoreOutputReader").start()
+
+    def _reader(self) -> None:
+        sock = self._out_sock_sync
+        stop = self.resources.stop_event
+        while not stop.is_set():
+            try:
+                if not sock.poll(100):
+                    continue
+                outs: EngineCoreOutputs = self.decoder.decode(sock.recv())
+            except zmq.ZMQError:
+                return
+            if outs.utility_output is not None:
+                fut = self.utility_results.pop(outs.utility_output.call_id, None)
+                if fut is not None:
+                    u = outs.utility_output
+                    if u.failure_message:
+                        fut.set_exception(RuntimeError(u.failure_message))
+                    else:
+                        fut.set_result(u.result)
+                continue
+            if outs.engine_dead:
+                self.engine_dead = True
+                self.dead_error = outs.error
+                for fut in self.utility_results.values():
+                    fut.set_exception(EngineDeadError(f"EngineCore died: {outs.error}"))
+                self.utility_results.clear()
+            self.outputs_queue.put(outs)
+            if outs.engine_dead:
+                return
+
+    def get_output(self) -> EngineCoreOutputs:
+        self._ensure_alive()
+        outs = self.outputs_queue.get()
+        self._check_dead(outs)
+        return outs
+
+    def _send(self, rtype: EngineCoreRequestType, payload: Any) -> None:
+        self._ensure_alive()
+        with self._lock:
+            self._in_sock_sync.send_multipart([rtype.value, self.encoder.encode(payload)], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        call_id = next(self._call_ids)
+        fut: Future = Future()
+        self.utility_results[call_id] = fut
+        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        return fut.result(timeout=timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call_utility("reset_prefix_cache")
+
+    def get_stats(self) -> dict:
+        return self.call_utility("get_stats")
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client: outputs are awaited with ``get_output_async``; utility calls are
+    awaited on futures resolved by whoever reads the output socket."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, asyncio_mode=True)
+        self._async_in = None
+        self._async_out = None
+        self.utility_results: dict[int, asyncio.Future] = {}
+        self._outputs_queue: Optional[asyncio.Queue] = None
+        self._reader_task: Optional[asyncio.Task] = None
+
+    def _ensure_sockets(self) -> None:
+        if self._async_in is None:
+            ctx = self.resources.ctx
+            # Re-wrap the already-bound sockets as asyncio sockets.
+            self._async_in = zmq.asyncio.Socket.from_socket(self._in_sock_sync)
+            self._async_out = zmq.asyncio.Socket.from_socket(self._out_sock_sync)
+
+    def _ensure_reader(self) -> None:
+        """Start the output reader task in the running loop (lazily)."""
+        self._ensure_sockets()
+        if self._reader_task is None or self._reader_task.done():
+            self._outputs_queue = asyncio.Queue()
+            self._reader_task = asyncio.get_running_loop().create_task(
+                _async_reader(weakref.ref(self), self._async_out, self.decoder, self._outputs_queue))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_alive()
+        self._ensure_reader()
+        outs = await self._outputs_queue.get()
+        self._check_dead(outs)
+        return outs
+
+    async def _send(self, rtype: EngineCoreRequestType, payload: Any) -> None:
+        self._ensure_alive()
+        self._ensure_reader()
+        await self._async_in.send_multipart([rtype.value, self.encoder.encode(payload)], copy=False)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and not self.engine_dead:
+            await self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.utility_results[call_id] = fut
+        await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        return await fut
+
+    def shutdown(self) -> None:
+        if self._reader_task is not None and not self._reader_task.done():
+            self._reader_task.cancel()
+        super().shutdown()
+
+
+async def _async_reader(client_ref, sock, decoder, out_queue: asyncio.Queue) -> None:
+    """Reads the output socket; holds only a weak reference to the client."""
+    while True:
+        try:
+            data = await sock.recv()
+        except (zmq.ZMQError, asyncio.CancelledError):
+            return
+        outs: EngineCoreOutputs = decoder.decode(data)
+        client = client_ref()
+        if client is None:
+            return
+        if outs.utility_output is not None:
+            u = outs.utility_output
+            fut = client.utility_results.pop(u.call_id, None)
+            if fut is not None and not fut.done():
+                if u.failure_message:
+                    fut.set_exception(RuntimeError(u.failure_message))
+                else:
+                    fut.set_result(u.result)
+            continue
+        if outs.engine_dead:
+            client.engine_dead = True
+            client.dead_error = outs.error
+            for fut in client.utility_results.values():
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(f"EngineCore died: {outs.error}"))
+            client.utility_results.clear()
+        del client
+        out_queue.put_nowait(outs)
+        if outs.engine_dead:
+            return

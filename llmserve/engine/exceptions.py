@@ -1,0 +1,15 @@
+"""Errors raised by the engine front-end (vLLM's names)."""
+
+
+class EngineGenerateError(Exception):
+    """A request failed inside the engine; the engine itself is still healthy."""
+
+
+class EngineDeadError(Exception):
+    """The EngineCore process died or hit an unrecoverable error; every waiting caller
+    gets this, and new requests are refused with it."""
+
+    def __init__(self, *args, suppress_context: bool = False, **kwargs):
+        msg = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+        super().__init__(*(args or (msg,)), **kwargs)
+        self.__suppress_context__ = suppress_context

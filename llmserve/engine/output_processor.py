@@ -1,0 +1,290 @@
+"""Front-end processing of EngineCoreOutputs (vLLM's OutputProcessor): incremental
+detokenization, stop strings, logprobs with decoded tokens, RequestOutput per output
+kind, n>1 merging, per-request timing stats."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+from llmserve.core.request import FinishReason
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.messages import EngineCoreOutput, LogprobsLists
+from llmserve.engine.parallel_sampling import ParentRequest
+from llmserve.metrics.stats import FinishedRequestStats, IterationStats
+from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class RequestOutputCollector:
+    """Where AsyncLLM.generate() waits for outputs of one request. If the consumer falls
+    behind, outputs are merged (DELTA: concatenated; CUMULATIVE: replaced) instead of
+    queued, so memory stays flat. An exception put here is raised in the consumer."""
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.output: Optional[RequestOutput | BaseException] = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if self.output is None or isinstance(output, BaseException):
+            self.output = output
+            self.ready.set()
+        elif isinstance(self.output, RequestOutput):
+            self.output.add(output, aggregate=self.aggregate)
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        out = self.output
+        self.output = None
+        self.ready.clear()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def get_nowait(self) -> Optional[RequestOutput]:
+        out = self.output
+        self.output = None
+        self.ready.clear()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+class _DecodedTokens:
+    """Token id -> display text for logprobs, cached per tokenizer. A token that is not
+    valid UTF-8 on its own is shown as its bytes (``bytes:\\xe2\\x80``), like vLLM."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._decode = lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, tid: int) -> str:
+        s = self.tokenizer.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if "\ufffd" in s:
+            tok = self.tokenizer.convert_ids_to_tokens(tid)
+            try:
+                from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+                inv = {v: k for k, v in bytes_to_unicode().items()}
+                raw = bytes(inv[c] for c in tok)
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            except Exception:
+                return s
+        return s
+
+    def __call__(self, tid: int) -> str:
+        return self._decode(tid)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    parent: Optional[ParentRequest]
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    collector: Optional[RequestOutputCollector]
+    arrival_time: float
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    prompt_logprobs: Optional[list] = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    queued_time: float = 0.0
+    sent_token_ids: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Args: tokenizer (HF); log_stats: collect IterationStats."""
+
+    def __init__(self, tokenizer, log_stats: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+        self.decoded = _DecodedTokens(tokenizer)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float,
+                    parent: Optional[ParentRequest] = None,
+                    collector: Optional[RequestOutputCollector] = None) -> None:
+        if request_id in self.states:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        self.states[request_id] = RequestState(
+            request_id=request_id, parent=parent, prompt=prompt, prompt_token_ids=prompt_token_ids,
+            params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            collector=collector, arrival_time=arrival_time,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests (and parents' children). Returns the engine request ids."""
+        out = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            ids = parent.child_ids if parent is not None else [rid]
+            for cid in ids:
+                if self.states.pop(cid, None) is not None:
+                    out.append(cid)
+        return out
+
+    def propagate_error(self, exc: BaseException) -> None:
+        for st in self.states.values():
+            if st.collector is not None:
+                st.collector.put(exc)
+
+    # ---- logprobs ------------------------------------------------------------
+    def _to_logprob_dicts(self, lists: LogprobsLists, num: int) -> list[dict[int, Logprob]]:
+        out = []
+        dec = self.decoded
+        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            d: dict[int, Logprob] = {ids[0]: Logprob(lps[0], rank, dec(ids[0]))}
+            for j in range(1, min(len(ids), num + 1)):
+                if ids[j] not in d:
+                    d[ids[j]] = Logprob(lps[j], j, dec(ids[j]))
+            out.append(d)
+        return out
+
+    # ---- main ------------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: Optional[float] = None,
+                        iteration_stats: Optional[IterationStats] = None) -> OutputProcessorOutput:
+        result = OutputProcessorOutput()
+        now = time.time()
+        for eco in outputs:
+            st = self.states.get(eco.request_id)
+            if st is None:
+                continue  # aborted already
+            p = st.params
+            finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else None
+            stop_reason = eco.stop_reason
+            if (finish == FinishReason.ABORT and isinstance(stop_reason, str)
+                    and stop_reason.startswith("rejected: ")):
+                exc = ValueError(stop_reason[len("rejected: "):])
+                self.states.pop(eco.request_id, None)
+                if st.collector is not None:
+                    st.collector.put(exc)
+                else:
+                    raise exc
+                continue
+            st.num_cached_tokens = eco.num_cached_tokens
+            if eco.new_token_ids:
+                if st.first_token_time is None:
+                    st.first_token_time = now
+                    if iteration_stats is not None:
+                        iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
+                        iteration_stats.time_to_first_tokens_iter.append(now - st.arrival_time)
+                elif iteration_stats is not None and st.last_token_time is not None:
+                    iteration_stats.inter_token_latencies_iter.append(now - st.last_token_time)
+                st.last_token_time = now
+                if iteration_stats is not None:
+                    iteration_stats.num_generation_tokens += len(eco.new_token_ids)
+            stop_terminated = finish == FinishReason.STOP and stop_reason is None or (
+                finish == FinishReason.STOP and isinstance(stop_reason, int))
+            stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
+            if stop_str is not None:
+                if finish is None:
+                    result.reqs_to_abort.append(eco.request_id)
+                finish, stop_reason = FinishReason.STOP, stop_str
+            if st.logprobs is not None and eco.new_logprobs is not None:
+                new = self._to_logprob_dicts(eco.new_logprobs, p.logprobs if p.logprobs >= 0 else 1 << 30)
+                st.logprobs.extend(new)
+                for lists in eco.new_logprobs.logprobs:
+                    st.cumulative_logprob += lists[0]
+            if st.prompt_logprobs is not None and eco.new_prompt_logprobs is not None:
+                k = p.prompt_logprobs if p.prompt_logprobs >= 0 else 1 << 30
+                st.prompt_logprobs.extend(self._to_logprob_dicts(eco.new_prompt_logprobs, k))
+            out = self._make_output(st, finish, stop_reason, stop_str is not None)
+            if out is not None:
+                if st.collector is not None:
+                    st.collector.put(out)
+                else:
+                    result.request_outputs.append(out)
+            if finish is not None:
+                self.states.pop(eco.request_id, None)
+                if st.parent is not None and len(st.parent.finished) == st.parent.n:
+                    self.parents.pop(st.parent.request_id, None)
+                if iteration_stats is not None:
+                    n_gen = len(st.detokenizer.token_ids)
+                    e2e = now - st.arrival_time
+                    ttft = (st.first_token_time or now) - st.arrival_time
+                    tpot = (now - st.first_token_time) / (n_gen - 1) if n_gen > 1 and st.first_token_time else 0.0
+                    iteration_stats.finished_requests.append(FinishedRequestStats(
+                        str(finish), e2e, len(st.prompt_token_ids), n_gen, ttft, tpot))
+        return result
+
+    def _make_output(self, st: RequestState, finish: Optional[FinishReason], stop_reason,
+                     stopped_by_str: bool) -> Optional[RequestOutput]:
+        p = st.params
+        kind = p.output_kind
+        finished = finish is not None
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        det = st.detokenizer
+        text = det.get_next_output_text(finished, delta)
+        toks = det.token_ids
+        if delta:
+            token_ids = toks[st.sent_token_ids:]
+            st.sent_token_ids = len(toks)
+            logprobs = None
+            if st.logprobs is not None:
+                logprobs = st.logprobs[st.sent_logprobs:]
+                st.sent_logprobs = len(st.logprobs)
+            if not text and not token_ids and not finished and (
+                    st.prompt_logprobs is None or st.prompt_logprobs_sent):
+                return None
+        else:
+            token_ids = list(toks)
+            logprobs = list(st.logprobs) if st.logprobs is not None else None
+        comp = CompletionOutput(index=0, text=text, token_ids=token_ids,
+                                cumulative_logprob=st.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=str(finish) if finished else None,
+                                stop_reason=stop_reason if finished else None)
+        prompt_lps = None
+        if st.prompt_logprobs is not None and (not delta or not st.prompt_logprobs_sent):
+            if len(st.prompt_logprobs) < len(st.prompt_token_ids) and not finished:
+                if kind != RequestOutputKind.CUMULATIVE:
+                    return None  # wait until all prompt logprobs are in
+            prompt_lps = st.prompt_logprobs
+            st.prompt_logprobs_sent = True
+        elif st.prompt_logprobs is not None and not delta:
+            prompt_lps = st.prompt_logprobs
+        request_id = st.request_id
+        if st.parent is not None:
+            outs, done = st.parent.get_outputs(st.request_id, comp)
+            if not outs:
+                return None
+            request_id = st.parent.request_id
+            finished = done
+        else:
+            outs = [comp]
+        metrics = RequestMetrics(arrival_time=st.arrival_time, first_token_time=st.first_token_time,
+                                 last_token_time=st.last_token_time,
+                                 finished_time=time.time() if finished else None,
+                                 num_generation_tokens=len(toks))
+        return RequestOutput(request_id=request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+                             prompt_logprobs=prompt_lps, outputs=outs, finished=finished,
+                             metrics=metrics, num_cached_tokens=st.num_cached_tokens)

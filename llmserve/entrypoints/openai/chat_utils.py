@@ -1,0 +1,113 @@
+"""Chat messages -> prompt text through the model's chat template (vLLM's ``chat_utils``).
+
+The template writes every special token itself, so the rendered text is tokenized with
+``add_special_tokens=False`` by default (vLLM's online-chat rule; see vLLM PR #5278).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any, Iterable, Optional
+
+from llmserve.sampling_params import SamplingParamsError
+
+# Keyword arguments of apply_chat_template that callers may not override through
+# ``chat_template_kwargs``.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "return_dict", "return_tensors", "tools",
+})
+
+
+@lru_cache(maxsize=16)
+def load_chat_template(template: Optional[str]) -> Optional[str]:
+    """Resolve a ``--chat-template`` value: a path to a file (read it) or a literal
+    Jinja template. Returns None for None. Raises ValueError for an unreadable path that
+    looks like a file name (no Jinja markup)."""
+    if template is None:
+        return None
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in template and ("/" in template or template.endswith((".jinja", ".j2"))):
+        raise ValueError(f"chat_template: file {template!r} not found")
+    return template
+
+
+def _content_to_text(content: Any, index: int) -> Optional[str]:
+    """Text of a message's ``content``: a string as is; text parts joined with newlines
+    (vLLM's behaviour); None stays None. Raises SamplingParamsError for other parts."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise SamplingParamsError(
+                f"messages[{index}].content: content part of type {kind!r} is not supported "
+                "(this model takes text only).", "messages")
+    return "\n".join(texts)
+
+
+def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
+    """Turn request messages (pydantic ChatMessageParam or dicts) into the plain dicts a
+    chat template expects: ``{"role": str, "content": str, ...extra fields}``.
+
+    Raises SamplingParamsError (param "messages") for unsupported content parts.
+    """
+    out = []
+    for i, msg in enumerate(messages):
+        d = msg.model_dump(exclude_none=True) if hasattr(msg, "model_dump") else dict(msg)
+        if not isinstance(d.get("role"), str):
+            raise SamplingParamsError(f"messages[{i}].role must be a string.", "messages")
+        text = _content_to_text(d.get("content"), i)
+        d["content"] = text if text is not None else ""
+        out.append(d)
+    return out
+
+
+def render_chat_prompt(
+    tokenizer: Any,
+    messages: Iterable[Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: Optional[str] = None,
+    chat_template_kwargs: Optional[dict[str, Any]] = None,
+) -> str:
+    """Render ``messages`` with the chat template into prompt text.
+
+    Args:
+      tokenizer: a HF tokenizer (``apply_chat_template``).
+      chat_template: a literal template overriding the tokenizer's (None: the tokenizer's).
+      continue_final_message: leave the last (assistant) message open so the model
+        continues it, instead of closing it; may not be combined with
+        ``add_generation_prompt`` (checked by the request).
+    Returns: the prompt string (no tokenization).
+    Raises: SamplingParamsError (400) when the template fails on these messages or the
+      last message cannot be continued.
+    """
+    conversation = parse_chat_messages(messages)
+    if continue_final_message and (not conversation or conversation[-1]["role"] != "assistant"):
+        raise SamplingParamsError(
+            "continue_final_message requires the last message to be an assistant message.",
+            "continue_final_message")
+    extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+    try:
+        rendered = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            **extra,
+        )
+    except Exception as e:  # jinja2 errors, template raise_exception(), bad final message
+        raise SamplingParamsError(f"Chat template error: {e}", "messages") from e
+    if not isinstance(rendered, str):  # some tokenizers return a list for batched input
+        rendered = rendered[0]
+    return rendered

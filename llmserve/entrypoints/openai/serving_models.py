@@ -1,0 +1,66 @@
+"""Served model names and ``GET /v1/models`` (vLLM's ``OpenAIServingModels``)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from llmserve.entrypoints.openai.protocol import ModelCard, ModelList
+
+
+@dataclass(frozen=True)
+class BaseModelPath:
+    """One name the API accepts (``name``) for the model loaded from ``model_path``."""
+
+    name: str
+    model_path: str
+
+
+class ModelNotFoundError(LookupError):
+    """The request named a model this server does not serve (HTTP 404, NotFoundError)."""
+
+    def __init__(self, model: str, served: Sequence[str]):
+        listed = ", ".join(f"`{n}`" for n in served)
+        super().__init__(f"The model `{model}` does not exist. Models served here: {listed}.")
+        self.model = model
+
+
+class OpenAIServingModels:
+    """The names under which the one loaded model is served.
+
+    ``base_model_paths``: every ``--served-model-name`` (the first is the default used when
+    a request leaves ``model`` out). ``max_model_len``: context limit in tokens.
+    """
+
+    def __init__(self, base_model_paths: Sequence[BaseModelPath], max_model_len: int):
+        if not base_model_paths:
+            raise ValueError("served_model_name: at least one model name is required")
+        self.base_model_paths = list(base_model_paths)
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+
+    @property
+    def model_names(self) -> list[str]:
+        return [p.name for p in self.base_model_paths]
+
+    def is_base_model(self, model_name: Optional[str]) -> bool:
+        return any(p.name == model_name for p in self.base_model_paths)
+
+    def resolve(self, model_name: Optional[str]) -> str:
+        """The served name to report for a request's ``model`` field.
+
+        None or "" (field left out) means the default model, as in vLLM.
+        Raises ModelNotFoundError for any other unknown name.
+        """
+        if not model_name:
+            return self.base_model_paths[0].name
+        if self.is_base_model(model_name):
+            return model_name
+        raise ModelNotFoundError(model_name, self.model_names)
+
+    def show_available_models(self) -> ModelList:
+        """The body of ``GET /v1/models``."""
+        return ModelList(data=[
+            ModelCard(id=p.name, created=self.created, root=p.model_path, max_model_len=self.max_model_len)
+            for p in self.base_model_paths
+        ])

@@ -1,0 +1,46 @@
+"""Stats produced by the engine each step (vLLM's SchedulerStats / IterationStats).
+
+Times are in seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    """Snapshot of the scheduler after one step: request counts and KV usage (0..1)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found in the cache this step
+    num_preemptions: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished request: finish reason ("stop", "length", "abort"), token counts,
+    e2e latency, time to first token, mean time per output token, queue time."""
+
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    ttft: float = 0.0
+    mean_tpot: float = 0.0
+    queued_time: float = 0.0
+
+
+@dataclass
+class IterationStats:
+    """What happened in one batch of outputs processed by the front-end."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    inter_token_latencies_iter: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,0 +1,58 @@
+"""Model id -> local files -> a torch model with loaded weights (vLLM's ``model_loader``)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.model_loader.resolve import (DEFAULT_MODEL, ResolvedModel, load_generation_config,
+                                           load_hf_config, resolve_model)
+
+__all__ = ["DEFAULT_MODEL", "ResolvedModel", "get_model", "load_generation_config",
+           "load_hf_config", "resolve_model", "torch_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"float32" / "bfloat16" / "float16" -> torch dtype; ValueError (field ``dtype``)
+    otherwise."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def get_model(model_config: Any) -> nn.Module:
+    """Build the model of ``model_config.hf_config`` and load its weights.
+
+    model_config: ``llmserve.config.ModelConfig``; its ``model_path`` (directory or .gguf
+    file) and ``gguf_file`` say where the weights are; ``dtype`` ("float32", "bfloat16",
+    "float16") the parameter dtype; ``device`` where the model goes. Returns the model in
+    eval mode, parameters without grad. Raises ValueError for an unsupported architecture
+    or a checkpoint that does not fit the config.
+    """
+    from llmserve.models.registry import get_model_class
+
+    hf_config = model_config.hf_config
+    dtype = torch_dtype(model_config.dtype)
+    model_cls = get_model_class(hf_config)
+    path = model_config.model_path
+    gguf_file = model_config.gguf_file
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        path, gguf_file = os.path.split(path)
+    with torch.no_grad():
+        model = model_cls(hf_config, dtype)
+        if gguf_file is not None:
+            from llmserve.model_loader.gguf_loader import iterate_gguf_weights
+            gguf_path = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
+            model.load_weights(iterate_gguf_weights(gguf_path, hf_config, dtype))
+        else:
+            from llmserve.model_loader.safetensors_loader import iterate_safetensors_weights
+            model.load_weights(iterate_safetensors_weights(path))
+    device = getattr(model_config, "device", "cpu") or "cpu"
+    if device != "cpu":
+        model = model.to(device)
+    return model.eval()

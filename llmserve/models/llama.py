@@ -1,0 +1,353 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Follows transformers' ``modeling_llama`` / ``modeling_mistral`` / ``modeling_qwen2`` /
+``modeling_qwen3`` numerically (RMSNorm in float32, RoPE cos/sin in float32 cast to the
+model dtype, residual adds in the model dtype), with vLLM's layout: fused ``qkv_proj`` and
+``gate_up_proj`` linears, the residual carried beside the hidden state so each RMSNorm
+also does the residual add (vLLM's ``fused_add_rms_norm``), and flat token batches
+(``[T, hidden]``, no padding) whose attention goes through ``PagedAttention``.
+
+Differences between the architectures, all read from the HF config:
+Llama: ``attention_bias`` on q/k/v/o, ``mlp_bias``, ``rope_scaling`` (llama3, linear);
+Mistral: ``sliding_window``; Qwen2: bias on q/k/v only, windowed layers from
+``layer_types``; Qwen3: per-head RMSNorm on q and k (``q_norm``/``k_norm``), explicit
+``head_dim``. ``tie_word_embeddings`` shares the LM head with the embedding.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.attention.backend import AttentionMetadata, PagedAttention
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with uninitialised parameters (weights come from the checkpoint,
+    so no time is spent on random init). weight: ``[out, in]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) as transformers' ``LlamaRMSNorm``: normalise in float32,
+    cast back, then scale. With ``residual`` given, first adds it (in the input dtype) and
+    returns ``(normed, new_residual)`` (vLLM's fused_add_rms_norm)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.hidden_size = hidden_size
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps).to(x.dtype)
+        out = self.weight * normed
+        return out if residual is None else (out, residual)
+
+
+_SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+def _rope_parameters(config: Any) -> dict:
+    """Rope settings from either transformers 5 (``rope_parameters``) or 4.x
+    (``rope_theta`` + ``rope_scaling``) configs."""
+    params: dict = {}
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict):
+        params.update(rp)
+    rs = getattr(config, "rope_scaling", None)
+    if isinstance(rs, dict):
+        for k, v in rs.items():
+            params.setdefault(k, v)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict, max_position: int) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32 (Su et al. 2021), with the
+    "linear" (position interpolation) and "llama3" scalings as transformers'
+    ``modeling_rope_utils``. Raises ValueError for other rope types."""
+    rope_type = params["rope_type"]
+    if rope_type not in _SUPPORTED_ROPE:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE}")
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        factor = float(params["factor"])
+        low = float(params["low_freq_factor"])
+        high = float(params["high_freq_factor"])
+        old_len = params.get("original_max_position_embeddings") or max_position
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed RoPE cos/sin tables ``[max_position, head_dim // 2]`` (float32), indexed by
+    position once per step; applied in the "rotate_half" (GPT-NeoX) layout HF Llama uses."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        super().__init__()
+        inv_freq = compute_inv_freq(head_dim, params, max_position)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """``(cos, sin)``, each ``[T, 1, head_dim // 2]`` in ``dtype``."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
+                             f"({self.cos_cache.shape[0]})")
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x [T, heads, head_dim]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        model_type = getattr(config, "model_type", "llama")
+        qkv_bias = True if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
+        o_bias = False if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype)
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
+                                   self.head_dim ** -0.5, _sliding_window(config, layer_idx))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: Optional[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size:]
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, :self.q_size].reshape(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
+                            .reshape(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # q and k heads side by side: one rope op for both
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size]
+                            .reshape(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        out = self.attn(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), v, kv_cache, md)
+        return self.o_proj(out)
+
+
+def _sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.intermediate_size = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        i = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden, residual, cos, sin, kv_cache, md):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size,
+                                                             dtype=dtype), _freeze=True)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+_STACKED = (
+    # (fused param, checkpoint name, shard)
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a paged KV cache, for Llama / Mistral / Qwen2 / Qwen3 HF configs.
+
+    ``hf_config``: the transformers config; ``dtype``: parameter and activation dtype.
+    Parameters start uninitialised: call ``load_weights`` (HF parameter names).
+    Raises ValueError for unsupported settings (activation, rope type).
+    """
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, dtype)
+        head_dim = (getattr(hf_config, "head_dim", None)
+                    or hf_config.hidden_size // hf_config.num_attention_heads)
+        self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
+                                          _rope_parameters(hf_config))
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        self.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Optional[list[torch.Tensor]], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids / positions ``[T]`` int64 (flat tokens of all requests, decodes first);
+        kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer
+        (None to run whole prompts without a cache). Returns hidden states ``[T, hidden]``
+        after the final norm, in the model dtype."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, cos, sin,
+                                     kv_caches[i] if kv_caches else None, attn_metadata)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> logits ``[N, vocab_size]`` float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names, any float dtype) into the parameters, packing
+        q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``.
+
+        Raises ValueError for a tensor of the wrong shape or when a parameter got no
+        weight; unknown names (e.g. ``rotary_emb.inv_freq``) are ignored.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        attn0 = self.model.layers[0].self_attn if len(self.model.layers) else None
+        for name, tensor in weights:
+            if "rotary_emb." in name:
+                continue
+            if name.startswith("lm_head.") and self.lm_head is None:
+                continue
+            for fused, part, shard in _STACKED:
+                if f".{part}." not in name:
+                    continue
+                target = name.replace(f".{part}.", f".{fused}.")
+                if target not in params:
+                    break
+                param = params[target]
+                if fused == "qkv_proj":
+                    qs, kvs = attn0.q_size, attn0.kv_size
+                    start, size = {"q": (0, qs), "k": (qs, kvs), "v": (qs + kvs, kvs)}[shard]
+                else:
+                    size = param.shape[0] // 2
+                    start = shard * size
+                _copy(param.data.narrow(0, start, size), tensor, name)
+                loaded.add(f"{target}#{shard}")
+                break
+            else:
+                if name in params:
+                    _copy(params[name].data, tensor, name)
+                    loaded.add(name)
+        missing = []
+        for pname in params:
+            if ".qkv_proj." in pname:
+                need = [f"{pname}#{s}" for s in "qkv"]
+            elif ".gate_up_proj." in pname:
+                need = [f"{pname}#{s}" for s in (0, 1)]
+            else:
+                need = [pname]
+            missing += [n for n in need if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {len(missing)} parameters, "
+                             f"e.g. {missing[:5]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding attention window (``sliding_window``)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases and optional windowed layers."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head q/k RMSNorm and an explicit head_dim."""

@@ -1,0 +1,39 @@
+"""Architecture name (HF ``config.architectures``) -> llmserve model class.
+
+As vLLM's ``ModelRegistry``: the first entry of ``architectures`` that llmserve implements
+picks the class.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from llmserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                   Qwen3ForCausalLM)
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Names of the architectures llmserve can run for text generation."""
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The model class for ``hf_config.architectures``.
+
+    Raises ValueError naming the config's architectures and the supported ones when none
+    is implemented.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(f"model architectures {archs} are not supported; supported "
+                     f"architectures: {supported_architectures()}")

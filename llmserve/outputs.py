@@ -1,0 +1,111 @@
+"""Outputs returned to users (vLLM's ``RequestOutput`` / ``CompletionOutput``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token (natural log, float), its 1-based rank in the
+    distribution the sampler drew from, and its decoded text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per position: token id -> Logprob (the sampled/actual token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+# Same, with None for the first prompt token (it has no conditional probability).
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    index: position among the request's n completions. text/token_ids: the generated
+    text and tokens (cumulative or delta, by the request's output kind). finish_reason:
+    None while running, then "stop", "length" or "abort". stop_reason: the stop string or
+    stop token id that ended it (None for EOS or length).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request (vLLM's ``RequestOutput``).
+
+    prompt_token_ids: the tokens of the prompt; prompt_logprobs: per prompt token (first is
+    None) when asked for; outputs: one CompletionOutput per completion; finished: True on
+    the last output; metrics: timing (seconds) when collected.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: Optional[list[int]]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Optional["RequestMetrics"] = None
+    num_cached_tokens: int = 0
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Merge a later output into this one (used when a consumer falls behind).
+
+        aggregate: True for DELTA outputs (texts and tokens are concatenated), False for
+        CUMULATIVE (the later output replaces the earlier one).
+        """
+        self.finished |= next_output.finished
+        self.metrics = next_output.metrics or self.metrics
+        if next_output.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        for nxt in next_output.outputs:
+            for i, cur in enumerate(self.outputs):
+                if cur.index == nxt.index:
+                    if aggregate:
+                        cur.text += nxt.text
+                        cur.token_ids = list(cur.token_ids) + list(nxt.token_ids)
+                        if nxt.logprobs is not None:
+                            cur.logprobs = (cur.logprobs or []) + nxt.logprobs
+                        cur.cumulative_logprob = nxt.cumulative_logprob
+                        cur.finish_reason = nxt.finish_reason
+                        cur.stop_reason = nxt.stop_reason
+                    else:
+                        self.outputs[i] = nxt
+                    break
+            else:
+                self.outputs.append(nxt)
+        self.outputs.sort(key=lambda o: o.index)
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds, time.time()/monotonic as noted) of one request."""
+
+    arrival_time: float
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class PoolingRequestOutput:
+    """Output of a pooling (embedding) request: ``outputs`` is the pooled vector."""
+
+    request_id: str
+    outputs: list[float]
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -1,0 +1,265 @@
+"""Per-request sampling state and the per-step batch description the Sampler reads.
+
+Source: vLLM v1 ``SamplingMetadata`` / ``InputBatch`` (vllm/v1/sample/metadata.py), reduced
+to what llmserve's sampler uses. The runner keeps one :class:`SamplingRequestState` per
+request for its whole life and calls :meth:`SamplingMetadata.build` every step with the
+states of the rows it samples, in row order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+
+# Candidate count the truncated (top-k / top-p) path starts with; see sampler.py.
+_MIN_CANDIDATES = 64
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (SamplingParams.seed).
+
+    The sampler draws exactly one uniform number per step from it for a randomly sampled
+    row, so a seeded request gives the same tokens whatever else is in the batch.
+    """
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Check the token ids a request names against the vocabulary (vLLM's processor check).
+
+    For the InputProcessor to call before a request reaches the engine core; the sampler
+    itself only ignores out-of-range ids so that one bad request cannot crash a step.
+
+    Raises:
+      SamplingParamsError (a ValueError) naming ``allowed_token_ids`` or ``logit_bias`` when
+      an id is outside ``[0, vocab_size)``.
+    """
+    if params.allowed_token_ids is not None:
+        bad = [t for t in params.allowed_token_ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                f"allowed_token_ids contains out-of-vocab token ids {bad[:5]} "
+                f"(vocab size {vocab_size}).", "allowed_token_ids")
+    if params.logit_bias:
+        bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                f"logit_bias contains out-of-vocab token ids {bad[:5]} "
+                f"(vocab size {vocab_size}).", "logit_bias")
+
+
+@dataclass
+class RequestSamplingCache:
+    """Tensors the sampler derives from one request and keeps between steps.
+
+    All are lazily built on the sampler's device, of length ``vocab_size``:
+      prompt_mask: bool, True for tokens in the prompt (repetition penalty).
+      output_counts: float32, occurrences of each token in ``output_token_ids``
+        (frequency/presence/repetition penalties); ``num_counted`` output tokens are in it.
+      allowed_mask: bool, True for ``allowed_token_ids``.
+      bias_ids / bias_values: int64 / float32 [n], the in-vocab ``logit_bias`` entries.
+    """
+
+    prompt_mask: Optional[torch.Tensor] = None
+    output_counts: Optional[torch.Tensor] = None
+    num_counted: int = 0
+    allowed_mask: Optional[torch.Tensor] = None
+    bias_ids: Optional[torch.Tensor] = None
+    bias_values: Optional[torch.Tensor] = None
+
+
+@dataclass
+class SamplingRequestState:
+    """One request as the sampler sees it; built once by the runner and kept.
+
+    sampling_params: the request's SamplingParams. prompt_token_ids: the prompt.
+    output_token_ids: tokens generated so far; the runner appends each sampled token to
+    this same list. generator: the request's own RNG when ``sampling_params.seed`` is set
+    (see :func:`make_generator`), else None (the default RNG is used). eos_token_id: the
+    model's EOS id, blocked together with ``all_stop_token_ids`` until ``min_tokens``.
+    cache: tensors the sampler derives lazily (private to ``llmserve.sample``).
+    """
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: Optional[torch.Generator] = None
+    eos_token_id: Optional[int] = None
+    cache: RequestSamplingCache = field(default_factory=RequestSamplingCache, repr=False)
+
+
+@dataclass
+class RandomGroup:
+    """Randomly sampled rows that share one sampling path.
+
+    rows: batch row indices ([n] int64 on the device; ``None`` when the group is the
+      whole batch in order). inv_temperature: float32 [n, 1], 1/temperature.
+    top_k: int64 [n], vocab_size where unused (None when no row of the group uses it).
+    top_p: float32 [n], 1.0 where unused (None when no row uses it).
+    min_p: float32 [n], 0.0 where unused (None when no row uses it).
+    generators: (position in the group, generator) for seeded rows.
+    initial_candidates: how many top tokens the truncated path looks at first.
+    """
+
+    rows: Optional[torch.Tensor]
+    inv_temperature: torch.Tensor
+    top_k: Optional[torch.Tensor]
+    top_p: Optional[torch.Tensor]
+    min_p: Optional[torch.Tensor]
+    generators: list[tuple[int, torch.Generator]]
+    initial_candidates: int
+    size: int
+
+
+@dataclass
+class SamplingMetadata:
+    """What the Sampler needs for one step of B rows (vLLM v1 ``SamplingMetadata``).
+
+    reqs: the B request states, in row order. vocab_size / device: of the logits.
+    all_greedy: every row takes the argmax (temperature 0 or top_k 1).
+    greedy_rows: int64 [G] row indices taking the argmax (None if none or all).
+    full_group: random rows without top-k/top-p (temperature and min-p only).
+    truncated_group: random rows using top-k and/or top-p (and maybe min-p).
+    max_num_logprobs: K for the sampled-token logprobs (-1 is turned into vocab_size);
+      None when no row asks. logprobs_rows: rows that ask (None = all rows).
+    penalty_rows, allowed_rows, bad_words_rows, min_tokens_rows, logit_bias_rows: rows
+      using each logits-processing feature (empty lists when none: the work is skipped).
+    presence/frequency/repetition_penalties: float32 [P] for ``penalty_rows``.
+    """
+
+    reqs: list[SamplingRequestState]
+    vocab_size: int
+    device: torch.device
+    all_greedy: bool
+    greedy_rows: Optional[torch.Tensor]
+    full_group: Optional[RandomGroup]
+    truncated_group: Optional[RandomGroup]
+    max_num_logprobs: Optional[int]
+    logprobs_rows: Optional[torch.Tensor]
+    penalty_rows: list[int]
+    presence_penalties: Optional[torch.Tensor]
+    frequency_penalties: Optional[torch.Tensor]
+    repetition_penalties: Optional[torch.Tensor]
+    allowed_rows: list[int]
+    bad_words_rows: list[int]
+    min_tokens_rows: list[int]
+    logit_bias_rows: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when some row uses a feature that changes logits before sampling."""
+        return bool(self.penalty_rows or self.allowed_rows or self.bad_words_rows
+                    or self.min_tokens_rows or self.logit_bias_rows)
+
+    @classmethod
+    def build(cls, reqs: list[SamplingRequestState], vocab_size: int,
+              device: torch.device | str) -> "SamplingMetadata":
+        """Describe one step: ``reqs[i]`` is the request of logits row ``i``.
+
+        Cost is one Python pass over the rows plus a few small tensors; nothing of size
+        ``vocab_size`` is built here (per-request masks are built lazily by the sampler).
+        """
+        device = torch.device(device)
+        greedy: list[int] = []
+        full: list[int] = []
+        trunc: list[int] = []
+        lp_rows: list[int] = []
+        max_lp: Optional[int] = None
+        penalty_rows: list[int] = []
+        pres: list[float] = []
+        freq: list[float] = []
+        rep: list[float] = []
+        allowed_rows: list[int] = []
+        bad_rows: list[int] = []
+        min_rows: list[int] = []
+        bias_rows: list[int] = []
+        for i, st in enumerate(reqs):
+            sp = st.sampling_params
+            if sp.temperature < 1e-5 or sp.top_k == 1:
+                greedy.append(i)
+            elif (0 < sp.top_k < vocab_size) or sp.top_p < 1.0:
+                trunc.append(i)
+            else:
+                full.append(i)
+            if sp.logprobs is not None:
+                lp_rows.append(i)
+                k = vocab_size if sp.logprobs == -1 else min(sp.logprobs, vocab_size)
+                max_lp = k if max_lp is None else max(max_lp, k)
+            if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
+                penalty_rows.append(i)
+                pres.append(sp.presence_penalty)
+                freq.append(sp.frequency_penalty)
+                rep.append(sp.repetition_penalty)
+            if sp.allowed_token_ids:
+                allowed_rows.append(i)
+            if sp.bad_words_token_ids:
+                bad_rows.append(i)
+            if len(st.output_token_ids) < sp.min_tokens and (
+                    st.eos_token_id is not None or sp.all_stop_token_ids):
+                min_rows.append(i)
+            if sp.logit_bias:
+                bias_rows.append(i)
+
+        n = len(reqs)
+
+        def f32(vals: list[float]) -> torch.Tensor:
+            return torch.tensor(vals, dtype=torch.float32, device=device)
+
+        def rows_tensor(rows: list[int]) -> Optional[torch.Tensor]:
+            if len(rows) == n:  # the whole batch, in order
+                return None
+            return torch.tensor(rows, dtype=torch.long, device=device)
+
+        def group(rows: list[int]) -> Optional[RandomGroup]:
+            if not rows:
+                return None
+            sps = [reqs[i].sampling_params for i in rows]
+            ks = [sp.top_k if 0 < sp.top_k < vocab_size else vocab_size for sp in sps]
+            any_k = any(k < vocab_size for k in ks)
+            any_p = any(sp.top_p < 1.0 for sp in sps)
+            any_min_p = any(sp.min_p > 0.0 for sp in sps)
+            # Rows using top-k alone need exactly k candidates; top-p rows start small.
+            only_k = [k for k, sp in zip(ks, sps) if k < vocab_size and sp.top_p >= 1.0]
+            cand = min(vocab_size, max([_MIN_CANDIDATES] + only_k))
+            gens = [(j, reqs[i].generator) for j, i in enumerate(rows)
+                    if reqs[i].generator is not None]
+            return RandomGroup(
+                rows=rows_tensor(rows),
+                inv_temperature=f32([1.0 / sp.temperature for sp in sps]).unsqueeze(1),
+                top_k=torch.tensor(ks, dtype=torch.long, device=device) if any_k else None,
+                top_p=f32([sp.top_p for sp in sps]) if any_p else None,
+                min_p=f32([sp.min_p for sp in sps]) if any_min_p else None,
+                generators=gens,
+                initial_candidates=cand,
+                size=len(rows),
+            )
+
+        return cls(
+            reqs=reqs,
+            vocab_size=vocab_size,
+            device=device,
+            all_greedy=len(greedy) == n,
+            greedy_rows=rows_tensor(greedy) if greedy else None,
+            full_group=group(full),
+            truncated_group=group(trunc),
+            max_num_logprobs=max_lp,
+            logprobs_rows=rows_tensor(lp_rows) if lp_rows else None,
+            penalty_rows=penalty_rows,
+            presence_penalties=f32(pres) if penalty_rows else None,
+            frequency_penalties=f32(freq) if penalty_rows else None,
+            repetition_penalties=f32(rep) if penalty_rows else None,
+            allowed_rows=allowed_rows,
+            bad_words_rows=bad_rows,
+            min_tokens_rows=min_rows,
+            logit_bias_rows=bias_rows,
+        )
+

@@ -1,0 +1,185 @@
+"""Sampling parameters for text generation (vLLM's ``SamplingParams``).
+
+Validation follows vLLM's ranges and raises ``ValueError`` naming the field, so the
+HTTP layer can turn it into a 400 with ``param`` set.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """How outputs are delivered (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: every output carries the whole text so far; DELTA: only what is new since
+    the last output; FINAL_ONLY: one output when the request finishes.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class SamplingParamsError(ValueError):
+    """A ValueError that names the offending field (``param``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _err(param: str, message: str) -> SamplingParamsError:
+    return SamplingParamsError(message, param)
+
+
+@dataclass
+class SamplingParams:
+    """Parameters of one generation request, with vLLM's names and defaults.
+
+    Fields (all optional):
+      n: number of completions to return (>= 1).
+      presence_penalty, frequency_penalty: in [-2, 2]; OpenAI's additive penalties on
+        tokens already generated (presence: once, frequency: per occurrence).
+      repetition_penalty: > 0; CTRL-style multiplicative penalty on prompt and output tokens
+        (1.0 = off).
+      temperature: >= 0; 0 means greedy. top_p in (0, 1]; top_k: 0 or -1 = off, else >= 1;
+        min_p in [0, 1].
+      seed: per-request RNG seed; the same seed gives the same tokens whatever else is
+        in the batch.
+      stop: strings that end generation; cut from the text unless
+        ``include_stop_str_in_output``. stop_token_ids: token ids that end generation.
+      ignore_eos: keep generating past EOS. max_tokens: output budget in tokens (None =
+        rest of the context); min_tokens: EOS and stop_token_ids are blocked until this many.
+      logprobs: number of top logprobs per output token (plus the sampled one); -1 = all
+        the vocabulary. prompt_logprobs: same for each prompt token.
+      detokenize, skip_special_tokens, spaces_between_special_tokens: detokenizer options.
+      logit_bias: {token_id: bias} added to logits (OpenAI, clamped to [-100, 100]).
+      allowed_token_ids: only these tokens may be sampled. bad_words: strings whose token
+        sequences may not be generated.
+      output_kind: see RequestOutputKind.
+
+    Raises:
+      SamplingParamsError (a ValueError) with ``param`` set, on any out-of-range value.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the InputProcessor, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set)
+    bad_words_token_ids: Optional[list[list[int]]] = None
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.bad_words is None:
+            self.bad_words = []
+        if self.logit_bias:
+            try:
+                self.logit_bias = {
+                    int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()
+                }
+            except (TypeError, ValueError) as e:
+                raise _err("logit_bias", f"logit_bias must map token ids to numbers: {e}")
+        if 0 < self.temperature < _SAMPLING_EPS:
+            # Tiny temperatures are numerically unstable; treat them as greedy.
+            self.temperature = 0.0
+        self._verify_args()
+        if self.temperature == 0.0:
+            # Greedy: the truncation parameters do not matter.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify_args(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise _err("n", f"n must be at least 1, got {self.n}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise _err("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise _err("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not self.repetition_penalty > 0.0:
+            raise _err("repetition_penalty", f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not self.temperature >= 0.0:
+            raise _err("temperature", f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _err("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k is None:
+            self.top_k = 0
+        if self.top_k < -1:
+            raise _err("top_k", f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _err("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise _err("max_tokens", f"max_tokens must be at least 0, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise _err("min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _err("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise _err("logprobs", f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise _err("prompt_logprobs", f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise _err("seed", f"seed must be an integer, got {self.seed!r}.")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise _err("stop", "stop must be a string or a list of strings.")
+        if any(s == "" for s in self.stop):
+            raise _err("stop", "stop cannot contain an empty string.")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise _err("allowed_token_ids", "allowed_token_ids must not be empty.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def clone(self) -> "SamplingParams":
+        import copy
+
+        return copy.deepcopy(self)

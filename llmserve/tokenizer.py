@@ -1,0 +1,79 @@
+"""Tokenizer loading (HF directory or GGUF metadata) and chat-template selection.
+
+As vLLM's ``get_tokenizer``: ``AutoTokenizer.from_pretrained`` with local files only; for a
+GGUF checkpoint transformers rebuilds the tokenizer (and its chat template) from the GGUF
+metadata, which takes a few seconds, so loaded tokenizers are cached per
+(path, gguf_file, chat_template) in a bounded ``functools.lru_cache``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+_TEMPLATE_CHARS = "{}\n"
+
+
+def resolve_chat_template(chat_template: Optional[str]) -> Optional[str]:
+    """Turn the user's ``--chat-template`` value into template text.
+
+    A path to an existing file is read (UTF-8); a string holding any of ``{``, ``}`` or a
+    newline is taken as a literal Jinja template (vLLM's rule); None stays None.
+    Raises ValueError (field ``chat_template``) for a value that is neither.
+    """
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    if any(c in chat_template for c in _TEMPLATE_CHARS):
+        return chat_template
+    raise ValueError(f"chat_template {chat_template!r} is neither an existing file nor a "
+                     "Jinja template string")
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, f))
+        for f in ("tokenizer_config.json", "tokenizer.json", "config.json"))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str, gguf_file: Optional[str],
+                    template: Optional[str]) -> PreTrainedTokenizerBase:
+    kwargs = {"local_files_only": True}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        where = os.path.join(path, gguf_file) if gguf_file else path
+        raise ValueError(f"cannot load a tokenizer from {where!r}: {e}") from e
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def get_tokenizer(path: str, gguf_file: Optional[str] = None,
+                  chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a model, offline.
+
+    path: a HF directory, a directory holding the GGUF ``gguf_file``, a .gguf file path, or
+    any model name ``llmserve.model_loader.resolve_model`` accepts (packaged models, HF
+    cache ids). chat_template: a file path or literal template that overrides the template
+    from tokenizer_config / GGUF metadata (``tokenizer.chat_template``).
+
+    Returns a ``PreTrainedTokenizerBase`` shared between callers with the same arguments
+    (do not mutate it). Raises ValueError when the model or its tokenizer is not found.
+    """
+    if gguf_file is None:
+        if path.lower().endswith(".gguf") and os.path.isfile(path):
+            path, gguf_file = os.path.split(os.path.abspath(path))
+        elif not _has_tokenizer_files(path):
+            from llmserve.model_loader.resolve import resolve_model
+            resolved = resolve_model(path)
+            path, gguf_file = resolved.path, resolved.gguf_file
+    template = resolve_chat_template(chat_template)
+    return _load_tokenizer(os.path.abspath(path), gguf_file, template)

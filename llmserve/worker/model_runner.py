@@ -1,0 +1,225 @@
+"""Model runner: turns a SchedulerOutput into one forward pass over the paged KV cache,
+then samples (vLLM's GPUModelRunner, for CPU and CUDA).
+
+Each step flattens the mixed batch (decodes first, then prompt chunks) into input ids
+[T], positions [T], a slot mapping [T] and block tables [B, max_blocks], runs the model,
+computes logits only for the rows that need them (the last token of each request that
+samples, plus prompt positions when prompt logprobs are asked for) and samples.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from llmserve.attention.backend import AttentionMetadata
+from llmserve.config import EngineConfig
+from llmserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from llmserve.engine.messages import LogprobsLists
+from llmserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from llmserve.sample.metadata import SamplingRequestState, make_generator
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _ReqState:
+    __slots__ = ("sampling", "prompt_lp_next", "num_prompt_tokens")
+
+    def __init__(self, sampling: SamplingRequestState, num_prompt_tokens: int) -> None:
+        self.sampling = sampling
+        self.prompt_lp_next = 0  # next prompt position whose prompt logprob is not yet sent
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler.
+
+    KV cache: one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim],
+    in the model dtype.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.model_config = mc
+        self.device = torch.device(mc.device)
+        self.dtype = _DTYPES[mc.dtype]
+        self.block_size = config.cache_config.block_size
+        self.model: Optional[torch.nn.Module] = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.states: dict[str, _ReqState] = {}
+        self.eos_token_id: Optional[int] = None
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+
+    def load_model(self) -> None:
+        from llmserve.model_loader import get_model
+
+        t0 = time.perf_counter()
+        torch.manual_seed(self.model_config.seed)
+        self.model = get_model(self.model_config)
+        logger.info("Loaded %s (%s) in %.1f s", self.model_config.model, self.model_config.dtype,
+                    time.perf_counter() - t0)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks that fit in ``kv_cache_memory_bytes`` (or the override)."""
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        return int(cc.kv_cache_memory_bytes // self.kv_cache_bytes_per_block())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(mc.num_layers)]
+
+    # ---- per-request state -------------------------------------------------
+    def _state(self, req) -> _ReqState:
+        st = self.states.get(req.request_id)
+        if st is None:
+            sp = req.sampling_params
+            gen = make_generator(sp.seed, self.device) if sp.seed is not None and sp.temperature > 0 else None
+            st = _ReqState(SamplingRequestState(
+                sampling_params=sp, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, generator=gen,
+                eos_token_id=req.eos_token_id), req.num_prompt_tokens)
+            self.states[req.request_id] = st
+        return st
+
+    def remove_requests(self, req_ids) -> None:
+        for rid in req_ids:
+            self.states.pop(rid, None)
+
+    # ---- step ----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.remove_requests(so.finished_req_ids)
+        out = ModelRunnerOutput()
+        if not so.scheduled:
+            return out
+        # Decodes (1 query token) first, then prompt chunks.
+        sched = sorted(so.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+        bs = self.block_size
+        B = len(sched)
+        T = so.total_num_scheduled_tokens
+        num_decodes = 0
+        for s in sched:
+            if s.num_scheduled_tokens == 1:
+                num_decodes += 1
+            else:
+                break
+        max_blocks = max(len(s.block_ids) for s in sched)
+        input_ids = np.empty(T, dtype=np.int64)
+        positions = np.empty(T, dtype=np.int64)
+        block_tables = np.zeros((B, max_blocks), dtype=np.int32)
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        # (row offset into logit_rows, count) of prompt-logprob rows, and sample row, per request
+        plan: list[tuple] = []
+        t = 0
+        for i, s in enumerate(sched):
+            req = s.request
+            c, n = s.num_computed_tokens, s.num_scheduled_tokens
+            toks = req.all_token_ids
+            input_ids[t:t + n] = toks[c:c + n] if n > 1 else toks[c]
+            positions[t:t + n] = np.arange(c, c + n)
+            block_tables[i, :len(s.block_ids)] = s.block_ids
+            query_lens.append(n)
+            seq_lens.append(c + n)
+            st = self._state(req)
+            plp_start = plp_count = 0
+            if req.sampling_params.prompt_logprobs is not None:
+                lo = max(c, st.prompt_lp_next)
+                hi = min(c + n, st.num_prompt_tokens - 1)
+                if hi > lo:
+                    plp_start, plp_count = len(logit_rows), hi - lo
+                    logit_rows.extend(range(t + lo - c, t + hi - c))
+                    st.prompt_lp_next = hi
+                    plan_plp = (lo, hi)
+                else:
+                    plan_plp = None
+            else:
+                plan_plp = None
+            sample_row = -1
+            if c + n >= req.num_tokens:
+                sample_row = len(logit_rows)
+                logit_rows.append(t + n - 1)
+            plan.append((req, st, plan_plp, plp_start, plp_count, sample_row))
+            t += n
+
+        slot_mapping = self._slot_mapping(positions, block_tables, query_lens, bs)
+        dev = self.device
+        md = AttentionMetadata(
+            num_actual_tokens=T,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            num_decodes=num_decodes,
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
+                            self.kv_caches, md)
+        if not logit_rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+
+        # Prompt logprobs.
+        for req, st, pr, plp_start, plp_count, _ in plan:
+            if pr is None:
+                continue
+            lo, hi = pr
+            targets = torch.tensor(req.prompt_token_ids[lo + 1:hi + 1], dtype=torch.long, device=dev)
+            k = req.sampling_params.prompt_logprobs
+            k = self.model_config.vocab_size if k == -1 else k
+            lt = compute_prompt_logprobs(logits[plp_start:plp_start + plp_count].float(), targets, k)
+            out.prompt_logprobs[req.request_id] = LogprobsLists(
+                lt.logprob_token_ids.tolist(), lt.logprobs.tolist(), lt.selected_token_ranks.tolist())
+
+        # Sampling.
+        sample = [(req, st, row) for req, st, _, _, _, row in plan if row >= 0]
+        if not sample:
+            return out
+        rows = [row for _, _, row in sample]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            sample_logits = logits[rows[0]:rows[0] + len(rows)]
+        else:
+            sample_logits = logits[torch.tensor(rows, device=dev)]
+        meta = SamplingMetadata.build([st.sampling for _, st, _ in sample],
+                                      self.model_config.vocab_size, dev)
+        so_ = self.sampler(sample_logits.float(), meta)
+        tokens = so_.sampled_token_ids.tolist()
+        lpt = so_.logprobs_tensors
+        if lpt is not None:
+            ids_l, lps_l, ranks_l = (lpt.logprob_token_ids.tolist(), lpt.logprobs.tolist(),
+                                     lpt.selected_token_ranks.tolist())
+        for j, (req, st, _) in enumerate(sample):
+            out.sampled_token_ids[req.request_id] = tokens[j]
+            k = req.sampling_params.logprobs
+            if k is not None and lpt is not None:
+                k = len(ids_l[j]) - 1 if k == -1 else k
+                out.logprobs[req.request_id] = LogprobsLists(
+                    [ids_l[j][:k + 1]], [lps_l[j][:k + 1]], [ranks_l[j]])
+        return out
+
+    @staticmethod
+    def _slot_mapping(positions: np.ndarray, block_tables: np.ndarray, query_lens: list[int],
+                      bs: int) -> np.ndarray:
+        row = np.repeat(np.arange(len(query_lens)), query_lens)
+        return block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
