@@ -76,7 +76,15 @@ class AsyncLLM:
         self.engine_config = config
         self.model_config = config.model_config
         self.log_requests = log_requests
-        self.tokenizer, self.generation_config = load_frontend(config)
+        self._dead_error: Optional[BaseException] = None
+        self.output_handler: Optional[asyncio.Task] = None
+        # Start the engine process first: it loads the model while we load the tokenizer.
+        self.engine_core = AsyncMPClient(config, wait_ready=False)
+        try:
+            self.tokenizer, self.generation_config = load_frontend(config)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.generation_config_defaults = {
             k: v for k, v in self.generation_config.items()
             if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
@@ -86,9 +94,7 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
-        self.engine_core = AsyncMPClient(config)
-        self.output_handler: Optional[asyncio.Task] = None
-        self._dead_error: Optional[BaseException] = None
+        self.engine_core.wait_until_ready()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":

@@ -249,3 +249,26 @@ class EngineCoreProc:
                 break
             sock.send(self.encoder.encode(outs), copy=False)
         sock.close()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the front-end process goes away (no orphaned engines)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def main() -> None:
+    """``python -m llmserve.engine.core``: read (config, input_addr, output_addr,
+    parent_pid) from stdin, then run EngineCoreProc."""
+    import pickle
+    import sys
+
+    config, input_addr, output_addr, parent_pid = pickle.loads(sys.stdin.buffer.read())
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    EngineCoreProc.run_engine_core(config, input_addr, output_addr)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
+import pickle
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -94,7 +95,7 @@ class _MPResources:
     """Everything to clean up; used by weakref.finalize so no cycle holds the client."""
 
     def __init__(self) -> None:
-        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.proc: Optional[_Proc] = None
         self.ctx: Optional[zmq.Context] = None
         self.tmpdir: Optional[str] = None
         self.sockets: list = []
@@ -134,11 +135,54 @@ class _MPResources:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _monitor(proc, output_addr: str, ctx: zmq.Context, stop: threading.Event) -> None:
+def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> subprocess.Popen:
+    """Start ``python -m llmserve.engine.core`` and hand it its start-up arguments (the
+    EngineConfig and the socket addresses) on stdin. A fresh interpreter, unlike
+    multiprocessing's spawn, never re-imports the user's ``__main__`` module."""
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve.engine.core"], stdin=subprocess.PIPE,
+                            close_fds=True)
+    try:
+        proc.stdin.write(pickle.dumps((config, input_addr, output_addr, os.getpid())))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    return _Proc(proc)
+
+
+class _Proc:
+    """The bits of a process handle the clients use (is_alive, join, terminate, kill)."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+
+def _monitor(proc: "_Proc", output_addr: str, ctx: zmq.Context, stop: threading.Event) -> None:
     """Watch the engine process; on death, send ENGINE_CORE_DEAD to the output socket."""
     while not stop.is_set():
-        ready = multiprocessing.connection.wait([proc.sentinel], timeout=0.2)
-        if ready:
+        proc.join(timeout=0.2)
+        if not proc.is_alive():
             if stop.is_set():
                 return
             try:
@@ -156,7 +200,7 @@ def _monitor(proc, output_addr: str, ctx: zmq.Context, stop: threading.Event) ->
 class MPClient(EngineCoreClient):
     """Shared part of the multiprocess clients: spawn, handshake, sockets, cleanup."""
 
-    def __init__(self, config: EngineConfig, asyncio_mode: bool) -> None:
+    def __init__(self, config: EngineConfig, asyncio_mode: bool, wait_ready: bool = True) -> None:
         self.config = config
         self.resources = res = _MPResources()
         self._finalizer = weakref.finalize(self, res)
@@ -179,23 +223,31 @@ class MPClient(EngineCoreClient):
         out_sock = sync_ctx.socket(zmq.PULL)
         out_sock.bind(output_addr)
         res.sockets += [in_sock, out_sock]
-        from llmserve.engine.core import EngineCoreProc
+        res.proc = proc = _spawn_engine_process(config, input_addr, output_addr)
+        self._in_sock_sync = in_sock
+        self._out_sock_sync = out_sock
+        self.ready_info: Optional[dict] = None
+        if wait_ready:
+            self.wait_until_ready()
 
-        mp = multiprocessing.get_context("spawn")
-        proc = mp.Process(target=EngineCoreProc.run_engine_core, name="EngineCore",
-                          args=(config, input_addr, output_addr), daemon=True)
-        proc.start()
-        res.proc = proc
+    def wait_until_ready(self) -> None:
+        """Wait for the engine's READY handshake. Raises RuntimeError with the engine's own
+        start-up error (the process is cleaned up first)."""
+        if self.ready_info is not None:
+            return
+        res = self.resources
         try:
-            self.ready_info = self._wait_ready(out_sock, proc)
+            self.ready_info = self._wait_ready(self._out_sock_sync, res.proc)
         except BaseException:
             self._finalizer()
             raise
         self.num_blocks = self.ready_info["num_blocks"]
-        self._in_sock_sync = in_sock
-        self._out_sock_sync = out_sock
-        threading.Thread(target=_monitor, args=(proc, output_addr, sync_ctx, res.stop_event),
+        threading.Thread(target=_monitor, args=(res.proc, self.output_addr, self._sync_ctx, res.stop_event),
                          daemon=True, name="EngineCoreMonitor").start()
+        self._on_ready()
+
+    def _on_ready(self) -> None:
+        pass
 
     def _wait_ready(self, out_sock, proc) -> dict:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -234,11 +286,13 @@ class SyncMPClient(MPClient):
     """Blocking client. A reader thread puts outputs on a queue and resolves utility
     futures."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config, asyncio_mode=False)
+    def __init__(self, config: EngineConfig, wait_ready: bool = True) -> None:
         self.outputs_queue: queue.Queue = queue.Queue()
         self.utility_results: dict[int, Future] = {}
         self._lock = threading.Lock()
+        super().__init__(config, asyncio_mode=False, wait_ready=wait_ready)
+
+    def _on_ready(self) -> None:
         threading.Thread(target=self._reader, daemon=True, name="EngineCoreOutputReader").start()
 
     def _reader(self) -> None:
@@ -306,8 +360,8 @@ class AsyncMPClient(MPClient):
     """asyncio client: outputs are awaited with ``get_output_async``; utility calls are
     awaited on futures resolved by whoever reads the output socket."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config, asyncio_mode=True)
+    def __init__(self, config: EngineConfig, wait_ready: bool = True) -> None:
+        super().__init__(config, asyncio_mode=True, wait_ready=wait_ready)
         self._async_in = None
         self._async_out = None
         self.utility_results: dict[int, asyncio.Future] = {}

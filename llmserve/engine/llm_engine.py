@@ -9,7 +9,7 @@ import time
 from typing import Optional
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core_client import EngineCoreClient
+from llmserve.engine.core_client import InprocClient, SyncMPClient
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.parallel_sampling import ParentRequest
@@ -47,12 +47,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess_mode: Optional[bool] = None) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer, self.generation_config = load_frontend(config)
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer, self.generation_config)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
-        self.engine_core = EngineCoreClient.make_client(multiprocess_mode, False, config)
+        if multiprocess_mode:
+            # The engine process loads the model while we load the tokenizer.
+            self.engine_core = SyncMPClient(config, wait_ready=False)
+            try:
+                self.tokenizer, self.generation_config = load_frontend(config)
+            except BaseException:
+                self.engine_core.shutdown()
+                raise
+            self.engine_core.wait_until_ready()
+        else:
+            self.tokenizer, self.generation_config = load_frontend(config)
+            self.engine_core = InprocClient(config)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer, self.generation_config)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: Optional[bool] = None) -> "LLMEngine":

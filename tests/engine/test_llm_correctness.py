@@ -1,0 +1,129 @@
+"""Greedy outputs and logprobs of llmserve vs Hugging Face transformers on the same
+weights (float32), alone, batched, with/without prefix caching, chunked prefill and
+forced preemption."""
+import math
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from tests.conftest import PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_matches_hf_one_by_one_and_batched(llm_fp32, hf_greedy):
+    alone = [llm_fp32.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:4]]
+    assert alone == [hf_greedy[p] for p in PROMPTS[:4]]
+    batched = _tokens(llm_fp32.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert batched == [hf_greedy[p] for p in PROMPTS]
+
+
+def test_greedy_batch_of_64_with_and_without_prefix_cache(llm_fp32, hf_greedy):
+    prompts = PROMPTS * 4  # repeated prompts exercise prefix-cache hits
+    llm_fp32.reset_prefix_cache()
+    outs = llm_fp32.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy[p] for p in prompts]
+    text = [o.outputs[0].text for o in outs]
+    tok = llm_fp32.get_tokenizer()
+    assert text == [tok.decode(t, skip_special_tokens=True) for t in _tokens(outs)]
+
+
+def test_prefix_cache_hits_give_the_same_greedy_output(llm_fp32, hf_model):
+    tok = llm_fp32.get_tokenizer()
+    prefix = "You are a helpful assistant who answers questions about geography in great detail. "
+    prompts = [prefix + "What is the capital of Italy?", prefix + "Name a river in Egypt."]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    llm_fp32.reset_prefix_cache()
+    first = llm_fp32.generate(prompts[0], sp, use_tqdm=False)[0]
+    second = llm_fp32.generate(prompts, sp, use_tqdm=False)
+    assert first.num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 16 for o in second)
+    assert second[0].outputs[0].token_ids == first.outputs[0].token_ids
+    ids = tok.encode(prompts[1])
+    with torch.inference_mode():
+        ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)[0, len(ids):]
+    assert second[1].outputs[0].token_ids == ref.tolist()
+
+
+@pytest.fixture(scope="module")
+def llm_tight():
+    """Chunked prefill at a 32-token budget, no prefix caching, and a KV cache too small
+    for the batch (forces preemption)."""
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False, max_num_batched_tokens=32,
+              enable_prefix_caching=False, num_gpu_blocks_override=24, max_model_len=128)
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_under_chunked_prefill_and_preemption(llm_tight, hf_greedy):
+    long_prompt = " ".join(PROMPTS[:6])  # > 32 tokens: split over several steps
+    outs = llm_tight.generate(PROMPTS + [long_prompt], GREEDY, use_tqdm=False)
+    assert _tokens(outs)[:-1] == [hf_greedy[p] for p in PROMPTS]
+    stats = llm_tight.llm_engine.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_used_blocks"] == 0
+
+
+def test_logprobs_match_hf_log_softmax(llm_fp32, hf_model):
+    tok = llm_fp32.get_tokenizer()
+    p = PROMPTS[1]
+    out = llm_fp32.generate(p, SamplingParams(temperature=0, max_tokens=8, logprobs=3, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    ids = tok.encode(p) + list(out.outputs[0].token_ids)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    n_prompt = len(out.prompt_token_ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n_prompt
+    for i in range(1, n_prompt):
+        t = ids[i]
+        lp = out.prompt_logprobs[i][t]
+        assert abs(lp.logprob - ref[i - 1, t].item()) < 1e-3
+        assert lp.rank == int((ref[i - 1] > ref[i - 1, t]).sum()) + 1
+        assert len(out.prompt_logprobs[i]) in (2, 3)
+    for j, d in enumerate(out.outputs[0].logprobs):
+        t = out.outputs[0].token_ids[j]
+        row = ref[n_prompt + j - 1]
+        assert abs(d[t].logprob - row[t].item()) < 1e-3 and d[t].rank == 1
+        top = torch.topk(row, 3)
+        assert set(d) == set(top.indices.tolist())
+        for tid, v in zip(top.indices.tolist(), top.values.tolist()):
+            assert abs(d[tid].logprob - v) < 1e-3
+    cum = sum(d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids))
+    assert math.isclose(out.outputs[0].cumulative_logprob, cum, abs_tol=1e-4)
+
+
+def test_seeded_sampling_same_alone_and_in_batch(llm_fp32):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
+    alone = llm_fp32.generate(PROMPTS[2], sp, use_tqdm=False)[0].outputs[0].text
+    others = SamplingParams(temperature=1.0, max_tokens=24)
+    batch = llm_fp32.generate(PROMPTS[:2] + [PROMPTS[2]] + PROMPTS[3:6], [others, others, sp, others, others, others],
+                              use_tqdm=False)
+    assert batch[2].outputs[0].text == alone
+
+
+def test_n_fans_out_with_distinct_reproducible_seeds(llm_fp32):
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16)
+    a = llm_fp32.generate(PROMPTS[0], sp, use_tqdm=False)[0]
+    b = llm_fp32.generate(PROMPTS[0], sp, use_tqdm=False)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2, 3]
+    texts = [o.text for o in a.outputs]
+    assert texts == [o.text for o in b.outputs]
+    assert len(set(texts)) > 1
+
+
+def test_outputs_in_input_order_and_token_id_prompts(llm_fp32, hf_greedy):
+    tok = llm_fp32.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS[:3]]
+    outs = llm_fp32.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy[p] for p in PROMPTS[:3]]
+    assert outs[0].prompt is None and outs[0].prompt_token_ids == tok.encode(PROMPTS[0])
+    per_prompt = llm_fp32.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=2),
+                                                 SamplingParams(temperature=0, max_tokens=5)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in per_prompt] == [2, 5]
+    assert [o.outputs[0].finish_reason for o in per_prompt] == ["length", "length"]
