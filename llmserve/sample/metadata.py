@@ -8,7 +8,7 @@ states of the rows it samples, in row order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -57,17 +57,14 @@ def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
 class RequestSamplingCache:
     """Tensors the sampler derives from one request and keeps between steps.
 
-    All are lazily built on the sampler's device, of length ``vocab_size``:
-      prompt_mask: bool, True for tokens in the prompt (repetition penalty).
-      output_counts: float32, occurrences of each token in ``output_token_ids``
-        (frequency/presence/repetition penalties); ``num_counted`` output tokens are in it.
-      allowed_mask: bool, True for ``allowed_token_ids``.
+    All are built lazily, on the sampler's device:
+      penalty: ``penalties.SeenTokens``, the distinct prompt and output tokens with their
+        output counts (for the three penalties).
+      allowed_mask: bool [vocab_size], True for ``allowed_token_ids``.
       bias_ids / bias_values: int64 / float32 [n], the in-vocab ``logit_bias`` entries.
     """
 
-    prompt_mask: Optional[torch.Tensor] = None
-    output_counts: Optional[torch.Tensor] = None
-    num_counted: int = 0
+    penalty: Optional[Any] = None
     allowed_mask: Optional[torch.Tensor] = None
     bias_ids: Optional[torch.Tensor] = None
     bias_values: Optional[torch.Tensor] = None
@@ -101,7 +98,8 @@ class RandomGroup:
       whole batch in order). inv_temperature: float32 [n, 1], 1/temperature.
     top_k: int64 [n], vocab_size where unused (None when no row of the group uses it).
     top_p: float32 [n], 1.0 where unused (None when no row uses it).
-    min_p: float32 [n], 0.0 where unused (None when no row uses it).
+    min_p: float32 [n], 0.0 where unused (None when no row uses it); min_p_value: the
+      common min_p when every row of the group has the same one (a faster path).
     generators: (position in the group, generator) for seeded rows.
     initial_candidates: how many top tokens the truncated path looks at first.
     """
@@ -111,6 +109,7 @@ class RandomGroup:
     top_k: Optional[torch.Tensor]
     top_p: Optional[torch.Tensor]
     min_p: Optional[torch.Tensor]
+    min_p_value: Optional[float]
     generators: list[tuple[int, torch.Generator]]
     initial_candidates: int
     size: int
@@ -227,8 +226,9 @@ class SamplingMetadata:
             any_k = any(k < vocab_size for k in ks)
             any_p = any(sp.top_p < 1.0 for sp in sps)
             any_min_p = any(sp.min_p > 0.0 for sp in sps)
-            # Rows using top-k alone need exactly k candidates; top-p rows start small.
-            only_k = [k for k, sp in zip(ks, sps) if k < vocab_size and sp.top_p >= 1.0]
+            # Rows using top-k alone need k candidates plus room for ties at the k-th
+            # place (see sampler._cut_and_draw); top-p rows start small.
+            only_k = [2 * k for k, sp in zip(ks, sps) if k < vocab_size and sp.top_p >= 1.0]
             cand = min(vocab_size, max([_MIN_CANDIDATES] + only_k))
             gens = [(j, reqs[i].generator) for j, i in enumerate(rows)
                     if reqs[i].generator is not None]
@@ -238,6 +238,7 @@ class SamplingMetadata:
                 top_k=torch.tensor(ks, dtype=torch.long, device=device) if any_k else None,
                 top_p=f32([sp.top_p for sp in sps]) if any_p else None,
                 min_p=f32([sp.min_p for sp in sps]) if any_min_p else None,
+                min_p_value=sps[0].min_p if any_min_p and all(sp.min_p == sps[0].min_p for sp in sps) else None,
                 generators=gens,
                 initial_candidates=cand,
                 size=len(rows),

@@ -9,86 +9,97 @@ Sources:
     ``logit -= frequency_penalty * count(token in output)
                + presence_penalty * (count > 0)``.
 
-Per-request token counts are kept in ``SamplingRequestState.cache`` and updated with the
-tokens appended since the last step, so a step costs O(new tokens) Python work plus a
-few passes over a [P, V] tensor, whatever the output length.
+Only the tokens a request has seen are touched, so the work is sparse: each request keeps
+(in ``SamplingRequestState.cache.penalty``) the distinct tokens of its prompt and output
+with their output counts, updated with the tokens appended since the last step (O(new
+tokens) per step). A step gathers those (row, token) logits from the batch in one index
+op, changes them and scatters them back.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
 import torch
 
 from llmserve.sample.metadata import SamplingMetadata, SamplingRequestState
 
 
-def output_token_counts(st: SamplingRequestState, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Occurrences of each token in ``st.output_token_ids``: float32 [vocab_size].
+class SeenTokens:
+    """Distinct tokens of one request's prompt and output, with their output counts.
 
-    Incremental: only the tokens appended since the previous call are added. If the output
-    list got shorter (e.g. the runner rolled tokens back), the counts are rebuilt.
-    Out-of-vocab ids are ignored.
+    ids: int64 [n], counts: float32 [n] (occurrences in the output; 0 for tokens only in
+    the prompt), growable numpy buffers whose first ``size`` entries are valid.
+    ``num_counted`` output tokens have been added so far.
     """
-    c = st.cache
+
+    def __init__(self, prompt_token_ids: list[int], vocab_size: int):
+        prompt = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))
+        prompt = prompt[(prompt >= 0) & (prompt < vocab_size)]
+        cap = max(16, 2 * len(prompt))
+        self.ids = np.zeros(cap, dtype=np.int64)
+        self.counts = np.zeros(cap, dtype=np.float32)
+        self.size = len(prompt)
+        self.ids[:self.size] = prompt
+        self.pos: dict[int, int] = {int(t): i for i, t in enumerate(prompt.tolist())}
+        self.num_counted = 0
+        self.vocab_size = vocab_size
+
+    def add(self, token_id: int) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            return
+        i = self.pos.get(token_id)
+        if i is None:
+            if self.size == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+                self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            i = self.size
+            self.size += 1
+            self.pos[token_id] = i
+            self.ids[i] = token_id
+        self.counts[i] += 1.0
+
+
+def seen_tokens(st: SamplingRequestState, vocab_size: int) -> SeenTokens:
+    """The request's SeenTokens, brought up to date with ``st.output_token_ids``.
+
+    Built on first use; rebuilt if the output list got shorter (tokens rolled back).
+    """
+    seen: Optional[SeenTokens] = st.cache.penalty
     out = st.output_token_ids
+    if seen is None or seen.vocab_size != vocab_size or len(out) < seen.num_counted:
+        seen = SeenTokens(st.prompt_token_ids, vocab_size)
+        st.cache.penalty = seen
     n = len(out)
-    if c.output_counts is None or c.output_counts.numel() != vocab_size or n < c.num_counted:
-        c.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        c.num_counted = 0
-    if n > c.num_counted:
-        new = [int(t) for t in out[c.num_counted:n] if 0 <= int(t) < vocab_size]
-        if len(new) == 1:
-            c.output_counts[new[0]] += 1.0
-        elif new:
-            ids = torch.tensor(new, dtype=torch.long, device=device)
-            c.output_counts.index_add_(0, ids, torch.ones(len(new), dtype=torch.float32, device=device))
-        c.num_counted = n
-    return c.output_counts
-
-
-def prompt_token_mask(st: SamplingRequestState, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """bool [vocab_size], True for tokens that occur in the prompt (built once)."""
-    c = st.cache
-    if c.prompt_mask is None or c.prompt_mask.numel() != vocab_size:
-        mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        ids = [int(t) for t in st.prompt_token_ids if 0 <= int(t) < vocab_size]
-        if ids:
-            mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
-        c.prompt_mask = mask
-    return c.prompt_mask
+    for t in out[seen.num_counted:n]:
+        seen.add(int(t))
+    seen.num_counted = n
+    return seen
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    """Apply the three penalties in place to ``logits`` (float32 [B, V]) for the rows in
-    ``meta.penalty_rows``; other rows are untouched.
-
-    -inf logits stay -inf (a masked token stays masked).
-    """
+    """Apply the three penalties in place to ``logits`` (contiguous float32 [B, V]) for the
+    rows in ``meta.penalty_rows``; other rows are untouched. -inf logits stay -inf."""
     rows = meta.penalty_rows
     if not rows:
         return
     V = logits.shape[1]
     dev = logits.device
-    reqs = [meta.reqs[i] for i in rows]
-    use_rep = any(st.sampling_params.repetition_penalty != 1.0 for st in reqs)
-    use_freq = any(st.sampling_params.frequency_penalty != 0.0 for st in reqs)
-    use_pres = any(st.sampling_params.presence_penalty != 0.0 for st in reqs)
-    whole = len(rows) == logits.shape[0]
-    rows_t = None if whole else torch.tensor(rows, dtype=torch.long, device=dev)
-    x = logits if whole else logits.index_select(0, rows_t)
+    seens = [seen_tokens(meta.reqs[i], V) for i in rows]
+    lengths = np.array([s.size for s in seens], dtype=np.int64)
+    if lengths.sum() == 0:
+        return
+    ids = np.concatenate([s.ids[:s.size] for s in seens])
+    counts = np.concatenate([s.counts[:s.size] for s in seens])
+    which = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)  # position in penalty_rows
+    flat = torch.from_numpy(np.asarray(rows, dtype=np.int64)[which] * V + ids).to(dev)
+    which_t = torch.from_numpy(which).to(dev)
+    counts_t = torch.from_numpy(counts).to(dev)
 
-    counts = torch.stack([output_token_counts(st, V, dev) for st in reqs])  # [P, V] float32
-    present = counts > 0
-    if use_rep:
-        seen = torch.stack([prompt_token_mask(st, V, dev) for st in reqs]) | present
-        r = meta.repetition_penalties.unsqueeze(1)
-        scaled = torch.where(x > 0, x / r, x * r)
-        x = torch.where(seen, scaled, x)
-    if use_freq:
-        x = x - meta.frequency_penalties.unsqueeze(1) * counts
-    if use_pres:
-        x = x - meta.presence_penalties.unsqueeze(1) * present.to(torch.float32)
-
-    if whole:
-        if x is not logits:
-            logits.copy_(x)
-    else:
-        logits.index_copy_(0, rows_t, x)
+    flat_logits = logits.view(-1)
+    vals = flat_logits[flat]
+    r = meta.repetition_penalties[which_t]
+    vals = torch.where(vals > 0, vals / r, vals * r)
+    vals -= meta.frequency_penalties[which_t] * counts_t
+    vals -= meta.presence_penalties[which_t] * (counts_t > 0).to(torch.float32)
+    flat_logits[flat] = vals

@@ -35,7 +35,8 @@ def test_greedy_batch_of_64_with_and_without_prefix_cache(llm_fp32, hf_greedy):
 
 def test_prefix_cache_hits_give_the_same_greedy_output(llm_fp32, hf_model):
     tok = llm_fp32.get_tokenizer()
-    prefix = "You are a helpful assistant who answers questions about geography in great detail. "
+    prefix = ("You are a helpful assistant who answers questions about geography in great detail, "
+              "with names of cities, rivers and mountains, and you always stay polite.\n")
     prompts = [prefix + "What is the capital of Italy?", prefix + "Name a river in Egypt."]
     sp = SamplingParams(temperature=0, max_tokens=12)
     llm_fp32.reset_prefix_cache()
