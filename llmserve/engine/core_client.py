@@ -411,7 +411,10 @@ class AsyncMPClient(MPClient):
 
     def shutdown(self) -> None:
         if self._reader_task is not None and not self._reader_task.done():
-            self._reader_task.cancel()
+            try:
+                self._reader_task.cancel()
+            except RuntimeError:  # its event loop is already closed
+                pass
         super().shutdown()
 
 

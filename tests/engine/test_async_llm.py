@@ -43,7 +43,7 @@ async def _collect(engine, prompt, params, rid):
 
 
 def test_200_concurrent_requests_match_alone(engine, loop):
-    sp = SamplingParams(temperature=0, max_tokens=8, output_kind=RequestOutputKind.FINAL_ONLY)
+    sp = SamplingParams(temperature=0, max_tokens=4, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def run():
         alone = {}
