@@ -7,6 +7,7 @@ metadata, which takes a few seconds, so loaded tokenizers are cached per
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Optional
@@ -43,6 +44,10 @@ def _has_tokenizer_files(path: str) -> bool:
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(path: str, gguf_file: Optional[str],
                     template: Optional[str]) -> PreTrainedTokenizerBase:
+    if template is not None:  # copy the cached base tokenizer rather than re-read the GGUF
+        tok = copy.deepcopy(_load_tokenizer(path, gguf_file, None))
+        tok.chat_template = template
+        return tok
     kwargs = {"local_files_only": True}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -51,8 +56,6 @@ def _load_tokenizer(path: str, gguf_file: Optional[str],
     except (OSError, ValueError, KeyError) as e:
         where = os.path.join(path, gguf_file) if gguf_file else path
         raise ValueError(f"cannot load a tokenizer from {where!r}: {e}") from e
-    if template is not None:
-        tok.chat_template = template
     return tok
 
 

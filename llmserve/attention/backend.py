@@ -36,6 +36,9 @@ class AttentionMetadata:
     the first ``num_decodes`` requests have exactly one query token. query_lens_list /
     seq_lens_list: python copies (no tensor syncs). max_seq_len: max of seq_lens.
     block_size: tokens per KV block.
+
+    Build a new object each step: layers cache step-derived tensors (decode masks, int32
+    tables) in ``_derived`` and reuse them across layers.
     """
 
     num_actual_tokens: int
@@ -76,11 +79,12 @@ def build_attn_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
     """Build ``AttentionMetadata`` from per-request python lists.
 
     query_lens[i]: tokens of request i in this step; seq_lens[i]: its context length after
-    this step; block_ids[i]: its KV block ids (enough for seq_lens[i] tokens). Requests with
-    one query token must come first (they become ``num_decodes``). The tokens of request i
-    are at positions ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+    this step; block_ids[i]: its KV block ids (enough for seq_lens[i] tokens). The leading
+    requests with one query token become ``num_decodes`` (put decodes first); a one-token
+    chunk after a longer one is run as a prefill. The tokens of request i are at positions
+    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
 
-    Raises ValueError for inconsistent lengths, a decode after a prefill, or too few blocks.
+    Raises ValueError for inconsistent lengths or too few blocks.
     """
     if not (len(query_lens) == len(seq_lens) == len(block_ids)):
         raise ValueError("query_lens, seq_lens and block_ids must have the same length")
@@ -93,8 +97,6 @@ def build_attn_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
     for i, (q, s, blocks) in enumerate(zip(query_lens, seq_lens, block_ids)):
         if q < 1 or s < q:
             raise ValueError(f"request {i}: need 1 <= query_len <= seq_len, got {q}, {s}")
-        if i >= num_decodes and q == 1 and any(ql > 1 for ql in query_lens[:i]):
-            raise ValueError("requests with one query token must come before prefills")
         if len(blocks) * block_size < s:
             raise ValueError(f"request {i}: {len(blocks)} blocks cannot hold {s} tokens")
         for pos in range(s - q, s):
@@ -155,9 +157,9 @@ def decode_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor,
     nblk = (max_seq_len + bs - 1) // bs
     key = None if _cache is None else _cache.get(("mask", sliding_window))
     if key is None:
-        bt = block_tables[:n, :nblk].long()
+        bt = block_tables[:n, :nblk].to(query.device, torch.long)
         pos = torch.arange(nblk * bs, device=query.device)
-        last = seq_lens[:n].long().unsqueeze(1)
+        last = seq_lens[:n].to(query.device, torch.long).unsqueeze(1)
         mask = pos.unsqueeze(0) >= last
         if sliding_window is not None:
             mask |= pos.unsqueeze(0) <= last - 1 - sliding_window
@@ -181,12 +183,15 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     query ``[q, num_heads, head_dim]``; key/value ``[s, num_kv_heads, head_dim]`` (s >= q;
     the query tokens are the last q of the s). Query i sees keys ``0 .. s - q + i``.
-    Runs in float32 on CPU (bf16 SDPA takes a slow path there; DESIGN.md).
+    Runs in the query dtype, except float16 on CPU (float32 there). Measured here for
+    prompt shapes (9/3 heads, head dim 64, 256-1024 tokens), bf16 SDPA with GQA is as fast
+    as float32 (the slow bf16 case in DESIGN.md is the decode shape, handled elsewhere).
     Returns ``[q, num_heads, head_dim]`` in the query dtype.
     """
     ql, nh, hd = query.shape
     sl, nkv, _ = key.shape
-    work = torch.float32 if query.device.type == "cpu" else query.dtype
+    cpu_half = query.device.type == "cpu" and query.dtype == torch.float16
+    work = torch.float32 if cpu_half else query.dtype
     q = query.transpose(0, 1).to(work)
     k = key.transpose(0, 1).to(work)
     v = value.transpose(0, 1).to(work)
@@ -242,7 +247,7 @@ class PagedAttention:
         if nd:
             if not has_cache:
                 raise ValueError("decode requests need a KV cache")
-            out[:nd] = self._decode(q[:nd], kv_cache, md)
+            self._decode(q[:nd], kv_cache, md, out[:nd])
         starts = md.query_starts()
         for i in range(nd, md.num_reqs):
             s0, s1 = starts[i], starts[i + 1]
@@ -263,29 +268,34 @@ class PagedAttention:
                         seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         bs = md.block_size
         nblk = (seq_len + bs - 1) // bs
-        ids = md.block_tables[i, :nblk].long()
+        ids = md.block_tables[i, :nblk].to(kv_cache.device, torch.long)
         nkv, hd = kv_cache.shape[-2:]
         k = kv_cache[0][ids].view(nblk * bs, nkv, hd)[:seq_len]
         v = kv_cache[1][ids].view(nblk * bs, nkv, hd)[:seq_len]
         return k, v
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                out: torch.Tensor) -> None:
+        """Attention of the ``num_decodes`` one-token requests, written into ``out``."""
         nd = md.num_decodes
         if self.use_kernel and q.device.type == "cpu":
             from llmserve.attention import cpu_kernel
             op = cpu_kernel.get_decode_kernel()
             if op is not None:
-                out = torch.empty_like(q)
-                op(out, q.contiguous(), kv_cache, md.block_tables, md.seq_lens,
-                   nd, self.scale, self.sliding_window or 0)
-                return out
+                tables = md._derived.get("kernel_tables")
+                if tables is None:
+                    tables = (md.block_tables.to(torch.int32).contiguous(),
+                              md.seq_lens.to(torch.int32).contiguous())
+                    md._derived["kernel_tables"] = tables
+                op(out, q, kv_cache, tables[0], tables[1], nd, self.scale,
+                   self.sliding_window or 0)
+                return
         max_len = md._derived.get("decode_max_len")
         if max_len is None:
             max_len = max(md.seq_lens_list[:nd])
             md._derived["decode_max_len"] = max_len
-        return decode_attention_torch(q, kv_cache, md.block_tables, md.seq_lens, max_len,
-                                      self.scale, self.sliding_window, md._derived)
+        out.copy_(decode_attention_torch(q, kv_cache, md.block_tables, md.seq_lens, max_len,
+                                         self.scale, self.sliding_window, md._derived))
 
 
 def default_scale(head_dim: int) -> float:

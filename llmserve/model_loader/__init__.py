@@ -55,4 +55,7 @@ def get_model(model_config: Any) -> nn.Module:
     device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
         model = model.to(device)
+    else:  # build (or load the cached) C++ decode kernel now, not during the first request
+        from llmserve.attention.cpu_kernel import get_decode_kernel
+        get_decode_kernel()
     return model.eval()

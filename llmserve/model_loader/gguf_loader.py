@@ -1,6 +1,7 @@
 """Weights from a GGUF file (llama.cpp's format), dequantized into torch tensors.
 
-Reads with ``gguf.GGUFReader``, dequantizes with ``gguf.quants.dequantize`` (float32), maps
+Indexes the file's tensors with a small header parser (``gguf.GGUFReader`` as the
+fallback; it takes seconds parsing tokenizer metadata we do not need here), dequantizes with ``gguf.quants.dequantize`` (float32), maps
 llama.cpp tensor names to HF names and, for the ``llama`` GGUF architecture, undoes the
 q/k row permutation ``convert_hf_to_gguf.py`` applies, exactly as transformers'
 ``LlamaTensorProcessor`` does, so the weights equal those of
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterator, Optional
+import struct
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -57,9 +59,102 @@ def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
+class GGUFTensorInfo(NamedTuple):
+    name: str
+    tensor_type: Any      # gguf.GGMLQuantizationType
+    data: np.ndarray      # memory-mapped; float arrays or raw quantized bytes, as GGUFReader
+
+
+# GGUF metadata value types (gguf.GGUFValueType): fixed sizes of the scalar ones.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+                 "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensorInfo]]:
+    """``(general.architecture, tensors)`` of a little-endian GGUF v2/v3 file.
+
+    Parses only what loading needs: it skips the metadata values (the 49k-entry tokenizer
+    arrays that make ``gguf.GGUFReader`` take seconds) except ``general.architecture`` and
+    ``general.alignment``, then memory-maps each tensor with the shape and dtype
+    ``GGUFReader`` gives it. Raises ValueError for other files (callers fall back to
+    ``GGUFReader``).
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    off = 24
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+
+    def skip(vtype: int, at: int) -> int:
+        if vtype in _SCALAR_SIZES:
+            return at + _SCALAR_SIZES[vtype]
+        if vtype == _STRING:
+            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if etype in _SCALAR_SIZES:
+                return at + count * _SCALAR_SIZES[etype]
+            for _ in range(count):
+                at = skip(etype, at)
+            return at
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    arch, alignment = "", 32
+    for _ in range(n_kv):
+        key, off = string(off)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        off += 4
+        if key == "general.architecture" and vtype == _STRING:
+            arch, off = string(off)
+        elif key == "general.alignment" and vtype == _UINT32:
+            (alignment,) = struct.unpack_from("<I", buf, off)
+            off += 4
+        else:
+            off = skip(vtype, off)
+    infos = []
+    for _ in range(n_tensors):
+        name, off = string(off)
+        (n_dims,) = struct.unpack_from("<I", buf, off)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+        ttype, rel = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+        off += 4 + 8 * n_dims + 12
+        infos.append((name, dims, GGMLQuantizationType(ttype), rel))
+    data_start = (off + alignment - 1) // alignment * alignment
+    tensors = []
+    for name, dims, ttype, rel in infos:
+        n_elems = int(np.prod(dims))
+        np_dims = tuple(reversed(dims))
+        dtype = _PLAIN_DTYPES.get(ttype.name)
+        begin = data_start + rel
+        if dtype is not None:
+            data = mm[begin:begin + n_elems * np.dtype(dtype).itemsize].view(dtype).reshape(np_dims)
+        else:
+            block, type_size = GGML_QUANT_SIZES[ttype]
+            n_bytes = n_elems * type_size // block
+            data = mm[begin:begin + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, ttype))
+        tensors.append(GGUFTensorInfo(name, ttype, data))
+    return arch, tensors
+
+
+def _read_with_gguf_reader(path: str) -> tuple[str, list[GGUFTensorInfo]]:
+    from gguf import GGUFReader
+    reader = GGUFReader(path)
+    f = reader.fields.get("general.architecture")
+    arch = f.contents() if f is not None else ""
+    return arch, [GGUFTensorInfo(t.name, t.tensor_type, t.data) for t in reader.tensors]
 
 
 def iterate_gguf_weights(gguf_path: str, hf_config: Any,
@@ -70,14 +165,16 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any,
     un-permutation (applied when the GGUF ``general.architecture`` is ``llama``).
     Raises ValueError for a tensor type the gguf package cannot dequantize.
     """
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(gguf_path)
-    arch = _field(reader, "general.architecture")
+    try:
+        arch, tensors = read_gguf_tensors(gguf_path)
+    except (ValueError, struct.error) as e:
+        logger.info("fast GGUF index failed (%s); using gguf.GGUFReader", e)
+        arch, tensors = _read_with_gguf_reader(gguf_path)
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
-    for t in reader.tensors:
+    for t in tensors:
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             logger.debug("skipping GGUF tensor %s", t.name)

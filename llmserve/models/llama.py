@@ -108,21 +108,38 @@ def compute_inv_freq(head_dim: int, params: dict, max_position: int) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed RoPE cos/sin tables ``[max_position, head_dim // 2]`` (float32), indexed by
-    position once per step; applied in the "rotate_half" (GPT-NeoX) layout HF Llama uses."""
+    """RoPE cos/sin tables ``[positions, head_dim // 2]`` (float32), indexed by position once
+    per step; applied in the "rotate_half" (GPT-NeoX) layout HF Llama uses. Tables start at
+    ``min(max_position, 8192)`` rows and grow up to ``max_position`` when a step needs it
+    (a 128k-context config would otherwise hold ~64 MB of tables)."""
+
+    _INITIAL_ROWS = 8192
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, params, max_position)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.max_position = int(max_position)
+        self.register_buffer("inv_freq", compute_inv_freq(head_dim, params, max_position),
+                             persistent=False)
+        cos, sin = self._tables(min(self.max_position, self._INITIAL_ROWS))
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """``(cos, sin)``, each ``[T, 1, head_dim // 2]`` in ``dtype``."""
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
-            raise ValueError(f"position {int(positions.max())} exceeds max_position_embeddings "
-                             f"({self.cos_cache.shape[0]})")
+    def _tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.arange(rows, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)
+        return freqs.cos(), freqs.sin()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: Optional[int] = None):
+        """``(cos, sin)``, each ``[T, 1, head_dim // 2]`` in ``dtype``. ``max_pos``: the
+        largest position if known (saves a device sync). Raises ValueError for a position
+        >= max_position_embeddings."""
+        if positions.numel():
+            top = int(positions.max()) if max_pos is None else max_pos
+            if top >= self.cos_cache.shape[0]:
+                if top >= self.max_position:
+                    raise ValueError(f"position {top} exceeds max_position_embeddings "
+                                     f"({self.max_position})")
+                self.cos_cache, self.sin_cache = self._tables(self.max_position)
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
         return cos, sin
@@ -273,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
         (None to run whole prompts without a cache). Returns hidden states ``[T, hidden]``
         after the final norm, in the model dtype."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len - 1)
         residual = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(hidden, residual, cos, sin,

@@ -1,0 +1,64 @@
+"""GGUF loading pieces: the fast tensor index vs gguf.GGUFReader, name mapping and the
+q/k un-permutation (end-to-end equality with transformers is in tests/models)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmserve.model_loader.gguf_loader import (_read_with_gguf_reader, gguf_to_hf_name,
+                                               read_gguf_tensors, reverse_permute)
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_fast_index_matches_gguf_reader(tmp_path, alignment):
+    import gguf
+    path = str(tmp_path / "t.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    if alignment != 32:
+        w.add_custom_alignment(alignment)
+    w.add_block_count(1)
+    w.add_token_list(["a", "bb", "<|im_end|>"] * 50)          # string array
+    w.add_token_scores([0.5] * 150)                            # float array
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((8, 32)).astype(np.float32))
+    q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32),
+                              gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(32).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    arch, fast = read_gguf_tensors(path)
+    arch_ref, ref = _read_with_gguf_reader(path)
+    assert arch == arch_ref == "llama"
+    assert [t.name for t in fast] == [t.name for t in ref]
+    for a, b in zip(fast, ref):
+        assert a.tensor_type == b.tensor_type
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        (tmp_path / "x.gguf").write_bytes(b"nope" * 10)
+        read_gguf_tensors(str(tmp_path / "x.gguf"))
+
+
+def test_name_mapping():
+    assert gguf_to_hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert gguf_to_hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert gguf_to_hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
+    assert gguf_to_hf_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight"
+    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_to_hf_name("output_norm.weight") == "model.norm.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+
+
+def test_reverse_permute_undoes_llama_cpp_permute():
+    """llama.cpp's convert_hf_to_gguf permute: rows of each head (2, dim/2) -> (dim/2, 2)."""
+    n_head, head_dim, hidden = 3, 8, 5
+    w = np.arange(n_head * head_dim * hidden, dtype=np.float32).reshape(n_head * head_dim, hidden)
+    permuted = (w.reshape(n_head, 2, head_dim // 2, hidden).swapaxes(1, 2)
+                .reshape(w.shape))
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(reverse_permute(permuted, n_head), w)

@@ -1,0 +1,165 @@
+"""Fixtures for the model tests: tiny random HF checkpoints of each supported architecture,
+the packaged SmolLM2 GGUF (ours and transformers' reference, loaded once per session), and
+a small paged-KV step runner that plays the model runner's part."""
+from __future__ import annotations
+
+import random
+import pytest
+import torch
+
+from llmserve.attention import build_attn_metadata, get_kv_cache_shape
+
+TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rms_norm_eps=1e-6)
+
+
+def tiny_config(arch: str):
+    """A 2-layer GQA config of ``arch`` (hidden 64) with the architecture's quirks switched on."""
+    import transformers as tf
+    if arch == "llama":  # llama3 rope scaling, biases everywhere, untied head
+        return tf.LlamaConfig(**TINY_COMMON, attention_bias=True, tie_word_embeddings=False,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64},
+                              rope_theta=10000.0)
+    if arch == "mistral":  # sliding window shorter than the prompts, tied head
+        return tf.MistralConfig(**TINY_COMMON, head_dim=16, sliding_window=8,
+                                tie_word_embeddings=True)
+    if arch == "qwen2":  # q/k/v bias, tied head
+        return tf.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True)
+    if arch == "qwen3":  # per-head q/k norm, head_dim != hidden / heads
+        return tf.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def save_tiny_model(arch: str, path: str, seed: int = 0):
+    """Write a random ``arch`` model (config.json + model.safetensors) to ``path``; return the
+    HF model (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    with torch.no_grad():  # norms start at 1.0; perturb so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+class StepRunner:
+    """Feeds requests' token chunks through ``model`` step by step over a paged KV cache,
+    allocating shuffled (non-contiguous) blocks, and returns each chunk's logits."""
+
+    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0):
+        cfg = model.config
+        nkv = cfg.num_key_value_heads
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = [torch.zeros(get_kv_cache_shape(num_blocks, block_size, nkv, hd), dtype=dtype)
+                          for _ in range(cfg.num_hidden_layers)]
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def step(self, chunks: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+        """chunks: ``(request_id, new_tokens)`` in batch order (decodes first).
+        Returns request_id -> logits ``[len(new_tokens), vocab]`` float32."""
+        qlens, slens, blocks, ids, pos = [], [], [], [], []
+        for rid, toks in chunks:
+            start = self.lens.get(rid, 0)
+            end = start + len(toks)
+            owned = self.blocks.setdefault(rid, [])
+            while len(owned) * self.block_size < end:
+                owned.append(self.free.pop())
+            qlens.append(len(toks))
+            slens.append(end)
+            blocks.append(list(owned))
+            ids += toks
+            pos += range(start, end)
+            self.lens[rid] = end
+        md = build_attn_metadata(qlens, slens, blocks, self.block_size)
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv_caches, md)
+            logits = self.model.compute_logits(hidden)
+        out, off = {}, 0
+        for (rid, toks) in chunks:
+            out[rid] = logits[off:off + len(toks)]
+            off += len(toks)
+        return out
+
+
+@pytest.fixture(scope="session")
+def step_runner_cls():
+    return StepRunner
+
+
+@pytest.fixture(scope="session")
+def smollm2_resolved():
+    from llmserve.model_loader import resolve_model
+    return resolve_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_config(smollm2_resolved):
+    from llmserve.model_loader import load_hf_config
+    return load_hf_config(smollm2_resolved)
+
+
+def make_model_config(resolved, hf_config, dtype: str, max_model_len: int = 2048):
+    from llmserve.config import ModelConfig
+    return ModelConfig(model="SmolLM2-135M-Instruct", tokenizer="SmolLM2-135M-Instruct",
+                       served_model_name=("SmolLM2-135M-Instruct",), dtype=dtype,
+                       max_model_len=max_model_len, seed=0, hf_config=hf_config,
+                       model_path=resolved.path, gguf_file=resolved.gguf_file)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_fp32(smollm2_resolved, smollm2_config):
+    from llmserve.model_loader import get_model
+    return get_model(make_model_config(smollm2_resolved, smollm2_config, "float32"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_resolved, smollm2_config):
+    """transformers' own model from the GGUF (float32). ``from_pretrained(gguf_file=...)``
+    needs ``accelerate``; this builds the same thing from transformers'
+    ``load_gguf_checkpoint`` (its GGUF name mapping, dequantization and q/k un-permutation)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    model = AutoModelForCausalLM.from_config(smollm2_config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(smollm2_resolved.model_file, return_tensors=True,
+                                  model_to_load=model)
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_resolved):
+    from llmserve.tokenizer import get_tokenizer
+    return get_tokenizer(smollm2_resolved.path, smollm2_resolved.gguf_file)
+
+
+def seeded_tokens(n: int, seed: int, vocab: int = 49152, low: int = 100) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def tokens_fn():
+    return seeded_tokens
+
+
+@pytest.fixture(scope="session")
+def save_tiny_model_fn():
+    return save_tiny_model
+
+
+@pytest.fixture(scope="session")
+def model_config_fn():
+    return make_model_config

@@ -1,0 +1,51 @@
+"""Tokenizer loading from GGUF metadata and HF dirs, chat templates and their overrides."""
+from __future__ import annotations
+
+import pytest
+
+from llmserve.tokenizer import get_tokenizer, resolve_chat_template
+
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def test_gguf_tokenizer_and_chat_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert len(tok) == 49152
+    assert tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(tok("Hello world").input_ids) == "Hello world"
+
+
+def test_cached_per_arguments(smollm2_resolved, smollm2_tokenizer):
+    assert get_tokenizer(smollm2_resolved.path, smollm2_resolved.gguf_file) is smollm2_tokenizer
+    # a model name or a .gguf path reach the same cached tokenizer
+    assert get_tokenizer("SmolLM2-135M-Instruct") is smollm2_tokenizer
+    assert get_tokenizer(smollm2_resolved.model_file) is smollm2_tokenizer
+
+
+def test_chat_template_override_literal_and_file(smollm2_resolved, smollm2_tokenizer, tmp_path):
+    literal = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    tok = get_tokenizer(smollm2_resolved.path, smollm2_resolved.gguf_file, chat_template=literal)
+    assert tok is not smollm2_tokenizer
+    assert tok.apply_chat_template(MSGS, tokenize=False) == "[user] Hi\n"
+    f = tmp_path / "t.jinja"
+    f.write_text(literal)
+    assert resolve_chat_template(str(f)) == literal
+    # the default tokenizer keeps its own template
+    assert "<|im_start|>" in smollm2_tokenizer.chat_template
+    with pytest.raises(ValueError, match="chat_template"):
+        resolve_chat_template("no_such_template_file.jinja")
+
+
+def test_hf_dir_tokenizer_roundtrip(smollm2_tokenizer, tmp_path):
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    tok = get_tokenizer(str(tmp_path))
+    ids = smollm2_tokenizer("The quick brown fox").input_ids
+    assert tok("The quick brown fox").input_ids == ids
+    assert tok.chat_template == smollm2_tokenizer.chat_template
+
+
+def test_unknown_tokenizer_raises():
+    with pytest.raises(ValueError, match="not found"):
+        get_tokenizer("definitely/not-a-model")
