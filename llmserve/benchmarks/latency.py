@@ -25,7 +25,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from llmserve.benchmarks.ceiling import format_ceiling, measure_gemm_ceiling
-from llmserve.benchmarks.throughput import sample_requests
+from llmserve.benchmarks.datasets import sample_random_requests
+from llmserve.benchmarks.throughput import _warn_if_busy
 from llmserve.engine_args import EngineArgs
 
 __all__ = ["add_cli_args", "main", "latency_stats", "decode_time_per_token"]
@@ -62,7 +63,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters-warmup", type=int, default=2, help="Untimed iterations (default 2).")
     g.add_argument("--num-iters", type=int, default=5, help="Timed iterations (default 5).")
     g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (0: greedy).")
-    g.add_argument("--ceiling-iters", type=int, default=10, help="Timed passes of the ceiling (median).")
+    g.add_argument("--ceiling-iters", type=int, default=10, help="Timed passes of the ceiling (the fastest counts).")
     g.add_argument("--output-json", default=None, help="Write the result dict to this JSON file.")
 
 
@@ -82,13 +83,14 @@ def main(args: argparse.Namespace) -> dict:
     """Run the latency benchmark described by ``args``, print it and return the figures
     (latencies in seconds). Raises ValueError for invalid flags."""
     _validate(args)
+    load_start = _warn_if_busy()
     from llmserve import LLM, SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
     model_config = llm.llm_engine.model_config
     n_batches = args.num_iters_warmup + 2 * args.num_iters
-    pool = sample_requests(llm.get_tokenizer(), n_batches * args.batch_size, args.input_len,
+    pool = sample_random_requests(llm.get_tokenizer(), n_batches * args.batch_size, args.input_len,
                            1, 0.0, args.seed)
     batches = [[{"prompt_token_ids": ids} for ids, _ in pool[i * args.batch_size:(i + 1) * args.batch_size]]
                for i in range(n_batches)]
@@ -113,6 +115,9 @@ def main(args: argparse.Namespace) -> dict:
         one.append(run(next(it), 1))
     full_stats, one_stats = latency_stats(full), latency_stats(one)
     decode_s = decode_time_per_token(full_stats["median_s"], one_stats["median_s"], args.output_len)
+    shutdown = getattr(llm, "shutdown", None)
+    if callable(shutdown):  # the ceiling must not share the CPU with an engine process
+        shutdown()
     ceiling = measure_gemm_ceiling(model_config.hf_config, args.batch_size, model_config.dtype,
                                    num_threads=args.num_threads, iters=args.ceiling_iters)
     ratio = decode_s / ceiling.seconds_per_step
@@ -123,6 +128,7 @@ def main(args: argparse.Namespace) -> dict:
         "decode_time_per_token_s": decode_s,
         "decode_tokens_per_s": args.batch_size / decode_s if decode_s > 0 else float("inf"),
         "ceiling": ceiling.to_dict(), "decode_vs_ceiling_time_ratio": ratio,
+        "loadavg_at_start": load_start,
     }
     print(f"Latency ({args.batch_size} x {args.input_len} in / {args.output_len} out, "
           f"{args.num_iters} iters): mean {full_stats['mean_s']:.3f} s, median "

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
 from llmserve.benchmarks.ceiling import format_ceiling, measure_gemm_ceiling
+from llmserve.benchmarks.datasets import sample_random_requests
 from llmserve.engine_args import EngineArgs
 
 __all__ = ["add_cli_args", "main", "run_llmserve", "ThroughputResult"]
@@ -64,49 +64,6 @@ class ThroughputResult:
                 f"{self.total_tokens_per_s:.1f} total tokens/s, {self.output_tokens_per_s:.1f} output "
                 f"tokens/s ({self.num_requests} requests, {self.prompt_tokens} prompt + "
                 f"{self.output_tokens} output tokens in {self.elapsed_s:.2f} s)")
-
-
-# --------------------------------------------------------------------------- dataset
-def _special_ids(tokenizer: Any) -> set[int]:
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(tok, "special", False):
-            ids.add(int(tid))
-    return ids
-
-
-def _sample_random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
-                            range_ratio: float = 0.0, seed: int = 0) -> list[tuple[list[int], int]]:
-    """Private stand-in for ``llmserve.benchmarks.datasets.sample_random_requests`` (used only
-    while that module is missing): ``num_prompts`` (prompt token ids, output length) pairs.
-
-    Lengths are uniform integers in ``[int(len * (1 - r)), int(len * (1 + r))]`` (at least
-    1); token ids are uniform over the vocabulary less the special tokens; all from
-    ``numpy.random.default_rng(seed)``.
-    """
-    rng = np.random.default_rng(seed)
-    special = _special_ids(tokenizer)
-    allowed = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
-
-    def lengths(n: int) -> np.ndarray:
-        low = max(1, int(n * (1 - range_ratio)))
-        high = max(low, int(n * (1 + range_ratio)))
-        return rng.integers(low, high + 1, size=num_prompts)
-
-    in_lens, out_lens = lengths(input_len), lengths(output_len)
-    return [(allowed[rng.integers(0, len(allowed), size=int(il))].tolist(), int(ol))
-            for il, ol in zip(in_lens, out_lens)]
-
-
-def sample_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float, seed: int) -> list[tuple[list[int], int]]:
-    """Random requests from ``llmserve.benchmarks.datasets`` when present, else the
-    private fallback with the same semantics."""
-    try:
-        from llmserve.benchmarks.datasets import sample_random_requests
-    except ImportError:
-        sample_random_requests = _sample_random_requests
-    return sample_random_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
 
 
 # --------------------------------------------------------------------------- backends
@@ -160,7 +117,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ceiling-tokens-per-step", type=int, nargs="*", default=None,
                    help="Tokens per step for the GEMM ceiling (default: max_num_batched_tokens and 1; "
                         "none to skip).")
-    g.add_argument("--ceiling-iters", type=int, default=5, help="Timed passes per ceiling (median).")
+    g.add_argument("--ceiling-iters", type=int, default=5, help="Timed passes per ceiling (the fastest counts).")
     g.add_argument("--no-warmup", action="store_true", help="Skip the untimed warm-up request.")
     g.add_argument("--output-json", default=None, help="Write the result dict to this JSON file.")
 
@@ -185,6 +142,7 @@ def main(args: argparse.Namespace) -> dict:
     Raises ValueError for invalid flags.
     """
     _validate(args)
+    load_start = _warn_if_busy()
     engine_args = EngineArgs.from_cli_args(args)
     run_llm = args.backend == "llmserve" or args.compare_hf
     run_hf_backend = args.backend == "hf" or args.compare_hf
@@ -198,17 +156,18 @@ def main(args: argparse.Namespace) -> dict:
         hf_config, dtype = model_config.hf_config, model_config.dtype
         mnbt = _engine_mnbt(llm, engine_args)
     else:
-        from llmserve.benchmarks.hf_backend import load_hf_config, load_hf_tokenizer
+        from llmserve.benchmarks.hf_backend import load_hf_config
         from llmserve.config import resolve_dtype
+        from llmserve.tokenizer import get_tokenizer
 
-        tokenizer = load_hf_tokenizer(args.model)
+        tokenizer = get_tokenizer(args.tokenizer or args.model)  # the engine's: same prompts
         hf_config = load_hf_config(args.model)
         dtype = resolve_dtype(args.dtype, "cpu")
         mnbt = args.max_num_batched_tokens or 512
 
-    requests = sample_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                               args.random_range_ratio, args.seed)
-    warmup = None if args.no_warmup else sample_requests(
+    requests = sample_random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
+                                      args.random_range_ratio, args.seed)
+    warmup = None if args.no_warmup else sample_random_requests(
         tokenizer, 1, args.input_len, 4, 0.0, args.seed + 1)[0][0]
     result: dict[str, Any] = {
         "model": args.model, "dtype": dtype, "num_prompts": args.num_prompts,
@@ -216,6 +175,7 @@ def main(args: argparse.Namespace) -> dict:
         "random_range_ratio": args.random_range_ratio, "seed": args.seed,
         "temperature": args.temperature, "max_num_batched_tokens": mnbt,
         "max_num_seqs": args.max_num_seqs, "hf_batch_size": args.hf_batch_size,
+        "num_cpus": os.cpu_count(), "loadavg_at_start": load_start,
     }
     runs: list[Any] = []
     if llm is not None:
@@ -223,6 +183,7 @@ def main(args: argparse.Namespace) -> dict:
         print(r.line())
         result["llmserve"] = r.to_dict()
         runs.append(r)
+        _shutdown(llm)
         del llm
     if run_hf_backend:
         from llmserve.benchmarks.hf_backend import load_hf_model, run_hf
@@ -255,10 +216,29 @@ def main(args: argparse.Namespace) -> dict:
         result["ceiling"].append(entry)
         print(format_ceiling(c) + "; achieved total tokens/s / ceiling: "
               + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    result["loadavg_at_end"] = list(os.getloadavg())
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _warn_if_busy() -> list[float]:
+    """The 1/5/15-minute load averages before the run; prints a warning when other
+    processes already keep the CPUs busy (the figures then measure a shared machine)."""
+    load = list(os.getloadavg())
+    cpus = os.cpu_count() or 1
+    if load[0] > 0.5 * cpus:
+        print(f"WARNING: load average {load[0]:.1f} on {cpus} CPUs before the run: other processes "
+              f"share the CPUs, so timings and ratios are unreliable", file=sys.stderr)
+    return load
+
+
+def _shutdown(llm: Any) -> None:
+    """Stop the engine (and its process) so it does not share the CPU with what follows."""
+    shutdown = getattr(llm, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
 
 
 def _engine_mnbt(llm: Any, engine_args: EngineArgs) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -24,6 +24,11 @@ from llmserve.sampling_params import RequestOutputKind, SamplingParams, Sampling
 MAX_LOGPROBS = 20
 # OpenAI's documented range for ``temperature``.
 MAX_TEMPERATURE = 2.0
+# The most completions one request may ask for (``n``; per prompt for completions).
+MAX_N = 1024
+
+# Integers that cross the process boundary must fit in 64 bits (vLLM bounds ``seed`` alike).
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 def random_uuid() -> str:
@@ -35,6 +40,12 @@ class OpenAIBaseModel(BaseModel):
     """Base of all API models: unknown fields are allowed (and ignored)."""
 
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """Base of request bodies: NaN and Infinity are rejected (Python's json accepts them)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -94,7 +105,7 @@ class StreamOptions(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- sampling
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(OpenAIRequestModel):
     """Sampling fields shared by chat and completions (OpenAI + vLLM extras).
 
     None means "not given": the server then uses the model's generation_config default
@@ -102,32 +113,32 @@ class _SamplingRequest(OpenAIBaseModel):
     """
 
     model: Optional[str] = None
-    n: Optional[int] = 1
-    max_tokens: Optional[int] = None
+    n: Optional[Int64] = 1
+    max_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    seed: Optional[int] = None
+    seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
     # vLLM extras
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[Int64]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[Int64]] = None
     bad_words: Optional[list[str]] = None
-    priority: int = 0
+    priority: Int64 = 0
 
     def check_common(self) -> None:
         """Checks that do not need the prompt. Raises SamplingParamsError (param set)."""
@@ -138,8 +149,8 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(
                 f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.", "temperature")
-        if self.n is not None and self.n < 1:
-            raise SamplingParamsError(f"n must be at least 1, got {self.n}.", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n must be between 1 and {MAX_N} (this server's limit), got {self.n}.", "n")
         rf = self.response_format
         if rf is not None and rf.get("type", "text") != "text":
             raise SamplingParamsError(
@@ -205,8 +216,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    top_logprobs: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     # vLLM extras
@@ -329,11 +340,11 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: PromptType
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Int64] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
     add_special_tokens: bool = True
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[Int64] = None
 
     def check(self) -> None:
         """Request-level checks. Raises SamplingParamsError (param set)."""
@@ -403,7 +414,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- tokenizer routes
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequestModel):
     """``POST /tokenize``: exactly one of ``prompt`` (plain text) or ``messages`` (rendered
     through the chat template first). ``add_special_tokens`` defaults to True for a prompt
     and False for messages (the template writes the special tokens), as in vLLM."""
@@ -435,7 +446,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: Optional[str] = None
     tokens: list[int]
 
@@ -445,7 +456,7 @@ class DetokenizeResponse(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- not yet served
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(OpenAIRequestModel):
     """``POST /v1/responses``: only parsed far enough to check the model and the input
     length; the endpoint itself is not served yet."""
 
@@ -455,7 +466,7 @@ class ResponsesRequest(OpenAIBaseModel):
     max_output_tokens: Optional[int] = None
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(OpenAIRequestModel):
     """``POST /v1/embeddings``: parsed to check the model; generate models answer 400."""
 
     model: Optional[str] = None

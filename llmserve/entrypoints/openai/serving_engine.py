@@ -204,14 +204,19 @@ class OpenAIServing:
                     f"completion). Please reduce the length of the {what} or completion.", max_tokens_param)
             return requested
         room = limit - prompt_len
-        gen_default = self.default_sampling_params.get("max_tokens")
+        gen_default = self.default_sampling_params.get("max_tokens",
+                                                       self.default_sampling_params.get("max_new_tokens"))
         budget = [v for v in (default, gen_default) if v is not None]
         return min([room] + budget)
 
     # ---- engine ----------------------------------------------------------------
     def generate(self, prompt_ids: list[int], prompt_text: Optional[str], params: SamplingParams,
                  request_id: str, priority: int = 0) -> AsyncGenerator[Any, None]:
-        """Start one engine request (its async generator of RequestOutput)."""
+        """Start one engine request (its async generator of RequestOutput).
+
+        The engine id is ``request_id`` plus a random suffix, so two clients sending the
+        same X-Request-Id at once never collide in the engine."""
+        request_id = f"{request_id}-{random_uuid()[:8]}"
         if self.log_requests:
             logger.info("Received request %s: prompt_tokens=%d, params=%s", request_id,
                         len(prompt_ids), params)

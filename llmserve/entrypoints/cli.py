@@ -1,0 +1,91 @@
+"""The ``llmserve`` command (vLLM's ``vllm`` CLI).
+
+    llmserve serve [MODEL] [flags]        OpenAI-compatible server (see ``llmserve serve --help``)
+    llmserve bench serve|throughput|latency [flags]
+
+Each ``bench`` subcommand lives in ``llmserve.benchmarks.<name>``, which exposes
+``add_cli_args(parser)`` and ``main(args)``; only the chosen one is imported, so
+``llmserve --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+BENCHMARKS = {
+    "serve": "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput).",
+    "throughput": "Offline throughput of the engine on a batch of prompts.",
+    "latency": "Offline latency of one batch, end to end.",
+}
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from llmserve.entrypoints.openai.cli_args import make_arg_parser
+
+    p = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
+                              description="Start the OpenAI-compatible HTTP server "
+                                          "(defaults: model SmolLM2-135M-Instruct, port 8000).")
+    make_arg_parser(p)
+    p.set_defaults(dispatch=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    from llmserve.entrypoints.openai.api_server import run_server
+    from llmserve.entrypoints.openai.cli_args import validate_parsed_serve_args
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        validate_parsed_serve_args(args)
+        asyncio.run(run_server(args))
+    except ValueError as e:  # a bad flag or model: one line, not a traceback
+        print(f"llmserve serve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _add_bench(subparsers: argparse._SubParsersAction, chosen: Optional[str]) -> None:
+    bench = subparsers.add_parser("bench", help="Benchmarks: serve, throughput, latency.",
+                                  description="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench_type", metavar="{" + ",".join(BENCHMARKS) + "}")
+    for name, doc in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=doc, description=doc)
+        if name == chosen:  # import only the benchmark that runs (its flags need its module)
+            module = importlib.import_module(f"llmserve.benchmarks.{name}")
+            module.add_cli_args(p)
+            p.set_defaults(dispatch=module.main)
+    bench.set_defaults(dispatch=lambda _args: (bench.print_help(), sys.exit(2)))
+
+
+def make_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The top-level parser; ``argv`` decides which bench module gets imported."""
+    parser = argparse.ArgumentParser(
+        prog="llmserve", description="llmserve: LLM inference and serving engine (vLLM-compatible CLI).")
+    from llmserve import __version__
+
+    parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
+    sub = parser.add_subparsers(dest="subcommand", metavar="{serve,bench}")
+    _add_serve(sub)
+    chosen = None
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        chosen = argv[1]
+    _add_bench(sub, chosen)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point of the ``llmserve`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser(argv)
+    args = parser.parse_args(argv)
+    dispatch = getattr(args, "dispatch", None)
+    if dispatch is None:
+        parser.print_help()
+        sys.exit(2)
+    dispatch(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Command-line flags of the OpenAI server (vLLM's ``make_arg_parser``): server flags plus
+every engine flag generated from :class:`~llmserve.engine_args.AsyncEngineArgs`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Optional
+
+from llmserve.engine_args import AsyncEngineArgs
+
+API_KEY_ENV = "LLMSERVE_API_KEY"
+_UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _json_list(value: str) -> list[str]:
+    """Parse ``'["a", "b"]'`` (vLLM's format) or a comma-separated list."""
+    value = value.strip()
+    if value.startswith("["):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {value!r} ({e})") from e
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+        return parsed
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    """Add the server flags and the engine flags to ``parser`` (a new one if None).
+
+    The optional positional ``model_tag`` (``llmserve serve MODEL``) overrides ``--model``.
+    """
+    if parser is None:
+        parser = argparse.ArgumentParser(
+            prog="llmserve serve",
+            description="Start the OpenAI-compatible HTTP server.",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("model_tag", nargs="?", default=None,
+                        help="The model to serve (same as --model; wins over it when both are given).")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", type=str, default=None, help="Host to bind (default: all interfaces).")
+    server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    server.add_argument("--api-key", type=str, default=os.environ.get(API_KEY_ENV),
+                        help=f"Require 'Authorization: Bearer <key>' on /v1/* and the tokenizer routes "
+                             f"(default: ${API_KEY_ENV} when set).")
+    server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS allowed origins.")
+    server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS allowed methods.")
+    server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS allowed headers.")
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    server.add_argument("--uvicorn-log-level", type=str, default="info", choices=_UVICORN_LOG_LEVELS,
+                        help="Log level of uvicorn.")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="Do not log one line per HTTP request.")
+    server.add_argument("--timeout-graceful-shutdown", type=float, default=10.0,
+                        help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
+                             "they are aborted.")
+    server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    """Apply ``model_tag`` to ``model`` and check the server flags. Raises ValueError."""
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None and args.api_key == "":
+        args.api_key = None

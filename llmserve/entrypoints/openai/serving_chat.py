@@ -1,0 +1,191 @@
+"""``POST /v1/chat/completions`` (vLLM's ``OpenAIServingChat``).
+
+Messages go through the chat template (``add_generation_prompt`` opens the assistant
+turn; ``continue_final_message`` leaves the last assistant message open instead), the
+text is tokenized without adding special tokens (the template wrote them), and
+``max_tokens`` / ``max_completion_tokens`` default to the rest of the context.
+
+Streaming follows OpenAI: the first chunk of each choice carries ``delta.role =
+"assistant"``, every choice object has a ``finish_reason`` key (null until that choice's
+last chunk), ``stream_options.include_usage`` adds a last chunk with ``choices: []`` and
+the usage, and the stream ends with ``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncGenerator, Optional, Union
+
+from llmserve.entrypoints.openai.chat_utils import render_chat_prompt
+from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from llmserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    merge_async_iterators,
+    sse,
+    sse_error,
+)
+from llmserve.entrypoints.openai.serving_models import OpenAIServingModels
+from llmserve.outputs import RequestOutput
+from llmserve.tokenizer import resolve_chat_template
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of ``/v1/chat/completions``.
+
+    chat_template: the server's ``--chat-template`` (file path or literal; None: the
+    model's own template). A request's ``chat_template`` field overrides it.
+    """
+
+    request_id_prefix = "chatcmpl"
+
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, *,
+                 chat_template: Optional[str] = None, log_requests: bool = False):
+        super().__init__(engine_client, models, log_requests=log_requests)
+        self.chat_template = resolve_chat_template(chat_template)
+
+    def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool,
+               chat_template: Optional[str], chat_template_kwargs: Optional[dict[str, Any]],
+               add_special_tokens: bool) -> tuple[str, list[int]]:
+        """Messages -> (prompt text, prompt token ids). Raises SamplingParamsError."""
+        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
+        text = render_chat_prompt(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template,
+            chat_template_kwargs=chat_template_kwargs)
+        return text, self.tokenize(text, add_special_tokens)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
+                                     ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
+        """Serve one request: a ChatCompletionResponse, or (``stream``) an async generator
+        of SSE strings. Errors before the stream starts are raised (ModelNotFoundError,
+        SamplingParamsError/ValueError, EngineDeadError)."""
+        model_name = self.models.resolve(request.model)
+        request.check()
+        text, ids = self.render(
+            request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens)
+        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens(), None, "messages", max_param)
+        params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+        zero_output = max_tokens == 0
+        request_id = self.new_request_id(request_id)
+        created = int(time.time())
+        gen = merge_async_iterators(
+            self.generate(ids, text, self.engine_params(params), request_id, request.priority))
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await gen.aclose()
+            raise
+        if request.stream:
+            return self._stream(request, request_id, created, model_name, len(ids), zero_output, first, gen)
+        final: Optional[RequestOutput] = first[1] if first is not None else None
+        try:
+            async for _, res in gen:
+                if final is None:
+                    final = res
+                else:
+                    final.add(res, aggregate=False)
+        finally:
+            await gen.aclose()
+        if final is None:
+            raise RuntimeError(f"request {request_id} ended without output")
+        return self._build_response(request, request_id, created, model_name, len(ids), zero_output, final)
+
+    # ---- non-streaming -------------------------------------------------------------
+    def _build_response(self, request: ChatCompletionRequest, request_id: str, created: int,
+                        model_name: str, prompt_tokens: int, zero_output: bool,
+                        final: RequestOutput) -> ChatCompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            token_ids = [] if zero_output else list(out.token_ids)
+            completion_tokens += len(token_ids)
+            logprobs = None
+            if request.logprobs:
+                logprobs = build_chat_logprobs(self.token_formatter, token_ids,
+                                               [] if zero_output else (out.logprobs or []),
+                                               request.top_logprobs or 0)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index,
+                message=ChatMessage(role="assistant", content="" if zero_output else out.text),
+                logprobs=logprobs,
+                finish_reason="length" if zero_output else out.finish_reason,
+                stop_reason=None if zero_output else out.stop_reason,
+            ))
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens))
+
+    # ---- streaming -------------------------------------------------------------------
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                      prompt_tokens: int, zero_output: bool, first: Optional[tuple[int, RequestOutput]],
+                      gen: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
+        n = request.n or 1
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts.continuous_usage_stats)
+        num_tokens = [0] * n
+
+        def usage_now() -> UsageInfo:
+            done = sum(num_tokens)
+            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done)
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                choices=[choice], usage=usage_now() if continuous else None)
+            return sse(resp.model_dump_json())
+
+        try:
+            for i in range(n):
+                yield chunk(ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None))
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    item = pending.pop()
+                else:
+                    try:
+                        item = await gen.__anext__()
+                    except StopAsyncIteration:
+                        break
+                res = item[1]
+                for out in res.outputs:
+                    token_ids = [] if zero_output else out.token_ids
+                    text = "" if zero_output else out.text
+                    finish = out.finish_reason
+                    if zero_output and finish is not None:
+                        finish = "length"
+                    num_tokens[out.index] += len(token_ids)
+                    logprobs = None
+                    if request.logprobs and token_ids:
+                        logprobs = build_chat_logprobs(self.token_formatter, token_ids, out.logprobs or [],
+                                                       request.top_logprobs or 0)
+                    if not text and finish is None and logprobs is None:
+                        continue
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=out.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                        finish_reason=finish, stop_reason=None if zero_output else out.stop_reason))
+            if include_usage:
+                final = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                     choices=[], usage=usage_now())
+                yield sse(final.model_dump_json())
+        except Exception as e:  # the stream already started: report in-band, as vLLM does
+            yield sse_error(e)
+        finally:
+            await gen.aclose()
+        yield SSE_DONE

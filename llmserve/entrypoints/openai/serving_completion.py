@@ -1,0 +1,237 @@
+"""``POST /v1/completions`` (vLLM's ``OpenAIServingCompletion``).
+
+The prompt may be a string, a list of strings, a list of token ids or a list of
+token-id lists; each prompt is one engine request, and choice ``p * n + j`` is the j-th
+completion of prompt p (OpenAI's order). ``echo`` prepends the prompt text (and, with
+``logprobs``, the prompt's logprobs, the first being null). ``max_tokens`` defaults to
+16 (OpenAI's legacy default), clamped to the room left in the context.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncGenerator, Optional, Union
+
+from llmserve.entrypoints.openai.logprobs import build_completion_logprobs
+from llmserve.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from llmserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    merge_async_iterators,
+    sse,
+    sse_error,
+)
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+
+_DEFAULT_MAX_TOKENS = 16
+
+
+class _Prompt:
+    """One prompt of a request: text (None for token ids), ids, params, echo text."""
+
+    __slots__ = ("text", "ids", "params", "zero_output", "echo_text")
+
+    def __init__(self, text: Optional[str], ids: list[int]):
+        self.text = text
+        self.ids = ids
+        self.params: Optional[SamplingParams] = None
+        self.zero_output = False
+        self.echo_text = ""
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Handler of ``/v1/completions``."""
+
+    request_id_prefix = "cmpl"
+
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items: list[Union[str, list[int]]] = [prompt]
+        elif len(prompt) == 0:
+            raise SamplingParamsError("prompt cannot be empty.", "prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append(_Prompt(item, self.tokenize(item, request.add_special_tokens)))
+            else:
+                out.append(_Prompt(None, self.check_token_ids(item, "prompt")))
+        return out
+
+    def _prepare(self, request: CompletionRequest) -> tuple[str, list[_Prompt]]:
+        model_name = self.models.resolve(request.model)
+        request.check()
+        prompts = self._prompts(request)
+        for p in prompts:
+            max_tokens = self.resolve_max_tokens(len(p.ids), request.max_tokens, _DEFAULT_MAX_TOKENS, "prompt")
+            p.params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            p.zero_output = max_tokens == 0
+            if request.echo:
+                p.echo_text = p.text if p.text is not None else self.tokenizer.decode(
+                    p.ids, skip_special_tokens=False)
+        return model_name, prompts
+
+    async def create_completion(self, request: CompletionRequest, request_id: Optional[str] = None,
+                                ) -> Union[CompletionResponse, AsyncGenerator[str, None]]:
+        """Serve one request: a CompletionResponse, or (``stream``) an async generator of
+        SSE strings. Errors before the stream starts are raised (ModelNotFoundError,
+        SamplingParamsError/ValueError from validation or the engine, EngineDeadError)."""
+        model_name, prompts = self._prepare(request)
+        request_id = self.new_request_id(request_id)
+        created = int(time.time())
+        gens = [
+            self.generate(p.ids, p.text, self.engine_params(p.params), f"{request_id}-{i}", request.priority)
+            for i, p in enumerate(prompts)
+        ]
+        merged = merge_async_iterators(*gens)
+        try:
+            first = await merged.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await merged.aclose()
+            raise
+        if request.stream:
+            return self._stream(request, request_id, created, model_name, prompts, first, merged)
+        try:
+            finals: list[Optional[RequestOutput]] = [None] * len(prompts)
+            if first is not None:
+                _accumulate(finals, *first)
+            async for i, res in merged:
+                _accumulate(finals, i, res)
+        finally:
+            await merged.aclose()
+        return self._build_response(request, request_id, created, model_name, prompts, finals)
+
+    # ---- non-streaming -----------------------------------------------------------
+    def _build_response(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
+                        prompts: list[_Prompt], finals: list[Optional[RequestOutput]]) -> CompletionResponse:
+        choices = []
+        n = request.n or 1
+        prompt_tokens = completion_tokens = 0
+        for i, (p, res) in enumerate(zip(prompts, finals)):
+            prompt_tokens += len(p.ids)
+            if res is None:
+                raise RuntimeError(f"request {request_id}-{i} ended without output")
+            for out in sorted(res.outputs, key=lambda o: o.index):
+                token_ids = [] if p.zero_output else list(out.token_ids)
+                text = "" if p.zero_output else out.text
+                completion_tokens += len(token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(request, p, res.prompt_logprobs, token_ids,
+                                              [] if p.zero_output else (out.logprobs or []))
+                choices.append(CompletionResponseChoice(
+                    index=i * n + out.index,
+                    text=p.echo_text + text,
+                    logprobs=logprobs,
+                    finish_reason="length" if p.zero_output else out.finish_reason,
+                    stop_reason=None if p.zero_output else out.stop_reason,
+                ))
+        return CompletionResponse(
+            id=request_id, created=created, model=model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens))
+
+    def _logprobs(self, request: CompletionRequest, p: _Prompt, prompt_logprobs: Optional[list],
+                  token_ids: list[int], sample_logprobs: list, echo_prefix: bool = True) -> CompletionLogProbs:
+        ids: list[int] = []
+        tops: list[Any] = []
+        if request.echo and echo_prefix:
+            ids.extend(p.ids)
+            pl = list(prompt_logprobs or [])
+            tops.extend(pl + [None] * (len(p.ids) - len(pl)))
+        ids.extend(token_ids)
+        tops.extend(list(sample_logprobs) + [{}] * (len(token_ids) - len(sample_logprobs)))
+        return build_completion_logprobs(self.token_formatter, ids, tops, request.logprobs or 0)
+
+    # ---- streaming -------------------------------------------------------------
+    async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
+                      prompts: list[_Prompt], first: Optional[tuple[int, RequestOutput]],
+                      merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
+        n = request.n or 1
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts.continuous_usage_stats)
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+        num_tokens = [0] * (len(prompts) * n)
+        echoed = [False] * (len(prompts) * n)
+        # text offset of the next token in each choice's text (for logprobs.text_offset)
+        offsets = [0] * (len(prompts) * n)
+        prompt_lps: list[Optional[list]] = [None] * len(prompts)
+        try:
+            async for i, res in _prepend(first, merged):
+                p = prompts[i]
+                if res.prompt_logprobs is not None:
+                    prompt_lps[i] = res.prompt_logprobs
+                for out in res.outputs:
+                    idx = i * n + out.index
+                    token_ids = [] if p.zero_output else list(out.token_ids)
+                    text = "" if p.zero_output else out.text
+                    finish = out.finish_reason
+                    if p.zero_output and finish is not None:
+                        finish = "length"
+                    stop_reason = None if p.zero_output else out.stop_reason
+                    num_tokens[idx] += len(token_ids)
+                    echo_now = request.echo and not echoed[idx]
+                    if echo_now:
+                        echoed[idx] = True
+                        text = p.echo_text + text
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._logprobs(request, p, prompt_lps[i], token_ids,
+                                                  [] if p.zero_output else (out.logprobs or []),
+                                                  echo_prefix=echo_now)
+                        logprobs.text_offset = [o + offsets[idx] for o in logprobs.text_offset]
+                    offsets[idx] += len(text)
+                    if not text and finish is None and not (logprobs and logprobs.tokens):
+                        continue
+                    usage = None
+                    if continuous:
+                        done = sum(num_tokens)
+                        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
+                                          total_tokens=prompt_tokens + done)
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=model_name, usage=usage,
+                        choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs,
+                                                                finish_reason=finish, stop_reason=stop_reason)])
+                    yield sse(chunk.model_dump_json())
+            if include_usage:
+                done = sum(num_tokens)
+                final = CompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
+                                    total_tokens=prompt_tokens + done))
+                yield sse(final.model_dump_json())
+        except Exception as e:  # the stream already started: report in-band, as vLLM does
+            yield sse_error(e)
+        finally:
+            await merged.aclose()
+        yield SSE_DONE
+
+
+def _accumulate(finals: list[Optional[RequestOutput]], i: int, res: RequestOutput) -> None:
+    """Merge a FINAL_ONLY output of prompt i into ``finals`` (n>1 may arrive in parts)."""
+    if finals[i] is None:
+        finals[i] = res
+    else:
+        finals[i].add(res, aggregate=False)
+
+
+async def _prepend(first: Optional[Any], rest: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item

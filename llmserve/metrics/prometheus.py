@@ -1,0 +1,190 @@
+"""Prometheus metrics of the engine (vLLM's ``PrometheusStatLogger``), served at /metrics.
+
+Names are vLLM's with the ``llmserve:`` prefix, each labelled with ``model_name``:
+
+=============================================  =========  ==========================================
+llmserve:num_requests_running                  gauge      requests in the running batch
+llmserve:num_requests_waiting                  gauge      requests queued
+llmserve:kv_cache_usage_perc                   gauge      used KV blocks / all blocks (0..1)
+llmserve:num_preemptions_total                 counter    preempted requests
+llmserve:prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
+llmserve:prefix_cache_hits_total               counter    of those, tokens found
+llmserve:prompt_tokens_total                   counter    prefilled prompt tokens
+llmserve:generation_tokens_total               counter    generated tokens
+llmserve:request_success_total                 counter    finished requests, label finished_reason
+llmserve:time_to_first_token_seconds           histogram  arrival -> first token
+llmserve:inter_token_latency_seconds           histogram  between consecutive tokens of a request
+llmserve:time_per_output_token_seconds         histogram  same samples (vLLM's older name)
+llmserve:request_time_per_output_token_seconds histogram  mean per finished request
+llmserve:e2e_request_latency_seconds           histogram  arrival -> finish
+llmserve:request_queue_time_seconds            histogram  time spent waiting
+llmserve:request_prompt_tokens                 histogram  prompt length of finished requests
+llmserve:request_generation_tokens             histogram  output length of finished requests
+=============================================  =========  ==========================================
+
+Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
+apps or engines in one process never collide.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from llmserve.metrics.stats import IterationStats, SchedulerStats
+
+PREFIX = "llmserve:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                          2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out: list[float] = []
+    exp = 1
+    while True:
+        for m in (1, 2, 5):
+            v = m * exp
+            if v > max_model_len:
+                return out
+            out.append(float(v))
+        exp *= 10
+
+
+class PrometheusStatLogger:
+    """Stat logger that exports engine stats as Prometheus metrics.
+
+    Args:
+      engine_config: the EngineConfig (model name label, max_model_len for buckets), or
+        anything with ``model_config``.
+      registry: a CollectorRegistry to register into (default: a new one, private).
+    ``record(scheduler_stats, iteration_stats)`` is called by AsyncLLM after each batch
+    of engine outputs; either argument may be None. ``render()`` returns the text
+    exposition format (bytes) for GET /metrics.
+    """
+
+    def __init__(self, engine_config: Any, registry: Optional[CollectorRegistry] = None, engine_index: int = 0):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        model_config = engine_config.model_config
+        names = getattr(model_config, "served_model_name", None) or (model_config.model,)
+        self.model_name = names[0] if isinstance(names, (tuple, list)) else str(names)
+        max_len = int(getattr(model_config, "max_model_len", 2048) or 2048)
+        labels = ["model_name", "engine"]
+        lv = {"model_name": self.model_name, "engine": str(engine_index)}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(**lv)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(**lv)
+
+        def hist(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(**lv)
+
+        self.gauge_running = gauge("num_requests_running", "Number of requests in the running batch.")
+        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be scheduled.")
+        self.gauge_kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent used.")
+        self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.counter_prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.counter_prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self.counter_success = {reason: success.labels(finished_reason=reason, **lv) for reason in FINISH_REASONS}
+        self._success_family = success
+        self._lv = lv
+        self.hist_ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _LATENCY_BUCKETS)
+        self.hist_itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _TOKEN_LATENCY_BUCKETS)
+        self.hist_tpot = hist("time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (same samples as inter_token_latency).",
+                              _TOKEN_LATENCY_BUCKETS)
+        self.hist_req_tpot = hist("request_time_per_output_token_seconds",
+                                  "Histogram of the mean time per output token of each request in seconds.",
+                                  _TOKEN_LATENCY_BUCKETS)
+        self.hist_e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                             _E2E_BUCKETS)
+        self.hist_queue = hist("request_queue_time_seconds", "Histogram of time spent waiting in seconds.",
+                               _E2E_BUCKETS)
+        token_buckets = _token_buckets(max_len)
+        self.hist_prompt_len = hist("request_prompt_tokens", "Number of prefill tokens per finished request.",
+                                    token_buckets)
+        self.hist_gen_len = hist("request_generation_tokens", "Number of generation tokens per finished request.",
+                                 token_buckets)
+        cache = getattr(engine_config, "cache_config", None)
+        if cache is not None:
+            info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.",
+                         ["block_size", "enable_prefix_caching"], registry=r)
+            info.labels(block_size=str(cache.block_size),
+                        enable_prefix_caching=str(cache.enable_prefix_caching)).set(1)
+
+    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
+               *args: Any, **kwargs: Any) -> None:
+        """Update the metrics from one batch of stats (either may be None)."""
+        if scheduler_stats is not None:
+            self.gauge_running.set(scheduler_stats.num_running_reqs)
+            self.gauge_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.gauge_kv_usage.set(scheduler_stats.kv_cache_usage)
+            if scheduler_stats.num_preemptions:
+                self.counter_preemptions.inc(scheduler_stats.num_preemptions)
+            if scheduler_stats.prefix_cache_queries:
+                self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
+            if scheduler_stats.prefix_cache_hits:
+                self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+        if iteration_stats is None:
+            return
+        if iteration_stats.num_prompt_tokens:
+            self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        if iteration_stats.num_generation_tokens:
+            self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens_iter:
+            self.hist_ttft.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_iter:
+            self.hist_itl.observe(itl)
+            self.hist_tpot.observe(itl)
+        for fin in iteration_stats.finished_requests:
+            reason = str(fin.finish_reason)
+            counter = self.counter_success.get(reason)
+            if counter is None:
+                counter = self._success_family.labels(finished_reason=reason, **self._lv)
+                self.counter_success[reason] = counter
+            counter.inc()
+            self.hist_e2e.observe(fin.e2e_latency)
+            self.hist_queue.observe(fin.queued_time)
+            self.hist_prompt_len.observe(fin.num_prompt_tokens)
+            self.hist_gen_len.observe(fin.num_generation_tokens)
+            if fin.num_generation_tokens > 1:
+                self.hist_req_tpot.observe(fin.mean_tpot)
+
+    def set_engine_stats(self, stats: dict[str, Any]) -> None:
+        """Refresh the gauges from a live engine snapshot (``AsyncLLM.get_engine_stats()``:
+        num_running_reqs, num_waiting_reqs, kv_cache_usage), e.g. at scrape time, so they
+        are right even when no engine step has run since the last change (an abort)."""
+        if "num_running_reqs" in stats:
+            self.gauge_running.set(stats["num_running_reqs"])
+        if "num_waiting_reqs" in stats:
+            self.gauge_waiting.set(stats["num_waiting_reqs"])
+        if "kv_cache_usage" in stats:
+            self.gauge_kv_usage.set(stats["kv_cache_usage"])
+
+    def log(self) -> None:
+        """Periodic logging hook of stat loggers (Prometheus is scraped, nothing to do)."""
+
+    def log_engine_initialized(self) -> None:
+        """Called once the engine is up (nothing to do)."""
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this logger's registry."""
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST

@@ -1,0 +1,27 @@
+"""``llmserve bench serve`` against the real server: every request completes with its
+exact output length, the table is printed and --save-result writes the JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from e2e_utils import MODEL
+
+
+def test_bench_serve_small_run(server, tmp_path):
+    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "bench", "serve", "--base-url", server.url_root,
+           "--api-key", server.api_key, "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
+           "--max-concurrency", "2", "--request-rate", "50", "--seed", "1", "--save-result", "--result-dir",
+           str(tmp_path), "--result-filename", "out.json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("Serving Benchmark Result", "Request throughput", "Output token throughput", "Median TTFT",
+                  "P99 TPOT", "Mean ITL", "Median E2EL"):
+        assert label in proc.stdout, label
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["model_id"] == MODEL
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_input_tokens"] == 64 and result["total_output_tokens"] == 16
+    assert result["output_throughput"] > 0 and result["median_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
+    assert result["p99_e2el_ms"] >= result["median_e2el_ms"] > 0

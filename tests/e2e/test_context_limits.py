@@ -1,0 +1,118 @@
+"""Context-length handling on a server with ``--max-model-len 512`` and a KV cache that
+cannot hold 8 full-length sequences at once (cases C12, C13), then a graceful SIGTERM."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+
+from e2e_utils import MODEL, no_nonfinite
+
+MAXLEN = 512
+
+
+def _err(r, status=400):
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = no_nonfinite(r.text)["error"]
+    assert err["message"] and err["code"] == status
+    return err
+
+
+def test_max_tokens_vs_context_c12(server_512):
+    s = server_512
+    assert s.model_id() == MODEL and s.tok("Hi")["max_model_len"] == MAXLEN
+    x1 = _err(s.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": MAXLEN + 100}))
+    assert str(MAXLEN) in x1["message"] and str(MAXLEN + 100) in x1["message"]
+    s.assert_healthy()
+    n_hi = s.tok("Hi")["count"]
+    x2 = {"model": MODEL, "prompt": "Hi", "max_tokens": MAXLEN - n_hi, "ignore_eos": True, "temperature": 0}
+    r2 = s.post("/v1/completions", x2, timeout=900).json()
+    assert r2["choices"][0]["finish_reason"] == "length"
+    assert r2["usage"]["completion_tokens"] == MAXLEN - r2["usage"]["prompt_tokens"]
+    s.assert_healthy()
+    r3 = s.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                         "ignore_eos": True}, timeout=900)
+    assert r3.status_code == 200, r3.text
+    u3 = r3.json()["usage"]
+    assert u3["prompt_tokens"] + u3["completion_tokens"] == MAXLEN
+    assert r3.json()["choices"][0]["finish_reason"] == "length"
+    s.assert_healthy()
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: s.post("/v1/completions", x2, timeout=1200), range(8)))
+    for r in outs:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"] == r2["usage"] and body["choices"][0]["finish_reason"] == "length"
+        assert body["choices"][0]["text"] == r2["choices"][0]["text"]
+    s.assert_healthy()
+    x5 = s.post("/v1/completions", {"model": MODEL, "prompt": "Hi"})
+    assert x5.status_code == 200 and x5.json()["usage"]["completion_tokens"] <= 16
+    s.assert_healthy()
+
+
+def test_prompt_too_long_c13(server_512):
+    s = server_512
+    long = "hello " * (MAXLEN + 50)
+    n_long = s.tok(long)["count"]
+    n_chat = s.post("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": long}]}).json()["count"]
+    for path, body, count in (
+            ("/v1/completions", {"prompt": long, "max_tokens": 5}, n_long),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}], "max_tokens": 5}, n_chat),
+            ("/v1/responses", {"input": long, "max_output_tokens": 5}, None)):
+        err = _err(s.post(path, {"model": MODEL, **body}))
+        assert str(MAXLEN) in err["message"]
+        if count is not None:
+            assert str(count) in err["message"]
+        assert not re.search(r"-\d", err["message"]), err["message"]
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": long}))
+    with s.http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": long, "max_tokens": 5,
+                                                          "stream": True}) as r:
+        r.read()
+    _err(r)
+    h = s.tok("hello")["tokens"][0]
+    ok = s.post("/v1/completions", {"model": MODEL, "prompt": [h] * (MAXLEN - 1), "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+    _err(s.post("/v1/completions", {"model": MODEL, "prompt": [h] * MAXLEN, "max_tokens": 1}))
+    assert n_long > MAXLEN
+    s.assert_healthy()
+
+
+def test_sigterm_finishes_or_aborts_in_flight_and_stops_engine(server_512):
+    """Graceful shutdown: SIGTERM with a stream in flight; the server exits 0 and the
+    engine process is gone. (Runs last in this module: it stops the module's server.)"""
+    s = server_512
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    assert children, "the engine runs in a child process"
+    got_first = threading.Event()
+    result = {}
+
+    def stream():
+        try:
+            with s.http.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got_first.set()
+                        result["last"] = line
+        except Exception as e:  # the connection may be cut when the grace period ends
+            result["error"] = repr(e)
+        got_first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert got_first.wait(120)
+    s.proc.send_signal(signal.SIGTERM)
+    try:
+        code = s.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        s.proc.kill()
+        raise AssertionError(f"server did not exit after SIGTERM:\n{s.logs()}")
+    t.join(30)
+    assert code == 0, s.logs()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"engine processes still alive after shutdown: {alive}"

@@ -1,0 +1,141 @@
+"""The FastAPI app's wiring with a scripted engine stub (no model): auth, error bodies,
+engine death (503), errors before vs after the SSE stream starts, X-Request-Id, CORS.
+The real-engine behaviour is covered by tests/e2e."""
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from llmserve.engine.exceptions import EngineDeadError
+from llmserve.entrypoints.openai.api_server import build_app, init_app_state
+from llmserve.entrypoints.openai.cli_args import make_arg_parser
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+
+class ScriptedEngine:
+    """Engine stub: ``generate`` raises ``fail_before`` before any output, else yields
+    ``outputs`` and then raises ``fail_after`` (if set)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(max_model_len=64, vocab_size=49152, served_model_name=("m",), model="m")
+        self.generation_config_defaults = {}
+        self.dead = False
+        self.fail_before = None
+        self.fail_after = None
+        self.outputs = []
+        self.closed = []
+
+    @property
+    def errored(self):
+        return self.dead
+
+    async def check_health(self):
+        if self.dead:
+            raise EngineDeadError()
+
+    async def generate(self, prompt, params, request_id, priority=0):
+        try:
+            if self.dead:
+                raise EngineDeadError()
+            if self.fail_before:
+                raise self.fail_before
+            for out in self.outputs:
+                yield out
+            if self.fail_after:
+                raise self.fail_after
+        finally:
+            self.closed.append(request_id)
+
+
+def _output(text, finish=None):
+    return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, [5], None, None, finish)], finish is not None)
+
+
+@pytest.fixture
+def app_and_engine(smol_tokenizer):
+    def make(*flags):
+        args = make_arg_parser(argparse.ArgumentParser()).parse_args(list(flags))
+        engine = ScriptedEngine(smol_tokenizer)
+        app = build_app(args)
+        import asyncio
+
+        asyncio.run(init_app_state(engine, app.state, args))
+        return TestClient(app), engine
+    return make
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def test_api_key_auth(app_and_engine):
+    client, engine = app_and_engine("--api-key", "sekret")
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401 and r.json()["error"]["type"]
+    assert client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.post("/tokenize", json={"prompt": "x"}).status_code == 401
+    ok = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ok"
+    assert client.get("/health").status_code == 200 and client.get("/version").status_code == 200
+    pre = client.options("/v1/chat/completions", headers={"Origin": "http://a.b", "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_API_KEY", "from-env")
+    assert make_arg_parser(argparse.ArgumentParser()).parse_args([]).api_key == "from-env"
+
+
+def test_dead_engine_gives_503(app_and_engine):
+    client, engine = app_and_engine()
+    engine.dead = True
+    h = client.get("/health")
+    assert h.status_code == 503 and h.json()["error"]["code"] == 503
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "EngineDeadError"
+
+
+def test_engine_value_error_is_400_before_the_stream(app_and_engine):
+    client, engine = app_and_engine()
+    engine.fail_before = ValueError("token id out of vocabulary")
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+        assert "vocabulary" in r.json()["error"]["message"]
+    assert len(engine.closed) == 2
+
+
+def test_error_after_the_stream_started_is_an_sse_event(app_and_engine):
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Hel")]
+    engine.fail_after = EngineDeadError()
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "Hel"
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == 503
+
+
+def test_x_request_id_and_error_bodies(app_and_engine):
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
+                    headers={"X-Request-Id": "abc"})
+    assert r.headers["x-request-id"] == "abc" and r.json()["id"] == "cmpl-abc"
+    assert client.get("/v1/models").headers["x-request-id"]
+    r = client.post("/v1/completions", content=b"{bad", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": "ten"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 80, "max_tokens": 2})
+    assert r.status_code == 400 and "64" in r.json()["error"]["message"]
+    assert client.get("/nowhere").json()["error"]["code"] == 404

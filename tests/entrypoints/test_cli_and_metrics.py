@@ -1,0 +1,89 @@
+"""The ``llmserve`` CLI (help, flag names, dispatch) and the Prometheus stat logger."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from llmserve.entrypoints.cli import make_parser
+from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from llmserve.metrics.prometheus import PrometheusStatLogger
+from llmserve.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.entrypoints.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_texts():
+    top = _run("--help")
+    assert top.returncode == 0 and "serve" in top.stdout and "bench" in top.stdout
+    serve = _run("serve", "--help")
+    assert serve.returncode == 0
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--kv-cache-memory", "--enable-prefix-caching", "--dtype", "--seed",
+                 "--chat-template", "--generation-config", "--allowed-origins", "--uvicorn-log-level",
+                 "--disable-log-requests"):
+        assert flag in serve.stdout, flag
+    bench = _run("bench", "serve", "--help")
+    assert bench.returncode == 0
+    for flag in ("--base-url", "--random-input-len", "--random-output-len", "--num-prompts", "--max-concurrency",
+                 "--request-rate", "--save-result", "--seed"):
+        assert flag in bench.stdout, flag
+
+
+def test_serve_args():
+    p = make_parser(["serve", "my-model"])
+    args = p.parse_args(["serve", "my-model", "--port", "9000", "--served-model-name", "a", "b",
+                         "--allowed-origins", '["http://x"]', "--max-model-len", "512", "--no-enable-prefix-caching"])
+    validate_parsed_serve_args(args)
+    assert args.model == "my-model" and args.port == 9000 and args.served_model_name == ["a", "b"]
+    assert args.allowed_origins == ["http://x"] and args.max_model_len == 512 and args.enable_prefix_caching is False
+    plain = make_arg_parser(argparse.ArgumentParser()).parse_args([])
+    validate_parsed_serve_args(plain)
+    assert plain.model == "SmolLM2-135M-Instruct" and plain.port == 8000
+
+
+def test_bench_dispatch_imports_only_the_chosen_module():
+    args = make_parser(["bench", "serve"]).parse_args(["bench", "serve", "--num-prompts", "3"])
+    from llmserve.benchmarks import serve
+
+    assert args.dispatch is serve.main and args.num_prompts == 3
+
+
+def _config(name="m"):
+    return SimpleNamespace(model_config=SimpleNamespace(served_model_name=(name,), model=name, max_model_len=2048),
+                           cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True))
+
+
+def test_prometheus_logger_records_and_renders():
+    a, b = PrometheusStatLogger(_config()), PrometheusStatLogger(_config())  # own registries: no clash
+    a.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=10,
+                            prefix_cache_hits=4, num_preemptions=1),
+             IterationStats(num_prompt_tokens=7, num_generation_tokens=5, time_to_first_tokens_iter=[0.1],
+                            inter_token_latencies_iter=[0.02, 0.03],
+                            finished_requests=[FinishedRequestStats("length", 1.5, 7, 5, 0.1, 0.02)]))
+    a.record(None, None)
+    text = a.render().decode()
+    lab = 'engine="0",model_name="m"'
+    for line in (f"llmserve:num_requests_running{{{lab}}} 3.0", f"llmserve:num_requests_waiting{{{lab}}} 1.0",
+                 f"llmserve:kv_cache_usage_perc{{{lab}}} 0.25", f"llmserve:prompt_tokens_total{{{lab}}} 7.0",
+                 f"llmserve:generation_tokens_total{{{lab}}} 5.0", f"llmserve:num_preemptions_total{{{lab}}} 1.0",
+                 f"llmserve:prefix_cache_hits_total{{{lab}}} 4.0",
+                 f'llmserve:request_success_total{{engine="0",finished_reason="length",model_name="m"}} 1.0',
+                 f"llmserve:time_to_first_token_seconds_count{{{lab}}} 1.0",
+                 f"llmserve:inter_token_latency_seconds_count{{{lab}}} 2.0",
+                 f"llmserve:e2e_request_latency_seconds_count{{{lab}}} 1.0"):
+        assert line in text, line
+    assert "llmserve:generation_tokens_total" in b.render().decode()
+    assert f"llmserve:generation_tokens_total{{{lab}}} 0.0" in b.render().decode()
+    a.set_engine_stats({"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0})
+    assert f"llmserve:num_requests_running{{{lab}}} 0.0" in a.render().decode()
+
+
+def test_serve_unknown_model_is_a_one_line_error():
+    proc = _run("serve", "no-such-model-xyz", "--port", "0")
+    assert proc.returncode == 2
+    assert "error" in proc.stderr and "no-such-model-xyz" in proc.stderr and "Traceback" not in proc.stderr

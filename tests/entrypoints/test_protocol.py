@@ -1,0 +1,156 @@
+"""Request models -> SamplingParams, request-level validation (param named), wire shapes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    DeltaMessage,
+    TokenizeRequest,
+)
+from llmserve.sampling_params import RequestOutputKind, SamplingParamsError
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return ChatCompletionRequest(messages=HI, **kw)
+
+
+def test_chat_fields_map_to_sampling_params():
+    req = chat(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+               frequency_penalty=-0.5, seed=3, stop="END", stop_token_ids=[7], ignore_eos=True, min_tokens=2,
+               skip_special_tokens=False, spaces_between_special_tokens=False, include_stop_str_in_output=True,
+               logit_bias={"42": 200}, n=2, logprobs=True, top_logprobs=4)
+    req.check()
+    sp = req.to_sampling_params(max_tokens=10, defaults={})
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (0.7, 0.9, 5, 0.1)
+    assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.2, 0.5, -0.5)
+    assert sp.seed == 3 and sp.stop == ["END"] and sp.stop_token_ids == [7] and sp.ignore_eos
+    assert sp.min_tokens == 2 and sp.max_tokens == 10 and sp.n == 2
+    assert not sp.skip_special_tokens and not sp.spaces_between_special_tokens and sp.include_stop_str_in_output
+    assert sp.logit_bias == {42: 100.0}  # OpenAI's clamp to [-100, 100]
+    assert sp.logprobs == 4 and sp.prompt_logprobs is None
+    assert sp.output_kind == RequestOutputKind.FINAL_ONLY
+    assert chat(stream=True).to_sampling_params(5, {}).output_kind == RequestOutputKind.DELTA
+    assert chat().to_sampling_params(5, {}).logprobs is None
+    assert chat(logprobs=True).to_sampling_params(5, {}).logprobs == 0
+
+
+def test_generation_config_defaults_apply_only_when_unset():
+    defaults = {"temperature": 0.3, "top_k": 20, "repetition_penalty": 1.1}
+    sp = chat().to_sampling_params(5, defaults)
+    assert (sp.temperature, sp.top_k, sp.repetition_penalty) == (0.3, 20, 1.1)
+    sp = chat(temperature=0.9, top_k=3).to_sampling_params(5, defaults)
+    assert (sp.temperature, sp.top_k) == (0.9, 3)
+    assert chat().to_sampling_params(5, {}).temperature == 1.0  # OpenAI's default
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"temperature": 3.0}, "temperature"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_completion_tokens": -2}, "max_completion_tokens"),
+    ({"n": 0}, "n"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_chat_check_names_the_param(kw, param):
+    with pytest.raises(SamplingParamsError) as e:
+        chat(**kw).check()
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("kw,param", [({"top_k": -5}, "top_k"), ({"top_p": 0}, "top_p"), ({"stop": [""]}, "stop"),
+                                      ({"presence_penalty": 2.5}, "presence_penalty"),
+                                      ({"repetition_penalty": 0}, "repetition_penalty"),
+                                      ({"logit_bias": {"abc": 1}}, "logit_bias")])
+def test_sampling_params_errors_keep_param(kw, param):
+    req = chat(**kw)
+    req.check()
+    with pytest.raises(SamplingParamsError) as e:
+        req.to_sampling_params(4, {})
+    assert e.value.param == param
+
+
+def test_accepted_edge_values():
+    for kw in ({"top_k": -1}, {"temperature": 0}, {"temperature": 2.0}, {"response_format": {"type": "text"}},
+               {"tools": [{"type": "function"}], "tool_choice": "none"}, {"stream": True, "stream_options": {}}):
+        req = chat(**kw)
+        req.check()
+        req.to_sampling_params(4, {})
+    assert chat(max_tokens=50, max_completion_tokens=3).requested_max_tokens() == 3
+    assert chat(max_tokens=50).requested_max_tokens() == 50
+
+
+def test_completion_request_checks_and_echo_prompt_logprobs():
+    for kw, param in (({"suffix": "x"}, "suffix"), ({"logprobs": 25}, "logprobs"), ({"best_of": 3}, "best_of")):
+        with pytest.raises(SamplingParamsError) as e:
+            CompletionRequest(prompt="a", **kw).check()
+        assert e.value.param == param
+    sp = CompletionRequest(prompt="a", echo=True, logprobs=2).to_sampling_params(1, {})
+    assert sp.logprobs == 2 and sp.prompt_logprobs == 2
+    sp = CompletionRequest(prompt="a", logprobs=2).to_sampling_params(1, {})
+    assert sp.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("prompt", ["x", ["a", "b"], [1, 2], [[1], [2, 3]]])
+def test_prompt_forms_accepted(prompt):
+    assert CompletionRequest(prompt=prompt).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", [[1.5], ["a", 3], [[1], "x"], None, {"a": 1}])
+def test_prompt_forms_rejected(prompt):
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=prompt)
+
+
+def test_messages_must_be_a_non_empty_list():
+    for bad in ("not-a-list", [], [{"content": "no role"}]):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(messages=bad)
+
+
+def test_stream_chunk_wire_shape():
+    chunk = ChatCompletionStreamResponse(id="x", created=1, model="m", choices=[
+        ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
+    d = json.loads(chunk.model_dump_json())
+    ch = d["choices"][0]
+    assert ch["delta"] == {"role": "assistant", "content": ""}
+    assert "finish_reason" in ch and ch["finish_reason"] is None
+    assert json.loads(DeltaMessage(content="a").model_dump_json()) == {"content": "a"}
+
+
+def test_tokenize_request_exactly_one_input():
+    with pytest.raises(SamplingParamsError):
+        TokenizeRequest(prompt="a", messages=HI).check()
+    with pytest.raises(SamplingParamsError):
+        TokenizeRequest().check()
+    TokenizeRequest(prompt="a").check()
+    with pytest.raises(SamplingParamsError) as e:
+        TokenizeRequest(messages=HI, continue_final_message=True).check()
+    assert e.value.param == "continue_final_message"
+
+
+def test_non_finite_and_oversized_numbers_rejected():
+    for kw in ({"temperature": float("nan")}, {"top_p": float("inf")}, {"seed": 2**70}, {"top_k": 2**64},
+               {"max_tokens": 10**30}, {"stop_token_ids": [2**64]}):
+        with pytest.raises(ValidationError):
+            chat(**kw)
+    assert chat(seed=-(2**63)).seed == -(2**63)
+    from llmserve.entrypoints.openai.protocol import MAX_N
+
+    with pytest.raises(SamplingParamsError) as e:
+        chat(n=MAX_N + 1).check()
+    assert e.value.param == "n" and str(MAX_N) in str(e.value)
