@@ -203,8 +203,10 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         mask = kpos <= qpos
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                         scale=scale, enable_gqa=nkv != nh)
+    # 4-D inputs ([1, heads, L, D]) select torch's flash-attention CPU kernel; 3-D ones
+    # fall back to the much slower math path.
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=nkv != nh)[0]
     return out.transpose(0, 1).to(query.dtype)
 
 
