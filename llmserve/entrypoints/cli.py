@@ -18,6 +18,7 @@ BENCHMARKS = {
     "serve": "Load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, throughput).",
     "throughput": "Offline throughput of the engine on a batch of prompts.",
     "latency": "Offline latency of one batch, end to end.",
+    "engine-split": "AsyncLLM over the process split vs an in-process engine, same workload.",
 }
 
 
@@ -53,7 +54,7 @@ def _add_bench(subparsers: argparse._SubParsersAction, chosen: Optional[str]) ->
     for name, doc in BENCHMARKS.items():
         p = bench_sub.add_parser(name, help=doc, description=doc)
         if name == chosen:  # import only the benchmark that runs (its flags need its module)
-            module = importlib.import_module(f"llmserve.benchmarks.{name}")
+            module = importlib.import_module(f"llmserve.benchmarks.{name.replace('-', '_')}")
             module.add_cli_args(p)
             p.set_defaults(dispatch=module.main)
     bench.set_defaults(dispatch=lambda _args: (bench.print_help(), sys.exit(2)))
