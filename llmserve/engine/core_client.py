@@ -282,6 +282,28 @@ class MPClient(EngineCoreClient):
         self._finalizer()
 
 
+def _route_special(client: "MPClient", outs: EngineCoreOutputs) -> bool:
+    """Resolve a utility call's future (returns True: not a step output), or, on
+    ENGINE_CORE_DEAD, mark the client dead and fail every pending utility call."""
+    if outs.utility_output is not None:
+        u = outs.utility_output
+        fut = client.utility_results.pop(u.call_id, None)
+        if fut is not None and not fut.done():
+            if u.failure_message:
+                fut.set_exception(RuntimeError(u.failure_message))
+            else:
+                fut.set_result(u.result)
+        return True
+    if outs.engine_dead:
+        client.engine_dead = True
+        client.dead_error = outs.error
+        for fut in client.utility_results.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(f"EngineCore died: {outs.error}"))
+        client.utility_results.clear()
+    return False
+
+
 class SyncMPClient(MPClient):
     """Blocking client. A reader thread puts outputs on a queue and resolves utility
     futures."""
@@ -305,21 +327,8 @@ class SyncMPClient(MPClient):
                 outs: EngineCoreOutputs = self.decoder.decode(sock.recv())
             except zmq.ZMQError:
                 return
-            if outs.utility_output is not None:
-                fut = self.utility_results.pop(outs.utility_output.call_id, None)
-                if fut is not None:
-                    u = outs.utility_output
-                    if u.failure_message:
-                        fut.set_exception(RuntimeError(u.failure_message))
-                    else:
-                        fut.set_result(u.result)
+            if _route_special(self, outs):
                 continue
-            if outs.engine_dead:
-                self.engine_dead = True
-                self.dead_error = outs.error
-                for fut in self.utility_results.values():
-                    fut.set_exception(EngineDeadError(f"EngineCore died: {outs.error}"))
-                self.utility_results.clear()
             self.outputs_queue.put(outs)
             if outs.engine_dead:
                 return
@@ -429,23 +438,10 @@ async def _async_reader(client_ref, sock, decoder, out_queue: asyncio.Queue) -> 
         client = client_ref()
         if client is None:
             return
-        if outs.utility_output is not None:
-            u = outs.utility_output
-            fut = client.utility_results.pop(u.call_id, None)
-            if fut is not None and not fut.done():
-                if u.failure_message:
-                    fut.set_exception(RuntimeError(u.failure_message))
-                else:
-                    fut.set_result(u.result)
-            continue
-        if outs.engine_dead:
-            client.engine_dead = True
-            client.dead_error = outs.error
-            for fut in client.utility_results.values():
-                if not fut.done():
-                    fut.set_exception(EngineDeadError(f"EngineCore died: {outs.error}"))
-            client.utility_results.clear()
+        handled = _route_special(client, outs)
         del client
+        if handled:
+            continue
         out_queue.put_nowait(outs)
         if outs.engine_dead:
             return

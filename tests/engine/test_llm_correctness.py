@@ -128,3 +128,19 @@ def test_outputs_in_input_order_and_token_id_prompts(llm_fp32, hf_greedy):
                                                  SamplingParams(temperature=0, max_tokens=5)], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in per_prompt] == [2, 5]
     assert [o.outputs[0].finish_reason for o in per_prompt] == ["length", "length"]
+
+
+def test_llm_over_sync_mp_client_matches_in_process(llm_fp32, hf_greedy):
+    """LLM with the EngineCore in a child process (SyncMPClient, the default) gives the
+    same greedy tokens; utility calls work; shutdown ends the child."""
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="128MiB", max_model_len=512)
+    try:
+        outs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        assert _tokens(outs) == [hf_greedy[p] for p in PROMPTS[:4]]
+        stats = llm.llm_engine.get_stats()
+        assert stats["num_used_blocks"] == 0 and stats["num_running_reqs"] == 0
+        proc = llm.llm_engine.engine_core.resources.proc
+        assert proc.is_alive()
+    finally:
+        llm.shutdown()
+    assert not proc.is_alive()
