@@ -4,6 +4,7 @@ chat template (cases C05, C06, C08, C20, C22, C23, C24)."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -174,12 +175,14 @@ def test_include_usage_c08(server):
 def test_ignore_eos_c20(server):
     i1 = {"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 64,
           "ignore_eos": True, "temperature": 0}
-    r1 = chat(server, **i1)
+    with ThreadPoolExecutor(2) as pool:  # I1 and I2 together: one batch, half the wall time
+        f2 = pool.submit(server.post, "/v1/completions", {"model": MODEL, "prompt": "Say OK.", "max_tokens": 64,
+                                                          "ignore_eos": True, "temperature": 0})
+        r1 = chat(server, **i1)
+        r2 = f2.result().json()
     assert r1["usage"]["completion_tokens"] == 64 and r1["choices"][0]["finish_reason"] == "length"
     t = r1["choices"][0]["message"]["content"]
     assert not any(s in t for s in SPECIALS)
-    r2 = server.post("/v1/completions", {"model": MODEL, "prompt": "Say OK.", "max_tokens": 64, "ignore_eos": True,
-                                         "temperature": 0}).json()
     assert r2["usage"]["completion_tokens"] == 64 and r2["choices"][0]["finish_reason"] == "length"
     chunks = server.stream_chunks("/v1/chat/completions", {**i1, "stream": True, "n": 2, "temperature": 0.7,
                                                            "seed": 9, "stream_options": {"include_usage": True}})
@@ -196,10 +199,19 @@ def test_special_tokens_c22(server):
           "temperature": 0, "ignore_eos": True}
     variants = {"s1": {}, "s2": {"skip_special_tokens": False, "spaces_between_special_tokens": False},
                 "s3": {"skip_special_tokens": False, "spaces_between_special_tokens": True}}
-    out = {k: chat(server, **s1, **v) for k, v in variants.items()}
+    def run_all(body):
+        # the three variants (and their streamed twins) run as one batch: the flags must
+        # change decoding only, so batching them is itself part of the check
+        with ThreadPoolExecutor(6) as pool:
+            full = {k: pool.submit(chat, server, **body, **v) for k, v in variants.items()}
+            streams = {k: pool.submit(server.stream_chunks, "/v1/chat/completions", {**body, **v, "stream": True})
+                       for k, v in variants.items()}
+            return {k: f.result() for k, f in full.items()}, {k: f.result() for k, f in streams.items()}
+
+    out, streams = run_all(s1)
     if not any(s in out["s2"]["choices"][0]["message"]["content"] for s in SPECIALS):
         s1["max_tokens"] = 64
-        out = {k: chat(server, **s1, **v) for k, v in variants.items()}
+        out, streams = run_all(s1)
     text = {k: o["choices"][0]["message"]["content"] for k, o in out.items()}
     assert any(s in text["s2"] for s in SPECIALS), text["s2"]
     assert not any(s in text["s1"] for s in SPECIALS)
@@ -214,9 +226,8 @@ def test_special_tokens_c22(server):
     assert text["s3"].replace(" ", "") == text["s2"].replace(" ", "")
     assert len({o["usage"]["completion_tokens"] for o in out.values()}) == 1
     assert len({o["choices"][0]["finish_reason"] for o in out.values()}) == 1
-    for k, v in variants.items():
-        chunks = server.stream_chunks("/v1/chat/completions", {**s1, **v, "stream": True})
-        assert stream_text(chunks, chat=True) == text[k], k
+    for k in variants:
+        assert stream_text(streams[k], chat=True) == text[k], k
 
 
 def test_chat_template_bos_and_generation_prompt_c23(server):

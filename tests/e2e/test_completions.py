@@ -204,14 +204,15 @@ def test_greedy_equivalence_c17(server):
 def test_tiny_top_p_and_temperature_c18(server):
     q = {"prompt": "The sky is", "max_tokens": 16}
     g = complete(server, **q, temperature=0)["choices"][0]["text"]
-    assert complete(server, **q, temperature=1e-4)["choices"][0]["text"] == g
-    assert complete(server, **q, temperature=1.0, top_p=1e-4)["choices"][0]["text"] == g
-    t3 = complete(server, **q, temperature=1e-6, top_p=1e-6, logprobs=3)
-    assert t3["choices"][0]["text"] == g
+    variants = [{"temperature": 1e-4}, {"temperature": 1.0, "top_p": 1e-4}, {"temperature": 1.0, "min_p": 1.0},
+                {"temperature": 1e-6, "top_p": 1e-6, "logprobs": 3}]
+    with ThreadPoolExecutor(4) as pool:  # T1, T2, T5, T3 in one batch
+        outs = list(pool.map(lambda v: complete(server, **q, **v), variants))
+    assert [o["choices"][0]["text"] for o in outs] == [g] * 4
+    t3 = outs[3]
     assert all(x is None or math.isfinite(x) for x in t3["choices"][0]["logprobs"]["token_logprobs"])
     t4 = complete(server, 400, **q, temperature=1.0, top_p=0)
     assert "top_p" in (t4["error"]["param"] or "") + t4["error"]["message"]
-    assert complete(server, **q, temperature=1.0, min_p=1.0)["choices"][0]["text"] == g
     server.assert_healthy()
 
 

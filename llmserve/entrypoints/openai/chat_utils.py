@@ -5,8 +5,6 @@ The template writes every special token itself, so the rendered text is tokenize
 """
 from __future__ import annotations
 
-import os
-from functools import lru_cache
 from typing import Any, Iterable, Optional
 
 from llmserve.sampling_params import SamplingParamsError
@@ -17,21 +15,6 @@ _RESERVED_KWARGS = frozenset({
     "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
     "chat_template", "return_dict", "return_tensors", "tools",
 })
-
-
-@lru_cache(maxsize=16)
-def load_chat_template(template: Optional[str]) -> Optional[str]:
-    """Resolve a ``--chat-template`` value: a path to a file (read it) or a literal
-    Jinja template. Returns None for None. Raises ValueError for an unreadable path that
-    looks like a file name (no Jinja markup)."""
-    if template is None:
-        return None
-    if os.path.isfile(template):
-        with open(template, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in template and ("/" in template or template.endswith((".jinja", ".j2"))):
-        raise ValueError(f"chat_template: file {template!r} not found")
-    return template
 
 
 def _content_to_text(content: Any, index: int) -> Optional[str]:

@@ -9,9 +9,7 @@ it), so every error looks the same wherever it happens.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from http import HTTPStatus
 from typing import Any, AsyncGenerator, AsyncIterator, Optional, Sequence, TypeVar
 
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -235,14 +233,3 @@ class OpenAIServing:
             params.min_tokens = 0
         return params
 
-
-def json_dumps(obj: Any) -> str:
-    """Strict JSON (no NaN/Infinity) of a plain object."""
-    return json.dumps(obj, allow_nan=False, separators=(",", ":"))
-
-
-def http_status_phrase(code: int) -> str:
-    try:
-        return HTTPStatus(code).phrase
-    except ValueError:
-        return "Error"
