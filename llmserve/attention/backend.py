@@ -134,6 +134,14 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     """Store K/V ``[T, num_kv_heads, head_dim]`` at the flat slots ``slot_mapping [T]``
     of ``kv_cache`` (vLLM's ``reshape_and_cache``); casts to the cache dtype."""
     _, nb, bs, nkv, hd = kv_cache.shape
+    if (key.device.type == "cpu" and key.dtype == kv_cache.dtype == value.dtype
+            and slot_mapping.dtype == torch.long and key.stride(-1) == 1 and value.stride(-1) == 1
+            and key.stride(1) == hd and value.stride(1) == hd):
+        from llmserve.attention.cpu_kernel import get_cpu_ops
+        ops = get_cpu_ops()
+        if ops is not None:
+            ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+            return
     kv_cache[0].view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     kv_cache[1].view(nb * bs, nkv, hd).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 

@@ -1,16 +1,23 @@
-"""C++ paged-decode attention kernel for CPUs, built on first use with
+"""C++ CPU kernels for the model's hot path, built on first use with
 ``torch.utils.cpp_extension.load_inline`` (-O3 -march=native, OpenMP).
 
-Why: the pure-torch decode path copies every request's K/V blocks out of the pool with
-advanced indexing before its matmuls, which DESIGN.md measured at 3-4 ms per layer for 64
-sequences x 256 context; this kernel reads the blocks in place (vLLM's
-``paged_attention_v1`` idea, written for CPU): one OpenMP task per (request, KV head)
-computes the scores of the head's query group against every context token, a float32
-softmax, and the weighted sum of V.
+- ``paged_decode``: paged-decode attention. The pure-torch decode path copies every
+  request's K/V blocks out of the pool with advanced indexing before its matmuls, which
+  DESIGN.md measured at 3-4 ms per layer for 64 sequences x 256 context; this kernel reads
+  the blocks in place (vLLM's ``paged_attention_v1`` idea, written for CPU). In bfloat16 on
+  CPUs with AVX512-BF16 it takes Q.K with the bf16 dot-product instruction and sums 16 keys
+  at a time, and keeps the P.V accumulators in registers.
+- ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding`` and
+  ``reshape_and_cache``: the element-wise parts of a Llama layer in one pass each (vLLM's
+  ``csrc/cpu`` ops of the same names), with transformers' rounding to the model dtype
+  between its ops, so results equal the torch path in float32 up to summation order. Run as
+  separate torch ops they cost ~40 small kernels per layer; at batch 1 the dispatch alone is
+  a few ms per step.
 
-The build is cached under ``~/.cache/llmserve/torch_extensions`` (rebuilt when the source
-or torch version changes). If it fails (no compiler, no ninja), ``get_decode_kernel``
-returns None and ``PagedAttention`` uses ``decode_attention_torch``; tests compare the two.
+The build is cached under ``~/.cache/llmserve/torch_extensions`` (rebuilt when the source,
+the torch version or the CPU changes). If it fails (no compiler, no ninja), ``get_cpu_ops``
+returns None and the model and ``PagedAttention`` use their pure-torch paths, which the
+tests compare with the kernels. ``LLMSERVE_CPU_OPS=0`` turns the kernels off.
 Prebuild with ``python -m llmserve.attention.cpu_kernel``.
 """
 from __future__ import annotations
@@ -19,7 +26,7 @@ import functools
 import hashlib
 import logging
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,10 +46,19 @@ _CPP_SOURCE = r"""
 #else
 #define LLMSERVE_AVX512 0
 #endif
+#if defined(__AVX512BF16__) && LLMSERVE_AVX512
+#define LLMSERVE_AVX512BF16 1
+#else
+#define LLMSERVE_AVX512BF16 0
+#endif
 
 static inline float to_f(float x) { return x; }
 static inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
 static inline float to_f(at::Half x) { return static_cast<float>(x); }
+
+// Round a float to T's precision and back (what storing an intermediate in T does).
+template <typename T> static inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <> inline float rnd<float>(float x) { return x; }
 
 #if LLMSERVE_AVX512
 // 16 elements -> 16 floats
@@ -54,6 +70,32 @@ static inline __m512 load16(const at::BFloat16* p) {
 static inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 floats -> 16 elements, rounding to nearest even (as c10's conversions do)
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store16(at::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+static inline void store16(at::BFloat16* p, __m512 x) {
+#if LLMSERVE_AVX512BF16
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, x);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<at::BFloat16>(tmp[i]);
+#endif
+}
+template <typename T> static inline __m512 rnd16(__m512 x) {
+  alignas(64) T tmp[16];
+  store16(tmp, x);
+  return load16(tmp);
+}
+template <> inline __m512 rnd16<float>(__m512 x) { return x; }
+#if LLMSERVE_AVX512BF16
+template <> inline __m512 rnd16<at::BFloat16>(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 #endif
 
 // dot(q[0:hd], k[0:hd]) with q already float
@@ -86,8 +128,8 @@ static inline void axpy(float* acc, float w, const T* v, int64_t hd, bool vec) {
 }
 
 #if LLMSERVE_AVX512
-// e^x for x <= 0 (softmax inputs): 2^(x log2 e) = 2^n * 2^f, |f| <= 0.5, degree-7 Taylor for
-// 2^f (relative error < 1e-7 before rounding).
+// e^x: 2^(x log2 e) = 2^n * 2^f, |f| <= 0.5, degree-7 Taylor for 2^f (relative error < 1e-7
+// before rounding); x is clamped below at -87 (the result is then ~1e-38, not 0).
 static inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
@@ -102,6 +144,24 @@ static inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// Lane j of the result = sum of the 16 lanes of v[j] (a transpose-and-add tree: 45 ops for
+// 16 horizontal sums instead of 16 separate reductions).
+static inline __m512 hsum16x16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 #endif
 
@@ -125,6 +185,105 @@ static inline float softmax_numerator(float* sc, int64_t L) {
   return sum;
 }
 
+#if LLMSERVE_AVX512BF16
+// bf16 decode of one request, all KV heads: K.q with the AVX512-BF16 dot-product instruction
+// (bf16 x bf16 products are exact in float32, sums in float32), 16 keys per horizontal-sum
+// tree; P.V with two query heads' accumulators in registers. Both passes walk the context 16
+// tokens at a time in memory order (a token's row holds every KV head) and prefetch the next
+// 16 rows, so the scattered blocks stream from memory. NV = head_dim / 16.
+// acc[h][0:16*NV] += sum_j p[h][j] * V_j for GB query heads over cnt rows (V_j = rows[j] + off).
+template <int NV, int GB>
+static inline void pv_chunk(float* acc, const float* p, int64_t p_stride, const at::BFloat16* const* rows,
+                            int64_t off, int64_t cnt) {
+  __m512 a[GB][NV];
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + h * NV * 16 + c * 16);
+  for (int64_t j = 0; j < cnt; ++j) {
+    const at::BFloat16* row = rows[j] + off;
+    __m512 w[GB];
+    for (int h = 0; h < GB; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j]);
+    for (int c = 0; c < NV; ++c) {
+      const __m512 v = load16(row + c * 16);
+      for (int h = 0; h < GB; ++h) a[h][c] = _mm512_fmadd_ps(w[h], v, a[h][c]);
+    }
+  }
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * NV * 16 + c * 16, a[h][c]);
+}
+
+template <int NV>
+static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BFloat16* kp,
+                            const at::BFloat16* vp, const int32_t* table, int64_t start, int64_t len,
+                            int64_t bs, int64_t nkv, int64_t g, float scale, at::BFloat16* orow,
+                            std::vector<float>& scores, std::vector<float>& accm) {
+  constexpr int64_t hd = NV * 16;
+  const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
+  const int64_t row_lines = (tok_stride * 2 + 63) / 64;
+  const int64_t L = len - start;
+  const int64_t nh = nkv * g;
+  scores.resize(nh * L);
+  accm.assign(nh * hd, 0.f);
+  auto row_of = [&](const at::BFloat16* base, int64_t p) {
+    return base + table[p / bs] * blk_stride + (p % bs) * tok_stride;
+  };
+  auto prefetch_chunk = [&](const at::BFloat16* base, int64_t p0) {  // into L2
+    const int64_t end = std::min<int64_t>(p0 + 16, len);
+    for (int64_t p = p0; p < end; ++p) {
+      const char* r = reinterpret_cast<const char*>(row_of(base, p));
+      for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T2);
+    }
+  };
+  const at::BFloat16* rows[16];
+  for (int64_t p0 = start; p0 < len; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, len - p0);
+    for (int64_t j = 0; j < 16; ++j) rows[j] = row_of(kp, p0 + std::min<int64_t>(j, cnt - 1));
+    if (p0 + 32 < len) prefetch_chunk(kp, p0 + 32);
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t i = 0; i < g; ++i) {
+        const int64_t h = kh * g + i;
+        __m512bh qv[NV / 2];
+        for (int c = 0; c < NV / 2; ++c)
+          qv[c] = (__m512bh)_mm512_loadu_si512(qrow + h * q_s1 + c * 32);
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          acc[j] = _mm512_setzero_ps();
+          for (int c = 0; c < NV / 2; ++c)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * hd + c * 32));
+        }
+        const __m512 s = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores.data() + h * L + (p0 - start), (__mmask16)((1u << cnt) - 1u), s);
+      }
+    }
+  }
+  std::vector<float> denom(nh);
+  for (int64_t h = 0; h < nh; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+  prefetch_chunk(vp, start);
+  prefetch_chunk(vp, start + 16);
+  for (int64_t p0 = start; p0 < len; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, len - p0);
+    for (int64_t j = 0; j < cnt; ++j) rows[j] = row_of(vp, p0 + j);
+    if (p0 + 32 < len) prefetch_chunk(vp, p0 + 32);
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t i0 = 0; i0 < g;) {  // up to three query heads at a time (3*NV accumulators)
+        const int64_t nq = std::min<int64_t>(g - i0, NV > 4 ? 2 : 3);
+        const int64_t h0 = kh * g + i0;
+        float* m = accm.data() + h0 * hd;
+        const float* sc = scores.data() + h0 * L + (p0 - start);
+        if (nq == 3) pv_chunk<NV, 3>(m, sc, L, rows, kh * hd, cnt);
+        else if (nq == 2) pv_chunk<NV, 2>(m, sc, L, rows, kh * hd, cnt);
+        else pv_chunk<NV, 1>(m, sc, L, rows, kh * hd, cnt);
+        i0 += nq;
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const __m512 d = _mm512_set1_ps(denom[h]);
+    for (int c = 0; c < NV; ++c)
+      store16(orow + h * hd + c * 16, _mm512_mul_ps(_mm512_loadu_ps(accm.data() + h * hd + c * 16), d));
+  }
+}
+#endif
+
 template <typename scalar_t>
 static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                         const at::Tensor& bt, const at::Tensor& sl, int64_t n,
@@ -143,6 +302,32 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   const int32_t* slp = sl.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
   const bool vec = LLMSERVE_AVX512 && hd % 16 == 0;
+#if LLMSERVE_AVX512BF16
+  if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
+    if (hd == 64 || hd == 128) {
+      // One task per request (all its KV heads, so each K/V row is read once).
+      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, accm;
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t len = slp[r];
+          const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+          scalar_t* orow = op + r * nh * hd;
+          if (len - start <= 0) {
+            for (int64_t d = 0; d < nh * hd; ++d) orow[d] = static_cast<scalar_t>(0.f);
+            continue;
+          }
+          if (hd == 64)
+            decode_one_bf16<4>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
+                               fscale, orow, scores, accm);
+          else
+            decode_one_bf16<8>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
+                               fscale, orow, scores, accm);
+        }
+      });
+      return;
+    }
+  }
+#endif
   // Many requests: one task per request, walking each token's K/V row of all heads in
   // memory order. Few requests: one task per (request, kv head) to use every thread.
   const int64_t heads_per_task = n >= 4 * at::get_num_threads() ? nkv : 1;
@@ -191,6 +376,14 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   });
 }
 
+#define LLMSERVE_DISPATCH(dtype, NAME, ...)                                       \
+  switch (dtype) {                                                                \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }             \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }   \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }           \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);              \
+  }
+
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                   at::Tensor seq_lens, int64_t n, double scale, int64_t window) {
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache: contiguous 5-d");
@@ -202,59 +395,305 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor 
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0, "head shapes");
   TORCH_CHECK(n <= q.size(0) && n <= block_tables.size(0) && n <= seq_lens.size(0), "n too large");
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      decode_impl<float>(out, q, kv_cache, block_tables, seq_lens, n, scale, window); break;
-    case at::kBFloat16:
-      decode_impl<at::BFloat16>(out, q, kv_cache, block_tables, seq_lens, n, scale, window); break;
-    case at::kHalf:
-      decode_impl<at::Half>(out, q, kv_cache, block_tables, seq_lens, n, scale, window); break;
-    default:
-      TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  LLMSERVE_DISPATCH(q.scalar_type(), "paged_decode",
+                    decode_impl<scalar_t>(out, q, kv_cache, block_tables, seq_lens, n, scale, window));
+}
+
+// ---- fused element-wise ops of the Llama layer (vLLM's csrc/cpu ops, numerics of transformers) ----
+
+// Rows of a 2-d [R, H] or 3-d [A, B, H] tensor with a unit last stride.
+struct Rows {
+  int64_t n, inner, s0, s1;
+  explicit Rows(const at::Tensor& t) {
+    TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1, "need a 2-d or 3-d tensor with unit last stride");
+    if (t.dim() == 2) { n = t.size(0); inner = 1; s0 = t.stride(0); s1 = 0; }
+    else { n = t.size(0) * t.size(1); inner = t.size(1); s0 = t.stride(0); s1 = t.stride(1); }
+  }
+  int64_t off(int64_t r) const { return inner == 1 ? r * s0 : (r / inner) * s0 + (r % inner) * s1; }
+};
+
+template <typename T>
+static void rms_norm_row(T* out, const T* x, const T* w, int64_t H, float eps) {
+  float ss = 0.f;
+  int64_t d = 0;
+#if LLMSERVE_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= H; d += 16) { const __m512 v = load16(x + d); acc = _mm512_fmadd_ps(v, v, acc); }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < H; ++d) { const float v = to_f(x[d]); ss += v * v; }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  d = 0;
+#if LLMSERVE_AVX512
+  const __m512 vi = _mm512_set1_ps(inv);
+  for (; d + 16 <= H; d += 16)
+    store16(out + d, _mm512_mul_ps(load16(w + d), rnd16<T>(_mm512_mul_ps(load16(x + d), vi))));
+#endif
+  for (; d < H; ++d) out[d] = static_cast<T>(to_f(w[d]) * rnd<T>(to_f(x[d]) * inv));
+}
+
+// out = weight * dtype(x * rsqrt(mean(x^2) + eps)) in float32, per row (transformers' LlamaRMSNorm).
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: out/x/weight shapes or dtypes differ");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(-1), "rms_norm: weight [hidden]");
+  const Rows rx(x), ro(out);
+  const int64_t H = x.size(-1);
+  LLMSERVE_DISPATCH(x.scalar_type(), "rms_norm", {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rx.n, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_norm_row(op + ro.off(r), xp + rx.off(r), wp, H, static_cast<float>(eps));
+    });
+  });
+}
+
+// residual = dtype(x + residual) (in place), then out = rms_norm(residual) (vLLM's fused_add_rms_norm).
+void fused_add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && out.is_contiguous(),
+              "fused_add_rms_norm: contiguous 2-d tensors");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.sizes() == out.sizes() && weight.numel() == x.size(1),
+              "fused_add_rms_norm: shapes differ");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+              weight.scalar_type() == x.scalar_type(), "fused_add_rms_norm: dtypes differ");
+  const int64_t R = x.size(0), H = x.size(1);
+  LLMSERVE_DISPATCH(x.scalar_type(), "fused_add_rms_norm", {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, R, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* res = rp + r * H;
+        const scalar_t* xr = xp + r * H;
+        int64_t d = 0;
+#if LLMSERVE_AVX512
+        for (; d + 16 <= H; d += 16) store16(res + d, _mm512_add_ps(load16(xr + d), load16(res + d)));
+#endif
+        for (; d < H; ++d) res[d] = static_cast<scalar_t>(to_f(xr[d]) + to_f(res[d]));
+        rms_norm_row(op + r * H, res, wp, H, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// out = dtype(silu(gate)) * up for gate_up = [gate | up] ([T, 2I] -> [T, I]); transformers
+// computes act_fn(gate_proj(x)) * up_proj(x), each op rounding to the model dtype.
+void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && out.is_contiguous() &&
+              out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1) &&
+              out.scalar_type() == gate_up.scalar_type(), "silu_and_mul: out [T, I], gate_up [T, 2I]");
+  const int64_t T = gate_up.size(0), I = out.size(1), s0 = gate_up.stride(0);
+  LLMSERVE_DISPATCH(out.scalar_type(), "silu_and_mul", {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* g = gp + t * s0;
+        const scalar_t* u = g + I;
+        scalar_t* o = op + t * I;
+        int64_t d = 0;
+#if LLMSERVE_AVX512
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; d + 16 <= I; d += 16) {
+          const __m512 x = load16(g + d);
+          const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+          store16(o + d, _mm512_mul_ps(rnd16<scalar_t>(s), load16(u + d)));
+        }
+#endif
+        for (; d < I; ++d) {
+          const float x = to_f(g[d]);
+          o[d] = static_cast<scalar_t>(rnd<scalar_t>(x / (1.f + std::exp(-x))) * to_f(u[d]));
+        }
+      }
+    });
+  });
+}
+
+// In-place GPT-NeoX ("rotate half") rotary embedding of x [T, heads, head_dim] at positions
+// [T] (int64), from float32 cos/sin tables [P, head_dim / 2]. As transformers in the model
+// dtype: cos/sin rounded to it, out = x * cos + rotate_half(x) * sin with each product and the
+// sum rounded.
+void rotary_embedding(at::Tensor positions, at::Tensor x, at::Tensor cos_cache, at::Tensor sin_cache) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_embedding: x [T, heads, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "rotary_embedding: positions int64 [T]");
+  TORCH_CHECK(cos_cache.scalar_type() == at::kFloat && sin_cache.scalar_type() == at::kFloat &&
+              cos_cache.is_contiguous() && sin_cache.is_contiguous() && 2 * cos_cache.size(1) == x.size(2),
+              "rotary_embedding: float32 cos/sin [P, head_dim/2]");
+  const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), P = cos_cache.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "rotary_embedding: position out of range");
+  const float* cp = cos_cache.data_ptr<float>();
+  const float* sp = sin_cache.data_ptr<float>();
+  LLMSERVE_DISPATCH(x.scalar_type(), "rotary_embedding", {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> cr(half), sr(half);
+      for (int64_t t = b; t < e; ++t) {
+        const float* c = cp + pp[t] * half;
+        const float* s = sp + pp[t] * half;
+        for (int64_t d = 0; d < half; ++d) { cr[d] = rnd<scalar_t>(c[d]); sr[d] = rnd<scalar_t>(s[d]); }
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t* x1 = xp + t * s0 + h * s1;
+          scalar_t* x2 = x1 + half;
+          int64_t d = 0;
+#if LLMSERVE_AVX512
+          for (; d + 16 <= half; d += 16) {
+            const __m512 a = load16(x1 + d), bb = load16(x2 + d);
+            const __m512 cc = _mm512_loadu_ps(cr.data() + d), ss = _mm512_loadu_ps(sr.data() + d);
+            const __m512 o1 = _mm512_sub_ps(rnd16<scalar_t>(_mm512_mul_ps(a, cc)), rnd16<scalar_t>(_mm512_mul_ps(bb, ss)));
+            const __m512 o2 = _mm512_add_ps(rnd16<scalar_t>(_mm512_mul_ps(bb, cc)), rnd16<scalar_t>(_mm512_mul_ps(a, ss)));
+            store16(x1 + d, o1);
+            store16(x2 + d, o2);
+          }
+#endif
+          for (; d < half; ++d) {
+            const float a = to_f(x1[d]), bb = to_f(x2[d]);
+            const float o1 = rnd<scalar_t>(a * cr[d]) - rnd<scalar_t>(bb * sr[d]);
+            const float o2 = rnd<scalar_t>(bb * cr[d]) + rnd<scalar_t>(a * sr[d]);
+            x1[d] = static_cast<scalar_t>(o1);
+            x2[d] = static_cast<scalar_t>(o2);
+          }
+        }
+      }
+    });
+  });
+}
+
+// out [R, C] float32 <- x [R, C] (any float dtype, unit last stride); torch's own conversion
+// runs at a fraction of memory speed for the [num_seqs, vocab] logits.
+void to_float(at::Tensor out, at::Tensor x) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && x.dim() == 2 && x.stride(1) == 1 &&
+              out.sizes() == x.sizes(), "to_float: out float32 [R, C] contiguous, x [R, C]");
+  const int64_t R = x.size(0), C = x.size(1), s0 = x.stride(0);
+  float* op = out.data_ptr<float>();
+  LLMSERVE_DISPATCH(x.scalar_type(), "to_float", {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* xr = xp + r * s0;
+        float* o = op + r * C;
+        int64_t d = 0;
+#if LLMSERVE_AVX512
+        for (; d + 16 <= C; d += 16) _mm512_storeu_ps(o + d, load16(xr + d));
+#endif
+        for (; d < C; ++d) o[d] = to_f(xr[d]);
+      }
+    });
+  });
+}
+
+// kv_cache[0 / 1] flat slot slot_mapping[t] <- key / value [T, num_kv_heads, head_dim] (vLLM's
+// reshape_and_cache); negative slots are skipped.
+void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache: contiguous 5-d");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(), "key/value [T, kv_heads, head_dim]");
+  TORCH_CHECK(key.size(1) == kv_cache.size(3) && key.size(2) == kv_cache.size(4), "key/value head shape != cache");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2),
+              "key/value rows must be contiguous");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(), "dtype != cache dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() >= key.size(0), "slot_mapping: int64 [T]");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t nslots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < nslots, "reshape_and_cache: slot out of range");
+  const int64_t bytes = row * key.element_size();
+  char* kc = static_cast<char*>(kv_cache.data_ptr());
+  char* vc = kc + kv_cache.stride(0) * kv_cache.element_size();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0) continue;
+    std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
   }
 }
 """
 
 
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
+
+
 def _build_dir() -> str:
     root = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions")
-    digest = hashlib.sha256((_CPP_SOURCE + torch.__version__).encode()).hexdigest()[:12]
-    path = os.path.join(root, f"paged_decode_{digest}")
+    digest = hashlib.sha256((_CPP_SOURCE + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
+    path = os.path.join(root, f"cpu_ops_{digest}")
     os.makedirs(path, exist_ok=True)
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def get_decode_kernel() -> Optional[Callable]:
-    """The compiled ``paged_decode(out, q, kv_cache, block_tables, seq_lens, n, scale,
-    window)`` op, or None when it cannot be built here (logged once).
+_FUNCTIONS = ["paged_decode", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+              "reshape_and_cache", "to_float"]
 
-    out/q: ``[N, num_heads, head_dim]`` (model dtype); kv_cache: one layer's
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; block_tables ``[>=n, M]`` and
-    seq_lens ``[>=n]`` int32; n: decode requests; window: sliding window (0 = none).
-    The first build takes ~30-60 s on 2 cores; later processes load the cached .so.
+
+@functools.lru_cache(maxsize=1)
+def get_cpu_ops() -> Optional[Any]:
+    """The compiled ops module, or None when it cannot be built here (logged once) or
+    ``LLMSERVE_CPU_OPS=0``. Ops (all write in place, return None):
+
+    - ``paged_decode(out, q, kv_cache, block_tables, seq_lens, n, scale, window)``: out/q
+      ``[N, num_heads, head_dim]`` (model dtype); kv_cache: one layer's ``[2, num_blocks,
+      block_size, num_kv_heads, head_dim]``; block_tables ``[>=n, M]`` and seq_lens ``[>=n]``
+      int32; n: decode requests; window: sliding window (0 = none).
+    - ``rms_norm(out, x, weight, eps)``: x/out ``[R, H]`` or ``[A, B, H]``, weight ``[H]``.
+    - ``fused_add_rms_norm(out, x, residual, weight, eps)``: residual <- x + residual, out <-
+      rms_norm(residual); contiguous ``[R, H]``.
+    - ``silu_and_mul(out [T, I], gate_up [T, 2I])``.
+    - ``rotary_embedding(positions [T] int64, x [T, heads, head_dim], cos [P, head_dim/2],
+      sin [P, head_dim/2])``: float32 tables, x rotated in place.
+    - ``reshape_and_cache(key, value, kv_cache, slot_mapping [T] int64)``.
+    - ``to_float(out [R, C] float32, x [R, C])``.
+    Each raises RuntimeError on a shape, dtype or range mismatch.
+    The first build takes ~1 min on 2 cores; later processes load the cached .so.
     """
+    if os.environ.get("LLMSERVE_CPU_OPS", "1") == "0":
+        return None
     try:
         from torch.utils.cpp_extension import load_inline
         module = load_inline(
-            name="llmserve_paged_decode",
+            name="llmserve_cpu_ops",
             cpp_sources=[_CPP_SOURCE],
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            functions=_FUNCTIONS,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             build_directory=_build_dir(),
             verbose=False,
         )
     except Exception as e:  # no compiler / ninja / headers: the torch path still works
-        logger.warning("paged-attention CPU kernel unavailable (%s: %s); using the torch path",
+        logger.warning("CPU kernels unavailable (%s: %s); using the torch path",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
-    return module.paged_decode
+    return module
+
+
+def get_decode_kernel() -> Optional[Callable]:
+    """``get_cpu_ops().paged_decode``, or None when the kernels are unavailable."""
+    ops = get_cpu_ops()
+    return None if ops is None else ops.paged_decode
+
+
+def cpu_ops_for(t: torch.Tensor) -> Optional[Any]:
+    """The ops module when ``t`` is a CPU tensor and the kernels are built, else None."""
+    return get_cpu_ops() if t.device.type == "cpu" else None
 
 
 if __name__ == "__main__":
     import time
     t0 = time.time()
-    op = get_decode_kernel()
-    print(f"paged_decode kernel: {'built' if op is not None else 'UNAVAILABLE'} "
+    ops = get_cpu_ops()
+    print(f"llmserve CPU kernels: {'built' if ops is not None else 'UNAVAILABLE'} "
           f"in {time.time() - t0:.1f}s ({_build_dir()})")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention.backend import AttentionMetadata, PagedAttention
+from llmserve.attention.cpu_kernel import cpu_ops_for
 
 
 class Linear(nn.Module):
@@ -52,6 +53,17 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """x ``[T, hidden]`` (or ``[T, heads, hidden]`` without residual). With the CPU
+        kernels the residual is updated in place (the caller's tensor is reused)."""
+        ops = cpu_ops_for(x)
+        if ops is not None and x.stride(-1) == 1 and (residual is None or (
+                x.dim() == 2 and x.is_contiguous() and residual.is_contiguous())):
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            if residual is None:
+                ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            ops.fused_add_rms_norm(out, x, residual, self.weight, self.eps)
+            return out, residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -129,10 +141,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, self.inv_freq)
         return freqs.cos(), freqs.sin()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: Optional[int] = None):
-        """``(cos, sin)``, each ``[T, 1, head_dim // 2]`` in ``dtype``. ``max_pos``: the
-        largest position if known (saves a device sync). Raises ValueError for a position
-        >= max_position_embeddings."""
+    def ensure_positions(self, positions: torch.Tensor, max_pos: Optional[int] = None) -> None:
+        """Grow the tables to cover ``positions``. ``max_pos``: the largest position if known
+        (saves a device sync). Raises ValueError for a position >= max_position_embeddings."""
         if positions.numel():
             top = int(positions.max()) if max_pos is None else max_pos
             if top >= self.cos_cache.shape[0]:
@@ -140,6 +151,12 @@ class RotaryEmbedding(nn.Module):
                     raise ValueError(f"position {top} exceeds max_position_embeddings "
                                      f"({self.max_position})")
                 self.cos_cache, self.sin_cache = self._tables(self.max_position)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_pos: Optional[int] = None):
+        """``(cos, sin)``, each ``[T, 1, head_dim // 2]`` in ``dtype``. ``max_pos``: the
+        largest position if known (saves a device sync). Raises ValueError for a position
+        >= max_position_embeddings."""
+        self.ensure_positions(positions, max_pos)
         cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
         return cos, sin
@@ -149,6 +166,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """``x * cos + rotate_half(x) * sin`` for ``x [T, heads, head_dim]``."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RopeInputs:
+    """What a step's layers need for RoPE: the positions ``[T]`` int64 and the rotary
+    module; the torch path's gathered ``(cos, sin)`` are made on first use (once per step)."""
+
+    __slots__ = ("positions", "rotary", "dtype", "_cos_sin")
+
+    def __init__(self, positions: torch.Tensor, rotary: "RotaryEmbedding", dtype: torch.dtype):
+        self.positions = positions
+        self.rotary = rotary
+        self.dtype = dtype
+        self._cos_sin = None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]``: in place with the CPU kernel (x must have a
+        unit last stride), else out of place."""
+        ops = cpu_ops_for(x)
+        if ops is not None and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]:
+            ops.rotary_embedding(self.positions, x, self.rotary.cos_cache, self.rotary.sin_cache)
+            return x
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions, self.dtype)
+        return apply_rope(x, *self._cos_sin)
 
 
 class LlamaAttention(nn.Module):
@@ -172,19 +213,19 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
                                    self.head_dim ** -0.5, _sliding_window(config, layer_idx))
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs,
                 kv_cache: Optional[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         v = qkv[:, self.q_size + self.kv_size:]
         if self.qk_norm:
-            q = self.q_norm(qkv[:, :self.q_size].reshape(t, self.num_heads, self.head_dim))
+            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
-                            .reshape(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                            .view(t, self.num_kv_heads, self.head_dim))
+            q, k = rope.apply(q), rope.apply(k)
         else:  # q and k heads side by side: one rope op for both
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size]
-                            .reshape(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qk = rope.apply(qkv[:, :self.q_size + self.kv_size]
+                            .view(t, self.num_heads + self.num_kv_heads, self.head_dim))
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = self.attn(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), v, kv_cache, md)
         return self.o_proj(out)
@@ -216,7 +257,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         i = self.intermediate_size
-        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+        ops = cpu_ops_for(gate_up)
+        if ops is not None:
+            act = torch.empty((gate_up.shape[0], i), dtype=gate_up.dtype, device=gate_up.device)
+            ops.silu_and_mul(act, gate_up)
+        else:
+            act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -227,13 +274,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden, residual, cos, sin, kv_cache, md):
+    def forward(self, hidden, residual, rope, kv_cache, md):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
+        hidden = self.self_attn(hidden, rope, kv_cache, md)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -290,10 +337,11 @@ class LlamaForCausalLM(nn.Module):
         (None to run whole prompts without a cache). Returns hidden states ``[T, hidden]``
         after the final norm, in the model dtype."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype, attn_metadata.max_seq_len - 1)
+        self.rotary_emb.ensure_positions(positions, attn_metadata.max_seq_len - 1)
+        rope = RopeInputs(positions, self.rotary_emb, hidden.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, cos, sin,
+            hidden, residual = layer(hidden, residual, rope,
                                      kv_caches[i] if kv_caches else None, attn_metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
@@ -301,7 +349,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> logits ``[N, vocab_size]`` float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        logits = F.linear(hidden_states, weight)
+        if logits.dtype == torch.float32:
+            return logits
+        ops = cpu_ops_for(logits)
+        if ops is None or logits.dim() != 2:
+            return logits.float()
+        out = torch.empty(logits.shape, dtype=torch.float32)
+        ops.to_float(out, logits)
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names, any float dtype) into the parameters, packing

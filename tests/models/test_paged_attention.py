@@ -10,7 +10,7 @@ import torch
 
 from llmserve.attention import PagedAttention, build_attn_metadata, get_kv_cache_shape
 from llmserve.attention.backend import decode_attention_torch
-from llmserve.attention.cpu_kernel import get_decode_kernel
+from llmserve.attention.cpu_kernel import get_cpu_ops, get_decode_kernel
 
 NH, NKV, HD, BS, NB = 6, 2, 16, 4, 64
 
@@ -110,5 +110,5 @@ def test_kernel_build_failure_falls_back_to_none(monkeypatch, caplog):
         raise RuntimeError("no compiler here")
     monkeypatch.setattr(ext, "load_inline", broken)
     with caplog.at_level("WARNING"):
-        assert get_decode_kernel.__wrapped__() is None
+        assert get_cpu_ops.__wrapped__() is None
     assert "torch path" in caplog.text and "no compiler here" in caplog.text
