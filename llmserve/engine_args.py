@@ -21,7 +21,9 @@ from llmserve.config import (
 )
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB on the CPU
+# 4 GiB on the CPU, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE). Pages are only resident
+# once blocks are used (see ModelRunner.initialize_kv_cache).
+_DEFAULT_KV_CACHE_BYTES = 4 << 30
 
 
 def parse_bytes(value: Union[str, int, None]) -> Optional[int]:
@@ -58,7 +60,7 @@ class EngineArgs:
     max_model_len: Optional[int] = field(default=None, metadata=_help("Context length in tokens (default: the model's, capped at 2048 on CPU)."))
     seed: int = field(default=0, metadata=_help("Random seed for unseeded sampling."))
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens."))
-    kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 4GiB (default 1GiB on CPU)."))
+    kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; memory is taken as blocks are first used)."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Force the number of KV cache blocks (testing)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help("Token budget per engine step (default 512)."))

@@ -188,9 +188,10 @@ static inline float softmax_numerator(float* sc, int64_t L) {
 #if LLMSERVE_AVX512BF16
 // bf16 decode of one request, all KV heads: K.q with the AVX512-BF16 dot-product instruction
 // (bf16 x bf16 products are exact in float32, sums in float32), 16 keys per horizontal-sum
-// tree; P.V with two query heads' accumulators in registers. Both passes walk the context 16
-// tokens at a time in memory order (a token's row holds every KV head) and prefetch the next
-// 16 rows, so the scattered blocks stream from memory. NV = head_dim / 16.
+// tree; P.V with up to three query heads' accumulators in registers. Both passes walk the
+// context 16 tokens at a time in memory order (a token's row holds every KV head); before
+// each chunk, prefetch_next() asks for a chunk a few steps ahead in the task's stream, so the
+// scattered blocks arrive from memory while this one is computed. NV = head_dim / 16.
 // acc[h][0:16*NV] += sum_j p[h][j] * V_j for GB query heads over cnt rows (V_j = rows[j] + off).
 template <int NV, int GB>
 static inline void pv_chunk(float* acc, const float* p, int64_t p_stride, const at::BFloat16* const* rows,
@@ -211,14 +212,13 @@ static inline void pv_chunk(float* acc, const float* p, int64_t p_stride, const 
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * NV * 16 + c * 16, a[h][c]);
 }
 
-template <int NV>
+template <int NV, typename Prefetch>
 static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BFloat16* kp,
                             const at::BFloat16* vp, const int32_t* table, int64_t start, int64_t len,
                             int64_t bs, int64_t nkv, int64_t g, float scale, at::BFloat16* orow,
-                            std::vector<float>& scores, std::vector<float>& accm) {
+                            std::vector<float>& scores, std::vector<float>& accm, Prefetch&& prefetch_next) {
   constexpr int64_t hd = NV * 16;
   const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
-  const int64_t row_lines = (tok_stride * 2 + 63) / 64;
   const int64_t L = len - start;
   const int64_t nh = nkv * g;
   scores.resize(nh * L);
@@ -226,18 +226,11 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
   auto row_of = [&](const at::BFloat16* base, int64_t p) {
     return base + table[p / bs] * blk_stride + (p % bs) * tok_stride;
   };
-  auto prefetch_chunk = [&](const at::BFloat16* base, int64_t p0) {  // into L2
-    const int64_t end = std::min<int64_t>(p0 + 16, len);
-    for (int64_t p = p0; p < end; ++p) {
-      const char* r = reinterpret_cast<const char*>(row_of(base, p));
-      for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T2);
-    }
-  };
   const at::BFloat16* rows[16];
   for (int64_t p0 = start; p0 < len; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - p0);
     for (int64_t j = 0; j < 16; ++j) rows[j] = row_of(kp, p0 + std::min<int64_t>(j, cnt - 1));
-    if (p0 + 32 < len) prefetch_chunk(kp, p0 + 32);
+    prefetch_next();
     for (int64_t kh = 0; kh < nkv; ++kh) {
       for (int64_t i = 0; i < g; ++i) {
         const int64_t h = kh * g + i;
@@ -257,12 +250,10 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
   }
   std::vector<float> denom(nh);
   for (int64_t h = 0; h < nh; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
-  prefetch_chunk(vp, start);
-  prefetch_chunk(vp, start + 16);
   for (int64_t p0 = start; p0 < len; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - p0);
     for (int64_t j = 0; j < cnt; ++j) rows[j] = row_of(vp, p0 + j);
-    if (p0 + 32 < len) prefetch_chunk(vp, p0 + 32);
+    prefetch_next();
     for (int64_t kh = 0; kh < nkv; ++kh) {
       for (int64_t i0 = 0; i0 < g;) {  // up to three query heads at a time (3*NV accumulators)
         const int64_t nq = std::min<int64_t>(g - i0, NV > 4 ? 2 : 3);
@@ -308,6 +299,36 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       // One task per request (all its KV heads, so each K/V row is read once).
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, accm;
+        // Prefetch cursor over this thread's stream of 16-token chunks: request by request,
+        // K chunks then V chunks. It runs kAhead chunks ahead of the computation, into L2.
+        // Measured (SmolLM2 shapes, 256-512 requests x 192 tokens, 2 threads): into L2 at 4-8
+        // chunks ahead streams at ~28 GB/s, against ~15 GB/s with the hardware prefetchers
+        // alone; into L1 (T0) a few chunks ahead thrashes L1 and is slower still.
+        constexpr int kAhead = 6;
+        const int64_t row_lines = (tok_stride * 2 + 63) / 64;
+        int64_t pr = begin, ppass = 0, pc = 0;
+        auto prefetch_next = [&]() {
+          while (pr < end) {
+            const int64_t plen = slp[pr];
+            const int64_t pstart = window > 0 ? std::max<int64_t>(0, plen - window) : 0;
+            const int64_t p0 = pstart + 16 * pc;
+            if (p0 >= plen) {  // past this pass of request pr
+              pc = 0;
+              if (++ppass == 2) { ppass = 0; ++pr; }
+              continue;
+            }
+            const int32_t* tab = btp + pr * bt_s0;
+            const scalar_t* base = ppass == 0 ? kp : vp;
+            const int64_t pend = std::min<int64_t>(p0 + 16, plen);
+            for (int64_t p = p0; p < pend; ++p) {
+              const char* row = reinterpret_cast<const char*>(base + tab[p / bs] * blk_stride + (p % bs) * tok_stride);
+              for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(row + 64 * l, _MM_HINT_T2);
+            }
+            ++pc;
+            return;
+          }
+        };
+        for (int i = 0; i < kAhead; ++i) prefetch_next();
         for (int64_t r = begin; r < end; ++r) {
           const int64_t len = slp[r];
           const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -318,10 +339,10 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
           }
           if (hd == 64)
             decode_one_bf16<4>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
-                               fscale, orow, scores, accm);
+                               fscale, orow, scores, accm, prefetch_next);
           else
             decode_one_bf16<8>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
-                               fscale, orow, scores, accm);
+                               fscale, orow, scores, accm, prefetch_next);
         }
       });
       return;

@@ -80,10 +80,19 @@ class ModelRunner:
         return int(cc.kv_cache_memory_bytes // self.kv_cache_bytes_per_block())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One zeroed ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+        buffer; ``self.kv_caches`` holds its per-layer views. On the CPU it comes from
+        calloc (through numpy): a block this large is fresh mmap'd memory that the OS
+        zero-fills on first touch, so a 4 GiB cache costs resident memory only as its
+        blocks are used, and start-up does not spend seconds clearing it."""
         mc = self.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(mc.num_layers)]
+        shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        if self.device.type == "cpu":
+            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
+            buf = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
+        else:
+            buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(buf.unbind(0))
 
     # ---- per-request state -------------------------------------------------
     def _state(self, req) -> _ReqState:
