@@ -31,7 +31,10 @@ def load_frontend(config: EngineConfig):
     from llmserve.tokenizer import get_tokenizer
 
     mc = config.model_config
-    tok = get_tokenizer(mc.model_path, mc.gguf_file, mc.chat_template)
+    if mc.tokenizer in (None, mc.model_path):
+        tok = get_tokenizer(mc.model_path, mc.gguf_file, mc.chat_template)
+    else:  # --tokenizer names another model or directory
+        tok = get_tokenizer(mc.tokenizer, None, mc.chat_template)
     gen = {}
     if mc.generation_config == "auto":
         try:

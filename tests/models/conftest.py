@@ -1,6 +1,6 @@
-"""Fixtures for the model tests: tiny random HF checkpoints of each supported architecture,
-the packaged SmolLM2 GGUF (ours and transformers' reference, loaded once per session), and
-a small paged-KV step runner that plays the model runner's part."""
+"""Fixtures for the model tests: the packaged SmolLM2 GGUF (ours and transformers'
+reference, loaded once per session) and a small paged-KV step runner that plays the model
+runner's part. The tiny random checkpoints come from tests/conftest.py."""
 from __future__ import annotations
 
 import random
@@ -8,43 +8,6 @@ import pytest
 import torch
 
 from llmserve.attention import build_attn_metadata, get_kv_cache_shape
-
-TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                   rms_norm_eps=1e-6)
-
-
-def tiny_config(arch: str):
-    """A 2-layer GQA config of ``arch`` (hidden 64) with the architecture's quirks switched on."""
-    import transformers as tf
-    if arch == "llama":  # llama3 rope scaling, biases everywhere, untied head
-        return tf.LlamaConfig(**TINY_COMMON, attention_bias=True, tie_word_embeddings=False,
-                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 64},
-                              rope_theta=10000.0)
-    if arch == "mistral":  # sliding window shorter than the prompts, tied head
-        return tf.MistralConfig(**TINY_COMMON, head_dim=16, sliding_window=8,
-                                tie_word_embeddings=True)
-    if arch == "qwen2":  # q/k/v bias, tied head
-        return tf.Qwen2Config(**TINY_COMMON, tie_word_embeddings=True)
-    if arch == "qwen3":  # per-head q/k norm, head_dim != hidden / heads
-        return tf.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False)
-    raise ValueError(arch)
-
-
-def save_tiny_model(arch: str, path: str, seed: int = 0):
-    """Write a random ``arch`` model (config.json + model.safetensors) to ``path``; return the
-    HF model (float32, eval)."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    with torch.no_grad():  # norms start at 1.0; perturb so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return model.eval()
 
 
 class StepRunner:
@@ -153,11 +116,6 @@ def seeded_tokens(n: int, seed: int, vocab: int = 49152, low: int = 100) -> list
 @pytest.fixture(scope="session")
 def tokens_fn():
     return seeded_tokens
-
-
-@pytest.fixture(scope="session")
-def save_tiny_model_fn():
-    return save_tiny_model
 
 
 @pytest.fixture(scope="session")
