@@ -129,6 +129,8 @@ class EngineCoreProc:
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = zmq.Context()
         self.encoder = MsgpackEncoder()
+        # True when requests left the scheduler (aborts) since the last SchedulerStats sent.
+        self._stats_stale = False
         self._out_thread = threading.Thread(target=self._process_output_socket, daemon=True)
         self._out_thread.start()
         try:
@@ -145,11 +147,13 @@ class EngineCoreProc:
         self._in_thread.start()
 
     @staticmethod
-    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-        """Entry point of the child process."""
+    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> int:
+        """Entry point of the child process. Returns its exit code: 0 after SHUTDOWN or
+        SIGTERM, 1 after a fatal error (ENGINE_CORE_DEAD sent first)."""
         logging.basicConfig(level=os.environ.get("LLMSERVE_LOGGING_LEVEL", "INFO"),
                             format="%(levelname)s %(asctime)s [engine] %(message)s")
         shutdown_requested = False
+        exit_code = 0
 
         def _signal(signum, frame):
             nonlocal shutdown_requested
@@ -166,6 +170,7 @@ class EngineCoreProc:
         except SystemExit:
             logger.info("EngineCore shutting down")
         except BaseException:
+            exit_code = 1
             if proc is not None:
                 logger.error("EngineCore hit a fatal error:\n%s", traceback.format_exc())
                 proc.output_queue.put(EngineCoreOutputs(
@@ -178,11 +183,19 @@ class EngineCoreProc:
             if proc is not None:
                 proc.output_queue.put(None)
                 proc._out_thread.join(timeout=5)
+        return exit_code
 
     def run_busy_loop(self) -> None:
+        """Step while there is work; block on the input queue when idle. Every output
+        carries SchedulerStats; when aborts leave the engine idle, with no step to follow,
+        an idle ``step()`` sends the final stats (0 running, KV blocks freed) before
+        blocking (vLLM: EngineCoreProc.run_busy_loop)."""
         core = self.core
         while True:
             if not core.has_work():
+                if self._stats_stale:
+                    self._stats_stale = False
+                    self.output_queue.put(core.step())
                 item = self.input_queue.get()
                 if self._handle(item):
                     return
@@ -195,6 +208,7 @@ class EngineCoreProc:
                     self.output_queue.put(outs)
                 elif not core.has_work():
                     self.output_queue.put(outs)  # final stats after the last request left
+                self._stats_stale = False
 
     def _handle(self, item) -> bool:
         """Apply one input message; True means shut down."""
@@ -209,6 +223,8 @@ class EngineCoreProc:
                     payload.request_id, [], finish_reason=int(FinishReason.ABORT),
                     stop_reason=f"rejected: {e}")]))
         elif rtype == EngineCoreRequestType.ABORT:
+            if self.core.has_work():  # else every request has finished: stats unchanged
+                self._stats_stale = True
             self.core.abort_requests(payload)
         elif rtype == EngineCoreRequestType.UTILITY:
             try:
@@ -284,7 +300,14 @@ def main() -> None:
     config, input_addr, output_addr, parent_pid = pickle.loads(sys.stdin.buffer.read())
     _keep_freed_memory()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    EngineCoreProc.run_engine_core(config, input_addr, output_addr)
+    exit_code = EngineCoreProc.run_engine_core(config, input_addr, output_addr)
+    # Nothing is left to clean up (outputs flushed, sockets closed; the client removes
+    # the socket dir): skip the interpreter teardown, ~1 s of module finalization
+    # (torch) that the client's shutdown would wait for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -99,22 +99,36 @@ class _MPResources:
         self.ctx: Optional[zmq.Context] = None
         self.tmpdir: Optional[str] = None
         self.sockets: list = []
+        self.input_socket: Optional[zmq.Socket] = None
         self.stop_event = threading.Event()
-        self.input_addr = ""
+
+    def _send_shutdown(self) -> bool:
+        """Queue SHUTDOWN on the bound input socket (a plain zmq.Socket, also under the
+        async client, whose asyncio socket shadows it), waiting at most 0.2 s for room.
+        Returns False when it could not be queued (no engine connected, socket closed).
+
+        It must go through this socket: the engine's PULL connects to it, so a fresh PUSH
+        connecting to the same address would reach this PUSH, not the engine, and the
+        message would never arrive."""
+        sock = self.input_socket
+        if sock is None or sock.closed:
+            return False
+        try:
+            if not sock.poll(200, zmq.POLLOUT):
+                return False
+            sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, MsgpackEncoder().encode(None)],
+                                flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
 
     def __call__(self) -> None:
         self.stop_event.set()
         proc = self.proc
         if proc is not None and proc.is_alive():
-            try:
-                sock = self.ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 500)
-                sock.connect(self.input_addr)
-                sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, MsgpackEncoder().encode(None)])
-                sock.close()
-            except Exception:
-                pass
-            proc.join(timeout=5)
+            # The engine exits by itself on SHUTDOWN (within a step); SIGTERM, then SIGKILL,
+            # only if it does not.
+            proc.join(timeout=5 if self._send_shutdown() else 0)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
@@ -212,7 +226,6 @@ class MPClient(EngineCoreClient):
         res.tmpdir = tempfile.mkdtemp(prefix="llmserve-")
         input_addr = f"ipc://{res.tmpdir}/input.sock"
         self.output_addr = output_addr = f"ipc://{res.tmpdir}/output.sock"
-        res.input_addr = input_addr
         # Sync sockets for the handshake (and the sync client); the async client swaps in
         # asyncio sockets on the same context.
         res.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -223,6 +236,7 @@ class MPClient(EngineCoreClient):
         out_sock = sync_ctx.socket(zmq.PULL)
         out_sock.bind(output_addr)
         res.sockets += [in_sock, out_sock]
+        res.input_socket = in_sock
         res.proc = proc = _spawn_engine_process(config, input_addr, output_addr)
         self._in_sock_sync = in_sock
         self._out_sock_sync = out_sock

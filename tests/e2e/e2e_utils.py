@@ -37,18 +37,24 @@ def no_nonfinite(text: str) -> Any:
     return json.loads(text, parse_constant=reject)
 
 
+SERVE_CLI = ["-m", "llmserve.entrypoints.cli", "serve"]  # ``llmserve serve``
+
+
 class RemoteServer:
-    """A ``python -m llmserve.entrypoints.openai.api_server`` child process.
+    """A ``python -m llmserve.entrypoints.openai.api_server`` child process (``entrypoint``:
+    the interpreter arguments before the flags, e.g. SERVE_CLI for ``llmserve serve``).
 
     Starts it on a free port, waits for ``GET /health`` == 200, and stops it with
     SIGTERM (SIGKILL after 30 s). ``url_for(path)``, ``client()`` (openai.OpenAI),
     ``http`` (an httpx.Client with the API key) are the ways in.
     """
 
-    def __init__(self, args: list[str], api_key: Optional[str] = API_KEY):
+    def __init__(self, args: list[str], api_key: Optional[str] = API_KEY,
+                 entrypoint: Optional[list[str]] = None):
         self.port = _free_port()
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "llmserve.entrypoints.openai.api_server", "--host", "127.0.0.1",
+        entrypoint = entrypoint or ["-m", "llmserve.entrypoints.openai.api_server"]
+        cmd = [sys.executable, *entrypoint, "--host", "127.0.0.1",
                "--port", str(self.port), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]

@@ -203,3 +203,84 @@ def test_shutdown_leaves_no_child_and_no_socket():
     assert not os.path.exists(tmpdir)
     time.sleep(0.2)
     assert _children() - before == set()
+
+
+class _StatsRecorder:
+    """A stat logger keeping every SchedulerStats AsyncLLM hands it."""
+
+    def __init__(self):
+        self.stats = []
+
+    def record(self, scheduler_stats, iteration_stats):
+        if scheduler_stats is not None:
+            self.stats.append(scheduler_stats)
+
+
+def test_final_stats_after_aborts_empty_the_engine(engine, loop):
+    """Aborting every request leaves the engine idle with no step to follow: it still sends
+    fresh SchedulerStats (0 running/waiting, no KV in use), without any stats poll."""
+    rec = _StatsRecorder()
+    engine.stat_loggers.append(rec)  # the output handler holds this very list
+    sp = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        got = {i: 0 for i in range(4)}
+
+        async def consume(i):
+            async for _ in engine.generate(PROMPTS[i], sp, f"stats-abort-{i}"):
+                got[i] += 1
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while min(got.values()) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        busy = rec.stats[-1]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and (rec.stats[-1].num_running_reqs or rec.stats[-1].kv_cache_usage):
+            await asyncio.sleep(0.05)
+        return busy, rec.stats[-1]
+
+    try:
+        busy, last = loop.run_until_complete(run())
+    finally:
+        engine.stat_loggers.remove(rec)
+    assert busy.num_running_reqs > 0 and busy.kv_cache_usage > 0
+    assert last.num_running_reqs == 0 and last.num_waiting_reqs == 0
+    assert last.kv_cache_usage == 0 and last.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("where", ["in_running_loop", "after_loop_closed"])
+def test_shutdown_is_prompt_and_engine_exits_by_itself(where):
+    """shutdown() delivers SHUTDOWN: the engine process exits 0 on its own, well within
+    the 5 s it would get before SIGTERM."""
+    eng = AsyncLLM.from_engine_args(_args(kv_cache_memory="64MiB"))
+    proc = eng.engine_core.resources.proc
+    signals = []
+    proc.terminate = lambda: signals.append("SIGTERM")  # a shutdown that needs these fails
+    proc.kill = lambda: signals.append("SIGKILL")
+
+    async def run():
+        out = await _collect(eng, "Hello", SamplingParams(max_tokens=3, temperature=0), "sd-prompt")
+        elapsed = None
+        if where == "in_running_loop":
+            t0 = time.monotonic()
+            eng.shutdown()
+            elapsed = time.monotonic() - t0
+        return out, elapsed
+
+    try:
+        out, elapsed = asyncio.run(run())
+        assert out.finished
+        if where == "after_loop_closed":
+            t0 = time.monotonic()
+            eng.shutdown()
+            elapsed = time.monotonic() - t0
+    finally:
+        if proc.is_alive():
+            proc.popen.kill()
+            proc.join(5)
+    assert signals == [] and not proc.is_alive() and proc.exitcode == 0
+    assert elapsed < 2.0, elapsed

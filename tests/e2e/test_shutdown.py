@@ -1,0 +1,102 @@
+"""Stopping ``llmserve serve``: on SIGTERM/SIGINT the server ends its in-flight requests
+(here aborted after ``--timeout-graceful-shutdown 1``), shuts the engine process down and
+exits 0, all within a few seconds; when the server is SIGKILLed, the engine process
+notices (it watches its parent) and exits within about a second."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from e2e_utils import MODEL, SERVE_CLI, RemoteServer
+
+_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--timeout-graceful-shutdown", "1"]
+
+
+def _engine_pid(server: RemoteServer) -> int:
+    kids = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if "llmserve.engine.core" in " ".join(p.cmdline())]
+    assert len(kids) == 1, kids
+    return kids[0].pid
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for a reaper counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(server: RemoteServer, engine_pid: int, t0: float, limit_s: float) -> tuple[float, float]:
+    """Seconds from ``t0`` until the server, and the engine, were gone (inf: not within limit_s)."""
+    server_t = engine_t = float("inf")
+    while time.monotonic() - t0 < limit_s and (server_t == float("inf") or engine_t == float("inf")):
+        if server_t == float("inf") and server.proc.poll() is not None:
+            server_t = time.monotonic() - t0
+        if engine_t == float("inf") and _gone(engine_pid):
+            engine_t = time.monotonic() - t0
+        time.sleep(0.05)
+    return server_t, engine_t
+
+
+def _start_stream(server: RemoteServer) -> tuple[threading.Thread, threading.Event, list]:
+    """A long streaming completion in a thread; the event is set at its first chunk."""
+    first_chunk = threading.Event()
+    result: list = []
+
+    def run() -> None:
+        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True,
+                "stream": True}
+        try:
+            with httpx.stream("POST", server.url_for("v1/completions"), json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {server.api_key}"}) as r:
+                for _ in r.iter_lines():
+                    first_chunk.set()
+            result.append("finished")
+        except httpx.HTTPError as e:  # cut off when the server aborts it
+            result.append(type(e).__name__)
+        first_chunk.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, first_chunk, result
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_server_and_engine_promptly(sig):
+    server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
+    try:
+        engine_pid = _engine_pid(server)
+        thread, first_chunk, result = _start_stream(server)
+        assert first_chunk.wait(60), server.logs()
+        t0 = time.monotonic()
+        server.proc.send_signal(sig)
+        server_t, engine_t = _wait_gone(server, engine_pid, t0, 15)
+        thread.join(10)
+        assert result, "the in-flight stream did not end"
+        # 1 s of grace for the stream, then the engine's shutdown and the server's exit.
+        assert engine_t < 5 and server_t < 5, (engine_t, server_t, server.logs())
+        assert server.proc.returncode == 0, server.logs()
+        assert "Engine shut down." in server.logs()
+    finally:
+        server.stop()
+
+
+def test_sigkilled_server_takes_its_engine_along():
+    server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
+    try:
+        engine_pid = _engine_pid(server)
+        thread, first_chunk, _ = _start_stream(server)  # the engine is busy when its parent dies
+        assert first_chunk.wait(60), server.logs()
+        t0 = time.monotonic()
+        server.proc.kill()
+        _, engine_t = _wait_gone(server, engine_pid, t0, 10)
+        thread.join(10)
+        assert engine_t < 3, (engine_t, server.logs())
+    finally:
+        server.stop()
