@@ -93,15 +93,15 @@ class EngineArgs:
             tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 (our own annotations)
             origin = get_origin(tp)
             inner = [a for a in get_args(tp) if a is not type(None)]
+            shown = helptext if default is None or "(default" in helptext else f"{helptext} (default: {default})"
             if tp is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                    help=f"{helptext} (default: {default})")
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=shown)
             elif origin is list or (origin is Union and inner and get_origin(inner[0]) is list):
                 parser.add_argument(flag, nargs="+", default=default, help=helptext)
             else:
                 base = inner[0] if origin is Union and inner else tp
                 conv = base if base in (int, float) else str
-                parser.add_argument(flag, type=conv, default=default, help=f"{helptext} (default: {default})")
+                parser.add_argument(flag, type=conv, default=default, help=shown)
         return parser
 
     @classmethod

@@ -17,9 +17,11 @@ import weakref
 from typing import Any, AsyncGenerator, Iterable, Optional
 
 from llmserve.config import EngineConfig
+from llmserve.core.request import FinishReason
 from llmserve.engine.core_client import AsyncMPClient
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.engine.messages import EngineCoreOutput
 from llmserve.engine.llm_engine import load_frontend
 from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector
 from llmserve.engine.parallel_sampling import ParentRequest
@@ -183,7 +185,14 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests (and the children of n>1 requests)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        engine_ids = self.output_processor.abort_requests(ids)
+        stats = IterationStats() if self.output_processor.log_stats else None
+        engine_ids = self.output_processor.abort_requests(ids, stats)
+        if stats is not None and stats.finished_requests:
+            for sl in self.stat_loggers:
+                try:
+                    sl.record(None, stats)
+                except Exception:
+                    logger.exception("stat logger failed")
         if engine_ids and not self.errored:
             try:
                 await self.engine_core.abort_requests_async(engine_ids)
@@ -191,6 +200,32 @@ class AsyncLLM:
                 pass
         if self.log_requests and not internal:
             logger.info("Aborted request(s) %s", ids)
+
+    async def abort_all(self) -> int:
+        """Finish every in-flight request now with finish_reason "abort": each waiting
+        ``generate`` receives a final output (so a stream ends with its last chunk rather
+        than being cut) and the engine drops the requests. Used by the server when its
+        graceful-shutdown period runs out. Returns the number of requests aborted."""
+        ids = list(self.output_processor.states)
+        if not ids:
+            return 0
+        outs = [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=int(FinishReason.ABORT))
+                for rid in ids]
+        stats = IterationStats() if self.output_processor.log_stats else None
+        self.output_processor.process_outputs(outs, None, stats)
+        if stats is not None:
+            for sl in self.stat_loggers:
+                try:
+                    sl.record(None, stats)
+                except Exception:
+                    logger.exception("stat logger failed")
+        if not self.errored:
+            try:
+                await self.engine_core.abort_requests_async(ids)
+            except EngineDeadError:
+                pass
+        logger.info("Aborted %d in-flight request(s)", len(ids))
+        return len(ids)
 
     # ---- utilities -----------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:

@@ -140,15 +140,27 @@ class OutputProcessor:
         if parent is not None:
             self.parents[parent.request_id] = parent
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests (and parents' children). Returns the engine request ids."""
+    def abort_requests(self, request_ids: list[str],
+                       iteration_stats: Optional[IterationStats] = None) -> list[str]:
+        """Forget requests (and parents' children). Returns the engine request ids. With
+        ``iteration_stats``, each request still in flight is recorded there as finished
+        with reason "abort" (so ``request_success_total{finished_reason="abort"}`` counts
+        client disconnects and cancellations)."""
         out = []
+        now = time.time()
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             ids = parent.child_ids if parent is not None else [rid]
             for cid in ids:
-                if self.states.pop(cid, None) is not None:
-                    out.append(cid)
+                st = self.states.pop(cid, None)
+                if st is None:
+                    continue
+                out.append(cid)
+                if iteration_stats is not None:
+                    n_gen = len(st.detokenizer.token_ids)
+                    ttft = (st.first_token_time - st.arrival_time) if st.first_token_time else 0.0
+                    iteration_stats.finished_requests.append(FinishedRequestStats(
+                        str(FinishReason.ABORT), now - st.arrival_time, len(st.prompt_token_ids), n_gen, ttft))
         return out
 
     def propagate_error(self, exc: BaseException) -> None:

@@ -25,9 +25,12 @@ BENCHMARKS = {
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     from llmserve.entrypoints.openai.cli_args import make_arg_parser
 
+    from llmserve.entrypoints.openai.cli_args import HelpFormatter
+
     p = subparsers.add_parser("serve", help="Start the OpenAI-compatible HTTP server.",
                               description="Start the OpenAI-compatible HTTP server "
-                                          "(defaults: model SmolLM2-135M-Instruct, port 8000).")
+                                          "(defaults: model SmolLM2-135M-Instruct, port 8000).",
+                              formatter_class=HelpFormatter)
     make_arg_parser(p)
     p.set_defaults(dispatch=_run_serve)
 

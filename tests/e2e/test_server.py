@@ -134,6 +134,7 @@ def test_client_disconnect_aborts_request(server):
     """Must show: a client that disconnects mid-stream leaves no running request and no
     used KV block; the same for a non-streaming request whose client goes away."""
     lab = {"model_name": MODEL}
+    aborts0 = metric(scrape(server), "llmserve:request_success_total", finished_reason="abort", **lab)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1500,
             "ignore_eos": True, "stream": True}
     sock = _raw_post(server, "/v1/chat/completions", body)
@@ -166,4 +167,6 @@ def test_client_disconnect_aborts_request(server):
     text = _wait_idle(server)
     assert metric(text, "llmserve:num_requests_running", **lab) == 0
     assert metric(text, "llmserve:kv_cache_usage_perc", **lab) == 0
+    # both disconnects are counted as finished with reason "abort"
+    assert metric(text, "llmserve:request_success_total", finished_reason="abort", **lab) == aborts0 + 2
     server.assert_healthy()

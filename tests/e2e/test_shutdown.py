@@ -1,5 +1,6 @@
 """Stopping ``llmserve serve``: on SIGTERM/SIGINT the server ends its in-flight requests
-(here aborted after ``--timeout-graceful-shutdown 1``), shuts the engine process down and
+(here aborted after ``--timeout-graceful-shutdown 1``: the stream gets a last chunk with
+finish_reason "abort" and ``[DONE]``), shuts the engine process down and
 exits 0, all within a few seconds; when the server is SIGKILLed, the engine process
 notices (it watches its parent) and exits within about a second."""
 from __future__ import annotations
@@ -44,10 +45,12 @@ def _wait_gone(server: RemoteServer, engine_pid: int, t0: float, limit_s: float)
     return server_t, engine_t
 
 
-def _start_stream(server: RemoteServer) -> tuple[threading.Thread, threading.Event, list]:
-    """A long streaming completion in a thread; the event is set at its first chunk."""
+def _start_stream(server: RemoteServer) -> tuple[threading.Thread, threading.Event, list, list]:
+    """A long streaming completion in a thread; the event is set at its first chunk.
+    Returns (thread, event, result, SSE lines received)."""
     first_chunk = threading.Event()
     result: list = []
+    lines: list = []
 
     def run() -> None:
         body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True,
@@ -55,7 +58,8 @@ def _start_stream(server: RemoteServer) -> tuple[threading.Thread, threading.Eve
         try:
             with httpx.stream("POST", server.url_for("v1/completions"), json=body, timeout=60,
                               headers={"Authorization": f"Bearer {server.api_key}"}) as r:
-                for _ in r.iter_lines():
+                for line in r.iter_lines():
+                    lines.append(line)
                     first_chunk.set()
             result.append("finished")
         except httpx.HTTPError as e:  # cut off when the server aborts it
@@ -64,7 +68,7 @@ def _start_stream(server: RemoteServer) -> tuple[threading.Thread, threading.Eve
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return thread, first_chunk, result
+    return thread, first_chunk, result, lines
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -72,13 +76,18 @@ def test_signal_stops_server_and_engine_promptly(sig):
     server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
     try:
         engine_pid = _engine_pid(server)
-        thread, first_chunk, result = _start_stream(server)
+        thread, first_chunk, result, lines = _start_stream(server)
         assert first_chunk.wait(60), server.logs()
         t0 = time.monotonic()
         server.proc.send_signal(sig)
         server_t, engine_t = _wait_gone(server, engine_pid, t0, 15)
         thread.join(10)
-        assert result, "the in-flight stream did not end"
+        assert result == ["finished"], (result, server.logs())
+        # Not cut off: the stream ends with a last chunk saying "abort", then [DONE].
+        data = [ln for ln in lines if ln.startswith("data: ")]
+        assert data[-1] == "data: [DONE]", data[-3:]
+        assert '"finish_reason":"abort"' in data[-2].replace(" ", ""), data[-3:]
+        assert "Exception in ASGI application" not in server.logs()
         # 1 s of grace for the stream, then the engine's shutdown and the server's exit.
         assert engine_t < 5 and server_t < 5, (engine_t, server_t, server.logs())
         assert server.proc.returncode == 0, server.logs()
@@ -91,7 +100,7 @@ def test_sigkilled_server_takes_its_engine_along():
     server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
     try:
         engine_pid = _engine_pid(server)
-        thread, first_chunk, _ = _start_stream(server)  # the engine is busy when its parent dies
+        thread, first_chunk, _, _ = _start_stream(server)  # the engine is busy when its parent dies
         assert first_chunk.wait(60), server.logs()
         t0 = time.monotonic()
         server.proc.kill()

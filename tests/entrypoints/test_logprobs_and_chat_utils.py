@@ -97,3 +97,6 @@ def test_render_chat_prompt_errors(smol_tokenizer):
     assert e.value.param == "continue_final_message"
     with pytest.raises(SamplingParamsError):
         render_chat_prompt(smol_tokenizer, [{"role": "user", "content": "x"}], chat_template="{% if %}")
+    with pytest.raises(SamplingParamsError, match="'wizard' is not one of") as e:  # OpenAI: 400
+        render_chat_prompt(smol_tokenizer, [{"role": "wizard", "content": "x"}])
+    assert e.value.param == "messages"

@@ -4,8 +4,9 @@
 exception handlers turning every error into the OpenAI error body);
 ``init_app_state(engine_client, app.state, args)`` puts the engine and the handlers on
 ``app.state``; ``run_server(args)`` starts an AsyncLLM and serves until SIGINT/SIGTERM
-(uvicorn lets in-flight requests finish for ``--timeout-graceful-shutdown`` seconds, then
-cancels them, which aborts them in the engine), then shuts the engine process down.
+(in-flight requests get ``--timeout-graceful-shutdown`` seconds to finish; those still
+running then end with finish_reason "abort", streams with their last chunk and
+``[DONE]``), then shuts the engine process down.
 
 Run: ``llmserve serve [MODEL]`` or ``python -m llmserve.entrypoints.openai.api_server``.
 """
@@ -16,7 +17,7 @@ import asyncio
 import hmac
 import logging
 import uuid
-from typing import Any, Awaitable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -320,10 +321,15 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
                                                                   chat_template=chat_template)
 
 
-def _make_uvicorn_server(config: Any) -> Any:
+def _make_uvicorn_server(config: Any, on_drain_timeout: Optional[Callable[[], Awaitable[Any]]] = None) -> Any:
     """A uvicorn Server that handles SIGINT/SIGTERM as a graceful shutdown and then
     returns (stock uvicorn re-raises the signal after serving, which would kill the
-    process before the engine is shut down)."""
+    process before the engine is shut down).
+
+    ``on_drain_timeout``: awaited half a second before the graceful-shutdown period
+    (``config.timeout_graceful_shutdown``) runs out, to end the requests still in flight
+    cleanly (``AsyncLLM.abort_all``: streams get a last chunk with finish_reason "abort"
+    and ``[DONE]``) instead of having uvicorn cancel their tasks mid-response."""
     import contextlib
     import signal
     import threading
@@ -343,6 +349,23 @@ def _make_uvicorn_server(config: Any) -> Any:
             finally:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
+
+        async def shutdown(self, sockets=None):  # noqa: ANN001, ANN202
+            grace = self.config.timeout_graceful_shutdown
+            task = None
+            if on_drain_timeout is not None and grace is not None:
+                async def _end_in_flight() -> None:
+                    await asyncio.sleep(max(grace - 0.5, 0.0))
+                    try:
+                        await on_drain_timeout()
+                    except Exception:
+                        logger.exception("aborting in-flight requests at shutdown failed")
+                task = asyncio.create_task(_end_in_flight())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if task is not None:
+                    task.cancel()
 
     return _Server(config)
 
@@ -368,7 +391,8 @@ async def run_server(args: argparse.Namespace) -> None:
         server = _make_uvicorn_server(uvicorn.Config(
             app, host=host, port=args.port, log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=args.timeout_graceful_shutdown, timeout_keep_alive=5))
+            timeout_graceful_shutdown=args.timeout_graceful_shutdown, timeout_keep_alive=5),
+            on_drain_timeout=engine.abort_all)
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)", ", ".join(config.model_config.served_model_name),
                     host, args.port)
         await server.serve()

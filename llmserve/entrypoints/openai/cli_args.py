@@ -27,6 +27,17 @@ def _json_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help text already says it (``(default ...``)
+    or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     """Add the server flags and the engine flags to ``parser`` (a new one if None).
 
@@ -36,7 +47,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
         parser = argparse.ArgumentParser(
             prog="llmserve serve",
             description="Start the OpenAI-compatible HTTP server.",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+            formatter_class=HelpFormatter)
     parser.add_argument("model_tag", nargs="?", default=None,
                         help="The model to serve (same as --model; wins over it when both are given).")
     server = parser.add_argument_group("server")
