@@ -191,18 +191,23 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     query ``[q, num_heads, head_dim]``; key/value ``[s, num_kv_heads, head_dim]`` (s >= q;
     the query tokens are the last q of the s). Query i sees keys ``0 .. s - q + i``.
+    A leading batch dimension (``[B, q, ...]`` and ``[B, s, ...]``) runs B such requests
+    of the same lengths in one call.
     Runs in the query dtype, except float16 on CPU (float32 there). Measured here for
     prompt shapes (9/3 heads, head dim 64, 256-1024 tokens), bf16 SDPA with GQA is as fast
     as float32 (the slow bf16 case in DESIGN.md is the decode shape, handled elsewhere).
     Returns ``[q, num_heads, head_dim]`` in the query dtype.
     """
-    ql, nh, hd = query.shape
-    sl, nkv, _ = key.shape
+    batched = query.dim() == 4
+    if not batched:
+        query, key, value = query[None], key[None], value[None]
+    ql, nh, hd = query.shape[1:]
+    sl, nkv, _ = key.shape[1:]
     cpu_half = query.device.type == "cpu" and query.dtype == torch.float16
     work = torch.float32 if cpu_half else query.dtype
-    q = query.transpose(0, 1).to(work)
-    k = key.transpose(0, 1).to(work)
-    v = value.transpose(0, 1).to(work)
+    q = query.transpose(1, 2).to(work)
+    k = key.transpose(1, 2).to(work)
+    v = value.transpose(1, 2).to(work)
     mask = None
     causal = sl == ql and sliding_window is None
     if not causal:
@@ -211,11 +216,12 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         mask = kpos <= qpos
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
-    # 4-D inputs ([1, heads, L, D]) select torch's flash-attention CPU kernel; 3-D ones
+    # 4-D inputs ([B, heads, L, D]) select torch's flash-attention CPU kernel; 3-D ones
     # fall back to the much slower math path.
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
-                                         scale=scale, enable_gqa=nkv != nh)[0]
-    return out.transpose(0, 1).to(query.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=nkv != nh)
+    out = out.transpose(1, 2).to(query.dtype)
+    return out if batched else out[0]
 
 
 class PagedAttention:
@@ -259,16 +265,28 @@ class PagedAttention:
                 raise ValueError("decode requests need a KV cache")
             self._decode(q[:nd], kv_cache, md, out[:nd])
         starts = md.query_starts()
+        whole: dict[int, list[int]] = {}  # whole prompts in this step, by length
         for i in range(nd, md.num_reqs):
             s0, s1 = starts[i], starts[i + 1]
             sl = md.seq_lens_list[i]
             if sl == s1 - s0:  # whole prompt in this step: its K/V are at hand
-                ki, vi = k[s0:s1], v[s0:s1]
-            else:
-                if not has_cache:
-                    raise ValueError("a prefill chunk with earlier context needs a KV cache")
-                ki, vi = self._gather_context(kv_cache, md, i, sl)
+                whole.setdefault(sl, []).append(i)
+                continue
+            if not has_cache:
+                raise ValueError("a prefill chunk with earlier context needs a KV cache")
+            ki, vi = self._gather_context(kv_cache, md, i, sl)
             out[s0:s1] = prefill_attention(q[s0:s1], ki, vi, self.scale, self.sliding_window)
+        for length, reqs in whole.items():
+            if len(reqs) == 1:
+                s0, s1 = starts[reqs[0]], starts[reqs[0] + 1]
+                out[s0:s1] = prefill_attention(q[s0:s1], k[s0:s1], v[s0:s1], self.scale, self.sliding_window)
+                continue
+            # Prompts of equal length run as one batched SDPA call (fewer, larger kernels).
+            sel = [slice(starts[i], starts[i + 1]) for i in reqs]
+            res = prefill_attention(torch.stack([q[x] for x in sel]), torch.stack([k[x] for x in sel]),
+                                    torch.stack([v[x] for x in sel]), self.scale, self.sliding_window)
+            for j, x in enumerate(sel):
+                out[x] = res[j]
         return out.view(t, self.num_heads * self.head_dim)
 
     __call__ = forward

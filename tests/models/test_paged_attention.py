@@ -58,7 +58,9 @@ def random_batch(query_lens, seq_lens, dtype, seed=0):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
 def test_mixed_batch_matches_dense(window, use_kernel):
-    qlens, slens = [1, 1, 1, 7, 5, 1, 3], [9, 1, 22, 7, 13, 6, 30]
+    # decodes; whole prompts of lengths 7, 7 and 7 (one batched SDPA call) and 6; chunks
+    # with earlier context (5 of 13, 3 of 30)
+    qlens, slens = [1, 1, 1, 7, 5, 7, 6, 7, 3], [9, 1, 22, 7, 13, 7, 6, 7, 30]
     kv, md, q, k, v, fk, fv = random_batch(qlens, slens, torch.float32)
     attn = PagedAttention(NH, HD, NKV, HD ** -0.5, sliding_window=window, use_kernel=use_kernel)
     out = attn(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), kv, md)
