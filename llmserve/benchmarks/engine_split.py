@@ -93,7 +93,10 @@ def main(args: argparse.Namespace) -> dict:
             t_in.append(run_inproc(inproc, requests))
             t_as.append(loop.run_until_complete(run_async(aengine, requests, args.concurrency)))
     finally:
-        aengine.shutdown()
+        async def _shutdown() -> None:  # inside the loop, so its tasks see their cancellation
+            aengine.shutdown()
+            await asyncio.sleep(0.05)
+        loop.run_until_complete(_shutdown())
         inproc.shutdown()
         loop.close()
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731

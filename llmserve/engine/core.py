@@ -196,6 +196,9 @@ class EngineCoreProc:
                 if self._stats_stale:
                     self._stats_stale = False
                     self.output_queue.put(core.step())
+                # Idle: fault in KV cache pages a chunk at a time until input arrives.
+                while self.input_queue.empty() and core.model_runner.prefault_kv():
+                    pass
                 item = self.input_queue.get()
                 if self._handle(item):
                     return

@@ -36,6 +36,17 @@ class _ReqState:
         self.num_prompt_tokens = num_prompt_tokens
 
 
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    """libc madvise; False when it fails or there is no libc."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(addr, length, advice) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _advise_huge_pages(addr: int, nbytes: int) -> None:
     """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of ``[addr, addr + nbytes)``, so
     first writes to the KV cache fault in 2 MiB pages instead of 4 KiB ones (measured: the
@@ -43,15 +54,8 @@ def _advise_huge_pages(addr: int, nbytes: int) -> None:
     huge = 2 << 20
     start = (addr + huge - 1) // huge * huge
     length = (addr + nbytes - start) // huge * huge
-    if length <= 0:
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(start, length, 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass
+    if length > 0:
+        _madvise(start, length, 14)  # MADV_HUGEPAGE
 
 
 class ModelRunner:
@@ -110,9 +114,40 @@ class ModelRunner:
             raw = np.zeros(nbytes, dtype=np.uint8)
             _advise_huge_pages(raw.ctypes.data, nbytes)
             buf = torch.from_numpy(raw).view(self.dtype).view(shape)
+            # Prefault cursor (see prefault_kv): 2 * num_layers regions of num_blocks blocks.
+            self._kv_addr = raw.ctypes.data
+            self._kv_regions = 2 * mc.num_layers
+            self._kv_block_bytes = nbytes // (self._kv_regions * num_blocks)
+            self._kv_num_blocks = num_blocks
+            self._kv_prefault_next = 0
         else:
             buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(buf.unbind(0))
+
+    def prefault_kv(self, budget_bytes: int = 32 << 20) -> bool:
+        """Make the next ``budget_bytes`` of the KV cache resident, in block order (block b
+        of every layer's K and V), with ``madvise(MADV_POPULATE_WRITE)``, which faults the
+        pages in without changing their contents (blocks already in use are safe). The
+        engine calls this while it is idle, so a busy engine does not pay page faults the
+        first time it writes a block (measured: ~3 s of a 65 s, 256-prompt throughput run;
+        vLLM touches its whole KV cache at start-up instead). Returns True while blocks
+        remain; False when done or unsupported (non-Linux, kernel < 5.14, not on the CPU).
+        Resident memory grows to the configured KV cache size."""
+        nxt = getattr(self, "_kv_prefault_next", None)
+        if nxt is None or nxt >= self._kv_num_blocks:
+            return False
+        per_call = max(1, budget_bytes // (self._kv_block_bytes * self._kv_regions))
+        end = min(self._kv_num_blocks, nxt + per_call)
+        region = self._kv_num_blocks * self._kv_block_bytes
+        page = 4096
+        for r in range(self._kv_regions):
+            lo = (self._kv_addr + r * region + nxt * self._kv_block_bytes) // page * page
+            hi = -(-(self._kv_addr + r * region + end * self._kv_block_bytes) // page) * page
+            if not _madvise(lo, hi - lo, 23):  # MADV_POPULATE_WRITE
+                self._kv_prefault_next = None
+                return False
+        self._kv_prefault_next = end
+        return end < self._kv_num_blocks
 
     # ---- per-request state -------------------------------------------------
     def _state(self, req) -> _ReqState:

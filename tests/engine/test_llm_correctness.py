@@ -167,3 +167,28 @@ def test_llm_shutdown_is_prompt_and_engine_exits_by_itself():
             proc.join(5)
     assert signals == [] and not proc.is_alive() and proc.exitcode == 0
     assert elapsed < 2.0, elapsed
+
+
+def test_idle_kv_prefault_keeps_cached_blocks(hf_greedy):
+    """The idle engine's prefault (MADV_POPULATE_WRITE over the KV cache) leaves blocks in
+    use untouched: a prompt whose KV is in the prefix cache before the prefault gives the
+    same greedy tokens after it, and the whole cache ends up resident."""
+    from llmserve import LLM
+
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False, kv_cache_memory="96MiB",
+              max_model_len=512)
+    try:
+        prompt = " ".join(PROMPTS[:6])  # several full 16-token blocks
+        first = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.llm_engine.engine_core.engine_core.model_runner
+        assert runner._kv_prefault_next == 0
+        calls = 0
+        while runner.prefault_kv(budget_bytes=8 << 20):
+            calls += 1
+        assert calls >= 2 and runner._kv_prefault_next == runner._kv_num_blocks  # done, in chunks
+        again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert again.num_cached_tokens > 0  # served from the cached blocks...
+        assert again.outputs[0].token_ids == first  # ...which the prefault did not change
+        assert llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy[PROMPTS[2]]
+    finally:
+        llm.shutdown()
