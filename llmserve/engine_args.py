@@ -60,7 +60,7 @@ class EngineArgs:
     max_model_len: Optional[int] = field(default=None, metadata=_help("Context length in tokens (default: the model's, capped at 2048 on CPU)."))
     seed: int = field(default=0, metadata=_help("Random seed for unseeded sampling."))
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens."))
-    kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; memory is taken as blocks are first used)."))
+    kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; made resident while the engine is idle)."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Force the number of KV cache blocks (testing)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help("Token budget per engine step (default 512)."))

@@ -105,8 +105,9 @@ class ModelRunner:
         """One zeroed ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
         buffer; ``self.kv_caches`` holds its per-layer views. On the CPU it comes from
         calloc (through numpy): a block this large is fresh mmap'd memory that the OS
-        zero-fills on first touch, so a 4 GiB cache costs resident memory only as its
-        blocks are used, and start-up does not spend seconds clearing it."""
+        zero-fills on first touch, so start-up does not spend seconds clearing it; pages
+        become resident when blocks are first written or when the idle engine prefaults
+        them (``prefault_kv``)."""
         mc = self.model_config
         shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
