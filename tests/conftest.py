@@ -118,3 +118,32 @@ def save_tiny_model(arch: str, path: str, seed: int = 0):
 def save_tiny_model_fn():
     """``save_tiny_model(arch, path, seed=0)``: write a tiny random HF checkpoint."""
     return save_tiny_model
+
+
+class EngineExitWatch:
+    """Context manager around an engine process handle (``_Proc``): its ``terminate`` and
+    ``kill`` only record the signal a shutdown asked for, so a test can assert the engine
+    exited by itself (code 0) after SHUTDOWN; on exit a still-running engine is killed."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self.signals: list[str] = []
+        proc.terminate = lambda: self.signals.append("SIGTERM")
+        proc.kill = lambda: self.signals.append("SIGKILL")
+
+    def __enter__(self) -> "EngineExitWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.is_alive():
+            self.proc.popen.kill()
+            self.proc.join(5)
+
+    def assert_exited_by_itself(self) -> None:
+        assert self.signals == [] and not self.proc.is_alive() and self.proc.exitcode == 0
+
+
+@pytest.fixture(scope="session")
+def engine_exit_watch():
+    """``EngineExitWatch(proc)``: see its docstring."""
+    return EngineExitWatch

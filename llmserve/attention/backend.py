@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from llmserve.attention import cpu_kernel
+
 
 @dataclass
 class AttentionMetadata:
@@ -137,8 +139,7 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     if (key.device.type == "cpu" and key.dtype == kv_cache.dtype == value.dtype
             and slot_mapping.dtype == torch.long and key.stride(-1) == 1 and value.stride(-1) == 1
             and key.stride(1) == hd and value.stride(1) == hd):
-        from llmserve.attention.cpu_kernel import get_cpu_ops
-        ops = get_cpu_ops()
+        ops = cpu_kernel.cpu_ops_for(key)
         if ops is not None:
             ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
             return
@@ -307,7 +308,6 @@ class PagedAttention:
         """Attention of the ``num_decodes`` one-token requests, written into ``out``."""
         nd = md.num_decodes
         if self.use_kernel and q.device.type == "cpu":
-            from llmserve.attention import cpu_kernel
             op = cpu_kernel.get_decode_kernel()
             if op is not None:
                 tables = md._derived.get("kernel_tables")

@@ -65,6 +65,15 @@ class LoggingStatLogger:
             self.last = now
 
 
+
+def _record_stats(stat_loggers, scheduler_stats, iteration_stats) -> None:
+    """Hand one batch of stats to every stat logger; a failing logger is logged, not raised."""
+    for sl in stat_loggers:
+        try:
+            sl.record(scheduler_stats, iteration_stats)
+        except Exception:
+            logger.exception("stat logger failed")
+
 class AsyncLLM:
     """Async engine client.
 
@@ -188,11 +197,7 @@ class AsyncLLM:
         stats = IterationStats() if self.output_processor.log_stats else None
         engine_ids = self.output_processor.abort_requests(ids, stats)
         if stats is not None and stats.finished_requests:
-            for sl in self.stat_loggers:
-                try:
-                    sl.record(None, stats)
-                except Exception:
-                    logger.exception("stat logger failed")
+            _record_stats(self.stat_loggers, None, stats)
         if engine_ids and not self.errored:
             try:
                 await self.engine_core.abort_requests_async(engine_ids)
@@ -214,11 +219,7 @@ class AsyncLLM:
         stats = IterationStats() if self.output_processor.log_stats else None
         self.output_processor.process_outputs(outs, None, stats)
         if stats is not None:
-            for sl in self.stat_loggers:
-                try:
-                    sl.record(None, stats)
-                except Exception:
-                    logger.exception("stat logger failed")
+            _record_stats(self.stat_loggers, None, stats)
         if not self.errored:
             try:
                 await self.engine_core.abort_requests_async(ids)
@@ -257,11 +258,7 @@ class AsyncLLM:
                             await engine_core.abort_requests_async(processed.reqs_to_abort)
                         if start + OUTPUT_PROC_CHUNK_SIZE < len(items):
                             await asyncio.sleep(0)
-                    for sl in stat_loggers:
-                        try:
-                            sl.record(outs.scheduler_stats, iteration_stats)
-                        except Exception:
-                            logger.exception("stat logger failed")
+                    _record_stats(stat_loggers, outs.scheduler_stats, iteration_stats)
             except asyncio.CancelledError:
                 raise
             except EngineDeadError as e:

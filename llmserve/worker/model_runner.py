@@ -8,6 +8,7 @@ samples, plus prompt positions when prompt logprobs are asked for) and samples.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Optional
@@ -36,15 +37,23 @@ class _ReqState:
         self.num_prompt_tokens = num_prompt_tokens
 
 
-def _madvise(addr: int, length: int, advice: int) -> bool:
-    """libc madvise; False when it fails or there is no libc."""
+@functools.lru_cache(maxsize=1)
+def _libc_madvise():
+    """libc's madvise with its argument types set, or None without glibc (loaded once:
+    prefault_kv calls it 2 * num_layers times per chunk)."""
     try:
         import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(addr, length, advice) == 0
+        fn = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return fn
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    """libc madvise; False when it fails or there is no libc."""
+    fn = _libc_madvise()
+    return fn is not None and fn(addr, length, advice) == 0
 
 
 def _advise_huge_pages(addr: int, nbytes: int) -> None:

@@ -253,14 +253,10 @@ def test_final_stats_after_aborts_empty_the_engine(engine, loop):
 
 
 @pytest.mark.parametrize("where", ["in_running_loop", "after_loop_closed"])
-def test_shutdown_is_prompt_and_engine_exits_by_itself(where):
+def test_shutdown_is_prompt_and_engine_exits_by_itself(where, engine_exit_watch):
     """shutdown() delivers SHUTDOWN: the engine process exits 0 on its own, well within
     the 5 s it would get before SIGTERM."""
     eng = AsyncLLM.from_engine_args(_args(kv_cache_memory="64MiB"))
-    proc = eng.engine_core.resources.proc
-    signals = []
-    proc.terminate = lambda: signals.append("SIGTERM")  # a shutdown that needs these fails
-    proc.kill = lambda: signals.append("SIGKILL")
 
     async def run():
         out = await _collect(eng, "Hello", SamplingParams(max_tokens=3, temperature=0), "sd-prompt")
@@ -271,16 +267,12 @@ def test_shutdown_is_prompt_and_engine_exits_by_itself(where):
             elapsed = time.monotonic() - t0
         return out, elapsed
 
-    try:
+    with engine_exit_watch(eng.engine_core.resources.proc) as watch:  # SIGTERM/SIGKILL would fail it
         out, elapsed = asyncio.run(run())
         assert out.finished
         if where == "after_loop_closed":
             t0 = time.monotonic()
             eng.shutdown()
             elapsed = time.monotonic() - t0
-    finally:
-        if proc.is_alive():
-            proc.popen.kill()
-            proc.join(5)
-    assert signals == [] and not proc.is_alive() and proc.exitcode == 0
+    watch.assert_exited_by_itself()
     assert elapsed < 2.0, elapsed

@@ -146,26 +146,18 @@ def test_llm_over_sync_mp_client_matches_in_process(llm_fp32, hf_greedy):
     assert not proc.is_alive()
 
 
-def test_llm_shutdown_is_prompt_and_engine_exits_by_itself():
+def test_llm_shutdown_is_prompt_and_engine_exits_by_itself(engine_exit_watch):
     """LLM (SyncMPClient) shutdown delivers SHUTDOWN: the engine exits 0 on its own, well
     within the 5 s it would get before SIGTERM."""
     import time
 
     llm = LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
-    proc = llm.llm_engine.engine_core.resources.proc
-    signals = []
-    proc.terminate = lambda: signals.append("SIGTERM")  # a shutdown that needs these fails
-    proc.kill = lambda: signals.append("SIGKILL")
-    try:
+    with engine_exit_watch(llm.llm_engine.engine_core.resources.proc) as watch:  # SIGTERM/SIGKILL would fail it
         assert llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
         t0 = time.monotonic()
         llm.shutdown()
         elapsed = time.monotonic() - t0
-    finally:
-        if proc.is_alive():
-            proc.popen.kill()
-            proc.join(5)
-    assert signals == [] and not proc.is_alive() and proc.exitcode == 0
+    watch.assert_exited_by_itself()
     assert elapsed < 2.0, elapsed
 
 
