@@ -14,11 +14,12 @@
   separate torch ops they cost ~40 small kernels per layer; at batch 1 the dispatch alone is
   a few ms per step.
 
-The build is cached under ``~/.cache/llmserve/torch_extensions`` (rebuilt when the source,
-the torch version or the CPU changes). If it fails (no compiler, no ninja), ``get_cpu_ops``
+The build is cached under ``~/.cache/llmserve/torch_extensions``, one directory per source,
+torch version, CPU and Python environment (so checkouts with their own venvs do not rebuild
+each other's). If it fails (no compiler, no ninja), ``get_cpu_ops``
 returns None and the model and ``PagedAttention`` use their pure-torch paths, which the
 tests compare with the kernels. ``LLMSERVE_CPU_OPS=0`` turns the kernels off.
-Prebuild with ``python -m llmserve.attention.cpu_kernel``.
+Prebuild with ``python -c "from llmserve.attention.cpu_kernel import main; main()"`` (``make`` does).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -651,7 +653,10 @@ def _cpu_signature() -> str:
 
 def _build_dir() -> str:
     root = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions")
-    digest = hashlib.sha256((_CPP_SOURCE + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:12]
+    # sys.prefix too: the build files hold the venv's absolute include paths, so venvs that
+    # shared one directory would keep rebuilding each other's kernels.
+    key = _CPP_SOURCE + torch.__version__ + _cpu_signature() + sys.prefix
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     path = os.path.join(root, f"cpu_ops_{digest}")
     os.makedirs(path, exist_ok=True)
     return path
@@ -712,9 +717,14 @@ def cpu_ops_for(t: torch.Tensor) -> Optional[Any]:
     return get_cpu_ops() if t.device.type == "cpu" else None
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Build (or load) the kernels and say where they are (``make`` runs this once)."""
     import time
     t0 = time.time()
     ops = get_cpu_ops()
     print(f"llmserve CPU kernels: {'built' if ops is not None else 'UNAVAILABLE'} "
           f"in {time.time() - t0:.1f}s ({_build_dir()})")
+
+
+if __name__ == "__main__":
+    main()
