@@ -66,6 +66,20 @@ class LoggingStatLogger:
 
 
 
+class _EngineDeath:
+    """Set once the engine is found dead (by the output handler, which holds this object
+    and no reference to the AsyncLLM): ``event`` is set and ``error`` holds the error."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()  # binds to the running loop on first wait (Python >= 3.10)
+        self.error: Optional[BaseException] = None
+
+    def set(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.event.set()
+
+
 def _record_stats(stat_loggers, scheduler_stats, iteration_stats) -> None:
     """Hand one batch of stats to every stat logger; a failing logger is logged, not raised."""
     for sl in stat_loggers:
@@ -87,7 +101,7 @@ class AsyncLLM:
         self.engine_config = config
         self.model_config = config.model_config
         self.log_requests = log_requests
-        self._dead_error: Optional[BaseException] = None
+        self._death = _EngineDeath()
         self.output_handler: Optional[asyncio.Task] = None
         # Start the engine process first: it loads the model while we load the tokenizer.
         self.engine_core = AsyncMPClient(config, wait_ready=False)
@@ -120,7 +134,8 @@ class AsyncLLM:
     # ---- state ---------------------------------------------------------------
     @property
     def errored(self) -> bool:
-        return self.engine_core.engine_dead or self._dead_error is not None
+        """True once the engine process died (or the output handler failed for good)."""
+        return self.engine_core.engine_dead or self._death.error is not None
 
     @property
     def is_running(self) -> bool:
@@ -128,7 +143,22 @@ class AsyncLLM:
 
     @property
     def dead_error(self) -> BaseException:
+        """The EngineDeadError handed to callers once ``errored``."""
+        if not self.engine_core.engine_dead and self._death.error is not None:
+            return EngineDeadError(str(self._death.error))
         return EngineDeadError(f"EngineCore died: {self.engine_core.dead_error}")
+
+    async def wait_for_engine_death(self) -> BaseException:
+        """Return the EngineDeadError once the engine is dead (the process died, or the
+        output handler failed for good).
+
+        Starts the output handler if no request has yet, so a death is noticed even while
+        the server is idle; it returns after the output handler has handed the error to
+        every in-flight request. Never returns after ``shutdown()`` (cancel the waiter).
+        The API server uses it to shut itself down (vLLM's behaviour)."""
+        self._run_output_handler()
+        await self._death.event.wait()
+        return self.dead_error
 
     async def get_tokenizer(self):
         return self.tokenizer
@@ -244,6 +274,7 @@ class AsyncLLM:
         output_processor = self.output_processor
         stat_loggers = self.stat_loggers
         log_stats = self.output_processor.log_stats
+        death = self._death
 
         async def output_handler() -> None:
             try:
@@ -264,9 +295,12 @@ class AsyncLLM:
             except EngineDeadError as e:
                 logger.error("Engine is dead: %s", e)
                 output_processor.propagate_error(e)
+                death.set(e)
             except Exception as e:
                 logger.exception("AsyncLLM output_handler failed")
-                output_processor.propagate_error(EngineDeadError(f"output handler failed: {e}"))
+                err = EngineDeadError(f"output handler failed: {e}")
+                output_processor.propagate_error(err)
+                death.set(err)
 
         self.output_handler = asyncio.get_running_loop().create_task(output_handler())
 

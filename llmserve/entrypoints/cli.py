@@ -44,10 +44,12 @@ def _run_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
-        asyncio.run(run_server(args))
+        code = asyncio.run(run_server(args))
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         print(f"llmserve serve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if code:  # the engine died: exit non-zero so that a supervisor restarts the server
+        sys.exit(code)
 
 
 def _add_bench(subparsers: argparse._SubParsersAction, chosen: Optional[str]) -> None:

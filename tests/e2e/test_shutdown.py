@@ -2,7 +2,9 @@
 (here aborted after ``--timeout-graceful-shutdown 1``: the stream gets a last chunk with
 finish_reason "abort" and ``[DONE]``), shuts the engine process down and
 exits 0, all within a few seconds; when the server is SIGKILLed, the engine process
-notices (it watches its parent) and exits within about a second."""
+notices (it watches its parent) and exits within about a second; when the engine
+process dies, the requests in flight get their error, /health turns 503 and the server
+exits by itself with code 1."""
 from __future__ import annotations
 
 import signal
@@ -107,5 +109,94 @@ def test_sigkilled_server_takes_its_engine_along():
         _, engine_t = _wait_gone(server, engine_pid, t0, 10)
         thread.join(10)
         assert engine_t < 3, (engine_t, server.logs())
+    finally:
+        server.stop()
+
+
+def _post_in_thread(server: RemoteServer, body: dict) -> tuple[threading.Thread, list]:
+    """A non-streaming completion in a thread; the list gets its httpx.Response (or the
+    name of the httpx error)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(httpx.post(server.url_for("v1/completions"), json=body, timeout=30,
+                                     headers={"Authorization": f"Bearer {server.api_key}"}))
+        except httpx.HTTPError as e:
+            result.append(type(e).__name__)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_engine_death_fails_requests_and_exits_nonzero():
+    """When the EngineCore process dies (SIGKILL here), the requests in flight get their
+    error (a stream: an in-band EngineDeadError chunk and [DONE]; a plain request: 503
+    with the OpenAI error body), requests that come right after get 503 or find the port
+    closed, never a hang, and the server shuts itself down and exits non-zero within a
+    few seconds, so that a supervisor restarts it (vLLM's behaviour)."""
+    server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
+    try:
+        engine_pid = _engine_pid(server)
+        stream_thread, first_chunk, stream_result, lines = _start_stream(server)
+        assert first_chunk.wait(60), server.logs()
+        post_thread, post_result = _post_in_thread(
+            server, {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True})
+        time.sleep(0.3)  # let the plain request reach the engine
+        t0 = time.monotonic()
+        psutil.Process(engine_pid).kill()
+        # Right after: 503 while the server is still up, or a refused connection once it is down.
+        try:
+            late = httpx.post(server.url_for("v1/completions"), json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                              headers={"Authorization": f"Bearer {server.api_key}"}, timeout=10)
+            late_status = late.status_code
+        except httpx.ConnectError:
+            late_status = "refused"
+        assert late_status in (503, "refused"), (late_status, server.logs())
+        server_t, engine_t = _wait_gone(server, engine_pid, t0, 15)
+        stream_thread.join(10)
+        post_thread.join(10)
+        logs = server.logs()
+        # (a) the in-flight requests got the error, not a hang or a cut connection
+        assert stream_result == ["finished"], (stream_result, logs)
+        data = [ln for ln in lines if ln.startswith("data: ")]
+        assert data[-1] == "data: [DONE]", data[-3:]
+        assert '"type":"EngineDeadError"' in data[-2].replace(" ", ""), data[-3:]
+        assert len(post_result) == 1 and not isinstance(post_result[0], str), (post_result, logs)
+        resp = post_result[0]
+        assert resp.status_code == 503, (resp.status_code, resp.text)
+        assert resp.json()["error"]["type"] == "EngineDeadError" and resp.json()["error"]["code"] == 503
+        # (b) the server shut itself down and exited non-zero, soon
+        assert engine_t < 2, (engine_t, logs)
+        assert server_t < 8, (server_t, logs)
+        assert server.proc.returncode == 1, (server.proc.returncode, logs)
+        assert "shutting down the API server" in logs and "EngineCore died" in logs, logs
+        assert "Engine shut down." in logs
+    finally:
+        server.stop()
+
+
+def test_engine_death_while_idle_exits_nonzero():
+    """No request in flight: the death is still noticed (/health turns 503 or the port
+    closes) and the server exits non-zero by itself."""
+    server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
+    try:
+        engine_pid = _engine_pid(server)
+        t0 = time.monotonic()
+        psutil.Process(engine_pid).kill()
+        health: list = []  # /health until the server is gone: 200 only before the death is noticed
+        while server.proc.poll() is None and time.monotonic() - t0 < 15:
+            try:
+                health.append(httpx.get(server.url_for("health"), timeout=5).status_code)
+            except httpx.HTTPError:
+                health.append("refused")
+            time.sleep(0.02)
+        server_t, _ = _wait_gone(server, engine_pid, t0, 15)
+        after = health[health.index(503):] if 503 in health else []
+        assert after and set(after) <= {503, "refused"}, health
+        assert server_t < 8, (server_t, server.logs())
+        assert server.proc.returncode == 1, (server.proc.returncode, server.logs())
+        assert "shutting down the API server" in server.logs()
     finally:
         server.stop()

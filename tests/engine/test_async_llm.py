@@ -252,6 +252,54 @@ def test_final_stats_after_aborts_empty_the_engine(engine, loop):
     assert last.kv_cache_usage == 0 and last.num_used_blocks == 0
 
 
+def test_n_gt_1_counts_every_child_as_running(engine, loop, caplog):
+    """An n=3 request is three sequences in the engine: the scheduler stats, the "Running:
+    N reqs" log line, the llmserve:num_requests_running gauge and the scrape-time engine
+    stats all say 3 running, not 1 (vLLM counts the child requests the scheduler runs)."""
+    from llmserve.engine.async_llm import LoggingStatLogger
+    from llmserve.metrics.prometheus import PrometheusStatLogger
+
+    rec = _StatsRecorder()
+    prom = PrometheusStatLogger(engine.config)
+    log_line = LoggingStatLogger(interval=0.0)  # logs at every record
+    loggers = [rec, prom, log_line]
+    engine.stat_loggers.extend(loggers)  # the output handler holds this very list
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=300, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA)
+
+    async def run():
+        got = {0: 0, 1: 0, 2: 0}
+
+        async def consume():
+            async for out in engine.generate(PROMPTS[1], sp, "n3-running"):
+                for c in out.outputs:
+                    got[c.index] += len(c.token_ids)
+
+        task = asyncio.create_task(consume())
+        deadline = time.monotonic() + 60
+        while min(got.values()) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        busy = rec.stats[-1]
+        scrape = await engine.get_engine_stats()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return got, busy, scrape
+
+    caplog.set_level("INFO", logger="llmserve.engine.async_llm")
+    try:
+        got, busy, scrape = loop.run_until_complete(run())
+    finally:
+        for sl in loggers:
+            engine.stat_loggers.remove(sl)
+    assert min(got.values()) >= 3, got
+    assert busy.num_running_reqs == 3 and busy.num_waiting_reqs == 0
+    assert scrape["num_running_reqs"] == 3
+    lab = f'engine="0",model_name="{prom.model_name}"'
+    assert f"llmserve:num_requests_running{{{lab}}} 3.0" in prom.render().decode()
+    lines = [r.getMessage() for r in caplog.records if "Running:" in r.getMessage()]
+    assert any("Running: 3 reqs" in ln for ln in lines), lines[-3:]
+
+
 @pytest.mark.parametrize("where", ["in_running_loop", "after_loop_closed"])
 def test_shutdown_is_prompt_and_engine_exits_by_itself(where, engine_exit_watch):
     """shutdown() delivers SHUTDOWN: the engine process exits 0 on its own, well within

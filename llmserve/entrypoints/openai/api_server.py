@@ -6,7 +6,10 @@ exception handlers turning every error into the OpenAI error body);
 ``app.state``; ``run_server(args)`` starts an AsyncLLM and serves until SIGINT/SIGTERM
 (in-flight requests get ``--timeout-graceful-shutdown`` seconds to finish; those still
 running then end with finish_reason "abort", streams with their last chunk and
-``[DONE]``), then shuts the engine process down.
+``[DONE]``), then shuts the engine process down. If the EngineCore dies, the server
+hands the error to the requests in flight (503, or an error chunk in a stream), shuts
+itself down the same way and ``run_server`` returns exit code 1, so that a supervisor
+(systemd, Kubernetes) restarts it, as vLLM does.
 
 Run: ``llmserve serve [MODEL]`` or ``python -m llmserve.entrypoints.openai.api_server``.
 """
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import sys
 import uuid
 from typing import Any, Awaitable, Callable, Optional
 
@@ -370,8 +374,25 @@ def _make_uvicorn_server(config: Any, on_drain_timeout: Optional[Callable[[], Aw
     return _Server(config)
 
 
-async def run_server(args: argparse.Namespace) -> None:
-    """Start the engine and serve until SIGINT/SIGTERM, then shut the engine down."""
+ENGINE_DEAD_EXIT_CODE = 1
+
+
+async def _shutdown_when_engine_dies(server: Any, engine: Any) -> None:
+    """Wait for the engine to die, then ask uvicorn to shut down (``server.should_exit``).
+
+    By then the requests in flight hold their EngineDeadError and end with a 503 or an
+    error chunk within the graceful-shutdown period; until the listening socket closes,
+    new requests and /health get 503."""
+    err = await engine.wait_for_engine_death()
+    logger.error("EngineCore died (%s); shutting down the API server",
+                 str(err).removeprefix("EngineCore died: "))
+    server.should_exit = True
+
+
+async def run_server(args: argparse.Namespace) -> int:
+    """Start the engine and serve until SIGINT/SIGTERM or the engine's death, then shut
+    the engine down. Returns the process exit code: 0 after a signal,
+    ``ENGINE_DEAD_EXIT_CODE`` (1) when the server stopped because the engine died."""
     import uvicorn
 
     from llmserve.engine.async_llm import AsyncLLM
@@ -395,10 +416,18 @@ async def run_server(args: argparse.Namespace) -> None:
             on_drain_timeout=engine.abort_all)
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)", ", ".join(config.model_config.served_model_name),
                     host, args.port)
-        await server.serve()
+        watchdog = asyncio.create_task(_shutdown_when_engine_dies(server, engine))
+        try:
+            await server.serve()
+        finally:
+            watchdog.cancel()
     finally:
         engine.shutdown()
         logger.info("Engine shut down.")
+    if engine.errored:
+        logger.error("Exiting with code %d: the engine died.", ENGINE_DEAD_EXIT_CODE)
+        return ENGINE_DEAD_EXIT_CODE
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -408,9 +437,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
-        asyncio.run(run_server(args))
+        code = asyncio.run(run_server(args))
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
