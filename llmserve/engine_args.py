@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,35 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # 4 GiB on the CPU, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE). Pages are only resident
 # once blocks are used (see ModelRunner.initialize_kv_cache).
 _DEFAULT_KV_CACHE_BYTES = 4 << 30
+
+
+class UsageContext(enum.Enum):
+    """Who builds the engine (vLLM's ``UsageContext``); it picks the scheduling defaults
+    (see ``default_batching``)."""
+
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"
+    LLM_CLASS = "LLM_CLASS"
+    OPENAI_API_SERVER = "OPENAI_API_SERVER"
+
+
+# (max_num_batched_tokens, max_num_seqs) by device and usage context: vLLM's defaults
+# (``EngineArgs.get_batch_defaults``: CPU 4096/256 offline and 2048/128 for the server;
+# GPUs with less than 70 GiB 8192/256 offline and 2048/256 for the server). Anything else
+# (an engine built directly) gets vLLM's SchedulerConfig defaults, 2048 and 128.
+_BATCH_DEFAULTS = {
+    ("cpu", UsageContext.LLM_CLASS): (4096, 256),
+    ("cpu", UsageContext.OPENAI_API_SERVER): (2048, 128),
+    ("cuda", UsageContext.LLM_CLASS): (8192, 256),
+    ("cuda", UsageContext.OPENAI_API_SERVER): (2048, 256),
+}
+_BATCH_FALLBACK = (2048, 128)
+
+
+def default_batching(device: str, usage_context: "UsageContext") -> tuple[int, int]:
+    """Default ``(max_num_batched_tokens, max_num_seqs)`` for ``device`` ("cpu"/"cuda")
+    and ``usage_context``: the offline ``LLM`` takes larger steps (throughput), the server
+    smaller ones (inter-token latency of running streams), as in vLLM."""
+    return _BATCH_DEFAULTS.get((device, usage_context), _BATCH_FALLBACK)
 
 
 def parse_bytes(value: Union[str, int, None]) -> Optional[int]:
@@ -63,8 +93,8 @@ class EngineArgs:
     kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; made resident while the engine is idle)."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Force the number of KV cache blocks (testing)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
-    max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help("Token budget per engine step (default 512)."))
-    max_num_seqs: int = field(default=256, metadata=_help("Max number of requests per engine step."))
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help("Token budget per engine step (default on CPU: 4096 for the offline LLM, 2048 for the server, as vLLM)."))
+    max_num_seqs: Optional[int] = field(default=None, metadata=_help("Max number of requests per engine step (default on CPU: 256 for the offline LLM, 128 for the server, as vLLM)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
     scheduling_policy: str = field(default="fcfs", metadata=_help("fcfs or priority."))
     chat_template: Optional[str] = field(default=None, metadata=_help("Chat template (file path or literal) overriding the model's."))
@@ -109,8 +139,10 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     # ---- config ------------------------------------------------------------
-    def create_engine_config(self) -> EngineConfig:
-        """Resolve the model and build the EngineConfig.
+    def create_engine_config(self, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> EngineConfig:
+        """Resolve the model and build the EngineConfig. ``usage_context`` picks the
+        defaults of max_num_batched_tokens and max_num_seqs when they are None
+        (``default_batching``).
 
         Raises ValueError for an unknown model, a bad dtype, or a max_model_len larger
         than the model supports.
@@ -161,12 +193,14 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
+        default_mnbt, default_seqs = default_batching(device, usage_context)
         mnbt = self.max_num_batched_tokens
         if mnbt is None:
-            mnbt = 512 if self.enable_chunked_prefill else max(512, max_model_len)
+            mnbt = default_mnbt if self.enable_chunked_prefill else max(default_mnbt, max_model_len)
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=mnbt,
-            max_num_seqs=self.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,

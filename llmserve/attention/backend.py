@@ -260,6 +260,16 @@ class PagedAttention:
         if has_cache:
             write_to_kv_cache(k, v, kv_cache, md.slot_mapping[:t])
         out = torch.empty_like(q)
+        if has_cache and self.use_kernel and q.device.type == "cpu":
+            op = cpu_kernel.get_decode_kernel()
+            if op is not None:
+                # Every token, prompt tokens included, as one query over its own causal
+                # context in the paged cache (written above): one kernel call per layer, and
+                # the same arithmetic whether a prompt runs whole, in chunks or after a
+                # prefix-cache hit.
+                tables, lens = _token_tables(md)
+                op(out, q, kv_cache, tables, lens, t, self.scale, self.sliding_window or 0)
+                return out.view(t, self.num_heads * self.head_dim)
         nd = md.num_decodes
         if nd:
             if not has_cache:
@@ -324,6 +334,29 @@ class PagedAttention:
             md._derived["decode_max_len"] = max_len
         out.copy_(decode_attention_torch(q, kv_cache, md.block_tables, md.seq_lens, max_len,
                                          self.scale, self.sliding_window, md._derived))
+
+
+def _token_tables(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token block tables ``[T, M]`` int32 and causal context lengths ``[T]`` int32:
+    token i of request r (query_len q, seq_len s) sees positions ``0 .. s - q + i``, so its
+    length is ``s - q + i + 1`` and its table is row r. Decode-only steps reuse the request
+    tables as they are. Built once per step (cached in ``md._derived``)."""
+    cached = md._derived.get("token_tables")
+    if cached is not None:
+        return cached
+    bt = md.block_tables.to(torch.int32)
+    sl = md.seq_lens.to(torch.int32)
+    if md.num_decodes == md.num_reqs:
+        cached = (bt.contiguous(), sl.contiguous())
+    else:
+        qlens = torch.tensor(md.query_lens_list, dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(md.num_reqs), qlens)
+        ends = md.query_start_loc[1:].to(torch.long)  # one past each request's last token
+        offset_from_end = ends[row] - 1 - torch.arange(md.num_actual_tokens)
+        lens = (sl.to(torch.long)[row] - offset_from_end).to(torch.int32)
+        cached = (bt.index_select(0, row.to(bt.device)).contiguous(), lens.contiguous())
+    md._derived["token_tables"] = cached
+    return cached
 
 
 def default_scale(head_dim: int) -> float:

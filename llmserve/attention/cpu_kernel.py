@@ -187,6 +187,19 @@ static inline float softmax_numerator(float* sc, int64_t L) {
   return sum;
 }
 
+// Token position -> (block, offset) in a paged table. Block sizes are powers of two in
+// practice (16 by default): shifts and masks then replace two 64-bit divisions per K/V row,
+// which otherwise cost more than the attention arithmetic itself on short contexts.
+struct BlockPos {
+  int64_t bs, mask;
+  int shift;
+  explicit BlockPos(int64_t b) : bs(b), mask(b - 1), shift(-1) {
+    if (b > 0 && (b & (b - 1)) == 0) { shift = 0; while ((int64_t{1} << shift) < b) ++shift; }
+  }
+  inline int64_t blk(int64_t p) const { return shift >= 0 ? p >> shift : p / bs; }
+  inline int64_t off(int64_t p) const { return shift >= 0 ? p & mask : p % bs; }
+};
+
 #if LLMSERVE_AVX512BF16
 // bf16 decode of one request, all KV heads: K.q with the AVX512-BF16 dot-product instruction
 // (bf16 x bf16 products are exact in float32, sums in float32), 16 keys per horizontal-sum
@@ -221,12 +234,13 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
                             std::vector<float>& scores, std::vector<float>& accm, Prefetch&& prefetch_next) {
   constexpr int64_t hd = NV * 16;
   const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
+  const BlockPos bp(bs);
   const int64_t L = len - start;
   const int64_t nh = nkv * g;
   scores.resize(nh * L);
   accm.assign(nh * hd, 0.f);
   auto row_of = [&](const at::BFloat16* base, int64_t p) {
-    return base + table[p / bs] * blk_stride + (p % bs) * tok_stride;
+    return base + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride;
   };
   const at::BFloat16* rows[16];
   for (int64_t p0 = start; p0 < len; p0 += 16) {
@@ -250,7 +264,9 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
       }
     }
   }
-  std::vector<float> denom(nh);
+  float denom_small[64];
+  std::vector<float> denom_big(nh > 64 ? nh : 0);
+  float* denom = nh > 64 ? denom_big.data() : denom_small;
   for (int64_t h = 0; h < nh; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
   for (int64_t p0 = start; p0 < len; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - p0);
@@ -286,6 +302,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   const int64_t bs = kv.size(2), nkv = kv.size(3);
   const int64_t g = nh / nkv;
   const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
+  const BlockPos bp(bs);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = kv.data_ptr<scalar_t>();
   const scalar_t* vp = kp + kv.stride(0);
@@ -323,7 +340,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
             const scalar_t* base = ppass == 0 ? kp : vp;
             const int64_t pend = std::min<int64_t>(p0 + 16, plen);
             for (int64_t p = p0; p < pend; ++p) {
-              const char* row = reinterpret_cast<const char*>(base + tab[p / bs] * blk_stride + (p % bs) * tok_stride);
+              const char* row = reinterpret_cast<const char*>(base + tab[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride);
               for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(row + 64 * l, _MM_HINT_T2);
             }
             ++pc;
@@ -379,14 +396,14 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       }
       const int32_t* table = btp + r * bt_s0;
       for (int64_t p = start; p < len; ++p) {
-        const scalar_t* row = kp + table[p / bs] * blk_stride + (p % bs) * tok_stride + kh0 * hd;
+        const scalar_t* row = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
         for (int64_t h = 0; h < hq; ++h)
           scores[h * L + (p - start)] = dot(qf.data() + h * hd, row + (h / g) * hd, hd, vec);
       }
       for (int64_t h = 0; h < hq; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < len; ++p) {
-        const scalar_t* row = vp + table[p / bs] * blk_stride + (p % bs) * tok_stride + kh0 * hd;
+        const scalar_t* row = vp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
         for (int64_t h = 0; h < hq; ++h)
           axpy(acc.data() + h * hd, scores[h * L + (p - start)], row + (h / g) * hd, hd, vec);
       }

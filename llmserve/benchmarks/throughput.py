@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 from llmserve.benchmarks.ceiling import format_ceiling, measure_gemm_ceiling
 from llmserve.benchmarks.datasets import sample_random_requests
-from llmserve.engine_args import EngineArgs
+from llmserve.engine_args import EngineArgs, UsageContext, default_batching
 
 __all__ = ["add_cli_args", "main", "run_llmserve", "ThroughputResult"]
 
@@ -163,7 +163,7 @@ def main(args: argparse.Namespace) -> dict:
         tokenizer = get_tokenizer(args.tokenizer or args.model)  # the engine's: same prompts
         hf_config = load_hf_config(args.model)
         dtype = resolve_dtype(args.dtype, "cpu")
-        mnbt = args.max_num_batched_tokens or 512
+        mnbt = args.max_num_batched_tokens or default_batching("cpu", UsageContext.LLM_CLASS)[0]
 
     requests = sample_random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                       args.random_range_ratio, args.seed)
@@ -252,7 +252,7 @@ def _engine_mnbt(llm: Any, engine_args: EngineArgs) -> int:
     sched = getattr(eng, "scheduler_config", None)
     if sched is not None:
         return int(sched.max_num_batched_tokens)
-    return int(engine_args.max_num_batched_tokens or 512)
+    return int(engine_args.max_num_batched_tokens or default_batching("cpu", UsageContext.LLM_CLASS)[0])
 
 
 def _cli(argv: Optional[list[str]] = None) -> dict:

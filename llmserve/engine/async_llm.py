@@ -25,7 +25,7 @@ from llmserve.engine.messages import EngineCoreOutput
 from llmserve.engine.llm_engine import load_frontend
 from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector
 from llmserve.engine.parallel_sampling import ParentRequest
-from llmserve.engine_args import AsyncEngineArgs, EngineArgs
+from llmserve.engine_args import AsyncEngineArgs, EngineArgs, UsageContext
 from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -122,9 +122,10 @@ class AsyncLLM:
         self.engine_core.wait_until_ready()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "AsyncLLM":
         log_requests = not getattr(engine_args, "disable_log_requests", True)
-        return cls(engine_args.create_engine_config(), log_requests=log_requests,
+        return cls(engine_args.create_engine_config(usage_context), log_requests=log_requests,
                    log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
 
     @classmethod

@@ -131,10 +131,12 @@ class EngineCoreProc:
         self.encoder = MsgpackEncoder()
         # True when requests left the scheduler (aborts) since the last SchedulerStats sent.
         self._stats_stale = False
+        self._started = time.monotonic()
         self._out_thread = threading.Thread(target=self._process_output_socket, daemon=True)
         self._out_thread.start()
         try:
             self.core = EngineCore(config)
+            self._prefault_logged = self.core.model_runner.kv_prefault_done()
         except BaseException as e:
             self.output_queue.put(EngineCoreOutputs(
                 engine_dead=True, error=f"Engine start-up failed: {type(e).__name__}: {e}"))
@@ -199,6 +201,7 @@ class EngineCoreProc:
                 # Idle: fault in KV cache pages a chunk at a time until input arrives.
                 while self.input_queue.empty() and core.model_runner.prefault_kv():
                     pass
+                self._log_prefault_progress()
                 item = self.input_queue.get()
                 if self._handle(item):
                     return
@@ -212,6 +215,17 @@ class EngineCoreProc:
                 elif not core.has_work():
                     self.output_queue.put(outs)  # final stats after the last request left
                 self._stats_stale = False
+
+    def _log_prefault_progress(self) -> None:
+        """Log once when the idle prefault has made the whole KV cache resident."""
+        if self._prefault_logged:
+            return
+        runner = self.core.model_runner
+        done = runner.kv_prefault_done()
+        if done:
+            self._prefault_logged = True
+            logger.info("KV cache resident (%.1f GiB) %.1f s after start-up",
+                        runner.kv_cache_nbytes() / 2**30, time.monotonic() - self._started)
 
     def _handle(self, item) -> bool:
         """Apply one input message; True means shut down."""

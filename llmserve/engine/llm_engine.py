@@ -13,7 +13,7 @@ from llmserve.engine.core_client import InprocClient, SyncMPClient
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.parallel_sampling import ParentRequest
-from llmserve.engine_args import EngineArgs
+from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -68,8 +68,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: Optional[bool] = None) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(), multiprocess_mode)
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: Optional[bool] = None,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "LLMEngine":
+        return cls(engine_args.create_engine_config(usage_context), multiprocess_mode)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from llmserve.engine.input_processor import PromptType
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine_args import EngineArgs
+from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,7 +32,8 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}")
         self.engine_args = EngineArgs(**kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess_mode=multiprocess)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess_mode=multiprocess,
+                                                     usage_context=UsageContext.LLM_CLASS)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

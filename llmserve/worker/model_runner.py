@@ -159,6 +159,15 @@ class ModelRunner:
         self._kv_prefault_next = end
         return end < self._kv_num_blocks
 
+    def kv_prefault_done(self) -> bool:
+        """True once ``prefault_kv`` has covered the whole KV cache (False while pages
+        remain, or when prefaulting is unsupported here)."""
+        return getattr(self, "_kv_prefault_next", None) == getattr(self, "_kv_num_blocks", -1)
+
+    def kv_cache_nbytes(self) -> int:
+        """Bytes of the whole KV cache (all layers, K and V)."""
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
     # ---- per-request state -------------------------------------------------
     def _state(self, req) -> _ReqState:
         st = self.states.get(req.request_id)

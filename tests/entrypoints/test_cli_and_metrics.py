@@ -87,3 +87,41 @@ def test_serve_unknown_model_is_a_one_line_error():
     proc = _run("serve", "no-such-model-xyz", "--port", "0")
     assert proc.returncode == 2
     assert "error" in proc.stderr and "no-such-model-xyz" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_batching_defaults_follow_usage_context():
+    """vLLM's CPU defaults: the offline LLM takes 4096-token steps over up to 256 requests,
+    the server 2048 over 128; explicit values always win."""
+    from llmserve.engine_args import EngineArgs, UsageContext
+
+    args = EngineArgs(device="cpu")
+    offline = args.create_engine_config(UsageContext.LLM_CLASS).scheduler_config
+    server = args.create_engine_config(UsageContext.OPENAI_API_SERVER).scheduler_config
+    direct = args.create_engine_config().scheduler_config
+    assert (offline.max_num_batched_tokens, offline.max_num_seqs) == (4096, 256)
+    assert (server.max_num_batched_tokens, server.max_num_seqs) == (2048, 128)
+    assert (direct.max_num_batched_tokens, direct.max_num_seqs) == (2048, 128)
+    explicit = EngineArgs(device="cpu", max_num_batched_tokens=300, max_num_seqs=7)
+    sc = explicit.create_engine_config(UsageContext.LLM_CLASS).scheduler_config
+    assert (sc.max_num_batched_tokens, sc.max_num_seqs) == (300, 7)
+    # Without chunked prefill a whole max_model_len prompt must fit in one step.
+    whole = EngineArgs(device="cpu", enable_chunked_prefill=False, max_model_len=2048)
+    assert whole.create_engine_config(UsageContext.OPENAI_API_SERVER).scheduler_config.max_num_batched_tokens >= 2048
+
+
+def test_llm_passes_its_usage_context(monkeypatch):
+    """LLM(...) builds its engine with the LLM_CLASS defaults."""
+    import llmserve.engine.llm_engine as le
+    from llmserve import LLM
+    seen = []
+
+    def fake_init(self, config, multiprocess_mode=None):
+        seen.append(config.scheduler_config.max_num_batched_tokens)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(le.LLMEngine, "__init__", fake_init)
+    try:
+        LLM(device="cpu")
+    except RuntimeError:
+        pass
+    assert seen == [4096]

@@ -396,11 +396,11 @@ async def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from llmserve.engine.async_llm import AsyncLLM
-    from llmserve.engine_args import AsyncEngineArgs
+    from llmserve.engine_args import AsyncEngineArgs, UsageContext
     from llmserve.metrics.prometheus import PrometheusStatLogger
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config()
+    config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
     stat_logger = PrometheusStatLogger(config)
     engine = AsyncLLM.from_engine_config(config, log_requests=not engine_args.disable_log_requests,
                                          log_stats=not engine_args.disable_log_stats,
