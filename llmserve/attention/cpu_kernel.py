@@ -170,9 +170,15 @@ static inline __m512 hsum16x16(const __m512* v) {
 // sc[0:L] = exp(sc - max), returns the sum
 static inline float softmax_numerator(float* sc, int64_t L) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < L; ++i) m = std::max(m, sc[i]);
-  float sum = 0.f;
   int64_t i = 0;
+#if LLMSERVE_AVX512
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= L; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + i));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < L; ++i) m = std::max(m, sc[i]);
+  float sum = 0.f;
+  i = 0;
 #if LLMSERVE_AVX512
   const __m512 mm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
@@ -227,11 +233,59 @@ static inline void pv_chunk(float* acc, const float* p, int64_t p_stride, const 
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * NV * 16 + c * 16, a[h][c]);
 }
 
+// P.V on the AVX512-BF16 dot product, two keys per instruction: rows j and j+1 are
+// interleaved 16 bits at a time (unpacklo/hi within 128-bit lanes), so each float lane holds
+// a (v_j[d], v_j+1[d]) pair, and the pair (p_j, p_j+1) of every head is broadcast; P is
+// rounded to bf16 first, as the bf16 SDPA kernels do before their P.V GEMM. acc keeps the
+// lane order of the unpack (see unpermute_pairs). pb: GB heads x 16 bf16 probabilities of
+// this chunk, zero past cnt.
+template <int NV, int GB>
+static inline void pv_pairs(float* acc, const uint16_t* pb, const at::BFloat16* const* rows, int64_t off,
+                            int64_t cnt) {
+  __m512 a[GB][NV];
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + h * NV * 16 + c * 16);
+  for (int64_t j = 0; j < cnt; j += 2) {
+    const at::BFloat16* r0 = rows[j] + off;
+    const at::BFloat16* r1 = (j + 1 < cnt ? rows[j + 1] : rows[j]) + off;
+    __m512i pp[GB];
+    for (int h = 0; h < GB; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, pb + h * 16 + j, sizeof(pair));
+      pp[h] = _mm512_set1_epi32(pair);
+    }
+    for (int c2 = 0; c2 < NV / 2; ++c2) {
+      const __m512i x = _mm512_loadu_si512(r0 + c2 * 32), y = _mm512_loadu_si512(r1 + c2 * 32);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int h = 0; h < GB; ++h) {
+        a[h][2 * c2] = _mm512_dpbf16_ps(a[h][2 * c2], lo, (__m512bh)pp[h]);
+        a[h][2 * c2 + 1] = _mm512_dpbf16_ps(a[h][2 * c2 + 1], hi, (__m512bh)pp[h]);
+      }
+    }
+  }
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * NV * 16 + c * 16, a[h][c]);
+}
+
+// acc of one head in pv_pairs' lane order -> natural order: in the 32 dims of pair c2, lane
+// 4k+t of vector 2*c2 holds dim 8k+t and of vector 2*c2+1 dim 8k+4+t.
+template <int NV>
+static inline void unpermute_pairs(const float* acc, __m512* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c2 = 0; c2 < NV / 2; ++c2) {
+    const __m512 x = _mm512_loadu_ps(acc + 32 * c2), y = _mm512_loadu_ps(acc + 32 * c2 + 16);
+    out[2 * c2] = _mm512_permutex2var_ps(x, first, y);
+    out[2 * c2 + 1] = _mm512_permutex2var_ps(x, second, y);
+  }
+}
+
 template <int NV, typename Prefetch>
 static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BFloat16* kp,
                             const at::BFloat16* vp, const int32_t* table, int64_t start, int64_t len,
                             int64_t bs, int64_t nkv, int64_t g, float scale, at::BFloat16* orow,
-                            std::vector<float>& scores, std::vector<float>& accm, Prefetch&& prefetch_next) {
+                            std::vector<float>& scores, std::vector<float>& accm, std::vector<uint16_t>& pbuf,
+                            Prefetch&& prefetch_next) {
   constexpr int64_t hd = NV * 16;
   const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
   const BlockPos bp(bs);
@@ -268,27 +322,33 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
   std::vector<float> denom_big(nh > 64 ? nh : 0);
   float* denom = nh > 64 ? denom_big.data() : denom_small;
   for (int64_t h = 0; h < nh; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+  pbuf.resize(nh * 16 + 2);
+  uint16_t* pb = pbuf.data();
   for (int64_t p0 = start; p0 < len; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, len - p0);
     for (int64_t j = 0; j < cnt; ++j) rows[j] = row_of(vp, p0 + j);
     prefetch_next();
+    const __mmask16 valid = (__mmask16)((1u << cnt) - 1u);
+    for (int64_t h = 0; h < nh; ++h)  // this chunk's probabilities in bf16, zero past cnt
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + h * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, scores.data() + h * L + (p0 - start))));
     for (int64_t kh = 0; kh < nkv; ++kh) {
       for (int64_t i0 = 0; i0 < g;) {  // up to three query heads at a time (3*NV accumulators)
         const int64_t nq = std::min<int64_t>(g - i0, NV > 4 ? 2 : 3);
         const int64_t h0 = kh * g + i0;
         float* m = accm.data() + h0 * hd;
-        const float* sc = scores.data() + h0 * L + (p0 - start);
-        if (nq == 3) pv_chunk<NV, 3>(m, sc, L, rows, kh * hd, cnt);
-        else if (nq == 2) pv_chunk<NV, 2>(m, sc, L, rows, kh * hd, cnt);
-        else pv_chunk<NV, 1>(m, sc, L, rows, kh * hd, cnt);
+        if (nq == 3) pv_pairs<NV, 3>(m, pb + h0 * 16, rows, kh * hd, cnt);
+        else if (nq == 2) pv_pairs<NV, 2>(m, pb + h0 * 16, rows, kh * hd, cnt);
+        else pv_pairs<NV, 1>(m, pb + h0 * 16, rows, kh * hd, cnt);
         i0 += nq;
       }
     }
   }
   for (int64_t h = 0; h < nh; ++h) {
     const __m512 d = _mm512_set1_ps(denom[h]);
-    for (int c = 0; c < NV; ++c)
-      store16(orow + h * hd + c * 16, _mm512_mul_ps(_mm512_loadu_ps(accm.data() + h * hd + c * 16), d));
+    __m512 nat[NV];
+    unpermute_pairs<NV>(accm.data() + h * hd, nat);
+    for (int c = 0; c < NV; ++c) store16(orow + h * hd + c * 16, _mm512_mul_ps(nat[c], d));
   }
 }
 #endif
@@ -318,6 +378,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       // One task per request (all its KV heads, so each K/V row is read once).
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, accm;
+        std::vector<uint16_t> pbuf;
         // Prefetch cursor over this thread's stream of 16-token chunks: request by request,
         // K chunks then V chunks. It runs kAhead chunks ahead of the computation, into L2.
         // Measured (SmolLM2 shapes, 256-512 requests x 192 tokens, 2 threads): into L2 at 4-8
@@ -358,10 +419,10 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
           }
           if (hd == 64)
             decode_one_bf16<4>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
-                               fscale, orow, scores, accm, prefetch_next);
+                               fscale, orow, scores, accm, pbuf, prefetch_next);
           else
             decode_one_bf16<8>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
-                               fscale, orow, scores, accm, prefetch_next);
+                               fscale, orow, scores, accm, pbuf, prefetch_next);
         }
       });
       return;
