@@ -130,11 +130,9 @@ static inline void axpy(float* acc, float w, const T* v, int64_t hd, bool vec) {
 }
 
 #if LLMSERVE_AVX512
-// e^x: 2^(x log2 e) = 2^n * 2^f, |f| <= 0.5, degree-7 Taylor for 2^f (relative error < 1e-7
-// before rounding); x is clamped below at -87 (the result is then ~1e-38, not 0).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+// 2^t = 2^n * 2^f with n = round(t), |f| <= 0.5, degree-7 Taylor for 2^f (relative error
+// < 1e-7 before rounding). t must be >= -126 or so (no denormal handling).
+static inline __m512 pow2_512(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
@@ -146,6 +144,12 @@ static inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// e^x = 2^(x log2 e); x is clamped below at -87 (the result is then ~1e-38, not 0).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  return pow2_512(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)));
 }
 
 // Lane j of the result = sum of the 16 lanes of v[j] (a transpose-and-add tree: 45 ops for
@@ -690,22 +694,11 @@ void to_float(at::Tensor out, at::Tensor x) {
 // ---- sampling ----
 
 #if LLMSERVE_AVX512
-// 2^t for t <= 0 (the polynomial of exp512), exactly 0 below -125 (so masked -inf logits
+// 2^t for t <= 0 (pow2_512), exactly 0 below -125 (so masked -inf logits
 // can never be drawn).
 static inline __m512 exp2_nonpos(__m512 t) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_LT_OQ);
-  t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+  return _mm512_maskz_mov_ps(~tiny, pow2_512(_mm512_max_ps(t, _mm512_set1_ps(-125.0f))));
 }
 #endif
 
