@@ -17,6 +17,23 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 _TEMPLATE_CHARS = "{}\n"
 
 
+def check_encodable(text: str, param: str) -> None:
+    """Raise ``SamplingParamsError`` (a ValueError naming ``param``) when ``text`` cannot be
+    UTF-8 encoded, i.e. it holds a lone UTF-16 surrogate such as ``"\\ud800"`` (valid JSON,
+    but no tokenizer can encode it). The OpenAI server turns it into a 400."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        from llmserve.sampling_params import SamplingParamsError
+
+        bad = text[e.start]
+        raise SamplingParamsError(
+            f"{param}: the text contains a lone surrogate code point U+{ord(bad):04X} at "
+            f"position {e.start}, which is not valid Unicode; send UTF-8 text.", param) from None
+
+
 def resolve_chat_template(chat_template: Optional[str]) -> Optional[str]:
     """Turn the user's ``--chat-template`` value into template text.
 

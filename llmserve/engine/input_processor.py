@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from llmserve.config import ModelConfig
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.tokenizer import check_encodable
 
 # A prompt: text, or {"prompt_token_ids": [...], optional "prompt": text}, or {"prompt": text}.
 PromptType = Union[str, dict[str, Any], list[int]]
@@ -35,6 +36,7 @@ class InputProcessor:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
         if isinstance(prompt, str):
+            check_encodable(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list):
             return None, list(prompt)
@@ -42,6 +44,7 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
+                check_encodable(prompt["prompt"], "prompt")
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
         raise ValueError("prompt must be a string, a list of token ids, or a dict with "
                          "'prompt' or 'prompt_token_ids'")
@@ -100,6 +103,7 @@ class InputProcessor:
         """Each bad word tokenized with and without a leading space (vLLM's rule)."""
         out: list[list[int]] = []
         for w in words:
+            check_encodable(w, "bad_words")
             for variant in (w, " " + w.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
                 if ids and ids not in out:

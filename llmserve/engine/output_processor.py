@@ -38,14 +38,10 @@ class RequestOutputCollector:
     async def get(self) -> RequestOutput:
         while self.output is None:
             await self.ready.wait()
-        out = self.output
-        self.output = None
-        self.ready.clear()
-        if isinstance(out, BaseException):
-            raise out
-        return out
+        return self.get_nowait()
 
     def get_nowait(self) -> Optional[RequestOutput]:
+        """Take the pending output (None if there is none); raises a pending error."""
         out = self.output
         self.output = None
         self.ready.clear()

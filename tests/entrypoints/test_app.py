@@ -139,3 +139,24 @@ def test_x_request_id_and_error_bodies(app_and_engine):
     r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 80, "max_tokens": 2})
     assert r.status_code == 400 and "64" in r.json()["error"]["message"]
     assert client.get("/nowhere").json()["error"]["code"] == 404
+
+
+def test_lone_surrogates_are_400_not_500(app_and_engine):
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer can encode:
+    each endpoint answers 400 naming the field, and the connection keeps working."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    bad = '"a\\ud800b"'
+    cases = [
+        ("/v1/completions", '{"model": "m", "prompt": %s, "max_tokens": 2}' % bad, "prompt"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": %s}]}' % bad, "messages"),
+        ("/tokenize", '{"model": "m", "prompt": %s}' % bad, "prompt"),
+        ("/tokenize", '{"model": "m", "messages": [{"role": "user", "content": %s}]}' % bad, "messages"),
+    ]
+    for path, body, param in cases:
+        r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "surrogate" in err["message"] and err["code"] == 400
+    ok = client.post("/v1/completions", json={"model": "m", "prompt": "a\u00e9b", "max_tokens": 2})
+    assert ok.status_code == 200

@@ -49,3 +49,16 @@ def test_hf_dir_tokenizer_roundtrip(smollm2_tokenizer, tmp_path):
 def test_unknown_tokenizer_raises():
     with pytest.raises(ValueError, match="not found"):
         get_tokenizer("definitely/not-a-model")
+
+
+def test_check_encodable_rejects_lone_surrogates():
+    import pytest
+
+    from llmserve.sampling_params import SamplingParamsError
+    from llmserve.tokenizer import check_encodable
+
+    check_encodable("plain", "prompt")
+    check_encodable("caf\u00e9 \U0001F600", "prompt")  # real non-ASCII text is fine
+    with pytest.raises(SamplingParamsError) as e:
+        check_encodable("x\udc80y", "bad_words")
+    assert e.value.param == "bad_words" and "U+DC80" in str(e.value) and "position 1" in str(e.value)

@@ -62,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
             self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template=template,
             chat_template_kwargs=chat_template_kwargs)
-        return text, self.tokenize(text, add_special_tokens)
+        return text, self.tokenize(text, add_special_tokens, "messages")
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
                                      ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:

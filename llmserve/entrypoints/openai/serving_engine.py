@@ -17,6 +17,7 @@ from llmserve.entrypoints.openai.logprobs import TokenFormatter
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from llmserve.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.tokenizer import check_encodable
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
 
@@ -163,8 +164,10 @@ class OpenAIServing:
         """``<prefix>-<X-Request-Id or random uuid>``."""
         return f"{self.request_id_prefix}-{base or random_uuid()}"
 
-    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text`` (list[int])."""
+    def tokenize(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids of ``text`` (list[int]). Raises SamplingParamsError naming ``param`` for
+        text that is not valid Unicode (lone surrogates)."""
+        check_encodable(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:

@@ -50,10 +50,12 @@ class OpenAIServingTokenization(OpenAIServing):
                 continue_final_message=request.continue_final_message, chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs)
             add_special = bool(request.add_special_tokens)  # default False for messages
+            param = "messages"
         else:
             text = request.prompt or ""
             add_special = request.add_special_tokens is not False  # default True for a prompt
-        ids = self.tokenize(text, add_special)
+            param = "prompt"
+        ids = self.tokenize(text, add_special, param)
         strs = [self.token_formatter.text(t) for t in ids] if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
@@ -75,7 +77,7 @@ class OpenAIServingTokenization(OpenAIServing):
             messages = [m for m in request.input if isinstance(m, dict) and "role" in m]
         if request.instructions:
             messages = [{"role": "system", "content": request.instructions}] + messages
-        ids = self.tokenize(self.render_messages(messages), False)
+        ids = self.tokenize(self.render_messages(messages), False, "input")
         max_out = request.max_output_tokens
         if max_out is not None and max_out < 1:
             raise SamplingParamsError(f"max_output_tokens must be at least 1, got {max_out}.", "max_output_tokens")
