@@ -10,6 +10,7 @@ q/k row permutation ``convert_hf_to_gguf.py`` applies, exactly as transformers'
 from __future__ import annotations
 
 import logging
+import os
 import re
 import struct
 from typing import Any, Iterator, NamedTuple, Optional
@@ -174,6 +175,9 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any,
         arch, tensors = _read_with_gguf_reader(gguf_path)
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
+    kinds = sorted({t.tensor_type.name for t in tensors})
+    logger.info("GGUF %s: tensor types %s, dequantized to %s", os.path.basename(gguf_path),
+                ", ".join(kinds), str(dtype).removeprefix("torch."))
     for t in tensors:
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
