@@ -238,7 +238,7 @@ def test_final_stats_after_aborts_empty_the_engine(engine, loop):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 10  # generous: the loop ends as soon as the stats arrive
         while time.monotonic() < deadline and (rec.stats[-1].num_running_reqs or rec.stats[-1].kv_cache_usage):
             await asyncio.sleep(0.05)
         return busy, rec.stats[-1]
@@ -323,4 +323,4 @@ def test_shutdown_is_prompt_and_engine_exits_by_itself(where, engine_exit_watch)
             eng.shutdown()
             elapsed = time.monotonic() - t0
     watch.assert_exited_by_itself()
-    assert elapsed < 2.0, elapsed
+    assert elapsed < 3.5, elapsed  # the old bug waited the full 5 s; a loaded machine needs slack
