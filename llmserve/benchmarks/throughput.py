@@ -27,13 +27,14 @@ from typing import Any, Optional, Sequence
 
 from llmserve.benchmarks.ceiling import format_ceiling, measure_gemm_ceiling
 from llmserve.benchmarks.datasets import sample_random_requests
+from llmserve.benchmarks.results import TokenRates
 from llmserve.engine_args import EngineArgs, UsageContext, default_batching
 
 __all__ = ["add_cli_args", "main", "run_llmserve", "ThroughputResult"]
 
 
 @dataclasses.dataclass
-class ThroughputResult:
+class ThroughputResult(TokenRates):
     """One backend's run: elapsed_s (wall time of the generation, s), num_requests,
     prompt_tokens and output_tokens (sums over requests; output = requested tokens)."""
 
@@ -43,22 +44,9 @@ class ThroughputResult:
     prompt_tokens: int
     output_tokens: int
 
-    @property
-    def requests_per_s(self) -> float:
-        return self.num_requests / self.elapsed_s
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_tokens_per_s(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d.update(requests_per_s=self.requests_per_s, output_tokens_per_s=self.output_tokens_per_s,
-                 total_tokens_per_s=self.total_tokens_per_s)
+        d.update(self.rates())
         return d
 
     def line(self) -> str:
