@@ -7,9 +7,11 @@ offset``; each request owns a list of blocks (its row of ``block_tables``).
 Each step the model hands the attention layer the flat tokens of all scheduled requests,
 decodes first (vLLM v1 orders its persistent batch the same way). ``PagedAttention.forward``
 1. writes this step's K/V into the cache at ``slot_mapping``;
-2. runs the decode requests (one query token each) in one batched op: the C++ kernel of
-   ``llmserve.attention.cpu_kernel`` when it built, else the pure-torch gather path here;
-3. runs each prefill / prefill chunk with ``scaled_dot_product_attention`` over its
+2. on the CPU with the C++ kernel of ``llmserve.attention.cpu_kernel`` built, runs every
+   token (decodes and prompt tokens alike) in one call, each token one query over its
+   causal context in the cache; otherwise:
+3. runs the decode requests (one query token each) in one batched pure-torch gather op,
+4. and each prefill / prefill chunk with ``scaled_dot_product_attention`` over its
    context, causal within the chunk: query i of a request with query_len q and seq_len s
    sees keys ``0 .. s - q + i`` (and, with a sliding window W, only keys > position - W,
    as transformers' ``sliding_window_overlay``).
@@ -315,19 +317,10 @@ class PagedAttention:
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                 out: torch.Tensor) -> None:
-        """Attention of the ``num_decodes`` one-token requests, written into ``out``."""
+        """Attention of the ``num_decodes`` one-token requests, written into ``out``, by the
+        pure-torch gather path (``forward`` sends every token to the C++ kernel when it
+        is available)."""
         nd = md.num_decodes
-        if self.use_kernel and q.device.type == "cpu":
-            op = cpu_kernel.get_decode_kernel()
-            if op is not None:
-                tables = md._derived.get("kernel_tables")
-                if tables is None:
-                    tables = (md.block_tables.to(torch.int32).contiguous(),
-                              md.seq_lens.to(torch.int32).contiguous())
-                    md._derived["kernel_tables"] = tables
-                op(out, q, kv_cache, tables[0], tables[1], nd, self.scale,
-                   self.sliding_window or 0)
-                return
         max_len = md._derived.get("decode_max_len")
         if max_len is None:
             max_len = max(md.seq_lens_list[:nd])

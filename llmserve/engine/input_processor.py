@@ -36,18 +36,22 @@ class InputProcessor:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
         if isinstance(prompt, str):
-            check_encodable(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self._encode_prompt(prompt)
         if isinstance(prompt, list):
             return None, list(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                check_encodable(prompt["prompt"], "prompt")
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+                return prompt["prompt"], self._encode_prompt(prompt["prompt"])
         raise ValueError("prompt must be a string, a list of token ids, or a dict with "
                          "'prompt' or 'prompt_token_ids'")
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt, special tokens added. Raises SamplingParamsError
+        for text that is not valid Unicode."""
+        check_encodable(text, "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: Optional[float] = None, priority: int = 0,
