@@ -1,13 +1,18 @@
-"""Engine configuration (vLLM's ``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``...).
+"""Engine configuration (vLLM's ``VllmConfig`` and its parts: ``ModelConfig``,
+``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``, ``CompilationConfig``,
+``KVTransferConfig``...).
 
 Each config is a frozen dataclass validated in ``__post_init__`` (ValueError naming the
 field). Nothing changes a config once built; computed values (the number of KV blocks)
-are returned by the code that computes them, not written back.
+are returned by the code that computes them, not written back. Values derived from the
+model's files (the generation-config defaults) are computed once by
+``EngineArgs.create_engine_config()`` and passed in.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 
@@ -35,6 +40,11 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What model to run and how.
@@ -42,6 +52,15 @@ class ModelConfig:
     model: a HF directory, a .gguf file, a local HF-cache id, or a packaged model name.
     dtype: resolved torch dtype name. max_model_len: context limit in tokens (prompt +
     output). hf_config: the transformers config (architectures, sizes).
+    generation_config: "auto" (the model's generation_config.json), "vllm" (none of its
+    sampling defaults) or a directory holding a generation_config.json.
+    override_generation_config: merged over those defaults.
+    diff_sampling_param: the resulting default sampling parameters under SamplingParams
+    names (computed once at ``create_engine_config()``; read it with
+    ``get_diff_sampling_param()``). extra_eos_token_ids: EOS ids of the generation config
+    other than the tokenizer's, which also end generation.
+    max_logprobs: the most logprobs a request may ask for per position (-1: no limit).
+    renderer_num_workers: threads that render chat templates on the async server path.
     """
 
     model: str
@@ -58,10 +77,32 @@ class ModelConfig:
     chat_template: Optional[str] = None
     runner: str = "generate"
     device: str = "cpu"
+    revision: Optional[str] = None
+    tokenizer_revision: Optional[str] = None
+    tokenizer_mode: str = "auto"
+    quantization: Optional[str] = None
+    enforce_eager: bool = True
+    max_logprobs: int = 20
+    disable_sliding_window: bool = False
+    override_generation_config: dict = field(default_factory=dict)
+    renderer_num_workers: int = 1
+    diff_sampling_param: dict = field(default_factory=dict)
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs!r}")
+        _positive("renderer_num_workers", self.renderer_num_workers)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The model's default sampling parameters (vLLM's ``get_diff_sampling_param``):
+        any of temperature, top_p, top_k, min_p, repetition_penalty and max_tokens (from
+        ``max_new_tokens``) that the generation config sets, with
+        ``override_generation_config`` applied; ``{}`` with ``generation_config="vllm"`` and
+        no overrides. A new dict on each call."""
+        return dict(self.diff_sampling_param)
 
     @property
     def vocab_size(self) -> int:
@@ -86,18 +127,27 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block_size in tokens, kv_cache_memory_bytes (None = default),
-    prefix caching on/off."""
+    prefix caching on/off. cache_dtype: "auto" only (the model's dtype).
+    gpu_memory_utilization: kept for vLLM compatibility; the cache is sized by
+    kv_cache_memory_bytes (as vLLM's CPU backend, which ignores it).
+    kv_sharing_fast_prefill: vLLM's flag for models whose layers share KV; none of ours
+    do, so it only forbids prompt_logprobs, as in vLLM."""
 
     block_size: int = 16
     kv_cache_memory_bytes: Optional[int] = None
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: Optional[int] = None
+    cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_sharing_fast_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +160,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -122,12 +175,130 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is disabled")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        _positive("max_num_partial_prefills", self.max_num_partial_prefills)
+        _positive("max_long_partial_prefills", self.max_long_partial_prefills)
+
+
+_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray", "external_launcher")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How the model is split and replicated (vLLM's ``ParallelConfig``).
+
+    worker_cls: "auto", a qualified class name, or a cloudpickled class (bytes), as vLLM;
+    ``resolve_worker_cls()`` turns it into the class. distributed_executor_backend: None,
+    "uni", "mp", "ray" or "external_launcher".
+    """
+
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
+    worker_cls: Union[str, bytes] = "auto"
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(_EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolve_worker_cls(self) -> Optional[type]:
+        """The worker class: None for "auto", else the unpickled or imported class.
+        Raises ValueError when a qualified name cannot be imported."""
+        if self.worker_cls == "auto":
+            return None
+        if isinstance(self.worker_cls, bytes):
+            import cloudpickle
+
+            return cloudpickle.loads(self.worker_cls)
+        import importlib
+
+        module, _, name = self.worker_cls.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"worker_cls: cannot import {self.worker_cls!r}: {e}") from e
+
+
+class CompilationMode(enum.IntEnum):
+    """vLLM's compilation modes (``-O`` levels)."""
+
+    NONE = 0
+    STOCK_TORCH_COMPILE = 1
+    DYNAMO_TRACE_ONCE = 2
+    VLLM_COMPILE = 3
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's ``CompilationConfig`` (the fields a user sets). The engine runs eagerly
+    (``enforce_eager``), so ``effective_mode`` is NONE whatever ``mode`` asks for, as vLLM
+    does under enforce_eager; EngineArgs logs that once."""
+
+    mode: Optional[CompilationMode] = None
+    backend: str = ""
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    cudagraph_mode: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            try:
+                object.__setattr__(self, "mode", CompilationMode(self.mode))
+            except ValueError:
+                raise ValueError(f"compilation_config: mode must be one of "
+                                 f"{[m.value for m in CompilationMode]}, got {self.mode!r}") from None
+
+    @property
+    def effective_mode(self) -> CompilationMode:
+        return CompilationMode.NONE
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's ``KVTransferConfig`` (disaggregated prefill): which connector moves KV
+    between instances and this instance's role. Validated as vLLM does; no connector is
+    implemented yet, so EngineArgs refuses one with a clear error."""
+
+    kv_connector: Optional[str] = None
+    engine_id: Optional[str] = None
+    kv_buffer_device: str = "cuda"
+    kv_buffer_size: float = 1e9
+    kv_role: Optional[str] = None
+    kv_rank: Optional[int] = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_connector_module_path: Optional[str] = None
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None and self.kv_role not in _KV_ROLES:
+            raise ValueError(f"kv_role must be one of {list(_KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_connector is not None and self.kv_role is None:
+            raise ValueError("kv_role must be set when kv_connector is set "
+                             f"(one of {list(_KV_ROLES)})")
+        if not isinstance(self.kv_parallel_size, int) or self.kv_parallel_size < 1:
+            raise ValueError(f"kv_parallel_size must be an integer >= 1, got {self.kv_parallel_size!r}")
+        if not 0 <= int(self.kv_port) <= 65535:
+            raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")
+
+    @property
+    def is_kv_transfer_instance(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in _KV_ROLES
 
 
 @dataclass(frozen=True)
@@ -137,13 +308,22 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine needs; built by ``EngineArgs.create_engine_config()``."""
+class VllmConfig:
+    """Everything the engine needs (vLLM's ``VllmConfig``); built by
+    ``EngineArgs.create_engine_config()``. shutdown_timeout: seconds the server lets
+    in-flight requests finish when it shuts down (``--shutdown-timeout``)."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    kv_transfer_config: Optional[KVTransferConfig] = None
     num_threads: Optional[int] = None
     enforce_eager: bool = True
+    shutdown_timeout: float = 0.0
+
+
+# The first name of the config; kept so existing imports keep working.
+EngineConfig = VllmConfig

@@ -1,25 +1,30 @@
 """EngineArgs: one dataclass schema for ``LLM(**kwargs)`` and the CLI flags (vLLM's
 ``EngineArgs``). Flags and their help are generated from the fields, so they cannot drift.
+
+Every field has vLLM's name and default. A value this engine cannot honour yet (tensor
+parallel, a KV connector...) raises a ValueError naming the field in
+``create_engine_config()``; a field that is accepted but has no effect here says so in its
+help. The normalisations vLLM's ``LLM`` does (an int ``compilation_config``, a dict
+``kv_transfer_config``, a class ``worker_cls``) happen in ``__post_init__``, so Python
+callers and the CLI get the same result.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import enum
-import os
+import functools
+import json
+import logging
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union, get_args, get_origin
 
-from llmserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ObservabilityConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    resolve_dtype,
-)
+from llmserve.config import (CacheConfig, CompilationConfig, CompilationMode, KVTransferConfig, ModelConfig,
+                             ObservabilityConfig, ParallelConfig, SchedulerConfig, VllmConfig, resolve_dtype)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # 4 GiB on the CPU, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE). Pages are only resident
@@ -74,64 +79,194 @@ def parse_bytes(value: Union[str, int, None]) -> Optional[int]:
     return int(num * (base ** power))
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+# ---- vLLM's normalisations of LLM kwargs -------------------------------------------------
+def make_compilation_config(value: Any) -> CompilationConfig:
+    """vLLM's rule: None -> default, an int n -> ``CompilationConfig(mode=CompilationMode(n))``,
+    a dict -> ``CompilationConfig(**dict)``, a JSON string (CLI) as a dict or int.
+    Raises ValueError naming ``compilation_config``."""
+    if isinstance(value, CompilationConfig):
+        return value
+    if value is None:
+        return CompilationConfig()
+    if isinstance(value, str):
+        value = _json_value("compilation_config", value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return CompilationConfig(mode=CompilationMode(value))
+        except ValueError as e:
+            raise ValueError(f"compilation_config: {e}") from None
+    if isinstance(value, dict):
+        try:
+            return CompilationConfig(**value)
+        except TypeError as e:
+            raise ValueError(f"compilation_config: {e}") from None
+    raise ValueError(f"compilation_config must be an int, a dict or a CompilationConfig, got {value!r}")
 
 
+def make_kv_transfer_config(value: Any) -> Optional[KVTransferConfig]:
+    """A dict (or JSON string) becomes ``KVTransferConfig``; an invalid one is logged and
+    raises ``ValueError("Invalid 'kv_transfer_config' provided: ...")``, as vLLM's ``LLM``."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    raw = value
+    try:
+        if isinstance(value, str):
+            value = json.loads(value)
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a dict, got {type(value).__name__}")
+        return KVTransferConfig(**value)
+    except (TypeError, ValueError) as e:
+        logger.error("Failed to convert 'kv_transfer_config' dict to KVTransferConfig object. "
+                     "Dict: %s. Error: %s", raw, e)
+        raise ValueError(f"Invalid 'kv_transfer_config' provided: {e}") from e
+
+
+def make_worker_cls(value: Any) -> Union[str, bytes]:
+    """A class is cloudpickled (vLLM: so a class defined in a script reaches the engine
+    process); a qualified name or "auto" stays a string."""
+    if isinstance(value, type):
+        import cloudpickle
+
+        return cloudpickle.dumps(value)
+    if not isinstance(value, (str, bytes)):
+        raise ValueError(f"worker_cls must be 'auto', a qualified class name or a class, got {value!r}")
+    return value
+
+
+def _json_value(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: not valid JSON: {text!r} ({e})") from None
+
+
+def _json_dict(name: str):
+    def parse(text: str) -> dict:
+        value = _json_value(name, text)
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name}: expected a JSON object, got {text!r}")
+        return value
+    parse.__name__ = name  # argparse names the converter in its error message
+    return parse
+
+
+def _help(text: str, cli_type: Any = None) -> dict:
+    return {"help": text, "cli_type": cli_type} if cli_type else {"help": text}
+
+
+def _closest(name: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def check_kwargs(owner: str, kwargs: dict, allowed: list[str]) -> None:
+    """TypeError naming each unknown keyword and the closest allowed one (difflib)."""
+    for key in kwargs:
+        if key not in allowed:
+            raise TypeError(f"{owner} got an unexpected keyword argument {key!r}{_closest(key, allowed)}")
+
+
+def _names_closest_field(cls):
+    """Wrap a dataclass ``__init__`` so an unknown keyword names the closest field."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        check_kwargs(type(self).__name__, kwargs, [f.name for f in fields(type(self)) if f.init])
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_NOT_YET = "not supported by this engine yet"
+
+
+@_names_closest_field
 @dataclass
 class EngineArgs:
     """Arguments of the engine (vLLM's ``EngineArgs``). Every field is also a CLI flag
-    (``--field-name``); ``LLM(**kwargs)`` takes every field."""
+    (``--field-name``); ``LLM(**kwargs)`` takes every field. An unknown keyword raises a
+    TypeError naming the closest field."""
 
+    # ---- model
     model: str = field(default=DEFAULT_MODEL, metadata=_help("Model: HF directory, .gguf file, HF cache id or packaged model name."))
-    tokenizer: Optional[str] = field(default=None, metadata=_help("Tokenizer path (defaults to the model)."))
     served_model_name: Optional[list[str]] = field(default=None, metadata=_help("Model name(s) used in the API (default: the model argument)."))
-    dtype: str = field(default="auto", metadata=_help("Weights/activations dtype: auto, float32, bfloat16, float16."))
-    max_model_len: Optional[int] = field(default=None, metadata=_help("Context length in tokens (default: the model's, capped at 2048 on CPU)."))
+    tokenizer: Optional[str] = field(default=None, metadata=_help("Tokenizer path or name (defaults to the model)."))
+    tokenizer_mode: str = field(default="auto", metadata=_help("'auto' or 'hf' (the fast HF tokenizer); other vLLM modes are " + _NOT_YET + "."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help("vLLM's token-ids-only mode; " + _NOT_YET + " (False only)."))
+    trust_remote_code: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility; no effect (no remote code is run)."))
+    revision: Optional[str] = field(default=None, metadata=_help("Model revision (branch, tag or commit) in the local HF cache; not used for local paths."))
+    tokenizer_revision: Optional[str] = field(default=None, metadata=_help("Tokenizer revision in the local HF cache; not used for local paths."))
+    dtype: str = field(default="auto", metadata=_help("Weights/activations dtype: auto, float32, bfloat16, float16, half, float."))
     seed: int = field(default=0, metadata=_help("Random seed for unseeded sampling."))
+    max_model_len: Optional[int] = field(default=None, metadata=_help("Context length in tokens (default: the model's, capped at 2048 on CPU)."))
+    quantization: Optional[str] = field(default=None, metadata=_help("Weight quantization: None (the checkpoint's own; GGUF files are dequantized on load) or 'gguf' for a GGUF model; other methods are " + _NOT_YET + "."))
+    load_format: str = field(default="auto", metadata=_help("'auto', 'safetensors' or 'gguf'; other vLLM formats are " + _NOT_YET + "."))
+    enforce_eager: bool = field(default=True, metadata=_help("Accepted for vLLM compatibility; this engine always runs eagerly (no CUDA graphs)."))
+    max_logprobs: int = field(default=20, metadata=_help("Most logprobs a request may ask for per token (-1: no limit)."))
+    disable_sliding_window: bool = field(default=False, metadata=_help("Cap max_model_len at the model's sliding window (vLLM's rule)."))
+    generation_config: str = field(default="auto", metadata=_help("Default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a directory holding a generation_config.json."))
+    override_generation_config: Optional[dict] = field(default=None, metadata=_help("JSON dict merged over the generation config, e.g. '{\"temperature\": 0.5}'.", _json_dict("override_generation_config")))
+    chat_template: Optional[str] = field(default=None, metadata=_help("Chat template (file path or literal) overriding the model's."))
+    # ---- cache
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens."))
+    kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: 'auto' (the model's dtype); fp8 caches are " + _NOT_YET + "."))
     kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; made resident while the engine is idle)."))
+    kv_cache_memory_bytes: Optional[int] = field(default=None, metadata=_help("KV cache size in bytes (vLLM's name; same as --kv-cache-memory)."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help("Accepted for vLLM compatibility; the KV cache is sized by --kv-cache-memory (as vLLM's CPU backend)."))
+    cpu_offload_gb: float = field(default=0.0, metadata=_help("Weight offloading to CPU (GiB); " + _NOT_YET + " (0 only)."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Force the number of KV cache blocks (testing)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
+    kv_sharing_fast_prefill: bool = field(default=False, metadata=_help("vLLM's KV-sharing prefill shortcut; no model here shares KV, so it only forbids prompt_logprobs (as vLLM)."))
+    # ---- scheduler
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help("Token budget per engine step (default on CPU: 4096 for the offline LLM, 2048 for the server, as vLLM)."))
     max_num_seqs: Optional[int] = field(default=None, metadata=_help("Max number of requests per engine step (default on CPU: 256 for the offline LLM, 128 for the server, as vLLM)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
+    long_prefill_token_threshold: int = field(default=0, metadata=_help("Per-step cap on one prompt's prefill tokens; " + _NOT_YET + " (0 only)."))
+    max_num_partial_prefills: int = field(default=1, metadata=_help("Concurrent partial prefills; " + _NOT_YET + " (1 only)."))
+    max_long_partial_prefills: int = field(default=1, metadata=_help("Concurrent long partial prefills; " + _NOT_YET + " (1 only)."))
     scheduling_policy: str = field(default="fcfs", metadata=_help("fcfs or priority."))
-    chat_template: Optional[str] = field(default=None, metadata=_help("Chat template (file path or literal) overriding the model's."))
-    generation_config: str = field(default="auto", metadata=_help("'auto' uses the model's generation_config.json defaults; 'vllm' ignores them."))
-    trust_remote_code: bool = field(default=False, metadata=_help("Unused (no remote code is run)."))
-    num_threads: Optional[int] = field(default=None, metadata=_help("torch CPU threads in the engine (default: all cores)."))
-    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size (1 only)."))
+    async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass; " + _NOT_YET + " (False only)."))
+    # ---- parallel
+    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size; " + _NOT_YET + " (1 only)."))
+    pipeline_parallel_size: int = field(default=1, metadata=_help("Pipeline parallel size; " + _NOT_YET + " (1 only)."))
+    data_parallel_size: int = field(default=1, metadata=_help("Data parallel engines; " + _NOT_YET + " (1 only)."))
+    distributed_executor_backend: Optional[str] = field(default=None, metadata=_help("None, 'uni' or 'mp' (one engine process); 'ray' and 'external_launcher' are " + _NOT_YET + "."))
+    worker_cls: str = field(default="auto", metadata=_help("Worker class: 'auto', or a qualified class name or class (cloudpickled); custom workers are " + _NOT_YET + "."))
+    # ---- compilation, KV transfer
+    compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
+    kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV transfer (disaggregated prefill) as a JSON dict; connectors are " + _NOT_YET + ".", str))
+    # ---- front end, process
+    renderer_num_workers: int = field(default=1, metadata=_help("Threads that render chat templates and tokenize on the server's async path (no effect offline)."))
+    shutdown_timeout: int = field(default=0, metadata=_help("Seconds the server waits for in-flight requests when shutting down; 0 aborts them at once (vLLM's --shutdown-timeout)."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log per-step stats."))
-    enforce_eager: bool = field(default=True, metadata=_help("Accepted for vLLM compatibility."))
+    num_threads: Optional[int] = field(default=None, metadata=_help("torch CPU threads in the engine (default: all cores)."))
     device: str = field(default="auto", metadata=_help("cpu, cuda or auto."))
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
+        self.compilation_config = make_compilation_config(self.compilation_config)
+        self.kv_transfer_config = make_kv_transfer_config(self.kv_transfer_config)
+        self.worker_cls = make_worker_cls(self.worker_cls)
+        if self.override_generation_config is None:
+            self.override_generation_config = {}
+        elif not isinstance(self.override_generation_config, dict):
+            raise ValueError("override_generation_config must be a dict, got "
+                             f"{type(self.override_generation_config).__name__}")
+        if not isinstance(self.renderer_num_workers, int) or self.renderer_num_workers < 1:
+            raise ValueError(f"renderer_num_workers must be an integer >= 1, got {self.renderer_num_workers!r}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
     # ---- CLI -------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
         """Add one ``--flag`` per field (bools get ``--flag/--no-flag``)."""
         for f in fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            helptext = f.metadata.get("help", "")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 (our own annotations)
-            origin = get_origin(tp)
-            inner = [a for a in get_args(tp) if a is not type(None)]
-            shown = helptext if default is None or "(default" in helptext else f"{helptext} (default: {default})"
-            if tp is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=shown)
-            elif origin is list or (origin is Union and inner and get_origin(inner[0]) is list):
-                parser.add_argument(flag, nargs="+", default=default, help=helptext)
-            else:
-                base = inner[0] if origin is Union and inner else tp
-                conv = base if base in (int, float) else str
-                parser.add_argument(flag, type=conv, default=default, help=shown)
+            if f.name not in skip:
+                parser.add_argument("--" + f.name.replace("_", "-"), **_cli_kwargs(f))
         return parser
 
     @classmethod
@@ -139,84 +274,64 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     # ---- config ------------------------------------------------------------
-    def create_engine_config(self, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> EngineConfig:
-        """Resolve the model and build the EngineConfig. ``usage_context`` picks the
+    def create_engine_config(self, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> VllmConfig:
+        """Resolve the model and build the VllmConfig. ``usage_context`` picks the
         defaults of max_num_batched_tokens and max_num_seqs when they are None
-        (``default_batching``).
+        (``default_batching``). The generation-config defaults are read here, once.
 
-        Raises ValueError for an unknown model, a bad dtype, or a max_model_len larger
-        than the model supports.
+        Raises ValueError for an unknown model, a bad dtype, a max_model_len larger than
+        the model supports, or a value this engine cannot honour yet (naming the field).
         """
-        from llmserve.model_loader import load_hf_config, resolve_model
+        from llmserve.engine_config_builder import build_vllm_config
 
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: only 1 is supported")
-        device = self.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = resolve_dtype(self.dtype, device)
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: unknown dtype {self.dtype!r}")
-        resolved = resolve_model(self.model)
-        hf_config = load_hf_config(resolved)
-        derived = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-        if self.max_model_len is None:
-            max_model_len = min(derived, 2048) if device == "cpu" else derived
-        else:
-            if self.max_model_len > derived:
-                raise ValueError(
-                    f"max_model_len: {self.max_model_len} is larger than the model's maximum "
-                    f"context length ({derived})")
-            max_model_len = self.max_model_len
-        names = tuple(self.served_model_name or [self.model])
-        model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer or resolved.path,
-            served_model_name=names,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=self.seed,
-            hf_config=hf_config,
-            model_path=resolved.path,
-            gguf_file=resolved.gguf_file,
-            trust_remote_code=self.trust_remote_code,
-            generation_config=self.generation_config,
-            chat_template=self.chat_template,
-            device=device,
-        )
-        kv_bytes = parse_bytes(self.kv_cache_memory)
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _DEFAULT_KV_CACHE_BYTES,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-        )
-        default_mnbt, default_seqs = default_batching(device, usage_context)
-        mnbt = self.max_num_batched_tokens
-        if mnbt is None:
-            mnbt = default_mnbt if self.enable_chunked_prefill else max(default_mnbt, max_model_len)
-        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else default_seqs
-        scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=mnbt,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            policy=self.scheduling_policy,
-        )
-        return EngineConfig(
-            model_config=model_config,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            observability_config=ObservabilityConfig(log_stats=not self.disable_log_stats),
-            num_threads=self.num_threads,
-        )
+        return build_vllm_config(self, usage_context)
 
 
+def _cli_kwargs(f: dataclasses.Field) -> dict:
+    """argparse keyword arguments of one EngineArgs field."""
+    helptext = f.metadata.get("help", "")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    shown = helptext if default is None or "(default" in helptext else f"{helptext} (default: {default})"
+    tp = f.type if not isinstance(f.type, str) else eval(f.type, globals())  # noqa: S307 (our own annotations)
+    origin, inner = get_origin(tp), [a for a in get_args(tp) if a is not type(None)]
+    if f.metadata.get("cli_type"):
+        return {"type": f.metadata["cli_type"], "default": default, "help": shown}
+    if tp is bool:
+        return {"action": argparse.BooleanOptionalAction, "default": default, "help": shown}
+    if origin is list or (origin is Union and inner and get_origin(inner[0]) is list):
+        return {"nargs": "+", "default": default, "help": helptext}
+    base = inner[0] if origin is Union and inner else tp
+    return {"type": base if base in (int, float) else str, "default": default, "help": shown}
+
+
+def log_non_default_args(args: Union[EngineArgs, argparse.Namespace]) -> dict[str, Any]:
+    """Log, once at start, the engine arguments that differ from their defaults (vLLM's
+    ``log_non_default_args``). ``args``: EngineArgs, or the server's parsed Namespace
+    (only its engine flags are compared). Returns the logged dict."""
+    diff: dict[str, Any] = {}
+    for f in fields(EngineArgs):
+        if not hasattr(args, f.name):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        value = getattr(args, f.name)
+        if value != default and not (f.name == "compilation_config" and value == CompilationConfig()) \
+                and not (f.name == "override_generation_config" and value == {}):
+            diff[f.name] = value
+    if diff:
+        logger.info("non-default args: %s", diff)
+    return diff
+
+
+@_names_closest_field
 @dataclass
 class AsyncEngineArgs(EngineArgs):
     """EngineArgs for AsyncLLM (adds request logging)."""
 
     disable_log_requests: bool = field(default=True, metadata=_help("Do not log each request."))
+
+
+# ModelConfig, the sub-configs and the old name, re-exported for callers that import them here.
+EngineConfig = VllmConfig
+__all__ = ["AsyncEngineArgs", "CacheConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ObservabilityConfig",
+           "ParallelConfig", "SchedulerConfig", "UsageContext", "VllmConfig", "default_batching",
+           "log_non_default_args", "parse_bytes"]

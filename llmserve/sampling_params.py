@@ -96,11 +96,19 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled in by the InputProcessor, not by users.
+    # Derived by the InputProcessor, not by users: the stop ids (``stop_token_ids`` plus the
+    # generation config's extra EOS ids) and the tokenized bad words.
     all_stop_token_ids: set[int] = field(default_factory=set)
     bad_words_token_ids: Optional[list[list[int]]] = None
+    # True once __post_init__ has normalised and checked the fields. It travels with the
+    # params (msgspec encodes it), so the engine process, whose decoder calls __post_init__
+    # again, neither re-validates nor rebuilds the derived fields above (vLLM keeps its
+    # ``_all_stop_token_ids`` the same way). ``dataclasses.replace`` resets it (init=False).
+    _validated: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self._validated:  # decoded from another process: already checked and derived
+            return
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -129,7 +137,16 @@ class SamplingParams:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # Keep ids derived before (a clone, a round trip) and add the user's own.
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
+        self._validated = True
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """SamplingParams from keyword arguments where None means "the default" (vLLM's
+        ``SamplingParams.from_optional``), e.g. the model's generation-config defaults.
+        ``max_tokens=None`` is kept (the rest of the context). Raises SamplingParamsError."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
 
     def _verify_args(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Union
 
-from llmserve.config import ModelConfig
+from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.tokenizer import check_encodable
@@ -16,21 +16,32 @@ PromptType = Union[str, dict[str, Any], list[int]]
 
 
 class InputProcessor:
-    """Args: model_config; tokenizer (HF); generation_config: the model's defaults dict
-    (may hold "eos_token_id" as an int or list); strict_max_tokens: raise when
-    prompt + max_tokens exceeds max_model_len (the server's behaviour) instead of letting
-    the request stop at the limit with finish_reason "length" (the offline behaviour)."""
+    """The one owner of request validation and derived fields (vLLM's ``InputProcessor``).
+
+    Args:
+      model_config: max_model_len, vocab_size, max_logprobs and the generation-config
+        defaults (``get_diff_sampling_param()``: the default output budget) and EOS ids
+        (``extra_eos_token_ids``), computed once by ``create_engine_config()``.
+      tokenizer: the HF tokenizer (its ``eos_token_id`` is the request's EOS).
+      generation_config: ignored; kept so callers that still pass the old dict work.
+      strict_max_tokens: raise when prompt + max_tokens exceeds max_model_len (the
+        server's behaviour) instead of letting the request stop at the limit with
+        finish_reason "length" (the offline behaviour).
+      cache_config: its ``kv_sharing_fast_prefill`` forbids prompt_logprobs (vLLM).
+    """
 
     def __init__(self, model_config: ModelConfig, tokenizer, generation_config: Optional[dict] = None,
-                 strict_max_tokens: bool = False) -> None:
+                 strict_max_tokens: bool = False, *, cache_config: Optional[CacheConfig] = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.strict_max_tokens = strict_max_tokens
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
-        gen_eos = (generation_config or {}).get("eos_token_id")
-        if isinstance(gen_eos, int):
-            gen_eos = [gen_eos]
-        self.extra_eos_ids: set[int] = set(gen_eos or []) - {self.eos_token_id}
+        # The tokenizer's EOS ends generation on its own (unless ignore_eos); the others
+        # the generation config lists become stop ids.
+        self.extra_eos_ids: frozenset[int] = frozenset(
+            getattr(model_config, "extra_eos_token_ids", ())) - {self.eos_token_id}
+        self.default_max_tokens: Optional[int] = model_config.get_diff_sampling_param().get("max_tokens")
+        self.kv_sharing_fast_prefill = bool(cache_config and cache_config.kv_sharing_fast_prefill)
         self.vocab_size = model_config.vocab_size
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -56,52 +67,85 @@ class InputProcessor:
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: Optional[float] = None, priority: int = 0,
                        ) -> tuple[EngineCoreRequest, Optional[str]]:
-        """Validate and build the EngineCoreRequest.
+        """Validate and build the EngineCoreRequest, with a copy of ``params`` whose
+        derived fields are filled: max_tokens (never None), all_stop_token_ids,
+        bad_words_token_ids. ``params`` itself is not changed.
 
-        Raises ValueError (SamplingParamsError with ``param``) when the prompt is empty,
-        holds token ids outside [0, vocab_size), is not shorter than max_model_len, or
-        (strict mode) prompt + max_tokens exceeds max_model_len.
+        Raises SamplingParamsError (a ValueError) naming the field: ``prompt`` when the
+        prompt is empty, holds token ids outside [0, vocab_size) or leaves no room for
+        output; ``max_tokens`` (strict mode) when prompt + max_tokens exceeds
+        max_model_len; ``logprobs``/``prompt_logprobs`` above max_logprobs (or
+        prompt_logprobs with kv_sharing_fast_prefill); ``allowed_token_ids``,
+        ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text.
         """
         text, ids = self.tokenize_prompt(prompt)
-        max_len = self.model_config.max_model_len
-        n = len(ids)
-        if n == 0:
-            raise SamplingParamsError("The prompt cannot be empty.", "prompt")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise SamplingParamsError(
-                    f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).", "prompt")
-        if n >= max_len:
-            raise SamplingParamsError(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{n} input tokens, which leaves no room for output. Please reduce the length of the input.",
-                "prompt")
+        self._check_prompt(ids)
         params = params.clone()
-        room = max_len - n
-        if params.max_tokens is None:
-            params.max_tokens = room
-        elif params.max_tokens > room and self.strict_max_tokens:
-            raise SamplingParamsError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                f"Please reduce the length of the prompt or of max_tokens.", "max_tokens")
+        params.max_tokens = self._max_tokens(len(ids), params.max_tokens)
+        self._check_logprobs(params)
+        self._check_vocab(params)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_ids
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
-        if params.allowed_token_ids is not None:
-            bad = [t for t in params.allowed_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise SamplingParamsError(f"allowed_token_ids out of vocabulary: {bad[:5]}", "allowed_token_ids")
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-            if bad:
-                raise SamplingParamsError(f"logit_bias token ids out of vocabulary: {bad[:5]}", "logit_bias")
         req = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                 eos_token_id=self.eos_token_id,
                                 arrival_time=arrival_time if arrival_time is not None else time.time(),
                                 priority=priority)
         return req, text
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        max_len = self.model_config.max_model_len
+        if not ids:
+            raise SamplingParamsError("The prompt cannot be empty.", "prompt")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise SamplingParamsError(
+                    f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).", "prompt")
+        if len(ids) >= max_len:
+            raise SamplingParamsError(
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{len(ids)} input tokens, which leaves no room for output. Please reduce the length of "
+                f"the input.", "prompt")
+
+    def _max_tokens(self, n: int, requested: Optional[int]) -> int:
+        """The output budget: ``requested``, or when None the smaller of the room left and
+        the generation config's default budget. Strict mode refuses a budget that does not
+        fit; offline it stops at the limit with "length"."""
+        max_len = self.model_config.max_model_len
+        room = max_len - n
+        if requested is None:
+            return min(room, self.default_max_tokens) if self.default_max_tokens is not None else room
+        if requested > room and self.strict_max_tokens:
+            raise SamplingParamsError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{n + requested} tokens ({n} in the prompt, {requested} in the completion). "
+                f"Please reduce the length of the prompt or of max_tokens.", "max_tokens")
+        return requested
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's limits: at most max_logprobs per position (-1 asks for the whole
+        vocabulary); no prompt_logprobs with kv_sharing_fast_prefill."""
+        limit = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is None or limit == -1:
+                continue
+            n = self.vocab_size if asked == -1 else asked
+            if n > limit:
+                raise SamplingParamsError(
+                    f"Requested {name} of {n}, which is greater than max allowed: {limit}", name)
+        if params.prompt_logprobs is not None and self.kv_sharing_fast_prefill:
+            raise SamplingParamsError(
+                "prompt_logprobs is not supported with kv_sharing_fast_prefill: prompt logprobs need "
+                "the hidden states of every prompt token.", "prompt_logprobs")
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise SamplingParamsError(f"{name}: token ids out of vocabulary: {bad[:5]}", name)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word tokenized with and without a leading space (vLLM's rule)."""

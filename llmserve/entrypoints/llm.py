@@ -2,46 +2,113 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence, Union
+import logging
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
 from llmserve.engine.input_processor import PromptType
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine_args import EngineArgs, UsageContext
+from llmserve.engine_args import (EngineArgs, UsageContext, check_kwargs, log_non_default_args,
+                                  make_compilation_config, make_kv_transfer_config, make_worker_cls)
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+
+
+def _normalize_kwargs(kwargs: dict[str, Any]) -> None:
+    """vLLM's ``LLM.__init__`` handling of its kwargs, in place: ``swap_space`` is popped
+    with a DeprecationWarning; a class ``worker_cls`` is cloudpickled; a dict
+    ``kv_transfer_config`` becomes ``KVTransferConfig`` (invalid: logged, ValueError
+    "Invalid 'kv_transfer_config' provided: ..."); an int ``compilation_config`` becomes
+    ``CompilationConfig(mode=CompilationMode(n))``; ``data_parallel_size > 1`` raises,
+    pointing to the multi-process example."""
+    if "swap_space" in kwargs:
+        kwargs.pop("swap_space")
+        warnings.warn("swap_space is deprecated and has no effect (the engine never swaps KV to "
+                      "CPU memory); remove it.", DeprecationWarning, stacklevel=3)
+    if "worker_cls" in kwargs:
+        kwargs["worker_cls"] = make_worker_cls(kwargs["worker_cls"])
+    if "kv_transfer_config" in kwargs:
+        kwargs["kv_transfer_config"] = make_kv_transfer_config(kwargs["kv_transfer_config"])
+    if "compilation_config" in kwargs:
+        kwargs["compilation_config"] = make_compilation_config(kwargs["compilation_config"])
+    dp = int(kwargs.get("data_parallel_size", 1))
+    if dp > 1 and kwargs.get("distributed_executor_backend") != "external_launcher":
+        raise ValueError(
+            f"LLM(data_parallel_size={dp}) is not supported for single-process usage and may hang. "
+            "Please use the explicit multi-process data-parallel example at "
+            "'examples/offline_inference/data_parallel.py'.")
+
 
 class LLM:
-    """An LLM for offline inference.
+    """An LLM for offline inference (vLLM's ``LLM``).
 
     ``LLM(model=..., **kwargs)`` takes every EngineArgs field (dtype, max_model_len,
-    max_num_seqs, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching, seed...).
-    The EngineCore runs in a child process unless LLMSERVE_ENABLE_MULTIPROCESSING=0.
+    max_num_seqs, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching, seed,
+    compilation_config, kv_transfer_config, worker_cls...) with vLLM's normalisations (see
+    ``_normalize_kwargs``), plus ``multiprocess_mode`` (run the EngineCore in a child
+    process; default: unless LLMSERVE_ENABLE_MULTIPROCESSING=0). Stats logging is off
+    unless ``disable_log_stats=False`` is given, as in vLLM. The arguments that differ from
+    their defaults are logged once.
 
-    Raises ValueError for an unknown model or bad arguments.
+    Raises TypeError for an unknown keyword (naming the closest one), ValueError for an
+    unknown model or bad arguments.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model"] = model
         multiprocess = kwargs.pop("multiprocess_mode", None)
-        known = {f for f in EngineArgs.__dataclass_fields__}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(unknown)}")
-        self.engine_args = EngineArgs(**kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, multiprocess_mode=multiprocess,
+        _normalize_kwargs(kwargs)
+        check_kwargs("LLM()", kwargs, [n for n in EngineArgs.__dataclass_fields__])
+        kwargs.setdefault("disable_log_stats", True)
+        engine_args = EngineArgs(**kwargs)
+        if engine_args.renderer_num_workers > 1:
+            logger.warning("renderer_num_workers=%d has no effect on the offline LLM: it renders "
+                           "prompts on the calling thread; it applies to the server's async path.",
+                           engine_args.renderer_num_workers)
+        self._init_engine(engine_args, multiprocess)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: Optional[bool] = None) -> "LLM":
+        """An LLM over an engine built from ``engine_args`` (vLLM's
+        ``LLM.from_engine_args``), through ``create_engine_config()``."""
+        llm = cls.__new__(cls)
+        llm._init_engine(engine_args, multiprocess_mode)
+        return llm
+
+    def _init_engine(self, engine_args: EngineArgs, multiprocess: Optional[bool]) -> None:
+        log_non_default_args(engine_args)
+        self.engine_args = engine_args
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess_mode=multiprocess,
                                                      usage_context=UsageContext.LLM_CLASS)
+        self.model_config = self.llm_engine.model_config
+        self.default_sampling_params: Optional[dict[str, Any]] = None
         self._counter = itertools.count()
+        self._enqueued: list[str] = []  # enqueue()d ids not yet returned
+        self._finished: dict[str, RequestOutput] = {}  # their outputs, when another call ran them
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def _params_for(self, params, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the model's generation-config defaults
+        (``model_config.get_diff_sampling_param()``), or plain ``SamplingParams()`` when it
+        has none; what ``generate``/``chat`` use when ``sampling_params`` is None (vLLM)."""
+        if self.default_sampling_params is None:
+            self.default_sampling_params = self.model_config.get_diff_sampling_param()
+        if self.default_sampling_params:
+            return SamplingParams.from_optional(**self.default_sampling_params)
+        return SamplingParams()
+
+    def _params_for(self, params: ParamsArg, n: int) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)
@@ -49,27 +116,64 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; give one or one per prompt")
         return params
 
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+    @staticmethod
+    def _prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts and isinstance(prompts, list) and all(isinstance(t, int) for t in prompts):
+            return [{"prompt_token_ids": prompts}]
+        return list(prompts)
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
+                 use_tqdm: Union[bool, Callable[..., tqdm]] = True,
+                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
         """Generate completions for prompts, returned in input order.
 
         prompts: a string, a list of strings, a list of token ids ({"prompt_token_ids":
         [...]}) or a list of such dicts. sampling_params: one for all prompts, or one per
-        prompt. Each request's output is FINAL_ONLY.
+        prompt; None: ``get_default_sampling_params()``. use_tqdm: show a progress bar; a
+        callable builds it (e.g. ``functools.partial(tqdm, leave=False)``), as vLLM. Each
+        request's output is FINAL_ONLY.
 
         Raises ValueError for bad prompts/params (nothing is left running then).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif prompts and isinstance(prompts, list) and all(isinstance(t, int) for t in prompts):
-            prompts = [{"prompt_token_ids": prompts}]
-        prompts = list(prompts)
-        params = self._params_for(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, priority)
+        prompts = self._prompt_list(prompts)
+        ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority)
+        return self._run_engine(ids, use_tqdm)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
-             priority: Optional[list[int]]) -> list[RequestOutput]:
+    def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
+                priority: Optional[list[int]] = None) -> list[str]:
+        """Add prompts to the engine without running it (vLLM's ``LLM.enqueue``); returns
+        their request ids. ``wait_for_completion()`` runs the engine and returns them."""
+        prompts = self._prompt_list(prompts)
+        ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority)
+        self._enqueued += ids
+        return ids
+
+    def enqueue_chat(self, messages, sampling_params: ParamsArg = None, chat_template: Optional[str] = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[str]:
+        """``enqueue`` for conversations, rendered through the chat template like ``chat``
+        (vLLM's ``LLM.enqueue_chat``); returns the request ids."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(
+            c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))}
+            for c in convs]
+        return self.enqueue(prompts, sampling_params)
+
+    def wait_for_completion(self, use_tqdm: Union[bool, Callable[..., tqdm]] = True) -> list[RequestOutput]:
+        """Run the engine until every enqueued request finishes; their outputs in enqueue
+        order (vLLM's ``LLM.wait_for_completion``)."""
+        ids = self._enqueued
+        outputs = self._run_engine(ids, use_tqdm)
+        self._enqueued, self._finished = [], {}
+        return outputs
+
+    def _add_requests(self, prompts: list, params: list[SamplingParams],
+                      priority: Optional[list[int]]) -> list[str]:
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -82,15 +186,23 @@ class LLM:
         except BaseException:
             engine.abort_request(ids)
             raise
+        return ids
+
+    def _run_engine(self, ids: list[str], use_tqdm: Union[bool, Callable[..., tqdm]]) -> list[RequestOutput]:
+        engine = self.llm_engine
         order = {rid: i for i, rid in enumerate(ids)}
-        results: list[Optional[RequestOutput]] = [None] * len(ids)
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        results: list[Optional[RequestOutput]] = [self._finished.get(rid) for rid in ids]
+        keep = set(self._enqueued)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                    elif out.finished and out.request_id in keep:  # enqueued; kept for wait_for_completion
+                        self._finished[out.request_id] = out
         except BaseException:
             engine.abort_request(ids)
             raise
@@ -99,7 +211,7 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             use_tqdm: Union[bool, Callable[..., tqdm]] = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a

@@ -7,11 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmserve.model_loader.resolve import (DEFAULT_MODEL, ResolvedModel, load_generation_config,
-                                           load_hf_config, resolve_model)
+from llmserve.model_loader.resolve import (DEFAULT_MODEL, ResolvedModel, diff_sampling_param,
+                                           generation_eos_token_ids, load_generation_config,
+                                           load_hf_config, read_generation_config, resolve_model)
 
-__all__ = ["DEFAULT_MODEL", "ResolvedModel", "get_model", "load_generation_config",
-           "load_hf_config", "resolve_model", "torch_dtype"]
+__all__ = ["DEFAULT_MODEL", "ResolvedModel", "diff_sampling_param", "generation_eos_token_ids",
+           "get_model", "load_generation_config", "load_hf_config", "read_generation_config",
+           "resolve_model", "torch_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -116,12 +116,12 @@ def _hf_cache_dir() -> str:
         return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
 
 
-def _from_hf_cache(model: str) -> Optional[ResolvedModel]:
+def _from_hf_cache(model: str, revision: Optional[str] = None) -> Optional[ResolvedModel]:
     if model.count("/") > 1 or not model.strip():
         return None
     try:
         from huggingface_hub import snapshot_download
-        path = snapshot_download(model, local_files_only=True)
+        path = snapshot_download(model, revision=revision, local_files_only=True)
     except Exception:  # not cached, or not a valid repo id
         return None
     try:
@@ -130,7 +130,7 @@ def _from_hf_cache(model: str) -> Optional[ResolvedModel]:
         return None
 
 
-def resolve_model(model: str) -> ResolvedModel:
+def resolve_model(model: str, revision: Optional[str] = None) -> ResolvedModel:
     """Find the local files of ``model``, without any network access.
 
     ``model`` may be, tried in this order: a local HF directory (config.json + safetensors +
@@ -138,7 +138,9 @@ def resolve_model(model: str) -> ResolvedModel:
     of a model shipped in an installed package (``SmolLM2-135M-Instruct`` or
     ``HuggingFaceTB/SmolLM2-135M-Instruct``, ``all-MiniLM-L6-v2`` or
     ``sentence-transformers/all-MiniLM-L6-v2``; case-insensitive); a model id already in
-    the local Hugging Face cache (``snapshot_download(..., local_files_only=True)``).
+    the local Hugging Face cache (``snapshot_download(..., local_files_only=True)``), at
+    ``revision`` (a branch, tag or commit already cached) when given; as in vLLM, a revision
+    does not apply to local paths.
 
     Raises ValueError naming every place tried when nothing matches.
     """
@@ -152,7 +154,7 @@ def resolve_model(model: str) -> ResolvedModel:
         found = _from_package(pm)
         if found is not None:
             return found
-    cached = _from_hf_cache(model)
+    cached = _from_hf_cache(model, revision)
     if cached is not None:
         return cached
     packaged = ", ".join(f"{p.name} (package {p.pip_name})" for p in _PACKAGED_MODELS)
@@ -210,18 +212,14 @@ def load_hf_config(resolved: ResolvedModel) -> Any:
 
 # Keys vLLM takes from generation_config.json as default sampling parameters
 # (vllm/config/model.py: ModelConfig.get_diff_sampling_param).
-_GENERATION_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+_GENERATION_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
-def load_generation_config(resolved: ResolvedModel) -> dict:
-    """Default sampling parameters from the model's ``generation_config.json``.
-
-    Returns a dict with any of ``repetition_penalty``, ``temperature``, ``top_k``,
-    ``top_p``, ``min_p`` and ``max_tokens`` (from ``max_new_tokens``) that the file sets,
-    as vLLM's ``get_diff_sampling_param``; ``{}`` when there is no such file (GGUF files
-    carry none) or it cannot be parsed.
-    """
-    fname = os.path.join(resolved.path, "generation_config.json")
+def read_generation_config(directory: str) -> dict[str, Any]:
+    """The contents of ``directory/generation_config.json`` (vLLM's
+    ``try_get_generation_config``): a dict, ``{}`` when there is no such file (GGUF files
+    carry none) or it cannot be parsed (logged)."""
+    fname = os.path.join(directory, "generation_config.json")
     if not os.path.isfile(fname):
         return {}
     try:
@@ -230,9 +228,37 @@ def load_generation_config(resolved: ResolvedModel) -> dict:
     except (OSError, ValueError) as e:
         logger.warning("ignoring unreadable %s: %s", fname, e)
         return {}
-    if not isinstance(raw, dict):
-        return {}
-    out = {k: raw[k] for k in _GENERATION_KEYS if raw.get(k) is not None}
-    if raw.get("max_new_tokens") is not None:
-        out["max_tokens"] = raw["max_new_tokens"]
+    return raw if isinstance(raw, dict) else {}
+
+
+def diff_sampling_param(generation_config: dict[str, Any],
+                        override: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Default sampling parameters under SamplingParams names (vLLM's
+    ``get_diff_sampling_param``): ``override`` merged over ``generation_config``, then any of
+    ``repetition_penalty``, ``temperature``, ``top_k``, ``top_p``, ``min_p`` and
+    ``max_tokens`` (HF's ``max_new_tokens``) that is set and not None."""
+    config = {**generation_config, **(override or {})}
+    out = {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
     return out
+
+
+def generation_eos_token_ids(generation_config: dict[str, Any]) -> tuple[int, ...]:
+    """The ``eos_token_id`` of a generation config (an int or a list) as a sorted tuple;
+    ValueError when it holds something other than integers."""
+    eos = generation_config.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        raise ValueError(f"generation_config: eos_token_id must be an int or a list of ints, got {eos!r}")
+    return tuple(sorted(set(ids)))
+
+
+def load_generation_config(resolved: ResolvedModel) -> dict:
+    """Default sampling parameters from the model's ``generation_config.json``
+    (``diff_sampling_param`` of ``read_generation_config(resolved.path)``): any of
+    ``repetition_penalty``, ``temperature``, ``top_k``, ``top_p``, ``min_p`` and
+    ``max_tokens`` (from ``max_new_tokens``); ``{}`` when there is no such file."""
+    return diff_sampling_param(read_generation_config(resolved.path))

@@ -1,0 +1,213 @@
+"""EngineArgs -> VllmConfig (the body of ``EngineArgs.create_engine_config()``): refuse what
+this engine cannot honour yet, resolve the model offline, derive the context length, read
+the generation-config defaults once, and build each sub-config."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+from llmserve.config import (CacheConfig, CompilationMode, ModelConfig, ObservabilityConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig, resolve_dtype)
+
+if TYPE_CHECKING:
+    from llmserve.engine_args import EngineArgs, UsageContext
+    from llmserve.model_loader import ResolvedModel
+
+logger = logging.getLogger(__name__)
+
+
+def _is_default_worker(value: Any) -> bool:
+    """"auto", or the class the engine runs anyway (ModelRunner), by name or pickled."""
+    if value == "auto":
+        return True
+    from llmserve.worker.model_runner import ModelRunner
+
+    try:
+        return ParallelConfig(worker_cls=value).resolve_worker_cls() is ModelRunner
+    except Exception:  # an unloadable class is not the default one
+        return False
+
+
+# field -> (accepted?, what it would need). Checked before anything is loaded.
+_SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tensor_parallel_size": (lambda v: v == 1, "tensor parallelism; use 1"),
+    "pipeline_parallel_size": (lambda v: v == 1, "pipeline parallelism; use 1"),
+    "data_parallel_size": (lambda v: v == 1, "several engines behind one client; use 1"),
+    "distributed_executor_backend": (lambda v: v in (None, "uni", "mp"), "use None, 'uni' or 'mp'"),
+    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "use 'auto' or 'hf'"),
+    "skip_tokenizer_init": (lambda v: not v, "the engine detokenizes, so it needs the tokenizer"),
+    "kv_cache_dtype": (lambda v: v == "auto", "the KV cache uses the model's dtype; use 'auto'"),
+    "cpu_offload_gb": (lambda v: v == 0, "weight offloading; use 0"),
+    "long_prefill_token_threshold": (lambda v: v == 0, "the scheduler has no long-prefill cap; use 0"),
+    "max_num_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; use 1"),
+    "max_long_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; use 1"),
+    "async_scheduling": (lambda v: not v, "scheduling does not overlap the forward pass"),
+    "load_format": (lambda v: v in ("auto", "safetensors", "gguf"), "use 'auto', 'safetensors' or 'gguf'"),
+    "kv_transfer_config": (lambda v: v is None or v.kv_connector is None, "no KV connector is implemented"),
+    "worker_cls": (_is_default_worker, "the engine runs llmserve.worker.model_runner.ModelRunner; use 'auto'"),
+}
+
+
+def check_supported(args: "EngineArgs") -> None:
+    """Raise ValueError naming the first field whose value this engine cannot honour yet."""
+    for name, (ok, what) in _SUPPORTED.items():
+        value = getattr(args, name)
+        if not ok(value):
+            shown = "<class>" if isinstance(value, bytes) else repr(value)
+            raise ValueError(f"{name}={shown} is not supported by this engine yet ({what}).")
+
+
+def _device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    return device
+
+
+def _check_format(args: "EngineArgs", resolved: "ResolvedModel") -> None:
+    """quantization / load_format must fit the checkpoint found."""
+    is_gguf = resolved.gguf_file is not None
+    if args.quantization not in (None, "gguf"):
+        raise ValueError(f"quantization={args.quantization!r} is not supported by this engine yet "
+                         "(use None; GGUF checkpoints are dequantized on load).")
+    if args.quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' but the model {args.model!r} is not a GGUF checkpoint")
+    if (args.load_format == "gguf") != is_gguf and args.load_format != "auto":
+        kind = "a GGUF file" if is_gguf else "a safetensors directory"
+        raise ValueError(f"load_format={args.load_format!r} does not fit the model {args.model!r} ({kind})")
+
+
+def _max_model_len(args: "EngineArgs", hf_config: Any, device: str) -> int:
+    derived = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    if args.disable_sliding_window and window:  # vLLM: the context is capped at the window
+        derived = min(derived, int(window))
+    if args.max_model_len is None:
+        return min(derived, 2048) if device == "cpu" else derived
+    if args.max_model_len > derived:
+        raise ValueError(f"max_model_len: {args.max_model_len} is larger than the model's maximum "
+                         f"context length ({derived})")
+    return args.max_model_len
+
+
+def _generation_defaults(args: "EngineArgs", resolved: "ResolvedModel") -> tuple[dict, tuple[int, ...]]:
+    """(default sampling params, generation-config EOS ids) per ``--generation-config``:
+    "auto" reads the model's file, "vllm" takes no sampling defaults (but, as vLLM, still
+    the model's EOS ids), a directory its own generation_config.json."""
+    from llmserve.model_loader import diff_sampling_param, generation_eos_token_ids, read_generation_config
+    from llmserve.sampling_params import SamplingParams
+
+    mode = args.generation_config
+    if mode in ("auto", "vllm"):
+        eos_source = read_generation_config(resolved.path)
+        source = eos_source if mode == "auto" else {}
+    else:
+        if not os.path.isfile(os.path.join(mode, "generation_config.json")):
+            raise ValueError(f"generation_config: expected 'auto', 'vllm' or a directory holding a "
+                             f"generation_config.json, got {mode!r}")
+        source = eos_source = read_generation_config(mode)
+    defaults = diff_sampling_param(source, args.override_generation_config)
+    try:
+        SamplingParams.from_optional(**defaults)
+    except ValueError as e:
+        raise ValueError(f"generation_config: the default sampling parameters {defaults} are invalid: {e}") from e
+    if defaults:
+        logger.info("Default sampling parameters from the generation config: %s "
+                    "(relaunch with --generation-config vllm to ignore them)", defaults)
+    return defaults, generation_eos_token_ids(eos_source)
+
+
+def _tokenizer_path(args: "EngineArgs", resolved: "ResolvedModel") -> str:
+    """The model directory, or the --tokenizer given (an HF-cache id or packaged name is
+    resolved here, at ``tokenizer_revision``)."""
+    if args.tokenizer is None:
+        return resolved.path
+    if os.path.exists(args.tokenizer):
+        return args.tokenizer
+    from llmserve.model_loader import resolve_model
+
+    return resolve_model(args.tokenizer, args.tokenizer_revision).model_file
+
+
+def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
+    from llmserve.model_loader import load_hf_config, resolve_model
+
+    dtype = resolve_dtype(args.dtype, device)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: unknown dtype {args.dtype!r}")
+    resolved = resolve_model(args.model, args.revision)
+    _check_format(args, resolved)
+    hf_config = load_hf_config(resolved)
+    defaults, eos_ids = _generation_defaults(args, resolved)
+    return ModelConfig(
+        model=args.model, tokenizer=_tokenizer_path(args, resolved),
+        served_model_name=tuple(args.served_model_name or [args.model]), dtype=dtype,
+        max_model_len=_max_model_len(args, hf_config, device), seed=args.seed, hf_config=hf_config,
+        model_path=resolved.path, gguf_file=resolved.gguf_file, trust_remote_code=args.trust_remote_code,
+        generation_config=args.generation_config, chat_template=args.chat_template, device=device,
+        revision=args.revision, tokenizer_revision=args.tokenizer_revision, tokenizer_mode=args.tokenizer_mode,
+        quantization=args.quantization or ("gguf" if resolved.gguf_file else None),
+        enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
+        disable_sliding_window=args.disable_sliding_window,
+        override_generation_config=dict(args.override_generation_config),
+        renderer_num_workers=args.renderer_num_workers, diff_sampling_param=defaults,
+        extra_eos_token_ids=eos_ids)
+
+
+def _cache_config(args: "EngineArgs") -> CacheConfig:
+    from llmserve.engine_args import _DEFAULT_KV_CACHE_BYTES, parse_bytes
+
+    if args.kv_cache_memory is not None and args.kv_cache_memory_bytes is not None:
+        raise ValueError("kv_cache_memory and kv_cache_memory_bytes both set; give one")
+    kv_bytes = parse_bytes(args.kv_cache_memory)
+    if kv_bytes is None:
+        kv_bytes = args.kv_cache_memory_bytes
+    return CacheConfig(block_size=args.block_size,
+                       kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _DEFAULT_KV_CACHE_BYTES,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       num_gpu_blocks_override=args.num_gpu_blocks_override, cache_dtype=args.kv_cache_dtype,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       kv_sharing_fast_prefill=args.kv_sharing_fast_prefill)
+
+
+def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageContext",
+                      max_model_len: int) -> SchedulerConfig:
+    from llmserve.engine_args import default_batching
+
+    default_mnbt, default_seqs = default_batching(device, usage_context)
+    mnbt = args.max_num_batched_tokens
+    if mnbt is None:
+        mnbt = default_mnbt if args.enable_chunked_prefill else max(default_mnbt, max_model_len)
+    return SchedulerConfig(
+        max_num_batched_tokens=mnbt,
+        max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else default_seqs,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        policy=args.scheduling_policy, long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills)
+
+
+def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> VllmConfig:
+    """See ``EngineArgs.create_engine_config``."""
+    check_supported(args)
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend, worker_cls=args.worker_cls)
+    device = _device(args.device)
+    model_config = _model_config(args, device)
+    mode = args.compilation_config.mode
+    if mode not in (None, CompilationMode.NONE):
+        logger.warning("compilation_config mode %s: this engine runs eagerly, so it runs as mode 0 "
+                       "(NONE), as vLLM does under enforce_eager", int(mode))
+    return VllmConfig(
+        model_config=model_config, cache_config=_cache_config(args),
+        scheduler_config=_scheduler_config(args, device, usage_context, model_config.max_model_len),
+        parallel_config=parallel_config,
+        observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
+        compilation_config=args.compilation_config, kv_transfer_config=args.kv_transfer_config,
+        num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout)
