@@ -1,0 +1,158 @@
+"""InputProcessor: the one owner of request validation and derived fields (context checks,
+max_tokens when unset, stop/EOS ids, logprobs limits, vocabulary checks), reading the
+generation-config defaults that create_engine_config() computed once into ModelConfig."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve import EngineArgs, SamplingParams
+from llmserve.engine.input_processor import InputProcessor
+from llmserve.sampling_params import SamplingParamsError
+
+MAX_LEN = 64
+EXTRA_EOS = 7
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, save_tiny_model_fn):
+    """A tiny Llama whose generation_config.json sets a default budget, sampling defaults
+    and an extra EOS id next to the tokenizer's (SmolLM2's, id 2)."""
+    path = tmp_path_factory.mktemp("ip_model")
+    save_tiny_model_fn("llama", str(path))
+    (path / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 5, "temperature": 0.5, "top_k": 20, "eos_token_id": [2, EXTRA_EOS],
+         "do_sample": True}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from llmserve.tokenizer import get_tokenizer
+
+    return get_tokenizer("SmolLM2-135M-Instruct")
+
+
+def _config(model_dir, **kw):
+    args = dict(model=model_dir, tokenizer="SmolLM2-135M-Instruct", max_model_len=MAX_LEN, device="cpu")
+    return EngineArgs(**{**args, **kw}).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def config(model_dir):
+    return _config(model_dir)
+
+
+def _proc(config, tokenizer, strict=False):
+    return InputProcessor(config.model_config, tokenizer, strict_max_tokens=strict,
+                          cache_config=config.cache_config)
+
+
+def test_generation_defaults_are_computed_once_into_the_model_config(config, model_dir, tmp_path):
+    mc = config.model_config
+    assert mc.get_diff_sampling_param() == {"temperature": 0.5, "top_k": 20, "max_tokens": 5}
+    assert mc.extra_eos_token_ids == (2, EXTRA_EOS)
+    # a copy each call: callers cannot change the config
+    mc.get_diff_sampling_param()["temperature"] = 9
+    assert mc.get_diff_sampling_param()["temperature"] == 0.5
+    over = _config(model_dir, override_generation_config={"temperature": 0.1, "max_new_tokens": 9})
+    assert over.model_config.get_diff_sampling_param() == {"temperature": 0.1, "top_k": 20, "max_tokens": 9}
+    vllm = _config(model_dir, generation_config="vllm").model_config
+    assert vllm.get_diff_sampling_param() == {} and vllm.extra_eos_token_ids == (2, EXTRA_EOS)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.8, "eos_token_id": 11}))
+    other = _config(model_dir, generation_config=str(tmp_path)).model_config
+    assert other.get_diff_sampling_param() == {"top_p": 0.8} and other.extra_eos_token_ids == (11,)
+    with pytest.raises(ValueError, match="generation_config"):
+        _config(model_dir, generation_config=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="generation_config.*temperature"):
+        _config(model_dir, override_generation_config={"temperature": -1})
+
+
+def test_max_tokens_when_unset_is_the_smaller_of_room_and_default_budget(config, tokenizer):
+    proc = _proc(config, tokenizer)
+    req, _ = proc.process_inputs("a", [5] * 10, SamplingParams(max_tokens=None))
+    assert req.sampling_params.max_tokens == 5
+    req, _ = proc.process_inputs("b", [5] * (MAX_LEN - 3), SamplingParams(max_tokens=None))
+    assert req.sampling_params.max_tokens == 3
+    req, _ = proc.process_inputs("c", [5] * 10, SamplingParams(max_tokens=40))
+    assert req.sampling_params.max_tokens == 40
+    plain = InputProcessor(_config_vllm(config), tokenizer)
+    req, _ = plain.process_inputs("d", [5] * 10, SamplingParams(max_tokens=None))
+    assert req.sampling_params.max_tokens == MAX_LEN - 10
+
+
+def _config_vllm(config):
+    import dataclasses
+
+    return dataclasses.replace(config.model_config, diff_sampling_param={})
+
+
+def test_strict_mode_refuses_what_offline_caps(config, tokenizer):
+    sp = SamplingParams(max_tokens=MAX_LEN - 10)
+    with pytest.raises(SamplingParamsError, match="maximum context length is 64") as e:
+        _proc(config, tokenizer, strict=True).process_inputs("a", [5] * 11, sp)
+    assert e.value.param == "max_tokens"
+    req, _ = _proc(config, tokenizer).process_inputs("a", [5] * 11, sp)  # offline: stops at the limit
+    assert req.sampling_params.max_tokens == MAX_LEN - 10
+
+
+@pytest.mark.parametrize("prompt,match", [([], "cannot be empty"), ([5, 10 ** 6], "out of vocabulary"),
+                                         ([5, -1], "out of vocabulary"), ([5] * MAX_LEN, "no room"),
+                                         ("", "cannot be empty")])
+def test_bad_prompts_name_the_prompt(config, tokenizer, prompt, match):
+    with pytest.raises(SamplingParamsError, match=match) as e:
+        _proc(config, tokenizer).process_inputs("a", prompt, SamplingParams())
+    assert e.value.param == "prompt"
+
+
+def test_stop_ids_hold_the_generation_configs_extra_eos(config, tokenizer):
+    proc = _proc(config, tokenizer)
+    user = SamplingParams(stop_token_ids=[40])
+    req, _ = proc.process_inputs("a", [5, 6], user)
+    assert req.sampling_params.all_stop_token_ids == {40, EXTRA_EOS}
+    assert req.eos_token_id == tokenizer.eos_token_id == 2
+    assert user.all_stop_token_ids == {40}  # the caller's params are not changed
+    req, _ = proc.process_inputs("b", [5, 6], SamplingParams(ignore_eos=True, stop_token_ids=[40]))
+    assert req.sampling_params.all_stop_token_ids == {40}
+
+
+def test_logprobs_limits(model_dir, config, tokenizer):
+    proc = _proc(config, tokenizer)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(SamplingParamsError, match="greater than max allowed: 20") as e:
+            proc.process_inputs("a", [5, 6], SamplingParams(**{name: 21}))
+        assert e.value.param == name
+        with pytest.raises(SamplingParamsError) as e:
+            proc.process_inputs("a", [5, 6], SamplingParams(**{name: -1}))  # the whole vocabulary
+        assert e.value.param == name
+    proc.process_inputs("a", [5, 6], SamplingParams(logprobs=20, prompt_logprobs=20))
+    unlimited = _config(model_dir, max_logprobs=-1)
+    _proc(unlimited, tokenizer).process_inputs("a", [5, 6], SamplingParams(logprobs=-1))
+    fast = _config(model_dir, kv_sharing_fast_prefill=True)
+    with pytest.raises(SamplingParamsError, match="kv_sharing_fast_prefill") as e:
+        _proc(fast, tokenizer).process_inputs("a", [5, 6], SamplingParams(prompt_logprobs=1))
+    assert e.value.param == "prompt_logprobs"
+    _proc(fast, tokenizer).process_inputs("a", [5, 6], SamplingParams(logprobs=1))
+
+
+def test_vocabulary_checks_and_bad_words(config, tokenizer):
+    proc = _proc(config, tokenizer)
+    for name, value in (("allowed_token_ids", [1, 49152]), ("logit_bias", {49152: 1.0})):
+        with pytest.raises(SamplingParamsError, match="out of vocabulary") as e:
+            proc.process_inputs("a", [5, 6], SamplingParams(**{name: value}))
+        assert e.value.param == name
+    req, _ = proc.process_inputs("a", "hello", SamplingParams(bad_words=["world"]))
+    ids = req.sampling_params.bad_words_token_ids
+    assert tokenizer.encode(" world", add_special_tokens=False) in ids
+    with pytest.raises(SamplingParamsError) as e:
+        proc.process_inputs("a", "hello", SamplingParams(bad_words=["\ud800"]))
+    assert e.value.param == "bad_words"
+
+
+def test_old_callers_passing_a_generation_config_dict_still_work(config, tokenizer):
+    """The dict the engine used to pass is ignored: the model config is the one source."""
+    proc = InputProcessor(config.model_config, tokenizer, {"eos_token_id": 99, "max_new_tokens": 1})
+    req, _ = proc.process_inputs("a", [5, 6], SamplingParams(max_tokens=None))
+    assert req.sampling_params.all_stop_token_ids == {EXTRA_EOS}
+    assert req.sampling_params.max_tokens == 5
