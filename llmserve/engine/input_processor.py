@@ -39,7 +39,7 @@ class InputProcessor:
         # The tokenizer's EOS ends generation on its own (unless ignore_eos); the others
         # the generation config lists become stop ids.
         self.extra_eos_ids: frozenset[int] = frozenset(
-            getattr(model_config, "extra_eos_token_ids", ())) - {self.eos_token_id}
+            model_config.extra_eos_token_ids) - {self.eos_token_id}
         self.default_max_tokens: Optional[int] = model_config.get_diff_sampling_param().get("max_tokens")
         self.kv_sharing_fast_prefill = bool(cache_config and cache_config.kv_sharing_fast_prefill)
         self.vocab_size = model_config.vocab_size

@@ -93,3 +93,21 @@ def test_generation_config_defaults(tmp_path, packaged):
          "do_sample": True, "bos_token_id": 1}))
     r = ResolvedModel(str(tmp_path), None, "hf_dir")
     assert load_generation_config(r) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+
+
+def test_diff_sampling_param_and_eos_ids(tmp_path):
+    from llmserve.model_loader import diff_sampling_param, generation_eos_token_ids, read_generation_config
+
+    assert read_generation_config(str(tmp_path)) == {}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert read_generation_config(str(tmp_path)) == {}
+    gen = {"max_new_tokens": 8, "top_k": 20, "min_p": None, "eos_token_id": [7, 2, 7], "do_sample": True}
+    assert diff_sampling_param(gen) == {"top_k": 20, "max_tokens": 8}
+    # overrides win, and may add keys (vLLM's override_generation_config)
+    assert diff_sampling_param(gen, {"max_new_tokens": 3, "temperature": 0.2}) == \
+        {"top_k": 20, "temperature": 0.2, "max_tokens": 3}
+    assert generation_eos_token_ids(gen) == (2, 7)
+    assert generation_eos_token_ids({"eos_token_id": 5}) == (5,)
+    assert generation_eos_token_ids({}) == ()
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generation_eos_token_ids({"eos_token_id": "</s>"})
