@@ -14,6 +14,7 @@ from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.api_server import build_app, init_app_state
 from llmserve.entrypoints.openai.cli_args import make_arg_parser
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParamsError
 
 
 class ScriptedEngine:
@@ -110,6 +111,25 @@ def test_engine_value_error_is_400_before_the_stream(app_and_engine):
     assert len(engine.closed) == 2
 
 
+def test_engine_rejections_name_the_openai_field(app_and_engine):
+    """The engine's InputProcessor names its own fields (prompt, max_tokens); the chat
+    handler answers with the OpenAI names (messages, max_completion_tokens when given)."""
+    client, engine = app_and_engine()
+    for engine_param, body, param in (
+            ("prompt", {}, "messages"),
+            ("max_tokens", {"max_tokens": 3}, "max_tokens"),
+            ("max_tokens", {"max_completion_tokens": 3}, "max_completion_tokens"),
+            ("logit_bias", {}, "logit_bias")):
+        engine.fail_before = SamplingParamsError("This model's maximum context length is 64 tokens.", engine_param)
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": None, **body, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (engine_param, body, r.text)
+            assert "64" in r.json()["error"]["message"]
+    engine.fail_before = SamplingParamsError("too long", "prompt")
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_error_after_the_stream_started_is_an_sse_event(app_and_engine):
     client, engine = app_and_engine()
     engine.outputs = [_output("Hel")]
@@ -136,8 +156,6 @@ def test_x_request_id_and_error_bodies(app_and_engine):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 80, "max_tokens": 2})
-    assert r.status_code == 400 and "64" in r.json()["error"]["message"]
     assert client.get("/nowhere").json()["error"]["code"] == 404
 
 
