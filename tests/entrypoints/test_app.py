@@ -30,6 +30,7 @@ class ScriptedEngine:
         self.fail_after = None
         self.outputs = []
         self.closed = []
+        self.prompts = []
 
     @property
     def errored(self):
@@ -40,6 +41,7 @@ class ScriptedEngine:
             raise EngineDeadError()
 
     async def generate(self, prompt, params, request_id, priority=0):
+        self.prompts.append(prompt)
         try:
             if self.dead:
                 raise EngineDeadError()
@@ -178,3 +180,24 @@ def test_lone_surrogates_are_400_not_500(app_and_engine):
         assert err["param"] == param and "surrogate" in err["message"] and err["code"] == 400
     ok = client.post("/v1/completions", json={"model": "m", "prompt": "a\u00e9b", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_one_renderer_for_llm_chat_the_chat_handler_and_tokenize(app_and_engine, llm_fp32):
+    """The same messages give the same prompt token ids through LLM.apply_chat_template
+    (what LLM.chat sends), /tokenize and the chat handler (what it sends the engine)."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    offline = llm_fp32.apply_chat_template(msgs)
+    tokenized = client.post("/tokenize", json={"model": "m", "messages": msgs}).json()["tokens"]
+    assert client.post("/v1/chat/completions", json={"model": "m", "messages": msgs}).status_code == 200
+    sent = engine.prompts[-1]
+    assert offline == tokenized == sent["prompt_token_ids"]
+    assert sent["prompt"].endswith("assistant\n") and "Hi\nthere" in sent["prompt"]
+    open_turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    assert (llm_fp32.apply_chat_template(open_turn, **kw)
+            == client.post("/tokenize", json={"model": "m", "messages": open_turn, **kw}).json()["tokens"])
+    with pytest.raises(ValueError):
+        llm_fp32.apply_chat_template(open_turn, continue_final_message=True)
