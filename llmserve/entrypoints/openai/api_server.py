@@ -56,6 +56,14 @@ logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
 
 ENGINE_DEAD_EXIT_CODE = 1
 
+# The event loop shares the GIL with the renderer's threads. Each time it wants the GIL
+# back it may wait a whole switch interval per busy thread (CPython's default is 5 ms),
+# and one HTTP request needs it several times. 1 ms keeps /health and the streams
+# responsive while templates render (measured with 64 slow chat templates on 4 renderer
+# threads: median /health latency 63 ms at 5 ms, 17 ms at 1 ms). Set in the server
+# process only; it costs nothing while no other thread wants the GIL.
+SERVER_SWITCH_INTERVAL_S = 0.001
+
 # Each endpoint family's router registration, in mounting order.
 API_ROUTER_REGISTRARS = (
     register_basic_api_routers,
@@ -192,6 +200,7 @@ async def run_server(args: argparse.Namespace) -> int:
     """Start the engine and serve until SIGINT/SIGTERM or the engine's death, then shut
     the engine down. Returns the process exit code: 0 after a signal,
     ``ENGINE_DEAD_EXIT_CODE`` (1) when the server stopped because the engine died."""
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     async with build_async_engine_client(args) as engine_client:
         app = build_app(args)
         await init_app_state(engine_client, app.state, args)
