@@ -36,14 +36,14 @@ class OpenAIServingResponses(GenerateBaseServing):
         max_out = request.max_output_tokens
         if max_out is not None and max_out < 1:
             raise SamplingParamsError(f"max_output_tokens must be at least 1, got {max_out}.", "max_output_tokens")
-        prompt = await self.renderer.render_chat(self.messages(request))
-        check = getattr(self.engine_client, "input_processor", None)
-        if check is not None:  # the engine's own checks, without running the request
-            try:
+        try:
+            prompt = await self.renderer.render_chat(self.messages(request))
+            check = getattr(self.engine_client, "input_processor", None)
+            if check is not None:  # the engine's own checks, without running the request
                 check.process_inputs(self.new_request_id(), prompt.to_engine_prompt(),
                                      SamplingParams(max_tokens=max_out))
-            except SamplingParamsError as e:
-                names = {"prompt": "input", "max_tokens": "max_output_tokens"}
-                raise SamplingParamsError(str(e), names.get(e.param, e.param)) from e
+        except SamplingParamsError as e:
+            names = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
+            raise SamplingParamsError(str(e), names.get(e.param, e.param)) from e
         raise SamplingParamsError("The Responses API (/v1/responses) is not supported by this server yet; "
                                   "use /v1/chat/completions.", "model")
