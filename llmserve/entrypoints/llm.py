@@ -12,6 +12,7 @@ from llmserve.engine.input_processor import PromptType
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine_args import (EngineArgs, UsageContext, check_kwargs, log_non_default_args,
                                   make_compilation_config, make_kv_transfer_config, make_worker_cls)
+from llmserve.entrypoints.renderer import Renderer
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -215,28 +216,32 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
-        list of conversations, through the model's chat template."""
+        list of conversations, through the model's chat template (or ``chat_template``).
+
+        Rendered by the same Renderer as the OpenAI server's chat handler and /tokenize,
+        so the same messages give the same prompt token ids. Raises ValueError
+        (SamplingParamsError) for unsupported content parts or roles, a template error,
+        or both add_generation_prompt and continue_final_message.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(
+        renderer = Renderer(self.get_tokenizer())
+        prompts = [renderer.render_chat(
             c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))}
-            for c in convs]
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            tools=tools).to_engine_prompt() for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             tools: Optional[list] = None, **kwargs: Any) -> list[int]:
-        """Render messages with the chat template and tokenize; returns token ids.
+        """Render messages with the chat template and tokenize (the shared Renderer);
+        returns the prompt token ids. ``kwargs`` are extra template variables.
 
         Raises ValueError if both add_generation_prompt and continue_final_message are set.
         """
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        tok = self.get_tokenizer()
-        text = tok.apply_chat_template(messages, chat_template=chat_template, tools=tools, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **kwargs)
-        return tok.encode(text, add_special_tokens=False)
+        return Renderer(self.get_tokenizer()).render_chat(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template_kwargs=kwargs, tools=tools).token_ids
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()

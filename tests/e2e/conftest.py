@@ -3,11 +3,16 @@
 ``server``: one per session: the default model in float32 (greedy outputs are then
 batch-invariant), default settings plus an API key, so every test also goes through the
 auth middleware. ``server_512``: ``--max-model-len 512`` in the default dtype with a KV
-cache too small for 8 full-length sequences (cases C12/C13), one per module that uses it.
+cache too small for 8 full-length sequences (cases C12/C13), one per module that uses it. ``tiny_server``: a tiny random Llama
+directory whose generation_config.json sets a default budget and extra EOS ids, served
+with a deliberately slow ``--chat-template`` and ``--renderer-num-workers 4``.
 """
+import json
+import os
+
 import pytest
 
-from e2e_utils import RemoteServer
+from e2e_utils import SLOW_CHAT_TEMPLATE, TINY_MAX_NEW_TOKENS, RemoteServer
 
 
 @pytest.fixture(scope="session")
@@ -25,5 +30,31 @@ def server_512():
     # batch-invariant text, and bfloat16 decodes about twice as fast.
     srv = RemoteServer(["--max-model-len", "512", "--num-gpu-blocks-override", "241",
                         "--max-num-batched-tokens", "512", "--timeout-graceful-shutdown", "3"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, save_tiny_model_fn):
+    """A tiny random Llama (SmolLM2's vocabulary and tokenizer) whose generation_config.json
+    sets ``max_new_tokens`` and lists every token id as an extra EOS id."""
+    from llmserve.tokenizer import get_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-gencfg"))
+    model = save_tiny_model_fn("llama", path)
+    get_tokenizer("SmolLM2-135M-Instruct").save_pretrained(path)
+    vocab = model.config.vocab_size
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"max_new_tokens": TINY_MAX_NEW_TOKENS, "eos_token_id": list(range(vocab))}, f)
+    with open(os.path.join(path, "slow_template.jinja"), "w") as f:
+        f.write(SLOW_CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    srv = RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
+                        "--kv-cache-memory", "64MiB", "--renderer-num-workers", "4",
+                        "--chat-template", os.path.join(tiny_model_dir, "slow_template.jinja")])
     yield srv
     srv.stop()

@@ -23,6 +23,11 @@ API_KEY = "e2e-test-key"
 MODEL = "SmolLM2-135M-Instruct"
 _STARTUP_TIMEOUT_S = 300
 
+# A chat template made slow on purpose (a loop before the messages): ~0.1 s a render here.
+SLOW_CHAT_TEMPLATE = ("{% set ns = namespace(n=0) %}{% for i in range(30000) %}{% set ns.n = ns.n + 1 %}"
+                      "{% endfor %}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+TINY_MAX_NEW_TOKENS = 5
+
 
 def _free_port() -> int:
     with socket.socket() as s:

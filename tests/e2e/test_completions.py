@@ -234,3 +234,29 @@ def test_penalty_scope_c21(server):
     for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)):
         err = complete(server, 400, prompt=p, max_tokens=4, **{field: value})["error"]
         assert err["param"] == field or field in err["message"]
+
+
+def _running(server) -> float:
+    for line in server.http.get("/metrics").text.splitlines():
+        if line.startswith("llmserve:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no llmserve:num_requests_running in /metrics")
+
+
+def test_multi_prompt_validated_before_anything_runs(server):
+    """Several prompts: the engine checks them all before the response starts; one that
+    does not fit the context fails the request with a 400 (streaming or not) and the
+    good prompt is not left running."""
+    h = server.tok("hello")["tokens"][0]
+    max_len = server.tok("hi")["max_model_len"]
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": [[h] * 4, [h] * max_len], "max_tokens": 400, "ignore_eos": True,
+                "stream": stream}
+        with server.http.stream("POST", "/v1/completions", json=body) as r:
+            r.read()
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+        err = no_nonfinite(r.text)["error"]
+        assert err["param"] == "prompt" and str(max_len) in err["message"]
+        assert _running(server) == 0
+    ok = server.post("/v1/completions", {"model": MODEL, "prompt": [[h] * 4, [h] * 5], "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

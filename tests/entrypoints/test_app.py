@@ -14,6 +14,7 @@ from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.api_server import build_app, init_app_state
 from llmserve.entrypoints.openai.cli_args import make_arg_parser
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParamsError
 
 
 class ScriptedEngine:
@@ -29,6 +30,7 @@ class ScriptedEngine:
         self.fail_after = None
         self.outputs = []
         self.closed = []
+        self.prompts = []
 
     @property
     def errored(self):
@@ -39,6 +41,7 @@ class ScriptedEngine:
             raise EngineDeadError()
 
     async def generate(self, prompt, params, request_id, priority=0):
+        self.prompts.append(prompt)
         try:
             if self.dead:
                 raise EngineDeadError()
@@ -110,6 +113,25 @@ def test_engine_value_error_is_400_before_the_stream(app_and_engine):
     assert len(engine.closed) == 2
 
 
+def test_engine_rejections_name_the_openai_field(app_and_engine):
+    """The engine's InputProcessor names its own fields (prompt, max_tokens); the chat
+    handler answers with the OpenAI names (messages, max_completion_tokens when given)."""
+    client, engine = app_and_engine()
+    for engine_param, body, param in (
+            ("prompt", {}, "messages"),
+            ("max_tokens", {"max_tokens": 3}, "max_tokens"),
+            ("max_tokens", {"max_completion_tokens": 3}, "max_completion_tokens"),
+            ("logit_bias", {}, "logit_bias")):
+        engine.fail_before = SamplingParamsError("This model's maximum context length is 64 tokens.", engine_param)
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": None, **body, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (engine_param, body, r.text)
+            assert "64" in r.json()["error"]["message"]
+    engine.fail_before = SamplingParamsError("too long", "prompt")
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_error_after_the_stream_started_is_an_sse_event(app_and_engine):
     client, engine = app_and_engine()
     engine.outputs = [_output("Hel")]
@@ -136,8 +158,6 @@ def test_x_request_id_and_error_bodies(app_and_engine):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "x " * 80, "max_tokens": 2})
-    assert r.status_code == 400 and "64" in r.json()["error"]["message"]
     assert client.get("/nowhere").json()["error"]["code"] == 404
 
 
@@ -160,3 +180,41 @@ def test_lone_surrogates_are_400_not_500(app_and_engine):
         assert err["param"] == param and "surrogate" in err["message"] and err["code"] == 400
     ok = client.post("/v1/completions", json={"model": "m", "prompt": "a\u00e9b", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_one_renderer_for_llm_chat_the_chat_handler_and_tokenize(app_and_engine, llm_fp32):
+    """The same messages give the same prompt token ids through LLM.apply_chat_template
+    (what LLM.chat sends), /tokenize and the chat handler (what it sends the engine)."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    offline = llm_fp32.apply_chat_template(msgs)
+    tokenized = client.post("/tokenize", json={"model": "m", "messages": msgs}).json()["tokens"]
+    assert client.post("/v1/chat/completions", json={"model": "m", "messages": msgs}).status_code == 200
+    sent = engine.prompts[-1]
+    assert offline == tokenized == sent["prompt_token_ids"]
+    assert sent["prompt"].endswith("assistant\n") and "Hi\nthere" in sent["prompt"]
+    open_turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    assert (llm_fp32.apply_chat_template(open_turn, **kw)
+            == client.post("/tokenize", json={"model": "m", "messages": open_turn, **kw}).json()["tokens"])
+    with pytest.raises(ValueError):
+        llm_fp32.apply_chat_template(open_turn, continue_final_message=True)
+
+
+def test_not_served_endpoints_answer_4xx_never_5xx(app_and_engine):
+    """/v1/responses and /v1/embeddings: 404 for an unknown model, else a 400 that says
+    so (the openai clients retry 5xx answers)."""
+    client, engine = app_and_engine()
+    for path, body in (("/v1/responses", {"input": "hi"}), ("/v1/embeddings", {"input": "hi"})):
+        assert client.post(path, json={"model": "nope", **body}).status_code == 404
+        r = client.post(path, json={"model": "m", **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
+    r = client.post("/v1/responses", json={"model": "m", "input": "hi"})
+    assert "not supported by this server yet" in r.json()["error"]["message"]
+    r = client.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+    r = client.post("/v1/responses", content='{"model": "m", "input": "a\\ud800"}'.encode(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmserve.entrypoints.openai.chat_utils import render_chat_prompt
+from llmserve.entrypoints.chat_utils import render_chat_prompt
 from llmserve.entrypoints.openai.logprobs import (
     MIN_LOGPROB,
     TokenFormatter,

@@ -6,14 +6,14 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from llmserve.entrypoints.openai.protocol import (
+from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    CompletionRequest,
     DeltaMessage,
-    TokenizeRequest,
 )
+from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
+from llmserve.entrypoints.openai.tokenize.protocol import TokenizeRequest
 from llmserve.sampling_params import RequestOutputKind, SamplingParamsError
 
 HI = [{"role": "user", "content": "hi"}]
@@ -50,6 +50,16 @@ def test_generation_config_defaults_apply_only_when_unset():
     sp = chat(temperature=0.9, top_k=3).to_sampling_params(5, defaults)
     assert (sp.temperature, sp.top_k) == (0.9, 3)
     assert chat().to_sampling_params(5, {}).temperature == 1.0  # OpenAI's default
+
+
+def test_unset_chat_budget_is_left_to_the_engine():
+    """No max_tokens / max_completion_tokens: SamplingParams.max_tokens is None, so the
+    engine's InputProcessor resolves it (room left, capped by the model's budget)."""
+    req = chat()
+    assert req.requested_max_tokens() is None
+    assert req.to_sampling_params(req.requested_max_tokens(), {"max_tokens": 7}).max_tokens is None
+    both = chat(max_tokens=9, max_completion_tokens=4)
+    assert both.to_sampling_params(both.requested_max_tokens(), {}).max_tokens == 4
 
 
 @pytest.mark.parametrize("kw,param", [
@@ -149,7 +159,7 @@ def test_non_finite_and_oversized_numbers_rejected():
         with pytest.raises(ValidationError):
             chat(**kw)
     assert chat(seed=-(2**63)).seed == -(2**63)
-    from llmserve.entrypoints.openai.protocol import MAX_N
+    from llmserve.entrypoints.openai.common.protocol import MAX_N
 
     with pytest.raises(SamplingParamsError) as e:
         chat(n=MAX_N + 1).check()

@@ -1,21 +1,24 @@
-"""Error mapping, merging of per-prompt output streams, served model names and the
-max_tokens / context checks of the serving layer."""
+"""Error mapping, starting and merging per-prompt output streams, served model names,
+the server's own budget policy (completions' default 16) and 0-token requests."""
 from __future__ import annotations
 
 import asyncio
-import re
 from types import SimpleNamespace
 
 import pytest
 
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
-from llmserve.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    error_response_from_exception,
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.serving import (
+    GenerateBaseServing,
+    default_sampling_params,
+    first_items,
     merge_async_iterators,
     sse,
 )
-from llmserve.entrypoints.openai.serving_models import BaseModelPath, ModelNotFoundError, OpenAIServingModels
+from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from llmserve.entrypoints.openai.models.serving import BaseModelPath, ModelNotFoundError, OpenAIServingModels
+from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -81,41 +84,70 @@ async def test_merge_async_iterators_all_items():
     assert [x for i, x in out if i == 0] == [1, 2, 3]  # order within one iterator is kept
 
 
-def _serving(max_model_len=512, defaults=None):
-    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len, vocab_size=100),
-                             tokenizer=SimpleNamespace(all_special_ids=[]),
-                             generation_config_defaults=defaults or {})
-    models = OpenAIServingModels([BaseModelPath("m", "/p")], max_model_len)
-    return OpenAIServing(engine, models)
+def _engine(max_model_len=512, defaults=None):
+    return SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len, vocab_size=100),
+                           tokenizer=SimpleNamespace(all_special_ids=[]),
+                           generation_config_defaults=defaults or {})
 
 
-def test_resolve_max_tokens():
-    s = _serving()
-    assert s.resolve_max_tokens(12, None, None, "messages") == 500  # chat: rest of the context
-    assert s.resolve_max_tokens(12, None, 16, "prompt") == 16  # completions: 16
-    assert s.resolve_max_tokens(500, None, 16, "prompt") == 12  # clamped to the room left
-    assert s.resolve_max_tokens(12, 500, None, "prompt") == 500
+def _models(max_model_len=512):
+    return OpenAIServingModels([BaseModelPath("m", "/p")], max_model_len)
+
+
+def test_completion_default_budget():
+    """OpenAI's legacy 16 (or the model's smaller budget), clamped to the room left; a
+    prompt with no room keeps 16 so that the engine reports the context error."""
+    s = OpenAIServingCompletion(_engine(), _models(), renderer=None)
+    assert s.default_max_tokens(12) == 16
+    assert s.default_max_tokens(500) == 12
+    assert s.default_max_tokens(512) == 16 and s.default_max_tokens(600) == 16
+    small = OpenAIServingCompletion(_engine(defaults={"max_new_tokens": 7}), _models(), renderer=None)
+    assert small.default_max_tokens(12) == 7 and small.default_sampling_params == {"max_tokens": 7}
+
+
+def test_default_sampling_params_prefers_the_model_config():
+    engine = _engine(defaults={"max_new_tokens": 3, "temperature": 0.5})
+    assert default_sampling_params(engine) == {"max_tokens": 3, "temperature": 0.5}
+    engine.model_config.get_diff_sampling_param = lambda: {"max_tokens": 9, "top_k": 4}
+    assert default_sampling_params(engine) == {"max_tokens": 9, "top_k": 4}
+
+
+async def test_first_items_cancels_and_closes_the_others_on_a_bad_prompt():
+    """A prompt the engine rejects (raised from its first __anext__) fails the request
+    before any output is used; the running one is cancelled and closed (aborted)."""
+    events = []
+
+    async def good():
+        try:
+            await asyncio.sleep(10)
+            yield "never"
+        finally:
+            events.append("good closed")
+
+    async def bad():
+        raise SamplingParamsError("too long", "prompt")
+        yield  # pragma: no cover
+
+    s = GenerateBaseServing(_engine(), _models(), renderer=None)
     with pytest.raises(SamplingParamsError) as e:
-        s.resolve_max_tokens(12, 612, None, "prompt")
-    msg = str(e.value)
-    assert "512" in msg and "612" in msg and "624" in msg and e.value.param == "max_tokens"
-    for n in (512, 600):
-        with pytest.raises(SamplingParamsError) as e:
-            s.resolve_max_tokens(n, 5, None, "prompt")
-        assert "512" in str(e.value) and str(n) in str(e.value) and not re.search(r"-\d", str(e.value))
-    with pytest.raises(SamplingParamsError):
-        s.resolve_max_tokens(0, None, None, "prompt")
-    assert _serving(defaults={"max_new_tokens": 7}).resolve_max_tokens(12, None, None, "messages") == 7
+        await s.start_generation([good(), bad()], {"prompt": "messages"})
+    assert e.value.param == "messages" and events == ["good closed"]
+
+    async def items(*xs):
+        for x in xs:
+            yield x
+
+    assert await first_items([items(1, 2), items(), items(3)]) == [1, None, 3]
 
 
 def test_check_token_ids_and_zero_token_requests():
-    s = _serving()
+    s = OpenAIServingTokenization(_engine(), _models(), renderer=None)
     assert s.check_token_ids([0, 99], "prompt") == [0, 99]
     for bad in ([100], [-1], [True]):
         with pytest.raises(SamplingParamsError) as e:
             s.check_token_ids(bad, "prompt")
         assert e.value.param == "prompt"
     sp = SamplingParams(max_tokens=0)
-    run = s.engine_params(sp)
+    run = GenerateBaseServing.engine_params(sp)
     assert run.max_tokens == 1 and sp.max_tokens == 0  # the request's own params are untouched
-    assert s.engine_params(SamplingParams(max_tokens=3)).max_tokens == 3
+    assert GenerateBaseServing.engine_params(SamplingParams(max_tokens=3)).max_tokens == 3

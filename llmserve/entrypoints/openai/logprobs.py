@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any, Optional, Sequence
 
-from llmserve.entrypoints.openai.protocol import (
+from llmserve.entrypoints.openai.common.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,

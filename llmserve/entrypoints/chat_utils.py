@@ -69,12 +69,15 @@ def render_chat_prompt(
     continue_final_message: bool = False,
     chat_template: Optional[str] = None,
     chat_template_kwargs: Optional[dict[str, Any]] = None,
+    tools: Optional[list[dict[str, Any]]] = None,
 ) -> str:
     """Render ``messages`` with the chat template into prompt text.
 
     Args:
       tokenizer: a HF tokenizer (``apply_chat_template``).
       chat_template: a literal template overriding the tokenizer's (None: the tokenizer's).
+      chat_template_kwargs: extra template variables (reserved names are dropped).
+      tools: tool definitions handed to the template (``tools`` variable), or None.
       continue_final_message: leave the last (assistant) message open so the model
         continues it, instead of closing it; may not be combined with
         ``add_generation_prompt`` (checked by the request).
@@ -95,6 +98,7 @@ def render_chat_prompt(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
+            tools=tools,
             **extra,
         )
     except Exception as e:  # jinja2 errors, template raise_exception(), bad final message

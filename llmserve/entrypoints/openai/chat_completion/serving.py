@@ -1,9 +1,10 @@
 """``POST /v1/chat/completions`` (vLLM's ``OpenAIServingChat``).
 
-Messages go through the chat template (``add_generation_prompt`` opens the assistant
-turn; ``continue_final_message`` leaves the last assistant message open instead), the
-text is tokenized without adding special tokens (the template wrote them), and
-``max_tokens`` / ``max_completion_tokens`` default to the rest of the context.
+Messages go through the renderer (chat template, ``add_generation_prompt`` opens the
+assistant turn; ``continue_final_message`` leaves the last assistant message open
+instead; tokenized without adding special tokens, the template wrote them).
+``max_completion_tokens`` / ``max_tokens`` left out are left to the engine, which gives
+the rest of the context (capped by the model's default budget).
 
 Streaming follows OpenAI: the first chunk of each choice carries ``delta.role =
 "assistant"``, every choice object has a ``finish_reason`` key (null until that choice's
@@ -15,9 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncGenerator, Optional, Union
 
-from llmserve.entrypoints.openai.chat_utils import render_chat_prompt
-from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
-from llmserve.entrypoints.openai.protocol import (
+from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -25,85 +24,69 @@ from llmserve.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
-    UsageInfo,
 )
-from llmserve.entrypoints.openai.serving_engine import (
+from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
-    OpenAIServing,
-    merge_async_iterators,
+    GenerateBaseServing,
+    aclose_all,
+    merge_started,
     sse,
     sse_error,
 )
-from llmserve.entrypoints.openai.serving_models import OpenAIServingModels
+from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
+from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
-from llmserve.tokenizer import resolve_chat_template
 
 
-class OpenAIServingChat(OpenAIServing):
-    """Handler of ``/v1/chat/completions``.
-
-    chat_template: the server's ``--chat-template`` (file path or literal; None: the
-    model's own template). A request's ``chat_template`` field overrides it.
-    """
+class OpenAIServingChat(GenerateBaseServing):
+    """Handler of ``/v1/chat/completions``. The renderer holds the server's
+    ``--chat-template``; a request's ``chat_template`` field overrides it."""
 
     request_id_prefix = "chatcmpl"
 
-    def __init__(self, engine_client: Any, models: OpenAIServingModels, *,
-                 chat_template: Optional[str] = None, log_requests: bool = False):
-        super().__init__(engine_client, models, log_requests=log_requests)
-        self.chat_template = resolve_chat_template(chat_template)
-
-    def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool,
-               chat_template: Optional[str], chat_template_kwargs: Optional[dict[str, Any]],
-               add_special_tokens: bool) -> tuple[str, list[int]]:
-        """Messages -> (prompt text, prompt token ids). Raises SamplingParamsError."""
-        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
-        text = render_chat_prompt(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=template,
-            chat_template_kwargs=chat_template_kwargs)
-        return text, self.tokenize(text, add_special_tokens, "messages")
+    async def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
+        """The request's messages as a prompt (text and token ids), rendered in the
+        renderer's pool. Raises SamplingParamsError (param ``messages`` or the flag)."""
+        return await self.renderer.render_chat(
+            request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
                                      ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
         """Serve one request: a ChatCompletionResponse, or (``stream``) an async generator
         of SSE strings. Errors before the stream starts are raised (ModelNotFoundError,
-        SamplingParamsError/ValueError, EngineDeadError)."""
-        model_name = self.models.resolve(request.model)
+        SamplingParamsError/ValueError from the request, the renderer or the engine's
+        InputProcessor, EngineDeadError)."""
+        model_name = self._check_model(request)
         request.check()
-        text, ids = self.render(
-            request.messages, add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens)
-        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens(), None, "messages", max_param)
-        params = request.to_sampling_params(max_tokens, self.default_sampling_params)
-        zero_output = max_tokens == 0
+        prompt = await self.render(request)
+        requested = request.requested_max_tokens()
+        params = request.to_sampling_params(requested, self.default_sampling_params)
+        zero_output = requested == 0
         request_id = self.new_request_id(request_id)
         created = int(time.time())
-        gen = merge_async_iterators(
-            self.generate(ids, text, self.engine_params(params), request_id, request.priority))
-        try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await gen.aclose()
-            raise
+        gens = [self.generate(prompt, self.engine_params(params), request_id, request.priority)]
+        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        firsts = await self.start_generation(gens, {"prompt": "messages", "max_tokens": max_param})
+        merged = merge_started(firsts, gens)
+        n_prompt = len(prompt.token_ids)
         if request.stream:
-            return self._stream(request, request_id, created, model_name, len(ids), zero_output, first, gen)
-        final: Optional[RequestOutput] = first[1] if first is not None else None
+            return self._stream(request, request_id, created, model_name, n_prompt, zero_output, merged, gens)
+        final: Optional[RequestOutput] = None
         try:
-            async for _, res in gen:
+            async for _, res in merged:
                 if final is None:
                     final = res
                 else:
                     final.add(res, aggregate=False)
         finally:
-            await gen.aclose()
+            await merged.aclose()
+            await aclose_all(gens)
         if final is None:
             raise RuntimeError(f"request {request_id} ended without output")
-        return self._build_response(request, request_id, created, model_name, len(ids), zero_output, final)
+        return self._build_response(request, request_id, created, model_name, n_prompt, zero_output, final)
 
     # ---- non-streaming -------------------------------------------------------------
     def _build_response(self, request: ChatCompletionRequest, request_id: str, created: int,
@@ -133,8 +116,8 @@ class OpenAIServingChat(OpenAIServing):
 
     # ---- streaming -------------------------------------------------------------------
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      prompt_tokens: int, zero_output: bool, first: Optional[tuple[int, RequestOutput]],
-                      gen: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
+                      prompt_tokens: int, zero_output: bool, merged: AsyncGenerator[tuple[int, RequestOutput], None],
+                      gens: list[Any]) -> AsyncGenerator[str, None]:
         n = request.n or 1
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -154,16 +137,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(n):
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None))
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    item = pending.pop()
-                else:
-                    try:
-                        item = await gen.__anext__()
-                    except StopAsyncIteration:
-                        break
-                res = item[1]
+            async for _, res in merged:
                 for out in res.outputs:
                     token_ids = [] if zero_output else out.token_ids
                     text = "" if zero_output else out.text
@@ -187,5 +161,6 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # the stream already started: report in-band, as vLLM does
             yield sse_error(e)
         finally:
-            await gen.aclose()
+            await merged.aclose()
+            await aclose_all(gens)
         yield SSE_DONE

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from llmserve.entrypoints.openai.protocol import ModelCard, ModelList
+from llmserve.entrypoints.openai.models.protocol import ModelCard, ModelList
 
 
 @dataclass(frozen=True)

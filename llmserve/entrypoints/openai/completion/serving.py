@@ -3,79 +3,89 @@
 The prompt may be a string, a list of strings, a list of token ids or a list of
 token-id lists; each prompt is one engine request, and choice ``p * n + j`` is the j-th
 completion of prompt p (OpenAI's order). ``echo`` prepends the prompt text (and, with
-``logprobs``, the prompt's logprobs, the first being null). ``max_tokens`` defaults to
-16 (OpenAI's legacy default), clamped to the room left in the context.
+``logprobs``, the prompt's logprobs, the first being null). ``max_tokens`` left out is
+OpenAI's legacy default 16 (or the model's smaller default budget), clamped to the room
+left in the context; a given ``max_tokens`` is checked by the engine.
+
+Every prompt is validated by the engine before any response starts: one bad prompt
+fails the request with a 400 and leaves nothing running.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, AsyncGenerator, Optional, Union
 
-from llmserve.entrypoints.openai.logprobs import build_completion_logprobs
-from llmserve.entrypoints.openai.protocol import (
-    CompletionLogProbs,
+from llmserve.entrypoints.openai.common.protocol import CompletionLogProbs, UsageInfo
+from llmserve.entrypoints.openai.common.serving import (
+    SSE_DONE,
+    GenerateBaseServing,
+    aclose_all,
+    merge_started,
+    sse,
+    sse_error,
+)
+from llmserve.entrypoints.openai.completion.protocol import (
+    DEFAULT_MAX_TOKENS,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
 )
-from llmserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
-    OpenAIServing,
-    merge_async_iterators,
-    sse,
-    sse_error,
-)
+from llmserve.entrypoints.openai.logprobs import build_completion_logprobs
+from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
-
-_DEFAULT_MAX_TOKENS = 16
 
 
 class _Prompt:
     """One prompt of a request: text (None for token ids), ids, params, echo text."""
 
-    __slots__ = ("text", "ids", "params", "zero_output", "echo_text")
+    __slots__ = ("rendered", "text", "ids", "params", "zero_output", "echo_text")
 
-    def __init__(self, text: Optional[str], ids: list[int]):
-        self.text = text
-        self.ids = ids
+    def __init__(self, rendered: RenderedPrompt):
+        self.rendered = rendered
+        self.text = rendered.text
+        self.ids = rendered.token_ids
         self.params: Optional[SamplingParams] = None
         self.zero_output = False
         self.echo_text = ""
 
 
-class OpenAIServingCompletion(OpenAIServing):
+def _prompt_items(prompt: Any) -> list[Union[str, list[int]]]:
+    """The request's ``prompt`` as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if len(prompt) == 0:
+        raise SamplingParamsError("prompt cannot be empty.", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+class OpenAIServingCompletion(GenerateBaseServing):
     """Handler of ``/v1/completions``."""
 
     request_id_prefix = "cmpl"
 
-    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
-        prompt = request.prompt
-        if isinstance(prompt, str):
-            items: list[Union[str, list[int]]] = [prompt]
-        elif len(prompt) == 0:
-            raise SamplingParamsError("prompt cannot be empty.", "prompt")
-        elif isinstance(prompt[0], int):
-            items = [prompt]  # type: ignore[list-item]
-        else:
-            items = list(prompt)  # type: ignore[arg-type]
-        out = []
-        for item in items:
-            if isinstance(item, str):
-                out.append(_Prompt(item, self.tokenize(item, request.add_special_tokens)))
-            else:
-                out.append(_Prompt(None, self.check_token_ids(item, "prompt")))
-        return out
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """The budget of a request that leaves ``max_tokens`` out: OpenAI's legacy 16,
+        or the model's default budget when smaller, clamped to the room left in the
+        context. A prompt with no room left keeps 16, so the engine reports it."""
+        budget = min(DEFAULT_MAX_TOKENS, self.default_sampling_params.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        room = self.max_model_len - prompt_len
+        return min(budget, room) if room > 0 else budget
 
-    def _prepare(self, request: CompletionRequest) -> tuple[str, list[_Prompt]]:
-        model_name = self.models.resolve(request.model)
+    async def _prepare(self, request: CompletionRequest) -> tuple[str, list[_Prompt]]:
+        model_name = self._check_model(request)
         request.check()
-        prompts = self._prompts(request)
+        items = _prompt_items(request.prompt)
+        rendered = await self.renderer.render_prompts(items, add_special_tokens=request.add_special_tokens)
+        prompts = [_Prompt(r) for r in rendered]
         for p in prompts:
-            max_tokens = self.resolve_max_tokens(len(p.ids), request.max_tokens, _DEFAULT_MAX_TOKENS, "prompt")
+            max_tokens = request.max_tokens
+            if max_tokens is None:
+                max_tokens = self.default_max_tokens(len(p.ids))
             p.params = request.to_sampling_params(max_tokens, self.default_sampling_params)
             p.zero_output = max_tokens == 0
             if request.echo:
@@ -87,32 +97,24 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ) -> Union[CompletionResponse, AsyncGenerator[str, None]]:
         """Serve one request: a CompletionResponse, or (``stream``) an async generator of
         SSE strings. Errors before the stream starts are raised (ModelNotFoundError,
-        SamplingParamsError/ValueError from validation or the engine, EngineDeadError)."""
-        model_name, prompts = self._prepare(request)
+        SamplingParamsError/ValueError from the request or the engine's InputProcessor,
+        EngineDeadError)."""
+        model_name, prompts = await self._prepare(request)
         request_id = self.new_request_id(request_id)
         created = int(time.time())
-        gens = [
-            self.generate(p.ids, p.text, self.engine_params(p.params), f"{request_id}-{i}", request.priority)
-            for i, p in enumerate(prompts)
-        ]
-        merged = merge_async_iterators(*gens)
-        try:
-            first = await merged.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await merged.aclose()
-            raise
+        gens = [self.generate(p.rendered, self.engine_params(p.params), f"{request_id}-{i}", request.priority)
+                for i, p in enumerate(prompts)]
+        firsts = await self.start_generation(gens)
+        merged = merge_started(firsts, gens)
         if request.stream:
-            return self._stream(request, request_id, created, model_name, prompts, first, merged)
+            return self._stream(request, request_id, created, model_name, prompts, merged, gens)
         try:
             finals: list[Optional[RequestOutput]] = [None] * len(prompts)
-            if first is not None:
-                _accumulate(finals, *first)
             async for i, res in merged:
                 _accumulate(finals, i, res)
         finally:
             await merged.aclose()
+            await aclose_all(gens)
         return self._build_response(request, request_id, created, model_name, prompts, finals)
 
     # ---- non-streaming -----------------------------------------------------------
@@ -159,8 +161,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- streaming -------------------------------------------------------------
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
-                      prompts: list[_Prompt], first: Optional[tuple[int, RequestOutput]],
-                      merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
+                      prompts: list[_Prompt], merged: AsyncGenerator[tuple[int, RequestOutput], None],
+                      gens: list[Any]) -> AsyncGenerator[str, None]:
         n = request.n or 1
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -172,7 +174,7 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets = [0] * (len(prompts) * n)
         prompt_lps: list[Optional[list]] = [None] * len(prompts)
         try:
-            async for i, res in _prepend(first, merged):
+            async for i, res in merged:
                 p = prompts[i]
                 if res.prompt_logprobs is not None:
                     prompt_lps[i] = res.prompt_logprobs
@@ -219,6 +221,7 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(e)
         finally:
             await merged.aclose()
+            await aclose_all(gens)
         yield SSE_DONE
 
 
@@ -228,10 +231,3 @@ def _accumulate(finals: list[Optional[RequestOutput]], i: int, res: RequestOutpu
         finals[i] = res
     else:
         finals[i].add(res, aggregate=False)
-
-
-async def _prepend(first: Optional[Any], rest: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item

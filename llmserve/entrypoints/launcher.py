@@ -1,0 +1,94 @@
+"""Serving an app with uvicorn until a signal or the engine's death (vLLM's
+``entrypoints/launcher.py``: ``serve_http``).
+
+SIGINT/SIGTERM start a graceful shutdown: in-flight requests get
+``timeout_graceful_shutdown`` seconds to finish; half a second before that runs out the
+engine client's ``abort_all`` ends those still running (finish_reason "abort", streams
+with their last chunk and ``[DONE]``). If the EngineCore dies, the server shuts itself
+down the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable, Optional
+
+logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
+
+
+def _make_uvicorn_server(config: Any, on_drain_timeout: Optional[Callable[[], Awaitable[Any]]] = None) -> Any:
+    """A uvicorn Server that handles SIGINT/SIGTERM as a graceful shutdown and then
+    returns (stock uvicorn re-raises the signal after serving, which would kill the
+    process before the engine is shut down).
+
+    ``on_drain_timeout``: awaited half a second before the graceful-shutdown period
+    (``config.timeout_graceful_shutdown``) runs out, to end the requests still in flight
+    cleanly (``AsyncLLM.abort_all``: streams get a last chunk with finish_reason "abort"
+    and ``[DONE]``) instead of having uvicorn cancel their tasks mid-response."""
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # noqa: ANN202
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        async def shutdown(self, sockets=None):  # noqa: ANN001, ANN202
+            grace = self.config.timeout_graceful_shutdown
+            task = None
+            if on_drain_timeout is not None and grace is not None:
+                async def _end_in_flight() -> None:
+                    await asyncio.sleep(max(grace - 0.5, 0.0))
+                    try:
+                        await on_drain_timeout()
+                    except Exception:
+                        logger.exception("aborting in-flight requests at shutdown failed")
+                task = asyncio.create_task(_end_in_flight())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if task is not None:
+                    task.cancel()
+
+    return _Server(config)
+
+
+async def _shutdown_when_engine_dies(server: Any, engine: Any) -> None:
+    """Wait for the engine to die, then ask uvicorn to shut down (``server.should_exit``).
+
+    By then the requests in flight hold their EngineDeadError and end with a 503 or an
+    error chunk within the graceful-shutdown period; until the listening socket closes,
+    new requests and /health get 503."""
+    err = await engine.wait_for_engine_death()
+    logger.error("EngineCore died (%s); shutting down the API server",
+                 str(err).removeprefix("EngineCore died: "))
+    server.should_exit = True
+
+
+async def serve_http(app: Any, engine_client: Any, **uvicorn_kwargs: Any) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM or the engine's death.
+
+    uvicorn_kwargs: ``uvicorn.Config`` arguments (host, port, log_level,
+    timeout_graceful_shutdown, ...). Returns after the server stopped; the caller shuts
+    the engine down.
+    """
+    import uvicorn
+
+    server = _make_uvicorn_server(uvicorn.Config(app, **uvicorn_kwargs), on_drain_timeout=engine_client.abort_all)
+    watchdog = asyncio.create_task(_shutdown_when_engine_dies(server, engine_client))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()

@@ -1,0 +1,127 @@
+"""Protocol of ``POST /v1/chat/completions`` (OpenAI's chat completion objects plus
+vLLM's chat extras: add_generation_prompt, continue_final_message, chat_template, ...)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, model_serializer
+
+from llmserve.entrypoints.openai.common.protocol import (
+    ChatCompletionLogProbs,
+    ChatMessageParam,
+    Int64,
+    OpenAIBaseModel,
+    SamplingRequest,
+    UsageInfo,
+    check_max_logprobs,
+    random_uuid,
+)
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions`` (OpenAI fields + vLLM's chat extras)."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def requested_max_tokens(self) -> Optional[int]:
+        """``max_completion_tokens`` wins over the legacy ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def check(self) -> None:
+        """Request-level checks (no prompt needed). Raises SamplingParamsError."""
+        self.check_common()
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 0:
+            raise SamplingParamsError(
+                f"max_completion_tokens must be at least 0, got {self.max_completion_tokens}.",
+                "max_completion_tokens")
+        check_max_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise SamplingParamsError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise SamplingParamsError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
+                "continue_final_message")
+        if self.tools and self.tool_choice != "none":
+            raise SamplingParamsError(
+                "Tool calling is not supported by this server yet; send tool_choice='none' or no tools.",
+                "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise SamplingParamsError("tool_choice requires tools, which this server does not support yet.",
+                                      "tool_choice")
+
+    def to_sampling_params(self, max_tokens: Optional[int], defaults: dict[str, Any]) -> SamplingParams:
+        """Map the OpenAI fields to SamplingParams (vLLM's ``to_sampling_params``).
+
+        max_tokens: the output budget (``requested_max_tokens()``; None leaves it to the
+        engine's InputProcessor: the room left in the context, capped by the model's
+        default budget). defaults: the model's generation-config defaults.
+        Raises SamplingParamsError (param set) for out-of-range fields; context-length
+        checks are the engine's (raised from ``AsyncLLM.generate``).
+        """
+        kwargs = self.sampling_kwargs(defaults)
+        kwargs["max_tokens"] = max_tokens
+        kwargs["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**kwargs)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """A streamed message fragment; fields that are None are left out of the JSON."""
+
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # noqa: ANN001
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None

@@ -1,0 +1,64 @@
+"""The one mapping from exceptions to HTTP statuses and OpenAI error bodies.
+
+Handlers raise exceptions; :func:`error_response_from_exception` maps each to its HTTP
+status and body (the app's exception handlers and the SSE streams both use it), so every
+error looks the same wherever it happens.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
+from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
+from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
+from llmserve.sampling_params import SamplingParamsError
+
+logger = logging.getLogger("llmserve.entrypoints.openai")
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type_for(status_code: int) -> str:
+    """OpenAI/vLLM error ``type`` for an HTTP status (e.g. 404 -> "NotFoundError")."""
+    return _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
+
+
+def make_error(message: str, status_code: int = 400, param: Optional[str] = None,
+               err_type: Optional[str] = None) -> ErrorResponse:
+    """Build the OpenAI error body ``{"error": {message, type, param, code}}``."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type or error_type_for(status_code),
+                                         param=param, code=status_code))
+
+
+def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
+    """Map an exception to (HTTP status, error body).
+
+    ModelNotFoundError -> 404; SamplingParamsError / ValueError -> 400 (``param`` from
+    the exception when it has one); NotImplementedError -> 501; EngineDeadError -> 503;
+    EngineGenerateError and anything else -> 500 (unexpected errors are logged with
+    their traceback).
+    """
+    if isinstance(exc, ModelNotFoundError):
+        return 404, make_error(str(exc), 404, "model")
+    if isinstance(exc, EngineDeadError):
+        return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineDeadError")
+    if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):
+        return 400, make_error(str(exc) or exc.__class__.__name__, 400, getattr(exc, "param", None))
+    if isinstance(exc, NotImplementedError):
+        return 501, make_error(str(exc) or "Not implemented", 501)
+    if isinstance(exc, EngineGenerateError):
+        return 500, make_error(f"The request failed in the engine: {exc}", 500)
+    logger.error("Unexpected error while serving a request", exc_info=exc)
+    return 500, make_error(f"Internal server error ({exc.__class__.__name__}: {exc})", 500)

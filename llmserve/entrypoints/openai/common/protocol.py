@@ -1,0 +1,230 @@
+"""Protocol models shared by the OpenAI endpoints (vLLM's ``entrypoints/openai/engine/protocol.py``):
+the base models, the error body, usage, stream options, chat input messages and the
+sampling fields common to chat and completions. Each endpoint's own request/response
+models live in its folder (``chat_completion/protocol.py``, ``completion/protocol.py``, ...).
+
+Requests keep OpenAI's field names plus vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, ...). Each generation request converts itself
+to a :class:`~llmserve.sampling_params.SamplingParams` with ``to_sampling_params``, which
+raises :class:`~llmserve.sampling_params.SamplingParamsError` (a ValueError with ``param``)
+on out-of-range values, so the server answers 400 naming the field.
+
+Unknown request fields are accepted and ignored, as vLLM and OpenAI do; fields whose
+meaning llmserve cannot honour (``suffix``, ``tools`` with a tool choice, structured
+``response_format``) are rejected with a 400 instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmserve.sampling_params import RequestOutputKind, SamplingParamsError
+
+# vLLM's default ``max_logprobs``: the most top logprobs one position may ask for.
+MAX_LOGPROBS = 20
+# OpenAI's documented range for ``temperature``.
+MAX_TEMPERATURE = 2.0
+# The most completions one request may ask for (``n``; per prompt for completions).
+MAX_N = 1024
+
+# Integers that cross the process boundary must fit in 64 bits (vLLM bounds ``seed`` alike).
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+def random_uuid() -> str:
+    """A random 32-hex-digit id (used in request ids such as ``chatcmpl-<uuid>``)."""
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of all API models: unknown fields are allowed (and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """Base of request bodies: NaN and Infinity are rejected (Python's json accepts them)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+# ----------------------------------------------------------------------------- errors
+class ErrorInfo(OpenAIBaseModel):
+    """The inner object of an OpenAI error body. ``code`` is the HTTP status code."""
+
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- usage
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: Optional[int] = None
+
+
+class UsageInfo(OpenAIBaseModel):
+    """Token counts of one request: prompt, completion (all choices) and their sum."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
+
+
+class StreamOptions(OpenAIBaseModel):
+    """``include_usage``: one last chunk with ``choices: []`` and the usage.
+    ``continuous_usage_stats`` (vLLM): running usage on every chunk."""
+
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
+
+
+# ----------------------------------------------------------------------------- sampling
+class SamplingRequest(OpenAIRequestModel):
+    """Sampling fields shared by chat and completions (OpenAI + vLLM extras).
+
+    None means "not given": the server then uses the model's generation-config default
+    (when it has one) or OpenAI's default. ``max_tokens`` None is left for the engine's
+    InputProcessor to resolve (the room left in the context, capped by the model's
+    default budget).
+    """
+
+    model: Optional[str] = None
+    n: Optional[Int64] = 1
+    max_tokens: Optional[Int64] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    seed: Optional[Int64] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    # vLLM extras
+    top_k: Optional[Int64] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Int64 = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[Int64]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Optional[list[Int64]] = None
+    bad_words: Optional[list[str]] = None
+    priority: Int64 = 0
+
+    def check_common(self) -> None:
+        """Checks that do not need the prompt. Raises SamplingParamsError (param set)."""
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options can only be set if stream is true.", "stream_options")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise SamplingParamsError(f"max_tokens must be at least 0, got {self.max_tokens}.", "max_tokens")
+        if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.", "temperature")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError(f"n must be between 1 and {MAX_N} (this server's limit), got {self.n}.", "n")
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            raise SamplingParamsError(
+                f"response_format of type {rf.get('type')!r} is not supported by this server "
+                "(structured outputs are not available).", "response_format")
+
+    def sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams keyword arguments of the fields shared by chat and completions.
+
+        defaults: the model's generation-config defaults under SamplingParams names
+        (vLLM's ``get_diff_sampling_param``); a field the request leaves out takes the
+        model's default, else OpenAI's. Raises SamplingParamsError for bad logit_bias keys.
+        """
+        def pick(name: str, builtin: Any) -> Any:
+            value = getattr(self, name)
+            if value is not None:
+                return value
+            return defaults.get(name, builtin)
+
+        logit_bias = None
+        if self.logit_bias:
+            logit_bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    logit_bias[int(k)] = float(v)
+                except ValueError as e:
+                    raise SamplingParamsError(f"logit_bias keys must be token ids, got {k!r}.", "logit_bias") from e
+        return dict(
+            n=self.n if self.n is not None else 1,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+def check_max_logprobs(value: Optional[int], param: str) -> None:
+    """Raise SamplingParamsError unless ``value`` is None or in [0, MAX_LOGPROBS]."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise SamplingParamsError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param)
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    """One input message: ``content`` is a string, a list of content parts
+    (``{"type": "text", "text": ...}``), or null (assistant messages with tool calls)."""
+
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------- logprobs
+class ChatCompletionLogProb(OpenAIBaseModel):
+    """One candidate token: text, natural-log probability (finite) and UTF-8 bytes."""
+
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    """Legacy completions logprobs: four parallel lists, one entry per token. The first
+    prompt token (with echo) has ``None`` logprob and top_logprobs."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)

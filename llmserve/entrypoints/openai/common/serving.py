@@ -1,0 +1,251 @@
+"""Bases of the OpenAI handlers (vLLM's ``BaseServing`` / ``OpenAIServing`` and
+``GenerateBaseServing``) and their shared stream helpers: SSE framing, starting several
+engine generators, merging their outputs.
+
+The handlers keep only the server's policy: the OpenAI field mapping to SamplingParams,
+the model's generation-config defaults and OpenAI's default budgets. Validation of a
+request against the model (empty prompt, vocabulary, context length, ``max_tokens`` when
+unset, stop/EOS ids) belongs to the engine's InputProcessor, which raises a
+SamplingParamsError from the first ``__anext__`` of ``AsyncLLM.generate``, before any
+output; :meth:`GenerateBaseServing.start_generation` turns it into a 400 naming the
+OpenAI field.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Optional, Sequence, TypeVar, Union
+
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uuid
+from llmserve.entrypoints.openai.logprobs import TokenFormatter
+from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
+from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger("llmserve.entrypoints.openai")
+
+T = TypeVar("T")
+
+
+def sse(data: str) -> str:
+    """One Server-Sent Event: a single ``data: <payload>`` line and a blank line."""
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def sse_error(exc: BaseException) -> str:
+    """The SSE event sent when a stream fails after it started (vLLM's behaviour)."""
+    _, body = error_response_from_exception(exc)
+    return sse(body.model_dump_json())
+
+
+def default_sampling_params(engine_client: Any) -> dict[str, Any]:
+    """The model's generation-config defaults under SamplingParams names (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_tokens), computed once by the model
+    config (vLLM's ``ModelConfig.get_diff_sampling_param``). Engines built before that
+    method existed expose ``generation_config_defaults`` (with ``max_new_tokens``)."""
+    get_diff = getattr(engine_client.model_config, "get_diff_sampling_param", None)
+    if callable(get_diff):
+        return dict(get_diff() or {})
+    defaults = dict(getattr(engine_client, "generation_config_defaults", None) or {})
+    if "max_new_tokens" in defaults:
+        defaults.setdefault("max_tokens", defaults.pop("max_new_tokens"))
+    return defaults
+
+
+class BaseServing:
+    """Base of every OpenAI handler (vLLM's ``BaseServing``).
+
+    Args:
+      engine_client: the EngineClient (AsyncLLM): ``model_config``, ``tokenizer``, ``generate``.
+      models: the served model names.
+      log_requests: log each request's id, prompt length and sampling params.
+    """
+
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, *, log_requests: bool = False):
+        self.engine_client = engine_client
+        self.models = models
+        self.model_config = engine_client.model_config
+        self.max_model_len: int = self.model_config.max_model_len
+        self.log_requests = log_requests
+
+    def _check_model(self, request: Any) -> str:
+        """The served name to report for ``request.model`` (None: the default model).
+        Raises ModelNotFoundError (404) for a name this server does not serve."""
+        return self.models.resolve(getattr(request, "model", None))
+
+    @staticmethod
+    def create_error_response(error: Union[str, BaseException], status_code: int = 400,
+                              param: Optional[str] = None) -> ErrorResponse:
+        """The OpenAI error body of an exception (status from the one mapping,
+        ``error_response_from_exception``) or of a message with ``status_code``."""
+        if isinstance(error, BaseException):
+            return error_response_from_exception(error)[1]
+        return make_error(error, status_code, param)
+
+
+class GenerateBaseServing(BaseServing):
+    """Base of the handlers that generate (chat, completions; Responses next).
+
+    renderer: the server's AsyncRenderer (messages/prompts -> token ids in its pool).
+    ``default_sampling_params``: the model's generation-config defaults.
+    """
+
+    request_id_prefix = "cmpl"
+
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, renderer: AsyncRenderer, *,
+                 log_requests: bool = False):
+        super().__init__(engine_client, models, log_requests=log_requests)
+        self.renderer = renderer
+        self.tokenizer = engine_client.tokenizer
+        self.token_formatter = TokenFormatter(self.tokenizer)
+        self.default_sampling_params = default_sampling_params(engine_client)
+
+    def new_request_id(self, base: Optional[str] = None) -> str:
+        """``<prefix>-<X-Request-Id or random uuid>``."""
+        return f"{self.request_id_prefix}-{base or random_uuid()}"
+
+    def generate(self, prompt: RenderedPrompt, params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncGenerator[Any, None]:
+        """One engine request (its async generator of RequestOutput; nothing runs until
+        the first ``__anext__``). The engine id is ``request_id`` plus a random suffix,
+        so two clients sending the same X-Request-Id at once never collide."""
+        request_id = f"{request_id}-{random_uuid()[:8]}"
+        if self.log_requests:
+            logger.info("Received request %s: prompt_tokens=%d, params=%s", request_id,
+                        len(prompt.token_ids), params)
+        return self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority)
+
+    @staticmethod
+    def engine_params(params: SamplingParams) -> SamplingParams:
+        """The params sent to the engine: a request for 0 tokens (scoring the prompt,
+        e.g. echo + logprobs) runs 1 step and the server drops the token it made."""
+        if params.max_tokens == 0:
+            params = params.clone()
+            params.max_tokens = 1
+            params.min_tokens = 0
+        return params
+
+    async def start_generation(self, gens: Sequence[AsyncGenerator[T, None]],
+                               param_names: Optional[Mapping[str, str]] = None) -> list[Optional[T]]:
+        """Advance every generator to its first output, together, before any response
+        starts: a prompt the engine rejects then fails the whole request with a 400 and
+        nothing is left running (the other generators are cancelled and closed, which
+        aborts their engine requests).
+
+        param_names: engine field name -> OpenAI field name (e.g. ``{"prompt":
+        "messages"}``) for the ``param`` of a SamplingParamsError.
+        Returns each generator's first item (None if it ended without one).
+        """
+        try:
+            return await first_items(gens)
+        except SamplingParamsError as e:
+            if param_names and e.param in param_names:
+                raise SamplingParamsError(str(e), param_names[e.param]) from e
+            raise
+
+
+async def _anext_or_none(it: AsyncIterator[T]) -> Optional[T]:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def first_items(gens: Sequence[AsyncGenerator[T, None]]) -> list[Optional[T]]:
+    """The first item of each generator (None when one ends empty), fetched concurrently.
+
+    The first exception (or a cancellation of the caller) cancels the others and closes
+    every generator, then propagates.
+    """
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_anext_or_none(g)) for g in gens]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await aclose_all(gens)
+        raise
+
+
+async def prepend(first: Optional[T], rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """``first`` (when not None) then the items of ``rest``; closing it closes ``rest``."""
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await _aclose(rest)
+
+
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[tuple[int, T], None]:
+    """Yield ``(i, item)`` from several async iterators as items arrive.
+
+    All iterators are advanced concurrently. The first exception is raised; on exit
+    (exception, cancellation or close) every iterator still open is closed, which aborts
+    its engine request.
+    """
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await _aclose(iterators[0])
+        return
+    loop = asyncio.get_running_loop()
+    pending: dict[asyncio.Future, int] = {
+        loop.create_task(_anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending.keys(), return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[loop.create_task(_anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()
+        if pending:
+            await asyncio.gather(*pending.keys(), return_exceptions=True)
+        for it in iterators:
+            await _aclose(it)
+
+
+def merge_started(firsts: Sequence[Optional[T]],
+                  gens: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """:func:`merge_async_iterators` of generators already advanced by
+    :func:`first_items` (their first items are yielded first)."""
+    return merge_async_iterators(*(prepend(f, g) for f, g in zip(firsts, gens)))
+
+
+async def aclose_all(gens: Sequence[Any]) -> None:
+    """Close every generator (idempotent: closing a finished one does nothing)."""
+    for g in gens:
+        await _aclose(g)
+
+
+async def _anext(it: AsyncIterator[T]) -> T:
+    return await it.__anext__()
+
+
+async def _aclose(it: Any) -> None:
+    close = getattr(it, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except RuntimeError:  # still running in a cancelled task: it closes itself
+            pass

@@ -1,0 +1,94 @@
+"""Protocol of ``POST /v1/completions`` (OpenAI's legacy completions plus vLLM's extras)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.protocol import (
+    CompletionLogProbs,
+    Int64,
+    OpenAIBaseModel,
+    SamplingRequest,
+    UsageInfo,
+    check_max_logprobs,
+    random_uuid,
+)
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
+
+# OpenAI's legacy default ``max_tokens`` of /v1/completions.
+DEFAULT_MAX_TOKENS = 16
+
+
+PromptType = Union[list[int], list[list[int]], str, list[str]]
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token
+    ids or a list of token-id lists. ``max_tokens`` defaults to 16 (OpenAI's legacy default)."""
+
+    prompt: PromptType
+    echo: Optional[bool] = False
+    logprobs: Optional[Int64] = None
+    suffix: Optional[str] = None
+    best_of: Optional[Int64] = None
+    add_special_tokens: bool = True
+    prompt_logprobs: Optional[Int64] = None
+
+    def check(self) -> None:
+        """Request-level checks. Raises SamplingParamsError (param set)."""
+        self.check_common()
+        if self.suffix is not None:
+            raise SamplingParamsError("suffix is not supported by this server.", "suffix")
+        check_max_logprobs(self.logprobs, "logprobs")
+        check_max_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise SamplingParamsError("best_of is not supported (it must equal n).", "best_of")
+
+    def to_sampling_params(self, max_tokens: Optional[int], defaults: dict[str, Any]) -> SamplingParams:
+        """Map the OpenAI fields to SamplingParams. max_tokens: the budget chosen by the
+        server (``max_tokens`` or its default). With ``echo`` and ``logprobs`` the prompt's
+        logprobs are asked for too (OpenAI's echo semantics). Raises SamplingParamsError."""
+        kwargs = self.sampling_kwargs(defaults)
+        kwargs["max_tokens"] = max_tokens
+        kwargs["logprobs"] = self.logprobs
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        kwargs["prompt_logprobs"] = prompt_logprobs
+        return SamplingParams(**kwargs)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None

@@ -1,0 +1,178 @@
+"""HTTP plumbing shared by the routers: JSON and SSE responses, cancellation on client
+disconnect, the X-Request-Id and API-key middleware, and the exception handlers that
+turn every error into the OpenAI error body (through ``error_response_from_exception``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from typing import Any, Awaitable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from llmserve.engine.exceptions import EngineDeadError
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+
+REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def json_response(model: Any, status_code: int = 200) -> Response:
+    """A pydantic model as strict JSON (no NaN/Infinity: logprobs are clamped upstream)."""
+    return Response(content=model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+def error_json(exc: BaseException) -> Response:
+    """The JSON error response of an exception (status and body from the one mapping)."""
+    status, body = error_response_from_exception(exc)
+    return json_response(body, status)
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def with_cancellation(request: Request, work: Awaitable[Any]) -> Optional[Any]:
+    """Run ``work`` (a handler coroutine) until it finishes or the client disconnects.
+
+    On disconnect the handler task is cancelled, which closes its engine generators and
+    so aborts the request in the engine; returns None then. The request body must have
+    been read already (FastAPI reads it before calling the route).
+    """
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_listen_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        listener.cancel()
+        raise
+    if task in done:
+        listener.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # cancelled (or failed while cancelling): nobody to tell
+        pass
+    return None
+
+
+def request_id_of(raw_request: Request) -> Optional[str]:
+    """The request's X-Request-Id (set by RequestIdMiddleware)."""
+    return raw_request.scope.get(REQUEST_ID_SCOPE_KEY)
+
+
+def result_response(result: Any) -> Response:
+    """A handler's result as a response: 499 when the client went away, JSON for a
+    pydantic model, else an SSE stream of the async generator."""
+    if result is None:  # client went away
+        return Response(status_code=499)
+    if hasattr(result, "model_dump_json"):
+        return json_response(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class RequestIdMiddleware:
+    """Pure ASGI middleware: echo the client's ``X-Request-Id`` (or a new uuid) in the
+    response headers and expose it to the routes (engine request ids are built from it)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        scope[REQUEST_ID_SCOPE_KEY] = rid
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", rid)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class AuthenticationMiddleware:
+    """Pure ASGI middleware: require ``Authorization: Bearer <api key>`` on /v1/* and the
+    tokenizer routes (constant-time comparison); /health, /metrics, /version stay open;
+    CORS preflight (OPTIONS) passes. A bad or missing key gets 401 with the OpenAI body."""
+
+    def __init__(self, app: Any, api_keys: list[str]):
+        self.app = app
+        self.keys = [k.encode("utf-8") for k in api_keys]
+
+    def _authorized(self, scope: dict) -> bool:
+        auth = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given = token.strip().encode("utf-8")
+        ok = False
+        for key in self.keys:  # no early exit: the time does not depend on which key matched
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        root = scope.get("root_path", "") or ""
+        path = scope["path"][len(root):] if root and scope["path"].startswith(root) else scope["path"]
+        if path.startswith(PROTECTED_PREFIXES) and not self._authorized(scope):
+            body = make_error("Invalid or missing API key. Send 'Authorization: Bearer <key>'.", 401,
+                              err_type="AuthenticationError")
+            response = json_response(body, 401)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error")
+            parts.append(f"Invalid JSON in the request body: {detail or msg}")
+            continue
+        if not loc:
+            parts.append(f"The request body must be a JSON object with the request fields ({msg}).")
+            continue
+        if param is None:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc)}: {msg}")
+    return "; ".join(parts) or "Invalid request.", param
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Every error, raised anywhere, answers with the OpenAI error body and its status."""
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return json_response(make_error(message, 400, param), 400)
+
+    async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        response = json_response(make_error(detail, exc.status_code), exc.status_code)
+        for k, v in (exc.headers or {}).items():
+            response.headers[k] = v
+        return response
+
+    async def on_error(_: Request, exc: Exception) -> Response:
+        return error_json(exc)
+
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    for exc_type in (ValueError, LookupError, NotImplementedError, EngineDeadError, Exception):
+        app.add_exception_handler(exc_type, on_error)

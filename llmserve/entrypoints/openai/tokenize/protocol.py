@@ -1,0 +1,48 @@
+"""Protocol of ``POST /tokenize`` and ``POST /detokenize`` (vLLM's tokenizer routes)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from llmserve.entrypoints.openai.common.protocol import ChatMessageParam, OpenAIBaseModel, OpenAIRequestModel
+from llmserve.sampling_params import SamplingParamsError
+
+
+class TokenizeRequest(OpenAIRequestModel):
+    """``POST /tokenize``: exactly one of ``prompt`` (plain text) or ``messages`` (rendered
+    through the chat template first). ``add_special_tokens`` defaults to True for a prompt
+    and False for messages (the template writes the special tokens), as in vLLM."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessageParam]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise SamplingParamsError("Exactly one of `prompt` or `messages` must be given.",
+                                      "prompt" if self.prompt is None else "messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise SamplingParamsError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
+                "continue_final_message")
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIRequestModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

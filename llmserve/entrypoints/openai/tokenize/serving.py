@@ -1,0 +1,67 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's ``OpenAIServingTokenization``).
+
+``/tokenize`` goes through the same renderer as ``/v1/chat/completions`` (so it reports
+the token ids the chat handler would send) and only counts: it does not enforce
+``max_model_len`` (it reports it).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from llmserve.entrypoints.openai.common.serving import BaseServing
+from llmserve.entrypoints.openai.logprobs import TokenFormatter
+from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
+from llmserve.entrypoints.openai.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from llmserve.entrypoints.renderer import AsyncRenderer
+from llmserve.sampling_params import SamplingParamsError
+
+
+class OpenAIServingTokenization(BaseServing):
+    """Tokenizer routes over the server's AsyncRenderer."""
+
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, renderer: AsyncRenderer, *,
+                 log_requests: bool = False):
+        super().__init__(engine_client, models, log_requests=log_requests)
+        self.renderer = renderer
+        self.tokenizer = engine_client.tokenizer
+        self.vocab_size: int = self.model_config.vocab_size
+        self.token_formatter = TokenFormatter(self.tokenizer)
+
+    async def create_tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt, or of messages rendered through the chat template (as
+        /v1/chat/completions would send them). Raises ModelNotFoundError / SamplingParamsError."""
+        self._check_model(request)
+        request.check()
+        if request.messages is not None:
+            rendered = await self.renderer.render_chat(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+                add_special_tokens=bool(request.add_special_tokens))  # default False for messages
+            ids = rendered.token_ids
+        else:
+            ids = await self.renderer.encode(request.prompt or "",  # default True for a prompt
+                                             add_special_tokens=request.add_special_tokens is not False)
+        strs = [self.token_formatter.text(t) for t in ids] if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """Text of token ids, special tokens kept. Raises SamplingParamsError for ids
+        outside the vocabulary."""
+        self._check_model(request)
+        ids = self.check_token_ids(request.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        """Raise SamplingParamsError unless every id is an int in [0, vocab_size)."""
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise SamplingParamsError(
+                    f"{param}: token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).",
+                    param)
+        return list(ids)

@@ -1,0 +1,140 @@
+"""The one renderer: chat messages -> chat-template text -> prompt token ids, and text
+prompts -> token ids (vLLM's renderer / ``chat_utils``).
+
+:class:`Renderer` is synchronous and serves the offline ``LLM.chat`` and
+``LLM.apply_chat_template``; :class:`AsyncRenderer` runs the same calls in a pool of
+``renderer_num_workers`` threads (``loop.run_in_executor``) for the OpenAI server's chat,
+completion, tokenize and responses handlers, so a large chat template or a long prompt
+never blocks the event loop (``/health`` and the streams keep answering).
+
+A chat template writes every special token itself, so rendered chat text is tokenized
+with ``add_special_tokens=False`` by default (vLLM's rule); a text prompt gets them.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, TypeVar, Union
+
+from llmserve.entrypoints.chat_utils import render_chat_prompt
+from llmserve.sampling_params import SamplingParamsError
+from llmserve.tokenizer import check_encodable, resolve_chat_template
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt ready for the engine: ``text`` (None for a token-id prompt) and its
+    ``token_ids`` (list[int])."""
+
+    text: Optional[str]
+    token_ids: list[int]
+
+    def to_engine_prompt(self) -> dict[str, Any]:
+        """The prompt dict ``AsyncLLM.generate`` / ``LLM.generate`` take (token ids plus
+        the text for detokenization and logs)."""
+        prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids}
+        if self.text is not None:
+            prompt["prompt"] = self.text
+        return prompt
+
+
+class Renderer:
+    """Messages -> template text -> token ids with one tokenizer.
+
+    Args:
+      tokenizer: a HF tokenizer (``apply_chat_template``, ``encode``).
+      chat_template: the default template (a file path or literal Jinja, as
+        ``--chat-template``); None uses the tokenizer's own.
+    Raises ValueError (field ``chat_template``) for a template value that is neither.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: Optional[str] = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = resolve_chat_template(chat_template)
+
+    def render_messages(self, messages: Iterable[Any], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template: Optional[str] = None,
+                        chat_template_kwargs: Optional[dict[str, Any]] = None,
+                        tools: Optional[list[dict[str, Any]]] = None) -> str:
+        """The template text of ``messages`` (pydantic messages or dicts; content parts
+        joined). ``chat_template`` (file path or literal) overrides the default one.
+
+        Raises SamplingParamsError (400) for unsupported content parts or roles, a
+        template error, or both ``add_generation_prompt`` and ``continue_final_message``.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise SamplingParamsError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
+                "continue_final_message")
+        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
+        return render_chat_prompt(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template,
+            chat_template_kwargs=chat_template_kwargs, tools=tools)
+
+    def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """Token ids (list[int]) of ``text``. Raises SamplingParamsError naming ``param``
+        for text that is not valid Unicode (a lone surrogate)."""
+        check_encodable(text, param)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: Iterable[Any], *, add_special_tokens: bool = False,
+                    **template_kwargs: Any) -> RenderedPrompt:
+        """``render_messages`` then ``encode`` (errors name ``messages``).
+        template_kwargs: the keyword arguments of :meth:`render_messages`."""
+        text = self.render_messages(messages, **template_kwargs)
+        return RenderedPrompt(text, self.encode(text, add_special_tokens=add_special_tokens, param="messages"))
+
+    def render_prompt(self, prompt: Union[str, list[int]], *, add_special_tokens: bool = True) -> RenderedPrompt:
+        """A completion prompt: text is tokenized; token ids pass as they are (the
+        engine's InputProcessor checks them against the vocabulary)."""
+        if isinstance(prompt, str):
+            return RenderedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
+        return RenderedPrompt(None, list(prompt))
+
+
+class AsyncRenderer:
+    """A :class:`Renderer` whose calls run in a pool of ``num_workers`` threads.
+
+    num_workers: ``--renderer-num-workers`` (int >= 1). Jinja rendering and the Python
+    parts of tokenization hold the GIL, but in a worker thread they only take turns with
+    the event loop (every few ms) instead of stopping it for the whole render.
+    Raises ValueError (field ``renderer_num_workers``) for num_workers < 1.
+    """
+
+    def __init__(self, renderer: Renderer, num_workers: int = 1) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"renderer_num_workers must be an integer >= 1, got {num_workers!r}")
+        self.renderer = renderer
+        self.num_workers = num_workers
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="llmserve-renderer")
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def render_messages(self, messages: Iterable[Any], **kwargs: Any) -> str:
+        """:meth:`Renderer.render_messages` in the pool."""
+        return await self._run(self.renderer.render_messages, messages, **kwargs)
+
+    async def render_chat(self, messages: Iterable[Any], **kwargs: Any) -> RenderedPrompt:
+        """:meth:`Renderer.render_chat` in the pool."""
+        return await self._run(self.renderer.render_chat, messages, **kwargs)
+
+    async def render_prompts(self, prompts: list[Union[str, list[int]]], *,
+                             add_special_tokens: bool = True) -> list[RenderedPrompt]:
+        """:meth:`Renderer.render_prompt` of each prompt, in the pool (one task per prompt)."""
+        return list(await asyncio.gather(*(
+            self._run(self.renderer.render_prompt, p, add_special_tokens=add_special_tokens) for p in prompts)))
+
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """:meth:`Renderer.encode` in the pool."""
+        return await self._run(self.renderer.encode, text, add_special_tokens=add_special_tokens, param=param)
+
+    def shutdown(self) -> None:
+        """Stop the pool: queued renders are dropped, running ones finish in the background."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
