@@ -81,7 +81,7 @@ class MPResources:
                 proc.join(timeout=left(SHUTDOWN_TIMEOUT_S) * (1.0 if deadline is None else 0.8))
             if proc.is_alive():
                 proc.kill()
-                proc.join(timeout=max(left(2.0), 0.05))
+                proc.join(timeout=max(left(2.0), 0.5))  # SIGKILL cannot be refused: wait for the reap
         for s in self.sockets:
             try:
                 s.close(linger=0)
