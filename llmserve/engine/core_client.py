@@ -300,7 +300,6 @@ class AsyncMPClient(MPClient):
 
     def _ensure_sockets(self) -> None:
         if self._async_in is None:
-            ctx = self.resources.ctx
             # Re-wrap the already-bound sockets as asyncio sockets.
             self._async_in = zmq.asyncio.Socket.from_socket(self._in_sock_sync)
             self._async_out = zmq.asyncio.Socket.from_socket(self._out_sock_sync)

@@ -18,10 +18,16 @@ from typing import Any, Optional
 
 import msgspec
 
-from llmserve.core.outputs import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput,  # noqa: F401
-                                   FinishReason, LogprobsLists)
+from llmserve.core.outputs import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason,
+                                   LogprobsLists)
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.sampling_params import SamplingParams
+
+
+__all__ = ["EngineCoreRequestType", "EngineCoreRequest", "StreamingInputChunk", "EngineCoreReady",
+           "EngineCoreRejection", "EngineCoreDead", "UtilityOutput", "EngineCoreOutputs", "UtilityRequest",
+           "WIRE_TYPES", "EngineCoreOutput", "EngineCoreEvent", "EngineCoreEventType", "FinishReason",
+           "LogprobsLists"]
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
