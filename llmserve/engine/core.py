@@ -15,17 +15,21 @@ from typing import Any, Optional
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.core.request import FinishReason, Request, RequestStatus
+from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.messages import (
-    EngineCoreOutput,
+    EngineCoreDead,
     EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRejection,
     EngineCoreRequest,
     EngineCoreRequestType,
+    StreamingInputChunk,
     UtilityOutput,
     UtilityRequest,
 )
 from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
+from llmserve.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -33,22 +37,25 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """The inner loop of the engine, in whatever process it lives.
 
-    Builds the model runner, sizes the KV cache (raises ValueError if it cannot hold one
-    max_model_len sequence) and the scheduler.
+    Builds the executor (``executor_class``, default ``Executor.get_class(config)``),
+    which loads the model; sizes the KV cache (raises ValueError if it cannot hold one
+    max_model_len sequence) and builds the scheduler. log_stats: requests record
+    QUEUED/SCHEDULED/PREEMPTED events for the front end's timing metrics.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        from llmserve.worker.model_runner import ModelRunner
-
+    def __init__(self, config: EngineConfig, executor_class: Optional[type[Executor]] = None,
+                 log_stats: bool = False) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
-        self.model_runner.load_model()
-        num_blocks = self.model_runner.determine_num_blocks()
+        self.log_stats = log_stats
+        if executor_class is None:
+            executor_class = Executor.get_class(config)
+        self.model_executor = executor_class(config)
+        num_blocks = self.model_executor.determine_num_blocks()
         bs = config.cache_config.block_size
         max_len = config.model_config.max_model_len
         needed = -(-max_len // bs) + 1
         if num_blocks < needed:
-            per_block = self.model_runner.kv_cache_bytes_per_block()
+            per_block = self.model_executor.kv_cache_bytes_per_block()
             raise ValueError(
                 f"The KV cache is too small: {num_blocks} blocks of {bs} tokens "
                 f"({num_blocks * per_block / 2**20:.1f} MiB) cannot hold one sequence of "
@@ -56,16 +63,29 @@ class EngineCore:
                 f"({needed * per_block / 2**20:.1f} MiB). Increase kv_cache_memory or "
                 f"decrease max_model_len.")
         self.num_blocks = num_blocks
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency for %d-token "
                     "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs, max_len,
                     (num_blocks - 1) * bs / max_len)
 
+    @property
+    def model_runner(self):
+        """The in-process model runner (the uniprocess executor's)."""
+        return self.model_executor.model_runner
+
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError when it can never run (too long for the
+        model or the KV cache)."""
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                          req.eos_token_id, req.arrival_time, req.priority)
+                          req.eos_token_id, req.arrival_time, req.priority, resumable=req.resumable,
+                          trace_headers=req.trace_headers, log_stats=self.log_stats)
         self.scheduler.add_request(request)
+
+    def add_streaming_input(self, chunk: StreamingInputChunk) -> None:
+        """Extend (or close) a streaming-input request. Raises ValueError as add_request."""
+        self.scheduler.update_streaming_request(chunk.request_id, chunk.prompt_token_ids,
+                                                chunk.sampling_params, chunk.final)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -76,20 +96,15 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """One engine iteration. Returns outputs (possibly empty)."""
         sched = self.scheduler
-        if not sched.has_unfinished_requests():
-            self.model_runner.remove_requests(sched.finished_req_ids)
+        if not sched.has_requests_to_schedule():
+            self.model_executor.remove_requests(sched.finished_req_ids)
             sched.finished_req_ids = set()
-            return EngineCoreOutputs(scheduler_stats=sched.make_stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(outputs=sched.take_pending_outputs(), scheduler_stats=sched.make_stats(),
+                                     timestamp=time.monotonic())
         so = sched.schedule()
-        ro = self.model_runner.execute_model(so)
-        datas = sched.update_from_output(so, ro)
-        outs = [EngineCoreOutput(
-            request_id=d.request_id, new_token_ids=d.new_token_ids,
-            new_logprobs=d.new_logprobs, new_prompt_logprobs=d.new_prompt_logprobs,
-            finish_reason=int(d.finish_reason) if d.finish_reason is not None else None,
-            stop_reason=d.stop_reason, num_cached_tokens=d.num_cached_tokens) for d in datas]
-        return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(),
-                                 timestamp=time.monotonic())
+        ro = self.model_executor.execute_model(so)
+        outs = sched.update_from_output(so, ro)
+        return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(), timestamp=time.monotonic())
 
     # ---- utility calls ---------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -109,7 +124,7 @@ class EngineCore:
         return getattr(self, method)(*args)
 
     def shutdown(self) -> None:
-        pass
+        self.model_executor.shutdown()
 
 
 _UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping"}
@@ -120,9 +135,10 @@ class EngineCoreProc:
     """EngineCore in a child process: an input thread decodes requests from the input
     socket onto a queue, the main thread steps while there is work, an output thread
     encodes and sends EngineCoreOutputs. On an unrecoverable error it sends
-    ENGINE_CORE_DEAD (``engine_dead=True``) before exiting."""
+    ENGINE_CORE_DEAD (``EngineCoreDead``) before exiting."""
 
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
+                 executor_class: Optional[type[Executor]] = None, log_stats: bool = False) -> None:
         self.input_addr = input_addr
         self.output_addr = output_addr
         self.input_queue: queue.Queue = queue.Queue()
@@ -135,21 +151,21 @@ class EngineCoreProc:
         self._out_thread = threading.Thread(target=self._process_output_socket, daemon=True)
         self._out_thread.start()
         try:
-            self.core = EngineCore(config)
+            self.core = EngineCore(config, executor_class, log_stats)
             self._prefault_logged = self.core.model_runner.kv_prefault_done()
         except BaseException as e:
-            self.output_queue.put(EngineCoreOutputs(
-                engine_dead=True, error=f"Engine start-up failed: {type(e).__name__}: {e}"))
+            self.output_queue.put(EngineCoreOutputs(dead=EngineCoreDead(
+                f"Engine start-up failed: {type(e).__name__}: {e}", during_startup=True)))
             self.output_queue.put(None)
             self._out_thread.join(timeout=5)
             raise
-        self.output_queue.put(EngineCoreOutputs(ready_info={
-            "num_blocks": self.core.num_blocks, "pid": os.getpid()}))
+        self.output_queue.put(EngineCoreOutputs(ready=EngineCoreReady(self.core.num_blocks, os.getpid())))
         self._in_thread = threading.Thread(target=self._process_input_socket, daemon=True)
         self._in_thread.start()
 
     @staticmethod
-    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> int:
+    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                        executor_class: Optional[type[Executor]] = None, log_stats: bool = False) -> int:
         """Entry point of the child process. Returns its exit code: 0 after SHUTDOWN or
         SIGTERM, 1 after a fatal error (ENGINE_CORE_DEAD sent first)."""
         logging.basicConfig(level=os.environ.get("LLMSERVE_LOGGING_LEVEL", "INFO"),
@@ -167,7 +183,7 @@ class EngineCoreProc:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
         proc = None
         try:
-            proc = EngineCoreProc(config, input_addr, output_addr)
+            proc = EngineCoreProc(config, input_addr, output_addr, executor_class, log_stats)
             proc.run_busy_loop()
         except SystemExit:
             logger.info("EngineCore shutting down")
@@ -175,8 +191,7 @@ class EngineCoreProc:
             exit_code = 1
             if proc is not None:
                 logger.error("EngineCore hit a fatal error:\n%s", traceback.format_exc())
-                proc.output_queue.put(EngineCoreOutputs(
-                    engine_dead=True, error=traceback.format_exc(limit=3)))
+                proc.output_queue.put(EngineCoreOutputs(dead=EngineCoreDead(traceback.format_exc(limit=3))))
             else:
                 logger.error("EngineCore failed to start:\n%s", traceback.format_exc())
             if proc is None:
@@ -230,15 +245,16 @@ class EngineCoreProc:
     def _handle(self, item) -> bool:
         """Apply one input message; True means shut down."""
         rtype, payload = item
-        if rtype == EngineCoreRequestType.ADD:
+        if rtype == EngineCoreRequestType.ADD or rtype == EngineCoreRequestType.STREAMING_INPUT:
             try:
-                self.core.add_request(payload)
+                if rtype == EngineCoreRequestType.ADD:
+                    self.core.add_request(payload)
+                else:
+                    self.core.add_streaming_input(payload)
             except ValueError as e:
-                # Rejected request: report it finished-aborted so its caller is not left waiting.
+                # Refused: tell the caller (a ValueError there), so it is not left waiting.
                 logger.warning("Rejected request %s: %s", payload.request_id, e)
-                self.output_queue.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
-                    payload.request_id, [], finish_reason=int(FinishReason.ABORT),
-                    stop_reason=f"rejected: {e}")]))
+                self.output_queue.put(EngineCoreOutputs(rejected=[EngineCoreRejection(payload.request_id, str(e))]))
         elif rtype == EngineCoreRequestType.ABORT:
             if self.core.has_work():  # else every request has finished: stats unchanged
                 self._stats_stale = True
@@ -261,6 +277,7 @@ class EngineCoreProc:
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
             EngineCoreRequestType.SHUTDOWN: MsgpackDecoder(),
+            EngineCoreRequestType.STREAMING_INPUT: MsgpackDecoder(StreamingInputChunk),
         }
         while True:
             try:
@@ -310,14 +327,14 @@ def _keep_freed_memory() -> None:
 
 def main() -> None:
     """``python -m llmserve.engine.core``: read (config, input_addr, output_addr,
-    parent_pid) from stdin, then run EngineCoreProc."""
+    parent_pid, executor_class, log_stats) from stdin, then run EngineCoreProc."""
     import pickle
     import sys
 
-    config, input_addr, output_addr, parent_pid = pickle.loads(sys.stdin.buffer.read())
+    config, input_addr, output_addr, parent_pid, executor_class, log_stats = pickle.loads(sys.stdin.buffer.read())
     _keep_freed_memory()
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    exit_code = EngineCoreProc.run_engine_core(config, input_addr, output_addr)
+    exit_code = EngineCoreProc.run_engine_core(config, input_addr, output_addr, executor_class, log_stats)
     # Nothing is left to clean up (outputs flushed, sockets closed; the client removes
     # the socket dir): skip the interpreter teardown, ~1 s of module finalization
     # (torch) that the client's shutdown would wait for.

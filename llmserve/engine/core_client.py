@@ -4,22 +4,16 @@
 * SyncMPClient: EngineCoreProc in a child process, blocking calls (used by LLMEngine).
 * AsyncMPClient: same, asyncio calls (used by AsyncLLM).
 
-The multiprocess clients bind two ZMQ ``ipc://`` sockets in a private temp dir, spawn
-the engine process, and wait for its READY handshake (or its start-up error). A monitor
-thread watches the process sentinel: if the process dies, it pushes an ENGINE_CORE_DEAD
-message into the client's own output socket, so every waiter wakes within a second.
+``EngineCoreClient.make_client`` (LLMEngine) and ``make_async_mp_client`` (AsyncLLM) pick
+one. The process plumbing (spawn, sockets, death monitor, cleanup) is in
+``core_process.py``; here are only the clients.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import os
-import pickle
 import queue
-import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,44 +25,67 @@ import zmq
 import zmq.asyncio
 
 from llmserve.config import EngineConfig
+from llmserve.engine import core_process
+from llmserve.engine.core_process import MPResources, monitor_engine_process, spawn_engine_process
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (
     EngineCoreOutputs,
+    EngineCoreReady,
     EngineCoreRequest,
     EngineCoreRequestType,
+    StreamingInputChunk,
     UtilityRequest,
 )
 from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("LLMSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
-
 
 class EngineCoreClient:
-    """Base class; ``make_client`` picks the implementation."""
+    """Base class of the clients of an EngineCore (vLLM's ``EngineCoreClient``)."""
 
     @staticmethod
-    def make_client(multiprocess_mode: bool, asyncio_mode: bool, config: EngineConfig) -> "EngineCoreClient":
+    def make_client(multiprocess_mode: bool, asyncio_mode: bool, vllm_config: EngineConfig,
+                    executor_class: Optional[type] = None, log_stats: bool = False) -> "EngineCoreClient":
+        """The client for a mode: ``AsyncMPClient`` (asyncio), ``SyncMPClient``
+        (multiprocess) or ``InprocClient`` (the EngineCore in this process). Raises
+        ValueError for asyncio without multiprocess."""
         if asyncio_mode:
             if not multiprocess_mode:
-                raise ValueError("asyncio mode needs multiprocess mode")
-            return AsyncMPClient(config)
+                raise ValueError("asyncio_mode needs multiprocess_mode (the async client talks to an "
+                                 "engine process)")
+            return EngineCoreClient.make_async_mp_client(vllm_config, executor_class, log_stats)
         if multiprocess_mode:
-            return SyncMPClient(config)
-        return InprocClient(config)
+            return SyncMPClient(vllm_config, executor_class, log_stats)
+        return InprocClient(vllm_config, executor_class, log_stats)
 
-    def shutdown(self) -> None:
+    @staticmethod
+    def make_async_mp_client(vllm_config: EngineConfig, executor_class: Optional[type] = None,
+                             log_stats: bool = False, client_addresses: Optional[dict[str, str]] = None,
+                             client_count: int = 1, client_index: int = 0) -> "AsyncMPClient":
+        """The asyncio client of one engine process it starts itself (vLLM's signature).
+        ``client_addresses`` (engines started elsewhere, for several API servers) and
+        ``client_count``/``client_index`` > 1 belong to the scale-out issue: a ValueError
+        here, never silently ignored."""
+        if client_addresses:
+            raise ValueError("client_addresses: connecting to engines started elsewhere is not supported yet")
+        if client_count != 1 or client_index != 0:
+            raise ValueError(f"client_count={client_count}, client_index={client_index}: several API-server "
+                             "clients per engine are not supported yet (use 1 and 0)")
+        return AsyncMPClient(vllm_config, executor_class, log_stats)
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
         pass
 
 
 class InprocClient(EngineCoreClient):
     """The EngineCore runs in this process; each ``get_output`` is one ``step``."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, vllm_config: EngineConfig, executor_class: Optional[type] = None,
+                 log_stats: bool = False) -> None:
         from llmserve.engine.core import EngineCore
 
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(vllm_config, executor_class, log_stats)
         self.num_blocks = self.engine_core.num_blocks
 
     def get_output(self) -> EngineCoreOutputs:
@@ -90,133 +107,17 @@ class InprocClient(EngineCoreClient):
     def get_stats(self) -> dict:
         return self.engine_core.get_stats()
 
-
-class _MPResources:
-    """Everything to clean up; used by weakref.finalize so no cycle holds the client."""
-
-    def __init__(self) -> None:
-        self.proc: Optional[_Proc] = None
-        self.ctx: Optional[zmq.Context] = None
-        self.tmpdir: Optional[str] = None
-        self.sockets: list = []
-        self.input_socket: Optional[zmq.Socket] = None
-        self.stop_event = threading.Event()
-
-    def _send_shutdown(self) -> bool:
-        """Queue SHUTDOWN on the bound input socket (a plain zmq.Socket, also under the
-        async client, whose asyncio socket shadows it), waiting at most 0.2 s for room.
-        Returns False when it could not be queued (no engine connected, socket closed).
-
-        It must go through this socket: the engine's PULL connects to it, so a fresh PUSH
-        connecting to the same address would reach this PUSH, not the engine, and the
-        message would never arrive."""
-        sock = self.input_socket
-        if sock is None or sock.closed:
-            return False
-        try:
-            if not sock.poll(200, zmq.POLLOUT):
-                return False
-            sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, MsgpackEncoder().encode(None)],
-                                flags=zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
-
-    def __call__(self) -> None:
-        self.stop_event.set()
-        proc = self.proc
-        if proc is not None and proc.is_alive():
-            # The engine exits by itself on SHUTDOWN (within a step); SIGTERM, then SIGKILL,
-            # only if it does not.
-            proc.join(timeout=5 if self._send_shutdown() else 0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=2)
-        for s in self.sockets:
-            try:
-                s.close(linger=0)
-            except Exception:
-                pass
-        if self.ctx is not None:
-            try:
-                self.ctx.destroy(linger=0)
-            except Exception:
-                pass
-        if self.tmpdir:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-def _spawn_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> subprocess.Popen:
-    """Start ``python -m llmserve.engine.core`` and hand it its start-up arguments (the
-    EngineConfig and the socket addresses) on stdin. A fresh interpreter, unlike
-    multiprocessing's spawn, never re-imports the user's ``__main__`` module."""
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.engine.core"], stdin=subprocess.PIPE,
-                            close_fds=True)
-    try:
-        proc.stdin.write(pickle.dumps((config, input_addr, output_addr, os.getpid())))
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    return _Proc(proc)
-
-
-class _Proc:
-    """The bits of a process handle the clients use (is_alive, join, terminate, kill)."""
-
-    def __init__(self, popen: subprocess.Popen) -> None:
-        self.popen = popen
-        self.pid = popen.pid
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def exitcode(self):
-        return self.popen.poll()
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def terminate(self) -> None:
-        if self.is_alive():
-            self.popen.terminate()
-
-    def kill(self) -> None:
-        if self.is_alive():
-            self.popen.kill()
-
-
-def _monitor(proc: "_Proc", output_addr: str, ctx: zmq.Context, stop: threading.Event) -> None:
-    """Watch the engine process; on death, send ENGINE_CORE_DEAD to the output socket."""
-    while not stop.is_set():
-        proc.join(timeout=0.2)
-        if not proc.is_alive():
-            if stop.is_set():
-                return
-            try:
-                sock = ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.connect(output_addr)
-                sock.send(MsgpackEncoder().encode(EngineCoreOutputs(
-                    engine_dead=True, error=f"EngineCore process died (exit code {proc.exitcode})")))
-                sock.close()
-            except Exception:
-                pass
-            return
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self.engine_core.shutdown()
 
 
 class MPClient(EngineCoreClient):
     """Shared part of the multiprocess clients: spawn, handshake, sockets, cleanup."""
 
-    def __init__(self, config: EngineConfig, asyncio_mode: bool, wait_ready: bool = True) -> None:
+    def __init__(self, config: EngineConfig, asyncio_mode: bool, executor_class: Optional[type] = None,
+                 log_stats: bool = False) -> None:
         self.config = config
-        self.resources = res = _MPResources()
+        self.resources = res = MPResources()
         self._finalizer = weakref.finalize(self, res)
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
@@ -237,52 +138,53 @@ class MPClient(EngineCoreClient):
         out_sock.bind(output_addr)
         res.sockets += [in_sock, out_sock]
         res.input_socket = in_sock
-        res.proc = proc = _spawn_engine_process(config, input_addr, output_addr)
+        res.proc = spawn_engine_process(config, input_addr, output_addr, executor_class, log_stats)
         self._in_sock_sync = in_sock
         self._out_sock_sync = out_sock
-        self.ready_info: Optional[dict] = None
-        if wait_ready:
-            self.wait_until_ready()
+        self.ready: Optional[EngineCoreReady] = None
+        self.wait_until_ready()
 
     def wait_until_ready(self) -> None:
         """Wait for the engine's READY handshake. Raises RuntimeError with the engine's own
         start-up error (the process is cleaned up first)."""
-        if self.ready_info is not None:
+        if self.ready is not None:
             return
         res = self.resources
         try:
-            self.ready_info = self._wait_ready(self._out_sock_sync, res.proc)
+            self.ready = self._wait_ready(self._out_sock_sync, res.proc)
         except BaseException:
             self._finalizer()
             raise
-        self.num_blocks = self.ready_info["num_blocks"]
-        threading.Thread(target=_monitor, args=(res.proc, self.output_addr, self._sync_ctx, res.stop_event),
+        self.num_blocks = self.ready.num_blocks
+        threading.Thread(target=monitor_engine_process,
+                         args=(res.proc, self.output_addr, self._sync_ctx, res.stop_event),
                          daemon=True, name="EngineCoreMonitor").start()
         self._on_ready()
 
     def _on_ready(self) -> None:
         pass
 
-    def _wait_ready(self, out_sock, proc) -> dict:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    def _wait_ready(self, out_sock, proc) -> EngineCoreReady:
+        timeout = core_process.STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if out_sock.poll(200):
                 msg: EngineCoreOutputs = self.decoder.decode(out_sock.recv())
-                if msg.engine_dead:
+                if msg.dead is not None:
                     proc.join(timeout=10)
-                    raise RuntimeError(msg.error or "Engine start-up failed")
-                if msg.ready_info is not None:
-                    return msg.ready_info
+                    raise RuntimeError(msg.dead.message or "Engine start-up failed")
+                if msg.ready is not None:
+                    return msg.ready
             elif not proc.is_alive():
                 raise RuntimeError(f"Engine process exited during start-up (exit code {proc.exitcode}); "
                                    "see the log above for the cause")
-        raise RuntimeError(f"Engine did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"Engine did not start within {timeout:.0f} s")
 
     def _check_dead(self, outs: EngineCoreOutputs) -> None:
-        if outs.engine_dead:
+        if outs.dead is not None:
             self.engine_dead = True
-            self.dead_error = outs.error
-            raise EngineDeadError(f"EngineCore died: {outs.error}")
+            self.dead_error = outs.dead.message
+            raise EngineDeadError(f"EngineCore died: {outs.dead.message}")
 
     def _ensure_alive(self) -> None:
         if self.engine_dead:
@@ -292,8 +194,11 @@ class MPClient(EngineCoreClient):
     def engine_pid(self) -> Optional[int]:
         return self.resources.proc.pid if self.resources.proc else None
 
-    def shutdown(self) -> None:
-        self._finalizer()
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine process and release the sockets within ``timeout`` seconds."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            self.resources(timeout)
 
 
 def _route_special(client: "MPClient", outs: EngineCoreOutputs) -> bool:
@@ -308,12 +213,12 @@ def _route_special(client: "MPClient", outs: EngineCoreOutputs) -> bool:
             else:
                 fut.set_result(u.result)
         return True
-    if outs.engine_dead:
+    if outs.dead is not None:
         client.engine_dead = True
-        client.dead_error = outs.error
+        client.dead_error = outs.dead.message
         for fut in client.utility_results.values():
             if not fut.done():
-                fut.set_exception(EngineDeadError(f"EngineCore died: {outs.error}"))
+                fut.set_exception(EngineDeadError(f"EngineCore died: {outs.dead.message}"))
         client.utility_results.clear()
     return False
 
@@ -322,11 +227,12 @@ class SyncMPClient(MPClient):
     """Blocking client. A reader thread puts outputs on a queue and resolves utility
     futures."""
 
-    def __init__(self, config: EngineConfig, wait_ready: bool = True) -> None:
+    def __init__(self, vllm_config: EngineConfig, executor_class: Optional[type] = None,
+                 log_stats: bool = False) -> None:
         self.outputs_queue: queue.Queue = queue.Queue()
         self.utility_results: dict[int, Future] = {}
         self._lock = threading.Lock()
-        super().__init__(config, asyncio_mode=False, wait_ready=wait_ready)
+        super().__init__(vllm_config, False, executor_class, log_stats)
 
     def _on_ready(self) -> None:
         threading.Thread(target=self._reader, daemon=True, name="EngineCoreOutputReader").start()
@@ -344,7 +250,7 @@ class SyncMPClient(MPClient):
             if _route_special(self, outs):
                 continue
             self.outputs_queue.put(outs)
-            if outs.engine_dead:
+            if outs.dead is not None:
                 return
 
     def get_output(self) -> EngineCoreOutputs:
@@ -383,8 +289,9 @@ class AsyncMPClient(MPClient):
     """asyncio client: outputs are awaited with ``get_output_async``; utility calls are
     awaited on futures resolved by whoever reads the output socket."""
 
-    def __init__(self, config: EngineConfig, wait_ready: bool = True) -> None:
-        super().__init__(config, asyncio_mode=True, wait_ready=wait_ready)
+    def __init__(self, vllm_config: EngineConfig, executor_class: Optional[type] = None,
+                 log_stats: bool = False) -> None:
+        super().__init__(vllm_config, True, executor_class, log_stats)
         self._async_in = None
         self._async_out = None
         self.utility_results: dict[int, asyncio.Future] = {}
@@ -393,7 +300,6 @@ class AsyncMPClient(MPClient):
 
     def _ensure_sockets(self) -> None:
         if self._async_in is None:
-            ctx = self.resources.ctx
             # Re-wrap the already-bound sockets as asyncio sockets.
             self._async_in = zmq.asyncio.Socket.from_socket(self._in_sock_sync)
             self._async_out = zmq.asyncio.Socket.from_socket(self._out_sock_sync)
@@ -421,6 +327,10 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send(EngineCoreRequestType.ADD, request)
 
+    async def add_streaming_input_async(self, chunk: StreamingInputChunk) -> None:
+        """Send a later input chunk (or the end of input) of a streaming-input request."""
+        await self._send(EngineCoreRequestType.STREAMING_INPUT, chunk)
+
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and not self.engine_dead:
             await self._send(EngineCoreRequestType.ABORT, list(request_ids))
@@ -432,13 +342,13 @@ class AsyncMPClient(MPClient):
         await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
         return await fut
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: Optional[float] = None) -> None:
         if self._reader_task is not None and not self._reader_task.done():
             try:
                 self._reader_task.cancel()
             except RuntimeError:  # its event loop is already closed
                 pass
-        super().shutdown()
+        super().shutdown(timeout)
 
 
 async def _async_reader(client_ref, sock, decoder, out_queue: asyncio.Queue) -> None:
@@ -457,5 +367,5 @@ async def _async_reader(client_ref, sock, decoder, out_queue: asyncio.Queue) -> 
         if handled:
             continue
         out_queue.put_nowait(outs)
-        if outs.engine_dead:
+        if outs.dead is not None:
             return

@@ -1,15 +1,17 @@
-"""LLMEngine: the synchronous engine front-end used by ``LLM`` (vLLM's v1 LLMEngine):
-InputProcessor -> EngineCoreClient (in-process or a child process) -> OutputProcessor.
+"""LLMEngine: the synchronous engine front-end used by ``LLM`` (vLLM's v1 LLMEngine, a
+thin legacy shell): InputProcessor -> EngineCoreClient (``make_client``: in-process or a
+child process) -> OutputProcessor.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
 
 from llmserve.config import EngineConfig
-from llmserve.engine.core_client import InprocClient, SyncMPClient
+from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.parallel_sampling import ParentRequest
@@ -44,33 +46,74 @@ def load_frontend(config: EngineConfig):
     return tok, gen
 
 
-class LLMEngine:
-    """Synchronous engine. Raises ValueError from add_request on bad input."""
+def start_engine_and_frontend(config: EngineConfig, make_client: Callable[[], Any]) -> tuple[Any, Any, dict]:
+    """Start the engine client (``make_client()``, which loads the model, in a child
+    process or here) while the tokenizer and generation config load in a thread, so the
+    two overlap. Returns (client, tokenizer, generation_config); on failure of either,
+    the client is shut down and the error raised."""
+    with ThreadPoolExecutor(1, thread_name_prefix="llmserve-frontend") as pool:
+        frontend = pool.submit(load_frontend, config)
+        client = make_client()
+        try:
+            tokenizer, generation_config = frontend.result()
+        except BaseException:
+            client.shutdown()
+            raise
+    return client, tokenizer, generation_config
 
-    def __init__(self, config: EngineConfig, multiprocess_mode: Optional[bool] = None) -> None:
-        self.config = config
-        self.model_config = config.model_config
+
+class LLMEngine:
+    """Synchronous engine (vLLM's ``LLMEngine``). Raises ValueError from add_request on
+    bad input.
+
+    Args: vllm_config (EngineConfig / VllmConfig); executor_class (default
+    ``Executor.get_class(vllm_config)``); log_stats; multiprocess_mode (default
+    ``LLMSERVE_ENABLE_MULTIPROCESSING``, on): the EngineCore in a child process
+    (SyncMPClient) or in this one (InprocClient), via ``EngineCoreClient.make_client``.
+    """
+
+    def __init__(self, vllm_config: EngineConfig, executor_class: Optional[type] = None, log_stats: bool = False,
+                 usage_context: UsageContext = UsageContext.ENGINE_CONTEXT, stat_loggers: Optional[list] = None,
+                 multiprocess_mode: Optional[bool] = None) -> None:
+        from llmserve.executor import Executor
+
+        if isinstance(executor_class, bool):  # the old signature: LLMEngine(config, multiprocess_mode)
+            executor_class, multiprocess_mode = None, executor_class
+        self.vllm_config = self.config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.log_stats = log_stats
+        if executor_class is None:
+            executor_class = Executor.get_class(vllm_config)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
-        if multiprocess_mode:
-            # The engine process loads the model while we load the tokenizer.
-            self.engine_core = SyncMPClient(config, wait_ready=False)
-            try:
-                self.tokenizer, self.generation_config = load_frontend(config)
-            except BaseException:
-                self.engine_core.shutdown()
-                raise
-            self.engine_core.wait_until_ready()
-        else:
-            self.tokenizer, self.generation_config = load_frontend(config)
-            self.engine_core = InprocClient(config)
+        self.engine_core, self.tokenizer, self.generation_config = start_engine_and_frontend(
+            vllm_config, lambda: EngineCoreClient.make_client(multiprocess_mode, False, vllm_config,
+                                                              executor_class, log_stats))
         self.input_processor = InputProcessor(self.model_config, self.tokenizer, self.generation_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: Optional[bool] = None,
-                         usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(usage_context), multiprocess_mode)
+    def from_vllm_config(cls, vllm_config: EngineConfig, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+                         stat_loggers: Optional[list] = None, disable_log_stats: bool = False,
+                         multiprocess_mode: Optional[bool] = None) -> "LLMEngine":
+        from llmserve.executor import Executor
+
+        return cls(vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=not disable_log_stats,
+                   usage_context=usage_context, stat_loggers=stat_loggers, multiprocess_mode=multiprocess_mode)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+                         stat_loggers: Optional[list] = None,
+                         multiprocess_mode: Optional[bool] = None) -> "LLMEngine":
+        """create_engine_config() -> Executor.get_class(config) -> LLMEngine."""
+        from llmserve.executor import Executor
+
+        if isinstance(usage_context, bool) or usage_context is None:  # old positional multiprocess_mode
+            usage_context, multiprocess_mode = UsageContext.ENGINE_CONTEXT, usage_context
+        config = engine_args.create_engine_config(usage_context)
+        return cls(config, executor_class=Executor.get_class(config),
+                   log_stats=not getattr(engine_args, "disable_log_stats", True), usage_context=usage_context,
+                   stat_loggers=stat_loggers, multiprocess_mode=multiprocess_mode)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -98,6 +141,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outs = self.engine_core.get_output()
+        if outs.rejected:
+            self.output_processor.reject_requests(outs.rejected)
         processed = self.output_processor.process_outputs(outs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
@@ -115,5 +160,5 @@ class LLMEngine:
     def get_stats(self) -> dict:
         return self.engine_core.get_stats()
 
-    def shutdown(self) -> None:
-        self.engine_core.shutdown()
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self.engine_core.shutdown(timeout)

@@ -1,19 +1,33 @@
-"""Messages that cross the process boundary between the front-end and EngineCoreProc.
+"""Messages that cross the process boundary between the front end and EngineCoreProc.
 
 All are msgspec Structs (encoded by ``engine/serial.py``); nothing else crosses. The
 input socket carries two frames: a one-byte request type and the payload, so the engine
 can dispatch without decoding. Follows vLLM's v1 ``EngineCoreRequest`` /
 ``EngineCoreOutputs``.
+
+Ground floor: imports only the ground-floor types (``core/outputs.py``), the scheduler
+stats and ``SamplingParams``, never the engine, the scheduler or the runner. Control
+messages are typed: the start-up handshake (``EngineCoreReady``), a refused request
+(``EngineCoreRejection``, raised as ValueError on the client) and a dead engine
+(``EngineCoreDead``, raised as EngineDeadError).
 """
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import msgspec
 
+from llmserve.core.outputs import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason,
+                                   LogprobsLists)
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.sampling_params import SamplingParams
+
+
+__all__ = ["EngineCoreRequestType", "EngineCoreRequest", "StreamingInputChunk", "EngineCoreReady",
+           "EngineCoreRejection", "EngineCoreDead", "UtilityOutput", "EngineCoreOutputs", "UtilityRequest",
+           "WIRE_TYPES", "EngineCoreOutput", "EngineCoreEvent", "EngineCoreEventType", "FinishReason",
+           "LogprobsLists"]
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -23,13 +37,16 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+    STREAMING_INPUT = b"\x04"
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A request for the engine: prompt tokens and sampling parameters.
 
     max_tokens in sampling_params is already resolved (never None); arrival_time is
-    time.time() seconds.
+    time.time() seconds. resumable: a streaming-input session (``StreamingInputChunk``
+    messages extend it; it finishes only after the final chunk). trace_headers: W3C trace
+    context (``traceparent``, ``tracestate``) of the caller, kept for tracing.
     """
 
     request_id: str
@@ -38,32 +55,50 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: Optional[int]
     arrival_time: float
     priority: int = 0
+    resumable: bool = False
+    trace_headers: Optional[dict[str, str]] = None
 
 
-class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
-    """Logprobs of some positions. token_ids[i]: the actual/sampled token first, then the
-    top-k ids; logprobs[i]: natural-log probabilities, same order; ranks[i]: 1-based rank
-    of the first token."""
+class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A later input chunk of a streaming-input (resumable) request.
 
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """News about one request from one step. finish_reason: FinishReason value or None."""
+    When the request has generated its output for the previous chunk, the engine appends
+    ``prompt_token_ids`` to its context (after the tokens whose KV is computed: the last
+    sampled token, which has no KV yet, is dropped, as in vLLM) and generates again with
+    ``sampling_params`` (or the request's own). Chunks that arrive while it is busy wait
+    in order. ``final`` (with no tokens) closes the input: the request finishes once it
+    has answered the last chunk.
+    """
 
     request_id: str
-    new_token_ids: list[int]
-    new_logprobs: Optional[LogprobsLists] = None
-    new_prompt_logprobs: Optional[LogprobsLists] = None
-    finish_reason: Optional[int] = None
-    stop_reason: Union[int, str, None] = None
-    num_cached_tokens: int = 0
+    prompt_token_ids: list[int] = []
+    sampling_params: Optional[SamplingParams] = None
+    final: bool = False
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+
+class EngineCoreReady(msgspec.Struct, array_like=True, gc=False):
+    """Start-up handshake: the engine is up with ``num_blocks`` KV blocks, in process pid."""
+
+    num_blocks: int
+    pid: int
+
+
+class EngineCoreRejection(msgspec.Struct, array_like=True, gc=False):
+    """The engine refused a request (e.g. it could never fit in the KV cache); the client
+    raises ValueError(message) to its caller. The engine keeps running."""
+
+    request_id: str
+    message: str
+
+
+class EngineCoreDead(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The engine hit an unrecoverable error or its process died (ENGINE_CORE_DEAD);
+    during_startup: it never became ready. The client raises EngineDeadError (or, at
+    start-up, RuntimeError) with ``message``."""
+
+    message: str
+    exit_code: Optional[int] = None
+    during_startup: bool = False
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
@@ -75,23 +110,28 @@ class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Everything one engine step (or event) sends back.
-
-    engine_dead: the engine hit an unrecoverable error (ENGINE_CORE_DEAD); error holds
-    its message. ready: start-up handshake (num_blocks in ready_info).
-    """
+    """Everything one engine step (or event) sends back. timestamp: time.monotonic()."""
 
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: Optional[SchedulerStats] = None
     timestamp: float = 0.0
     utility_output: Optional[UtilityOutput] = None
     finished_requests: Optional[list[str]] = None
-    engine_dead: bool = False
-    error: Optional[str] = None
-    ready_info: Optional[dict[str, Any]] = None
+    rejected: Optional[list[EngineCoreRejection]] = None
+    dead: Optional[EngineCoreDead] = None
+    ready: Optional[EngineCoreReady] = None
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.dead is not None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
     call_id: int
     method: str
     args: list[Any] = []
+
+
+#: Every struct that crosses the process boundary (the round-trip test walks this).
+WIRE_TYPES = (EngineCoreRequest, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+              EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent)

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
-from llmserve.core.request import FinishReason
+from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.messages import EngineCoreOutput, LogprobsLists
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, LogprobsLists
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -93,9 +93,39 @@ class RequestState:
     num_cached_tokens: int = 0
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
-    queued_time: float = 0.0
+    # Engine-side time.monotonic() stamps (EngineCoreEvents, output timestamps), for the
+    # queue / prefill / decode / inference times of the finished-request stats.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
     sent_token_ids: int = 0
     sent_logprobs: int = 0
+
+    def record_events(self, events: list[EngineCoreEvent]) -> None:
+        for ev in events:
+            if ev.type == EngineCoreEventType.QUEUED:
+                self.queued_ts = ev.timestamp
+            elif ev.type == EngineCoreEventType.SCHEDULED and not self.scheduled_ts:
+                self.scheduled_ts = ev.timestamp  # the first scheduling ends the queue time
+
+    def finished_stats(self, finish_reason: str, now: float, dropped: bool = False) -> FinishedRequestStats:
+        """This request's FinishedRequestStats (``now``: time.time()). dropped: the
+        caller went away (no TTFT unless a token came, no TPOT)."""
+        n_gen = len(self.detokenizer.token_ids)
+        ftt = self.first_token_time
+        if dropped:
+            ttft, tpot = (ftt - self.arrival_time if ftt else 0.0), 0.0
+        else:
+            ttft = (ftt or now) - self.arrival_time
+            tpot = (now - ftt) / (n_gen - 1) if n_gen > 1 and ftt else 0.0
+        sched = self.scheduled_ts
+        queued = sched - self.queued_ts if sched and self.queued_ts else 0.0
+        prefill = self.first_token_ts - sched if sched and self.first_token_ts else 0.0
+        decode = self.last_token_ts - self.first_token_ts if self.first_token_ts else 0.0
+        inference = self.last_token_ts - sched if sched and self.last_token_ts else 0.0
+        return FinishedRequestStats(finish_reason, now - self.arrival_time, len(self.prompt_token_ids), n_gen,
+                                    ttft, tpot, queued, prefill, decode, inference)
 
 
 @dataclass
@@ -153,11 +183,22 @@ class OutputProcessor:
                     continue
                 out.append(cid)
                 if iteration_stats is not None:
-                    n_gen = len(st.detokenizer.token_ids)
-                    ttft = (st.first_token_time - st.arrival_time) if st.first_token_time else 0.0
-                    iteration_stats.finished_requests.append(FinishedRequestStats(
-                        str(FinishReason.ABORT), now - st.arrival_time, len(st.prompt_token_ids), n_gen, ttft))
+                    iteration_stats.finished_requests.append(st.finished_stats(str(FinishReason.ABORT), now, dropped=True))
         return out
+
+    def reject_requests(self, rejections: list[EngineCoreRejection]) -> None:
+        """The engine refused these requests: each caller gets ValueError(message) (in its
+        collector; without one, e.g. LLMEngine, it is raised here)."""
+        for rej in rejections:
+            st = self.states.pop(rej.request_id, None)
+            if st is None:
+                continue  # aborted already
+            if st.parent is not None:
+                self.parents.pop(st.parent.request_id, None)
+            exc = ValueError(rej.message)
+            if st.collector is None:
+                raise exc
+            st.collector.put(exc)
 
     def propagate_error(self, exc: BaseException) -> None:
         for st in self.states.values():
@@ -188,26 +229,21 @@ class OutputProcessor:
             p = st.params
             finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else None
             stop_reason = eco.stop_reason
-            if (finish == FinishReason.ABORT and isinstance(stop_reason, str)
-                    and stop_reason.startswith("rejected: ")):
-                exc = ValueError(stop_reason[len("rejected: "):])
-                self.states.pop(eco.request_id, None)
-                if st.collector is not None:
-                    st.collector.put(exc)
-                else:
-                    raise exc
-                continue
+            if eco.events is not None:
+                st.record_events(eco.events)
             st.num_cached_tokens = eco.num_cached_tokens
             if eco.new_token_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
                     if iteration_stats is not None:
+                        st.first_token_ts = timestamp or 0.0
                         iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
                         iteration_stats.time_to_first_tokens_iter.append(now - st.arrival_time)
                 elif iteration_stats is not None and st.last_token_time is not None:
                     iteration_stats.inter_token_latencies_iter.append(now - st.last_token_time)
                 st.last_token_time = now
                 if iteration_stats is not None:
+                    st.last_token_ts = timestamp or 0.0
                     iteration_stats.num_generation_tokens += len(eco.new_token_ids)
             stop_terminated = finish == FinishReason.STOP and stop_reason is None or (
                 finish == FinishReason.STOP and isinstance(stop_reason, int))
@@ -235,12 +271,7 @@ class OutputProcessor:
                 if st.parent is not None and len(st.parent.finished) == st.parent.n:
                     self.parents.pop(st.parent.request_id, None)
                 if iteration_stats is not None:
-                    n_gen = len(st.detokenizer.token_ids)
-                    e2e = now - st.arrival_time
-                    ttft = (st.first_token_time or now) - st.arrival_time
-                    tpot = (now - st.first_token_time) / (n_gen - 1) if n_gen > 1 and st.first_token_time else 0.0
-                    iteration_stats.finished_requests.append(FinishedRequestStats(
-                        str(finish), e2e, len(st.prompt_token_ids), n_gen, ttft, tpot))
+                    iteration_stats.finished_requests.append(st.finished_stats(str(finish), now))
         return result
 
     def _make_output(self, st: RequestState, finish: Optional[FinishReason], stop_reason,

@@ -17,7 +17,10 @@ llmserve:inter_token_latency_seconds           histogram  between consecutive to
 llmserve:time_per_output_token_seconds         histogram  same samples (vLLM's older name)
 llmserve:request_time_per_output_token_seconds histogram  mean per finished request
 llmserve:e2e_request_latency_seconds           histogram  arrival -> finish
-llmserve:request_queue_time_seconds            histogram  time spent waiting
+llmserve:request_queue_time_seconds            histogram  queued -> first scheduled (engine events)
+llmserve:request_prefill_time_seconds          histogram  first scheduled -> first token
+llmserve:request_decode_time_seconds           histogram  first token -> last token
+llmserve:request_inference_time_seconds        histogram  first scheduled -> last token
 llmserve:request_prompt_tokens                 histogram  prompt length of finished requests
 llmserve:request_generation_tokens             histogram  output length of finished requests
 =============================================  =========  ==========================================
@@ -116,6 +119,12 @@ class PrometheusStatLogger:
                              _E2E_BUCKETS)
         self.hist_queue = hist("request_queue_time_seconds", "Histogram of time spent waiting in seconds.",
                                _E2E_BUCKETS)
+        self.hist_prefill = hist("request_prefill_time_seconds",
+                                 "Histogram of time spent in the PREFILL phase in seconds.", _E2E_BUCKETS)
+        self.hist_decode = hist("request_decode_time_seconds",
+                                "Histogram of time spent in the DECODE phase in seconds.", _E2E_BUCKETS)
+        self.hist_inference = hist("request_inference_time_seconds",
+                                   "Histogram of time spent in the RUNNING phase in seconds.", _E2E_BUCKETS)
         token_buckets = _token_buckets(max_len)
         self.hist_prompt_len = hist("request_prompt_tokens", "Number of prefill tokens per finished request.",
                                     token_buckets)
@@ -161,6 +170,9 @@ class PrometheusStatLogger:
             counter.inc()
             self.hist_e2e.observe(fin.e2e_latency)
             self.hist_queue.observe(fin.queued_time)
+            self.hist_prefill.observe(fin.prefill_time)
+            self.hist_decode.observe(fin.decode_time)
+            self.hist_inference.observe(fin.inference_time)
             self.hist_prompt_len.observe(fin.num_prompt_tokens)
             self.hist_gen_len.observe(fin.num_generation_tokens)
             if fin.num_generation_tokens > 1:

@@ -24,7 +24,10 @@ class SchedulerStats:
 @dataclass
 class FinishedRequestStats:
     """One finished request: finish reason ("stop", "length", "abort"), token counts,
-    e2e latency, time to first token, mean time per output token, queue time."""
+    e2e latency, time to first token, mean time per output token; from the engine's
+    events (vLLM's names): queued_time (queued -> first scheduled), prefill_time (first
+    scheduled -> first token), decode_time (first -> last token), inference_time (first
+    scheduled -> last token). Seconds; 0 when unknown (stats off, or never scheduled)."""
 
     finish_reason: str
     e2e_latency: float
@@ -33,6 +36,9 @@ class FinishedRequestStats:
     ttft: float = 0.0
     mean_tpot: float = 0.0
     queued_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
 
 
 @dataclass

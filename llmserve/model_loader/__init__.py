@@ -58,6 +58,6 @@ def get_model(model_config: Any) -> nn.Module:
     if device != "cpu":
         model = model.to(device)
     else:  # build (or load the cached) C++ decode kernel now, not during the first request
-        from llmserve.attention.cpu_kernel import get_decode_kernel
+        from llmserve.ops.cpu_ops import get_decode_kernel
         get_decode_kernel()
     return model.eval()

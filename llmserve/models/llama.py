@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention.backend import AttentionMetadata, PagedAttention
-from llmserve.attention.cpu_kernel import cpu_ops_for
+from llmserve.ops.cpu_ops import cpu_ops_for
 
 
 class Linear(nn.Module):

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llmserve.attention import cpu_kernel
+from llmserve.ops import cpu_ops
 from llmserve.sample.logits_processors import (apply_allowed_token_ids, apply_bad_words,
                                                apply_logit_bias, apply_min_tokens)
 from llmserve.sample.logprobs import (CHUNK as _CHUNK, LogprobsTensors, chunkable,
@@ -126,9 +126,9 @@ def _sample_full(x: torch.Tensor, g: RandomGroup, u: torch.Tensor) -> torch.Tens
     """Sample from softmax(x / T), after min-p. x: float32 [n, V] -> int64 [n].
 
     Without min-p, on the CPU, one fused C++ pass per row does the same draw
-    (``cpu_kernel.sample_inverse_cdf``: no [n, V] temporaries, ~3x faster at 256 x 49152)."""
+    (``cpu_ops.sample_inverse_cdf``: no [n, V] temporaries, ~3x faster at 256 x 49152)."""
     if g.min_p is None and chunkable(x):
-        ops = cpu_kernel.get_cpu_ops()
+        ops = cpu_ops.get_cpu_ops()
         if ops is not None:
             out = torch.empty(x.shape[0], dtype=torch.long)
             k = (g.inv_temperature.reshape(-1).to(torch.float32) * _LOG2E).contiguous()

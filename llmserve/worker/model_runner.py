@@ -1,16 +1,24 @@
 """Model runner: turns a SchedulerOutput into one forward pass over the paged KV cache,
-then samples (vLLM's GPUModelRunner, for CPU and CUDA).
+then hands the hidden states to a head (vLLM's GPUModelRunner, for CPU and CUDA).
 
-Each step flattens the mixed batch (decodes first, then prompt chunks) into input ids
-[T], positions [T], a slot mapping [T] and block tables [B, max_blocks], runs the model,
-computes logits only for the rows that need them (the last token of each request that
-samples, plus prompt positions when prompt logprobs are asked for) and samples.
+``execute_model`` runs named stages:
+1. ``_prepare_inputs``: flatten the mixed batch (decodes first, then prompt chunks) into
+   input ids [T], positions [T], a slot mapping [T] and block tables [B, max_blocks];
+   pick the rows that need logits (the last token of each request that samples, plus
+   prompt positions when prompt logprobs are asked for).
+2. ``_forward``: the model -> hidden states [T, hidden].
+3. ``_compute_logits``: the LM head on the picked rows only.
+4. the head: ``_prompt_logprobs`` and ``_sample`` (a pooler head will take the hidden
+   states here instead for pooling requests);
+5. packing into ``ModelRunnerOutput``.
+The runner knows no process or client: it imports only the ground-floor types.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -18,8 +26,8 @@ import torch
 
 from llmserve.attention.backend import AttentionMetadata
 from llmserve.config import EngineConfig
-from llmserve.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from llmserve.engine.messages import LogprobsLists
+from llmserve.core.outputs import LogprobsLists, ModelRunnerOutput
+from llmserve.core.sched_output import SchedulerOutput
 from llmserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from llmserve.sample.metadata import SamplingRequestState, make_generator
 
@@ -35,6 +43,33 @@ class _ReqState:
         self.sampling = sampling
         self.prompt_lp_next = 0  # next prompt position whose prompt logprob is not yet sent
         self.num_prompt_tokens = num_prompt_tokens
+
+
+@dataclass(slots=True)
+class _Planned:
+    """One scheduled request's part of the step: prompt-logprob positions ``plp``
+    ((lo, hi) or None) at logit rows [plp_start, + plp_count), and its sample row (-1: the
+    step ends inside its prompt)."""
+
+    req: object
+    st: _ReqState
+    plp: Optional[tuple[int, int]]
+    plp_start: int
+    plp_count: int
+    sample_row: int
+
+
+@dataclass
+class StepInputs:
+    """What ``_prepare_inputs`` builds for one step: model inputs (token ids and positions
+    [T] int64, attention metadata), the hidden-state rows that need logits, and the plan
+    of each request."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logit_rows: list[int]
+    plan: list[_Planned]
 
 
 @functools.lru_cache(maxsize=1)
@@ -190,10 +225,21 @@ class ModelRunner:
     # ---- step ----------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: prepare inputs, forward, logits, head (sample / prompt logprobs)."""
         self.remove_requests(so.finished_req_ids)
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out
+        inputs = self._prepare_inputs(so)
+        hidden = self._forward(inputs)
+        if not inputs.logit_rows:
+            return out
+        logits = self._compute_logits(hidden, inputs.logit_rows)
+        self._prompt_logprobs(logits, inputs.plan, out)
+        self._sample(logits, inputs.plan, out)
+        return out
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         # Decodes (1 query token) first, then prompt chunks.
         sched = sorted(so.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
         bs = self.block_size
@@ -212,8 +258,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logit_rows: list[int] = []
-        # (row offset into logit_rows, count) of prompt-logprob rows, and sample row, per request
-        plan: list[tuple] = []
+        plan: list[_Planned] = []
         t = 0
         for i, s in enumerate(sched):
             req = s.request
@@ -225,7 +270,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(c + n)
             st = self._state(req)
-            plp_start = plp_count = 0
+            plan_plp, plp_start, plp_count = None, 0, 0
             if req.sampling_params.prompt_logprobs is not None:
                 lo = max(c, st.prompt_lp_next)
                 hi = min(c + n, st.num_prompt_tokens - 1)
@@ -234,15 +279,11 @@ class ModelRunner:
                     logit_rows.extend(range(t + lo - c, t + hi - c))
                     st.prompt_lp_next = hi
                     plan_plp = (lo, hi)
-                else:
-                    plan_plp = None
-            else:
-                plan_plp = None
             sample_row = -1
             if c + n >= req.num_tokens:
                 sample_row = len(logit_rows)
                 logit_rows.append(t + n - 1)
-            plan.append((req, st, plan_plp, plp_start, plp_count, sample_row))
+            plan.append(_Planned(req, st, plan_plp, plp_start, plp_count, sample_row))
             t += n
 
         slot_mapping = self._slot_mapping(positions, block_tables, query_lens, bs)
@@ -259,49 +300,55 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
-        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),
-                            self.kv_caches, md)
-        if not logit_rows:
-            return out
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
+                          logit_rows, plan)
 
-        # Prompt logprobs.
-        for req, st, pr, plp_start, plp_count, _ in plan:
-            if pr is None:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the flattened batch: hidden states [T, hidden_size]."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+
+    def _compute_logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] of the picked hidden-state rows."""
+        return self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
+
+    def _prompt_logprobs(self, logits: torch.Tensor, plan: list[_Planned], out: ModelRunnerOutput) -> None:
+        dev = self.device
+        for p in plan:
+            if p.plp is None:
                 continue
-            lo, hi = pr
+            req = p.req
+            lo, hi = p.plp
             targets = torch.tensor(req.prompt_token_ids[lo + 1:hi + 1], dtype=torch.long, device=dev)
             k = req.sampling_params.prompt_logprobs
             k = self.model_config.vocab_size if k == -1 else k
-            lt = compute_prompt_logprobs(logits[plp_start:plp_start + plp_count].float(), targets, k)
+            lt = compute_prompt_logprobs(logits[p.plp_start:p.plp_start + p.plp_count].float(), targets, k)
             out.prompt_logprobs[req.request_id] = LogprobsLists(
                 lt.logprob_token_ids.tolist(), lt.logprobs.tolist(), lt.selected_token_ranks.tolist())
 
-        # Sampling.
-        sample = [(req, st, row) for req, st, _, _, _, row in plan if row >= 0]
+    def _sample(self, logits: torch.Tensor, plan: list[_Planned], out: ModelRunnerOutput) -> None:
+        """The sampler head: one token (and its logprobs) per request that samples."""
+        sample = [p for p in plan if p.sample_row >= 0]
         if not sample:
-            return out
-        rows = [row for _, _, row in sample]
+            return
+        rows = [p.sample_row for p in sample]
         if rows == list(range(rows[0], rows[0] + len(rows))):
             sample_logits = logits[rows[0]:rows[0] + len(rows)]
         else:
-            sample_logits = logits[torch.tensor(rows, device=dev)]
-        meta = SamplingMetadata.build([st.sampling for _, st, _ in sample],
-                                      self.model_config.vocab_size, dev)
+            sample_logits = logits[torch.tensor(rows, device=self.device)]
+        meta = SamplingMetadata.build([p.st.sampling for p in sample], self.model_config.vocab_size, self.device)
         so_ = self.sampler(sample_logits.float(), meta)
         tokens = so_.sampled_token_ids.tolist()
         lpt = so_.logprobs_tensors
         if lpt is not None:
             ids_l, lps_l, ranks_l = (lpt.logprob_token_ids.tolist(), lpt.logprobs.tolist(),
                                      lpt.selected_token_ranks.tolist())
-        for j, (req, st, _) in enumerate(sample):
-            out.sampled_token_ids[req.request_id] = tokens[j]
-            k = req.sampling_params.logprobs
+        for j, p in enumerate(sample):
+            rid = p.req.request_id
+            out.sampled_token_ids[rid] = tokens[j]
+            k = p.req.sampling_params.logprobs
             if k is not None and lpt is not None:
                 k = len(ids_l[j]) - 1 if k == -1 else k
-                out.logprobs[req.request_id] = LogprobsLists(
-                    [ids_l[j][:k + 1]], [lps_l[j][:k + 1]], [ranks_l[j]])
-        return out
+                out.logprobs[rid] = LogprobsLists([ids_l[j][:k + 1]], [lps_l[j][:k + 1]], [ranks_l[j]])
 
     @staticmethod
     def _slot_mapping(positions: np.ndarray, block_tables: np.ndarray, query_lens: list[int],

@@ -115,7 +115,7 @@ def test_llm_passes_its_usage_context(monkeypatch):
     from llmserve import LLM
     seen = []
 
-    def fake_init(self, config, multiprocess_mode=None):
+    def fake_init(self, config, *args, **kwargs):
         seen.append(config.scheduler_config.max_num_batched_tokens)
         raise RuntimeError("stop here")
 

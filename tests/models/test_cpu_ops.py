@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.attention.backend import write_to_kv_cache
-from llmserve.attention.cpu_kernel import get_cpu_ops
+from llmserve.ops.cpu_ops import get_cpu_ops
 from llmserve.models.llama import RotaryEmbedding, apply_rope, compute_inv_freq
 
 ops = get_cpu_ops()
@@ -94,8 +94,8 @@ def test_reshape_and_cache_matches_index_copy(monkeypatch):
     k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)
     slots = torch.tensor([7, 0, 23, 12, 13])
     ops.reshape_and_cache(k, v, kv_a, slots)
-    from llmserve.attention import cpu_kernel
-    monkeypatch.setattr(cpu_kernel, "get_cpu_ops", lambda: None)
+    from llmserve.ops import cpu_ops
+    monkeypatch.setattr(cpu_ops, "get_cpu_ops", lambda: None)
     write_to_kv_cache(k, v, kv_b, slots)
     assert torch.equal(kv_a, kv_b) and kv_a.abs().sum() > 0
     with pytest.raises(RuntimeError, match="slot out of range"):
@@ -126,7 +126,7 @@ def test_bfloat16_model_same_with_and_without_kernels(tmp_path, save_tiny_model_
                                                      tokens_fn, step_runner_cls, monkeypatch):
     """A whole bf16 step (prefill chunk + decodes) through the kernels and through the torch
     paths: logits agree to bf16 noise and the greedy tokens are the same."""
-    from llmserve.attention import cpu_kernel
+    from llmserve.ops import cpu_ops
     from llmserve.model_loader import get_model, load_hf_config, resolve_model
 
     save_tiny_model_fn("llama", str(tmp_path))
@@ -141,7 +141,7 @@ def test_bfloat16_model_same_with_and_without_kernels(tmp_path, save_tiny_model_
         return torch.cat([o[k] for o in outs for k in ("a", "b")])
 
     fast = run()
-    monkeypatch.setattr(cpu_kernel, "get_cpu_ops", lambda: None)
+    monkeypatch.setattr(cpu_ops, "get_cpu_ops", lambda: None)
     slow = run()
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
     torch.testing.assert_close(fast, slow, atol=0.05, rtol=0.05)

@@ -43,8 +43,8 @@ def test_chunked_prefill_and_batched_decodes_match_hf(tiny, tokens_fn, step_runn
     C++ kernels when they build here, and with the pure-torch paths)."""
     arch, ours, hf, path = tiny
     if not use_kernel:
-        from llmserve.attention import cpu_kernel
-        monkeypatch.setattr(cpu_kernel, "get_cpu_ops", lambda: None)
+        from llmserve.ops import cpu_ops
+        monkeypatch.setattr(cpu_ops, "get_cpu_ops", lambda: None)
     seqs = {"a": tokens_fn(27, 2), "b": tokens_fn(19, 3), "c": tokens_fn(13, 4)}
     refs = {r: hf_logits(hf, s) for r, s in seqs.items()}
     runner = step_runner_cls(ours)

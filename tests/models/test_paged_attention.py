@@ -10,7 +10,7 @@ import torch
 
 from llmserve.attention import PagedAttention, build_attn_metadata, get_kv_cache_shape
 from llmserve.attention.backend import decode_attention_torch
-from llmserve.attention.cpu_kernel import get_cpu_ops, get_decode_kernel
+from llmserve.ops.cpu_ops import get_cpu_ops, get_decode_kernel
 
 NH, NKV, HD, BS, NB = 6, 2, 16, 4, 64
 
@@ -110,7 +110,7 @@ def test_kernel_build_failure_falls_back_to_none(monkeypatch, caplog):
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
-    monkeypatch.setattr(ext, "load_inline", broken)
+    monkeypatch.setattr(ext, "load", broken)
     with caplog.at_level("WARNING"):
         assert get_cpu_ops.__wrapped__() is None
     assert "torch path" in caplog.text and "no compiler here" in caplog.text

@@ -234,7 +234,7 @@ def test_fused_cpu_sampling_kernel_matches_torch_inverse_cdf():
     """The C++ sample_inverse_cdf draws the token the torch chunk path draws for the same
     uniforms (random rows, temperatures, masked -inf tokens and a ragged vocabulary), and
     never a -inf token."""
-    from llmserve.attention.cpu_kernel import get_cpu_ops
+    from llmserve.ops.cpu_ops import get_cpu_ops
     import llmserve.sample.sampler as s_mod
 
     ops = get_cpu_ops()

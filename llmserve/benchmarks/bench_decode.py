@@ -1,6 +1,6 @@
 """Time one decode forward (model + logits) of a model over a paged KV cache.
 
-    python -m llmserve.attention.bench_decode [--model SmolLM2-135M-Instruct]
+    python -m llmserve.benchmarks.bench_decode [--model SmolLM2-135M-Instruct]
         [--dtype bfloat16] [--num-seqs 1 64] [--context 256] [--threads N]
 
 Prints, per batch size, wall-clock min/median and process CPU time per step with the C++

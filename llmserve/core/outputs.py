@@ -1,0 +1,97 @@
+"""Ground-floor types shared by the scheduler, the model runner and the front end.
+
+Imports nothing of llmserve (only msgspec and the standard library), so every layer may
+import it: ``core`` (scheduler), ``worker`` (model runner), ``engine`` (wire messages,
+output processor). vLLM keeps the same types in ``vllm/v1/outputs.py`` (LogprobsLists,
+ModelRunnerOutput) and ``vllm/v1/engine/__init__.py`` (FinishReason, EngineCoreEvent,
+EngineCoreOutput).
+
+``EngineCoreOutput`` is both what ``Scheduler.update_from_output`` builds and what crosses
+the process boundary inside ``EngineCoreOutputs``: one struct, no field-by-field copy.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; ``str()`` gives the OpenAI value. Encoded as an int."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of some positions. token_ids[i]: the actual/sampled token first, then the
+    top-k ids; logprobs[i]: natural-log probabilities, same order; ranks[i]: 1-based rank
+    of the first token."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request inside the engine (vLLM's ``EngineCoreEventType``)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """A timestamped request event. timestamp: ``time.monotonic()`` seconds in the engine
+    process (CLOCK_MONOTONIC is system-wide on Linux, so the front end on the same host
+    can subtract its own monotonic times; only differences between events of one
+    request are used)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> "EngineCoreEvent":
+        return cls(event_type, time.monotonic() if timestamp is None else timestamp)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """News about one request from one step (vLLM's ``EngineCoreOutput``).
+
+    new_token_ids: tokens sampled this step (empty while a prompt is being prefilled);
+    finish_reason: set when the request finished; stop_reason: the stop token id that
+    ended it (or None); num_cached_tokens: prompt tokens served from the prefix cache;
+    events: QUEUED/SCHEDULED/PREEMPTED events since the last output (only when the engine
+    logs stats)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[LogprobsLists] = None
+    new_prompt_logprobs: Optional[LogprobsLists] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+    events: Optional[list[EngineCoreEvent]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step: per request id, the sampled token
+    (absent when the step ended inside a prompt chunk), its logprobs and the prompt
+    logprobs of the positions computed this step (vLLM's ``ModelRunnerOutput``).
+    In-process only (it never crosses a process boundary)."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)

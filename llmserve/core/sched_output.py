@@ -1,0 +1,33 @@
+"""What the scheduler hands the model runner each step (vLLM's
+``vllm/v1/core/sched/output.py``). Plain Python, no torch; imports nothing above ``core``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmserve.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request in a step: its tokens [num_computed_tokens, + num_scheduled_tokens)
+    are run; block_ids cover them."""
+
+    request: "Request"
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner runs this step. finished_req_ids: requests whose per-request
+    runner state must be dropped (finished, aborted, or given a new prompt by streaming
+    input); preempted_req_ids: requests preempted this step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)

@@ -1,0 +1,159 @@
+"""Process plumbing of the multiprocess engine clients: spawning the EngineCore process,
+its ZMQ socket directory, the death monitor and the cleanup (vLLM's ``vllm/v1/engine/utils.py``).
+
+The clients (``core_client.py``) bind two ZMQ ``ipc://`` sockets in a private temp dir,
+spawn the engine process with ``spawn_engine_process``, and wait for its READY handshake
+(or its start-up error). ``monitor_engine_process`` watches the process: if it dies, it
+pushes an ENGINE_CORE_DEAD message (``EngineCoreDead``) into the client's own output
+socket, so every waiter wakes within a second. ``MPResources`` is the cleanup, run by
+``weakref.finalize`` so no reference cycle holds a client.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import zmq
+
+from llmserve.engine.messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequestType
+from llmserve.engine.serial import MsgpackEncoder
+
+STARTUP_TIMEOUT_S = float(os.environ.get("LLMSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
+# How long shutdown waits for the engine to exit by itself after SHUTDOWN (default).
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+class MPResources:
+    """Everything to clean up; used by weakref.finalize so no cycle holds the client."""
+
+    def __init__(self) -> None:
+        self.proc: Optional[EngineProcess] = None
+        self.ctx: Optional[zmq.Context] = None
+        self.tmpdir: Optional[str] = None
+        self.sockets: list = []
+        self.input_socket: Optional[zmq.Socket] = None
+        self.stop_event = threading.Event()
+
+    def _send_shutdown(self, wait_s: float = 0.2) -> bool:
+        """Queue SHUTDOWN on the bound input socket (a plain zmq.Socket, also under the
+        async client, whose asyncio socket shadows it), waiting at most ``wait_s`` for room.
+        Returns False when it could not be queued (no engine connected, socket closed).
+
+        It must go through this socket: the engine's PULL connects to it, so a fresh PUSH
+        connecting to the same address would reach this PUSH, not the engine, and the
+        message would never arrive."""
+        sock = self.input_socket
+        if sock is None or sock.closed:
+            return False
+        try:
+            if not sock.poll(int(wait_s * 1000), zmq.POLLOUT):
+                return False
+            sock.send_multipart([EngineCoreRequestType.SHUTDOWN.value, MsgpackEncoder().encode(None)],
+                                flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def __call__(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine process and release the sockets and the socket dir, within
+        ``timeout`` seconds (None: up to 5 s for a clean exit after SHUTDOWN, 5 s after
+        SIGTERM). SHUTDOWN first; SIGTERM, then SIGKILL, only if the process does not exit
+        in its share of the time."""
+        self.stop_event.set()
+        proc = self.proc
+        if proc is not None and proc.is_alive():
+            deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+
+            def left(default: float) -> float:
+                return default if deadline is None else max(0.0, min(default, deadline - time.monotonic()))
+
+            sent = self._send_shutdown(min(0.2, left(0.2)))
+            # Keep a little of the budget for SIGTERM and SIGKILL.
+            proc.join(timeout=left(SHUTDOWN_TIMEOUT_S) * (1.0 if deadline is None else 0.7) if sent else 0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=left(SHUTDOWN_TIMEOUT_S) * (1.0 if deadline is None else 0.8))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=max(left(2.0), 0.5))  # SIGKILL cannot be refused: wait for the reap
+        for s in self.sockets:
+            try:
+                s.close(linger=0)
+            except Exception:
+                pass
+        if self.ctx is not None:
+            try:
+                self.ctx.destroy(linger=0)
+            except Exception:
+                pass
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def spawn_engine_process(config: Any, input_addr: str, output_addr: str, executor_class: Optional[type] = None,
+                         log_stats: bool = False) -> "EngineProcess":
+    """Start ``python -m llmserve.engine.core`` and hand it its start-up arguments (the
+    EngineConfig and the socket addresses) on stdin. A fresh interpreter, unlike
+    multiprocessing's spawn, never re-imports the user's ``__main__`` module."""
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve.engine.core"], stdin=subprocess.PIPE,
+                            close_fds=True)
+    try:
+        proc.stdin.write(pickle.dumps((config, input_addr, output_addr, os.getpid(), executor_class, log_stats)))
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    return EngineProcess(proc)
+
+
+class EngineProcess:
+    """The bits of a process handle the clients use (is_alive, join, terminate, kill)."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+
+def monitor_engine_process(proc: "EngineProcess", output_addr: str, ctx: zmq.Context, stop: threading.Event) -> None:
+    """Watch the engine process; on death, send ENGINE_CORE_DEAD to the output socket."""
+    while not stop.is_set():
+        proc.join(timeout=0.2)
+        if not proc.is_alive():
+            if stop.is_set():
+                return
+            try:
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(output_addr)
+                sock.send(MsgpackEncoder().encode(EngineCoreOutputs(dead=EngineCoreDead(
+                    f"EngineCore process died (exit code {proc.exitcode})", exit_code=proc.exitcode))))
+                sock.close()
+            except Exception:
+                pass
+            return

@@ -1,0 +1,6 @@
+"""Executors: what runs the model for the EngineCore (vLLM's ``vllm.v1.executor``).
+``Executor.get_class(vllm_config)`` picks one; only ``UniProcExecutor`` exists now."""
+from llmserve.executor.abstract import Executor
+from llmserve.executor.uniproc_executor import UniProcExecutor
+
+__all__ = ["Executor", "UniProcExecutor"]

@@ -1,0 +1,35 @@
+"""One model runner in the EngineCore's own process (vLLM's ``UniProcExecutor``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from llmserve.executor.abstract import Executor
+
+
+class UniProcExecutor(Executor):
+    """Builds the ModelRunner, loads the model, and forwards every worker call to it.
+    ``model_runner`` is the runner itself (the idle prefault and tests reach it)."""
+
+    def _init_executor(self) -> None:
+        from llmserve.worker.model_runner import ModelRunner
+
+        self.model_runner = ModelRunner(self.vllm_config)
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.model_runner.kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def remove_requests(self, req_ids) -> None:
+        self.model_runner.remove_requests(req_ids)
+
+    def shutdown(self) -> None:
+        self.model_runner = None

@@ -1,0 +1,140 @@
+"""C++ CPU kernels for the model's hot path (sources in ``llmserve/ops/csrc/``), built on
+first use with ``torch.utils.cpp_extension.load`` (-O3 -march=native, OpenMP).
+
+- ``paged_decode``: paged-decode attention. The pure-torch decode path copies every
+  request's K/V blocks out of the pool with advanced indexing before its matmuls, which
+  DESIGN.md measured at 3-4 ms per layer for 64 sequences x 256 context; this kernel reads
+  the blocks in place (vLLM's ``paged_attention_v1`` idea, written for CPU). In bfloat16 on
+  CPUs with AVX512-BF16 it takes Q.K with the bf16 dot-product instruction and sums 16 keys
+  at a time, and keeps the P.V accumulators in registers.
+- ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding`` and
+  ``reshape_and_cache``: the element-wise parts of a Llama layer in one pass each (vLLM's
+  ``csrc/cpu`` ops of the same names), with transformers' rounding to the model dtype
+  between its ops, so results equal the torch path in float32 up to summation order. Run as
+  separate torch ops they cost ~40 small kernels per layer; at batch 1 the dispatch alone is
+  a few ms per step.
+
+The build is cached under ``~/.cache/llmserve/torch_extensions``, one directory per source set,
+torch version, CPU and Python environment (so checkouts with their own venvs do not rebuild
+each other's). If it fails (no compiler, no ninja), ``get_cpu_ops``
+returns None and the model and ``PagedAttention`` use their pure-torch paths, which the
+tests compare with the kernels. ``LLMSERVE_CPU_OPS=0`` turns the kernels off.
+Prebuild with ``python -m llmserve.ops.cpu_ops`` (``make`` does). This module imports
+nothing of llmserve: models, attention and the sampler import it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# Translation units, compiled separately; cpu_types.h and ops.h are included by them.
+_SOURCES = ("bindings.cpp", "attention.cpp", "layernorm_activation.cpp", "sampler.cpp", "cache.cpp")
+_HEADERS = ("cpu_types.h", "ops.h")
+
+
+def _source_text() -> str:
+    """All C++ sources and headers, concatenated (the build cache key)."""
+    parts = []
+    for name in _HEADERS + _SOURCES:
+        with open(os.path.join(CSRC_DIR, name)) as f:
+            parts.append(f.read())
+    return "".join(parts)
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor()
+
+
+def _build_dir() -> str:
+    root = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions")
+    # sys.prefix too: the build files hold the venv's absolute include paths, so venvs that
+    # shared one directory would keep rebuilding each other's kernels.
+    key = _source_text() + torch.__version__ + _cpu_signature() + sys.prefix
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    path = os.path.join(root, f"cpu_ops_{digest}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def get_cpu_ops() -> Optional[Any]:
+    """The compiled ops module, or None when it cannot be built here (logged once) or
+    ``LLMSERVE_CPU_OPS=0``. Ops (all write in place, return None):
+
+    - ``paged_decode(out, q, kv_cache, block_tables, seq_lens, n, scale, window)``: out/q
+      ``[N, num_heads, head_dim]`` (model dtype); kv_cache: one layer's ``[2, num_blocks,
+      block_size, num_kv_heads, head_dim]``; block_tables ``[>=n, M]`` and seq_lens ``[>=n]``
+      int32; n: decode requests; window: sliding window (0 = none).
+    - ``rms_norm(out, x, weight, eps)``: x/out ``[R, H]`` or ``[A, B, H]``, weight ``[H]``.
+    - ``fused_add_rms_norm(out, x, residual, weight, eps)``: residual <- x + residual, out <-
+      rms_norm(residual); contiguous ``[R, H]``.
+    - ``silu_and_mul(out [T, I], gate_up [T, 2I])``.
+    - ``rotary_embedding(positions [T] int64, x [T, heads, head_dim], cos [P, head_dim/2],
+      sin [P, head_dim/2])``: float32 tables, x rotated in place.
+    - ``reshape_and_cache(key, value, kv_cache, slot_mapping [T] int64)``.
+    - ``to_float(out [R, C] float32, x [R, C])``.
+    - ``sample_inverse_cdf(out [n] int64, x [n, V] float32, k [n] float32, u [n] float32)``:
+      a token per row drawn from softmax(x * k / log2(e)) (k = log2(e) / temperature) at
+      the uniform u, by the inverse CDF over 64-wide chunks; -inf logits are never drawn.
+    Each raises RuntimeError on a shape, dtype or range mismatch.
+    The first build takes ~1 min on 2 cores; later processes load the cached .so.
+    """
+    if os.environ.get("LLMSERVE_CPU_OPS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        module = load(
+            name="llmserve_cpu_ops",
+            sources=[os.path.join(CSRC_DIR, name) for name in _SOURCES],
+            extra_include_paths=[CSRC_DIR],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=_build_dir(),
+            verbose=False,
+        )
+    except Exception as e:  # no compiler / ninja / headers: the torch path still works
+        logger.warning("CPU kernels unavailable (%s: %s); using the torch path",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+    return module
+
+
+def get_decode_kernel() -> Optional[Callable]:
+    """``get_cpu_ops().paged_decode``, or None when the kernels are unavailable."""
+    ops = get_cpu_ops()
+    return None if ops is None else ops.paged_decode
+
+
+def cpu_ops_for(t: torch.Tensor) -> Optional[Any]:
+    """The ops module when ``t`` is a CPU tensor and the kernels are built, else None."""
+    return get_cpu_ops() if t.device.type == "cpu" else None
+
+
+def main() -> None:
+    """Build (or load) the kernels and say where they are (``make`` runs this once)."""
+    import time
+    t0 = time.time()
+    ops = get_cpu_ops()
+    print(f"llmserve CPU kernels: {'built' if ops is not None else 'UNAVAILABLE'} "
+          f"in {time.time() - t0:.1f}s ({_build_dir()})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+// Paged-decode attention over the block pool, read in place (vLLM's paged_attention_v1 idea, on CPU).
+#include "cpu_types.h"
+#include "ops.h"
+
+// Token position -> (block, offset) in a paged table. Block sizes are powers of two in
+// practice (16 by default): shifts and masks then replace two 64-bit divisions per K/V row,
+// which otherwise cost more than the attention arithmetic itself on short contexts.
+struct BlockPos {
+  int64_t bs, mask;
+  int shift;
+  explicit BlockPos(int64_t b) : bs(b), mask(b - 1), shift(-1) {
+    if (b > 0 && (b & (b - 1)) == 0) { shift = 0; while ((int64_t{1} << shift) < b) ++shift; }
+  }
+  inline int64_t blk(int64_t p) const { return shift >= 0 ? p >> shift : p / bs; }
+  inline int64_t off(int64_t p) const { return shift >= 0 ? p & mask : p % bs; }
+};
+
+#if LLMSERVE_AVX512BF16
+// bf16 decode of one request, all KV heads: K.q with the AVX512-BF16 dot-product instruction
+// (bf16 x bf16 products are exact in float32, sums in float32), 16 keys per horizontal-sum
+// tree; P.V with up to three query heads' accumulators in registers. Both passes walk the
+// context 16 tokens at a time in memory order (a token's row holds every KV head); before
+// each chunk, prefetch_next() asks for a chunk a few steps ahead in the task's stream, so the
+// scattered blocks arrive from memory while this one is computed. NV = head_dim / 16.
+// acc[h][0:16*NV] += sum_j p[h][j] * V_j for GB query heads over cnt rows (V_j = rows[j] + off).
+template <int NV, int GB>
+static inline void pv_chunk(float* acc, const float* p, int64_t p_stride, const at::BFloat16* const* rows,
+                            int64_t off, int64_t cnt) {
+  __m512 a[GB][NV];
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + h * NV * 16 + c * 16);
+  for (int64_t j = 0; j < cnt; ++j) {
+    const at::BFloat16* row = rows[j] + off;
+    __m512 w[GB];
+    for (int h = 0; h < GB; ++h) w[h] = _mm512_set1_ps(p[h * p_stride + j]);
+    for (int c = 0; c < NV; ++c) {
+      const __m512 v = load16(row + c * 16);
+      for (int h = 0; h < GB; ++h) a[h][c] = _mm512_fmadd_ps(w[h], v, a[h][c]);
+    }
+  }
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * NV * 16 + c * 16, a[h][c]);
+}
+
+// P.V on the AVX512-BF16 dot product, two keys per instruction: rows j and j+1 are
+// interleaved 16 bits at a time (unpacklo/hi within 128-bit lanes), so each float lane holds
+// a (v_j[d], v_j+1[d]) pair, and the pair (p_j, p_j+1) of every head is broadcast; P is
+// rounded to bf16 first, as the bf16 SDPA kernels do before their P.V GEMM. acc keeps the
+// lane order of the unpack (see unpermute_pairs). pb: GB heads x 16 bf16 probabilities of
+// this chunk, zero past cnt.
+template <int NV, int GB>
+static inline void pv_pairs(float* acc, const uint16_t* pb, const at::BFloat16* const* rows, int64_t off,
+                            int64_t cnt) {
+  __m512 a[GB][NV];
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) a[h][c] = _mm512_loadu_ps(acc + h * NV * 16 + c * 16);
+  for (int64_t j = 0; j < cnt; j += 2) {
+    const at::BFloat16* r0 = rows[j] + off;
+    const at::BFloat16* r1 = (j + 1 < cnt ? rows[j + 1] : rows[j]) + off;
+    __m512i pp[GB];
+    for (int h = 0; h < GB; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, pb + h * 16 + j, sizeof(pair));
+      pp[h] = _mm512_set1_epi32(pair);
+    }
+    for (int c2 = 0; c2 < NV / 2; ++c2) {
+      const __m512i x = _mm512_loadu_si512(r0 + c2 * 32), y = _mm512_loadu_si512(r1 + c2 * 32);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int h = 0; h < GB; ++h) {
+        a[h][2 * c2] = _mm512_dpbf16_ps(a[h][2 * c2], lo, (__m512bh)pp[h]);
+        a[h][2 * c2 + 1] = _mm512_dpbf16_ps(a[h][2 * c2 + 1], hi, (__m512bh)pp[h]);
+      }
+    }
+  }
+  for (int h = 0; h < GB; ++h)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + h * NV * 16 + c * 16, a[h][c]);
+}
+
+// acc of one head in pv_pairs' lane order -> natural order: in the 32 dims of pair c2, lane
+// 4k+t of vector 2*c2 holds dim 8k+t and of vector 2*c2+1 dim 8k+4+t.
+template <int NV>
+static inline void unpermute_pairs(const float* acc, __m512* out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c2 = 0; c2 < NV / 2; ++c2) {
+    const __m512 x = _mm512_loadu_ps(acc + 32 * c2), y = _mm512_loadu_ps(acc + 32 * c2 + 16);
+    out[2 * c2] = _mm512_permutex2var_ps(x, first, y);
+    out[2 * c2 + 1] = _mm512_permutex2var_ps(x, second, y);
+  }
+}
+
+template <int NV, typename Prefetch>
+static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BFloat16* kp,
+                            const at::BFloat16* vp, const int32_t* table, int64_t start, int64_t len,
+                            int64_t bs, int64_t nkv, int64_t g, float scale, at::BFloat16* orow,
+                            std::vector<float>& scores, std::vector<float>& accm, std::vector<uint16_t>& pbuf,
+                            Prefetch&& prefetch_next) {
+  constexpr int64_t hd = NV * 16;
+  const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
+  const BlockPos bp(bs);
+  const int64_t L = len - start;
+  const int64_t nh = nkv * g;
+  scores.resize(nh * L);
+  accm.assign(nh * hd, 0.f);
+  auto row_of = [&](const at::BFloat16* base, int64_t p) {
+    return base + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride;
+  };
+  const at::BFloat16* rows[16];
+  for (int64_t p0 = start; p0 < len; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, len - p0);
+    for (int64_t j = 0; j < 16; ++j) rows[j] = row_of(kp, p0 + std::min<int64_t>(j, cnt - 1));
+    prefetch_next();
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t i = 0; i < g; ++i) {
+        const int64_t h = kh * g + i;
+        __m512bh qv[NV / 2];
+        for (int c = 0; c < NV / 2; ++c)
+          qv[c] = (__m512bh)_mm512_loadu_si512(qrow + h * q_s1 + c * 32);
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          acc[j] = _mm512_setzero_ps();
+          for (int c = 0; c < NV / 2; ++c)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * hd + c * 32));
+        }
+        const __m512 s = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores.data() + h * L + (p0 - start), (__mmask16)((1u << cnt) - 1u), s);
+      }
+    }
+  }
+  float denom_small[64];
+  std::vector<float> denom_big(nh > 64 ? nh : 0);
+  float* denom = nh > 64 ? denom_big.data() : denom_small;
+  for (int64_t h = 0; h < nh; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+  pbuf.resize(nh * 16 + 2);
+  uint16_t* pb = pbuf.data();
+  for (int64_t p0 = start; p0 < len; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, len - p0);
+    for (int64_t j = 0; j < cnt; ++j) rows[j] = row_of(vp, p0 + j);
+    prefetch_next();
+    const __mmask16 valid = (__mmask16)((1u << cnt) - 1u);
+    for (int64_t h = 0; h < nh; ++h)  // this chunk's probabilities in bf16, zero past cnt
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + h * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, scores.data() + h * L + (p0 - start))));
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t i0 = 0; i0 < g;) {  // up to three query heads at a time (3*NV accumulators)
+        const int64_t nq = std::min<int64_t>(g - i0, NV > 4 ? 2 : 3);
+        const int64_t h0 = kh * g + i0;
+        float* m = accm.data() + h0 * hd;
+        if (nq == 3) pv_pairs<NV, 3>(m, pb + h0 * 16, rows, kh * hd, cnt);
+        else if (nq == 2) pv_pairs<NV, 2>(m, pb + h0 * 16, rows, kh * hd, cnt);
+        else pv_pairs<NV, 1>(m, pb + h0 * 16, rows, kh * hd, cnt);
+        i0 += nq;
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const __m512 d = _mm512_set1_ps(denom[h]);
+    __m512 nat[NV];
+    unpermute_pairs<NV>(accm.data() + h * hd, nat);
+    for (int c = 0; c < NV; ++c) store16(orow + h * hd + c * 16, _mm512_mul_ps(nat[c], d));
+  }
+}
+#endif
+
+template <typename scalar_t>
+static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
+                        const at::Tensor& bt, const at::Tensor& sl, int64_t n,
+                        double scale, int64_t window) {
+  const int64_t nh = q.size(1), hd = q.size(2);
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
+  const int64_t bs = kv.size(2), nkv = kv.size(3);
+  const int64_t g = nh / nkv;
+  const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
+  const BlockPos bp(bs);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = kv.data_ptr<scalar_t>();
+  const scalar_t* vp = kp + kv.stride(0);
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t bt_s0 = bt.stride(0);
+  const int32_t* slp = sl.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const bool vec = LLMSERVE_AVX512 && hd % 16 == 0;
+#if LLMSERVE_AVX512BF16
+  if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
+    if (hd == 64 || hd == 128) {
+      // One task per request (all its KV heads, so each K/V row is read once).
+      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, accm;
+        std::vector<uint16_t> pbuf;
+        // Prefetch cursor over this thread's stream of 16-token chunks: request by request,
+        // K chunks then V chunks. It runs kAhead chunks ahead of the computation, into L2.
+        // Measured (SmolLM2 shapes, 256-512 requests x 192 tokens, 2 threads): into L2 at 4-8
+        // chunks ahead streams at ~28 GB/s, against ~15 GB/s with the hardware prefetchers
+        // alone; into L1 (T0) a few chunks ahead thrashes L1 and is slower still.
+        constexpr int kAhead = 6;
+        const int64_t row_lines = (tok_stride * 2 + 63) / 64;
+        int64_t pr = begin, ppass = 0, pc = 0;
+        auto prefetch_next = [&]() {
+          while (pr < end) {
+            const int64_t plen = slp[pr];
+            const int64_t pstart = window > 0 ? std::max<int64_t>(0, plen - window) : 0;
+            const int64_t p0 = pstart + 16 * pc;
+            if (p0 >= plen) {  // past this pass of request pr
+              pc = 0;
+              if (++ppass == 2) { ppass = 0; ++pr; }
+              continue;
+            }
+            const int32_t* tab = btp + pr * bt_s0;
+            const scalar_t* base = ppass == 0 ? kp : vp;
+            const int64_t pend = std::min<int64_t>(p0 + 16, plen);
+            for (int64_t p = p0; p < pend; ++p) {
+              const char* row = reinterpret_cast<const char*>(base + tab[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride);
+              for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(row + 64 * l, _MM_HINT_T2);
+            }
+            ++pc;
+            return;
+          }
+        };
+        for (int i = 0; i < kAhead; ++i) prefetch_next();
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t len = slp[r];
+          const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+          scalar_t* orow = op + r * nh * hd;
+          if (len - start <= 0) {
+            for (int64_t d = 0; d < nh * hd; ++d) orow[d] = static_cast<scalar_t>(0.f);
+            continue;
+          }
+          if (hd == 64)
+            decode_one_bf16<4>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
+                               fscale, orow, scores, accm, pbuf, prefetch_next);
+          else
+            decode_one_bf16<8>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
+                               fscale, orow, scores, accm, pbuf, prefetch_next);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  // Many requests: one task per request, walking each token's K/V row of all heads in
+  // memory order. Few requests: one task per (request, kv head) to use every thread.
+  const int64_t heads_per_task = n >= 4 * at::get_num_threads() ? nkv : 1;
+  const int64_t tasks_per_req = nkv / heads_per_task;
+
+  at::parallel_for(0, n * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+    const int64_t hq = heads_per_task * g;  // query heads per task
+    std::vector<float> qf(hq * hd), acc(hq * hd), denom(hq), scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / tasks_per_req, kh0 = (w % tasks_per_req) * heads_per_task;
+      const int64_t h0 = kh0 * g;  // first query head
+      const int64_t len = slp[r];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t L = len - start;
+      if (L <= 0) {
+        for (int64_t h = 0; h < hq; ++h) {
+          scalar_t* o = op + (r * nh + h0 + h) * hd;
+          for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<scalar_t>(0.f);
+        }
+        continue;
+      }
+      scores.resize(hq * L);
+      for (int64_t h = 0; h < hq; ++h) {
+        const scalar_t* qs = qp + r * q_s0 + (h0 + h) * q_s1;
+        for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = to_f(qs[d]) * fscale;
+      }
+      const int32_t* table = btp + r * bt_s0;
+      for (int64_t p = start; p < len; ++p) {
+        const scalar_t* row = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
+        for (int64_t h = 0; h < hq; ++h)
+          scores[h * L + (p - start)] = dot(qf.data() + h * hd, row + (h / g) * hd, hd, vec);
+      }
+      for (int64_t h = 0; h < hq; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = start; p < len; ++p) {
+        const scalar_t* row = vp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
+        for (int64_t h = 0; h < hq; ++h)
+          axpy(acc.data() + h * hd, scores[h * L + (p - start)], row + (h / g) * hd, hd, vec);
+      }
+      for (int64_t h = 0; h < hq; ++h) {
+        scalar_t* o = op + (r * nh + h0 + h) * hd;
+        const float* a = acc.data() + h * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] = static_cast<scalar_t>(a[d] * denom[h]);
+      }
+    }
+  });
+}
+
+
+void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                  at::Tensor seq_lens, int64_t n, double scale, int64_t window) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache: contiguous 5-d");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [n, heads, head_dim] with unit inner stride");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, q's shape");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and kv_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
+  TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0, "head shapes");
+  TORCH_CHECK(n <= q.size(0) && n <= block_tables.size(0) && n <= seq_lens.size(0), "n too large");
+  LLMSERVE_DISPATCH(q.scalar_type(), "paged_decode",
+                    decode_impl<scalar_t>(out, q, kv_cache, block_tables, seq_lens, n, scale, window));
+}

@@ -1,0 +1,174 @@
+// Shared helpers of the llmserve CPU ops: element loads/stores, rounding to the model
+// dtype, fast exp2/exp, horizontal sums, and the dtype dispatch macro.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LLMSERVE_AVX512 1
+#else
+#define LLMSERVE_AVX512 0
+#endif
+#if defined(__AVX512BF16__) && LLMSERVE_AVX512
+#define LLMSERVE_AVX512BF16 1
+#else
+#define LLMSERVE_AVX512BF16 0
+#endif
+
+static inline float to_f(float x) { return x; }
+static inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+static inline float to_f(at::Half x) { return static_cast<float>(x); }
+
+// Round a float to T's precision and back (what storing an intermediate in T does).
+template <typename T> static inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <> inline float rnd<float>(float x) { return x; }
+
+#if LLMSERVE_AVX512
+// 16 elements -> 16 floats
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// 16 floats -> 16 elements, rounding to nearest even (as c10's conversions do)
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store16(at::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+static inline void store16(at::BFloat16* p, __m512 x) {
+#if LLMSERVE_AVX512BF16
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, x);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<at::BFloat16>(tmp[i]);
+#endif
+}
+template <typename T> static inline __m512 rnd16(__m512 x) {
+  alignas(64) T tmp[16];
+  store16(tmp, x);
+  return load16(tmp);
+}
+template <> inline __m512 rnd16<float>(__m512 x) { return x; }
+#if LLMSERVE_AVX512BF16
+template <> inline __m512 rnd16<at::BFloat16>(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+#endif
+
+// dot(q[0:hd], k[0:hd]) with q already float
+template <typename T>
+static inline float dot(const float* q, const T* k, int64_t hd, bool vec) {
+#if LLMSERVE_AVX512
+  if (vec) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), s);
+    return _mm512_reduce_add_ps(s);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < hd; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+// acc[0:hd] += w * v[0:hd]
+template <typename T>
+static inline void axpy(float* acc, float w, const T* v, int64_t hd, bool vec) {
+#if LLMSERVE_AVX512
+  if (vec) {
+    const __m512 ww = _mm512_set1_ps(w);
+    for (int64_t d = 0; d < hd; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(ww, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < hd; ++d) acc[d] += w * to_f(v[d]);
+}
+
+#if LLMSERVE_AVX512
+// 2^t = 2^n * 2^f with n = round(t), |f| <= 0.5, degree-7 Taylor for 2^f (relative error
+// < 1e-7 before rounding). t must be >= -126 or so (no denormal handling).
+static inline __m512 pow2_512(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// e^x = 2^(x log2 e); x is clamped below at -87 (the result is then ~1e-38, not 0).
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  return pow2_512(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)));
+}
+
+// Lane j of the result = sum of the 16 lanes of v[j] (a transpose-and-add tree: 45 ops for
+// 16 horizontal sums instead of 16 separate reductions).
+static inline __m512 hsum16x16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
+
+// sc[0:L] = exp(sc - max), returns the sum
+static inline float softmax_numerator(float* sc, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if LLMSERVE_AVX512
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= L; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sc + i));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < L; ++i) m = std::max(m, sc[i]);
+  float sum = 0.f;
+  i = 0;
+#if LLMSERVE_AVX512
+  const __m512 mm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= L; i += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + i), mm));
+    _mm512_storeu_ps(sc + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < L; ++i) { sc[i] = std::exp(sc[i] - m); sum += sc[i]; }
+  return sum;
+}
+
+
+
+#define LLMSERVE_DISPATCH(dtype, NAME, ...)                                       \
+  switch (dtype) {                                                                \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }             \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }   \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }           \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);              \
+  }
