@@ -239,7 +239,7 @@ class EngineArgs:
     kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV transfer (disaggregated prefill) as a JSON dict; connectors are " + _NOT_YET + ".", str))
     # ---- front end, process
     renderer_num_workers: int = field(default=1, metadata=_help("Threads that render chat templates and tokenize on the server's async path (no effect offline)."))
-    shutdown_timeout: int = field(default=0, metadata=_help("Seconds the server waits for in-flight requests when shutting down; 0 aborts them at once (vLLM's --shutdown-timeout)."))
+    shutdown_timeout: int = field(default=0, metadata=_help("Seconds in-flight requests get to finish when the server shuts down, and the engine process gets to exit (vLLM's --shutdown-timeout); 0: the server's --timeout-graceful-shutdown (10 s) and the engine's own 5 s."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log per-step stats."))
     num_threads: Optional[int] = field(default=None, metadata=_help("torch CPU threads in the engine (default: all cores)."))
     device: str = field(default="auto", metadata=_help("cpu, cuda or auto."))

@@ -148,11 +148,3 @@ def test_vocabulary_checks_and_bad_words(config, tokenizer):
     with pytest.raises(SamplingParamsError) as e:
         proc.process_inputs("a", "hello", SamplingParams(bad_words=["\ud800"]))
     assert e.value.param == "bad_words"
-
-
-def test_old_callers_passing_a_generation_config_dict_still_work(config, tokenizer):
-    """The dict the engine used to pass is ignored: the model config is the one source."""
-    proc = InputProcessor(config.model_config, tokenizer, {"eos_token_id": 99, "max_new_tokens": 1})
-    req, _ = proc.process_inputs("a", [5, 6], SamplingParams(max_tokens=None))
-    assert req.sampling_params.all_stop_token_ids == {EXTRA_EOS}
-    assert req.sampling_params.max_tokens == 5

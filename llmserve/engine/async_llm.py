@@ -121,14 +121,14 @@ class AsyncLLM(EngineClient):
         self._stopped = False
         self.output_handler: Optional[asyncio.Task] = None
         # The engine process loads the model while we load the tokenizer.
-        self.engine_core, self.tokenizer, self.generation_config = start_engine_and_frontend(
+        self.engine_core, self.tokenizer = start_engine_and_frontend(
             vllm_config, lambda: EngineCoreClient.make_async_mp_client(
                 vllm_config, executor_class, log_stats, client_addresses, client_count, client_index))
-        self.generation_config_defaults = {
-            k: v for k, v in self.generation_config.items()
-            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")}
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer, self.generation_config,
-                                              strict_max_tokens=True)
+        # The model's generation-config sampling defaults, computed once into the model
+        # config (vLLM's get_diff_sampling_param); the server applies them to unset fields.
+        self.generation_config_defaults = self.model_config.get_diff_sampling_param()
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer, strict_max_tokens=True,
+                                              cache_config=vllm_config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:

@@ -23,15 +23,14 @@ class InputProcessor:
         defaults (``get_diff_sampling_param()``: the default output budget) and EOS ids
         (``extra_eos_token_ids``), computed once by ``create_engine_config()``.
       tokenizer: the HF tokenizer (its ``eos_token_id`` is the request's EOS).
-      generation_config: ignored; kept so callers that still pass the old dict work.
       strict_max_tokens: raise when prompt + max_tokens exceeds max_model_len (the
         server's behaviour) instead of letting the request stop at the limit with
         finish_reason "length" (the offline behaviour).
       cache_config: its ``kv_sharing_fast_prefill`` forbids prompt_logprobs (vLLM).
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer, generation_config: Optional[dict] = None,
-                 strict_max_tokens: bool = False, *, cache_config: Optional[CacheConfig] = None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer, strict_max_tokens: bool = False, *,
+                 cache_config: Optional[CacheConfig] = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.strict_max_tokens = strict_max_tokens

@@ -28,38 +28,30 @@ def multiprocessing_enabled() -> bool:
 
 
 def load_frontend(config: EngineConfig):
-    """Tokenizer and generation-config defaults of the model."""
-    from llmserve.model_loader import load_generation_config, resolve_model
+    """The model's tokenizer (the generation-config defaults are already in
+    ``config.model_config``, read once by ``create_engine_config()``)."""
     from llmserve.tokenizer import get_tokenizer
 
     mc = config.model_config
     if mc.tokenizer in (None, mc.model_path):
-        tok = get_tokenizer(mc.model_path, mc.gguf_file, mc.chat_template)
-    else:  # --tokenizer names another model or directory
-        tok = get_tokenizer(mc.tokenizer, None, mc.chat_template)
-    gen = {}
-    if mc.generation_config == "auto":
-        try:
-            gen = load_generation_config(resolve_model(mc.model)) or {}
-        except Exception as e:  # a broken generation_config.json must not stop the engine
-            logger.warning("Could not read the generation config: %s", e)
-    return tok, gen
+        return get_tokenizer(mc.model_path, mc.gguf_file, mc.chat_template)
+    return get_tokenizer(mc.tokenizer, None, mc.chat_template)  # --tokenizer names another model or directory
 
 
-def start_engine_and_frontend(config: EngineConfig, make_client: Callable[[], Any]) -> tuple[Any, Any, dict]:
+def start_engine_and_frontend(config: EngineConfig, make_client: Callable[[], Any]) -> tuple[Any, Any]:
     """Start the engine client (``make_client()``, which loads the model, in a child
-    process or here) while the tokenizer and generation config load in a thread, so the
-    two overlap. Returns (client, tokenizer, generation_config); on failure of either,
-    the client is shut down and the error raised."""
+    process or here) while the tokenizer loads in a thread, so the two overlap.
+    Returns (client, tokenizer); on failure of either, the client is shut down and the
+    error raised."""
     with ThreadPoolExecutor(1, thread_name_prefix="llmserve-frontend") as pool:
         frontend = pool.submit(load_frontend, config)
         client = make_client()
         try:
-            tokenizer, generation_config = frontend.result()
+            tokenizer = frontend.result()
         except BaseException:
             client.shutdown()
             raise
-    return client, tokenizer, generation_config
+    return client, tokenizer
 
 
 class LLMEngine:
@@ -86,10 +78,11 @@ class LLMEngine:
             executor_class = Executor.get_class(vllm_config)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
-        self.engine_core, self.tokenizer, self.generation_config = start_engine_and_frontend(
+        self.engine_core, self.tokenizer = start_engine_and_frontend(
             vllm_config, lambda: EngineCoreClient.make_client(multiprocess_mode, False, vllm_config,
                                                               executor_class, log_stats))
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer, self.generation_config)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
+                                              cache_config=vllm_config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
 
     @classmethod

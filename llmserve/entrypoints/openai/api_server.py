@@ -139,7 +139,9 @@ async def build_async_engine_client_from_engine_args(
     try:
         yield engine_client
     finally:
-        engine_client.shutdown(timeout=getattr(engine_args, "shutdown_timeout", None))
+        # The server drained or aborted its requests already; the engine process gets
+        # --shutdown-timeout seconds to exit (0: its default of 5 s) before it is killed.
+        engine_client.shutdown(timeout=engine_args.shutdown_timeout or None)
 
 
 # ----------------------------------------------------------------------------- app state
@@ -210,7 +212,8 @@ async def run_server(args: argparse.Namespace) -> int:
         try:
             await serve_http(app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
                              access_log=not args.disable_uvicorn_access_log,
-                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, timeout_keep_alive=5)
+                             timeout_graceful_shutdown=args.shutdown_timeout or args.timeout_graceful_shutdown,
+                             timeout_keep_alive=5)
         finally:
             shutdown_app_state(app.state)
         engine_died = engine_client.errored

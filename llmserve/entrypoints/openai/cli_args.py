@@ -69,23 +69,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                              "they are aborted.")
     server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
     AsyncEngineArgs.add_cli_args(parser)
-    _add_pending_engine_flags(parser)
     return parser
-
-
-def _add_pending_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """``--renderer-num-workers`` and ``--shutdown-timeout`` belong to EngineArgs; until
-    its fields exist they are added here (and not twice once they do)."""
-    fields = AsyncEngineArgs.__dataclass_fields__
-    group = parser.add_argument_group("server (engine args)")
-    if "renderer_num_workers" not in fields:
-        group.add_argument("--renderer-num-workers", type=int, default=1,
-                           help="Threads that render chat templates and tokenize prompts for the server, "
-                                "off the event loop.")
-    if "shutdown_timeout" not in fields:
-        group.add_argument("--shutdown-timeout", type=float, default=None,
-                           help="Seconds the engine gets to stop at shutdown before it is killed "
-                                "(default: the engine's own).")
 
 
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
