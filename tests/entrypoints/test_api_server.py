@@ -45,7 +45,8 @@ def test_each_register_function_mounts_its_endpoint_family():
 
 def test_build_app_mounts_every_family():
     args = make_arg_parser(argparse.ArgumentParser()).parse_args([])
-    assert _paths(build_app(args)) == set().union(*FAMILIES.values())
+    # /load is mounted by the frontend flags (0 unless --enable-server-load-tracking)
+    assert _paths(build_app(args)) == set().union(*FAMILIES.values()) | {"/load"}
 
 
 SLOW_TEMPLATE = ("{% set ns = namespace(n=0) %}{% for i in range(60000) %}{% set ns.n = ns.n + 1 %}{% endfor %}"

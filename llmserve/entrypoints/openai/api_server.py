@@ -39,6 +39,7 @@ from llmserve.entrypoints.openai.completion.api_router import register_completio
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from llmserve.entrypoints.openai.frontend import add_frontend_routes, configure_handlers, fastapi_kwargs, uvicorn_kwargs
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
@@ -80,10 +81,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     """The FastAPI app: every endpoint family's routers, the exception handlers,
     X-Request-Id, API-key auth (when ``args.api_key``), CORS (outermost, so 401s carry
     CORS headers too)."""
-    app = FastAPI(title="llmserve OpenAI-compatible API", version=llmserve.__version__,
-                  root_path=getattr(args, "root_path", None) or "")
+    app = FastAPI(title="llmserve OpenAI-compatible API", version=llmserve.__version__, **fastapi_kwargs(args))
     for register in API_ROUTER_REGISTRARS:
         register(app)
+    add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
     install_exception_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     if getattr(args, "api_key", None):
@@ -187,6 +188,7 @@ async def init_generate_state(engine_client: Any, state: Any, args: argparse.Nam
                                                               log_requests=log_requests)
     state.openai_serving_responses = OpenAIServingResponses(engine_client, models, renderer,
                                                             log_requests=log_requests)
+    configure_handlers(state, args)
 
 
 def shutdown_app_state(state: Any) -> None:
@@ -213,7 +215,7 @@ async def run_server(args: argparse.Namespace) -> int:
             await serve_http(app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
                              access_log=not args.disable_uvicorn_access_log,
                              timeout_graceful_shutdown=args.shutdown_timeout or args.timeout_graceful_shutdown,
-                             timeout_keep_alive=5)
+                             timeout_keep_alive=5, **uvicorn_kwargs(args))
         finally:
             shutdown_app_state(app.state)
         engine_died = engine_client.errored

@@ -8,6 +8,8 @@ import os
 from typing import Optional
 
 from llmserve.engine_args import AsyncEngineArgs
+from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_vllm_compat_args,
+                                                         add_vllm_frontend_args, check_vllm_compat_args)
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -68,15 +70,21 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                         help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
                              "they are aborted.")
     server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
+    add_vllm_frontend_args(server)
     AsyncEngineArgs.add_cli_args(parser)
+    # every other `vllm serve` flag: a no-op or refused with its reason, never "unrecognized"
+    add_vllm_compat_args(parser)
+    add_vllm_aliases(parser)
     return parser
 
 
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
-    """Apply ``model_tag`` to ``model`` and check the server flags. Raises ValueError."""
+    """Apply ``model_tag`` to ``model`` and check the server flags. Raises ValueError
+    (naming the flag) for a bad value or a refused vLLM flag."""
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and args.api_key == "":
         args.api_key = None
+    check_vllm_compat_args(args)

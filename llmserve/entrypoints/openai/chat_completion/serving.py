@@ -25,7 +25,6 @@ from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from llmserve.entrypoints.openai.common.protocol import UsageInfo
 from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
@@ -44,6 +43,15 @@ class OpenAIServingChat(GenerateBaseServing):
     ``--chat-template``; a request's ``chat_template`` field overrides it."""
 
     request_id_prefix = "chatcmpl"
+    response_role = "assistant"  # --response-role
+
+    def response_role_of(self, request: ChatCompletionRequest) -> str:
+        """The role of the reply (vLLM's ``get_chat_request_role``): ``--response-role``
+        when the template opened a new turn, else the role of the continued message."""
+        if request.add_generation_prompt or not request.messages:
+            return self.response_role
+        last = request.messages[-1]
+        return (last.get("role") if isinstance(last, dict) else getattr(last, "role", None)) or self.response_role
 
     async def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """The request's messages as a prompt (text and token ids), rendered in the
@@ -104,15 +112,14 @@ class OpenAIServingChat(GenerateBaseServing):
                                                request.top_logprobs or 0)
             choices.append(ChatCompletionResponseChoice(
                 index=out.index,
-                message=ChatMessage(role="assistant", content="" if zero_output else out.text),
+                message=ChatMessage(role=self.response_role_of(request), content="" if zero_output else out.text),
                 logprobs=logprobs,
                 finish_reason="length" if zero_output else out.finish_reason,
                 stop_reason=None if zero_output else out.stop_reason,
             ))
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens))
+            usage=self.usage_options.usage(prompt_tokens, completion_tokens, final.num_cached_tokens))
 
     # ---- streaming -------------------------------------------------------------------
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
@@ -120,13 +127,12 @@ class OpenAIServingChat(GenerateBaseServing):
                       gens: list[Any]) -> AsyncGenerator[str, None]:
         n = request.n or 1
         opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(include_usage and opts.continuous_usage_stats)
+        include_usage, continuous = self.usage_options.stream_usage(opts)
         num_tokens = [0] * n
+        num_cached = [0]
 
-        def usage_now() -> UsageInfo:
-            done = sum(num_tokens)
-            return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done, total_tokens=prompt_tokens + done)
+        def usage_now() -> Any:
+            return self.usage_options.usage(prompt_tokens, sum(num_tokens), num_cached[0])
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
@@ -136,8 +142,9 @@ class OpenAIServingChat(GenerateBaseServing):
         try:
             for i in range(n):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None))
+                    index=i, delta=DeltaMessage(role=self.response_role_of(request), content=""), finish_reason=None))
             async for _, res in merged:
+                num_cached[0] = res.num_cached_tokens
                 for out in res.outputs:
                     token_ids = [] if zero_output else out.token_ids
                     text = "" if zero_output else out.text

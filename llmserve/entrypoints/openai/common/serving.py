@@ -18,6 +18,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Optional, Sequen
 
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uuid
+from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.logprobs import TokenFormatter
 from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
@@ -95,6 +96,8 @@ class GenerateBaseServing(BaseServing):
     """
 
     request_id_prefix = "cmpl"
+    usage_options = UsageOptions()  # --enable-prompt-tokens-details, --enable-force-include-usage
+    max_log_len: Optional[int] = None  # --max-log-len
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, renderer: AsyncRenderer, *,
                  log_requests: bool = False):
@@ -115,8 +118,9 @@ class GenerateBaseServing(BaseServing):
         so two clients sending the same X-Request-Id at once never collide."""
         request_id = f"{request_id}-{random_uuid()[:8]}"
         if self.log_requests:
-            logger.info("Received request %s: prompt_tokens=%d, params=%s", request_id,
-                        len(prompt.token_ids), params)
+            logger.info("Received request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id,
+                        prompt.text[:self.max_log_len] if prompt.text is not None else None,
+                        prompt.token_ids[:self.max_log_len], params)
         return self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority)
 
     @staticmethod

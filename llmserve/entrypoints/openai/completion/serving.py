@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncGenerator, Optional, Union
 
-from llmserve.entrypoints.openai.common.protocol import CompletionLogProbs, UsageInfo
+from llmserve.entrypoints.openai.common.protocol import CompletionLogProbs
+from llmserve.entrypoints.openai.common.usage import sum_cached_tokens
 from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
@@ -144,8 +145,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
                 ))
         return CompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens))
+            usage=self.usage_options.usage(prompt_tokens, completion_tokens, sum_cached_tokens(finals)))
 
     def _logprobs(self, request: CompletionRequest, p: _Prompt, prompt_logprobs: Optional[list],
                   token_ids: list[int], sample_logprobs: list, echo_prefix: bool = True) -> CompletionLogProbs:
@@ -165,8 +165,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
                       gens: list[Any]) -> AsyncGenerator[str, None]:
         n = request.n or 1
         opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(include_usage and opts.continuous_usage_stats)
+        include_usage, continuous = self.usage_options.stream_usage(opts)
+        num_cached = [0] * len(prompts)
         prompt_tokens = sum(len(p.ids) for p in prompts)
         num_tokens = [0] * (len(prompts) * n)
         echoed = [False] * (len(prompts) * n)
@@ -176,6 +176,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
         try:
             async for i, res in merged:
                 p = prompts[i]
+                num_cached[i] = res.num_cached_tokens
                 if res.prompt_logprobs is not None:
                     prompt_lps[i] = res.prompt_logprobs
                 for out in res.outputs:
@@ -202,20 +203,16 @@ class OpenAIServingCompletion(GenerateBaseServing):
                         continue
                     usage = None
                     if continuous:
-                        done = sum(num_tokens)
-                        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
-                                          total_tokens=prompt_tokens + done)
+                        usage = self.usage_options.usage(prompt_tokens, sum(num_tokens), sum(num_cached))
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model_name, usage=usage,
                         choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs,
                                                                 finish_reason=finish, stop_reason=stop_reason)])
                     yield sse(chunk.model_dump_json())
             if include_usage:
-                done = sum(num_tokens)
                 final = CompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=done,
-                                    total_tokens=prompt_tokens + done))
+                    usage=self.usage_options.usage(prompt_tokens, sum(num_tokens), sum(num_cached)))
                 yield sse(final.model_dump_json())
         except Exception as e:  # the stream already started: report in-band, as vLLM does
             yield sse_error(e)

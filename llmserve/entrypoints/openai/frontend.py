@@ -1,0 +1,108 @@
+"""How vLLM's frontend flags shape the app, the handlers and uvicorn (see
+:mod:`llmserve.entrypoints.openai.vllm_compat_args` for the flags themselves):
+
+- :func:`fastapi_kwargs`: ``--root-path``, ``--disable-fastapi-docs``.
+- :func:`add_frontend_routes`: ``/load`` (``--enable-server-load-tracking``),
+  ``/tokenizer_info`` (``--enable-tokenizer-info-endpoint``), ``--middleware``.
+- :func:`configure_handlers`: usage flags, ``--response-role``,
+  ``--return-tokens-as-token-ids``, ``--max-log-len`` on the chat/completion handlers.
+- :func:`uvicorn_kwargs`: ``--uds``, SSL, ``--h11-max-incomplete-event-size``,
+  ``--log-config-file``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import logging.config
+from typing import Any
+
+from fastapi import FastAPI
+
+from llmserve.entrypoints.openai.common.usage import UsageOptions
+from llmserve.entrypoints.openai.logprobs import TokenFormatter
+from llmserve.entrypoints.openai.server_load import register_server_load_api_routers
+from llmserve.entrypoints.openai.tokenize.tokenizer_info import register_tokenizer_info_api_router
+
+
+class TokenIdFormatter(TokenFormatter):
+    """Logprob tokens as ``token_id:N`` (vLLM's ``--return-tokens-as-token-ids``); the
+    bytes are those of that string, as vLLM sends them."""
+
+    def _entry(self, token_id: int) -> tuple[str, list[int]]:
+        text = f"token_id:{token_id}"
+        return text, list(text.encode("utf-8"))
+
+
+def fastapi_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``FastAPI(...)`` arguments of the flags: root path, and no docs routes when
+    ``--disable-fastapi-docs``."""
+    kwargs: dict[str, Any] = {"root_path": getattr(args, "root_path", None) or ""}
+    if getattr(args, "disable_fastapi_docs", False):
+        kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
+    return kwargs
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"--middleware: {path!r} is not an import path like 'package.module.name'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--middleware: cannot import {path!r} ({e})") from None
+
+
+def add_frontend_routes(app: FastAPI, args: argparse.Namespace) -> None:
+    """Mount ``/load`` (counting when ``--enable-server-load-tracking``), ``/tokenizer_info``
+    when enabled, and each ``--middleware`` (a class: ``app.add_middleware``; a function:
+    ``app.middleware("http")``, as vLLM). Raises ValueError for an unimportable middleware."""
+    register_server_load_api_routers(app, bool(getattr(args, "enable_server_load_tracking", False)))
+    if getattr(args, "enable_tokenizer_info_endpoint", False):
+        register_tokenizer_info_api_router(app)
+    for path in getattr(args, "middleware", None) or []:
+        obj = _import(path)
+        if inspect.isclass(obj):
+            app.add_middleware(obj)
+        elif inspect.iscoroutinefunction(obj):
+            app.middleware("http")(obj)
+        else:
+            raise ValueError(f"--middleware: {path!r} is neither a class nor an async function")
+
+
+def configure_handlers(state: Any, args: argparse.Namespace) -> None:
+    """Apply the usage, role, token-format and log-length flags to the generation handlers
+    on ``state`` (those that exist)."""
+    usage = UsageOptions.from_args(args)
+    as_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    for name in ("openai_serving_chat", "openai_serving_completion", "openai_serving_responses"):
+        handler = getattr(state, name, None)
+        if handler is None:
+            continue
+        handler.usage_options = usage
+        handler.max_log_len = getattr(args, "max_log_len", None)
+        if name == "openai_serving_chat":
+            handler.response_role = getattr(args, "response_role", None) or "assistant"
+        if as_ids and hasattr(handler, "token_formatter"):
+            handler.token_formatter = TokenIdFormatter(handler.tokenizer)
+
+
+def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``uvicorn.Config`` arguments of the flags (only those that were set)."""
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "uds", None):
+        kwargs["uds"] = args.uds
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if getattr(args, name, None):
+            kwargs[name] = getattr(args, name)
+    if getattr(args, "ssl_keyfile", None) or getattr(args, "ssl_certfile", None):
+        kwargs["ssl_cert_reqs"] = args.ssl_cert_reqs
+    if getattr(args, "h11_max_incomplete_event_size", None):
+        kwargs["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+    if getattr(args, "log_config_file", None):
+        with open(args.log_config_file, encoding="utf-8") as f:
+            log_config = json.load(f)
+        logging.config.dictConfig(log_config)
+        kwargs["log_config"] = log_config
+    return kwargs
