@@ -58,6 +58,19 @@ def check_supported(args: "EngineArgs") -> None:
             raise ValueError(f"{name}={shown} is not supported by this engine yet ({what}).")
 
 
+def _default_kv_cache_bytes(default: int) -> int:
+    """$LLMSERVE_CPU_KVCACHE_SPACE (or vLLM's $VLLM_CPU_KVCACHE_SPACE) GiB, else ``default``."""
+    from llmserve import envs
+
+    gib = envs.get("LLMSERVE_CPU_KVCACHE_SPACE")
+    if gib is None or gib.strip() in ("", "0"):  # vLLM: 0 or unset means the default
+        return default
+    try:
+        return int(float(gib) * (1 << 30))
+    except ValueError:
+        raise ValueError(f"LLMSERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {gib!r}") from None
+
+
 def _device(device: str) -> str:
     if device == "auto":
         import torch
@@ -167,7 +180,7 @@ def _cache_config(args: "EngineArgs") -> CacheConfig:
     if kv_bytes is None:
         kv_bytes = args.kv_cache_memory_bytes
     return CacheConfig(block_size=args.block_size,
-                       kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _DEFAULT_KV_CACHE_BYTES,
+                       kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _default_kv_cache_bytes(_DEFAULT_KV_CACHE_BYTES),
                        enable_prefix_caching=args.enable_prefix_caching,
                        num_gpu_blocks_override=args.num_gpu_blocks_override, cache_dtype=args.kv_cache_dtype,
                        gpu_memory_utilization=args.gpu_memory_utilization,

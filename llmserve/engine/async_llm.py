@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any, AsyncGenerator, Iterable, Mapping, Optional, Union
 
@@ -32,10 +31,11 @@ from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve import envs
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_PROC_CHUNK_SIZE = int(os.environ.get("LLMSERVE_OUTPUT_PROC_CHUNK_SIZE", "128"))
+OUTPUT_PROC_CHUNK_SIZE = int(envs.get("LLMSERVE_OUTPUT_PROC_CHUNK_SIZE", "128"))
 
 
 class LoggingStatLogger:

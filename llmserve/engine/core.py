@@ -30,6 +30,7 @@ from llmserve.engine.messages import (
 )
 from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 from llmserve.executor import Executor
+from llmserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class EngineCoreProc:
                         executor_class: Optional[type[Executor]] = None, log_stats: bool = False) -> int:
         """Entry point of the child process. Returns its exit code: 0 after SHUTDOWN or
         SIGTERM, 1 after a fatal error (ENGINE_CORE_DEAD sent first)."""
-        logging.basicConfig(level=os.environ.get("LLMSERVE_LOGGING_LEVEL", "INFO"),
+        logging.basicConfig(level=envs.get("LLMSERVE_LOGGING_LEVEL", "INFO"),
                             format="%(levelname)s %(asctime)s [engine] %(message)s")
         shutdown_requested = False
         exit_code = 0

@@ -23,8 +23,9 @@ import zmq
 
 from llmserve.engine.messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequestType
 from llmserve.engine.serial import MsgpackEncoder
+from llmserve import envs
 
-STARTUP_TIMEOUT_S = float(os.environ.get("LLMSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
+STARTUP_TIMEOUT_S = float(envs.get("LLMSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
 # How long shutdown waits for the engine to exit by itself after SHUTDOWN (default).
 SHUTDOWN_TIMEOUT_S = 5.0
 

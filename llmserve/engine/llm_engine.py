@@ -5,7 +5,6 @@ child process) -> OutputProcessor.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -18,13 +17,14 @@ from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve import envs
 
 logger = logging.getLogger(__name__)
 
 
 def multiprocessing_enabled() -> bool:
     """``LLMSERVE_ENABLE_MULTIPROCESSING`` (default 1): run the EngineCore in a child process."""
-    return os.environ.get("LLMSERVE_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
+    return envs.get("LLMSERVE_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
 
 
 def load_frontend(config: EngineConfig):

@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from llmserve import envs
+
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -96,7 +98,7 @@ def get_cpu_ops() -> Optional[Any]:
     Each raises RuntimeError on a shape, dtype or range mismatch.
     The first build takes ~1 min on 2 cores; later processes load the cached .so.
     """
-    if os.environ.get("LLMSERVE_CPU_OPS", "1") == "0":
+    if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load

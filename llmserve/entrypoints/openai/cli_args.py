@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Optional
 
 from llmserve.engine_args import AsyncEngineArgs
 from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_vllm_compat_args,
                                                          add_vllm_frontend_args, check_vllm_compat_args)
+from llmserve import envs
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -55,9 +55,9 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     server = parser.add_argument_group("server")
     server.add_argument("--host", type=str, default=None, help="Host to bind (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    server.add_argument("--api-key", type=str, default=os.environ.get(API_KEY_ENV),
+    server.add_argument("--api-key", type=str, default=envs.get(API_KEY_ENV),
                         help=f"Require 'Authorization: Bearer <key>' on /v1/* and the tokenizer routes "
-                             f"(default: ${API_KEY_ENV} when set).")
+                             f"(default: ${API_KEY_ENV} or $VLLM_API_KEY when set).")
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS allowed origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS allowed methods.")
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS allowed headers.")

@@ -99,7 +99,8 @@ def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "ssl_keyfile", None) or getattr(args, "ssl_certfile", None):
         kwargs["ssl_cert_reqs"] = args.ssl_cert_reqs
     if getattr(args, "h11_max_incomplete_event_size", None):
-        kwargs["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+        # httptools (uvicorn's pick when installed) has no such limit: use h11 to honour it
+        kwargs.update(http="h11", h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
     if getattr(args, "log_config_file", None):
         with open(args.log_config_file, encoding="utf-8") as f:
             log_config = json.load(f)

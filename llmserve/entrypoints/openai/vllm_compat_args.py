@@ -18,6 +18,8 @@ import ssl
 from dataclasses import dataclass
 from typing import Optional
 
+from llmserve import envs
+
 logger = logging.getLogger("llmserve.entrypoints.openai")
 
 NOOP = "no-op"
@@ -236,10 +238,11 @@ def add_vllm_frontend_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ssl-ca-certs", type=str, default=None, help="The CA certificates file.")
     group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
                        help="Whether a client certificate is required (Python's ssl.CERT_* values).")
-    group.add_argument("--h11-max-incomplete-event-size", type=int, default=4 * 1024 * 1024,
-                       help="Most bytes of an incomplete HTTP event (headers) uvicorn's h11 buffers.")
-    group.add_argument("--log-config-file", type=str, default=os.environ.get("LLMSERVE_LOGGING_CONFIG_PATH")
-                       or os.environ.get("VLLM_LOGGING_CONFIG_PATH"),
+    group.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
+                       help="Most bytes of an incomplete HTTP event (headers) before a 400; when set, "
+                            "uvicorn serves with its h11 protocol (which has the limit; default: "
+                            "uvicorn's choice and its 16 KiB h11 limit).")
+    group.add_argument("--log-config-file", type=str, default=envs.get("LLMSERVE_LOGGING_CONFIG_PATH"),
                        help="A logging config (JSON dictConfig) for llmserve and uvicorn "
                             "(default: $LLMSERVE_LOGGING_CONFIG_PATH or $VLLM_LOGGING_CONFIG_PATH).")
 
