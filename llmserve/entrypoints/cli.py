@@ -85,6 +85,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of the ``llmserve`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser(argv)
+    if argv and argv[0] == "serve":  # --config FILE: its flags first, the command line's win
+        from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
+
+        argv = expand_config_file(argv, parser)
     args = parser.parse_args(argv)
     dispatch = getattr(args, "dispatch", None)
     if dispatch is None:

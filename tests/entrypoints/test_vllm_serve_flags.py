@@ -144,3 +144,18 @@ def test_env_vars_read_the_vllm_twin_and_are_listed_in_the_readme(monkeypatch):
     found = subprocess.run(["grep", "-rhoE", "--include=*.py", "LLMSERVE_[A-Z_]+", os.path.join(ROOT, "llmserve")],
                            capture_output=True, text=True).stdout.split()
     assert set(found) <= set(envs.ENV_VARS), set(found) - set(envs.ENV_VARS)
+
+
+def test_config_file_flags_come_first_and_the_command_line_wins(tmp_path):
+    from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 9001\nmax_num_seqs: 8\nenable-prompt-tokens-details: true\n"
+                   "enable_prefix_caching: false\nserved-model-name: [a, b]\n")
+    argv = ["serve", "--config", str(cfg), "--port", "9002"]
+    parser = make_parser(argv)
+    args = parser.parse_args(expand_config_file(argv, parser))
+    assert args.port == 9002 and args.max_num_seqs == 8 and args.enable_prompt_tokens_details
+    assert args.enable_prefix_caching is False and args.served_model_name == ["a", "b"]
+    with pytest.raises(SystemExit):
+        expand_config_file(["serve", "--config", str(tmp_path / "missing.yaml")], parser)

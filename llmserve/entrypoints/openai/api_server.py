@@ -51,6 +51,7 @@ from llmserve.entrypoints.openai.server_utils import (
 )
 from llmserve.entrypoints.openai.tokenize.api_router import register_tokenize_api_routers
 from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
+from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
 from llmserve.entrypoints.renderer import AsyncRenderer, Renderer
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
@@ -229,7 +230,7 @@ async def run_server(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m llmserve.entrypoints.openai.api_server [flags]``."""
     parser = make_arg_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_config_file(list(sys.argv[1:] if argv is None else argv), parser))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)

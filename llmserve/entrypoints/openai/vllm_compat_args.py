@@ -70,7 +70,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # serve subcommand
     "--headless": (REFUSED, "multi-node data parallel is not implemented", ()),
     "--api-server-count": (REFUSED, "one API server process serves the engine", ("1",)),
-    "--config": (REFUSED, "YAML config files are not read; pass the flags themselves", ()),
     # frontend
     "--lora-modules": (REFUSED, "LoRA adapters are not supported (the models have no LoRA layers)", ()),
     "--trust-request-chat-template": (NOOP, "a request's chat_template is always accepted (rendered in "
@@ -231,6 +230,9 @@ def add_vllm_frontend_args(group: argparse._ArgumentGroup) -> None:
                        choices=("auto", "string", "openai"),
                        help="How message content reaches the chat template: 'auto' and 'string' (text parts "
                             "joined) are honoured; 'openai' (a list of parts) is refused.")
+    group.add_argument("--config", type=str, default=None,
+                       help="A YAML file of flags (vLLM's format: 'flag-name: value'); flags given on the "
+                            "command line win.")
     group.add_argument("--uds", type=str, default=None, help="Serve on this Unix domain socket (host and port "
                                                              "are then ignored).")
     group.add_argument("--ssl-keyfile", type=str, default=None, help="The SSL key file (HTTPS).")
@@ -302,3 +304,44 @@ def check_vllm_compat_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if getattr(args, "enable_log_requests", False):
         args.disable_log_requests = False
+
+
+def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--config FILE`` (vLLM's): the YAML mapping's flags are put before the command
+    line's, so flags given there win. ``key: true`` -> ``--key``; ``key: false`` ->
+    ``--no-key`` where the flag has that form (else left out); a list -> ``--key a b``.
+    Calls ``parser.error`` (exit 2) for an unreadable file or one that is not a mapping."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            parser.error(f"--config: cannot read {path!r}: {e}")
+        if not isinstance(config, dict):
+            parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
+        from llmserve.entrypoints.openai.cli_args import make_arg_parser
+
+        known = make_arg_parser()._option_string_actions  # the serve flags (parser may be the top level)
+        extra: list[str] = []
+        for key, value in config.items():
+            flag = "--" + str(key).replace("_", "-")
+            if value is True:
+                extra.append(flag)
+            elif value is False:
+                if "--no-" + flag[2:] in known:
+                    extra.append("--no-" + flag[2:])
+            elif isinstance(value, list):
+                extra += [flag, *(str(v) for v in value)]
+            else:
+                extra += [flag, str(value)]
+        at = argv.index("serve") + 1 if "serve" in argv else 0
+        return argv[:at] + extra + argv[at:]
+    return argv
