@@ -113,3 +113,10 @@ def test_uvicorn_kwargs_of_ssl_uds_and_h11(tmp_path):
     assert kw == {"ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
                   "ssl_cert_reqs": int(ssl.CERT_REQUIRED), "uds": str(tmp_path / "s.sock"), "http": "h11",
                   "h11_max_incomplete_event_size": 1000}
+
+
+def test_several_api_keys(make_app):
+    client, engine = make_app("--api-key", "k1", "k2")
+    for key, status in (("k1", 200), ("k2", 200), ("k3", 401)):
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == status
+    assert _args("--api-key", "only").api_key == "only"

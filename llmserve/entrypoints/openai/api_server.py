@@ -89,7 +89,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     install_exception_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     if getattr(args, "api_key", None):
-        app.add_middleware(AuthenticationMiddleware, api_keys=[args.api_key])
+        keys = args.api_key if isinstance(args.api_key, list) else [args.api_key]
+        app.add_middleware(AuthenticationMiddleware, api_keys=keys)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=getattr(args, "allowed_origins", ["*"]),

@@ -55,8 +55,9 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     server = parser.add_argument_group("server")
     server.add_argument("--host", type=str, default=None, help="Host to bind (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    server.add_argument("--api-key", type=str, default=envs.get(API_KEY_ENV),
-                        help=f"Require 'Authorization: Bearer <key>' on /v1/* and the tokenizer routes "
+    server.add_argument("--api-key", type=str, nargs="+", default=envs.get(API_KEY_ENV),
+                        help=f"Require 'Authorization: Bearer <key>' (one of these keys, as vLLM) on /v1/* and "
+                             f"the tokenizer routes "
                              f"(default: ${API_KEY_ENV} or $VLLM_API_KEY when set).")
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS allowed origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS allowed methods.")
@@ -85,6 +86,9 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")
+    if isinstance(args.api_key, list):  # several keys (vLLM); one stays a string
+        keys = [k for k in args.api_key if k]
+        args.api_key = keys if len(keys) > 1 else (keys[0] if keys else None)
     if args.api_key is not None and args.api_key == "":
         args.api_key = None
     check_vllm_compat_args(args)
