@@ -11,6 +11,17 @@ from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.tokenizer import check_encodable
 
+# The most bad ids an error message lists (the body stays small for huge requests).
+MAX_LISTED_IDS = 100
+
+
+def list_ids(ids: list[Any]) -> str:
+    """``ids`` for an error message: all of them, or the first MAX_LISTED_IDS and the count."""
+    if len(ids) <= MAX_LISTED_IDS:
+        return ", ".join(map(str, ids))
+    return ", ".join(map(str, ids[:MAX_LISTED_IDS])) + f", ... ({len(ids)} in all)"
+
+
 # A prompt: text, or {"prompt_token_ids": [...], optional "prompt": text}, or {"prompt": text}.
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -80,7 +91,12 @@ class InputProcessor:
         text, ids = self.tokenize_prompt(prompt)
         self._check_prompt(ids)
         params = params.clone()
-        params.max_tokens = self._max_tokens(len(ids), params.max_tokens)
+        requested = params.max_tokens
+        params.max_tokens = self._max_tokens(len(ids), requested)
+        if requested is None and params.min_tokens > params.max_tokens:
+            # vLLM: a min_tokens beyond the room the context leaves is clamped when the
+            # caller did not set max_tokens (it asked for "as much as fits").
+            params.min_tokens = params.max_tokens
         self._check_logprobs(params)
         self._check_vocab(params)
         if not params.ignore_eos:
@@ -140,11 +156,16 @@ class InputProcessor:
                 "the hidden states of every prompt token.", "prompt_logprobs")
 
     def _check_vocab(self, params: SamplingParams) -> None:
+        """Every token-id field must hold ids in [0, vocab_size); the error names the
+        field, every bad id (up to MAX_LISTED_IDS) and the vocabulary size."""
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", list(params.logit_bias or ()))):
+                          ("logit_bias", list(params.logit_bias or ())),
+                          ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
             if bad:
-                raise SamplingParamsError(f"{name}: token ids out of vocabulary: {bad[:5]}", name)
+                raise SamplingParamsError(
+                    f"{name}: token ids out of vocabulary: {list_ids(bad)} (the vocabulary has "
+                    f"{self.vocab_size} tokens, valid ids are 0..{self.vocab_size - 1}).", name)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word tokenized with and without a leading space (vLLM's rule)."""

@@ -81,10 +81,11 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    """``include_usage``: one last chunk with ``choices: []`` and the usage.
-    ``continuous_usage_stats`` (vLLM): running usage on every chunk."""
+    """``include_usage``: one last chunk with ``choices: []`` and the usage; left out,
+    no usage is sent (OpenAI: usage only when asked for).
+    ``continuous_usage_stats`` (vLLM): running usage on every chunk (with include_usage)."""
 
-    include_usage: Optional[bool] = True
+    include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
@@ -158,12 +159,17 @@ class SamplingRequest(OpenAIRequestModel):
 
         logit_bias = None
         if self.logit_bias:
-            logit_bias = {}
+            logit_bias, bad = {}, []
             for k, v in self.logit_bias.items():
                 try:
                     logit_bias[int(k)] = float(v)
-                except ValueError as e:
-                    raise SamplingParamsError(f"logit_bias keys must be token ids, got {k!r}.", "logit_bias") from e
+                except ValueError:
+                    bad.append(repr(k))
+            if bad:  # name every bad key (the vocabulary check names ids out of range)
+                from llmserve.engine.input_processor import list_ids
+                raise SamplingParamsError(
+                    f"logit_bias keys must be token ids (integers as strings), got: {list_ids(bad)}.",
+                    "logit_bias")
         return dict(
             n=self.n if self.n is not None else 1,
             temperature=pick("temperature", 1.0),

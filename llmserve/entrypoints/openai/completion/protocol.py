@@ -52,6 +52,8 @@ class CompletionRequest(SamplingRequest):
         logprobs are asked for too (OpenAI's echo semantics). Raises SamplingParamsError."""
         kwargs = self.sampling_kwargs(defaults)
         kwargs["max_tokens"] = max_tokens
+        if self.max_tokens is None and max_tokens is not None:  # vLLM: clamped, not a 400
+            kwargs["min_tokens"] = min(kwargs["min_tokens"], max_tokens)
         kwargs["logprobs"] = self.logprobs
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:

@@ -68,11 +68,14 @@ class OpenAIServingCompletion(GenerateBaseServing):
 
     request_id_prefix = "cmpl"
 
-    def default_max_tokens(self, prompt_len: int) -> int:
+    def default_max_tokens(self, prompt_len: int, min_tokens: int = 0) -> int:
         """The budget of a request that leaves ``max_tokens`` out: OpenAI's legacy 16,
-        or the model's default budget when smaller, clamped to the room left in the
-        context. A prompt with no room left keeps 16, so the engine reports it."""
+        or the model's default budget when smaller, raised to ``min_tokens``, clamped to
+        the room left in the context (a min_tokens above the room is clamped with it,
+        see ``to_sampling_params``). A prompt with no room left keeps 16, so the engine
+        reports it."""
         budget = min(DEFAULT_MAX_TOKENS, self.default_sampling_params.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        budget = max(budget, min_tokens)
         room = self.max_model_len - prompt_len
         return min(budget, room) if room > 0 else budget
 
@@ -85,7 +88,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
         for p in prompts:
             max_tokens = request.max_tokens
             if max_tokens is None:
-                max_tokens = self.default_max_tokens(len(p.ids))
+                max_tokens = self.default_max_tokens(len(p.ids), request.min_tokens or 0)
             p.params = request.to_sampling_params(max_tokens, self.default_sampling_params)
             p.zero_output = max_tokens == 0
             if request.echo:
