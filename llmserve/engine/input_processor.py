@@ -22,6 +22,32 @@ def list_ids(ids: list[Any]) -> str:
     return ", ".join(map(str, ids[:MAX_LISTED_IDS])) + f", ... ({len(ids)} in all)"
 
 
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: Optional[int], max_model_len: int,
+                    side: Optional[str] = None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep at most that many prompt tokens (-1: the
+    model's context length), the last ones (``side`` "left", the default: the start is
+    cut) or the first ones ("right"). None keeps the prompt as it is.
+
+    Raises SamplingParamsError (param ``truncate_prompt_tokens``) for 0, a value below
+    -1, or one above max_model_len (vLLM's rule)."""
+    n = truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == -1:
+        n = max_model_len
+    if n < 1:
+        raise SamplingParamsError(
+            f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length, got {n}.",
+            "truncate_prompt_tokens")
+    if n > max_model_len:
+        raise SamplingParamsError(
+            f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
+            "Please select a smaller truncation size.", "truncate_prompt_tokens")
+    if len(ids) <= n:
+        return ids
+    return list(ids[:n]) if side == "right" else list(ids[-n:])
+
+
 # A prompt: text, or {"prompt_token_ids": [...], optional "prompt": text}, or {"prompt": text}.
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -89,6 +115,10 @@ class InputProcessor:
         ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text.
         """
         text, ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
+            if len(kept) != len(ids):  # the text no longer matches the ids
+                text, ids = None, kept
         self._check_prompt(ids)
         params = params.clone()
         requested = params.max_tokens

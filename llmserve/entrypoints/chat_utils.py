@@ -17,7 +17,7 @@ _RESERVED_KWARGS = frozenset({
 })
 
 
-def _content_to_text(content: Any, index: int) -> Optional[str]:
+def content_to_text(content: Any, index: int) -> Optional[str]:
     """Text of a message's ``content``: a string as is; text parts joined with newlines
     (vLLM's behaviour); None stays None. Raises SamplingParamsError for other parts."""
     if content is None or isinstance(content, str):
@@ -51,7 +51,7 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
         d = msg.model_dump(exclude_none=True) if hasattr(msg, "model_dump") else dict(msg)
         if not isinstance(d.get("role"), str):
             raise SamplingParamsError(f"messages[{i}].role must be a string.", "messages")
-        text = _content_to_text(d.get("content"), i)
+        text = content_to_text(d.get("content"), i)
         d["content"] = text if text is not None else ""
         out.append(d)
     return out
