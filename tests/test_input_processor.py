@@ -178,3 +178,27 @@ def test_min_tokens_above_the_room_is_clamped_when_max_tokens_is_unset(config, t
     with pytest.raises(SamplingParamsError) as e:  # max_tokens given: the context check stands
         plain.process_inputs("c", [5] * (MAX_LEN - 4), SamplingParams(max_tokens=10, min_tokens=10))
     assert e.value.param == "max_tokens"
+
+
+def test_priority_needs_the_priority_policy_and_truncation(config, model_dir, tokenizer):
+    proc = InputProcessor(config.model_config, tokenizer, scheduler_config=config.scheduler_config)
+    with pytest.raises(SamplingParamsError, match="priority scheduling is not enabled") as e:
+        proc.process_inputs("a", [5, 6], SamplingParams(), priority=3)
+    assert e.value.param == "priority"
+    prio = _config(model_dir, scheduling_policy="priority")
+    req, _ = InputProcessor(prio.model_config, tokenizer, scheduler_config=prio.scheduler_config).process_inputs(
+        "a", [5, 6], SamplingParams(), priority=3)
+    assert req.priority == 3
+    # truncate_prompt_tokens (vLLM): the last N prompt tokens; -1 = max_model_len
+    req, text = proc.process_inputs("t", {"prompt_token_ids": [1, 2, 3, 4, 5], "prompt": "x"},
+                                    SamplingParams(truncate_prompt_tokens=2))
+    assert (req.prompt_token_ids, text) == ([4, 5], None)
+    req, text = proc.process_inputs("t", {"prompt_token_ids": [1, 2, 3], "prompt": "x"},
+                                    SamplingParams(truncate_prompt_tokens=-1))
+    assert (req.prompt_token_ids, text) == ([1, 2, 3], "x")
+    with pytest.raises(SamplingParamsError, match=r"truncate_prompt_tokens value \(65\) is greater than "
+                                                  r"max_model_len \(64\)"):
+        proc.process_inputs("t", [1, 2], SamplingParams(truncate_prompt_tokens=MAX_LEN + 1))
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(truncate_prompt_tokens=0)
+    assert e.value.param == "truncate_prompt_tokens"

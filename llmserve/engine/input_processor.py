@@ -64,10 +64,12 @@ class InputProcessor:
         server's behaviour) instead of letting the request stop at the limit with
         finish_reason "length" (the offline behaviour).
       cache_config: its ``kv_sharing_fast_prefill`` forbids prompt_logprobs (vLLM).
+      scheduler_config: its ``policy``; a request priority other than 0 needs "priority"
+        (vLLM: "Priority scheduling is not enabled" otherwise).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer, strict_max_tokens: bool = False, *,
-                 cache_config: Optional[CacheConfig] = None) -> None:
+                 cache_config: Optional[CacheConfig] = None, scheduler_config: Any = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.strict_max_tokens = strict_max_tokens
@@ -79,6 +81,7 @@ class InputProcessor:
         self.default_max_tokens: Optional[int] = model_config.get_diff_sampling_param().get("max_tokens")
         self.kv_sharing_fast_prefill = bool(cache_config and cache_config.kv_sharing_fast_prefill)
         self.vocab_size = model_config.vocab_size
+        self.priority_enabled = scheduler_config is None or getattr(scheduler_config, "policy", None) == "priority"
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
@@ -114,6 +117,10 @@ class InputProcessor:
         prompt_logprobs with kv_sharing_fast_prefill); ``allowed_token_ids``,
         ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text.
         """
+        if priority != 0 and not self.priority_enabled:
+            raise SamplingParamsError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(start the engine with --scheduling-policy priority).", "priority")
         text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
