@@ -17,10 +17,13 @@ _LAZY = {
     "EngineArgs": "llmserve.engine_args",
     "AsyncEngineArgs": "llmserve.engine_args",
     "StreamingInput": "llmserve.engine.streaming_input",
+    "TextPrompt": "llmserve.inputs",
+    "TokensPrompt": "llmserve.inputs",
 }
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EngineArgs", "AsyncEngineArgs", "StreamingInput", "__version__"]
+           "PoolingRequestOutput", "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt",
+           "TokensPrompt", "__version__"]
 
 
 def __getattr__(name):

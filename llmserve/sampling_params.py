@@ -67,6 +67,8 @@ class SamplingParams:
       allowed_token_ids: only these tokens may be sampled. bad_words: strings whose token
         sequences may not be generated.
       output_kind: see RequestOutputKind.
+      truncate_prompt_tokens: keep only the last this many prompt tokens (-1: the
+        model's context length; vLLM), applied by the engine's InputProcessor.
 
     Raises:
       SamplingParamsError (a ValueError) with ``param`` set, on any out-of-range value.
@@ -96,6 +98,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: Optional[int] = None
     # Derived by the InputProcessor, not by users: the stop ids (``stop_token_ids`` plus the
     # generation config's extra EOS ids) and the tokenized bad words.
     all_stop_token_ids: set[int] = field(default_factory=set)
@@ -177,6 +180,10 @@ class SamplingParams:
             raise _err("min_tokens", f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         if self.logprobs is not None and self.logprobs < -1:
             raise _err("logprobs", f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        t = self.truncate_prompt_tokens
+        if t is not None and not (t == -1 or t >= 1):
+            raise _err("truncate_prompt_tokens",
+                       f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length, got {t}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
             raise _err("prompt_logprobs", f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -148,3 +148,57 @@ def test_vocabulary_checks_and_bad_words(config, tokenizer):
     with pytest.raises(SamplingParamsError) as e:
         proc.process_inputs("a", "hello", SamplingParams(bad_words=["\ud800"]))
     assert e.value.param == "bad_words"
+
+
+def test_every_token_id_field_names_each_bad_id_and_the_vocabulary(config, tokenizer):
+    # issue 10: stop_token_ids is checked like the other token-id fields; the error lists
+    # every bad id and the vocabulary size.
+    proc = _proc(config, tokenizer)
+    with pytest.raises(SamplingParamsError) as e:
+        proc.process_inputs("a", [5, 6], SamplingParams(stop_token_ids=[-1, 3, 49152]))
+    assert e.value.param == "stop_token_ids"
+    assert str(e.value) == ("stop_token_ids: token ids out of vocabulary: -1, 49152 (the vocabulary has "
+                            "49152 tokens, valid ids are 0..49151).")
+    with pytest.raises(SamplingParamsError) as e:
+        proc.process_inputs("a", [5, 6], SamplingParams(logit_bias={-5: 1.0, 7: 1.0, 60000: 2.0, 49152: 0.5}))
+    assert e.value.param == "logit_bias"
+    assert "-5, 60000, 49152 (the vocabulary has 49152 tokens" in str(e.value)
+    many = list(range(49152, 49152 + 300))
+    with pytest.raises(SamplingParamsError) as e:
+        proc.process_inputs("a", [5, 6], SamplingParams(allowed_token_ids=many))
+    assert str(e.value).endswith(", ... (300 in all) (the vocabulary has 49152 tokens, valid ids are 0..49151).")
+
+
+def test_min_tokens_above_the_room_is_clamped_when_max_tokens_is_unset(config, tokenizer):
+    plain = InputProcessor(_config_vllm(config), tokenizer, strict_max_tokens=True)
+    req, _ = plain.process_inputs("a", [5] * (MAX_LEN - 4), SamplingParams(max_tokens=None, min_tokens=10))
+    assert (req.sampling_params.max_tokens, req.sampling_params.min_tokens) == (4, 4)
+    req, _ = plain.process_inputs("b", [5] * 10, SamplingParams(max_tokens=None, min_tokens=10))
+    assert (req.sampling_params.max_tokens, req.sampling_params.min_tokens) == (MAX_LEN - 10, 10)
+    with pytest.raises(SamplingParamsError) as e:  # max_tokens given: the context check stands
+        plain.process_inputs("c", [5] * (MAX_LEN - 4), SamplingParams(max_tokens=10, min_tokens=10))
+    assert e.value.param == "max_tokens"
+
+
+def test_priority_needs_the_priority_policy_and_truncation(config, model_dir, tokenizer):
+    proc = InputProcessor(config.model_config, tokenizer, scheduler_config=config.scheduler_config)
+    with pytest.raises(SamplingParamsError, match="priority scheduling is not enabled") as e:
+        proc.process_inputs("a", [5, 6], SamplingParams(), priority=3)
+    assert e.value.param == "priority"
+    prio = _config(model_dir, scheduling_policy="priority")
+    req, _ = InputProcessor(prio.model_config, tokenizer, scheduler_config=prio.scheduler_config).process_inputs(
+        "a", [5, 6], SamplingParams(), priority=3)
+    assert req.priority == 3
+    # truncate_prompt_tokens (vLLM): the last N prompt tokens; -1 = max_model_len
+    req, text = proc.process_inputs("t", {"prompt_token_ids": [1, 2, 3, 4, 5], "prompt": "x"},
+                                    SamplingParams(truncate_prompt_tokens=2))
+    assert (req.prompt_token_ids, text) == ([4, 5], None)
+    req, text = proc.process_inputs("t", {"prompt_token_ids": [1, 2, 3], "prompt": "x"},
+                                    SamplingParams(truncate_prompt_tokens=-1))
+    assert (req.prompt_token_ids, text) == ([1, 2, 3], "x")
+    with pytest.raises(SamplingParamsError, match=r"truncate_prompt_tokens value \(65\) is greater than "
+                                                  r"max_model_len \(64\)"):
+        proc.process_inputs("t", [1, 2], SamplingParams(truncate_prompt_tokens=MAX_LEN + 1))
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(truncate_prompt_tokens=0)
+    assert e.value.param == "truncate_prompt_tokens"

@@ -128,7 +128,8 @@ class AsyncLLM(EngineClient):
         # config (vLLM's get_diff_sampling_param); the server applies them to unset fields.
         self.generation_config_defaults = self.model_config.get_diff_sampling_param()
         self.input_processor = InputProcessor(self.model_config, self.tokenizer, strict_max_tokens=True,
-                                              cache_config=vllm_config.cache_config)
+                                              cache_config=vllm_config.cache_config,
+                                              scheduler_config=vllm_config.scheduler_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:

@@ -26,6 +26,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop or [])
         self.include_stop = params.include_stop_str_in_output
+        # vLLM: stop strings are not checked until more than min_tokens tokens exist.
+        self.min_tokens = params.min_tokens
         self.detokenize = params.detokenize
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -59,7 +61,7 @@ class IncrementalDetokenizer:
                 self.output_text += full[len(prefix):]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
-        if self.stop and len(self.output_text) > start_len:
+        if self.stop and len(self.output_text) > start_len and len(self.token_ids) > self.min_tokens:
             return self._check_stop(start_len)
         return None
 

@@ -11,6 +11,43 @@ from llmserve.engine.messages import EngineCoreRequest
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.tokenizer import check_encodable
 
+# The most bad ids an error message lists (the body stays small for huge requests).
+MAX_LISTED_IDS = 100
+
+
+def list_ids(ids: list[Any]) -> str:
+    """``ids`` for an error message: all of them, or the first MAX_LISTED_IDS and the count."""
+    if len(ids) <= MAX_LISTED_IDS:
+        return ", ".join(map(str, ids))
+    return ", ".join(map(str, ids[:MAX_LISTED_IDS])) + f", ... ({len(ids)} in all)"
+
+
+def truncate_prompt(ids: list[int], truncate_prompt_tokens: Optional[int], max_model_len: int,
+                    side: Optional[str] = None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep at most that many prompt tokens (-1: the
+    model's context length), the last ones (``side`` "left", the default: the start is
+    cut) or the first ones ("right"). None keeps the prompt as it is.
+
+    Raises SamplingParamsError (param ``truncate_prompt_tokens``) for 0, a value below
+    -1, or one above max_model_len (vLLM's rule)."""
+    n = truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == -1:
+        n = max_model_len
+    if n < 1:
+        raise SamplingParamsError(
+            f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length, got {n}.",
+            "truncate_prompt_tokens")
+    if n > max_model_len:
+        raise SamplingParamsError(
+            f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len}). "
+            "Please select a smaller truncation size.", "truncate_prompt_tokens")
+    if len(ids) <= n:
+        return ids
+    return list(ids[:n]) if side == "right" else list(ids[-n:])
+
+
 # A prompt: text, or {"prompt_token_ids": [...], optional "prompt": text}, or {"prompt": text}.
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -27,10 +64,12 @@ class InputProcessor:
         server's behaviour) instead of letting the request stop at the limit with
         finish_reason "length" (the offline behaviour).
       cache_config: its ``kv_sharing_fast_prefill`` forbids prompt_logprobs (vLLM).
+      scheduler_config: its ``policy``; a request priority other than 0 needs "priority"
+        (vLLM: "Priority scheduling is not enabled" otherwise).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer, strict_max_tokens: bool = False, *,
-                 cache_config: Optional[CacheConfig] = None) -> None:
+                 cache_config: Optional[CacheConfig] = None, scheduler_config: Any = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.strict_max_tokens = strict_max_tokens
@@ -42,6 +81,7 @@ class InputProcessor:
         self.default_max_tokens: Optional[int] = model_config.get_diff_sampling_param().get("max_tokens")
         self.kv_sharing_fast_prefill = bool(cache_config and cache_config.kv_sharing_fast_prefill)
         self.vocab_size = model_config.vocab_size
+        self.priority_enabled = scheduler_config is None or getattr(scheduler_config, "policy", None) == "priority"
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
@@ -77,10 +117,23 @@ class InputProcessor:
         prompt_logprobs with kv_sharing_fast_prefill); ``allowed_token_ids``,
         ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text.
         """
+        if priority != 0 and not self.priority_enabled:
+            raise SamplingParamsError(
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(start the engine with --scheduling-policy priority).", "priority")
         text, ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
+            if len(kept) != len(ids):  # the text no longer matches the ids
+                text, ids = None, kept
         self._check_prompt(ids)
         params = params.clone()
-        params.max_tokens = self._max_tokens(len(ids), params.max_tokens)
+        requested = params.max_tokens
+        params.max_tokens = self._max_tokens(len(ids), requested)
+        if requested is None and params.min_tokens > params.max_tokens:
+            # vLLM: a min_tokens beyond the room the context leaves is clamped when the
+            # caller did not set max_tokens (it asked for "as much as fits").
+            params.min_tokens = params.max_tokens
         self._check_logprobs(params)
         self._check_vocab(params)
         if not params.ignore_eos:
@@ -140,11 +193,16 @@ class InputProcessor:
                 "the hidden states of every prompt token.", "prompt_logprobs")
 
     def _check_vocab(self, params: SamplingParams) -> None:
+        """Every token-id field must hold ids in [0, vocab_size); the error names the
+        field, every bad id (up to MAX_LISTED_IDS) and the vocabulary size."""
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", list(params.logit_bias or ()))):
+                          ("logit_bias", list(params.logit_bias or ())),
+                          ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
             if bad:
-                raise SamplingParamsError(f"{name}: token ids out of vocabulary: {bad[:5]}", name)
+                raise SamplingParamsError(
+                    f"{name}: token ids out of vocabulary: {list_ids(bad)} (the vocabulary has "
+                    f"{self.vocab_size} tokens, valid ids are 0..{self.vocab_size - 1}).", name)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word tokenized with and without a leading space (vLLM's rule)."""

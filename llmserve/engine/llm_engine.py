@@ -82,7 +82,8 @@ class LLMEngine:
             vllm_config, lambda: EngineCoreClient.make_client(multiprocess_mode, False, vllm_config,
                                                               executor_class, log_stats))
         self.input_processor = InputProcessor(self.model_config, self.tokenizer,
-                                              cache_config=vllm_config.cache_config)
+                                              cache_config=vllm_config.cache_config,
+                                              scheduler_config=vllm_config.scheduler_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
 
     @classmethod

@@ -125,7 +125,9 @@ class RequestState:
         decode = self.last_token_ts - self.first_token_ts if self.first_token_ts else 0.0
         inference = self.last_token_ts - sched if sched and self.last_token_ts else 0.0
         return FinishedRequestStats(finish_reason, now - self.arrival_time, len(self.prompt_token_ids), n_gen,
-                                    ttft, tpot, queued, prefill, decode, inference)
+                                    ttft, tpot, queued, prefill, decode, inference,
+                                    max_tokens_param=self.params.max_tokens,
+                                    n_param=self.parent.n if self.parent is not None else self.params.n)
 
 
 @dataclass

@@ -17,7 +17,7 @@ _RESERVED_KWARGS = frozenset({
 })
 
 
-def _content_to_text(content: Any, index: int) -> Optional[str]:
+def content_to_text(content: Any, index: int) -> Optional[str]:
     """Text of a message's ``content``: a string as is; text parts joined with newlines
     (vLLM's behaviour); None stays None. Raises SamplingParamsError for other parts."""
     if content is None or isinstance(content, str):
@@ -36,26 +36,22 @@ def _content_to_text(content: Any, index: int) -> Optional[str]:
     return "\n".join(texts)
 
 
-# The OpenAI chat API's message roles ("function" is its deprecated form of "tool").
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
 def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
     """Turn request messages (pydantic ChatMessageParam or dicts) into the plain dicts a
     chat template expects: ``{"role": str, "content": str, ...extra fields}``.
 
-    Raises SamplingParamsError (param "messages") for unsupported content parts and for a
-    role the OpenAI API does not define (it answers 400 there too).
+    Roles other than OpenAI's (system, developer, user, assistant, tool) pass through to
+    the chat template as they are, as vLLM does: templates that know a custom role (e.g.
+    "ipython", "document") render it, and one that does not raises, which is a 400.
+    Raises SamplingParamsError (param "messages") for unsupported content parts or a
+    role that is not a string.
     """
     out = []
     for i, msg in enumerate(messages):
         d = msg.model_dump(exclude_none=True) if hasattr(msg, "model_dump") else dict(msg)
         if not isinstance(d.get("role"), str):
             raise SamplingParamsError(f"messages[{i}].role must be a string.", "messages")
-        if d["role"] not in CHAT_ROLES:
-            raise SamplingParamsError(
-                f"messages[{i}].role {d['role']!r} is not one of {', '.join(CHAT_ROLES)}.", "messages")
-        text = _content_to_text(d.get("content"), i)
+        text = content_to_text(d.get("content"), i)
         d["content"] = text if text is not None else ""
         out.append(d)
     return out

@@ -23,6 +23,9 @@ llmserve:request_decode_time_seconds           histogram  first token -> last to
 llmserve:request_inference_time_seconds        histogram  first scheduled -> last token
 llmserve:request_prompt_tokens                 histogram  prompt length of finished requests
 llmserve:request_generation_tokens             histogram  output length of finished requests
+llmserve:iteration_tokens_total                histogram  tokens (prompt + generated) per engine step
+llmserve:request_params_n                      histogram  n of finished requests (one sample per sample)
+llmserve:request_params_max_tokens             histogram  max_tokens of finished requests
 =============================================  =========  ==========================================
 
 Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
@@ -130,6 +133,12 @@ class PrometheusStatLogger:
                                     token_buckets)
         self.hist_gen_len = hist("request_generation_tokens", "Number of generation tokens per finished request.",
                                  token_buckets)
+        # vLLM's buckets: iteration tokens up to the step budget; n as 1, 2, 5, 10, 20.
+        self.hist_iteration_tokens = hist("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+        self.hist_params_n = hist("request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.hist_params_max_tokens = hist("request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", token_buckets)
         cache = getattr(engine_config, "cache_config", None)
         if cache is not None:
             info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.",
@@ -156,6 +165,9 @@ class PrometheusStatLogger:
             self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         if iteration_stats.num_generation_tokens:
             self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+        step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
+        if step_tokens:
+            self.hist_iteration_tokens.observe(step_tokens)
         for ttft in iteration_stats.time_to_first_tokens_iter:
             self.hist_ttft.observe(ttft)
         for itl in iteration_stats.inter_token_latencies_iter:
@@ -175,6 +187,9 @@ class PrometheusStatLogger:
             self.hist_inference.observe(fin.inference_time)
             self.hist_prompt_len.observe(fin.num_prompt_tokens)
             self.hist_gen_len.observe(fin.num_generation_tokens)
+            self.hist_params_n.observe(fin.n_param)
+            if fin.max_tokens_param is not None:
+                self.hist_params_max_tokens.observe(fin.max_tokens_param)
             if fin.num_generation_tokens > 1:
                 self.hist_req_tpot.observe(fin.mean_tpot)
 

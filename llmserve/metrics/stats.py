@@ -5,6 +5,7 @@ Times are in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -39,6 +40,10 @@ class FinishedRequestStats:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     inference_time: float = 0.0
+    # The request's parameters (vLLM's request_params_* histograms): its output budget
+    # (max_tokens as resolved) and its n (the parent's, for each of n > 1 samples).
+    max_tokens_param: Optional[int] = None
+    n_param: int = 1
 
 
 @dataclass

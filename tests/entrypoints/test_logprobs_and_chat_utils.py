@@ -97,6 +97,15 @@ def test_render_chat_prompt_errors(smol_tokenizer):
     assert e.value.param == "continue_final_message"
     with pytest.raises(SamplingParamsError):
         render_chat_prompt(smol_tokenizer, [{"role": "user", "content": "x"}], chat_template="{% if %}")
-    with pytest.raises(SamplingParamsError, match="'wizard' is not one of") as e:  # OpenAI: 400
-        render_chat_prompt(smol_tokenizer, [{"role": "wizard", "content": "x"}])
+    with pytest.raises(SamplingParamsError) as e:  # a template that refuses a role: 400
+        render_chat_prompt(smol_tokenizer, [{"role": "wizard", "content": "x"}], chat_template=(
+            "{% for m in messages %}{% if m.role not in ['user'] %}{{ raise_exception('bad role') }}"
+            "{% endif %}{{ m.content }}{% endfor %}"))
     assert e.value.param == "messages"
+
+
+def test_custom_roles_reach_the_template(smol_tokenizer):
+    # vLLM passes roles it does not know through to the chat template (issue 10).
+    text = render_chat_prompt(smol_tokenizer, [{"role": "ipython", "content": "42"}, {"role": "user", "content": "x"}],
+                              add_generation_prompt=True)
+    assert "<|im_start|>ipython\n42<|im_end|>\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n" in text

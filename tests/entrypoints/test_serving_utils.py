@@ -26,7 +26,7 @@ from llmserve.sampling_params import SamplingParams, SamplingParamsError
     (ModelNotFoundError("x", ["m"]), 404, "NotFoundError", "model"),
     (SamplingParamsError("bad top_p", "top_p"), 400, "BadRequestError", "top_p"),
     (ValueError("bad"), 400, "BadRequestError", None),
-    (NotImplementedError("later"), 501, "NotImplementedError", None),
+    (NotImplementedError("later"), 400, "BadRequestError", None),  # never 5xx: clients retry those
     (EngineDeadError(), 503, "EngineDeadError", None),
     (EngineGenerateError("oops"), 500, "InternalServerError", None),
     (RuntimeError("boom"), 500, "InternalServerError", None),

@@ -44,6 +44,7 @@ from llmserve.entrypoints.openai.models.api_router import register_models_api_ro
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
+from llmserve.entrypoints.openai.sagemaker.api_router import register_sagemaker_api_routers
 from llmserve.entrypoints.openai.server_utils import (
     AuthenticationMiddleware,
     RequestIdMiddleware,
@@ -75,6 +76,7 @@ API_ROUTER_REGISTRARS = (
     register_tokenize_api_routers,
     register_responses_api_routers,
     register_embeddings_api_routers,
+    register_sagemaker_api_routers,
 )
 
 

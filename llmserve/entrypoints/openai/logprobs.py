@@ -16,6 +16,8 @@ from llmserve.entrypoints.openai.common.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
 )
 
 MIN_LOGPROB = -9999.0
@@ -101,6 +103,39 @@ class TokenFormatter:
 
     def raw_bytes(self, token_id: int) -> list[int]:
         return self._entry(int(token_id))[1]
+
+
+class TokenIdFormatter:
+    """The formatter of ``return_tokens_as_token_ids`` (vLLM): every token is written
+    ``token_id:N``, so clients can map logprobs back to ids whatever the tokenizer."""
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return f"token_id:{int(token_id)}"
+
+    def raw_bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def build_prompt_logprobs(fmt: Any, prompt_ids: Sequence[int],
+                          prompt_logprobs: Optional[Sequence[Optional[dict[int, Any]]]],
+                          num: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` of one prompt: None for the first token, then for each
+    position a dict {token id: PromptLogprob} of the actual prompt token and the ``num``
+    best candidates (the engine may hold more when echo asked for more). ``fmt`` writes
+    ``decoded_token`` (a TokenFormatter or TokenIdFormatter)."""
+    out: PromptLogprobs = []
+    steps = list(prompt_logprobs or [])
+    for i, tid in enumerate(prompt_ids):
+        step = steps[i] if i < len(steps) else None
+        if step is None:
+            out.append(None)
+            continue
+        keep = {tid: step[tid]} if tid in step else {}  # the actual token first, as vLLM
+        keep.update((t, lp) for t, lp in _ranked(step, num) if t not in keep)
+        out.append({t: PromptLogprob(logprob=finite_logprob(lp.logprob), rank=lp.rank, decoded_token=fmt.text(t))
+                    for t, lp in keep.items()})
+    return out
 
 
 def _ranked(step: dict[int, Any], num: int) -> list[tuple[int, Any]]:

@@ -137,10 +137,19 @@ class AuthenticationMiddleware:
         await self.app(scope, receive, send)
 
 
+# A validation error lists at most this many problems, each cut to MAX_PART_CHARS: one
+# invalid 400 KB body (a long list of bad items) must not answer with a body as large.
+MAX_VALIDATION_ERRORS = 5
+MAX_PART_CHARS = 300
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    """The message and ``param`` of a pydantic validation error: ``<loc>: <msg>`` for
+    each problem, with the location as pydantic and vLLM write it (``messages.0.content``,
+    without the leading ``body``). The input values are never echoed back."""
     errors = exc.errors()
     parts, param = [], None
-    for err in errors:
+    for err in errors[:MAX_VALIDATION_ERRORS]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         msg = err.get("msg", "invalid value")
         if err.get("type") == "json_invalid":
@@ -153,6 +162,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         if param is None:
             param = loc[0]
         parts.append(f"{'.'.join(loc)}: {msg}")
+    parts = [p if len(p) <= MAX_PART_CHARS else p[:MAX_PART_CHARS] + "..." for p in parts]
+    if len(errors) > MAX_VALIDATION_ERRORS:
+        parts.append(f"and {len(errors) - MAX_VALIDATION_ERRORS} more errors")
     return "; ".join(parts) or "Invalid request.", param
 
 

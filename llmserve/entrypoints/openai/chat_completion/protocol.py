@@ -12,6 +12,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     ChatMessageParam,
     Int64,
     OpenAIBaseModel,
+    PromptLogprobs,
     SamplingRequest,
     UsageInfo,
     check_max_logprobs,
@@ -35,6 +36,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: bool = False
 
     def requested_max_tokens(self) -> Optional[int]:
         """``max_completion_tokens`` wins over the legacy ``max_tokens``."""
@@ -83,11 +85,14 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
+    """One choice; ``token_ids`` with vLLM's ``return_token_ids``."""
+
     index: int
     message: ChatMessage
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -97,6 +102,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM's extras, at the top level in chat: prompt_logprobs, prompt_token_ids
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -116,12 +124,16 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
+    """One chunk; with ``return_token_ids`` the first chunk carries ``prompt_token_ids``."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None

@@ -33,7 +33,8 @@ from llmserve.entrypoints.openai.common.serving import (
     sse,
     sse_error,
 )
-from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
+from llmserve.entrypoints.chat_utils import content_to_text
+from llmserve.entrypoints.openai.logprobs import build_chat_logprobs, build_prompt_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 
@@ -69,7 +70,7 @@ class OpenAIServingChat(GenerateBaseServing):
         InputProcessor, EngineDeadError)."""
         model_name = self._check_model(request)
         request.check()
-        prompt = await self.render(request)
+        prompt = self.truncate(await self.render(request), request)
         requested = request.requested_max_tokens()
         params = request.to_sampling_params(requested, self.default_sampling_params)
         zero_output = requested == 0
@@ -79,9 +80,9 @@ class OpenAIServingChat(GenerateBaseServing):
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         firsts = await self.start_generation(gens, {"prompt": "messages", "max_tokens": max_param})
         merged = merge_started(firsts, gens)
-        n_prompt = len(prompt.token_ids)
         if request.stream:
-            return self._stream(request, request_id, created, model_name, n_prompt, zero_output, merged, gens)
+            return self._stream(request, request_id, created, model_name, prompt.token_ids, zero_output, merged,
+                                gens)
         final: Optional[RequestOutput] = None
         try:
             async for _, res in merged:
@@ -94,38 +95,61 @@ class OpenAIServingChat(GenerateBaseServing):
             await aclose_all(gens)
         if final is None:
             raise RuntimeError(f"request {request_id} ended without output")
-        return self._build_response(request, request_id, created, model_name, n_prompt, zero_output, final)
+        return self._build_response(request, request_id, created, model_name, prompt.token_ids, zero_output, final)
 
     # ---- non-streaming -------------------------------------------------------------
+    @staticmethod
+    def echo_text(request: ChatCompletionRequest) -> str:
+        """vLLM's chat ``echo``: the content of the last message when it is the
+        assistant's (the one ``continue_final_message`` continues), prepended to the
+        answer; "" otherwise."""
+        last = request.messages[-1]
+        if not request.echo or last.role != "assistant":
+            return ""
+        return content_to_text(last.content, len(request.messages) - 1) or ""
+
     def _build_response(self, request: ChatCompletionRequest, request_id: str, created: int,
-                        model_name: str, prompt_tokens: int, zero_output: bool,
+                        model_name: str, prompt_ids: list[int], zero_output: bool,
                         final: RequestOutput) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
+        fmt = self.formatter(request)
+        echo = self.echo_text(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
             token_ids = [] if zero_output else list(out.token_ids)
             completion_tokens += len(token_ids)
             logprobs = None
             if request.logprobs:
-                logprobs = build_chat_logprobs(self.token_formatter, token_ids,
-                                               [] if zero_output else (out.logprobs or []),
+                logprobs = build_chat_logprobs(fmt, token_ids, [] if zero_output else (out.logprobs or []),
                                                request.top_logprobs or 0)
             choices.append(ChatCompletionResponseChoice(
                 index=out.index,
-                message=ChatMessage(role=self.response_role_of(request), content="" if zero_output else out.text),
+                message=ChatMessage(role=self.response_role_of(request),
+                                    content=echo + ("" if zero_output else out.text)),
                 logprobs=logprobs,
                 finish_reason="length" if zero_output else out.finish_reason,
                 stop_reason=None if zero_output else out.stop_reason,
+                token_ids=token_ids if request.return_token_ids else None,
             ))
+        prompt_tokens = len(prompt_ids)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = build_prompt_logprobs(fmt, prompt_ids, final.prompt_logprobs, request.prompt_logprobs)
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
-            usage=self.usage_options.usage(prompt_tokens, completion_tokens, final.num_cached_tokens))
+            usage=self.usage_options.usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
 
     # ---- streaming -------------------------------------------------------------------
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      prompt_tokens: int, zero_output: bool, merged: AsyncGenerator[tuple[int, RequestOutput], None],
+                      prompt_ids: list[int], zero_output: bool, merged: AsyncGenerator[tuple[int, RequestOutput], None],
                       gens: list[Any]) -> AsyncGenerator[str, None]:
         n = request.n or 1
+        prompt_tokens = len(prompt_ids)
+        fmt = self.formatter(request)
+        echo = self.echo_text(request)
+        return_ids = bool(request.return_token_ids)
         opts = request.stream_options
         include_usage, continuous = self.usage_options.stream_usage(opts)
         num_tokens = [0] * n
@@ -134,15 +158,20 @@ class OpenAIServingChat(GenerateBaseServing):
         def usage_now() -> Any:
             return self.usage_options.usage(prompt_tokens, sum(num_tokens), num_cached[0])
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice, first: bool = False) -> str:
             resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                choices=[choice], usage=usage_now() if continuous else None)
+                                                choices=[choice], usage=usage_now() if continuous else None,
+                                                prompt_token_ids=list(prompt_ids) if first and return_ids else None)
             return sse(resp.model_dump_json())
 
         try:
-            for i in range(n):
+            for i in range(n):  # vLLM: the prompt's ids ride on the first chunk only
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=i, delta=DeltaMessage(role=self.response_role_of(request), content=""), finish_reason=None))
+                    index=i, delta=DeltaMessage(role=self.response_role_of(request), content=""),
+                    finish_reason=None), first=i == 0)
+            if echo:
+                for i in range(n):
+                    yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, res in merged:
                 num_cached[0] = res.num_cached_tokens
                 for out in res.outputs:
@@ -154,13 +183,13 @@ class OpenAIServingChat(GenerateBaseServing):
                     num_tokens[out.index] += len(token_ids)
                     logprobs = None
                     if request.logprobs and token_ids:
-                        logprobs = build_chat_logprobs(self.token_formatter, token_ids, out.logprobs or [],
-                                                       request.top_logprobs or 0)
-                    if not text and finish is None and logprobs is None:
+                        logprobs = build_chat_logprobs(fmt, token_ids, out.logprobs or [], request.top_logprobs or 0)
+                    if not text and finish is None and logprobs is None and not (return_ids and token_ids):
                         continue
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=out.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                        finish_reason=finish, stop_reason=None if zero_output else out.stop_reason))
+                        finish_reason=finish, stop_reason=None if zero_output else out.stop_reason,
+                        token_ids=list(token_ids) if return_ids else None))
             if include_usage:
                 final = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                      choices=[], usage=usage_now())

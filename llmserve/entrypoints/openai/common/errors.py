@@ -46,7 +46,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     """Map an exception to (HTTP status, error body).
 
     ModelNotFoundError -> 404; SamplingParamsError / ValueError -> 400 (``param`` from
-    the exception when it has one); NotImplementedError -> 501; EngineDeadError -> 503;
+    the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
+    never a 5xx, which the official clients retry twice); EngineDeadError -> 503;
     EngineGenerateError and anything else -> 500 (unexpected errors are logged with
     their traceback).
     """
@@ -57,7 +58,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):
         return 400, make_error(str(exc) or exc.__class__.__name__, 400, getattr(exc, "param", None))
     if isinstance(exc, NotImplementedError):
-        return 501, make_error(str(exc) or "Not implemented", 501)
+        return 400, make_error(str(exc) or "This feature is not supported by this server.", 400,
+                               getattr(exc, "param", None))
     if isinstance(exc, EngineGenerateError):
         return 500, make_error(f"The request failed in the engine: {exc}", 500)
     logger.error("Unexpected error while serving a request", exc_info=exc)

@@ -16,7 +16,7 @@ meaning llmserve cannot honour (``suffix``, ``tools`` with a tool choice, struct
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,10 +81,11 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    """``include_usage``: one last chunk with ``choices: []`` and the usage.
-    ``continuous_usage_stats`` (vLLM): running usage on every chunk."""
+    """``include_usage``: one last chunk with ``choices: []`` and the usage; left out,
+    no usage is sent (OpenAI: usage only when asked for).
+    ``continuous_usage_stats`` (vLLM): running usage on every chunk (with include_usage)."""
 
-    include_usage: Optional[bool] = True
+    include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
 
 
@@ -125,6 +126,12 @@ class SamplingRequest(OpenAIRequestModel):
     allowed_token_ids: Optional[list[Int64]] = None
     bad_words: Optional[list[str]] = None
     priority: Int64 = 0
+    # vLLM extras that change the response
+    prompt_logprobs: Optional[Int64] = None
+    return_token_ids: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    truncate_prompt_tokens: Optional[Int64] = None
+    truncation_side: Optional[Literal["left", "right"]] = None
 
     def check_common(self) -> None:
         """Checks that do not need the prompt. Raises SamplingParamsError (param set)."""
@@ -137,6 +144,15 @@ class SamplingRequest(OpenAIRequestModel):
                 f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.", "temperature")
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise SamplingParamsError(f"n must be between 1 and {MAX_N} (this server's limit), got {self.n}.", "n")
+        check_max_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise SamplingParamsError("`prompt_logprobs` are not available when `stream=True` (vLLM).",
+                                      "prompt_logprobs")
+        t = self.truncate_prompt_tokens
+        if t is not None and not (t == -1 or t >= 1):
+            raise SamplingParamsError(
+                f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length, got {t}.",
+                "truncate_prompt_tokens")
         rf = self.response_format
         if rf is not None and rf.get("type", "text") != "text":
             raise SamplingParamsError(
@@ -158,12 +174,17 @@ class SamplingRequest(OpenAIRequestModel):
 
         logit_bias = None
         if self.logit_bias:
-            logit_bias = {}
+            logit_bias, bad = {}, []
             for k, v in self.logit_bias.items():
                 try:
                     logit_bias[int(k)] = float(v)
-                except ValueError as e:
-                    raise SamplingParamsError(f"logit_bias keys must be token ids, got {k!r}.", "logit_bias") from e
+                except ValueError:
+                    bad.append(repr(k))
+            if bad:  # name every bad key (the vocabulary check names ids out of range)
+                from llmserve.engine.input_processor import list_ids
+                raise SamplingParamsError(
+                    f"logit_bias keys must be token ids (integers as strings), got: {list_ids(bad)}.",
+                    "logit_bias")
         return dict(
             n=self.n if self.n is not None else 1,
             temperature=pick("temperature", 1.0),
@@ -183,6 +204,7 @@ class SamplingRequest(OpenAIRequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -204,6 +226,21 @@ class ChatMessageParam(OpenAIBaseModel):
 
 
 # ----------------------------------------------------------------------------- logprobs
+class PromptLogprob(OpenAIBaseModel):
+    """One candidate of one prompt position in vLLM's ``prompt_logprobs`` (natural log,
+    finite; 1-based rank; the token's text, or ``token_id:N`` with
+    ``return_tokens_as_token_ids``)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's shape: None for the first prompt token, then {token id: PromptLogprob} (the
+# actual prompt token plus the ``prompt_logprobs`` best); JSON writes the ids as strings.
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class ChatCompletionLogProb(OpenAIBaseModel):
     """One candidate token: text, natural-log probability (finite) and UTF-8 bytes."""
 

@@ -18,8 +18,9 @@ from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Optional, Sequen
 
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uuid
+from llmserve.engine.input_processor import truncate_prompt
 from llmserve.entrypoints.openai.common.usage import UsageOptions
-from llmserve.entrypoints.openai.logprobs import TokenFormatter
+from llmserve.entrypoints.openai.logprobs import TokenFormatter, TokenIdFormatter
 from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -105,7 +106,22 @@ class GenerateBaseServing(BaseServing):
         self.renderer = renderer
         self.tokenizer = engine_client.tokenizer
         self.token_formatter = TokenFormatter(self.tokenizer)
+        self.token_id_formatter = TokenIdFormatter()
         self.default_sampling_params = default_sampling_params(engine_client)
+
+    def formatter(self, request: Any) -> Any:
+        """How the request's logprobs write tokens: ``token_id:N`` with vLLM's
+        ``return_tokens_as_token_ids``, else the token's text."""
+        return self.token_id_formatter if request.return_tokens_as_token_ids else self.token_formatter
+
+    def truncate(self, prompt: RenderedPrompt, request: Any) -> RenderedPrompt:
+        """The prompt cut to the request's ``truncate_prompt_tokens`` on its
+        ``truncation_side`` (the InputProcessor's rule, so offline and online agree); a
+        cut prompt has no text (the ids are what the model sees and what is echoed).
+        Raises SamplingParamsError (param ``truncate_prompt_tokens``)."""
+        ids = truncate_prompt(prompt.token_ids, request.truncate_prompt_tokens, self.max_model_len,
+                              request.truncation_side)
+        return prompt if len(ids) == len(prompt.token_ids) else RenderedPrompt(None, ids)
 
     def new_request_id(self, base: Optional[str] = None) -> str:
         """``<prefix>-<X-Request-Id or random uuid>``."""

@@ -10,6 +10,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     CompletionLogProbs,
     Int64,
     OpenAIBaseModel,
+    PromptLogprobs,
     SamplingRequest,
     UsageInfo,
     check_max_logprobs,
@@ -34,7 +35,6 @@ class CompletionRequest(SamplingRequest):
     suffix: Optional[str] = None
     best_of: Optional[Int64] = None
     add_special_tokens: bool = True
-    prompt_logprobs: Optional[Int64] = None
 
     def check(self) -> None:
         """Request-level checks. Raises SamplingParamsError (param set)."""
@@ -42,7 +42,6 @@ class CompletionRequest(SamplingRequest):
         if self.suffix is not None:
             raise SamplingParamsError("suffix is not supported by this server.", "suffix")
         check_max_logprobs(self.logprobs, "logprobs")
-        check_max_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise SamplingParamsError("best_of is not supported (it must equal n).", "best_of")
 
@@ -52,6 +51,8 @@ class CompletionRequest(SamplingRequest):
         logprobs are asked for too (OpenAI's echo semantics). Raises SamplingParamsError."""
         kwargs = self.sampling_kwargs(defaults)
         kwargs["max_tokens"] = max_tokens
+        if self.max_tokens is None and max_tokens is not None:  # vLLM: clamped, not a 400
+            kwargs["min_tokens"] = min(kwargs["min_tokens"], max_tokens)
         kwargs["logprobs"] = self.logprobs
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
@@ -61,11 +62,17 @@ class CompletionRequest(SamplingRequest):
 
 
 class CompletionResponseChoice(OpenAIBaseModel):
+    """One choice; vLLM's extras: ``prompt_logprobs`` (with the ``prompt_logprobs``
+    field), ``prompt_token_ids`` and ``token_ids`` (with ``return_token_ids``)."""
+
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -78,11 +85,16 @@ class CompletionResponse(OpenAIBaseModel):
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
+    """One choice's chunk; with ``return_token_ids`` the choice's first chunk carries
+    ``prompt_token_ids`` and every chunk the ``token_ids`` it adds (vLLM)."""
+
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):

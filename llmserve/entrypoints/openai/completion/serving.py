@@ -33,7 +33,7 @@ from llmserve.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from llmserve.entrypoints.openai.logprobs import build_completion_logprobs
+from llmserve.entrypoints.openai.logprobs import build_completion_logprobs, build_prompt_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -69,11 +69,14 @@ class OpenAIServingCompletion(GenerateBaseServing):
 
     request_id_prefix = "cmpl"
 
-    def default_max_tokens(self, prompt_len: int) -> int:
+    def default_max_tokens(self, prompt_len: int, min_tokens: int = 0) -> int:
         """The budget of a request that leaves ``max_tokens`` out: OpenAI's legacy 16,
-        or the model's default budget when smaller, clamped to the room left in the
-        context. A prompt with no room left keeps 16, so the engine reports it."""
+        or the model's default budget when smaller, raised to ``min_tokens``, clamped to
+        the room left in the context (a min_tokens above the room is clamped with it,
+        see ``to_sampling_params``). A prompt with no room left keeps 16, so the engine
+        reports it."""
         budget = min(DEFAULT_MAX_TOKENS, self.default_sampling_params.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        budget = max(budget, min_tokens)
         room = self.max_model_len - prompt_len
         return min(budget, room) if room > 0 else budget
 
@@ -82,11 +85,11 @@ class OpenAIServingCompletion(GenerateBaseServing):
         request.check()
         items = _prompt_items(request.prompt)
         rendered = await self.renderer.render_prompts(items, add_special_tokens=request.add_special_tokens)
-        prompts = [_Prompt(r) for r in rendered]
+        prompts = [_Prompt(self.truncate(r, request)) for r in rendered]
         for p in prompts:
             max_tokens = request.max_tokens
             if max_tokens is None:
-                max_tokens = self.default_max_tokens(len(p.ids))
+                max_tokens = self.default_max_tokens(len(p.ids), request.min_tokens or 0)
             p.params = request.to_sampling_params(max_tokens, self.default_sampling_params)
             p.zero_output = max_tokens == 0
             if request.echo:
@@ -136,12 +139,19 @@ class OpenAIServingCompletion(GenerateBaseServing):
                 if request.logprobs is not None:
                     logprobs = self._logprobs(request, p, res.prompt_logprobs, token_ids,
                                               [] if p.zero_output else (out.logprobs or []))
+                prompt_logprobs = None
+                if request.prompt_logprobs is not None:
+                    prompt_logprobs = build_prompt_logprobs(self.formatter(request), p.ids, res.prompt_logprobs,
+                                                            request.prompt_logprobs)
                 choices.append(CompletionResponseChoice(
                     index=i * n + out.index,
                     text=p.echo_text + text,
                     logprobs=logprobs,
                     finish_reason="length" if p.zero_output else out.finish_reason,
                     stop_reason=None if p.zero_output else out.stop_reason,
+                    prompt_logprobs=prompt_logprobs,
+                    prompt_token_ids=list(p.ids) if request.return_token_ids else None,
+                    token_ids=token_ids if request.return_token_ids else None,
                 ))
         return CompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
@@ -157,7 +167,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
             tops.extend(pl + [None] * (len(p.ids) - len(pl)))
         ids.extend(token_ids)
         tops.extend(list(sample_logprobs) + [{}] * (len(token_ids) - len(sample_logprobs)))
-        return build_completion_logprobs(self.token_formatter, ids, tops, request.logprobs or 0)
+        return build_completion_logprobs(self.formatter(request), ids, tops, request.logprobs or 0)
 
     # ---- streaming -------------------------------------------------------------
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
@@ -170,6 +180,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
         prompt_tokens = sum(len(p.ids) for p in prompts)
         num_tokens = [0] * (len(prompts) * n)
         echoed = [False] * (len(prompts) * n)
+        sent_ids = [False] * (len(prompts) * n)
         # text offset of the next token in each choice's text (for logprobs.text_offset)
         offsets = [0] * (len(prompts) * n)
         prompt_lps: list[Optional[list]] = [None] * len(prompts)
@@ -199,15 +210,21 @@ class OpenAIServingCompletion(GenerateBaseServing):
                                                   echo_prefix=echo_now)
                         logprobs.text_offset = [o + offsets[idx] for o in logprobs.text_offset]
                     offsets[idx] += len(text)
-                    if not text and finish is None and not (logprobs and logprobs.tokens):
+                    if (not text and finish is None and not (logprobs and logprobs.tokens)
+                            and not (request.return_token_ids and token_ids)):
                         continue
                     usage = None
                     if continuous:
                         usage = self.usage_options.usage(prompt_tokens, sum(num_tokens), sum(num_cached))
+                    ids_now = {}
+                    if request.return_token_ids:  # vLLM: the prompt's ids in the choice's first chunk
+                        ids_now = {"token_ids": token_ids, "prompt_token_ids": None if sent_ids[idx] else p.ids}
+                        sent_ids[idx] = True
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=model_name, usage=usage,
                         choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs,
-                                                                finish_reason=finish, stop_reason=stop_reason)])
+                                                                finish_reason=finish, stop_reason=stop_reason,
+                                                                **ids_now)])
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 final = CompletionStreamResponse(

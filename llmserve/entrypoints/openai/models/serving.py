@@ -58,9 +58,16 @@ class OpenAIServingModels:
             return model_name
         raise ModelNotFoundError(model_name, self.model_names)
 
+    def _card(self, p: BaseModelPath) -> ModelCard:
+        return ModelCard(id=p.name, created=self.created, root=p.model_path, max_model_len=self.max_model_len)
+
     def show_available_models(self) -> ModelList:
         """The body of ``GET /v1/models``."""
-        return ModelList(data=[
-            ModelCard(id=p.name, created=self.created, root=p.model_path, max_model_len=self.max_model_len)
-            for p in self.base_model_paths
-        ])
+        return ModelList(data=[self._card(p) for p in self.base_model_paths])
+
+    def show_model(self, model_id: str) -> ModelCard:
+        """The body of ``GET /v1/models/{model_id}``. Raises ModelNotFoundError (404)."""
+        for p in self.base_model_paths:
+            if p.name == model_id:
+                return self._card(p)
+        raise ModelNotFoundError(model_id, self.model_names)
