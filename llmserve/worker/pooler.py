@@ -42,11 +42,8 @@ class Pooler:
             return hidden[torch.from_numpy(ends - 1).to(hidden.device)].float()
         if kind == "CLS":
             return hidden[torch.from_numpy(ends - np.asarray(lens)).to(hidden.device)].float()
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device),
-                                      torch.tensor(lens, device=hidden.device))
-        sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        sums.index_add_(0, seg, hidden.float())
-        return sums / torch.tensor(lens, dtype=torch.float32, device=hidden.device)[:, None]
+        # One mean per prompt: its value depends on that prompt's rows only (batch invariance).
+        return torch.stack([h.float().mean(0) for h in hidden[:sum(lens)].split(lens)])
 
     def __call__(self, hidden: torch.Tensor, lens: list[int], params: list) -> list[torch.Tensor]:
         pooled = self.pool(hidden, lens)

@@ -31,6 +31,8 @@ def test_embed_equals_sentence_transformers_in_any_batch_composition(minilm_llm,
     parts = [rev[:1], rev[1:8], rev[8:]]
     other = np.array([o.outputs.embedding for p in parts for o in minilm_llm.embed(p, use_tqdm=False)])[::-1]
     assert _cos(other, ref).min() >= 0.99999
+    # Batch invariant: the same vectors bit for bit, whatever else ran in the step.
+    assert np.array_equal(other, together)
     assert np.allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
 
 
