@@ -61,7 +61,7 @@ class PoolingBaseServing(BaseServing):
         ``model``) when this model cannot serve the endpoint (a generating model: start
         it with ``--runner pooling``)."""
         name = self._check_model(request)
-        tasks = self.model_config.supported_tasks
+        tasks = getattr(self.model_config, "supported_tasks", ("generate",))
         if ("embed" if task in ("score", "rerank") else task) not in tasks:
             raise SamplingParamsError(
                 f"This model does not support the {_API_NAMES[task]}: it is served for {list(tasks)}. "
