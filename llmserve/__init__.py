@@ -14,6 +14,9 @@ _LAZY = {
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
     "PoolingRequestOutput": "llmserve.outputs",
+    "EmbeddingRequestOutput": "llmserve.outputs",
+    "ScoringRequestOutput": "llmserve.outputs",
+    "PoolingParams": "llmserve.pooling_params",
     "EngineArgs": "llmserve.engine_args",
     "AsyncEngineArgs": "llmserve.engine_args",
     "StreamingInput": "llmserve.engine.streaming_input",
@@ -22,8 +25,8 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt",
-           "TokensPrompt", "__version__"]
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "PoolingParams",
+           "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name):

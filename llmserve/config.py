@@ -76,6 +76,8 @@ class ModelConfig:
     generation_config: str = "auto"
     chat_template: Optional[str] = None
     runner: str = "generate"
+    convert: str = "auto"
+    pooler_config: Any = None  # llmserve.pooler_config.PoolerConfig for runner="pooling"
     device: str = "cpu"
     revision: Optional[str] = None
     tokenizer_revision: Optional[str] = None
@@ -103,6 +105,19 @@ class ModelConfig:
         ``override_generation_config`` applied; ``{}`` with ``generation_config="vllm"`` and
         no overrides. A new dict on each call."""
         return dict(self.diff_sampling_param)
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """An encoder (BERT): bidirectional attention over the whole prompt, no KV kept."""
+        from llmserve.pooler_config import is_encoder_only
+
+        return is_encoder_only(self.hf_config)
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the engine can do with this model (vLLM's ``supported_tasks``):
+        ("generate",) or the pooling tasks ("encode", "embed")."""
+        return ("generate",) if self.runner == "generate" else ("encode", "embed")
 
     @property
     def vocab_size(self) -> int:

@@ -156,6 +156,10 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
     _check_format(args, resolved)
     hf_config = load_hf_config(resolved)
     defaults, eos_ids = _generation_defaults(args, resolved)
+    from llmserve.pooler_config import load_pooler_config, resolve_runner
+
+    runner = resolve_runner(args.runner, args.convert, hf_config)
+    pooler = load_pooler_config(resolved.path, hf_config) if runner == "pooling" else None
     return ModelConfig(
         model=args.model, tokenizer=_tokenizer_path(args, resolved),
         served_model_name=tuple(args.served_model_name or [args.model]), dtype=dtype,
@@ -168,7 +172,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
         disable_sliding_window=args.disable_sliding_window,
         override_generation_config=dict(args.override_generation_config),
         renderer_num_workers=args.renderer_num_workers, diff_sampling_param=defaults,
-        extra_eos_token_ids=eos_ids)
+        extra_eos_token_ids=eos_ids, runner=runner, convert=args.convert, pooler_config=pooler)
 
 
 def _cache_config(args: "EngineArgs") -> CacheConfig:
@@ -188,13 +192,17 @@ def _cache_config(args: "EngineArgs") -> CacheConfig:
 
 
 def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageContext",
-                      max_model_len: int) -> SchedulerConfig:
+                      max_model_len: int, pooling: bool = False) -> SchedulerConfig:
     from llmserve.engine_args import default_batching
 
     default_mnbt, default_seqs = default_batching(device, usage_context)
     mnbt = args.max_num_batched_tokens
     if mnbt is None:
-        mnbt = default_mnbt if args.enable_chunked_prefill else max(default_mnbt, max_model_len)
+        mnbt = default_mnbt if args.enable_chunked_prefill and not pooling else max(default_mnbt, max_model_len)
+    elif pooling and mnbt < max_model_len:
+        # A pooling prompt runs whole in one step (vLLM's rule for pooling models).
+        raise ValueError(f"max_num_batched_tokens ({mnbt}) must be >= max_model_len ({max_model_len}) "
+                         "for a pooling model: each prompt runs whole in one step.")
     return SchedulerConfig(
         max_num_batched_tokens=mnbt,
         max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else default_seqs,
@@ -219,7 +227,8 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
                        "(NONE), as vLLM does under enforce_eager", int(mode))
     return VllmConfig(
         model_config=model_config, cache_config=_cache_config(args),
-        scheduler_config=_scheduler_config(args, device, usage_context, model_config.max_model_len),
+        scheduler_config=_scheduler_config(args, device, usage_context, model_config.max_model_len,
+                                           model_config.runner == "pooling"),
         parallel_config=parallel_config,
         observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
         compilation_config=args.compilation_config, kv_transfer_config=args.kv_transfer_config,

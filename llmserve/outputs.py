@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -102,10 +102,73 @@ class RequestMetrics:
 
 
 @dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt (vLLM's ``PoolingOutput``): ``data`` is a float32
+    CPU tensor ``[dim]``."""
+
+    data: Any
+
+
+@dataclass
 class PoolingRequestOutput:
-    """Output of a pooling (embedding) request: ``outputs`` is the pooled vector."""
+    """Output of a pooling request (vLLM's ``PoolingRequestOutput``): ``outputs.data`` is
+    the pooled vector; prompt_token_ids the tokens that were pooled (after any
+    truncation); finished is always True (one output per request)."""
 
     request_id: str
-    outputs: list[float]
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding as a list of floats (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "EmbeddingOutput":
+        data = output.data
+        if data.ndim != 1:
+            raise ValueError("pooled data should be 1-D for an embedding")
+        return EmbeddingOutput(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """Output of ``LLM.embed`` (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(out.request_id, EmbeddingOutput.from_base(out.outputs),
+                                      out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """A similarity score (vLLM's ``ScoringOutput``): cosine similarity in [-1, 1] for an
+    embedding model."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """Output of ``LLM.score`` (vLLM's ``ScoringRequestOutput``); prompt_token_ids: the
+    tokens of both texts, first then second."""
+
+    request_id: str
+    outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True

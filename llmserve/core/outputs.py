@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -79,6 +79,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
     events: Optional[list[EngineCoreEvent]] = None
+    # The pooled vector (a float32 torch.Tensor, carried by serial.py's tensor ext) of a
+    # pooling request; None for generation.
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:
@@ -89,9 +92,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class ModelRunnerOutput:
     """What the model runner returns for one step: per request id, the sampled token
     (absent when the step ended inside a prompt chunk), its logprobs and the prompt
-    logprobs of the positions computed this step (vLLM's ``ModelRunnerOutput``).
+    logprobs of the positions computed this step, or for pooling requests the pooled
+    vector (vLLM's ``ModelRunnerOutput``).
     In-process only (it never crosses a process boundary)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    pooler_output: dict[str, Any] = field(default_factory=dict)  # request id -> pooled tensor

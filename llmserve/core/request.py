@@ -61,8 +61,14 @@ class Request:
         resumable: bool = False,
         trace_headers: Optional[dict[str, str]] = None,
         log_stats: bool = False,
+        pooling_params=None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request (pooling_params set) runs its prompt once and samples nothing;
+        # it gets greedy one-token SamplingParams only so that shared code can read them.
+        self.pooling_params = pooling_params
+        if sampling_params is None:
+            sampling_params = SamplingParams(max_tokens=1, temperature=0.0)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -70,6 +76,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.max_tokens: int = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 30
+        if pooling_params is not None:
+            self.max_tokens = 0
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []

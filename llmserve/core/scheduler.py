@@ -31,9 +31,14 @@ class Scheduler:
 
     Streaming-input (resumable) requests: when one answers its chunk it is kept, with its
     KV blocks, in ``WAITING_FOR_STREAMING_INPUT`` (outside ``running``/``waiting``) until
-    ``update_streaming_request`` gives it the next chunk or closes its input."""
+    ``update_streaming_request`` gives it the next chunk or closes its input.
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    Pooling requests (``request.pooling_params``) are scheduled whole (never chunked) and
+    finish in the step that runs them, with the pooled vector. ``needs_kv=False`` (an
+    encoder model) allocates and caches no KV blocks at all."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 needs_kv: bool = True) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -43,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.needs_kv = needs_kv
         self._priority = scheduler_config.policy == "priority"
         self.num_preemptions_total = 0
         self._step_preemptions = 0
@@ -219,10 +225,10 @@ class Scheduler:
                 if req.num_computed_tokens == 0:
                     computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
                 n = req.num_tokens - req.num_computed_tokens - num_hit
-                if not self.config.enable_chunked_prefill and n > budget:
+                if n > budget and (not self.config.enable_chunked_prefill or req.pooling_params is not None):
                     break
                 n = min(n, budget)
-                if self.kv_cache_manager.allocate_slots(req, n, computed_blocks) is None:
+                if self.needs_kv and self.kv_cache_manager.allocate_slots(req, n, computed_blocks) is None:
                     break
                 self.waiting.remove(req)
                 req.num_computed_tokens += num_hit
@@ -278,7 +284,11 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_scheduled_tokens
-            self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            if self.needs_kv:
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+            if req.pooling_params is not None:
+                self._finish_pooling(req, runner_out, outputs, finished)
+                continue
             tok = runner_out.sampled_token_ids.get(req.request_id)
             plp = runner_out.prompt_logprobs.get(req.request_id)
             if tok is None:
@@ -304,6 +314,16 @@ class Scheduler:
         for req in parked:
             self.running.remove(req)
         return outputs
+
+    def _finish_pooling(self, req: Request, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput],
+                        finished: list[Request]) -> None:
+        """A pooling request ran its whole prompt: it finishes with its pooled vector."""
+        req.status = RequestStatus.FINISHED_STOPPED
+        outputs.append(EngineCoreOutput(
+            req.request_id, [], finish_reason=req.get_finished_reason(),
+            num_cached_tokens=max(req.num_cached_tokens, 0), events=req.take_events() if req.events else None,
+            pooling_output=runner_out.pooler_output.get(req.request_id)))
+        finished.append(req)
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

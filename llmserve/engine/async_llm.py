@@ -29,7 +29,8 @@ from llmserve.engine.protocol import EngineClient
 from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.metrics.stats import IterationStats
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import PoolingRequestOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve import envs
 
@@ -223,6 +224,9 @@ class AsyncLLM(EngineClient):
         if isinstance(prompt, EngineCoreRequest):
             reqs, parent, params = self._prepared_request(request_id, prompt, params)
             request_id = prompt.request_id
+        elif isinstance(params, PoolingParams):
+            reqs, parent = [self.input_processor.process_pooling_inputs(
+                request_id, prompt, params, arrival_time or time.time(), priority)], None
         else:
             arrival_time = arrival_time or time.time()
             reqs, parent = self._process_inputs(request_id, prompt, params, arrival_time, priority)
@@ -232,7 +236,8 @@ class AsyncLLM(EngineClient):
             req.resumable = resumable or req.resumable
             if headers is not None:
                 req.trace_headers = headers
-            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params,
+            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids,
+                                              req.sampling_params or req.pooling_params,
                                               req.arrival_time, parent=parent, collector=collector)
         for req, _ in reqs:
             await self.engine_core.add_request_async(req)
@@ -258,6 +263,8 @@ class AsyncLLM(EngineClient):
         if request_id != request.request_id:
             logger.warning("AsyncLLM.add_request() was passed a request_id (%r) that does not match the "
                            "EngineCoreRequest's (%r); the latter is used.", request_id, request.request_id)
+        if request.pooling_params is not None:
+            return [(request, None)], None, request.pooling_params
         if request.sampling_params.n != 1:
             raise SamplingParamsError("n > 1 needs a prompt, not a prepared EngineCoreRequest", "n")
         return [(request, None)], None, request.sampling_params
@@ -312,6 +319,23 @@ class AsyncLLM(EngineClient):
         finally:
             if feeder is not None and not feeder.done():
                 feeder.cancel()
+
+    async def encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str,
+                     lora_request: Any = None, trace_headers: Optional[Mapping[str, str]] = None,
+                     priority: int = 0, **kwargs: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt (vLLM's ``AsyncLLM.encode``): yields its one
+        PoolingRequestOutput. Raises ValueError (SamplingParamsError) for bad input or a
+        model that does not pool; cancelling aborts the request in the engine."""
+        if is_streaming_prompt(prompt):
+            raise ValueError("encode() does not take streaming input")
+        if lora_request is not None:
+            raise ValueError("LoRA is not supported by this engine yet")
+        async for out in self.generate(prompt, pooling_params, request_id, priority, trace_headers=trace_headers):
+            yield out
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """("generate",) or the pooling tasks ("encode", "embed") (vLLM's)."""
+        return self.model_config.supported_tasks
 
     async def _add_streaming_request(self, request_id: str, chunks: Any, sampling_params: SamplingParams,
                                      priority: int, trace_headers: Optional[Mapping[str, str]]):

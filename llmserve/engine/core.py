@@ -65,7 +65,8 @@ class EngineCore:
                 f"decrease max_model_len.")
         self.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
+                                   needs_kv=not config.model_config.is_encoder_only)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency for %d-token "
                     "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs, max_len,
                     (num_blocks - 1) * bs / max_len)
@@ -80,7 +81,8 @@ class EngineCore:
         model or the KV cache)."""
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                           req.eos_token_id, req.arrival_time, req.priority, resumable=req.resumable,
-                          trace_headers=req.trace_headers, log_stats=self.log_stats)
+                          trace_headers=req.trace_headers, log_stats=self.log_stats,
+                          pooling_params=req.pooling_params)
         self.scheduler.add_request(request)
 
     def add_streaming_input(self, chunk: StreamingInputChunk) -> None:

@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 
 from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EngineCoreRequest
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.tokenizer import check_encodable
 
@@ -117,6 +118,10 @@ class InputProcessor:
         prompt_logprobs with kv_sharing_fast_prefill); ``allowed_token_ids``,
         ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text.
         """
+        if "generate" not in self.model_config.supported_tasks:
+            raise SamplingParamsError(
+                "This model does not support text generation: it is served as a pooling model. "
+                "Try passing `--runner generate` to use the model as a generative model.", "model")
         if priority != 0 and not self.priority_enabled:
             raise SamplingParamsError(
                 f"Got priority {priority} but priority scheduling is not enabled "
@@ -146,7 +151,44 @@ class InputProcessor:
                                 priority=priority)
         return req, text
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def process_pooling_inputs(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                               arrival_time: Optional[float] = None, priority: int = 0,
+                               ) -> tuple[EngineCoreRequest, Optional[str]]:
+        """The EngineCoreRequest of a pooling request (``pooling_params`` set, no
+        sampling params), with a copy of ``params`` whose task is set ("embed" when None).
+
+        ``truncate_prompt_tokens`` keeps the last k tokens (-1: max_model_len), as vLLM.
+        Raises SamplingParamsError naming the field: ``model`` when the model is not a
+        pooling model (suggesting ``--runner pooling``) or lacks the task; ``prompt`` when
+        empty, out of vocabulary or longer than max_model_len; ``dimensions`` when the
+        model does not allow it; ``truncate_prompt_tokens`` above max_model_len."""
+        mc = self.model_config
+        task = params.task or "embed"
+        if task not in mc.supported_tasks:
+            raise SamplingParamsError(
+                f"This model does not support the {task!r} pooling task (it supports "
+                f"{list(mc.supported_tasks)}). Try passing `--runner pooling` (or `--convert embed`) to use "
+                f"the model as a pooling model.", "model")
+        pc = mc.pooler_config
+        params = params.verify(task, int(mc.hf_config.hidden_size), list(pc.matryoshka_dimensions or ()),
+                               pc.is_matryoshka)
+        text, ids = self.tokenize_prompt(prompt)
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            if k > mc.max_model_len:
+                raise SamplingParamsError(
+                    f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({mc.max_model_len}). "
+                    f"Please select a smaller truncation size.", "truncate_prompt_tokens")
+            k = mc.max_model_len if k == -1 else k
+            ids = ids[-k:] if len(ids) > k else ids
+        self._check_prompt(ids, pooling=True)
+        req = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=None,
+                                eos_token_id=None,
+                                arrival_time=arrival_time if arrival_time is not None else time.time(),
+                                priority=priority, pooling_params=params)
+        return req, text
+
+    def _check_prompt(self, ids: list[int], pooling: bool = False) -> None:
         max_len = self.model_config.max_model_len
         if not ids:
             raise SamplingParamsError("The prompt cannot be empty.", "prompt")
@@ -154,7 +196,12 @@ class InputProcessor:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise SamplingParamsError(
                     f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).", "prompt")
-        if len(ids) >= max_len:
+        if pooling and len(ids) > max_len:
+            raise SamplingParamsError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of the "
+                f"input (or set truncate_prompt_tokens).", "input")
+        if not pooling and len(ids) >= max_len:
             raise SamplingParamsError(
                 f"This model's maximum context length is {max_len} tokens. However, your request has "
                 f"{len(ids)} input tokens, which leaves no room for output. Please reduce the length of "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_client import EngineCoreClient
@@ -16,6 +16,7 @@ from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.outputs import RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 from llmserve import envs
 
@@ -112,9 +113,22 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """("generate",) or the pooling tasks ("encode", "embed"), by the model's runner."""
+        return self.model_config.supported_tasks
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                     arrival_time: Optional[float] = None, priority: int = 0) -> None:
+        """Queue a request: SamplingParams generate, PoolingParams pool (its one output is a
+        PoolingRequestOutput). Raises ValueError for bad input or a task the model lacks."""
         arrival_time = arrival_time or time.time()
+        if isinstance(params, PoolingParams):
+            req, text = self.input_processor.process_pooling_inputs(request_id, prompt, params, arrival_time,
+                                                                    priority)
+            self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.pooling_params,
+                                              arrival_time)
+            self.engine_core.add_request(req)
+            return
         if params.n == 1:
             req, text = self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)
             self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,

@@ -21,6 +21,7 @@ import msgspec
 from llmserve.core.outputs import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason,
                                    LogprobsLists)
 from llmserve.metrics.stats import SchedulerStats
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
@@ -41,7 +42,8 @@ class EngineCoreRequestType(bytes, enum.Enum):
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request for the engine: prompt tokens and sampling parameters.
+    """A request for the engine: prompt tokens and sampling parameters, or for a pooling
+    model ``pooling_params`` (then ``sampling_params`` is None).
 
     max_tokens in sampling_params is already resolved (never None); arrival_time is
     time.time() seconds. resumable: a streaming-input session (``StreamingInputChunk``
@@ -51,12 +53,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: Optional[SamplingParams]
     eos_token_id: Optional[int]
     arrival_time: float
     priority: int = 0
     resumable: bool = False
     trace_headers: Optional[dict[str, str]] = None
+    pooling_params: Optional[PoolingParams] = None
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -14,7 +14,9 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, LogprobsLists
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
-from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmserve.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                              RequestOutput)
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -82,8 +84,8 @@ class RequestState:
     parent: Optional[ParentRequest]
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    params: SamplingParams  # PoolingParams for a pooling request
+    detokenizer: Optional[IncrementalDetokenizer]  # None for a pooling request
     collector: Optional[RequestOutputCollector]
     arrival_time: float
     logprobs: Optional[list] = None
@@ -112,7 +114,7 @@ class RequestState:
     def finished_stats(self, finish_reason: str, now: float, dropped: bool = False) -> FinishedRequestStats:
         """This request's FinishedRequestStats (``now``: time.time()). dropped: the
         caller went away (no TTFT unless a token came, no TPOT)."""
-        n_gen = len(self.detokenizer.token_ids)
+        n_gen = len(self.detokenizer.token_ids) if self.detokenizer is not None else 0
         ftt = self.first_token_time
         if dropped:
             ttft, tpot = (ftt - self.arrival_time if ftt else 0.0), 0.0
@@ -158,6 +160,11 @@ class OutputProcessor:
                     collector: Optional[RequestOutputCollector] = None) -> None:
         if request_id in self.states:
             raise ValueError(f"Request id {request_id!r} is already running.")
+        if isinstance(params, PoolingParams):  # one output, the pooled vector: nothing to detokenize
+            self.states[request_id] = RequestState(
+                request_id=request_id, parent=None, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                params=params, detokenizer=None, collector=collector, arrival_time=arrival_time)
+            return
         self.states[request_id] = RequestState(
             request_id=request_id, parent=parent, prompt=prompt, prompt_token_ids=prompt_token_ids,
             params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
@@ -228,6 +235,9 @@ class OutputProcessor:
             st = self.states.get(eco.request_id)
             if st is None:
                 continue  # aborted already
+            if st.detokenizer is None:
+                self._pooling_output(st, eco, result, now, iteration_stats)
+                continue
             p = st.params
             finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else None
             stop_reason = eco.stop_reason
@@ -275,6 +285,21 @@ class OutputProcessor:
                 if iteration_stats is not None:
                     iteration_stats.finished_requests.append(st.finished_stats(str(finish), now))
         return result
+
+    def _pooling_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
+                        now: float, iteration_stats: Optional[IterationStats]) -> None:
+        """A pooling request's one output: the pooled vector, as PoolingRequestOutput."""
+        self.states.pop(eco.request_id, None)
+        out = PoolingRequestOutput(st.request_id, PoolingOutput(eco.pooling_output), st.prompt_token_ids,
+                                   True, eco.num_cached_tokens)
+        if st.collector is not None:
+            st.collector.put(out)
+        else:
+            result.request_outputs.append(out)
+        if iteration_stats is not None:
+            iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
+            finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else FinishReason.STOP
+            iteration_stats.finished_requests.append(st.finished_stats(str(finish), now))
 
     def _make_output(self, st: RequestState, finish: Optional[FinishReason], stop_reason,
                      stopped_by_str: bool) -> Optional[RequestOutput]:

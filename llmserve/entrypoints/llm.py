@@ -12,6 +12,7 @@ from llmserve.engine.input_processor import PromptType
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine_args import (EngineArgs, UsageContext, check_kwargs, log_non_default_args,
                                   make_compilation_config, make_kv_transfer_config, make_worker_cls)
+from llmserve.entrypoints.llm_pooling import PoolingMixin
 from llmserve.entrypoints.renderer import Renderer
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -46,8 +47,9 @@ def _normalize_kwargs(kwargs: dict[str, Any]) -> None:
             "'examples/offline_inference/data_parallel.py'.")
 
 
-class LLM:
-    """An LLM for offline inference (vLLM's ``LLM``).
+class LLM(PoolingMixin):
+    """An LLM for offline inference (vLLM's ``LLM``). Generating models: ``generate``,
+    ``chat``; pooling models (``runner="pooling"``): ``encode``, ``embed``, ``score``.
 
     ``LLM(model=..., **kwargs)`` takes every EngineArgs field (dtype, max_model_len,
     max_num_seqs, max_num_batched_tokens, kv_cache_memory, enable_prefix_caching, seed,
@@ -138,9 +140,19 @@ class LLM:
 
         Raises ValueError for bad prompts/params (nothing is left running then).
         """
+        self._check_generate("generate")
         prompts = self._prompt_list(prompts)
         ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority)
         return self._run_engine(ids, use_tqdm)
+
+    def _check_generate(self, method: str) -> None:
+        if "generate" not in self.llm_engine.get_supported_tasks():
+            raise ValueError(f"LLM.{method}() is only supported for generative models. Try passing "
+                             "`--runner generate` to use the model as a generative model.")
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """What this model can do: ("generate",) or ("encode", "embed") (vLLM's)."""
+        return self.llm_engine.get_supported_tasks()
 
     def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
                 priority: Optional[list[int]] = None) -> list[str]:
@@ -223,6 +235,7 @@ class LLM:
         (SamplingParamsError) for unsupported content parts or roles, a template error,
         or both add_generation_prompt and continue_final_message.
         """
+        self._check_generate("chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         renderer = Renderer(self.get_tokenizer())
         prompts = [renderer.render_chat(

@@ -57,7 +57,7 @@ def get_model(model_config: Any) -> nn.Module:
     device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
         model = model.to(device)
-    else:  # build (or load the cached) C++ decode kernel now, not during the first request
+    elif getattr(model, "is_causal", True):  # build (or load the cached) C++ decode kernel now, not at the first request
         from llmserve.ops.cpu_ops import get_decode_kernel
         get_decode_kernel()
     return model.eval()

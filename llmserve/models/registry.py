@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from llmserve.models.bert import BertModel
 from llmserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
 
@@ -17,11 +18,15 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Encoders (pooling only): the MLM/pre-training heads are ignored.
+    "BertModel": BertModel,
+    "BertForMaskedLM": BertModel,
+    "BertForPreTraining": BertModel,
 }
 
 
 def supported_architectures() -> list[str]:
-    """Names of the architectures llmserve can run for text generation."""
+    """Names of the architectures llmserve can run (generation or pooling)."""
     return sorted(_MODELS)
 
 

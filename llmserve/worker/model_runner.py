@@ -119,6 +119,10 @@ class ModelRunner:
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        self.pooler = None
+        if mc.runner == "pooling":  # the head is a pooler instead of the sampler
+            from llmserve.worker.pooler import Pooler
+            self.pooler = Pooler(mc.pooler_config)
         self.states: dict[str, _ReqState] = {}
         self.eos_token_id: Optional[int] = None
         if config.num_threads:
@@ -139,8 +143,11 @@ class ModelRunner:
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self) -> int:
-        """Number of KV blocks that fit in ``kv_cache_memory_bytes`` (or the override)."""
+        """Number of KV blocks that fit in ``kv_cache_memory_bytes`` (or the override).
+        An encoder keeps no KV: its block count is nominal (one max_model_len sequence)."""
         cc = self.config.cache_config
+        if self.model_config.is_encoder_only:
+            return -(-self.model_config.max_model_len // self.block_size) + 1
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         return int(cc.kv_cache_memory_bytes // self.kv_cache_bytes_per_block())
@@ -153,6 +160,9 @@ class ModelRunner:
         become resident when blocks are first written or when the idle engine prefaults
         them (``prefault_kv``)."""
         mc = self.model_config
+        if mc.is_encoder_only:
+            self.kv_caches = []
+            return
         shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
@@ -227,6 +237,9 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: prepare inputs, forward, logits, head (sample / prompt logprobs)."""
         self.remove_requests(so.finished_req_ids)
+        if self.pooler is not None:
+            from llmserve.worker.pooler import execute_pooling
+            return execute_pooling(self, so)
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out

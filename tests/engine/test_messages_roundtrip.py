@@ -5,11 +5,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
 from llmserve.engine import messages as m
 from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 from llmserve.metrics.stats import SchedulerStats
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
@@ -32,12 +34,16 @@ def _event():
 
 
 def _output():
-    return m.EngineCoreOutput("r1", [7, 8], _lp(), _lp(), FinishReason.STOP, 5, 3, [_event()])
+    # pooling_output: one element, so the dict comparison below can truth-test it
+    # (tests/pooling/test_pooling_engine.py round-trips a whole vector).
+    return m.EngineCoreOutput("r1", [7, 8], _lp(), _lp(), FinishReason.STOP, 5, 3, [_event()],
+                              torch.tensor([0.25]))
 
 
 SAMPLES = {
     m.EngineCoreRequest: lambda: m.EngineCoreRequest("r1", [1, 2, 3], _params(), 2, 1700000000.5, 3, True,
-                                                     {"traceparent": "00-abc-def-01"}),
+                                                     {"traceparent": "00-abc-def-01"},
+                                                     PoolingParams(normalize=False, dimensions=8, task="embed")),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(

@@ -27,7 +27,8 @@ FAMILIES = {
     "register_completion_api_routers": {"/v1/completions"},
     "register_tokenize_api_routers": {"/tokenize", "/detokenize"},
     "register_responses_api_routers": {"/v1/responses"},
-    "register_embeddings_api_routers": {"/v1/embeddings"},
+    "register_embeddings_api_routers": {"/v1/embeddings", "/pooling"},
+    "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"},
 }
 
 

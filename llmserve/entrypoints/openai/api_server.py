@@ -45,6 +45,8 @@ from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServ
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
 from llmserve.entrypoints.openai.sagemaker.api_router import register_sagemaker_api_routers
+from llmserve.entrypoints.openai.score.api_router import register_score_api_routers
+from llmserve.entrypoints.openai.score.serving import OpenAIServingScores
 from llmserve.entrypoints.openai.server_utils import (
     AuthenticationMiddleware,
     RequestIdMiddleware,
@@ -77,6 +79,7 @@ API_ROUTER_REGISTRARS = (
     register_responses_api_routers,
     register_embeddings_api_routers,
     register_sagemaker_api_routers,
+    register_score_api_routers,
 )
 
 
@@ -178,7 +181,10 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
     state.openai_serving_render = AsyncRenderer(renderer, getattr(args, "renderer_num_workers", None) or 1)
     state.openai_serving_tokenization = OpenAIServingTokenization(
         engine_client, models, state.openai_serving_render, log_requests=log_requests)
-    state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, models, log_requests=log_requests)
+    state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, models, state.openai_serving_render,
+                                                            log_requests=log_requests)
+    state.openai_serving_scores = OpenAIServingScores(engine_client, models, state.openai_serving_render,
+                                                      log_requests=log_requests)
     await init_generate_state(engine_client, state, args)
 
 

@@ -19,7 +19,7 @@ from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 
 REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
 
 
 def json_response(model: Any, status_code: int = 200) -> Response:

@@ -87,9 +87,7 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--h11-max-header-count": (NOOP, "uvicorn's h11 has no header-count limit to set", ()),
     "--log-error-stack": (NOOP, "unexpected (5xx) errors are always logged with their stack", ()),
     # ModelConfig
-    "--runner": (NOOP, _ARCH, ()),
-    "--convert": (NOOP, _ARCH, ()),
-    "--task": (NOOP, _ARCH, ()),
+    "--task": (NOOP, "vLLM's deprecated form of --runner/--convert; " + _ARCH, ()),
     "--hf-config-path": (REFUSED, "the config is read from the model directory or the GGUF file", ()),
     "--allowed-local-media-path": (NOOP, _NO_MM, ()),
     "--allowed-media-domains": (NOOP, _NO_MM, ()),

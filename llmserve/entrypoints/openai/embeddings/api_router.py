@@ -1,11 +1,12 @@
-"""``POST /v1/embeddings`` (a generative model answers 400)."""
+"""``POST /v1/embeddings`` and ``POST /pooling``: thin routes over OpenAIServingEmbedding."""
 from __future__ import annotations
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 
-from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
+from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest, PoolingRequest
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from llmserve.entrypoints.openai.server_utils import json_response
 
 router = APIRouter()
 
@@ -16,10 +17,14 @@ def embedding(raw_request: Request) -> OpenAIServingEmbedding:
 
 @router.post("/v1/embeddings")
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
-    await embedding(raw_request).create_embedding(request)
-    raise AssertionError("create_embedding always raises")  # pragma: no cover
+    return json_response(await embedding(raw_request).create_embedding(request))
+
+
+@router.post("/pooling")
+async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+    return json_response(await embedding(raw_request).create_pooling(request))
 
 
 def register_embeddings_api_routers(app: FastAPI) -> None:
-    """Mount /v1/embeddings."""
+    """Mount /v1/embeddings and /pooling."""
     app.include_router(router)

@@ -1,15 +1,62 @@
-"""Protocol of ``POST /v1/embeddings`` (parsed to check the model; a generative model
-answers 400)."""
+"""Protocol of ``POST /v1/embeddings`` (OpenAI's, with vLLM's extra fields) and of
+``POST /pooling`` (vLLM's raw pooling output)."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.pooling import PoolingFields, PoolingInput
+from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
 
 
-class EmbeddingRequest(OpenAIRequestModel):
-    """``POST /v1/embeddings``: parsed to check the model; generate models answer 400."""
+class EmbeddingRequest(PoolingFields):
+    """``input`` (string, strings, token ids or lists of token ids) or, as vLLM allows,
+    ``messages`` rendered with the chat template (one prompt). encoding_format: "float"
+    or "base64" (openai-python's default). dimensions: only for Matryoshka models."""
 
-    model: Optional[str] = None
-    input: Union[str, list[str], list[int], list[list[int]]]
-    encoding_format: Optional[str] = "float"
+    input: Optional[PoolingInput] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, ge=1)
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
+
+
+class PoolingRequest(EmbeddingRequest):
+    """``POST /pooling``: the embeddings request, plus vLLM's ``task`` ("encode": the raw
+    pooled vector, normalised only when ``normalize`` says so; "embed")."""
+
+    task: Optional[Literal["encode", "embed"]] = None
+
+
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "pooling"
+    data: Union[list[float], str]
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo

@@ -1,18 +1,59 @@
-"""``POST /v1/embeddings`` on this server, which serves generative models only for now:
-an unknown model is a 404, anything else a 400 (never a 5xx, which clients retry)."""
+"""``POST /v1/embeddings`` and ``POST /pooling`` (vLLM's ``OpenAIServingEmbedding`` and
+``OpenAIServingPooling``): input -> prompts -> one ``AsyncLLM.encode`` each -> vectors in
+input order, as floats or base64, with ``usage.prompt_tokens``."""
 from __future__ import annotations
 
-from llmserve.entrypoints.openai.common.serving import BaseServing
-from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
+
+
+from llmserve.entrypoints.openai.common.pooling import PoolingBaseServing, encode_vector
+from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.entrypoints.openai.embeddings.protocol import (EmbeddingRequest, EmbeddingResponse,
+                                                             EmbeddingResponseData, PoolingRequest,
+                                                             PoolingResponse, PoolingResponseData)
+from llmserve.entrypoints.renderer import RenderedPrompt
+from llmserve.outputs import PoolingRequestOutput
 from llmserve.sampling_params import SamplingParamsError
 
 
-class OpenAIServingEmbedding(BaseServing):
-    """Handler of ``/v1/embeddings`` (a generative model answers 400)."""
+class OpenAIServingEmbedding(PoolingBaseServing):
+    """Handler of ``/v1/embeddings`` and ``/pooling``. Raises ModelNotFoundError (404),
+    SamplingParamsError (400 naming the field: ``model`` for a model that does not pool,
+    ``input`` for empty or over-long input, ``dimensions``...)."""
 
-    async def create_embedding(self, request: EmbeddingRequest) -> None:
-        """Always raises: ModelNotFoundError (404) or SamplingParamsError (400)."""
-        self._check_model(request)
-        raise SamplingParamsError(
-            "This model does not support the Embeddings API: it is served for text generation "
-            "(start the server with an embedding model).", "model")
+    async def _prompts(self, request: EmbeddingRequest) -> list[RenderedPrompt]:
+        if (request.input is None) == (request.messages is None):
+            raise SamplingParamsError("Give exactly one of `input` or `messages`.", "input")
+        if request.messages is not None:
+            return [await self.renderer.render_chat(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs)]
+        return await self.render_input(request.input, request.add_special_tokens)
+
+    async def _run(self, request: EmbeddingRequest, task: str, prefix: str) -> tuple[str, str, list[PoolingRequestOutput]]:
+        name = self.check_task(request, "encode" if task == "encode" else "embed")
+        params = self.pooling_params(request, task, request.dimensions)
+        prompts = await self._prompts(request)
+        request_id = self.new_request_id(prefix)
+        param = "messages" if request.messages is not None else "input"
+        return name, request_id, await self.encode_all(prompts, params, request_id, request.priority, param)
+
+    @staticmethod
+    def _usage(outs: list[PoolingRequestOutput]) -> UsageInfo:
+        n = sum(len(o.prompt_token_ids) for o in outs)
+        return UsageInfo(prompt_tokens=n, total_tokens=n)
+
+    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        name, rid, outs = await self._run(request, "embed", "embd")
+        data = [EmbeddingResponseData(index=i, embedding=encode_vector(o.outputs.data, request.encoding_format))
+                for i, o in enumerate(outs)]
+        return EmbeddingResponse(id=rid, created=self.now(), model=name, data=data, usage=self._usage(outs))
+
+    async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
+        name, rid, outs = await self._run(request, request.task or "encode", "pool")
+        data = [PoolingResponseData(index=i, data=encode_vector(o.outputs.data, request.encoding_format))
+                for i, o in enumerate(outs)]
+        return PoolingResponse(id=rid, created=self.now(), model=name, data=data, usage=self._usage(outs))
+
+
+__all__ = ["OpenAIServingEmbedding"]

@@ -1,0 +1,118 @@
+"""Shared parts of the pooling endpoints (``/v1/embeddings``, ``/pooling``, ``/score``,
+``/rerank``): the request fields they have in common, the base handler that turns
+``input`` into prompts and runs one ``AsyncLLM.encode`` per prompt, and the vector
+encodings (float list or base64 of little-endian float32, as OpenAI and vLLM)."""
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any, Optional, Union
+
+import numpy as np
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
+from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
+from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
+from llmserve.outputs import PoolingRequestOutput
+from llmserve.pooling_params import PoolingParams
+from llmserve.sampling_params import SamplingParamsError
+
+# What ``input`` may be (OpenAI's embeddings input).
+PoolingInput = Union[str, list[str], list[int], list[list[int]]]
+
+_API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Score API", "rerank": "Rerank API"}
+
+
+class PoolingFields(OpenAIRequestModel):
+    """Fields every pooling request takes (vLLM's names): truncate_prompt_tokens (-1:
+    max_model_len; keep the last k tokens), normalize (None: the model's default),
+    add_special_tokens, priority, user."""
+
+    model: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    normalize: Optional[bool] = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    user: Optional[str] = None
+
+
+def encode_vector(data: Any, encoding_format: str) -> Union[list[float], str]:
+    """A pooled vector (float32 tensor) as a list of floats, or as base64 of its
+    little-endian float32 bytes (``encoding_format="base64"``)."""
+    arr = np.asarray(data.float().numpy() if hasattr(data, "numpy") else data, dtype="<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(arr.tobytes()).decode("ascii")
+    return arr.tolist()
+
+
+class PoolingBaseServing(BaseServing):
+    """Base of the pooling handlers. renderer: the server's AsyncRenderer (tokenizes
+    text inputs and renders ``messages`` in its thread pool)."""
+
+    request_id_prefix = "embd"
+
+    def __init__(self, engine_client: Any, models: Any, renderer: AsyncRenderer, *, log_requests: bool = False):
+        super().__init__(engine_client, models, log_requests=log_requests)
+        self.renderer = renderer
+
+    def check_task(self, request: Any, task: str) -> str:
+        """The served model name; raises ModelNotFoundError (404) or a 400 (param
+        ``model``) when this model cannot serve the endpoint (a generating model: start
+        it with ``--runner pooling``)."""
+        name = self._check_model(request)
+        tasks = getattr(self.model_config, "supported_tasks", ("generate",))
+        if ("embed" if task in ("score", "rerank") else task) not in tasks:
+            raise SamplingParamsError(
+                f"This model does not support the {_API_NAMES[task]}: it is served for {list(tasks)}. "
+                f"Start the server with a pooling model (or `--runner pooling`).", "model")
+        return name
+
+    async def render_input(self, value: Any, add_special_tokens: bool, param: str = "input") -> list[RenderedPrompt]:
+        """``input`` (a string, strings, token ids or lists of token ids) as prompts, in
+        order. Raises SamplingParamsError naming ``param`` for an empty input."""
+        if isinstance(value, str):
+            items: list = [value]
+        elif isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+            items = [value]
+        else:
+            items = list(value)
+        if not items:
+            raise SamplingParamsError(f"{param} cannot be empty.", param)
+        return await self.renderer.render_prompts(items, add_special_tokens=add_special_tokens)
+
+    def pooling_params(self, request: Any, task: str, dimensions: Optional[int] = None) -> PoolingParams:
+        return PoolingParams(normalize=request.normalize, dimensions=dimensions,
+                             truncate_prompt_tokens=request.truncate_prompt_tokens, task=task)
+
+    async def encode_all(self, prompts: list[RenderedPrompt], params: PoolingParams, request_id: str,
+                         priority: int = 0, param: str = "input") -> list[PoolingRequestOutput]:
+        """Pool every prompt (concurrently in the engine); outputs in order. A prompt the
+        engine refuses fails the whole request with a 400 naming ``param`` and leaves
+        nothing running."""
+        if self.log_requests:
+            self._log(request_id, prompts, params)
+        gens = [self.engine_client.encode(p.to_engine_prompt(), params, f"{request_id}-{i}", priority=priority)
+                for i, p in enumerate(prompts)]
+        try:
+            outs = await first_items(gens)
+        except SamplingParamsError as e:
+            if e.param in ("prompt", "input"):
+                raise SamplingParamsError(str(e), param) from e
+            raise
+        await aclose_all(gens)
+        return outs  # type: ignore[return-value]
+
+    def _log(self, request_id: str, prompts: list[RenderedPrompt], params: PoolingParams) -> None:
+        import logging
+
+        logging.getLogger("llmserve.entrypoints.openai").info(
+            "Received request %s: %d prompts, %d tokens, params=%s", request_id, len(prompts),
+            sum(len(p.token_ids) for p in prompts), params)
+
+    def new_request_id(self, prefix: Optional[str] = None) -> str:
+        return f"{prefix or self.request_id_prefix}-{random_uuid()}"
+
+    @staticmethod
+    def now() -> int:
+        return int(time.time())

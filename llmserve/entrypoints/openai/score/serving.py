@@ -1,0 +1,72 @@
+"""``/score`` and ``/rerank`` for embedding models (vLLM's ``ServingScores``): both texts
+of each pair are embedded and the score is their cosine similarity, as vLLM does for a
+model without a cross-encoder head."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from llmserve.entrypoints.openai.common.pooling import PoolingBaseServing
+from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.entrypoints.openai.score.protocol import (RerankDocument, RerankRequest, RerankResponse,
+                                                        RerankResult, RerankUsage, ScoreRequest, ScoreResponse,
+                                                        ScoreResponseData)
+from llmserve.outputs import PoolingRequestOutput
+from llmserve.sampling_params import SamplingParamsError
+
+
+def _cosine(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
+    return float(F.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0))
+
+
+class OpenAIServingScores(PoolingBaseServing):
+    """Handler of the score and rerank endpoints. Raises ModelNotFoundError (404) or
+    SamplingParamsError (400 naming the field: ``model`` for a generating model,
+    ``text_1``/``text_2``/``query``/``documents`` for empty or mismatched inputs)."""
+
+    async def _score(self, request, texts_1: list[str], texts_2: list[str], names: tuple[str, str],
+                     prefix: str) -> tuple[str, str, list[float], int]:
+        """(served name, request id, one score per pair, prompt tokens)."""
+        name = self.check_task(request, "score")
+        for texts, param in zip((texts_1, texts_2), names):
+            if not texts:
+                raise SamplingParamsError(f"{param} cannot be empty.", param)
+        if len(texts_1) == 1:
+            texts_1 = texts_1 * len(texts_2)
+        elif len(texts_1) != len(texts_2):
+            raise SamplingParamsError(f"{names[0]} has {len(texts_1)} items and {names[1]} {len(texts_2)}: give one "
+                                      f"{names[0]} or as many as {names[1]}.", names[0])
+        # Each distinct text is embedded once (a query scored against N documents: N + 1).
+        unique = list(dict.fromkeys(texts_1 + texts_2))
+        prompts = await self.render_input(unique, request.add_special_tokens, names[1])
+        rid = self.new_request_id(prefix)
+        params = self.pooling_params(request, "embed")
+        params.normalize = True if params.normalize is None else params.normalize
+        outs = dict(zip(unique, await self.encode_all(prompts, params, rid, request.priority, names[1])))
+        scores = [_cosine(outs[a], outs[b]) for a, b in zip(texts_1, texts_2)]
+        return name, rid, scores, sum(len(o.prompt_token_ids) for o in outs.values())
+
+    async def create_score(self, request: ScoreRequest) -> ScoreResponse:
+        t1 = [request.text_1] if isinstance(request.text_1, str) else list(request.text_1)
+        t2 = [request.text_2] if isinstance(request.text_2, str) else list(request.text_2)
+        name, rid, scores, ntok = await self._score(request, t1, t2, ("text_1", "text_2"), "score")
+        return ScoreResponse(id=rid, created=self.now(), model=name,
+                             data=[ScoreResponseData(index=i, score=s) for i, s in enumerate(scores)],
+                             usage=UsageInfo(prompt_tokens=ntok, total_tokens=ntok))
+
+    async def create_rerank(self, request: RerankRequest) -> RerankResponse:
+        docs = []
+        for d in request.documents:
+            text = d if isinstance(d, str) else d.get("text")
+            if not isinstance(text, str):
+                raise SamplingParamsError("documents must be strings or objects with a string `text`.", "documents")
+            docs.append(text)
+        if request.top_n is not None and request.top_n < 0:
+            raise SamplingParamsError(f"top_n must be >= 0, got {request.top_n}", "top_n")
+        name, rid, scores, ntok = await self._score(request, [request.query], docs, ("query", "documents"), "rerank")
+        order = sorted(range(len(docs)), key=lambda i: -scores[i])
+        if request.top_n:
+            order = order[:request.top_n]
+        results = [RerankResult(index=i, relevance_score=scores[i],
+                                document=RerankDocument(text=docs[i]) if request.return_documents else None)
+                   for i in order]
+        return RerankResponse(id=rid, model=name, usage=RerankUsage(total_tokens=ntok), results=results)

