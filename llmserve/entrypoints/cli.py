@@ -19,6 +19,7 @@ BENCHMARKS = {
     "throughput": "Offline throughput of the engine on a batch of prompts.",
     "latency": "Offline latency of one batch, end to end.",
     "engine-split": "AsyncLLM over the process split vs an in-process engine, same workload.",
+    "seed-repro": "Seeded requests alone, batched, preempted, prefix-cached, chunked: same text.",
 }
 
 
