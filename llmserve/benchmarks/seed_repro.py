@@ -70,7 +70,7 @@ def run_scenarios(args: argparse.Namespace) -> dict:
     gc.collect()
     small = LLM(**_engine_kwargs(args, num_gpu_blocks_override=args.preempt_blocks, block_size=16,
                                  max_num_seqs=16, enable_prefix_caching=False,
-                                 max_model_len=min(args.max_model_len, 16 * args.preempt_blocks)))
+                                 max_model_len=min(args.max_model_len, 16 * (args.preempt_blocks - 1))))
     record("forced_preemption", lambda: _texts(small, prompts, sps, False))
     del small
     gc.collect()
