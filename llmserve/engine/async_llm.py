@@ -23,7 +23,7 @@ from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.llm_engine import start_engine_and_frontend
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
-from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector
+from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector, register_incarnations
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine.protocol import EngineClient
 from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
@@ -232,18 +232,16 @@ class AsyncLLM(EngineClient):
             reqs, parent = self._process_inputs(request_id, prompt, params, arrival_time, priority)
         collector = RequestOutputCollector(params.output_kind)
         headers = dict(trace_headers) if trace_headers else None
-        for req, text in reqs:
+        reqs = register_incarnations(self.output_processor, reqs, parent, collector)
+        for req in reqs:
             req.resumable = resumable or req.resumable
             if headers is not None:
                 req.trace_headers = headers
-            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids,
-                                              req.sampling_params or req.pooling_params,
-                                              req.arrival_time, parent=parent, collector=collector)
-        for req, _ in reqs:
+        for req in reqs:
             await self.engine_core.add_request_async(req)
         if self.log_requests:
             logger.info("Added request %s: %d prompt tokens, params=%s, trace_headers=%s", request_id,
-                        len(reqs[0][0].prompt_token_ids), params, headers)
+                        len(reqs[0].prompt_token_ids), params, headers)
         return collector
 
     def _process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -351,15 +349,25 @@ class AsyncLLM(EngineClient):
             raise SamplingParamsError("streaming input supports n=1 only", "n")
         collector = await self.add_request(request_id, first_prompt, params, priority=priority,
                                            trace_headers=trace_headers, resumable=True)
+        engine_id = self.output_processor.engine_ids([request_id])[0]
         feeder = asyncio.get_running_loop().create_task(feed_later_chunks(
-            it, request_id, params, self.engine_core, self.input_processor, collector.put))
+            it, engine_id, params, self.engine_core, self.input_processor, collector.put))
         return collector, feeder
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
-        """Abort requests (and the children of n>1 requests)."""
+        """Abort requests (a parent's id aborts all its n>1 children).
+
+        Each aborted request's ``generate()`` gets a final output with finish_reason
+        "abort" and the tokens so far, then ends (vLLM PR 22283); ``internal``: the caller
+        went away (its generator closed), so no output is made. Outputs of the aborted
+        request still on their way are dropped, so a new request may reuse the id at once.
+        """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         stats = IterationStats() if self.output_processor.log_stats else None
-        engine_ids = self.output_processor.abort_requests(ids, stats)
+        if internal:
+            engine_ids = self.output_processor.abort_requests(ids, stats)
+        else:
+            engine_ids = self.output_processor.finish_aborted(ids, stats).reqs_to_abort
         if stats is not None and stats.finished_requests:
             _record_stats(self.stat_loggers, None, stats)
         if engine_ids and not self.errored:

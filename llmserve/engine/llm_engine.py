@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.input_processor import InputProcessor, PromptType
-from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.output_processor import OutputProcessor, register_incarnations
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.outputs import RequestOutput
@@ -86,6 +86,7 @@ class LLMEngine:
                                               cache_config=vllm_config.cache_config,
                                               scheduler_config=vllm_config.scheduler_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        self._aborted_outputs: list[RequestOutput] = []  # from abort_request, for the next step()
 
     @classmethod
     def from_vllm_config(cls, vllm_config: EngineConfig, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
@@ -119,35 +120,38 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                     arrival_time: Optional[float] = None, priority: int = 0) -> None:
-        """Queue a request: SamplingParams generate, PoolingParams pool (its one output is a
-        PoolingRequestOutput). Raises ValueError for bad input or a task the model lacks."""
+        """Queue a request: SamplingParams generate (n > 1: its children), PoolingParams
+        pool (its one output is a PoolingRequestOutput). Raises ValueError for bad input,
+        a live id or a task the model lacks."""
         arrival_time = arrival_time or time.time()
+        parent = None
         if isinstance(params, PoolingParams):
-            req, text = self.input_processor.process_pooling_inputs(request_id, prompt, params, arrival_time,
-                                                                    priority)
-            self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.pooling_params,
-                                              arrival_time)
-            self.engine_core.add_request(req)
-            return
-        if params.n == 1:
-            req, text = self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)
-            self.output_processor.add_request(request_id, text, req.prompt_token_ids, req.sampling_params,
-                                              arrival_time)
-            self.engine_core.add_request(req)
-            return
-        parent = ParentRequest(request_id, params)
-        reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time, priority)
-                for i, cid in enumerate(parent.child_ids)]
-        for req, text in reqs:
-            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params,
-                                              arrival_time, parent=parent)
+            reqs = [self.input_processor.process_pooling_inputs(request_id, prompt, params, arrival_time, priority)]
+        elif params.n == 1:
+            reqs = [self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)]
+        else:
+            parent = ParentRequest(request_id, params)
+            reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time,
+                                                        priority) for i, cid in enumerate(parent.child_ids)]
+        for req in register_incarnations(self.output_processor, reqs, parent):
             self.engine_core.add_request(req)
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        ids = self.output_processor.abort_requests(list(request_ids))
-        self.engine_core.abort_requests(ids)
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """Abort requests (a parent's id aborts its n > 1 children): the next ``step()``
+        returns each one's final output with finish_reason "abort" and the tokens so far;
+        no later output of the aborted requests reaches a new request with the same id."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        processed = self.output_processor.finish_aborted(ids)
+        self._aborted_outputs.extend(processed.request_outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs ready (final ones only for FINAL_ONLY)."""
+        if self._aborted_outputs:
+            # Hand over abort outputs first; the engine may have nothing left to run.
+            aborted, self._aborted_outputs = self._aborted_outputs, []
+            return aborted
         outs = self.engine_core.get_output()
         if outs.rejected:
             self.output_processor.reject_requests(outs.rejected)
@@ -157,7 +161,7 @@ class LLMEngine:
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return bool(self._aborted_outputs) or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -4,6 +4,7 @@ kind, n>1 merging, per-request timing stats."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -80,7 +81,8 @@ class _DecodedTokens:
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the engine's id: the caller's id plus an incarnation suffix
+    external_req_id: str  # the caller's id (a child's ``i_<parent id>`` for n > 1)
     parent: Optional[ParentRequest]
     prompt: Optional[str]
     prompt_token_ids: list[int]
@@ -146,7 +148,28 @@ class OutputProcessor:
         self.log_stats = log_stats
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # The caller's request id -> the engine's id of its live incarnation. Outputs of
+        # an aborted incarnation still in flight then find no state and are dropped, even
+        # when a new request reuses the id at once (vLLM tags internal request ids too).
+        self.external_to_internal: dict[str, str] = {}
+        self._incarnations = itertools.count()
         self.decoded = _DecodedTokens(tokenizer)
+
+    def engine_request_id(self, request_id: str) -> str:
+        """A fresh engine-side id for a new incarnation of ``request_id`` (the caller's id)."""
+        return f"{request_id}#{next(self._incarnations)}"
+
+    def engine_ids(self, request_ids: list[str]) -> list[str]:
+        """The engine ids of the live requests among ``request_ids`` (the callers' ids;
+        a parent id stands for its children)."""
+        out = []
+        for rid in request_ids:
+            parent = self.parents.get(rid)
+            for cid in (parent.child_ids if parent is not None else [rid]):
+                iid = self.external_to_internal.get(cid)
+                if iid is not None:
+                    out.append(iid)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -157,16 +180,22 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float,
                     parent: Optional[ParentRequest] = None,
-                    collector: Optional[RequestOutputCollector] = None) -> None:
-        if request_id in self.states:
-            raise ValueError(f"Request id {request_id!r} is already running.")
+                    collector: Optional[RequestOutputCollector] = None,
+                    external_req_id: Optional[str] = None) -> None:
+        """Track a request. ``request_id``: the engine's id; ``external_req_id``: the
+        caller's id (default: the same). Raises ValueError if the caller's id is live."""
+        external_req_id = external_req_id or request_id
+        if request_id in self.states or external_req_id in self.external_to_internal:
+            raise ValueError(f"Request id {external_req_id!r} is already running.")
+        self.external_to_internal[external_req_id] = request_id
         if isinstance(params, PoolingParams):  # one output, the pooled vector: nothing to detokenize
             self.states[request_id] = RequestState(
-                request_id=request_id, parent=None, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                params=params, detokenizer=None, collector=collector, arrival_time=arrival_time)
+                request_id=request_id, external_req_id=external_req_id, parent=None, prompt=prompt,
+                prompt_token_ids=prompt_token_ids, params=params, detokenizer=None, collector=collector,
+                arrival_time=arrival_time)
             return
         self.states[request_id] = RequestState(
-            request_id=request_id, parent=parent, prompt=prompt, prompt_token_ids=prompt_token_ids,
+            request_id=request_id, external_req_id=external_req_id, parent=parent, prompt=prompt, prompt_token_ids=prompt_token_ids,
             params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
             collector=collector, arrival_time=arrival_time,
             logprobs=[] if params.logprobs is not None else None,
@@ -175,33 +204,53 @@ class OutputProcessor:
         if parent is not None:
             self.parents[parent.request_id] = parent
 
+    def _forget(self, st: RequestState) -> None:
+        self.states.pop(st.request_id, None)
+        if self.external_to_internal.get(st.external_req_id) == st.request_id:
+            del self.external_to_internal[st.external_req_id]
+
     def abort_requests(self, request_ids: list[str],
                        iteration_stats: Optional[IterationStats] = None) -> list[str]:
-        """Forget requests (and parents' children). Returns the engine request ids. With
-        ``iteration_stats``, each request still in flight is recorded there as finished
-        with reason "abort" (so ``request_success_total{finished_reason="abort"}`` counts
-        client disconnects and cancellations)."""
+        """Forget requests (the callers' ids; a parent's id stands for its children), with
+        no output. Returns the engine request ids. With ``iteration_stats``, each request
+        still in flight is recorded there as finished with reason "abort" (so
+        ``request_success_total{finished_reason="abort"}`` counts client disconnects and
+        cancellations)."""
         out = []
         now = time.time()
-        for rid in request_ids:
-            parent = self.parents.pop(rid, None)
-            ids = parent.child_ids if parent is not None else [rid]
-            for cid in ids:
-                st = self.states.pop(cid, None)
-                if st is None:
-                    continue
-                out.append(cid)
+        for iid in self.engine_ids(request_ids):
+            st = self.states.get(iid)
+            if st is not None:
+                self._forget(st)
+                if st.parent is not None:
+                    self.parents.pop(st.parent.request_id, None)
+                out.append(iid)
                 if iteration_stats is not None:
                     iteration_stats.finished_requests.append(st.finished_stats(str(FinishReason.ABORT), now, dropped=True))
         return out
+
+    def finish_aborted(self, request_ids: list[str],
+                       iteration_stats: Optional[IterationStats] = None) -> OutputProcessorOutput:
+        """End requests (the callers' ids; a parent's id stands for its children) with a
+        final output whose finish_reason is "abort", carrying the tokens so far (vLLM PR
+        22283: ``AsyncLLM.abort`` ends the request's ``generate()``). The outputs go to the
+        collectors, or into the result when there is none (LLMEngine); the result's
+        ``reqs_to_abort`` holds the engine ids to abort."""
+        ids = self.engine_ids(request_ids)
+        outs = [EngineCoreOutput(request_id=iid, new_token_ids=[], finish_reason=FinishReason.ABORT)
+                for iid in ids]
+        result = self.process_outputs(outs, None, iteration_stats)
+        result.reqs_to_abort = ids
+        return result
 
     def reject_requests(self, rejections: list[EngineCoreRejection]) -> None:
         """The engine refused these requests: each caller gets ValueError(message) (in its
         collector; without one, e.g. LLMEngine, it is raised here)."""
         for rej in rejections:
-            st = self.states.pop(rej.request_id, None)
+            st = self.states.get(rej.request_id)
             if st is None:
                 continue  # aborted already
+            self._forget(st)
             if st.parent is not None:
                 self.parents.pop(st.parent.request_id, None)
             exc = ValueError(rej.message)
@@ -279,7 +328,7 @@ class OutputProcessor:
                 else:
                     result.request_outputs.append(out)
             if finish is not None:
-                self.states.pop(eco.request_id, None)
+                self._forget(st)
                 if st.parent is not None and len(st.parent.finished) == st.parent.n:
                     self.parents.pop(st.parent.request_id, None)
                 if iteration_stats is not None:
@@ -289,8 +338,8 @@ class OutputProcessor:
     def _pooling_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
                         now: float, iteration_stats: Optional[IterationStats]) -> None:
         """A pooling request's one output: the pooled vector, as PoolingRequestOutput."""
-        self.states.pop(eco.request_id, None)
-        out = PoolingRequestOutput(st.request_id, PoolingOutput(eco.pooling_output), st.prompt_token_ids,
+        self._forget(st)
+        out = PoolingRequestOutput(st.external_req_id, PoolingOutput(eco.pooling_output), st.prompt_token_ids,
                                    True, eco.num_cached_tokens)
         if st.collector is not None:
             st.collector.put(out)
@@ -338,9 +387,9 @@ class OutputProcessor:
             st.prompt_logprobs_sent = True
         elif st.prompt_logprobs is not None and not delta:
             prompt_lps = st.prompt_logprobs
-        request_id = st.request_id
+        request_id = st.external_req_id
         if st.parent is not None:
-            outs, done = st.parent.get_outputs(st.request_id, comp)
+            outs, done = st.parent.get_outputs(st.external_req_id, comp)
             if not outs:
                 return None
             request_id = st.parent.request_id
@@ -354,3 +403,25 @@ class OutputProcessor:
         return RequestOutput(request_id=request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                              prompt_logprobs=prompt_lps, outputs=outs, finished=finished,
                              metrics=metrics, num_cached_tokens=st.num_cached_tokens)
+
+
+def register_incarnations(output_processor: OutputProcessor, reqs: list, parent: Optional[ParentRequest],
+                          collector: Optional[RequestOutputCollector] = None) -> list:
+    """Add ``reqs`` ((EngineCoreRequest, prompt text) pairs, ids as the caller gave them)
+    to ``output_processor`` and return the EngineCoreRequests to send, each renamed to a
+    fresh engine id (an incarnation), so no output of an aborted request with the same id
+    can reach them. Raises ValueError if an id is live (nothing is added then)."""
+    import msgspec
+
+    for req, _ in reqs:
+        if req.request_id in output_processor.external_to_internal:
+            raise ValueError(f"Request id {req.request_id!r} is already running.")
+    out = []
+    for req, text in reqs:
+        ext = req.request_id
+        req = msgspec.structs.replace(req, request_id=output_processor.engine_request_id(ext))
+        output_processor.add_request(req.request_id, text, req.prompt_token_ids,
+                                     req.sampling_params or req.pooling_params,
+                                     req.arrival_time, parent=parent, collector=collector, external_req_id=ext)
+        out.append(req)
+    return out

@@ -1,8 +1,6 @@
 """n > 1: one user request fanned out into n child requests (vLLM's ParentRequest)."""
 from __future__ import annotations
 
-from typing import Optional
-
 from llmserve.outputs import CompletionOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "latency": "Offline latency of one batch, end to end.",
     "engine-split": "AsyncLLM over the process split vs an in-process engine, same workload.",
     "embed": "Embeddings: offline LLM.embed vs sentence-transformers, and a server at N clients.",
+    "seed-repro": "Seeded requests alone, batched, preempted, prefix-cached, chunked: same text.",
 }
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention.backend import AttentionMetadata, PagedAttention
+from llmserve.ops import batch_invariant
 from llmserve.ops.cpu_ops import cpu_ops_for
 
 
@@ -38,7 +39,7 @@ class Linear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return batch_invariant.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -349,7 +350,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> logits ``[N, vocab_size]`` float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden_states, weight)
+        logits = batch_invariant.linear(hidden_states, weight)
         if logits.dtype == torch.float32:
             return logits
         ops = cpu_ops_for(logits)

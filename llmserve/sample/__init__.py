@@ -7,7 +7,7 @@ Public API::
     compute_prompt_logprobs(logits, target_token_ids, num_logprobs) -> LogprobsTensors
 """
 from llmserve.sample.logprobs import LogprobsTensors, compute_prompt_logprobs
-from llmserve.sample.metadata import (SamplingMetadata, SamplingRequestState, make_generator,
+from llmserve.sample.metadata import (SamplingMetadata, SamplingRequestState, SeededStream, make_generator,
                                       validate_token_ids)
 from llmserve.sample.sampler import Sampler, SamplerOutput, greedy_argmax
 
@@ -20,5 +20,6 @@ __all__ = [
     "compute_prompt_logprobs",
     "greedy_argmax",
     "make_generator",
+    "SeededStream",
     "validate_token_ids",
 ]

@@ -18,15 +18,44 @@ from llmserve.sampling_params import SamplingParams, SamplingParamsError
 _MIN_CANDIDATES = 64
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (SamplingParams.seed).
+_MASK64 = (1 << 64) - 1
 
-    The sampler draws exactly one uniform number per step from it for a randomly sampled
-    row, so a seeded request gives the same tokens whatever else is in the batch.
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele et al. 2014): a bijective 64-bit mix."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SeededStream:
+    """The random stream of a seeded request: counter-based, so the uniform for output
+    position ``p`` is a pure function of (seed, p) (SplitMix64 of both).
+
+    A request's draws thus never depend on its batch slot, on the step count, on
+    chunking, or on preemption and recompute: a preempted request resumes its stream where
+    it stopped (issue 18). n > 1 children carry derived seeds (seed + i, see
+    ``ParentRequest``). vLLM keys a ``torch.Generator`` per request instead, which a
+    recompute restarts.
     """
-    gen = torch.Generator(device=torch.device(device))
-    gen.manual_seed(int(seed))
-    return gen
+
+    __slots__ = ("seed", "_key")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._key = _splitmix64(self.seed & _MASK64)
+
+    def uniform(self, position: int) -> float:
+        """The uniform in [0, 1) (24 random bits, exact in float32) for output ``position``
+        (0 for the first generated token)."""
+        return (_splitmix64(self._key ^ (int(position) & _MASK64)) >> 40) * (1.0 / (1 << 24))
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> SeededStream:
+    """The :class:`SeededStream` of ``seed`` (SamplingParams.seed); ``device`` is unused
+    (draws are made on the host and copied with the step's other uniforms)."""
+    return SeededStream(seed)
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -76,8 +105,8 @@ class SamplingRequestState:
 
     sampling_params: the request's SamplingParams. prompt_token_ids: the prompt.
     output_token_ids: tokens generated so far; the runner appends each sampled token to
-    this same list. generator: the request's own RNG when ``sampling_params.seed`` is set
-    (see :func:`make_generator`), else None (the default RNG is used). eos_token_id: the
+    this same list. generator: the request's :class:`SeededStream` when
+    ``sampling_params.seed`` is set, else None (the default RNG is used). eos_token_id: the
     model's EOS id, blocked together with ``all_stop_token_ids`` until ``min_tokens``.
     cache: tensors the sampler derives lazily (private to ``llmserve.sample``).
     """
@@ -85,7 +114,7 @@ class SamplingRequestState:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: Optional[torch.Generator] = None
+    generator: Optional[SeededStream] = None
     eos_token_id: Optional[int] = None
     cache: RequestSamplingCache = field(default_factory=RequestSamplingCache, repr=False)
 
@@ -100,7 +129,8 @@ class RandomGroup:
     top_p: float32 [n], 1.0 where unused (None when no row uses it).
     min_p: float32 [n], 0.0 where unused (None when no row uses it); min_p_value: the
       common min_p when every row of the group has the same one (a faster path).
-    generators: (position in the group, generator) for seeded rows.
+    generators: (position in the group, uniform) for seeded rows: each one's draw for
+      this step, from its SeededStream at its output position.
     initial_candidates: how many top tokens the truncated path looks at first.
     """
 
@@ -110,7 +140,7 @@ class RandomGroup:
     top_p: Optional[torch.Tensor]
     min_p: Optional[torch.Tensor]
     min_p_value: Optional[float]
-    generators: list[tuple[int, torch.Generator]]
+    generators: list[tuple[int, float]]
     initial_candidates: int
     size: int
 
@@ -230,8 +260,8 @@ class SamplingMetadata:
             # place (see sampler._cut_and_draw); top-p rows start small.
             only_k = [2 * k for k, sp in zip(ks, sps) if k < vocab_size and sp.top_p >= 1.0]
             cand = min(vocab_size, max([_MIN_CANDIDATES] + only_k))
-            gens = [(j, reqs[i].generator) for j, i in enumerate(rows)
-                    if reqs[i].generator is not None]
+            gens = [(j, reqs[i].generator.uniform(len(reqs[i].output_token_ids)))
+                    for j, i in enumerate(rows) if reqs[i].generator is not None]
             return RandomGroup(
                 rows=rows_tensor(rows),
                 inv_temperature=f32([1.0 / sp.temperature for sp in sps]).unsqueeze(1),

@@ -12,11 +12,12 @@ row needs it:
 Logprobs are computed from the *raw* logits (logprobs.py), so they do not depend on the
 sampling settings.
 
-Drawing: each random row draws ONE uniform number u in [0, 1) per step, from its own
-``torch.Generator`` when the request is seeded (from the default RNG otherwise, in one
-batched draw), and takes the token where the cumulative distribution first exceeds
-``u * total`` (inverse CDF). The token is a function of the row's own logits and its own
-generator only, so a seeded request gives the same tokens alone or in any batch.
+Drawing: each random row draws ONE uniform number u in [0, 1) per step: a seeded
+request's is a function of (seed, output position) (``metadata.SeededStream``), others
+come from the default RNG in one batched draw; the row takes the token where the
+cumulative distribution first exceeds ``u * total`` (inverse CDF). The token is a
+function of the row's own logits and its own draw only, so a seeded request gives the
+same tokens alone, in any batch, and after preemption and recompute.
 (vLLM's exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``, samples the same
 distribution but draws V numbers per row per step: ~1 ms per row on these CPUs.)
 
@@ -79,10 +80,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_uniforms(group: RandomGroup, device: torch.device) -> torch.Tensor:
-    """float32 [n] in [0, 1): one draw per row; seeded rows draw from their own generator."""
+    """float32 [n] in [0, 1): one draw per row; seeded rows take their stream's value."""
     u = torch.rand(group.size, device=device)
-    for j, gen in group.generators:
-        u[j] = torch.rand(1, generator=gen, device=gen.device).to(device)[0]
+    if group.generators:
+        j, vals = zip(*group.generators)
+        u[list(j)] = torch.tensor(vals, dtype=torch.float32, device=device)
     return u
 
 

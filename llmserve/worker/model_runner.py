@@ -29,6 +29,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.outputs import LogprobsLists, ModelRunnerOutput
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
+from llmserve.ops.batch_invariant import MIN_INVARIANT_ROWS, min_gemm_rows
 from llmserve.sample.metadata import SamplingRequestState, make_generator
 
 logger = logging.getLogger(__name__)
@@ -244,10 +245,13 @@ class ModelRunner:
         if not so.scheduled:
             return out
         inputs = self._prepare_inputs(so)
-        hidden = self._forward(inputs)
-        if not inputs.logit_rows:
-            return out
-        logits = self._compute_logits(hidden, inputs.logit_rows)
+        # A seeded request's logits must not depend on the batch (issue 18): pad GEMMs.
+        seeded = any(getattr(s.request.sampling_params, "seed", None) is not None for s in so.scheduled)
+        with min_gemm_rows(MIN_INVARIANT_ROWS if seeded else 1):
+            hidden = self._forward(inputs)
+            if not inputs.logit_rows:
+                return out
+            logits = self._compute_logits(hidden, inputs.logit_rows)
         self._prompt_logprobs(logits, inputs.plan, out)
         self._sample(logits, inputs.plan, out)
         return out

@@ -38,9 +38,11 @@ def test_build_all_greedy_and_min_tokens_rows():
 
 def test_make_generator_is_reproducible():
     a, b = make_generator(3, "cpu"), make_generator(3, "cpu")
-    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
-    assert not torch.equal(torch.rand(4, generator=make_generator(4, "cpu")),
-                           torch.rand(4, generator=make_generator(3, "cpu")))
+    assert [a.uniform(p) for p in range(4)] == [b.uniform(p) for p in range(4)]
+    assert [make_generator(4).uniform(p) for p in range(4)] != [a.uniform(p) for p in range(4)]
+    us = [a.uniform(p) for p in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in us) and len(set(us)) > 19900
+    assert abs(sum(us) / len(us) - 0.5) < 0.01  # uniform: mean 1/2 (sd of the mean ~0.002)
 
 
 def test_validate_token_ids_names_the_field():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from llmserve.sample import SamplingMetadata, SamplingRequestState, Sampler, make_generator
+from llmserve.sample import SamplingMetadata, SamplingRequestState, Sampler, SeededStream, make_generator
 from llmserve.sampling_params import SamplingParams
 
 V_BIG = 49152
@@ -193,16 +193,32 @@ def test_seeded_rows_with_tied_logits_reproduce():
         assert tok == alone[0]
 
 
-def test_generator_advances_once_per_step():
-    """A seeded row draws exactly one number per step from its own generator."""
+def test_seeded_draw_is_a_function_of_seed_and_position():
+    """Issue 18: a seeded row's uniform is SeededStream(seed).uniform(output position),
+    whatever the step or slot: a row that already holds 5 output tokens (e.g. recomputed
+    after preemption) draws position 5's value, and picks the token that value selects."""
     sp = SamplingParams(temperature=1.0, seed=77)
-    st = _state(sp)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 1024, generator=g)
-    _sample_states(x, [st])
-    ref = make_generator(77, "cpu")
-    torch.rand(1, generator=ref)
-    assert torch.equal(torch.rand(3, generator=st.generator), torch.rand(3, generator=ref))
+    resumed = _state(sp)
+    resumed.output_token_ids.extend([1, 2, 3, 4, 5])
+    t_resumed = _sample_states(x, [resumed])
+
+    class Shifted(SeededStream):  # position 0 of this stream is position 5 of seed 77's
+        def uniform(self, position):
+            return SeededStream(77).uniform(position + 5)
+
+    shifted = _state(sp)
+    shifted.generator = Shifted(0)
+    torch.manual_seed(0)
+    x2 = torch.cat([torch.randn(1, 1024, generator=g), x])  # in another slot, beside another row
+    assert torch.equal(_sample_states(x2, [_state(SamplingParams(temperature=1.0)), shifted])[1:], t_resumed)
+    # the draw itself: u of position 5 lands in the resumed token's CDF interval
+    w = torch.softmax(x[0].double(), -1)
+    lo, hi = float(w[:int(t_resumed[0])].sum()), float(w[:int(t_resumed[0]) + 1].sum())
+    assert lo - 1e-5 <= SeededStream(77).uniform(5) <= hi + 1e-5
+    assert SeededStream(77).uniform(0) != SeededStream(77).uniform(5)
+    assert SeededStream(77).uniform(3) != SeededStream(78).uniform(3)
 
 
 def test_chunked_cpu_paths_agree_with_plain_paths(monkeypatch):

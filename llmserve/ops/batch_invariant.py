@@ -1,0 +1,47 @@
+"""Row-invariant GEMMs for seeded requests (issue 18).
+
+On these CPUs a linear layer's result for one row depends on how many rows the GEMM has:
+measured with torch 2.13 (oneDNN / MKL) at SmolLM2 shapes, float32 gives one result at
+M=1, another at M=2..3 and a third for every M >= 4 (tested up to 512); bfloat16 differs
+between M=1 and M >= 2 for the K=1536 down projection. So a seeded request's logits
+changed with the number of tokens in its step (alone vs batched, decode vs prefill
+chunk). Padding a GEMM to at least ``MIN_INVARIANT_ROWS`` rows puts every row in the
+M >= 4 class. The paged C++ attention already treats each query token alone over its
+cached context, so with padded GEMMs a row's hidden states no longer depend on the batch.
+
+The runner turns padding on (``min_gemm_rows``) only for steps holding a seeded request,
+so unseeded traffic runs exactly as before (vLLM offers batch invariance only as an
+opt-in, ``VLLM_BATCH_INVARIANT``).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+MIN_INVARIANT_ROWS = 4
+
+_min_rows: contextvars.ContextVar[int] = contextvars.ContextVar("llmserve_min_gemm_rows", default=1)
+
+
+@contextlib.contextmanager
+def min_gemm_rows(rows: int) -> Iterator[None]:
+    """Within the block, :func:`linear` pads its input to at least ``rows`` rows."""
+    token = _min_rows.set(rows)
+    try:
+        yield
+    finally:
+        _min_rows.reset(token)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` ([M, in] x [out, in] -> [M, out]); inside :func:`min_gemm_rows` a 2-D
+    input with fewer rows is padded with zero rows (dropped from the result)."""
+    m = _min_rows.get()
+    if m > 1 and x.dim() == 2 and x.shape[0] < m:
+        padded = torch.cat([x, x.new_zeros(m - x.shape[0], x.shape[1])])
+        return F.linear(padded, weight, bias)[:x.shape[0]]
+    return F.linear(x, weight, bias)
