@@ -130,8 +130,9 @@ class RequestState:
         inference = self.last_token_ts - sched if sched and self.last_token_ts else 0.0
         return FinishedRequestStats(finish_reason, now - self.arrival_time, len(self.prompt_token_ids), n_gen,
                                     ttft, tpot, queued, prefill, decode, inference,
-                                    max_tokens_param=self.params.max_tokens,
-                                    n_param=self.parent.n if self.parent is not None else self.params.n)
+                                    # PoolingParams have neither field: a pooling request counts as n=1.
+                                    max_tokens_param=getattr(self.params, "max_tokens", None),
+                                    n_param=self.parent.n if self.parent is not None else getattr(self.params, "n", 1))
 
 
 @dataclass
