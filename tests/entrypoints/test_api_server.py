@@ -22,13 +22,14 @@ from llmserve.sampling_params import SamplingParams
 
 FAMILIES = {
     "register_basic_api_routers": {"/health", "/version", "/metrics"},
-    "register_models_api_routers": {"/v1/models"},
+    "register_models_api_routers": {"/v1/models", "/v1/models/{model_id}"},
     "register_chat_api_routers": {"/v1/chat/completions"},
     "register_completion_api_routers": {"/v1/completions"},
     "register_tokenize_api_routers": {"/tokenize", "/detokenize"},
     "register_responses_api_routers": {"/v1/responses"},
     "register_embeddings_api_routers": {"/v1/embeddings", "/pooling"},
     "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"},
+    "register_sagemaker_api_routers": {"/invocations", "/ping"},
 }
 
 
