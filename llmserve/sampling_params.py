@@ -43,6 +43,46 @@ def _err(param: str, message: str) -> SamplingParamsError:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constraints on the text a request may generate (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the constraint fields is set:
+      json: a JSON schema (dict or its JSON text) the output must validate against.
+      json_object: True for "any JSON object" (OpenAI ``response_format: json_object``).
+      regex: a regular expression the whole output must match.
+      choice: a list of strings; the output is exactly one of them.
+      grammar: an EBNF/GBNF grammar (xgrammar's dialect, ``root ::= ...``).
+      structural_tag: xgrammar's structural-tag JSON text (tool calls between tags).
+    Options:
+      disable_any_whitespace: JSON without optional whitespace.
+      disable_additional_properties: treat schemas as ``additionalProperties: false``.
+      whitespace_pattern: regex for JSON whitespace (backends that support it).
+
+    The engine compiles the constraint with its backend (xgrammar) off the step loop and
+    masks each step's logits with it. Raises SamplingParamsError (param
+    ``structured_outputs``) when no constraint or more than one is given.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _err("structured_outputs",
+                       "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                       f"json_object or structural_tag; got {given or 'none'}.")
+
+
+@dataclass
 class SamplingParams:
     """Parameters of one generation request, with vLLM's names and defaults.
 
@@ -69,6 +109,8 @@ class SamplingParams:
       output_kind: see RequestOutputKind.
       truncate_prompt_tokens: keep only the last this many prompt tokens (-1: the
         model's context length; vLLM), applied by the engine's InputProcessor.
+      structured_outputs: a StructuredOutputsParams constraint (JSON schema, regex,
+        choice, grammar), enforced by the engine's grammar backend.
 
     Raises:
       SamplingParamsError (a ValueError) with ``param`` set, on any out-of-range value.
@@ -99,6 +141,7 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Derived by the InputProcessor, not by users: the stop ids (``stop_token_ids`` plus the
     # generation config's extra EOS ids) and the tokenized bad words.
     all_stop_token_ids: set[int] = field(default_factory=set)
