@@ -1,31 +1,15 @@
 """Scheduler: token budget, chunked prefill, max_num_seqs, preemption, abort, limits."""
 import pytest
 
-from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.request import Request, RequestStatus
-from llmserve.core.scheduler import ModelRunnerOutput, Scheduler
 from llmserve.sampling_params import SamplingParams
-
-
-def _sched(num_blocks=64, budget=64, max_seqs=8, max_len=256, policy="fcfs", caching=True, chunked=True):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
-                                     enable_chunked_prefill=chunked, policy=policy),
-                     CacheConfig(block_size=4, enable_prefix_caching=caching), num_blocks)
+from tests.core.sched_utils import make_scheduler as _sched
+from tests.core.sched_utils import run_step as _step
 
 
 def _req(rid, n, max_tokens=4, priority=0, arrival=None, **kw):
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **kw),
                    eos_token_id=0, arrival_time=arrival, priority=priority)
-
-
-def _step(s, token=7):
-    so = s.schedule()
-    ro = ModelRunnerOutput()
-    for x in so.scheduled:
-        if x.num_computed_tokens + x.num_scheduled_tokens >= x.request.num_tokens:
-            ro.sampled_token_ids[x.request.request_id] = token
-    outs = s.update_from_output(so, ro)
-    return so, outs
 
 
 def test_chunked_prefill_splits_long_prompt_and_runs_decodes_alongside():

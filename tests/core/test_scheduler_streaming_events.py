@@ -2,26 +2,14 @@
 sessions (resumable requests that take later prompt chunks)."""
 import pytest
 
-from llmserve.config import CacheConfig, SchedulerConfig
-from llmserve.core.outputs import EngineCoreEventType, EngineCoreOutput, FinishReason, ModelRunnerOutput
+import functools
+
+from llmserve.core.outputs import EngineCoreEventType, EngineCoreOutput, FinishReason
 from llmserve.core.request import Request, RequestStatus
-from llmserve.core.scheduler import Scheduler
 from llmserve.sampling_params import SamplingParams
+from tests.core.sched_utils import make_scheduler, run_step as _step
 
-
-def _sched(num_blocks=64, budget=64, max_len=64):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=max_len,
-                                     enable_chunked_prefill=True, policy="fcfs"),
-                     CacheConfig(block_size=4, enable_prefix_caching=True), num_blocks)
-
-
-def _step(s, token=7):
-    so = s.schedule()
-    ro = ModelRunnerOutput()
-    for x in so.scheduled:
-        if x.num_computed_tokens + x.num_scheduled_tokens >= x.request.num_tokens:
-            ro.sampled_token_ids[x.request.request_id] = token
-    return so, s.update_from_output(so, ro)
+_sched = functools.partial(make_scheduler, max_len=64)
 
 
 def test_outputs_are_wire_structs_with_events_only_when_logging_stats():

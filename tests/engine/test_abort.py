@@ -19,13 +19,6 @@ def _kw():
     return dict(model="SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="256MiB", max_model_len=512)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
 class _Reasons:
     """A stat logger keeping the finish reason of every finished request."""
 

@@ -21,13 +21,6 @@ def _args(**kw):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
 def engine():
     # Built outside any event loop; used inside one.
     eng = AsyncLLM.from_engine_args(_args())

@@ -38,13 +38,6 @@ class _Recorder:
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
 def setup():
     config = _args().create_engine_config()
     prom, rec = PrometheusStatLogger(config), _Recorder()
