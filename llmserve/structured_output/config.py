@@ -20,7 +20,8 @@ class StructuredOutputsConfig:
       Default True here, unlike vLLM's False: with free whitespace, small models (SmolLM2)
       spend the token budget on newlines and indentation, or run away in them, and the
       JSON is cut with ``length`` (C26 J3: ``json_object`` at 64 tokens); compact JSON
-      finishes. ``{"disable_any_whitespace": false}`` gives vLLM's behaviour.
+      finishes (xgrammar then writes json.dumps' separators: ", " and ": "). The
+      config option ``{"disable_any_whitespace": false}`` gives vLLM's behaviour.
     disable_additional_properties: schemas without ``additionalProperties`` are treated as
       ``additionalProperties: false`` (xgrammar's strict mode already does so; kept for
       vLLM compatibility).
