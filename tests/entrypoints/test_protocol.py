@@ -72,7 +72,6 @@ def test_unset_chat_budget_is_left_to_the_engine():
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"continue_final_message": True}, "continue_final_message"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])
