@@ -158,6 +158,11 @@ def test_c25_none_and_no_tools(app):
     assert msg["content"] == "9 minus 5 is 4." and not msg["tool_calls"]
     assert engine.calls[0].params.structured_outputs is None
     assert '"name": "subtract"' in engine.calls[0].prompt["prompt"]  # vLLM shows the tools with "none"
+    t = client.post("/tokenize", json={"model": "m", "messages": W1["messages"], "tools": SUBTRACT,
+                                       "chat_template": TOOL_TEMPLATE})
+    assert t.json()["tokens"] == engine.calls[0].prompt["prompt_token_ids"]  # /tokenize renders the tools too
+    bad = client.post("/tokenize", json={"model": "m", "messages": W1["messages"], "tools": [{"type": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     body = {k: v for k, v in W1.items() if k != "tools"}  # W5
     r = post(client, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

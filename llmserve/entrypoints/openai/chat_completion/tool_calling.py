@@ -39,7 +39,9 @@ def _check_schema(schema: Any, i: int) -> None:
                                   f"{e.message}", "tools") from None
 
 
-def _check_tool(tool: Any, i: int) -> str:
+def check_tool(tool: Any, i: int) -> str:
+    """Validate ``tools[i]`` (a function tool: name, description, parameters schema,
+    strict); returns its name. Raises SamplingParamsError naming ``tools``."""
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
         raise SamplingParamsError(f"tools[{i}]: only tools of type 'function' are supported.", "tools")
     fn = tool.get("function")
@@ -63,7 +65,7 @@ def check_tools(request: Any) -> None:
     ``check_tool_usage``). Raises SamplingParamsError naming ``tools`` or ``tool_choice``."""
     tools, choice = request.tools, request.tool_choice
     if tools is not None:
-        names = [_check_tool(t, i) for i, t in enumerate(tools)]
+        names = [check_tool(t, i) for i, t in enumerate(tools)]
         if len(set(names)) != len(names):
             raise SamplingParamsError("tools: function names must be unique.", "tools")
     if choice is None:
