@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from llmserve.structured_output.config import StructuredOutputsConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 
 
@@ -335,6 +337,7 @@ class VllmConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     kv_transfer_config: Optional[KVTransferConfig] = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     num_threads: Optional[int] = None
     enforce_eager: bool = True
     shutdown_timeout: float = 0.0

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union, get_args, get_origin
 
+from llmserve.structured_output.config import (StructuredOutputsConfig, make_structured_outputs_config,
+                                               with_reasoning_parser)
 from llmserve.config import (CacheConfig, CompilationConfig, CompilationMode, KVTransferConfig, ModelConfig,
                              ObservabilityConfig, ParallelConfig, SchedulerConfig, VllmConfig, resolve_dtype)
 
@@ -239,6 +241,9 @@ class EngineArgs:
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
     kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV transfer (disaggregated prefill) as a JSON dict; connectors are " + _NOT_YET + ".", str))
+    # ---- structured outputs
+    structured_outputs_config: Optional[StructuredOutputsConfig] = field(default=None, metadata=_help("Structured outputs as a JSON dict (vLLM's StructuredOutputsConfig): backend ('auto' or 'xgrammar'), disable_any_whitespace, disable_additional_properties, enable_in_reasoning.", str))
+    reasoning_parser: str = field(default="", metadata=_help("Reasoning parser name; a structured-output request's grammar applies once its reasoning ends (the parser's is_reasoning_end)."))
     # ---- front end, process
     renderer_num_workers: int = field(default=1, metadata=_help("Threads that render chat templates and tokenize on the server's async path (no effect offline)."))
     shutdown_timeout: int = field(default=0, metadata=_help("Seconds in-flight requests get to finish when the server shuts down, and the engine process gets to exit (vLLM's --shutdown-timeout); 0: the server's --timeout-graceful-shutdown (10 s) and the engine's own 5 s."))
@@ -251,6 +256,8 @@ class EngineArgs:
             self.served_model_name = [self.served_model_name]
         self.compilation_config = make_compilation_config(self.compilation_config)
         self.kv_transfer_config = make_kv_transfer_config(self.kv_transfer_config)
+        self.structured_outputs_config = with_reasoning_parser(
+            make_structured_outputs_config(self.structured_outputs_config), self.reasoning_parser)
         self.worker_cls = make_worker_cls(self.worker_cls)
         if self.override_generation_config is None:
             self.override_generation_config = {}
@@ -317,6 +324,7 @@ def log_non_default_args(args: Union[EngineArgs, argparse.Namespace]) -> dict[st
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         value = getattr(args, f.name)
         if value != default and not (f.name == "compilation_config" and value == CompilationConfig()) \
+                and not (f.name == "structured_outputs_config" and value == StructuredOutputsConfig()) \
                 and not (f.name == "override_generation_config" and value == {}):
             diff[f.name] = value
     if diff:

@@ -232,4 +232,5 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         parallel_config=parallel_config,
         observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
         compilation_config=args.compilation_config, kv_transfer_config=args.kv_transfer_config,
+        structured_outputs_config=args.structured_outputs_config,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout)

@@ -19,6 +19,9 @@ class RequestStatus(enum.IntEnum):
     # A streaming-input request that answered its last chunk: holds its KV blocks, waits
     # for the next chunk (or the end of its input).
     WAITING_FOR_STREAMING_INPUT = 3
+    # A structured-output request whose grammar is still compiling (vLLM's
+    # WAITING_FOR_FSM): kept out of the waiting queue until it is ready.
+    WAITING_FOR_FSM = 7
     # Everything after this is finished.
     FINISHED_STOPPED = 4
     FINISHED_LENGTH_CAPPED = 5
@@ -26,7 +29,7 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
-        return status >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= status <= RequestStatus.FINISHED_ABORTED
 
     @staticmethod
     def get_finished_reason(status: "RequestStatus") -> Optional["FinishReason"]:
@@ -97,6 +100,9 @@ class Request:
         self.events: list[EngineCoreEvent] = []
         if log_stats:
             self.record_event(EngineCoreEventType.QUEUED)
+        # Grammar state (a StructuredOutputRequest) of a structured-output request, set by
+        # the engine's StructuredOutputManager; None for every other request.
+        self.structured_output_request = None
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
         if self.log_stats:

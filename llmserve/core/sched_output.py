@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from llmserve.core.request import Request
@@ -25,9 +25,14 @@ class ScheduledRequest:
 class SchedulerOutput:
     """What the model runner runs this step. finished_req_ids: requests whose per-request
     runner state must be dropped (finished, aborted, or given a new prompt by streaming
-    input); preempted_req_ids: requests preempted this step."""
+    input); preempted_req_ids: requests preempted this step. grammar_bitmask: the
+    structured-output bitmask (int32 [R, ceil(V / 32)], built by the StructuredOutputManager)
+    for the requests in structured_output_request_ids ({request_id: bitmask row}), which
+    sample this step; None when no constrained request samples."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    grammar_bitmask: Optional[Any] = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)

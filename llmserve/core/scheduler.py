@@ -38,7 +38,7 @@ class Scheduler:
     encoder model) allocates and caches no KV blocks at all."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 needs_kv: bool = True) -> None:
+                 needs_kv: bool = True, structured_output_manager=None) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -54,6 +54,12 @@ class Scheduler:
         self._step_preemptions = 0
         # Outputs produced outside a step (a closed streaming session), sent with the next.
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Structured outputs (see structured_output/manager.py): requests whose grammar is
+        # compiling wait in waiting_for_fsm, outside ``waiting``; _num_structured counts the
+        # live constrained requests so that steps without any do no grammar work at all.
+        self.structured_output_manager = structured_output_manager
+        self.waiting_for_fsm: list[Request] = []
+        self._num_structured = 0
 
     # ---- queue management --------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -68,6 +74,12 @@ class Scheduler:
                 f"The request needs up to {min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)} "
                 f"tokens of KV cache but the cache holds only {max_blocks * self.block_size} tokens.")
         self.requests[request.request_id] = request
+        if request.structured_output_request is not None:
+            self._num_structured += 1
+            if not request.structured_output_request.is_ready():
+                request.status = RequestStatus.WAITING_FOR_FSM
+                self.waiting_for_fsm.append(request)
+                return
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -79,6 +91,9 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.remove(req)
+                req.structured_output_request.cancel()
             else:
                 try:
                     self.waiting.remove(req)
@@ -90,15 +105,35 @@ class Scheduler:
         return done
 
     def _free_request(self, req: Request) -> None:
+        if req.structured_output_request is not None:
+            self._num_structured -= 1
         self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.request_id)
         self.requests.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_outputs)
+        return bool(self.waiting or self.running or self._pending_outputs or self.waiting_for_fsm)
 
     def has_requests_to_schedule(self) -> bool:
+        if self.waiting_for_fsm:
+            self._promote_compiled()
         return bool(self.waiting or self.running)
+
+    def _promote_compiled(self) -> None:
+        """Move requests whose grammar finished compiling to the waiting queue; one whose
+        grammar failed to compile finishes (aborted) with the error logged."""
+        for req in [r for r in self.waiting_for_fsm if r.structured_output_request.is_ready()]:
+            self.waiting_for_fsm.remove(req)
+            err = req.structured_output_request.error
+            if err is None:
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)
+                continue
+            logger.error("Request %s: its grammar failed to compile: %s", req.request_id, err)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(req)
+            self._pending_outputs.append(EngineCoreOutput(
+                req.request_id, [], finish_reason=req.get_finished_reason(), events=req.take_events()))
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outs, self._pending_outputs = self._pending_outputs, []
@@ -159,7 +194,7 @@ class Scheduler:
         return True
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_fsm)
 
     # ---- scheduling --------------------------------------------------------
     def _pick_victim(self) -> Request:
@@ -190,6 +225,8 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         preempted: set[str] = set()
         self._step_preemptions = 0
+        if self.waiting_for_fsm:
+            self._promote_compiled()
 
         if self._priority:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
@@ -247,6 +284,9 @@ class Scheduler:
                     req, req.num_computed_tokens, n,
                     self.kv_cache_manager.get_block_ids(req.request_id)))
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
+        if self._num_structured:
+            out.grammar_bitmask, out.structured_output_request_ids = \
+                self.structured_output_manager.grammar_bitmask(out.scheduled)
         out.finished_req_ids = self.finished_req_ids
         out.preempted_req_ids = preempted
         self.finished_req_ids = set()
@@ -298,6 +338,11 @@ class Scheduler:
                 continue
             req.append_output_token_ids(tok)
             stopped = self._check_stop(req)
+            if req.structured_output_request is not None and \
+                    self.structured_output_manager.accept_token(req, tok) and not stopped:
+                # The grammar is complete (it accepted a stop token, e.g. under ignore_eos).
+                req.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
             if stopped and req.resumable and self._continue_session(req):
                 stopped = False
                 if req.status == RequestStatus.WAITING_FOR_STREAMING_INPUT:

@@ -214,7 +214,8 @@ class AsyncLLM(EngineClient):
     async def add_request(self, request_id: str, prompt: Union[PromptType, EngineCoreRequest],
                           params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                           priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None,
-                          resumable: bool = False, **kwargs: Any) -> RequestOutputCollector:
+                          resumable: bool = False, reasoning_ended: Optional[bool] = None,
+                          **kwargs: Any) -> RequestOutputCollector:
         """Add a request; returns its collector at once. ``prompt`` may be a prepared
         ``EngineCoreRequest`` (its own request id wins over ``request_id``, with a
         warning). Raises ValueError / EngineDeadError."""
@@ -237,6 +238,8 @@ class AsyncLLM(EngineClient):
             req.resumable = resumable or req.resumable
             if headers is not None:
                 req.trace_headers = headers
+            if reasoning_ended is not None:
+                req.reasoning_ended = reasoning_ended
         for req in reqs:
             await self.engine_core.add_request_async(req)
         if self.log_requests:
@@ -277,8 +280,9 @@ class AsyncLLM(EngineClient):
         generator of input chunks (streaming input: ``StreamingInput``, text or ids; the
         request starts on the first chunk and each later chunk extends its context).
         trace_headers: W3C ``traceparent``/``tracestate``, logged with the request and
-        kept on it. reasoning_ended / reasoning_parser_kwargs are passed through (no
-        reasoning parser consumes them yet); with streaming input they raise
+        kept on it. reasoning_ended goes to the engine on the request (a structured-output
+        request's grammar applies at once when True; see StructuredOutputManager);
+        reasoning_parser_kwargs is accepted for vLLM compatibility; with streaming input they raise
         NotImplementedError, as in vLLM. Closing or cancelling the generator aborts the
         request in the engine.
         """
@@ -293,7 +297,7 @@ class AsyncLLM(EngineClient):
                                                                       priority, trace_headers)
             else:
                 collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
-                                                   trace_headers=trace_headers)
+                                                   trace_headers=trace_headers, reasoning_ended=reasoning_ended)
                 if isinstance(prompt, EngineCoreRequest):
                     request_id = prompt.request_id
             finished = False

@@ -65,8 +65,12 @@ class EngineCore:
                 f"decrease max_model_len.")
         self.num_blocks = num_blocks
         self.model_executor.initialize_kv_cache(num_blocks)
+        from llmserve.structured_output.manager import StructuredOutputManager
+
+        self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   needs_kv=not config.model_config.is_encoder_only)
+                                   needs_kv=not config.model_config.is_encoder_only,
+                                   structured_output_manager=self.structured_output_manager)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency for %d-token "
                     "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs, max_len,
                     (num_blocks - 1) * bs / max_len)
@@ -83,6 +87,8 @@ class EngineCore:
                           req.eos_token_id, req.arrival_time, req.priority, resumable=req.resumable,
                           trace_headers=req.trace_headers, log_stats=self.log_stats,
                           pooling_params=req.pooling_params)
+        if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.grammar_init(request, req.reasoning_ended)
         self.scheduler.add_request(request)
 
     def add_streaming_input(self, chunk: StreamingInputChunk) -> None:
@@ -100,6 +106,8 @@ class EngineCore:
         """One engine iteration. Returns outputs (possibly empty)."""
         sched = self.scheduler
         if not sched.has_requests_to_schedule():
+            if sched.waiting_for_fsm:  # only grammars compiling: wait a little for one
+                self.structured_output_manager.wait_for_compile(sched.waiting_for_fsm, 0.005)
             self.model_executor.remove_requests(sched.finished_req_ids)
             sched.finished_req_ids = set()
             return EngineCoreOutputs(outputs=sched.take_pending_outputs(), scheduler_stats=sched.make_stats(),
@@ -127,6 +135,7 @@ class EngineCore:
         return getattr(self, method)(*args)
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
 

@@ -10,6 +10,7 @@ from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EngineCoreRequest
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.structured_output.grammar import validate_structured_outputs
 from llmserve.tokenizer import check_encodable
 
 # The most bad ids an error message lists (the body stays small for huge requests).
@@ -116,7 +117,8 @@ class InputProcessor:
         output; ``max_tokens`` (strict mode) when prompt + max_tokens exceeds
         max_model_len; ``logprobs``/``prompt_logprobs`` above max_logprobs (or
         prompt_logprobs with kv_sharing_fast_prefill); ``allowed_token_ids``,
-        ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text.
+        ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text;
+        ``structured_outputs`` for a schema, regex, choice or grammar that cannot compile.
         """
         if "generate" not in self.model_config.supported_tasks:
             raise SamplingParamsError(
@@ -145,6 +147,9 @@ class InputProcessor:
             params.all_stop_token_ids |= self.extra_eos_ids
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            # A constraint that cannot compile is a 400 now, not a failure in the engine.
+            validate_structured_outputs(params.structured_outputs)
         req = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                 eos_token_id=self.eos_token_id,
                                 arrival_time=arrival_time if arrival_time is not None else time.time(),

@@ -49,6 +49,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     time.time() seconds. resumable: a streaming-input session (``StreamingInputChunk``
     messages extend it; it finishes only after the final chunk). trace_headers: W3C trace
     context (``traceparent``, ``tracestate``) of the caller, kept for tracing.
+    reasoning_ended: for a structured-output request under a reasoning parser, whether the
+    reasoning already ended (the grammar applies from the first token); None lets the
+    engine decide from the prompt (vLLM).
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     resumable: bool = False
     trace_headers: Optional[dict[str, str]] = None
     pooling_params: Optional[PoolingParams] = None
+    reasoning_ended: Optional[bool] = None
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

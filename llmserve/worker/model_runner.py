@@ -8,8 +8,10 @@ then hands the hidden states to a head (vLLM's GPUModelRunner, for CPU and CUDA)
    prompt positions when prompt logprobs are asked for).
 2. ``_forward``: the model -> hidden states [T, hidden].
 3. ``_compute_logits``: the LM head on the picked rows only.
-4. the head: ``_prompt_logprobs`` and ``_sample`` (a pooler head will take the hidden
-   states here instead for pooling requests);
+4. the head: ``_prompt_logprobs``, then ``_apply_grammar`` (structured outputs: the
+   step's grammar bitmask sets forbidden tokens of constrained sample rows to -inf, as
+   vLLM does before its sampler, so those rows' logprobs are of the masked distribution)
+   and ``_sample`` (a pooler head takes the hidden states instead for pooling requests);
 5. packing into ``ModelRunnerOutput``.
 The runner knows no process or client: it imports only the ground-floor types.
 """
@@ -253,6 +255,8 @@ class ModelRunner:
                 return out
             logits = self._compute_logits(hidden, inputs.logit_rows)
         self._prompt_logprobs(logits, inputs.plan, out)
+        if so.grammar_bitmask is not None:
+            self._apply_grammar(logits, inputs.plan, so)
         self._sample(logits, inputs.plan, out)
         return out
 
@@ -341,6 +345,18 @@ class ModelRunner:
             lt = compute_prompt_logprobs(logits[p.plp_start:p.plp_start + p.plp_count].float(), targets, k)
             out.prompt_logprobs[req.request_id] = LogprobsLists(
                 lt.logprob_token_ids.tolist(), lt.logprobs.tolist(), lt.selected_token_ranks.tolist())
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, plan: list[_Planned], so: SchedulerOutput) -> None:
+        """Mask the sample rows of constrained requests with their grammar bitmask rows."""
+        from llmserve.structured_output.bitmask import apply_grammar_bitmask
+
+        ids = so.structured_output_request_ids
+        pairs = [(p.sample_row, ids[p.req.request_id]) for p in plan
+                 if p.sample_row >= 0 and p.req.request_id in ids]
+        if pairs:
+            rows, bm_rows = zip(*pairs)
+            apply_grammar_bitmask(logits, so.grammar_bitmask, list(rows), list(bm_rows))
 
     def _sample(self, logits: torch.Tensor, plan: list[_Planned], out: ModelRunnerOutput) -> None:
         """The sampler head: one token (and its logprobs) per request that samples."""

@@ -1,0 +1,119 @@
+"""From ``StructuredOutputsParams`` to an xgrammar ``Grammar`` (no tokenizer needed), shared
+by the front end's validation and the engine's compiler.
+
+A constraint is keyed by ``(kind, spec, any_whitespace)``: kind is one of "json",
+"json_object", "regex", "choice", "grammar", "structural_tag"; spec is its text (a JSON
+schema as JSON text, the regex, the EBNF, the choices as a JSON list...). The same key
+names the compiled grammar in the engine's cache. Follows vLLM's
+``v1/structured_output/backend_xgrammar.py`` (``compile_grammar``) conversions.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+GrammarKey = tuple[str, str, bool]
+
+
+def grammar_key(params: StructuredOutputsParams, any_whitespace: bool = True) -> GrammarKey:
+    """The cache key of a constraint. ``any_whitespace`` comes from the engine's config and
+    the request's own ``disable_any_whitespace``. Raises SamplingParamsError (param
+    ``structured_outputs``) for a JSON schema that is neither a dict, a bool nor JSON text."""
+    any_ws = any_whitespace and not params.disable_any_whitespace
+    if params.json is not None:
+        schema = params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {e}",
+                                          "structured_outputs") from None
+        if not isinstance(schema, (dict, bool)):
+            raise SamplingParamsError("structured_outputs.json must be a JSON schema object, got "
+                                      f"{type(schema).__name__}", "structured_outputs")
+        return "json", json.dumps(schema, sort_keys=True), any_ws
+    if params.json_object:
+        return "json_object", "", any_ws
+    if params.regex is not None:
+        return "regex", str(params.regex), any_ws
+    if params.choice is not None:
+        if not params.choice or not all(isinstance(c, str) for c in params.choice):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of strings",
+                                      "structured_outputs")
+        return "choice", json.dumps(list(params.choice)), any_ws
+    if params.grammar is not None:
+        return "grammar", str(params.grammar), any_ws
+    tag = params.structural_tag
+    return "structural_tag", tag if isinstance(tag, str) else json.dumps(tag), any_ws
+
+
+def build_grammar(key: GrammarKey) -> Any:
+    """The xgrammar ``Grammar`` of a key. Raises ValueError (xgrammar's message) when the
+    schema, regex, grammar or structural tag is invalid or unsupported."""
+    import xgrammar as xgr
+
+    kind, spec, any_ws = key
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec, any_whitespace=any_ws, strict_mode=True)
+        if kind == "json_object":
+            # vLLM: response_format json_object is "any JSON object".
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws, strict_mode=True)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        if kind == "choice":
+            alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec))
+            return xgr.Grammar.from_ebnf(f"root ::= {alts}")
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec)
+        return _structural_tag(spec)
+    except (RuntimeError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(_short(e)) from None
+
+
+def _structural_tag(spec: str) -> Any:
+    """vLLM's two formats: the legacy ``{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}`` and xgrammar's own structural-tag JSON."""
+    import xgrammar as xgr
+
+    obj = json.loads(spec)
+    if isinstance(obj, dict) and "structures" in obj:
+        tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                for s in obj["structures"]]
+        return xgr.Grammar.from_structural_tag(tags, obj["triggers"])
+    return xgr.Grammar.from_structural_tag(spec)
+
+
+def _short(e: BaseException) -> str:
+    """xgrammar's error without its ``[time] /project/cpp/file.cc:line:`` prefix."""
+    msg = str(e).strip()
+    if msg.startswith("[") and ": " in msg:
+        head, _, rest = msg.partition(": ")
+        if ".cc:" in head or ".h:" in head:
+            msg = rest.split(": ", 1)[-1] if rest[:1].isdigit() else rest
+    return msg.splitlines()[0] if msg else type(e).__name__
+
+
+@functools.lru_cache(maxsize=512)
+def _check_key(key: GrammarKey) -> None:
+    build_grammar(key)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, param: str = "structured_outputs",
+                                any_whitespace: bool = True) -> GrammarKey:
+    """Check that the constraint converts to a grammar (cheap: no tokenizer, results cached
+    per key), so a bad schema/regex/grammar is refused before the request runs.
+
+    Returns the grammar key. Raises SamplingParamsError naming ``param`` (the OpenAI field
+    the constraint came from: ``response_format`` or ``structured_outputs``)."""
+    try:
+        key = grammar_key(params, any_whitespace)
+        _check_key(key)
+    except SamplingParamsError as e:
+        raise SamplingParamsError(str(e), param) from None
+    except ValueError as e:
+        raise SamplingParamsError(f"Invalid {param}: {e}", param) from None
+    return key

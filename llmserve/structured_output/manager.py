@@ -1,0 +1,151 @@
+"""``StructuredOutputManager`` (vLLM's ``v1/structured_output/__init__.py``): lives in the
+engine process next to the scheduler.
+
+* ``grammar_init`` starts compiling a request's grammar in a thread pool; the scheduler
+  keeps the request in ``WAITING_FOR_FSM`` until ``StructuredOutputRequest.is_ready``.
+* ``grammar_bitmask`` builds, once per step, one int32 bitmask with a row per constrained
+  request that samples in the step (a chunked prefill that ends mid-prompt samples
+  nothing and gets no row); the runner applies it to those logits rows before sampling.
+* ``accept_token`` advances a request's matcher with its sampled token; True means the
+  grammar terminated, and the request finishes with ``stop``.
+
+Nothing is built until the first constrained request: the tokenizer (for xgrammar's
+``TokenizerInfo``) and the reasoning parser load lazily in the pool thread, so engines
+that never see one pay nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, Optional
+
+from llmserve.structured_output.backend_xgrammar import XgrammarBackend
+from llmserve.structured_output.config import StructuredOutputsConfig
+from llmserve.structured_output.grammar import grammar_key
+from llmserve.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from llmserve.config import VllmConfig
+    from llmserve.core.request import Request
+    from llmserve.core.sched_output import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    """Compiles, masks and advances the grammars of one engine's requests.
+
+    Args: vllm_config (its ``structured_outputs_config``, model vocab size and tokenizer),
+    tokenizer: optional, to skip loading it (tests, the in-process engine).
+    ``reasoner`` may be set directly (tests inject a fake with
+    ``is_reasoning_end(input_ids: list[int]) -> bool``)."""
+
+    def __init__(self, vllm_config: "VllmConfig", tokenizer: Any = None) -> None:
+        self.vllm_config = vllm_config
+        self.config: StructuredOutputsConfig = getattr(vllm_config, "structured_outputs_config", None) \
+            or StructuredOutputsConfig()
+        self._tokenizer = tokenizer
+        self.backend: Optional[XgrammarBackend] = None
+        self.reasoner: Any = None
+        self._init_lock = threading.Lock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        # Seconds spent compiling (not counting cache hits); for the bench's report.
+        self.compile_seconds = 0.0
+
+    # ---- lazy set-up (in the pool thread) --------------------------------
+    def _ensure_backend(self) -> XgrammarBackend:
+        with self._init_lock:
+            if self.backend is None:
+                tok = self._tokenizer
+                if tok is None:
+                    from llmserve.engine.llm_engine import load_frontend
+                    tok = self._tokenizer = load_frontend(self.vllm_config)
+                mc = self.vllm_config.model_config
+                stop = sorted({tok.eos_token_id, *mc.extra_eos_token_ids} - {None})
+                self.backend = XgrammarBackend(tok, mc.vocab_size, stop)
+                name = self.config.reasoning_parser
+                if name and self.reasoner is None:
+                    from llmserve.reasoning import ReasoningParserManager  # only with --reasoning-parser
+                    self.reasoner = ReasoningParserManager.get_reasoning_parser(name)(tok)
+            return self.backend
+
+    def _compile(self, sor: StructuredOutputRequest, prompt_token_ids: list[int]):
+        backend = self._ensure_backend()
+        t0 = time.perf_counter()
+        grammar = backend.new_grammar(sor.key)
+        self.compile_seconds += time.perf_counter() - t0
+        if sor.reasoning_ended is None:  # vLLM: a prompt may already close the reasoning
+            sor.reasoning_ended = (self.reasoner is None or self.config.enable_in_reasoning
+                                   or bool(self.reasoner.is_reasoning_end(prompt_token_ids)))
+        return grammar
+
+    # ---- per request -------------------------------------------------------
+    def grammar_init(self, request: "Request", reasoning_ended: Optional[bool] = None) -> None:
+        """Attach a StructuredOutputRequest to ``request`` and start compiling its grammar
+        off the step loop. ``reasoning_ended``: from the front end (None: decided here)."""
+        params = request.sampling_params.structured_outputs
+        key = grammar_key(params, not self.config.disable_any_whitespace)
+        if not self.config.reasoning_parser:
+            reasoning_ended = True
+        sor = StructuredOutputRequest(params, key, reasoning_ended)
+        request.structured_output_request = sor
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+        sor.future = self._executor.submit(self._compile, sor, list(request.prompt_token_ids))
+
+    def wait_for_compile(self, requests: list["Request"], timeout: float) -> None:
+        """Block up to ``timeout`` seconds until one of these requests' grammars is
+        compiled (the engine calls this when nothing else can run)."""
+        futs = [r.structured_output_request.future for r in requests
+                if r.structured_output_request.future is not None]
+        if futs:
+            wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def should_fill_bitmask(self, request: "Request") -> bool:
+        sor = request.structured_output_request
+        return sor.grammar is not None and (sor.reasoning_ended or self.config.enable_in_reasoning)
+
+    def grammar_bitmask(self, scheduled: list["ScheduledRequest"]) -> tuple[Any, dict[str, int]]:
+        """(int32 bitmask [R, ceil(V/32)], {request_id: bitmask row}) for the constrained
+        requests that sample this step; (None, {}) when there are none."""
+        rows: list["Request"] = []
+        for s in scheduled:
+            req = s.request
+            if (req.structured_output_request is not None
+                    and s.num_computed_tokens + s.num_scheduled_tokens >= req.num_tokens
+                    and self.should_fill_bitmask(req)):
+                rows.append(req)
+        if not rows:
+            return None, {}
+        bitmask = self.backend.allocate_token_bitmask(len(rows))
+        index: dict[str, int] = {}
+        for i, req in enumerate(rows):
+            req.structured_output_request.grammar.fill_bitmask(bitmask, i)
+            index[req.request_id] = i
+        return bitmask, index
+
+    def accept_token(self, request: "Request", token_id: int) -> bool:
+        """Advance the request's matcher with its newly sampled token (the last of
+        ``request.output_token_ids``). Returns True when the grammar has terminated.
+        While reasoning lasts the matcher stays put; the step whose token ends the
+        reasoning (``is_reasoning_end`` on the output so far) does not advance it either."""
+        sor = request.structured_output_request
+        if sor.grammar is None:
+            return False
+        if not sor.reasoning_ended and not self.config.enable_in_reasoning:
+            if self.reasoner is not None and self.reasoner.is_reasoning_end(list(request.output_token_ids)):
+                sor.reasoning_ended = True
+            return False
+        if not sor.grammar.accept_token(token_id):
+            # The mask allows only accepted tokens; this happens only when a sampling
+            # fallback overrode it (every allowed token blocked by other constraints).
+            logger.warning("Request %s: sampled token %d is not allowed by its grammar; the "
+                           "request stops here", request.request_id, token_id)
+            return True
+        return sor.grammar.is_terminated()
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
