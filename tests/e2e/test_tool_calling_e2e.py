@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from e2e_utils import RemoteServer
+from e2e_utils import MODEL, RemoteServer
 
 QWEN3_STYLE_TEMPLATE = """{%- if tools %}<|im_start|>system
 # Tools
@@ -111,3 +111,54 @@ def test_the_template_sees_the_tools(qwen3_server):
     without = qwen3_server.http.post("/tokenize", json=body).json()["tokens"]
     text = qwen3_server.http.post("/detokenize", json={"model": "tiny-qwen3", "tokens": with_tools}).json()["prompt"]
     assert len(with_tools) > len(without) and '"name": "get_weather"' in text and "<tools>" in text
+
+
+# ---- C25 on the real SmolLM2: required and named choices are forced by structured outputs ----
+SUBTRACT = [{"type": "function", "function": {
+    "name": "subtract", "description": "Return a minus b",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+W1 = {"messages": [{"role": "user", "content": "What is 9 minus 5?"}], "tools": SUBTRACT, "tool_choice": "required",
+      "temperature": 0, "max_tokens": 128}
+
+
+def _streamed_calls(client, **body):
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **body):
+        for choice in chunk.choices:
+            for tc in choice.delta.tool_calls or []:
+                assert isinstance(tc.index, int)
+                entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                if tc.id is not None:
+                    assert entry["id"] is None, "C25 A3: an id only in its call's first fragment"
+                    entry["id"], entry["name"] = tc.id, tc.function.name
+                entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice,finish", [("required", "tool_calls"),
+                                           ({"type": "function", "function": {"name": "subtract"}}, "stop")])
+def test_c25_forced_tool_calls_whole_and_streamed(server, choice, finish):
+    client = server.client(timeout=600.0)
+    # One call (greedy SmolLM2 repeats the call three times otherwise, which only makes the
+    # test slower; several calls are covered on known text in tests/entrypoints/test_tool_calling.py).
+    body = {**W1, "tool_choice": choice, "parallel_tool_calls": False}
+    r = client.chat.completions.create(model=MODEL, **body)  # W1 / W3
+    c = r.choices[0]
+    assert c.finish_reason == finish and c.message.content in (None, "") and c.message.tool_calls
+    call = c.message.tool_calls[0]
+    assert call.id and call.type == "function" and call.function.name == "subtract"
+    args = json.loads(call.function.arguments)
+    assert isinstance(args["a"], (int, float)) and isinstance(args["b"], (int, float))
+    calls, stream_finish = _streamed_calls(client, **body)  # W2 / W3 streamed
+    assert stream_finish == finish and len(calls) == len(c.message.tool_calls)
+    assert calls[0]["id"] and calls[0]["name"] == "subtract" and json.loads(calls[0]["arguments"]) == args
+
+
+def test_c25_none_and_missing_tools(server):
+    client = server.client(timeout=600.0)
+    r = client.chat.completions.create(model=MODEL, **{**W1, "tool_choice": "none", "max_tokens": 8})  # W4
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    w5 = server.post("/v1/chat/completions", {"model": MODEL, **{k: v for k, v in W1.items() if k != "tools"}})
+    assert w5.status_code == 400 and w5.json()["error"]["param"] == "tool_choice"
