@@ -103,6 +103,10 @@ def test_mistral():
     assert info.content == "Sure "
     assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
     assert all(len(c.id) == 9 and c.id.isalnum() for c in info.tool_calls)  # Mistral's id form
+    v11 = 'Sure [TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": "x"}'
+    info = check_streaming_equals_whole(make, v11)
+    assert info.content == "Sure "
+    assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
 
 
 def test_pythonic():
