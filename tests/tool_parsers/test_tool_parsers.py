@@ -85,7 +85,8 @@ def test_hermes_without_valid_calls_is_content(text):
 
 def test_llama3_json():
     make = lambda: ToolParserManager.get_tool_parser("llama3_json")(None)
-    text = '<|python_tag|>{"name": "f", "parameters": {"a": [1, 2, {"b": null}]}}; {"name": "g", "parameters": {"x": true}}'
+    text = ('<|python_tag|>{"name": "f", "parameters": {"a": [1, 2, {"b": null}]}}; '
+            '{"name": "g", "parameters": {"x": true}}')
     info = check_streaming_equals_whole(make, text)
     assert info.content is None
     assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [
@@ -101,12 +102,14 @@ def test_mistral():
     text = 'Sure [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "x"}}]'
     info = check_streaming_equals_whole(make, text)
     assert info.content == "Sure "
-    assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
+    assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [
+        ("f", '{"a": 1}'), ("g", '{"b": "x"}')]
     assert all(len(c.id) == 9 and c.id.isalnum() for c in info.tool_calls)  # Mistral's id form
     v11 = 'Sure [TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": "x"}'
     info = check_streaming_equals_whole(make, v11)
     assert info.content == "Sure "
-    assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
+    assert [(c.function.name, c.function.arguments) for c in info.tool_calls] == [
+        ("f", '{"a": 1}'), ("g", '{"b": "x"}')]
 
 
 def test_pythonic():

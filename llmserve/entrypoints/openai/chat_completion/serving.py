@@ -171,7 +171,8 @@ class OpenAIServingChat(GenerateBaseServing):
             if request.logprobs:
                 logprobs = build_chat_logprobs(fmt, token_ids, [] if zero_output else (out.logprobs or []),
                                                request.top_logprobs or 0)
-            message = ChatMessage(role=self.response_role_of(request), content=echo + ("" if zero_output else out.text))
+            message = ChatMessage(role=self.response_role_of(request),
+                                  content=echo + ("" if zero_output else out.text))
             finish_reason = "length" if zero_output else out.finish_reason
             if parsing is not None and parsing.active and not zero_output:
                 parsed = parsing.make_parser().parse(out.text)
