@@ -5,6 +5,7 @@ The template writes every special token itself, so the rendered text is tokenize
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Optional
 
 from llmserve.sampling_params import SamplingParamsError
@@ -53,8 +54,43 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
             raise SamplingParamsError(f"messages[{i}].role must be a string.", "messages")
         text = content_to_text(d.get("content"), i)
         d["content"] = text if text is not None else ""
+        if d["role"] == "assistant":
+            _postprocess_assistant(d, i)
         out.append(d)
     return out
+
+
+def _postprocess_assistant(msg: dict[str, Any], index: int) -> None:
+    """An assistant message as tool-aware templates expect it (vLLM's
+    ``_postprocess_messages``): ``tool_calls: []`` means no calls (the key is dropped;
+    Llama's template rejects an empty list), each call's JSON-text ``arguments`` become
+    a dict (""/null: {}), and the reasoning is under both ``reasoning`` and
+    ``reasoning_content`` (templates read one or the other).
+    Raises SamplingParamsError (param "messages") for arguments that are not a JSON object."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        msg.pop("tool_calls", None)
+    elif isinstance(calls, list):
+        msg["tool_calls"] = [_template_tool_call(c, index) for c in calls]
+    reasoning = msg.get("reasoning", msg.get("reasoning_content"))
+    if isinstance(reasoning, str):
+        msg["reasoning"] = msg["reasoning_content"] = reasoning
+
+
+def _template_tool_call(call: Any, index: int) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise SamplingParamsError(f"messages[{index}].tool_calls: each call needs a 'function' object.", "messages")
+    fn = dict(call["function"])
+    args = fn.get("arguments")
+    if not args:
+        fn["arguments"] = {}
+    elif isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except ValueError:
+            raise SamplingParamsError(f"messages[{index}].tool_calls: function.arguments is not valid JSON: "
+                                      f"{args[:100]!r}", "messages") from None
+    return {**call, "function": fn}
 
 
 def render_chat_prompt(

@@ -126,7 +126,8 @@ def test_unserved_features_answer_400_not_200(server):
         assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "response_format": rf}),
                      400, "response_format")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "tools": tools,
+    bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "tools": bad_tools,
                                                       "tool_choice": "required"}), 400, "tools")
     assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI,
                                                       "tool_choice": "required"}), 400, "tool_choice")

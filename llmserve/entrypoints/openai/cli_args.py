@@ -7,6 +7,7 @@ import json
 from typing import Optional
 
 from llmserve.engine_args import AsyncEngineArgs
+from llmserve.entrypoints.openai.chat_completion.tool_args import add_tool_calling_args, validate_tool_calling_args
 from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_vllm_compat_args,
                                                          add_vllm_frontend_args, check_vllm_compat_args)
 from llmserve import envs
@@ -73,6 +74,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
     add_vllm_frontend_args(server)
     AsyncEngineArgs.add_cli_args(parser)
+    add_tool_calling_args(parser)  # after the engine's: --reasoning-parser may be an engine field
     # every other `vllm serve` flag: a no-op or refused with its reason, never "unrecognized"
     add_vllm_compat_args(parser)
     add_vllm_aliases(parser)
@@ -92,3 +94,4 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     if args.api_key is not None and args.api_key == "":
         args.api_key = None
     check_vllm_compat_args(args)
+    validate_tool_calling_args(args)

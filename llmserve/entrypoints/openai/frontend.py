@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from llmserve.entrypoints.openai.chat_completion.tool_args import configure_tool_calling
 from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.logprobs import TokenFormatter
 from llmserve.entrypoints.openai.server_load import register_server_load_api_routers
@@ -84,6 +85,7 @@ def configure_handlers(state: Any, args: argparse.Namespace) -> None:
         handler.max_log_len = getattr(args, "max_log_len", None)
         if name == "openai_serving_chat":
             handler.response_role = getattr(args, "response_role", None) or "assistant"
+            configure_tool_calling(handler, args)
         if as_ids and hasattr(handler, "token_formatter"):
             handler.token_formatter = TokenIdFormatter(handler.tokenizer)
 

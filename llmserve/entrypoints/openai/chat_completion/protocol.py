@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_serializer
+from pydantic import Field, model_serializer, model_validator
 
 from llmserve.entrypoints.openai.common.protocol import (
     ChatCompletionLogProbs,
@@ -28,8 +28,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Int64] = None
     max_completion_tokens: Optional[Int64] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[Any]] = None  # checked by tool_calling.check_tools (400s naming `tools`)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
+    # vLLM extra: False leaves the reasoning out of the response
+    include_reasoning: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -56,13 +59,9 @@ class ChatCompletionRequest(SamplingRequest):
             raise SamplingParamsError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
                 "continue_final_message")
-        if self.tools and self.tool_choice != "none":
-            raise SamplingParamsError(
-                "Tool calling is not supported by this server yet; send tool_choice='none' or no tools.",
-                "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise SamplingParamsError("tool_choice requires tools, which this server does not support yet.",
-                                      "tool_choice")
+        from llmserve.entrypoints.openai.chat_completion.tool_calling import check_tools
+
+        check_tools(self)
 
     def to_sampling_params(self, max_tokens: Optional[int], defaults: dict[str, Any]) -> SamplingParams:
         """Map the OpenAI fields to SamplingParams (vLLM's ``to_sampling_params``).
@@ -79,9 +78,71 @@ class ChatCompletionRequest(SamplingRequest):
         return SamplingParams(**kwargs)
 
 
+class FunctionCall(OpenAIBaseModel):
+    """A complete function call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One tool call of an assistant message (vLLM's id form ``chatcmpl-tool-<hex>``)."""
+
+    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{random_uuid()}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    """A streamed fragment of a function call (None fields are left out of the JSON)."""
+
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # noqa: ANN001
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed fragment of tool call ``index``: the first fragment of a call carries
+    ``id``, ``type`` and ``function.name``; later ones only ``function.arguments``."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # noqa: ANN001
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ExtractedToolCallInformation(OpenAIBaseModel):
+    """What a tool parser found in a whole output (vLLM's): whether tools were called,
+    the calls, and the text that stays content (None when there is none)."""
+
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    content: Optional[str] = None
+
+
 class ChatMessage(OpenAIBaseModel):
+    """The assistant's reply. ``reasoning`` (vLLM's current name) and
+    ``reasoning_content`` (its former name, still read by many clients) both carry the
+    reasoning text when a reasoning parser is set; ``tool_calls`` is [] when none (vLLM)."""
+
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _both_reasoning_names(self) -> "ChatMessage":
+        if self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        return self
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -112,6 +173,15 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
+
+    @model_validator(mode="after")
+    def _both_reasoning_names(self) -> "DeltaMessage":
+        if self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        return self
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # noqa: ANN001

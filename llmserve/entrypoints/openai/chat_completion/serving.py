@@ -14,7 +14,7 @@ the usage, and the stream ends with ``data: [DONE]``.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator, Optional, Union
+from typing import Any, AsyncGenerator, Callable, Optional, Union
 
 from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
@@ -35,8 +35,15 @@ from llmserve.entrypoints.openai.common.serving import (
 )
 from llmserve.entrypoints.chat_utils import content_to_text
 from llmserve.entrypoints.openai.logprobs import build_chat_logprobs, build_prompt_logprobs
+from llmserve.entrypoints.openai.chat_completion.tool_calling import (
+    ChoiceOutputParser,
+    OutputParsing,
+    ToolPlan,
+    reasoning_kwargs,
+)
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIServingChat(GenerateBaseServing):
@@ -45,6 +52,11 @@ class OpenAIServingChat(GenerateBaseServing):
 
     request_id_prefix = "chatcmpl"
     response_role = "assistant"  # --response-role
+    # set by configure_tool_calling from the flags (vLLM's names)
+    enable_auto_tools = False  # --enable-auto-tool-choice
+    tool_parser_cls: Any = None  # --tool-call-parser
+    reasoning_parser_cls: Any = None  # --reasoning-parser
+    exclude_tools_when_tool_choice_none = False  # --exclude-tools-when-tool-choice-none
 
     def response_role_of(self, request: ChatCompletionRequest) -> str:
         """The role of the reply (vLLM's ``get_chat_request_role``): ``--response-role``
@@ -54,13 +66,45 @@ class OpenAIServingChat(GenerateBaseServing):
         last = request.messages[-1]
         return (last.get("role") if isinstance(last, dict) else getattr(last, "role", None)) or self.response_role
 
-    async def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
-        """The request's messages as a prompt (text and token ids), rendered in the
-        renderer's pool. Raises SamplingParamsError (param ``messages`` or the flag)."""
+    async def render(self, request: ChatCompletionRequest, tools: Optional[list[dict[str, Any]]] = None,
+                     ) -> RenderedPrompt:
+        """The request's messages (and ``tools``, for the template) as a prompt (text and
+        token ids), rendered in the renderer's pool. Raises SamplingParamsError (param
+        ``messages`` or the flag)."""
         return await self.renderer.render_chat(
             request.messages, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens)
+            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens,
+            tools=tools)
+
+    def output_parsing(self, request: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams,
+                       prompt_ids: list[int]) -> tuple[Optional[Callable[[], ChoiceOutputParser]], dict[str, Any]]:
+        """Set up tool-call and reasoning parsing of the output (vLLM's chat paths).
+
+        Puts the forced schema of ``required``/named tool choices on ``params``
+        (structured outputs) and keeps special tokens for parsers whose markers are
+        special tokens. Returns a factory of one ChoiceOutputParser per choice (None
+        when nothing is parsed) and the ``reasoning_ended`` /
+        ``reasoning_parser_kwargs`` arguments of ``AsyncLLM.generate``.
+        """
+        if plan.schema is not None:
+            params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+        if plan.mode == "auto" and self.tool_parser_cls.keeps_special_tokens:
+            params.skip_special_tokens = False
+        reasoner, gen_kwargs = None, {}
+        if self.reasoning_parser_cls is not None:
+            kwargs = reasoning_kwargs(request)
+            reasoner = self.reasoning_parser_cls(self.tokenizer, **kwargs)
+            ended = reasoner.is_reasoning_end(prompt_ids)
+            gen_kwargs = {"reasoning_ended": ended or not request.include_reasoning,
+                          "reasoning_parser_kwargs": kwargs}
+            if ended:  # the template closed the reasoning (e.g. enable_thinking false): all content
+                reasoner = None
+        if reasoner is None and not plan.parses_tools:
+            return None, gen_kwargs
+        max_calls = 1 if request.parallel_tool_calls is False else None
+        return (lambda: ChoiceOutputParser(reasoner, plan.make_tool_parser(self.tokenizer, self.tool_parser_cls),
+                                           request, max_calls)), gen_kwargs
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
                                      ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
@@ -70,19 +114,23 @@ class OpenAIServingChat(GenerateBaseServing):
         InputProcessor, EngineDeadError)."""
         model_name = self._check_model(request)
         request.check()
-        prompt = self.truncate(await self.render(request), request)
+        plan = ToolPlan.of(request, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
+                           exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none)
+        prompt = self.truncate(await self.render(request, plan.template_tools), request)
         requested = request.requested_max_tokens()
         params = request.to_sampling_params(requested, self.default_sampling_params)
+        make_parser, gen_kwargs = self.output_parsing(request, plan, params, prompt.token_ids)
         zero_output = requested == 0
         request_id = self.new_request_id(request_id)
         created = int(time.time())
-        gens = [self.generate(prompt, self.engine_params(params), request_id, request.priority)]
+        gens = [self.generate(prompt, self.engine_params(params), request_id, request.priority, **gen_kwargs)]
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         firsts = await self.start_generation(gens, {"prompt": "messages", "max_tokens": max_param})
         merged = merge_started(firsts, gens)
+        parsing = OutputParsing(plan, make_parser)
         if request.stream:
             return self._stream(request, request_id, created, model_name, prompt.token_ids, zero_output, merged,
-                                gens)
+                                gens, parsing)
         final: Optional[RequestOutput] = None
         try:
             async for _, res in merged:
@@ -95,7 +143,8 @@ class OpenAIServingChat(GenerateBaseServing):
             await aclose_all(gens)
         if final is None:
             raise RuntimeError(f"request {request_id} ended without output")
-        return self._build_response(request, request_id, created, model_name, prompt.token_ids, zero_output, final)
+        return self._build_response(request, request_id, created, model_name, prompt.token_ids, zero_output, final,
+                                    parsing)
 
     # ---- non-streaming -------------------------------------------------------------
     @staticmethod
@@ -110,7 +159,7 @@ class OpenAIServingChat(GenerateBaseServing):
 
     def _build_response(self, request: ChatCompletionRequest, request_id: str, created: int,
                         model_name: str, prompt_ids: list[int], zero_output: bool,
-                        final: RequestOutput) -> ChatCompletionResponse:
+                        final: RequestOutput, parsing: Optional["OutputParsing"] = None) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         fmt = self.formatter(request)
@@ -122,12 +171,20 @@ class OpenAIServingChat(GenerateBaseServing):
             if request.logprobs:
                 logprobs = build_chat_logprobs(fmt, token_ids, [] if zero_output else (out.logprobs or []),
                                                request.top_logprobs or 0)
+            message = ChatMessage(role=self.response_role_of(request),
+                                  content=echo + ("" if zero_output else out.text))
+            finish_reason = "length" if zero_output else out.finish_reason
+            if parsing is not None and parsing.active and not zero_output:
+                parsed = parsing.make_parser().parse(out.text)
+                content = echo + (parsed.content or "")
+                message = ChatMessage(role=message.role, content=content or None, reasoning=parsed.reasoning,
+                                      tool_calls=parsed.tool_calls)
+                finish_reason = parsing.finish_reason(finish_reason, bool(parsed.tool_calls))
             choices.append(ChatCompletionResponseChoice(
                 index=out.index,
-                message=ChatMessage(role=self.response_role_of(request),
-                                    content=echo + ("" if zero_output else out.text)),
+                message=message,
                 logprobs=logprobs,
-                finish_reason="length" if zero_output else out.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=None if zero_output else out.stop_reason,
                 token_ids=token_ids if request.return_token_ids else None,
             ))
@@ -144,7 +201,7 @@ class OpenAIServingChat(GenerateBaseServing):
     # ---- streaming -------------------------------------------------------------------
     async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
                       prompt_ids: list[int], zero_output: bool, merged: AsyncGenerator[tuple[int, RequestOutput], None],
-                      gens: list[Any]) -> AsyncGenerator[str, None]:
+                      gens: list[Any], parsing: Optional["OutputParsing"] = None) -> AsyncGenerator[str, None]:
         n = request.n or 1
         prompt_tokens = len(prompt_ids)
         fmt = self.formatter(request)
@@ -184,10 +241,16 @@ class OpenAIServingChat(GenerateBaseServing):
                     logprobs = None
                     if request.logprobs and token_ids:
                         logprobs = build_chat_logprobs(fmt, token_ids, out.logprobs or [], request.top_logprobs or 0)
-                    if not text and finish is None and logprobs is None and not (return_ids and token_ids):
+                    delta = DeltaMessage(content=text)
+                    if parsing is not None and parsing.active and not zero_output:
+                        delta, finish = parsing.stream_delta(out.index, text, finish)
+                        if delta is None and finish is None and logprobs is None and not (return_ids and token_ids):
+                            continue
+                        delta = delta or DeltaMessage()
+                    elif not text and finish is None and logprobs is None and not (return_ids and token_ids):
                         continue
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=out.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                        index=out.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish, stop_reason=None if zero_output else out.stop_reason,
                         token_ids=list(token_ids) if return_ids else None))
             if include_usage:

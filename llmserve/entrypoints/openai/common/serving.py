@@ -128,16 +128,19 @@ class GenerateBaseServing(BaseServing):
         return f"{self.request_id_prefix}-{base or random_uuid()}"
 
     def generate(self, prompt: RenderedPrompt, params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncGenerator[Any, None]:
+                 priority: int = 0, **kwargs: Any) -> AsyncGenerator[Any, None]:
         """One engine request (its async generator of RequestOutput; nothing runs until
         the first ``__anext__``). The engine id is ``request_id`` plus a random suffix,
-        so two clients sending the same X-Request-Id at once never collide."""
+        so two clients sending the same X-Request-Id at once never collide. kwargs:
+        further ``AsyncLLM.generate`` arguments (``reasoning_ended``,
+        ``reasoning_parser_kwargs``)."""
         request_id = f"{request_id}-{random_uuid()[:8]}"
         if self.log_requests:
             logger.info("Received request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id,
                         prompt.text[:self.max_log_len] if prompt.text is not None else None,
                         prompt.token_ids[:self.max_log_len], params)
-        return self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority)
+        return self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority,
+                                           **kwargs)
 
     @staticmethod
     def engine_params(params: SamplingParams) -> SamplingParams:

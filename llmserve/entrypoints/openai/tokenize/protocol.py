@@ -20,12 +20,18 @@ class TokenizeRequest(OpenAIRequestModel):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None  # shown to the chat template, as in a chat request
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise SamplingParamsError("Exactly one of `prompt` or `messages` must be given.",
                                       "prompt" if self.prompt is None else "messages")
+        if self.tools is not None:
+            from llmserve.entrypoints.openai.chat_completion.tool_calling import check_tool
+
+            for i, tool in enumerate(self.tools):
+                check_tool(tool, i)
         if self.continue_final_message and self.add_generation_prompt:
             raise SamplingParamsError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",

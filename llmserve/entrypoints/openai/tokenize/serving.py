@@ -41,7 +41,7 @@ class OpenAIServingTokenization(BaseServing):
             rendered = await self.renderer.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs,
+                chat_template_kwargs=request.chat_template_kwargs, tools=request.tools,
                 add_special_tokens=bool(request.add_special_tokens))  # default False for messages
             ids = rendered.token_ids
         else:

@@ -1,0 +1,307 @@
+"""Tools and reasoning in chat completions (vLLM's ``OpenAIServingChat`` tool and
+reasoning paths).
+
+- :func:`check_tools`: validates ``tools`` and ``tool_choice`` as vLLM/OpenAI do (400s
+  naming the field) and normalises them: tools without a choice mean ``"auto"``,
+  ``"required"`` with no tools means ``"none"``.
+- :class:`ToolPlan`: what one request needs: the tools handed to the chat template, the
+  JSON schema that ``"required"`` or a named choice forces through structured outputs,
+  and the parser of the output.
+- :class:`ChoiceOutputParser`: one choice's output, whole or streamed: reasoning first
+  (``--reasoning-parser``), then tool calls in the content after it.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage, DeltaToolCall, ToolCall
+from llmserve.sampling_params import SamplingParamsError
+
+# OpenAI's rule for function names.
+TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _check_schema(schema: Any, i: int) -> None:
+    if not isinstance(schema, dict):
+        raise SamplingParamsError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise SamplingParamsError(f"tools[{i}].function.parameters is not a valid JSON schema at {where}: "
+                                  f"{e.message}", "tools") from None
+
+
+def check_tool(tool: Any, i: int) -> str:
+    """Validate ``tools[i]`` (a function tool: name, description, parameters schema,
+    strict); returns its name. Raises SamplingParamsError naming ``tools``."""
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise SamplingParamsError(f"tools[{i}]: only tools of type 'function' are supported.", "tools")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise SamplingParamsError(f"tools[{i}].function must be an object with a 'name'.", "tools")
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
+        raise SamplingParamsError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', "
+                                  f"got {name!r}.", "tools")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise SamplingParamsError(f"tools[{i}].function.description must be a string.", "tools")
+    if fn.get("parameters") is not None:
+        _check_schema(fn["parameters"], i)
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise SamplingParamsError(f"tools[{i}].function.strict must be a boolean.", "tools")
+    return name
+
+
+def check_tools(request: Any) -> None:
+    """Validate and normalise ``request.tools`` / ``request.tool_choice`` (vLLM's
+    ``check_tool_usage``). Raises SamplingParamsError naming ``tools`` or ``tool_choice``."""
+    tools, choice = request.tools, request.tool_choice
+    if tools is not None:
+        names = [check_tool(t, i) for i, t in enumerate(tools)]
+        if len(set(names)) != len(names):
+            raise SamplingParamsError("tools: function names must be unique.", "tools")
+    if choice is None:
+        if tools:
+            request.tool_choice = "auto"
+        return
+    if choice == "none":
+        return
+    if tools is None:
+        raise SamplingParamsError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if isinstance(choice, str):
+        if choice not in ("auto", "required"):
+            raise SamplingParamsError(f"Invalid value for `tool_choice`: {choice!r}. Only named tools, "
+                                      '"none", "auto" or "required" are supported.', "tool_choice")
+        if choice == "required" and not tools:  # OpenAI: nothing to require
+            request.tool_choice, request.tools = "none", None
+        return
+    fn = choice.get("function")
+    if choice.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise SamplingParamsError(f"Invalid value for `tool_choice`: {choice!r}. {_CHOICE_USAGE}", "tool_choice")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise SamplingParamsError(f"Expected a function `name` in `tool_choice`. {_CHOICE_USAGE}", "tool_choice")
+    if name not in names:
+        raise SamplingParamsError(f"The tool {name!r} in `tool_choice` does not match any of the specified "
+                                  "`tools`.", "tool_choice")
+
+
+def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without its ``$defs``, which move into ``defs`` (a forced schema nests
+    each tool's parameters, and ``#/$defs/...`` references resolve from the root)."""
+    if "$defs" not in schema:
+        return schema
+    schema = dict(schema)
+    for k, v in schema.pop("$defs").items():
+        if k in defs and defs[k] != v:
+            raise SamplingParamsError(f"tools: the $defs entry {k!r} is defined differently by two tools.", "tools")
+        defs[k] = v
+    return schema
+
+
+def required_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool) -> dict[str, Any]:
+    """vLLM's schema for ``tool_choice: "required"``: a non-empty array of
+    ``{"name": <a tool's name>, "parameters": <its parameters>}`` (at most one item
+    when ``parallel_tool_calls`` is false)."""
+    defs: dict[str, Any] = {}
+    options = []
+    for tool in tools:
+        fn = tool["function"]
+        options.append({
+            "properties": {"name": {"type": "string", "enum": [fn["name"]]},
+                           "parameters": _hoist_defs(fn.get("parameters") or EMPTY_PARAMETERS, defs)},
+            "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+@dataclass
+class ToolPlan:
+    """One request's tool handling.
+
+    mode: None (no tools), "none", "auto", "required" or "named"; named: the forced
+    function's name; template_tools: the tools the chat template sees (None: none);
+    schema: the JSON schema structured outputs must enforce (required/named).
+    """
+
+    mode: Optional[str] = None
+    named: Optional[str] = None
+    template_tools: Optional[list[dict[str, Any]]] = None
+    schema: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def of(cls, request: Any, *, enable_auto_tools: bool, tool_parser_cls: Any,
+           exclude_tools_when_tool_choice_none: bool = False) -> "ToolPlan":
+        """The plan of a checked request. Raises SamplingParamsError (``tool_choice``)
+        for ``"auto"`` on a server started without ``--enable-auto-tool-choice
+        --tool-call-parser`` (vLLM's 400)."""
+        tools, choice = request.tools, request.tool_choice
+        if not tools and choice in (None, "none"):
+            return cls()
+        if choice == "auto" and not (enable_auto_tools and tool_parser_cls is not None):
+            raise SamplingParamsError('"auto" tool choice requires --enable-auto-tool-choice and '
+                                      "--tool-call-parser to be set", "tool_choice")
+        template_tools = None if (choice == "none" and exclude_tools_when_tool_choice_none) else \
+            copy.deepcopy(tools)
+        if choice in ("none", "auto"):
+            return cls(mode=choice, template_tools=template_tools)
+        if choice == "required":
+            return cls(mode="required", template_tools=template_tools,
+                       schema=required_schema(tools, request.parallel_tool_calls is not False))
+        name = choice["function"]["name"]
+        fn = next(t["function"] for t in tools if t["function"]["name"] == name)
+        return cls(mode="named", named=name, template_tools=template_tools,
+                   schema=copy.deepcopy(fn.get("parameters") or EMPTY_PARAMETERS))
+
+    @property
+    def parses_tools(self) -> bool:
+        return self.mode in ("auto", "required", "named")
+
+    def make_tool_parser(self, tokenizer: Any, tool_parser_cls: Any) -> Any:
+        """A fresh parser for one choice (None when tool calls are not parsed)."""
+        from llmserve.tool_parsers.forced import NamedToolParser, RequiredToolParser
+
+        if self.mode == "auto":
+            return tool_parser_cls(tokenizer)
+        if self.mode == "required":
+            return RequiredToolParser(tokenizer)
+        if self.mode == "named":
+            return NamedToolParser(tokenizer, self.named)
+        return None
+
+
+@dataclass
+class ParsedOutput:
+    """A whole choice's message parts."""
+
+    reasoning: Optional[str] = None
+    content: Optional[str] = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class ChoiceOutputParser:
+    """Parses one choice's output: ``reasoning_parser`` (None: no reasoning, or it
+    ended in the prompt) splits reasoning from content; ``tool_parser`` (None: no
+    parsing) finds the calls in that content. ``max_calls`` (1 when the request sets
+    ``parallel_tool_calls: false``) keeps the first calls only."""
+
+    def __init__(self, reasoning_parser: Any, tool_parser: Any, request: Any, max_calls: Optional[int] = None):
+        self.reasoning_parser = reasoning_parser
+        self.include_reasoning = getattr(request, "include_reasoning", True) is not False
+        self.tool_parser = tool_parser
+        self.request = request
+        self.max_calls = max_calls
+        self.text = ""  # the output so far
+        self.content = ""  # its content part so far (after the reasoning)
+        self.tools_streamed = False
+
+    # ---- whole output --------------------------------------------------------------
+    def parse(self, text: str) -> ParsedOutput:
+        """The message parts of a whole output."""
+        reasoning, content = None, text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.extract_reasoning(text, self.request)
+            reasoning = reasoning if self.include_reasoning else None
+        if self.tool_parser is None or content is None:
+            return ParsedOutput(reasoning, content)
+        info = self.tool_parser.extract_tool_calls(content, self.request)
+        if not info.tools_called:
+            return ParsedOutput(reasoning, content)
+        return ParsedOutput(reasoning, info.content, info.tool_calls[:self.max_calls])
+
+    # ---- streaming -----------------------------------------------------------------
+    def feed(self, delta_text: str) -> Optional[DeltaMessage]:
+        """The delta that ``delta_text`` adds to the message (None: nothing certain yet)."""
+        previous, self.text = self.text, self.text + delta_text
+        if self.reasoning_parser is None:
+            return self._content_delta(delta_text)
+        rd = self.reasoning_parser.extract_reasoning_streaming(previous, self.text, delta_text, [], [], [])
+        return self._merge(rd, rd.content if rd is not None else None)
+
+    def flush(self) -> Optional[DeltaMessage]:
+        """At the end of the output: what was held back."""
+        out = None
+        if self.reasoning_parser is not None:
+            rd = self.reasoning_parser.flush_streaming(self.text)
+            out = self._merge(rd, rd.content if rd is not None else None)
+        if self.tool_parser is not None:
+            out = join_deltas(out, self._limit(self.tool_parser.flush_streaming(self.content, self.request)))
+        return out
+
+    def _merge(self, rd: Optional[DeltaMessage], content: Optional[str]) -> Optional[DeltaMessage]:
+        keep = rd is not None and rd.reasoning and self.include_reasoning
+        reasoning = DeltaMessage(reasoning=rd.reasoning) if keep else None
+        return join_deltas(reasoning, self._content_delta(content) if content else None)
+
+    def _content_delta(self, delta: str) -> Optional[DeltaMessage]:
+        previous, self.content = self.content, self.content + delta
+        if self.tool_parser is None:
+            return DeltaMessage(content=delta) if delta else None
+        return self._limit(self.tool_parser.extract_tool_calls_streaming(
+            previous, self.content, delta, [], [], [], self.request))
+
+    def _limit(self, dm: Optional[DeltaMessage]) -> Optional[DeltaMessage]:
+        if dm is None or not dm.tool_calls:
+            return dm
+        calls = [c for c in dm.tool_calls if self.max_calls is None or c.index < self.max_calls]
+        self.tools_streamed = self.tools_streamed or bool(calls)
+        if not calls and not dm.content:
+            return None
+        return DeltaMessage(content=dm.content, tool_calls=calls or None)
+
+
+class OutputParsing:
+    """The output parsing of one request: ``make_parser`` (None: outputs pass as
+    content) builds each choice's ChoiceOutputParser; streamed choices keep theirs."""
+
+    def __init__(self, plan: ToolPlan, make_parser: Optional[Any]) -> None:
+        self.plan = plan
+        self.make_parser = make_parser
+        self.active = make_parser is not None
+        self._streams: dict[int, ChoiceOutputParser] = {}
+
+    def finish_reason(self, finish_reason: Optional[str], tools_called: bool) -> Optional[str]:
+        """``tool_calls`` when an ``auto`` or ``required`` choice stopped after calling
+        tools (a named choice stops with ``stop``, as vLLM)."""
+        if tools_called and finish_reason == "stop" and self.plan.mode in ("auto", "required"):
+            return "tool_calls"
+        return finish_reason
+
+    def stream_delta(self, index: int, text: str, finish: Optional[str]) -> tuple[Optional[DeltaMessage],
+                                                                                  Optional[str]]:
+        """Choice ``index``'s delta for new ``text`` (flushed when ``finish`` is set) and
+        its finish reason."""
+        parser = self._streams.get(index)
+        if parser is None:
+            parser = self._streams[index] = self.make_parser()
+        delta = parser.feed(text)
+        if finish is not None:
+            delta = join_deltas(delta, parser.flush())
+            finish = self.finish_reason(finish, parser.tools_streamed)
+        return delta, finish
+
+
+def join_deltas(a: Optional[DeltaMessage], b: Optional[DeltaMessage]) -> Optional[DeltaMessage]:
+    """Two deltas of one step as one (reasoning, content and calls concatenated)."""
+    if a is None or b is None:
+        return a or b
+    calls: list[DeltaToolCall] = list(a.tool_calls or []) + list(b.tool_calls or [])
+    return DeltaMessage(reasoning=((a.reasoning or "") + (b.reasoning or "")) or None,
+                        content=((a.content or "") + (b.content or "")) or None, tool_calls=calls or None)
+
+
+def reasoning_kwargs(request: Any) -> dict[str, Any]:
+    """vLLM's ``reasoning_parser_kwargs``: the request's chat template kwargs."""
+    return {"chat_template_kwargs": dict(request.chat_template_kwargs or {})}

@@ -1,0 +1,308 @@
+"""Tool calling and reasoning through the real chat handler, renderer and app, over a
+scripted engine that "generates" known text (a tiny random model writes no tool calls,
+and the forced outputs of ``required``/named choices are the engine's structured outputs,
+tested end to end in tests/e2e/test_tool_calling_e2e.py). Streamed responses are built
+from one-character deltas and must equal the whole responses. Cases C25 and C48."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from llmserve.entrypoints.openai.api_server import build_app, init_app_state
+from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import RequestOutputKind
+
+SUBTRACT = [{"type": "function", "function": {
+    "name": "subtract", "description": "Return a minus b",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+W1 = {"model": "m", "messages": [{"role": "user", "content": "What is 9 minus 5?"}], "tools": SUBTRACT,
+      "tool_choice": "required", "temperature": 0, "max_tokens": 128}
+# A template that shows the tools, the tool calls and the tool results it is given.
+TOOL_TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}<{{ m.role }}>"
+                 "{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.function.name }} "
+                 "{{ c.function.arguments | tojson }}>{% endfor %}{% endif %}</{{ m.role }}>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+class ScriptedEngine:
+    """Yields ``text`` (one character per delta when streaming) and records each call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(max_model_len=4096, vocab_size=len(tokenizer), served_model_name=("m",),
+                                            model="m")
+        self.generation_config_defaults = {}
+        self.errored = False
+        self.text = ""
+        self.calls = []
+
+    async def check_health(self):
+        pass
+
+    async def generate(self, prompt, params, request_id, priority=0, **kwargs):
+        self.calls.append(SimpleNamespace(prompt=prompt, params=params, kwargs=kwargs))
+        pieces = list(self.text) if params.output_kind == RequestOutputKind.DELTA else [self.text]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None,
+                                [CompletionOutput(0, piece, [5], None, None, "stop" if last else None)], last)
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(smol_tokenizer):
+    """SmolLM2's tokenizer plus Qwen3's think and tool-call tokens."""
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    return tok
+
+
+@pytest.fixture
+def app(smol_tokenizer, think_tokenizer):
+    def make(*flags, tokenizer=None):
+        args = make_arg_parser(argparse.ArgumentParser()).parse_args(list(flags))
+        validate_parsed_serve_args(args)
+        engine = ScriptedEngine(tokenizer or smol_tokenizer)
+        application = build_app(args)
+        asyncio.run(init_app_state(engine, application.state, args))
+        return TestClient(application), engine
+    return make
+
+
+def post(client, body):
+    return client.post("/v1/chat/completions", json=body)
+
+
+def stream_chunks(client, body):
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def assemble(chunks):
+    """Content, reasoning, calls (grouped by index: id, name, arguments) and the finish reason."""
+    content = reasoning = ""
+    calls, finish = {}, None
+    for ch in chunks:
+        for choice in ch["choices"]:
+            d = choice["delta"]
+            content += d.get("content") or ""
+            reasoning += d.get("reasoning") or ""
+            assert d.get("reasoning") == d.get("reasoning_content")
+            for tc in d.get("tool_calls") or []:
+                assert isinstance(tc["index"], int)
+                entry = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+                if "id" in tc:  # C25 A3: the id only in the first fragment, with type and name
+                    assert entry["id"] is None and tc["type"] == "function" and tc["function"]["name"]
+                    entry["id"], entry["name"] = tc["id"], tc["function"]["name"]
+                else:
+                    assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                entry["arguments"] += tc["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def test_c25_required_whole_and_streamed(app):
+    client, engine = app()
+    engine.text = '[{"name": "subtract", "parameters": {"a": 9, "b": 5}}]'
+    r = post(client, W1)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls" and msg["content"] in (None, "")
+    call = msg["tool_calls"][0]
+    assert call["id"] and call["type"] == "function" and call["function"]["name"] == "subtract"
+    args = json.loads(call["function"]["arguments"])
+    assert args == {"a": 9, "b": 5}
+    schema = engine.calls[0].params.structured_outputs.json  # the forced shape (vLLM's)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    option = schema["items"]["anyOf"][0]
+    assert option["properties"]["name"] == {"type": "string", "enum": ["subtract"]}
+    assert option["properties"]["parameters"] == SUBTRACT[0]["function"]["parameters"]
+    content, _, calls, finish = assemble(stream_chunks(client, W1))  # W2
+    assert content == "" and finish == "tool_calls" and len(calls) == len(msg["tool_calls"])
+    assert calls[0]["name"] == "subtract" and json.loads(calls[0]["arguments"]) == args
+
+
+def test_c25_named_choice_whole_and_streamed(app):
+    client, engine = app()
+    engine.text = '{"a": 9, "b": 5}'
+    body = {**W1, "tool_choice": {"type": "function", "function": {"name": "subtract"}}}
+    r = post(client, body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"  # vLLM's for a named choice (OpenAI's too)
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "subtract" and json.loads(call["function"]["arguments"]) == {"a": 9, "b": 5}
+    assert engine.calls[0].params.structured_outputs.json == SUBTRACT[0]["function"]["parameters"]
+    content, _, calls, finish = assemble(stream_chunks(client, body))
+    assert finish == "stop" and content == "" and [c["name"] for c in calls] == ["subtract"]
+    assert json.loads(calls[0]["arguments"]) == {"a": 9, "b": 5}
+
+
+def test_c25_none_and_no_tools(app):
+    client, engine = app()
+    engine.text = "9 minus 5 is 4."
+    r = post(client, {**W1, "tool_choice": "none", "chat_template": TOOL_TEMPLATE})  # W4
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == "9 minus 5 is 4." and not msg["tool_calls"]
+    assert engine.calls[0].params.structured_outputs is None
+    assert '"name": "subtract"' in engine.calls[0].prompt["prompt"]  # vLLM shows the tools with "none"
+    t = client.post("/tokenize", json={"model": "m", "messages": W1["messages"], "tools": SUBTRACT,
+                                       "chat_template": TOOL_TEMPLATE})
+    assert t.json()["tokens"] == engine.calls[0].prompt["prompt_token_ids"]  # /tokenize renders the tools too
+    bad = client.post("/tokenize", json={"model": "m", "messages": W1["messages"], "tools": [{"type": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    body = {k: v for k, v in W1.items() if k != "tools"}  # W5
+    r = post(client, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools"),
+    ([{"type": "retrieval"}], "required", "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "required", "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}], "required", "tools"),
+    ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
+     "required", "tools"),
+    (SUBTRACT, {"type": "function", "function": {"name": "add"}}, "tool_choice"),
+    (SUBTRACT, {"type": "function"}, "tool_choice"),
+    (SUBTRACT, "sometimes", "tool_choice"),
+    (SUBTRACT, "auto", "tool_choice"),  # no --enable-auto-tool-choice
+    (SUBTRACT, None, "tool_choice"),  # tools without a choice mean "auto" (vLLM)
+])
+def test_bad_tools_and_choices_are_400s_naming_the_field(app, tools, choice, param):
+    client, engine = app()
+    body = {**W1, "tools": tools, "tool_choice": choice}
+    for stream in (False, True):
+        r = post(client, {**body, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert engine.calls == []
+
+
+def test_parallel_tool_calls_false_allows_one_call(app):
+    client, engine = app()
+    engine.text = '[{"name": "subtract", "parameters": {"a": 9, "b": 5}}]'
+    r = post(client, {**W1, "parallel_tool_calls": False, "tools": SUBTRACT + [WEATHER]})
+    assert r.status_code == 200
+    schema = engine.calls[0].params.structured_outputs.json
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+
+
+HERMES_OUT = ('<think>The user wants 9-5.</think>Let me compute. <tool_call>\n{"name": "subtract", '
+              '"arguments": {"a": 9, "b": 5}}\n</tool_call>')
+
+
+def test_auto_hermes_with_qwen3_reasoning(app, think_tokenizer):
+    client, engine = app("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                         tokenizer=think_tokenizer)
+    engine.text = HERMES_OUT
+    body = {**W1, "tool_choice": "auto"}
+    r = post(client, body)
+    choice = r.json()["choices"][0]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert msg["reasoning"] == msg["reasoning_content"] == "The user wants 9-5."
+    assert msg["content"] == "Let me compute. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("subtract", {"a": 9, "b": 5})]
+    call = engine.calls[0]
+    assert call.params.structured_outputs is None and call.params.skip_special_tokens is False
+    assert call.kwargs == {"reasoning_ended": False, "reasoning_parser_kwargs": {"chat_template_kwargs": {}}}
+    content, reasoning, calls, finish = assemble(stream_chunks(client, body))
+    assert (content, reasoning, finish) == ("Let me compute. ", "The user wants 9-5.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+    # no tool call in the output: content (and no tool_calls finish)
+    engine.text = "<think>easy</think>4"
+    r = post(client, body)
+    assert r.json()["choices"][0]["message"]["content"] == "4"
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # include_reasoning false: the reasoning is left out
+    r = post(client, {**body, "include_reasoning": False})
+    assert r.json()["choices"][0]["message"]["reasoning"] is None
+    assert engine.calls[-1].kwargs["reasoning_ended"] is True
+
+
+def test_reasoning_ended_in_the_prompt_makes_all_output_content(app, think_tokenizer):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n\n</think>\n\n"
+    client, engine = app("--reasoning-parser", "qwen3", tokenizer=think_tokenizer)
+    engine.text = "plain answer</think>"
+    body = {**W1, "tools": None, "tool_choice": None, "chat_template": template,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = post(client, body)
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == "plain answer</think>" and msg["reasoning"] is None
+    assert engine.calls[0].kwargs == {"reasoning_ended": True,
+                                      "reasoning_parser_kwargs": {"chat_template_kwargs": {"enable_thinking": False}}}
+
+
+def test_flags_are_checked_at_start():
+    parse = lambda *f: validate_parsed_serve_args(make_arg_parser(argparse.ArgumentParser()).parse_args(list(f)))
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        parse("--enable-auto-tool-choice")
+    with pytest.raises(ValueError, match="not registered"):
+        parse("--enable-auto-tool-choice", "--tool-call-parser", "nope")
+    with pytest.raises(ValueError, match="--reasoning-parser"):
+        parse("--reasoning-parser", "nope")
+    with pytest.raises(ValueError, match="--tool-parser-plugin"):
+        parse("--tool-parser-plugin", "x.py")
+
+
+def test_reasoning_parser_needs_think_tokens(app):
+    with pytest.raises(ValueError, match="think"):
+        app("--reasoning-parser", "deepseek_r1")  # SmolLM2's vocabulary has no <think>
+
+
+# ---- C48: tool-call history in OpenAI form --------------------------------------------
+def history(assistant_content="null", tool_content="TEMP_RESULT_17C"):
+    assistant = {"role": "assistant", "tool_calls": [{"id": "call_x1", "type": "function", "function": {
+        "name": "get_temp", "arguments": '{"city": "Oslo"}'}}]}
+    if assistant_content != "absent":
+        assistant["content"] = None if assistant_content == "null" else assistant_content
+    return [{"role": "user", "content": "How warm is it in Oslo?"}, assistant,
+            {"role": "tool", "tool_call_id": "call_x1", "content": tool_content}]
+
+
+H = {"H1": history(), "H2": history("absent"), "H3": history(""),
+     "H4": history(tool_content=[{"type": "text", "text": "TEMP_RESULT_17C"}])}
+H5 = [{"role": "user", "content": "How warm is it in Oslo?"}, {"role": "assistant", "content": "ok", "tool_calls": []},
+      {"role": "user", "content": "thanks"}]
+# Llama 3.1's rule: an assistant message with a tool_calls key must hold exactly one call
+LLAMA_LIKE = ("{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls is defined %}"
+              "{% if m.tool_calls | length != 1 %}{{ raise_exception('one tool call only') }}{% endif %}"
+              "<|python_tag|>{{ m.tool_calls[0].function | tojson }}{% elif m.role == 'tool' %}"
+              "<|ipython|>{{ m.content }}{% else %}<|{{ m.role }}|>{{ m.content }}{% endif %}<|eot|>{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, TOOL_TEMPLATE, LLAMA_LIKE], ids=["smollm2", "tool-aware", "llama-like"])
+def test_c48_tool_call_history(app, smol_tokenizer, template):
+    client, engine = app()
+    engine.text = "17C"
+    extra = {"chat_template": template} if template else {}
+    ids = {}
+    for name, msgs in {**H, "H5": H5}.items():
+        r = post(client, {"model": "m", "messages": msgs, "max_tokens": 8, "temperature": 0, **extra})
+        assert r.status_code == 200, (name, r.text)
+        t = client.post("/tokenize", json={"model": "m", "messages": msgs, "add_generation_prompt": True, **extra})
+        assert t.status_code == 200, (name, t.text)
+        ids[name] = t.json()["tokens"]
+        assert ids[name] == engine.calls[-1].prompt["prompt_token_ids"]
+    assert ids["H1"] == ids["H2"] == ids["H3"] == ids["H4"]  # null, absent, "" and parts are one thing
+    text = smol_tokenizer.decode(ids["H1"])
+    assert text.count("TEMP_RESULT_17C") == 1
+    assert text.index("TEMP_RESULT_17C") > text.index("assistant" if template != LLAMA_LIKE else "<|python_tag|>")
+    if template == TOOL_TEMPLATE:  # the call reaches the template with dict arguments
+        assert '<call get_temp {"city": "Oslo"}>' in text
+    assert "tool_calls" not in engine.calls[-1].prompt["prompt"]
