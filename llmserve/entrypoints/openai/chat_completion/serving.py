@@ -60,7 +60,8 @@ class OpenAIServingChat(GenerateBaseServing):
         return await self.renderer.render_chat(
             request.messages, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens)
+            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens,
+            check_length=request.truncate_prompt_tokens is None)  # truncation may take a longer prompt
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
                                      ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
