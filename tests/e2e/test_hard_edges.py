@@ -7,6 +7,7 @@ response that disagrees with /openapi.json."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -131,7 +132,8 @@ def test_over_long_prompt_is_a_fast_400_everywhere(edge_server):
 # ---- schemathesis: every route, a bounded number of examples -------------------------------------
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
-EXAMPLES_PER_ROUTE = 8
+# a longer run: SCHEMATHESIS_EXAMPLES=50 pytest tests/e2e/test_hard_edges.py -k openapi -s
+EXAMPLES_PER_ROUTE = int(os.environ.get("SCHEMATHESIS_EXAMPLES", "8"))
 
 
 def test_openapi_document_matches_the_server(edge_server):

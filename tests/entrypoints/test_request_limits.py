@@ -44,6 +44,7 @@ def test_body_limit_answers_413_json_before_parsing(app_and_engine):  # noqa: F8
 
 @pytest.mark.parametrize("field,value", [
     ("n", limits.MAX_N + 1),
+    ("n", 512),  # case C31: a documented limit, answered at once
     ("stop", ["s"] * (limits.MAX_STOP_STRINGS + 1)),
     ("stop", ["x" * (limits.MAX_STOP_STRING_CHARS + 1)]),
     ("stop", "x" * (limits.MAX_STOP_STRING_CHARS + 1)),
@@ -65,6 +66,8 @@ def test_prompt_message_and_part_counts_are_limited(app_and_engine):  # noqa: F8
     err = _error(client.post("/v1/completions", json={**COMPLETION,
                                                        "prompt": ["a"] * (limits.MAX_PROMPTS_PER_REQUEST + 1)}))
     assert err["param"] == "prompt" and str(limits.MAX_PROMPTS_PER_REQUEST) in err["message"]
+    err = _error(client.post("/v1/completions", json={**COMPLETION, "prompt": [1] * (limits.MAX_PROMPT_TOKEN_IDS + 1)}))
+    assert err["param"] == "prompt" and str(limits.MAX_PROMPT_TOKEN_IDS) in err["message"]
     many = [{"role": "user", "content": "hi"}] * (limits.MAX_MESSAGES + 1)
     err = _error(client.post("/v1/chat/completions", json={**CHAT, "messages": many}))
     assert err["param"] == "messages" and str(limits.MAX_MESSAGES) in err["message"]

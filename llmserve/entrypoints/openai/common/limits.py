@@ -7,8 +7,8 @@ are checked by pydantic while the body is parsed (and appear in ``/openapi.json`
 :class:`~llmserve.entrypoints.openai.http_edges.BodyLimitMiddleware`, the prompt length
 by :class:`PromptCharLimit` before the tokenizer runs.
 
-vLLM has no such limits (its server takes any list); OpenAI documents ``stop`` (4),
-``n`` (128) and ``logit_bias`` (300 in practice). llmserve's limits are far above what a
+vLLM has no such limits (its server takes any list); OpenAI documents ``stop`` (4)
+and ``n`` (128, taken here). llmserve's limits are far above what a
 real client sends and far below what hurts the server.
 """
 from __future__ import annotations
@@ -21,8 +21,9 @@ from llmserve.sampling_params import SamplingParamsError
 
 # The request body, in bytes (``--max-request-body-bytes``; 0 turns the limit off).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
-# ``n``: completions per prompt.
-MAX_N = 1024
+# ``n``: completions per prompt (OpenAI's own limit; n=512 on a CPU would not finish in
+# a client's timeout, case C31).
+MAX_N = 128
 # ``stop``: stop strings, and characters per stop string.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -32,6 +33,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOKEN_ID_LIST_ITEMS = 1024
 # ``allowed_token_ids``: items (a subset of the vocabulary, which may be large).
 MAX_ALLOWED_TOKEN_IDS = 262144
+# A prompt given as token ids: ids per prompt (validating millions of ids would hold the
+# event loop; no context is this long, and truncation keeps at most the context).
+MAX_PROMPT_TOKEN_IDS = 262144
 # ``prompt`` of /v1/completions (and ``input`` of the pooling routes): prompts per request.
 MAX_PROMPTS_PER_REQUEST = 1024
 # ``messages``: messages per request, and content parts per message.

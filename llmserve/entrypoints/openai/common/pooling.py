@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional, Union
 import numpy as np
 from pydantic import Field
 
-from llmserve.entrypoints.openai.common.limits import MAX_PROMPTS_PER_REQUEST
+from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
@@ -20,8 +20,9 @@ from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParamsError
 
 # What ``input`` may be (OpenAI's embeddings input).
-PoolingInput = Union[str, Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)], list[int],
-                     Annotated[list[list[int]], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
+_TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+PoolingInput = Union[str, Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)], _TokenIds,
+                     Annotated[list[_TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 
 _API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Score API", "rerank": "Rerank API"}
 
