@@ -20,6 +20,8 @@ ENV_VARS: dict[str, tuple[Optional[str], str]] = {
                                         "outputs processed per chunk between event-loop yields (128)"),
     "LLMSERVE_CPU_KVCACHE_SPACE": ("VLLM_CPU_KVCACHE_SPACE",
                                    "KV cache size in GiB when --kv-cache-memory is not given (default 4)"),
+    "LLMSERVE_HTTP_TIMEOUT_KEEP_ALIVE": ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+                                         "default of --timeout-keep-alive, in seconds (5)"),
     "LLMSERVE_CPU_OPS": (None, "0: use the pure-torch paths instead of the C++ CPU kernels"),
 }
 

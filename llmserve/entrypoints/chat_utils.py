@@ -24,12 +24,15 @@ def content_to_text(content: Any, index: int) -> Optional[str]:
     if content is None or isinstance(content, str):
         return content
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type")
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+        key = "refusal" if kind == "refusal" else "text"
+        if kind in ("text", "input_text", "output_text", "refusal"):
+            if not isinstance(part.get(key), str):  # the text is missing, not the part type
+                raise SamplingParamsError(
+                    f"messages[{index}].content[{j}]: a content part of type {kind!r} needs a string "
+                    f"`{key}` field (the text is missing).", "messages")
+            texts.append(part[key])
         else:
             raise SamplingParamsError(
                 f"messages[{index}].content: content part of type {kind!r} is not supported "

@@ -49,17 +49,28 @@ class Renderer:
       tokenizer: a HF tokenizer (``apply_chat_template``, ``encode``).
       chat_template: the default template (a file path or literal Jinja, as
         ``--chat-template``); None uses the tokenizer's own.
+      prompt_limit: the server's cheap length check (a ``PromptCharLimit``: ``check(texts,
+        param)`` raises a 400 for text that cannot fit the context), run before the
+        template and the tokenizer unless a call passes ``check_length=False`` (a request
+        that asks for truncation); None checks nothing (offline).
     Raises ValueError (field ``chat_template``) for a template value that is neither.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: Optional[str] = None) -> None:
+    def __init__(self, tokenizer: Any, chat_template: Optional[str] = None, prompt_limit: Any = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = resolve_chat_template(chat_template)
+        self.prompt_limit = prompt_limit
+
+    def check_length(self, texts: Iterable[Optional[str]], param: str) -> None:
+        """``prompt_limit.check`` (when there is one): a 400 naming ``param`` for text
+        that certainly does not fit the context, before any tokenizing."""
+        if self.prompt_limit is not None:
+            self.prompt_limit.check(texts, param)
 
     def render_messages(self, messages: Iterable[Any], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: Optional[str] = None,
                         chat_template_kwargs: Optional[dict[str, Any]] = None,
-                        tools: Optional[list[dict[str, Any]]] = None) -> str:
+                        tools: Optional[list[dict[str, Any]]] = None, check_length: bool = True) -> str:
         """The template text of ``messages`` (pydantic messages or dicts; content parts
         joined). ``chat_template`` (file path or literal) overrides the default one.
 
@@ -70,15 +81,24 @@ class Renderer:
             raise SamplingParamsError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
                 "continue_final_message")
+        if check_length and self.prompt_limit is not None:
+            from llmserve.entrypoints.openai.common.limits import message_texts
+
+            messages = list(messages)
+            self.check_length(message_texts(messages), "messages")
         template = resolve_chat_template(chat_template) if chat_template else self.chat_template
         return render_chat_prompt(
             self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template=template,
             chat_template_kwargs=chat_template_kwargs, tools=tools)
 
-    def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
+               check_length: bool = True) -> list[int]:
         """Token ids (list[int]) of ``text``. Raises SamplingParamsError naming ``param``
-        for text that is not valid Unicode (a lone surrogate)."""
+        for text that is not valid Unicode (a lone surrogate) or, with ``check_length``,
+        that certainly does not fit the context (see ``prompt_limit``)."""
+        if check_length:
+            self.check_length([text], param)
         check_encodable(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -87,13 +107,16 @@ class Renderer:
         """``render_messages`` then ``encode`` (errors name ``messages``).
         template_kwargs: the keyword arguments of :meth:`render_messages`."""
         text = self.render_messages(messages, **template_kwargs)
-        return RenderedPrompt(text, self.encode(text, add_special_tokens=add_special_tokens, param="messages"))
+        return RenderedPrompt(text, self.encode(text, add_special_tokens=add_special_tokens, param="messages",
+                                                check_length=template_kwargs.get("check_length", True)))
 
-    def render_prompt(self, prompt: Union[str, list[int]], *, add_special_tokens: bool = True) -> RenderedPrompt:
+    def render_prompt(self, prompt: Union[str, list[int]], *, add_special_tokens: bool = True,
+                      check_length: bool = True, param: str = "prompt") -> RenderedPrompt:
         """A completion prompt: text is tokenized; token ids pass as they are (the
         engine's InputProcessor checks them against the vocabulary)."""
         if isinstance(prompt, str):
-            return RenderedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens))
+            return RenderedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens, param=param,
+                                                      check_length=check_length))
         return RenderedPrompt(None, list(prompt))
 
 
@@ -125,15 +148,24 @@ class AsyncRenderer:
         """:meth:`Renderer.render_chat` in the pool."""
         return await self._run(self.renderer.render_chat, messages, **kwargs)
 
-    async def render_prompts(self, prompts: list[Union[str, list[int]]], *,
-                             add_special_tokens: bool = True) -> list[RenderedPrompt]:
-        """:meth:`Renderer.render_prompt` of each prompt, in the pool (one task per prompt)."""
+    async def render_prompts(self, prompts: list[Union[str, list[int]]], *, add_special_tokens: bool = True,
+                             check_length: bool = True, param: str = "prompt") -> list[RenderedPrompt]:
+        """:meth:`Renderer.render_prompt` of each prompt, in the pool (one task per prompt;
+        each is length-checked on its own before it is tokenized)."""
         return list(await asyncio.gather(*(
-            self._run(self.renderer.render_prompt, p, add_special_tokens=add_special_tokens) for p in prompts)))
+            self._run(self.renderer.render_prompt, p, add_special_tokens=add_special_tokens,
+                      check_length=check_length, param=param) for p in prompts)))
 
-    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
+                     check_length: bool = True) -> list[int]:
         """:meth:`Renderer.encode` in the pool."""
-        return await self._run(self.renderer.encode, text, add_special_tokens=add_special_tokens, param=param)
+        return await self._run(self.renderer.encode, text, add_special_tokens=add_special_tokens, param=param,
+                               check_length=check_length)
+
+    async def run_in_pool(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` in the pool (tokenizer work that is not a render, such
+        as ``/detokenize`` of a long id list)."""
+        return await self._run(fn, *args, **kwargs)
 
     def shutdown(self) -> None:
         """Stop the pool: queued renders are dropped, running ones finish in the background."""

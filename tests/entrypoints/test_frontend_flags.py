@@ -106,13 +106,18 @@ def test_token_id_formatter(smol_tokenizer):
 
 
 def test_uvicorn_kwargs_of_ssl_uds_and_h11(tmp_path):
-    assert uvicorn_kwargs(_args()) == {}
+    # defaults: uvicorn's keep-alive (5 s) and its h11 protocol with the 30 s header deadline
+    kw = uvicorn_kwargs(_args())
+    assert kw.pop("timeout_keep_alive") == 5.0 and kw.pop("http").__name__ == "HeaderTimeoutH11Protocol"
+    assert kw == {}
+    assert uvicorn_kwargs(_args("--timeout-request-headers", "0", "--timeout-keep-alive", "2")) == {
+        "timeout_keep_alive": 2.0}
     kw = uvicorn_kwargs(_args("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-ca-certs", "ca.pem",
                               "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED)), "--uds", str(tmp_path / "s.sock"),
-                              "--h11-max-incomplete-event-size", "1000"))
+                              "--h11-max-incomplete-event-size", "1000", "--timeout-request-headers", "0"))
     assert kw == {"ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
                   "ssl_cert_reqs": int(ssl.CERT_REQUIRED), "uds": str(tmp_path / "s.sock"), "http": "h11",
-                  "h11_max_incomplete_event_size": 1000}
+                  "h11_max_incomplete_event_size": 1000, "timeout_keep_alive": 5.0}
 
 
 def test_several_api_keys(make_app):

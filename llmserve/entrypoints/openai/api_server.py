@@ -36,10 +36,13 @@ from llmserve.entrypoints.openai.chat_completion.api_router import register_chat
 from llmserve.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 from llmserve.entrypoints.openai.completion.api_router import register_completion_api_routers
+from llmserve.entrypoints.openai.common.limits import PromptCharLimit
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
-from llmserve.entrypoints.openai.frontend import add_frontend_routes, configure_handlers, fastapi_kwargs, uvicorn_kwargs
+from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_frontend_routes, configure_handlers,
+                                                  fastapi_kwargs, uvicorn_kwargs)
+from llmserve.entrypoints.openai.openapi import install_openapi
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
@@ -92,6 +95,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         register(app)
     add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
     install_exception_handlers(app)
+    add_edge_middleware(app, args)  # body limit, JSON for whatever escapes; inside X-Request-Id
+    install_openapi(app)  # 400 not 422, the error body, /health's JSON
     app.add_middleware(RequestIdMiddleware)
     if getattr(args, "api_key", None):
         keys = args.api_key if isinstance(args.api_key, list) else [args.api_key]
@@ -174,7 +179,8 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
     names = list(model_config.served_model_name or getattr(args, "served_model_name", None) or [args.model])
     models = OpenAIServingModels([BaseModelPath(n, model_config.model) for n in names], model_config.max_model_len)
     log_requests = not getattr(args, "disable_log_requests", True)
-    renderer = Renderer(engine_client.tokenizer, getattr(args, "chat_template", None))
+    renderer = Renderer(engine_client.tokenizer, getattr(args, "chat_template", None),
+                        PromptCharLimit.for_tokenizer(engine_client.tokenizer, model_config.max_model_len))
     state.engine_client = engine_client
     state.stat_logger = stat_logger if stat_logger is not None else _prometheus_logger(engine_client)
     state.openai_serving_models = models
@@ -225,7 +231,7 @@ async def run_server(args: argparse.Namespace) -> int:
             await serve_http(app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
                              access_log=not args.disable_uvicorn_access_log,
                              timeout_graceful_shutdown=args.shutdown_timeout or args.timeout_graceful_shutdown,
-                             timeout_keep_alive=5, **uvicorn_kwargs(args))
+                             **uvicorn_kwargs(args))
         finally:
             shutdown_app_state(app.state)
         engine_died = engine_client.errored

@@ -11,6 +11,7 @@ from llmserve.entrypoints.openai.chat_completion.tool_args import add_tool_calli
 from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_vllm_compat_args,
                                                          add_vllm_frontend_args, check_vllm_compat_args)
 from llmserve import envs
+from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_edge_args
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -73,6 +74,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                              "they are aborted.")
     server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
     add_vllm_frontend_args(server)
+    add_http_edge_args(server)
     AsyncEngineArgs.add_cli_args(parser)
     add_tool_calling_args(parser)  # after the engine's: --reasoning-parser may be an engine field
     # every other `vllm serve` flag: a no-op or refused with its reason, never "unrecognized"
@@ -95,3 +97,4 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.api_key = None
     check_vllm_compat_args(args)
     validate_tool_calling_args(args)
+    check_http_edge_args(args)

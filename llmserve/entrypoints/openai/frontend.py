@@ -7,7 +7,9 @@
 - :func:`configure_handlers`: usage flags, ``--response-role``,
   ``--return-tokens-as-token-ids``, ``--max-log-len`` on the chat/completion handlers.
 - :func:`uvicorn_kwargs`: ``--uds``, SSL, ``--h11-max-incomplete-event-size``,
-  ``--log-config-file``.
+  ``--timeout-keep-alive``, ``--timeout-request-headers``, ``--log-config-file``.
+- :func:`add_http_edge_args` / :func:`add_edge_middleware`: the request-body limit and
+  the body/header timeouts (see :mod:`~llmserve.entrypoints.openai.http_edges`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ from typing import Any
 from fastapi import FastAPI
 
 from llmserve.entrypoints.openai.chat_completion.tool_args import configure_tool_calling
+from llmserve import envs
+from llmserve.entrypoints.openai.common.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from llmserve.entrypoints.openai.common.usage import UsageOptions
+from llmserve.entrypoints.openai.http_edges import (BodyLimitMiddleware, EdgeGuardMiddleware,
+                                                    h11_protocol_with_header_timeout)
 from llmserve.entrypoints.openai.logprobs import TokenFormatter
 from llmserve.entrypoints.openai.server_load import register_server_load_api_routers
 from llmserve.entrypoints.openai.tokenize.tokenizer_info import register_tokenizer_info_api_router
@@ -90,9 +96,48 @@ def configure_handlers(state: Any, args: argparse.Namespace) -> None:
             handler.token_formatter = TokenIdFormatter(handler.tokenizer)
 
 
+def add_http_edge_args(group: argparse._ArgumentGroup) -> None:
+    """The flags that bound what one connection may hold: body size, keep-alive (uvicorn's
+    ``timeout_keep_alive``; vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), and the header and
+    body read timeouts."""
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="Largest request body in bytes; a larger one gets 413 before it is parsed "
+                            "(0: no limit).")
+    group.add_argument("--timeout-keep-alive", type=float,
+                       default=float(envs.get("LLMSERVE_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
+                       help="Seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive; "
+                            "default: $LLMSERVE_HTTP_TIMEOUT_KEEP_ALIVE or $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else 5).")
+    group.add_argument("--timeout-request-headers", type=float, default=30.0,
+                       help="Seconds a connection may take to send a request's headers (from connecting, or "
+                            "from its first byte after a response) before it gets 408 and is closed (0: never).")
+    group.add_argument("--timeout-request-body", type=float, default=30.0,
+                       help="Seconds the server waits for the next part of an unfinished request body before "
+                            "answering 408 (0: forever).")
+
+
+def check_http_edge_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for a negative limit or timeout."""
+    for name in ("max_request_body_bytes", "timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
+        value = getattr(args, name, 0)
+        if value is not None and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def add_edge_middleware(app: FastAPI, args: argparse.Namespace) -> None:
+    """The body limit and the edge guard (call before the X-Request-Id middleware, so
+    their answers carry the header)."""
+    app.add_middleware(BodyLimitMiddleware,
+                       max_body_bytes=int(getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)),
+                       body_timeout_s=float(getattr(args, "timeout_request_body", 0.0) or 0.0))
+    app.add_middleware(EdgeGuardMiddleware)
+
+
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``uvicorn.Config`` arguments of the flags (only those that were set)."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"timeout_keep_alive": getattr(args, "timeout_keep_alive", 5)}
+    if getattr(args, "timeout_request_headers", 0):
+        # uvicorn's h11 protocol plus a header deadline (httptools, when installed, would not have it)
+        kwargs["http"] = h11_protocol_with_header_timeout(args.timeout_request_headers)
     if getattr(args, "uds", None):
         kwargs["uds"] = args.uds
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
@@ -102,7 +147,8 @@ def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["ssl_cert_reqs"] = args.ssl_cert_reqs
     if getattr(args, "h11_max_incomplete_event_size", None):
         # httptools (uvicorn's pick when installed) has no such limit: use h11 to honour it
-        kwargs.update(http="h11", h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
+        kwargs.setdefault("http", "h11")
+        kwargs["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
     if getattr(args, "log_config_file", None):
         with open(args.log_config_file, encoding="utf-8") as f:
             log_config = json.load(f)

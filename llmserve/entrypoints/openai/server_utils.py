@@ -147,7 +147,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     """The message and ``param`` of a pydantic validation error: ``<loc>: <msg>`` for
     each problem, with the location as pydantic and vLLM write it (``messages.0.content``,
     without the leading ``body``). The input values are never echoed back."""
-    errors = exc.errors()
+    # a limit passed ("too_long": a list or string over its documented maximum) is the
+    # clearest problem to report, before the other union members' type errors
+    errors = sorted(exc.errors(), key=lambda err: err.get("type") != "too_long")
     parts, param = [], None
     for err in errors[:MAX_VALIDATION_ERRORS]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]

@@ -16,15 +16,19 @@ logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
 
 router = APIRouter()
 
+HEALTH_OK = b'{"status":"ok"}'
+
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    """200 while the engine runs, 503 once it is dead."""
+    """200 ``{"status": "ok"}`` while the engine runs, 503 with the OpenAI error body once
+    it is dead (vLLM answers an empty 200; a JSON body lets clients and the OpenAPI
+    document agree on what it is)."""
     try:
         await raw_request.app.state.engine_client.check_health()
     except EngineDeadError as e:
         return json_response(make_error(f"The engine is dead: {e}", 503, err_type="EngineDeadError"), 503)
-    return Response(status_code=200)
+    return Response(content=HEALTH_OK, media_type="application/json")
 
 
 @router.get("/version")

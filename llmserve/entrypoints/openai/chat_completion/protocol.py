@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, model_serializer, model_validator
 
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.protocol import (
     ChatCompletionLogProbs,
     ChatMessageParam,
@@ -24,7 +25,7 @@ from llmserve.sampling_params import SamplingParams, SamplingParamsError
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions`` (OpenAI fields + vLLM's chat extras)."""
 
-    messages: list[ChatMessageParam] = Field(min_length=1)
+    messages: list[ChatMessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Int64] = None
     max_completion_tokens: Optional[Int64] = None

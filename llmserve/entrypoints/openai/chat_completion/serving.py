@@ -75,7 +75,7 @@ class OpenAIServingChat(GenerateBaseServing):
             request.messages, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,
             chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens,
-            tools=tools)
+            tools=tools, check_length=request.truncate_prompt_tokens is None)  # truncation may take a longer prompt
 
     def output_parsing(self, request: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams,
                        prompt_ids: list[int]) -> tuple[Optional[Callable[[], ChoiceOutputParser]], dict[str, Any]]:

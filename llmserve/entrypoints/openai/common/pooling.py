@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 import numpy as np
 from pydantic import Field
 
+from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
@@ -19,7 +20,9 @@ from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParamsError
 
 # What ``input`` may be (OpenAI's embeddings input).
-PoolingInput = Union[str, list[str], list[int], list[list[int]]]
+_TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+PoolingInput = Union[str, Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)], _TokenIds,
+                     Annotated[list[_TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 
 _API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Score API", "rerank": "Rerank API"}
 
@@ -68,7 +71,8 @@ class PoolingBaseServing(BaseServing):
                 f"Start the server with a pooling model (or `--runner pooling`).", "model")
         return name
 
-    async def render_input(self, value: Any, add_special_tokens: bool, param: str = "input") -> list[RenderedPrompt]:
+    async def render_input(self, value: Any, add_special_tokens: bool, param: str = "input",
+                           check_length: bool = True) -> list[RenderedPrompt]:
         """``input`` (a string, strings, token ids or lists of token ids) as prompts, in
         order. Raises SamplingParamsError naming ``param`` for an empty input."""
         if isinstance(value, str):
@@ -79,7 +83,8 @@ class PoolingBaseServing(BaseServing):
             items = list(value)
         if not items:
             raise SamplingParamsError(f"{param} cannot be empty.", param)
-        return await self.renderer.render_prompts(items, add_special_tokens=add_special_tokens)
+        return await self.renderer.render_prompts(items, add_special_tokens=add_special_tokens,
+                                                  check_length=check_length, param=param)
 
     def pooling_params(self, request: Any, task: str, dimensions: Optional[int] = None) -> PoolingParams:
         return PoolingParams(normalize=request.normalize, dimensions=dimensions,

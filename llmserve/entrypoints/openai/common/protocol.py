@@ -9,27 +9,47 @@ to a :class:`~llmserve.sampling_params.SamplingParams` with ``to_sampling_params
 raises :class:`~llmserve.sampling_params.SamplingParamsError` (a ValueError with ``param``)
 on out-of-range values, so the server answers 400 naming the field.
 
-Unknown request fields are accepted and ignored, as vLLM and OpenAI do; fields whose
-meaning llmserve cannot honour (``suffix``, ``tools`` with a tool choice) are rejected
-with a 400 instead of being silently ignored. ``response_format`` and vLLM's
-``structured_outputs`` become ``SamplingParams.structured_outputs`` (``structured.py``).
+Boolean fields take only JSON booleans (``"stream": "yes"`` is a 400, as OpenAI answers;
+pydantic alone would read "yes" as true). List fields have the documented limits of
+:mod:`~llmserve.entrypoints.openai.common.limits`.
+
+Unknown request fields are accepted and ignored, as vLLM and OpenAI do (logged once per
+field name, as vLLM warns); fields whose meaning llmserve cannot honour (``suffix``,
+``tools`` with a tool choice) are rejected with a 400 instead of being silently ignored.
+``response_format`` and vLLM's ``structured_outputs`` become
+``SamplingParams.structured_outputs`` (``structured.py``).
 """
 from __future__ import annotations
 
+import functools
+import logging
+import types
+import typing
 import uuid
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from llmserve.entrypoints.openai.common.structured import ResponseFormat, structured_outputs_params
+from llmserve.entrypoints.openai.common.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_CONTENT_PARTS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID_LIST_ITEMS,
+)
 from llmserve.sampling_params import RequestOutputKind, SamplingParamsError
+
+logger = logging.getLogger("llmserve.entrypoints.openai")
 
 # vLLM's default ``max_logprobs``: the most top logprobs one position may ask for.
 MAX_LOGPROBS = 20
 # OpenAI's documented range for ``temperature``.
 MAX_TEMPERATURE = 2.0
-# The most completions one request may ask for (``n``; per prompt for completions).
-MAX_N = 1024
+# The most completions one request may ask for (``n``; per prompt for completions): MAX_N,
+# imported from common/limits.py with the other limits.
 
 # Integers that cross the process boundary must fit in 64 bits (vLLM bounds ``seed`` alike).
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -46,10 +66,50 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+def _is_bool_annotation(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args == [bool]
+    return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _warn_ignored_field(model: str, name: str) -> None:
+    """Log an ignored request field once per (model, field name); the cache bounds it."""
+    logger.warning("The request field %r is not used by this server (%s); it is ignored.", name, model)
+
+
 class OpenAIRequestModel(OpenAIBaseModel):
-    """Base of request bodies: NaN and Infinity are rejected (Python's json accepts them)."""
+    """Base of request bodies: NaN and Infinity are rejected (Python's json accepts them);
+    boolean fields take JSON booleans only; unknown fields are ignored with a warning
+    logged once per field name (vLLM's behaviour)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    _bool_fields: ClassVar[Optional[frozenset[str]]] = None
+
+    @classmethod
+    def bool_fields(cls) -> frozenset[str]:
+        """Names of the fields typed ``bool`` / ``Optional[bool]`` (computed once per class)."""
+        fields = cls.__dict__.get("_bool_fields_cache")
+        if fields is None:
+            fields = frozenset(n for n, f in cls.model_fields.items() if _is_bool_annotation(f.annotation))
+            setattr(cls, "_bool_fields_cache", fields)
+        return fields
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not isinstance(value, bool) and info.field_name in cls.bool_fields():
+            raise ValueError(f"must be a JSON boolean (true or false), got {type(value).__name__}")
+        return value
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self) -> "OpenAIRequestModel":
+        for name in (self.model_extra or {}):
+            _warn_ignored_field(type(self).__name__, name)
+        return self
 
 
 # ----------------------------------------------------------------------------- errors
@@ -108,9 +168,11 @@ class SamplingRequest(OpenAIRequestModel):
     top_p: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     seed: Optional[Int64] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
+                         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
@@ -122,12 +184,12 @@ class SamplingRequest(OpenAIRequestModel):
     repetition_penalty: Optional[float] = None
     min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[Int64]] = None
+    stop_token_ids: Optional[Annotated[list[Int64], Field(max_length=MAX_TOKEN_ID_LIST_ITEMS)]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: Optional[list[Int64]] = None
-    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[Annotated[list[Int64], Field(max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
+    bad_words: Optional[Annotated[list[str], Field(max_length=MAX_TOKEN_ID_LIST_ITEMS)]] = None
     priority: Int64 = 0
     # vLLM extras that change the response
     prompt_logprobs: Optional[Int64] = None
@@ -215,12 +277,18 @@ def check_max_logprobs(value: Optional[int], param: str) -> None:
         raise SamplingParamsError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param)
 
 
-class ChatMessageParam(OpenAIBaseModel):
-    """One input message: ``content`` is a string, a list of content parts
-    (``{"type": "text", "text": ...}``), or null (assistant messages with tool calls)."""
+# OpenAI's message roles. Others pass to the chat template as they are (vLLM's custom
+# roles: "ipython", "document"...), so the schema says "one of these, or any string".
+ChatRole = Union[Literal["system", "developer", "user", "assistant", "tool", "function"], str]
 
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+class ChatMessageParam(OpenAIBaseModel):
+    """One input message: ``content`` is a string, a list of at most MAX_CONTENT_PARTS
+    content parts (``{"type": "text", "text": ...}``), or null (assistant messages with
+    tool calls)."""
+
+    role: ChatRole
+    content: Optional[Union[str, Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]]] = None
     name: Optional[str] = None
 
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
+from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import (
     CompletionLogProbs,
     Int64,
@@ -22,7 +23,9 @@ from llmserve.sampling_params import SamplingParams, SamplingParamsError
 DEFAULT_MAX_TOKENS = 16
 
 
-PromptType = Union[list[int], list[list[int]], str, list[str]]
+TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+PromptType = Union[TokenIds, Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)], str,
+                   Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 
 
 class CompletionRequest(SamplingRequest):

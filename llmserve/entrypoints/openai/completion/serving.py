@@ -84,7 +84,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
         model_name = self._check_model(request)
         request.check()
         items = _prompt_items(request.prompt)
-        rendered = await self.renderer.render_prompts(items, add_special_tokens=request.add_special_tokens)
+        rendered = await self.renderer.render_prompts(items, add_special_tokens=request.add_special_tokens,
+                                                      check_length=request.truncate_prompt_tokens is None)
         prompts = [_Prompt(self.truncate(r, request)) for r in rendered]
         for p in prompts:
             max_tokens = request.max_tokens

@@ -6,6 +6,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
 
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.pooling import PoolingFields, PoolingInput
 from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
 
@@ -16,7 +17,7 @@ class EmbeddingRequest(PoolingFields):
     or "base64" (openai-python's default). dimensions: only for Matryoshka models."""
 
     input: Optional[PoolingInput] = None
-    messages: Optional[list[dict[str, Any]]] = None
+    messages: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_MESSAGES)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(default=None, ge=1)
     chat_template: Optional[str] = None

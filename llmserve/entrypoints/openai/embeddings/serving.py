@@ -27,8 +27,10 @@ class OpenAIServingEmbedding(PoolingBaseServing):
             return [await self.renderer.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs)]
-        return await self.render_input(request.input, request.add_special_tokens)
+                chat_template_kwargs=request.chat_template_kwargs,
+                check_length=request.truncate_prompt_tokens is None)]
+        return await self.render_input(request.input, request.add_special_tokens,
+                                       check_length=request.truncate_prompt_tokens is None)
 
     async def _run(self, request: EmbeddingRequest, task: str, prefix: str) -> tuple[str, str, list[PoolingRequestOutput]]:
         name = self.check_task(request, "encode" if task == "encode" else "embed")

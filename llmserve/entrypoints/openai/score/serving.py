@@ -37,7 +37,8 @@ class OpenAIServingScores(PoolingBaseServing):
                                       f"{names[0]} or as many as {names[1]}.", names[0])
         # Each distinct text is embedded once (a query scored against N documents: N + 1).
         unique = list(dict.fromkeys(texts_1 + texts_2))
-        prompts = await self.render_input(unique, request.add_special_tokens, names[1])
+        prompts = await self.render_input(unique, request.add_special_tokens, names[1],
+                                          check_length=request.truncate_prompt_tokens is None)
         rid = self.new_request_id(prefix)
         params = self.pooling_params(request, "embed")
         params.normalize = True if params.normalize is None else params.normalize

@@ -1,8 +1,11 @@
 """Protocol of ``POST /tokenize`` and ``POST /detokenize`` (vLLM's tokenizer routes)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.protocol import ChatMessageParam, OpenAIBaseModel, OpenAIRequestModel
 from llmserve.sampling_params import SamplingParamsError
 
@@ -14,7 +17,7 @@ class TokenizeRequest(OpenAIRequestModel):
 
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessageParam]] = None
+    messages: Optional[Annotated[list[ChatMessageParam], Field(max_length=MAX_MESSAGES)]] = None
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

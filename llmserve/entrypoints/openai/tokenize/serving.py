@@ -54,8 +54,11 @@ class OpenAIServingTokenization(BaseServing):
         """Text of token ids, special tokens kept. Raises SamplingParamsError for ids
         outside the vocabulary."""
         self._check_model(request)
-        ids = self.check_token_ids(request.tokens, "tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
+        # a long id list is checked and decoded in the renderer's pool, off the event loop
+        return DetokenizeResponse(prompt=await self.renderer.run_in_pool(self._detokenize, request.tokens))
+
+    def _detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(self.check_token_ids(ids, "tokens"), skip_special_tokens=False)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:
         """Raise SamplingParamsError unless every id is an int in [0, vocab_size)."""
