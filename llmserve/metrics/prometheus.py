@@ -1,32 +1,33 @@
 """Prometheus metrics of the engine (vLLM's ``PrometheusStatLogger``), served at /metrics.
 
-Names are vLLM's with the ``llmserve:`` prefix, each labelled with ``model_name``:
+Names and labels are vLLM's (``vllm:`` prefix, so Grafana dashboards built for vLLM work unchanged),
+each labelled with ``model_name`` and ``engine``:
 
-=============================================  =========  ==========================================
-llmserve:num_requests_running                  gauge      requests in the running batch
-llmserve:num_requests_waiting                  gauge      requests queued
-llmserve:kv_cache_usage_perc                   gauge      used KV blocks / all blocks (0..1)
-llmserve:num_preemptions_total                 counter    preempted requests
-llmserve:prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
-llmserve:prefix_cache_hits_total               counter    of those, tokens found
-llmserve:prompt_tokens_total                   counter    prefilled prompt tokens
-llmserve:generation_tokens_total               counter    generated tokens
-llmserve:request_success_total                 counter    finished requests, label finished_reason
-llmserve:time_to_first_token_seconds           histogram  arrival -> first token
-llmserve:inter_token_latency_seconds           histogram  between consecutive tokens of a request
-llmserve:time_per_output_token_seconds         histogram  same samples (vLLM's older name)
-llmserve:request_time_per_output_token_seconds histogram  mean per finished request
-llmserve:e2e_request_latency_seconds           histogram  arrival -> finish
-llmserve:request_queue_time_seconds            histogram  queued -> first scheduled (engine events)
-llmserve:request_prefill_time_seconds          histogram  first scheduled -> first token
-llmserve:request_decode_time_seconds           histogram  first token -> last token
-llmserve:request_inference_time_seconds        histogram  first scheduled -> last token
-llmserve:request_prompt_tokens                 histogram  prompt length of finished requests
-llmserve:request_generation_tokens             histogram  output length of finished requests
-llmserve:iteration_tokens_total                histogram  tokens (prompt + generated) per engine step
-llmserve:request_params_n                      histogram  n of finished requests (one sample per sample)
-llmserve:request_params_max_tokens             histogram  max_tokens of finished requests
-=============================================  =========  ==========================================
+==========================================  =========  ==========================================
+vllm:num_requests_running                   gauge      requests in the running batch
+vllm:num_requests_waiting                   gauge      requests queued
+vllm:kv_cache_usage_perc                    gauge      used KV blocks / all blocks (0..1)
+vllm:num_preemptions_total                  counter    preempted requests
+vllm:prefix_cache_queries_total             counter    prompt tokens looked up in the prefix cache
+vllm:prefix_cache_hits_total                counter    of those, tokens found
+vllm:prompt_tokens_total                    counter    prefilled prompt tokens
+vllm:generation_tokens_total                counter    generated tokens
+vllm:request_success_total                  counter    finished requests, label finished_reason
+vllm:time_to_first_token_seconds            histogram  arrival -> first token
+vllm:inter_token_latency_seconds            histogram  between consecutive tokens of a request
+vllm:time_per_output_token_seconds          histogram  same samples (vLLM's older name)
+vllm:request_time_per_output_token_seconds  histogram  mean per finished request
+vllm:e2e_request_latency_seconds            histogram  arrival -> finish
+vllm:request_queue_time_seconds             histogram  queued -> first scheduled (engine events)
+vllm:request_prefill_time_seconds           histogram  first scheduled -> first token
+vllm:request_decode_time_seconds            histogram  first token -> last token
+vllm:request_inference_time_seconds         histogram  first scheduled -> last token
+vllm:request_prompt_tokens                  histogram  prompt length of finished requests
+vllm:request_generation_tokens              histogram  output length of finished requests
+vllm:iteration_tokens_total                 histogram  tokens (prompt + generated) per engine step
+vllm:request_params_n                       histogram  n of finished requests (one sample per sample)
+vllm:request_params_max_tokens              histogram  max_tokens of finished requests
+==========================================  =========  ==========================================
 
 Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
 apps or engines in one process never collide.
@@ -40,7 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
-PREFIX = "llmserve:"
+PREFIX = "vllm:"
 FINISH_REASONS = ("stop", "length", "abort")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
