@@ -27,6 +27,8 @@ vllm:request_generation_tokens              histogram  output length of finished
 vllm:iteration_tokens_total                 histogram  tokens (prompt + generated) per engine step
 vllm:request_params_n                       histogram  n of finished requests (one sample per sample)
 vllm:request_params_max_tokens              histogram  max_tokens of finished requests
+vllm:request_rejected_total                 counter    refused by admission control, label reason
+vllm:request_deadline_exceeded_total        counter    aborted at their X-Request-Timeout deadline
 ==========================================  =========  ==========================================
 
 Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
@@ -43,6 +45,10 @@ from llmserve.metrics.stats import IterationStats, SchedulerStats
 
 PREFIX = "vllm:"
 FINISH_REASONS = ("stop", "length", "abort")
+# Why admission control refused a request (the ``reason`` label of request_rejected_total):
+# the waiting queue is full (429), the KV cache cannot take the waiting work (429), the
+# server is shutting down (503).
+REJECTION_REASONS = ("queue_full", "kv_cache_full", "draining")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -146,6 +152,12 @@ class PrometheusStatLogger:
                          ["block_size", "enable_prefix_caching"], registry=r)
             info.labels(block_size=str(cache.block_size),
                         enable_prefix_caching=str(cache.enable_prefix_caching)).set(1)
+        # Beyond vLLM (admission control, deadlines), under the same prefix and labels.
+        rejected = Counter(PREFIX + "request_rejected", "Requests refused by admission control, by reason.",
+                           labels + ["reason"], registry=r)
+        self.counter_rejected = {reason: rejected.labels(reason=reason, **lv) for reason in REJECTION_REASONS}
+        self.counter_deadline = counter("request_deadline_exceeded",
+                                        "Requests aborted at the deadline their X-Request-Timeout set.")
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
                *args: Any, **kwargs: Any) -> None:
@@ -193,6 +205,15 @@ class PrometheusStatLogger:
                 self.hist_params_max_tokens.observe(fin.max_tokens_param)
             if fin.num_generation_tokens > 1:
                 self.hist_req_tpot.observe(fin.mean_tpot)
+
+    def record_rejection(self, reason: str) -> None:
+        """Count one request refused by admission control; ``reason`` is one of
+        :data:`REJECTION_REASONS`."""
+        self.counter_rejected[reason].inc()
+
+    def record_deadline_exceeded(self) -> None:
+        """Count one request aborted at its deadline."""
+        self.counter_deadline.inc()
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Refresh the gauges from a live engine snapshot (``AsyncLLM.get_engine_stats()``:
