@@ -11,6 +11,7 @@ model's files (the generation-config defaults) are computed once by
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -345,3 +346,31 @@ class VllmConfig:
 
 # The first name of the config; kept so existing imports keep working.
 EngineConfig = VllmConfig
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Limits of the OpenAI server's admission controller (beyond vLLM).
+
+    max_waiting_requests: requests that may wait (admitted, not yet running in the
+      engine); -1: no bound (vLLM's behaviour); 0: none may wait (a request is admitted
+      only while every admitted request is running). The server's default
+      (``--max-waiting-requests`` unset) is twice ``max_num_seqs``: a full batch ready to
+      replace the running one and one more behind it keeps the engine busy, while a
+      request's wait stays near two request lifetimes instead of growing without limit.
+    engine_stall_timeout: seconds without engine progress, while requests are in flight,
+      after which ``/health`` answers 503 (0: never).
+    Built by the server from ``--max-waiting-requests`` / ``--engine-stall-timeout``
+    (``entrypoints/openai/admission.py``). Raises ValueError naming the field.
+    """
+
+    max_waiting_requests: int = -1
+    engine_stall_timeout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < -1:
+            raise ValueError(f"max_waiting_requests must be an integer >= -1 (-1: unbounded), "
+                             f"got {self.max_waiting_requests!r}")
+        if not (self.engine_stall_timeout >= 0 and math.isfinite(self.engine_stall_timeout)):
+            raise ValueError(f"engine_stall_timeout must be a finite number of seconds >= 0, "
+                             f"got {self.engine_stall_timeout!r}")

@@ -23,8 +23,9 @@ from typing import Any, Optional, Union, get_args, get_origin
 
 from llmserve.structured_output.config import (StructuredOutputsConfig, make_structured_outputs_config,
                                                with_reasoning_parser)
-from llmserve.config import (CacheConfig, CompilationConfig, CompilationMode, KVTransferConfig, ModelConfig,
-                             ObservabilityConfig, ParallelConfig, SchedulerConfig, VllmConfig, resolve_dtype)
+from llmserve.config import (AdmissionConfig, CacheConfig, CompilationConfig, CompilationMode, KVTransferConfig,
+                             ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+                             resolve_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -335,9 +336,17 @@ def log_non_default_args(args: Union[EngineArgs, argparse.Namespace]) -> dict[st
 @_names_closest_field
 @dataclass
 class AsyncEngineArgs(EngineArgs):
-    """EngineArgs for AsyncLLM (adds request logging)."""
+    """EngineArgs for AsyncLLM (adds request logging and the server's admission limits)."""
 
     disable_log_requests: bool = field(default=True, metadata=_help("Do not log each request."))
+    # ---- admission control and liveness (the server's; beyond vLLM, see entrypoints/openai/admission.py)
+    max_waiting_requests: Optional[int] = field(default=None, metadata=_help("Requests that may wait (admitted, not yet running) before new ones get 429 with Retry-After (default: 2 x max_num_seqs; -1: unbounded, as vLLM)."))
+    engine_stall_timeout: float = field(default=60.0, metadata=_help("Seconds without engine progress, while requests are in flight, after which /health answers 503 (0: never)."))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        AdmissionConfig(-1 if self.max_waiting_requests is None else self.max_waiting_requests,
+                        self.engine_stall_timeout)  # raises ValueError naming the bad field
 
 
 # ModelConfig, the sub-configs and the old name, re-exported for callers that import them here.

@@ -87,6 +87,9 @@ async def serve_http(app: Any, engine_client: Any, **uvicorn_kwargs: Any) -> Non
     import uvicorn
 
     server = _make_uvicorn_server(uvicorn.Config(app, **uvicorn_kwargs), on_drain_timeout=engine_client.abort_all)
+    admission = getattr(getattr(app, "state", None), "admission", None)
+    if admission is not None:  # new requests get 503 and /ready turns false once shutdown begins
+        admission.is_draining = lambda: bool(server.should_exit)
     watchdog = asyncio.create_task(_shutdown_when_engine_dies(server, engine_client))
     try:
         await server.serve()

@@ -1,32 +1,35 @@
 """Prometheus metrics of the engine (vLLM's ``PrometheusStatLogger``), served at /metrics.
 
-Names are vLLM's with the ``llmserve:`` prefix, each labelled with ``model_name``:
+Names and labels are vLLM's (``vllm:`` prefix, so Grafana dashboards built for vLLM work unchanged),
+each labelled with ``model_name`` and ``engine``:
 
-=============================================  =========  ==========================================
-llmserve:num_requests_running                  gauge      requests in the running batch
-llmserve:num_requests_waiting                  gauge      requests queued
-llmserve:kv_cache_usage_perc                   gauge      used KV blocks / all blocks (0..1)
-llmserve:num_preemptions_total                 counter    preempted requests
-llmserve:prefix_cache_queries_total            counter    prompt tokens looked up in the prefix cache
-llmserve:prefix_cache_hits_total               counter    of those, tokens found
-llmserve:prompt_tokens_total                   counter    prefilled prompt tokens
-llmserve:generation_tokens_total               counter    generated tokens
-llmserve:request_success_total                 counter    finished requests, label finished_reason
-llmserve:time_to_first_token_seconds           histogram  arrival -> first token
-llmserve:inter_token_latency_seconds           histogram  between consecutive tokens of a request
-llmserve:time_per_output_token_seconds         histogram  same samples (vLLM's older name)
-llmserve:request_time_per_output_token_seconds histogram  mean per finished request
-llmserve:e2e_request_latency_seconds           histogram  arrival -> finish
-llmserve:request_queue_time_seconds            histogram  queued -> first scheduled (engine events)
-llmserve:request_prefill_time_seconds          histogram  first scheduled -> first token
-llmserve:request_decode_time_seconds           histogram  first token -> last token
-llmserve:request_inference_time_seconds        histogram  first scheduled -> last token
-llmserve:request_prompt_tokens                 histogram  prompt length of finished requests
-llmserve:request_generation_tokens             histogram  output length of finished requests
-llmserve:iteration_tokens_total                histogram  tokens (prompt + generated) per engine step
-llmserve:request_params_n                      histogram  n of finished requests (one sample per sample)
-llmserve:request_params_max_tokens             histogram  max_tokens of finished requests
-=============================================  =========  ==========================================
+==========================================  =========  ==========================================
+vllm:num_requests_running                   gauge      requests in the running batch
+vllm:num_requests_waiting                   gauge      requests queued
+vllm:kv_cache_usage_perc                    gauge      used KV blocks / all blocks (0..1)
+vllm:num_preemptions_total                  counter    preempted requests
+vllm:prefix_cache_queries_total             counter    prompt tokens looked up in the prefix cache
+vllm:prefix_cache_hits_total                counter    of those, tokens found
+vllm:prompt_tokens_total                    counter    prefilled prompt tokens
+vllm:generation_tokens_total                counter    generated tokens
+vllm:request_success_total                  counter    finished requests, label finished_reason
+vllm:time_to_first_token_seconds            histogram  arrival -> first token
+vllm:inter_token_latency_seconds            histogram  between consecutive tokens of a request
+vllm:time_per_output_token_seconds          histogram  same samples (vLLM's older name)
+vllm:request_time_per_output_token_seconds  histogram  mean per finished request
+vllm:e2e_request_latency_seconds            histogram  arrival -> finish
+vllm:request_queue_time_seconds             histogram  queued -> first scheduled (engine events)
+vllm:request_prefill_time_seconds           histogram  first scheduled -> first token
+vllm:request_decode_time_seconds            histogram  first token -> last token
+vllm:request_inference_time_seconds         histogram  first scheduled -> last token
+vllm:request_prompt_tokens                  histogram  prompt length of finished requests
+vllm:request_generation_tokens              histogram  output length of finished requests
+vllm:iteration_tokens_total                 histogram  tokens (prompt + generated) per engine step
+vllm:request_params_n                       histogram  n of finished requests (one sample per sample)
+vllm:request_params_max_tokens              histogram  max_tokens of finished requests
+vllm:request_rejected_total                 counter    refused by admission control, label reason
+vllm:request_deadline_exceeded_total        counter    aborted at their X-Request-Timeout deadline
+==========================================  =========  ==========================================
 
 Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
 apps or engines in one process never collide.
@@ -40,8 +43,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
-PREFIX = "llmserve:"
+PREFIX = "vllm:"
 FINISH_REASONS = ("stop", "length", "abort")
+# Why admission control refused a request (the ``reason`` label of request_rejected_total):
+# the waiting queue is full (429), the KV cache cannot take the waiting work (429), the
+# server is shutting down (503).
+REJECTION_REASONS = ("queue_full", "kv_cache_full", "draining")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -145,6 +152,12 @@ class PrometheusStatLogger:
                          ["block_size", "enable_prefix_caching"], registry=r)
             info.labels(block_size=str(cache.block_size),
                         enable_prefix_caching=str(cache.enable_prefix_caching)).set(1)
+        # Beyond vLLM (admission control, deadlines), under the same prefix and labels.
+        rejected = Counter(PREFIX + "request_rejected", "Requests refused by admission control, by reason.",
+                           labels + ["reason"], registry=r)
+        self.counter_rejected = {reason: rejected.labels(reason=reason, **lv) for reason in REJECTION_REASONS}
+        self.counter_deadline = counter("request_deadline_exceeded",
+                                        "Requests aborted at the deadline their X-Request-Timeout set.")
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
                *args: Any, **kwargs: Any) -> None:
@@ -192,6 +205,15 @@ class PrometheusStatLogger:
                 self.hist_params_max_tokens.observe(fin.max_tokens_param)
             if fin.num_generation_tokens > 1:
                 self.hist_req_tpot.observe(fin.mean_tpot)
+
+    def record_rejection(self, reason: str) -> None:
+        """Count one request refused by admission control; ``reason`` is one of
+        :data:`REJECTION_REASONS`."""
+        self.counter_rejected[reason].inc()
+
+    def record_deadline_exceeded(self) -> None:
+        """Count one request aborted at its deadline."""
+        self.counter_deadline.inc()
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Refresh the gauges from a live engine snapshot (``AsyncLLM.get_engine_stats()``:

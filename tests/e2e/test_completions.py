@@ -238,9 +238,9 @@ def test_penalty_scope_c21(server):
 
 def _running(server) -> float:
     for line in server.http.get("/metrics").text.splitlines():
-        if line.startswith("llmserve:num_requests_running"):
+        if line.startswith("vllm:num_requests_running"):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no llmserve:num_requests_running in /metrics")
+    raise AssertionError("no vllm:num_requests_running in /metrics")
 
 
 def test_multi_prompt_validated_before_anything_runs(server):

@@ -21,18 +21,18 @@ def test_params_and_phase_histograms_follow_the_requests(server):
         return metric(after, name, **lab, **extra) - metric(before, name, **lab, **extra)
 
     # three finished samples: n=2 (two samples of max_tokens 3) and n=1 (max_tokens 5)
-    assert delta("llmserve:request_params_n_count") == 3
-    assert delta("llmserve:request_params_n_sum") == 2 + 2 + 1
-    assert delta("llmserve:request_params_max_tokens_count") == 3
-    assert delta("llmserve:request_params_max_tokens_sum") == 3 + 3 + 5
-    assert delta("llmserve:request_params_n_bucket", le="1.0") == 1
+    assert delta("vllm:request_params_n_count") == 3
+    assert delta("vllm:request_params_n_sum") == 2 + 2 + 1
+    assert delta("vllm:request_params_max_tokens_count") == 3
+    assert delta("vllm:request_params_max_tokens_sum") == 3 + 3 + 5
+    assert delta("vllm:request_params_n_bucket", le="1.0") == 1
     # every step's tokens: the prompt and generated tokens, nothing else
-    assert delta("llmserve:generation_tokens_total") == 11
-    assert delta("llmserve:iteration_tokens_total_sum") == \
-        delta("llmserve:prompt_tokens_total") + delta("llmserve:generation_tokens_total")
-    assert delta("llmserve:iteration_tokens_total_count") >= 5  # at least one step per decode token
+    assert delta("vllm:generation_tokens_total") == 11
+    assert delta("vllm:iteration_tokens_total_sum") == \
+        delta("vllm:prompt_tokens_total") + delta("vllm:generation_tokens_total")
+    assert delta("vllm:iteration_tokens_total_count") >= 5  # at least one step per decode token
     for hist in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                  "request_inference_time_seconds"):
-        assert delta(f"llmserve:{hist}_count") == 3, hist
+        assert delta(f"vllm:{hist}_count") == 3, hist
     for hist in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
-        assert delta(f"llmserve:{hist}_sum") > 0, hist
+        assert delta(f"vllm:{hist}_sum") > 0, hist

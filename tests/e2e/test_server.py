@@ -97,26 +97,26 @@ def test_metrics_count_requests_and_tokens(server):
     assert r.status_code == 200
     after = scrape(server)
     lab = {"model_name": MODEL}
-    assert metric(after, "llmserve:request_success_total", finished_reason="length", **lab) == \
-        metric(before, "llmserve:request_success_total", finished_reason="length", **lab) + 1
-    assert metric(after, "llmserve:generation_tokens_total", **lab) - \
-        metric(before, "llmserve:generation_tokens_total", **lab) == 3
-    assert metric(after, "llmserve:prompt_tokens_total", **lab) - metric(before, "llmserve:prompt_tokens_total",
+    assert metric(after, "vllm:request_success_total", finished_reason="length", **lab) == \
+        metric(before, "vllm:request_success_total", finished_reason="length", **lab) + 1
+    assert metric(after, "vllm:generation_tokens_total", **lab) - \
+        metric(before, "vllm:generation_tokens_total", **lab) == 3
+    assert metric(after, "vllm:prompt_tokens_total", **lab) - metric(before, "vllm:prompt_tokens_total",
                                                                           **lab) == r.json()["usage"]["prompt_tokens"]
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds",
                  "time_per_output_token_seconds"):
-        assert metric(after, f"llmserve:{hist}_count", **lab) > metric(before, f"llmserve:{hist}_count", **lab)
+        assert metric(after, f"vllm:{hist}_count", **lab) > metric(before, f"vllm:{hist}_count", **lab)
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert metric(after, f"llmserve:{gauge}", **lab) == 0
+        assert metric(after, f"vllm:{gauge}", **lab) == 0
 
 
 def _wait_idle(server, timeout: float = 60.0) -> str:
     deadline = time.time() + timeout
     while True:
         text = scrape(server)
-        idle = (metric(text, "llmserve:num_requests_running") == 0
-                and metric(text, "llmserve:num_requests_waiting") == 0
-                and metric(text, "llmserve:kv_cache_usage_perc") == 0)
+        idle = (metric(text, "vllm:num_requests_running") == 0
+                and metric(text, "vllm:num_requests_waiting") == 0
+                and metric(text, "vllm:kv_cache_usage_perc") == 0)
         if idle or time.time() > deadline:
             return text
         time.sleep(0.2)
@@ -134,7 +134,7 @@ def test_client_disconnect_aborts_request(server):
     """Must show: a client that disconnects mid-stream leaves no running request and no
     used KV block; the same for a non-streaming request whose client goes away."""
     lab = {"model_name": MODEL}
-    aborts0 = metric(scrape(server), "llmserve:request_success_total", finished_reason="abort", **lab)
+    aborts0 = metric(scrape(server), "vllm:request_success_total", finished_reason="abort", **lab)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1500,
             "ignore_eos": True, "stream": True}
     sock = _raw_post(server, "/v1/chat/completions", body)
@@ -145,28 +145,28 @@ def test_client_disconnect_aborts_request(server):
         received += chunk
     assert b" 200 OK" in received.split(b"\r\n", 1)[0]
     mid = scrape(server)
-    assert metric(mid, "llmserve:num_requests_running", **lab) >= 1 or \
-        metric(mid, "llmserve:num_requests_waiting", **lab) >= 1
+    assert metric(mid, "vllm:num_requests_running", **lab) >= 1 or \
+        metric(mid, "vllm:num_requests_waiting", **lab) >= 1
     sock.close()
     text = _wait_idle(server)
-    assert metric(text, "llmserve:num_requests_running", **lab) == 0
-    assert metric(text, "llmserve:kv_cache_usage_perc", **lab) == 0
-    gen1 = metric(text, "llmserve:generation_tokens_total", **lab)
+    assert metric(text, "vllm:num_requests_running", **lab) == 0
+    assert metric(text, "vllm:kv_cache_usage_perc", **lab) == 0
+    gen1 = metric(text, "vllm:generation_tokens_total", **lab)
     time.sleep(1.0)
-    assert metric(scrape(server), "llmserve:generation_tokens_total", **lab) == gen1  # nothing still generating
+    assert metric(scrape(server), "vllm:generation_tokens_total", **lab) == gen1  # nothing still generating
     # non-streaming: the client gives up before the answer
     sock = _raw_post(server, "/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 1500,
                                                  "ignore_eos": True})
     deadline = time.time() + 30
     while time.time() < deadline:
         t = scrape(server)
-        if metric(t, "llmserve:num_requests_running", **lab) >= 1:
+        if metric(t, "vllm:num_requests_running", **lab) >= 1:
             break
         time.sleep(0.1)
     sock.close()
     text = _wait_idle(server)
-    assert metric(text, "llmserve:num_requests_running", **lab) == 0
-    assert metric(text, "llmserve:kv_cache_usage_perc", **lab) == 0
+    assert metric(text, "vllm:num_requests_running", **lab) == 0
+    assert metric(text, "vllm:kv_cache_usage_perc", **lab) == 0
     # both disconnects are counted as finished with reason "abort"
-    assert metric(text, "llmserve:request_success_total", finished_reason="abort", **lab) == aborts0 + 2
+    assert metric(text, "vllm:request_success_total", finished_reason="abort", **lab) == aborts0 + 2
     server.assert_healthy()

@@ -247,7 +247,7 @@ def test_final_stats_after_aborts_empty_the_engine(engine, loop):
 
 def test_n_gt_1_counts_every_child_as_running(engine, loop, caplog):
     """An n=3 request is three sequences in the engine: the scheduler stats, the "Running:
-    N reqs" log line, the llmserve:num_requests_running gauge and the scrape-time engine
+    N reqs" log line, the vllm:num_requests_running gauge and the scrape-time engine
     stats all say 3 running, not 1 (vLLM counts the child requests the scheduler runs)."""
     from llmserve.engine.async_llm import LoggingStatLogger
     from llmserve.metrics.prometheus import PrometheusStatLogger
@@ -288,7 +288,7 @@ def test_n_gt_1_counts_every_child_as_running(engine, loop, caplog):
     assert busy.num_running_reqs == 3 and busy.num_waiting_reqs == 0
     assert scrape["num_running_reqs"] == 3
     lab = f'engine="0",model_name="{prom.model_name}"'
-    assert f"llmserve:num_requests_running{{{lab}}} 3.0" in prom.render().decode()
+    assert f"vllm:num_requests_running{{{lab}}} 3.0" in prom.render().decode()
     lines = [r.getMessage() for r in caplog.records if "Running:" in r.getMessage()]
     assert any("Running: 3 reqs" in ln for ln in lines), lines[-3:]
 

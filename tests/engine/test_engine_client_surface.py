@@ -135,9 +135,9 @@ def test_queue_time_and_phase_timings_are_recorded(setup, loop):
     assert max(f.queued_time for f in fins) > min(f.queued_time for f in fins)
     text = prom.render().decode()
     qsum = next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("llmserve:request_queue_time_seconds_sum"))
+                if line.startswith("vllm:request_queue_time_seconds_sum"))
     assert qsum > 0
-    assert "llmserve:request_prefill_time_seconds_count" in text
+    assert "vllm:request_prefill_time_seconds_count" in text
 
 
 def test_iteration_stats_only_with_outputs(setup, loop):

@@ -21,7 +21,7 @@ from llmserve.entrypoints.renderer import AsyncRenderer, Renderer
 from llmserve.sampling_params import SamplingParams
 
 FAMILIES = {
-    "register_basic_api_routers": {"/health", "/version", "/metrics"},
+    "register_basic_api_routers": {"/health", "/ready", "/version", "/metrics"},
     "register_models_api_routers": {"/v1/models", "/v1/models/{model_id}"},
     "register_chat_api_routers": {"/v1/chat/completions"},
     "register_completion_api_routers": {"/v1/completions"},

@@ -68,19 +68,19 @@ def test_prometheus_logger_records_and_renders():
     a.record(None, None)
     text = a.render().decode()
     lab = 'engine="0",model_name="m"'
-    for line in (f"llmserve:num_requests_running{{{lab}}} 3.0", f"llmserve:num_requests_waiting{{{lab}}} 1.0",
-                 f"llmserve:kv_cache_usage_perc{{{lab}}} 0.25", f"llmserve:prompt_tokens_total{{{lab}}} 7.0",
-                 f"llmserve:generation_tokens_total{{{lab}}} 5.0", f"llmserve:num_preemptions_total{{{lab}}} 1.0",
-                 f"llmserve:prefix_cache_hits_total{{{lab}}} 4.0",
-                 f'llmserve:request_success_total{{engine="0",finished_reason="length",model_name="m"}} 1.0',
-                 f"llmserve:time_to_first_token_seconds_count{{{lab}}} 1.0",
-                 f"llmserve:inter_token_latency_seconds_count{{{lab}}} 2.0",
-                 f"llmserve:e2e_request_latency_seconds_count{{{lab}}} 1.0"):
+    for line in (f"vllm:num_requests_running{{{lab}}} 3.0", f"vllm:num_requests_waiting{{{lab}}} 1.0",
+                 f"vllm:kv_cache_usage_perc{{{lab}}} 0.25", f"vllm:prompt_tokens_total{{{lab}}} 7.0",
+                 f"vllm:generation_tokens_total{{{lab}}} 5.0", f"vllm:num_preemptions_total{{{lab}}} 1.0",
+                 f"vllm:prefix_cache_hits_total{{{lab}}} 4.0",
+                 f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} 1.0',
+                 f"vllm:time_to_first_token_seconds_count{{{lab}}} 1.0",
+                 f"vllm:inter_token_latency_seconds_count{{{lab}}} 2.0",
+                 f"vllm:e2e_request_latency_seconds_count{{{lab}}} 1.0"):
         assert line in text, line
-    assert "llmserve:generation_tokens_total" in b.render().decode()
-    assert f"llmserve:generation_tokens_total{{{lab}}} 0.0" in b.render().decode()
+    assert "vllm:generation_tokens_total" in b.render().decode()
+    assert f"vllm:generation_tokens_total{{{lab}}} 0.0" in b.render().decode()
     a.set_engine_stats({"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0})
-    assert f"llmserve:num_requests_running{{{lab}}} 0.0" in a.render().decode()
+    assert f"vllm:num_requests_running{{{lab}}} 0.0" in a.render().decode()
 
 
 def test_serve_unknown_model_is_a_one_line_error():

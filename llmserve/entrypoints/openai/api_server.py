@@ -31,6 +31,7 @@ from fastapi.middleware.cors import CORSMiddleware
 import llmserve
 from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.entrypoints.launcher import serve_http
+from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
 from llmserve.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -94,6 +95,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     for register in API_ROUTER_REGISTRARS:
         register(app)
     add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
+    app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
     install_exception_handlers(app)
     add_edge_middleware(app, args)  # body limit, JSON for whatever escapes; inside X-Request-Id
     install_openapi(app)  # 400 not 422, the error body, /health's JSON
@@ -183,6 +185,7 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
                         PromptCharLimit.for_tokenizer(engine_client.tokenizer, model_config.max_model_len))
     state.engine_client = engine_client
     state.stat_logger = stat_logger if stat_logger is not None else _prometheus_logger(engine_client)
+    state.admission = make_admission_controller(engine_client, args, state.stat_logger)
     state.openai_serving_models = models
     state.openai_serving_render = AsyncRenderer(renderer, getattr(args, "renderer_num_workers", None) or 1)
     state.openai_serving_tokenization = OpenAIServingTokenization(

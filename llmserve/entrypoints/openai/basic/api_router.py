@@ -1,4 +1,4 @@
-"""``GET /health``, ``GET /version``, ``GET /metrics`` (open even with an API key)."""
+"""``GET /health``, ``GET /ready``, ``GET /version``, ``GET /metrics`` (open even with an API key)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 import llmserve
 from llmserve.engine.exceptions import EngineDeadError
+from llmserve.entrypoints.openai.admission import engine_stalled_error, readiness_error
 from llmserve.entrypoints.openai.common.errors import make_error
 from llmserve.entrypoints.openai.server_utils import json_response
 
@@ -21,14 +22,34 @@ HEALTH_OK = b'{"status":"ok"}'
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    """200 ``{"status": "ok"}`` while the engine runs, 503 with the OpenAI error body once
-    it is dead (vLLM answers an empty 200; a JSON body lets clients and the OpenAPI
-    document agree on what it is)."""
+    """Liveness: 200 ``{"status": "ok"}`` while the engine runs; 503 with the OpenAI error
+    body once it is dead, or when it has made no progress for ``--engine-stall-timeout``
+    seconds while requests are in flight (vLLM answers an empty 200; a JSON body lets
+    clients and the OpenAPI document agree on what it is)."""
     try:
         await raw_request.app.state.engine_client.check_health()
     except EngineDeadError as e:
         return json_response(make_error(f"The engine is dead: {e}", 503, err_type="EngineDeadError"), 503)
+    stalled = engine_stalled_error(raw_request.app.state)
+    if stalled is not None:
+        return json_response(stalled, 503)
     return Response(content=HEALTH_OK, media_type="application/json")
+
+
+@router.get("/ready")
+async def ready(raw_request: Request) -> Response:
+    """Readiness, for load balancers: 200 ``{"ready": true}`` when a new request would be
+    admitted now; 503 with the OpenAI error body (and ``Retry-After`` when over the
+    admission limit) while the server starts, drains, is over its admission limit, or
+    its engine is dead or stalled."""
+    not_ready = readiness_error(raw_request.app.state)
+    if not_ready is None:
+        return Response(content=b'{"ready":true}', media_type="application/json")
+    body, retry_after = not_ready
+    response = json_response(body, 503)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
 
 
 @router.get("/version")
@@ -55,5 +76,5 @@ async def metrics(raw_request: Request) -> Response:
 
 
 def register_basic_api_routers(app: FastAPI) -> None:
-    """Mount /health, /version and /metrics."""
+    """Mount /health, /ready, /version and /metrics."""
     app.include_router(router)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
+from llmserve.entrypoints.openai.deadline import RequestDeadlineExceeded
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
 
@@ -22,8 +23,10 @@ _ERROR_TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
+    429: "RateLimitError",
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
@@ -45,7 +48,7 @@ def make_error(message: str, status_code: int = 400, param: Optional[str] = None
 def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map an exception to (HTTP status, error body).
 
-    ModelNotFoundError -> 404; SamplingParamsError / ValueError -> 400 (``param`` from
+    ModelNotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
     the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
     never a 5xx, which the official clients retry twice); EngineDeadError -> 503;
     EngineGenerateError and anything else -> 500 (unexpected errors are logged with
@@ -53,6 +56,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     """
     if isinstance(exc, ModelNotFoundError):
         return 404, make_error(str(exc), 404, "model")
+    if isinstance(exc, RequestDeadlineExceeded):
+        return 408, make_error(str(exc), 408, exc.param)
     if isinstance(exc, EngineDeadError):
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineDeadError")
     if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):

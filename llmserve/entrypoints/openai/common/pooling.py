@@ -14,6 +14,8 @@ from pydantic import Field
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
+from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline,
+                                                  with_deadline)
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.pooling_params import PoolingParams
@@ -97,8 +99,13 @@ class PoolingBaseServing(BaseServing):
         nothing running."""
         if self.log_requests:
             self._log(request_id, prompts, params)
-        gens = [self.engine_client.encode(p.to_engine_prompt(), params, f"{request_id}-{i}", priority=priority)
-                for i, p in enumerate(prompts)]
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        gens = [self.engine_client.encode(p.to_engine_prompt(), params, rid, priority=priority)
+                for rid, p in zip(ids, prompts)]
+        deadline = current_deadline()
+        if deadline is not None:  # X-Request-Timeout: past it, abort and answer 408
+            gens = [with_deadline(g, lambda rid=rid: self.engine_client.abort(rid), deadline)
+                    for rid, g in zip(ids, gens)]
         try:
             outs = await first_items(gens)
         except SamplingParamsError as e:
@@ -106,6 +113,8 @@ class PoolingBaseServing(BaseServing):
                 raise SamplingParamsError(str(e), param) from e
             raise
         await aclose_all(gens)
+        if deadline is not None and any(o is None or o.outputs.data is None for o in outs):
+            raise RequestDeadlineExceeded(f"The request did not finish within its {REQUEST_TIMEOUT_HEADER}.")
         return outs  # type: ignore[return-value]
 
     def _log(self, request_id: str, prompts: list[RenderedPrompt], params: PoolingParams) -> None:

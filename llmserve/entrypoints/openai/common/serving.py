@@ -20,6 +20,7 @@ from llmserve.entrypoints.openai.common.errors import error_response_from_except
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uuid
 from llmserve.engine.input_processor import truncate_prompt
 from llmserve.entrypoints.openai.common.usage import UsageOptions
+from llmserve.entrypoints.openai.deadline import current_deadline, with_deadline
 from llmserve.entrypoints.openai.logprobs import TokenFormatter, TokenIdFormatter
 from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
@@ -133,14 +134,20 @@ class GenerateBaseServing(BaseServing):
         the first ``__anext__``). The engine id is ``request_id`` plus a random suffix,
         so two clients sending the same X-Request-Id at once never collide. kwargs:
         further ``AsyncLLM.generate`` arguments (``reasoning_ended``,
-        ``reasoning_parser_kwargs``)."""
+        ``reasoning_parser_kwargs``). Under an ``X-Request-Timeout`` deadline the request
+        is aborted when it passes (its last output: finish_reason "abort", tokens so far;
+        see ``deadline.py``)."""
         request_id = f"{request_id}-{random_uuid()[:8]}"
         if self.log_requests:
             logger.info("Received request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id,
                         prompt.text[:self.max_log_len] if prompt.text is not None else None,
                         prompt.token_ids[:self.max_log_len], params)
-        return self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority,
-                                           **kwargs)
+        gen = self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority,
+                                          **kwargs)
+        deadline = current_deadline()
+        if deadline is None:
+            return gen
+        return with_deadline(gen, lambda: self.engine_client.abort(request_id), deadline)
 
     @staticmethod
     def engine_params(params: SamplingParams) -> SamplingParams:

@@ -1,0 +1,298 @@
+"""Admission control, engine progress and readiness for the OpenAI server (beyond vLLM,
+whose waiting queue is unbounded: a burst there only makes every request slower).
+
+Each POST to a generation or pooling route (vLLM's load-aware routes,
+:data:`~llmserve.entrypoints.openai.server_load.TRACKED_PATHS`) passes
+:class:`AdmissionMiddleware` before its body is parsed or its prompt rendered. The
+:class:`AdmissionController` admits it unless
+
+- ``queue_full`` (429): the requests waiting (admitted, not running in the engine) reach
+  ``--max-waiting-requests``;
+- ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
+  waiting requests will need (estimated from finished requests) exceed the cache;
+- ``draining`` (503): the server is shutting down.
+
+A refusal carries the OpenAI error body and ``Retry-After``: the seconds the engine needs
+to drain the waiting requests at the rate requests finished over the last
+``DRAIN_WINDOW_S`` seconds (1 to ``MAX_RETRY_AFTER_S``). ``/metrics`` counts refusals in
+``vllm:request_rejected_total{reason=...}``.
+
+The controller also tracks engine progress: it is a stat logger of the AsyncLLM, so every
+batch of engine outputs (each carries the scheduler's stats) marks progress. ``/health``
+answers 503 once the engine has made no progress for ``--engine-stall-timeout`` seconds
+while work is in flight; ``/ready`` answers 503 while the server starts, drains, is over
+its admission limit, or the engine is dead or stalled.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from starlette.datastructures import Headers
+
+from llmserve.config import AdmissionConfig
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+from llmserve.entrypoints.openai.common.protocol import ErrorResponse
+from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, Deadline, parse_request_timeout,
+                                                  reset_deadline, set_deadline)
+from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
+from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.metrics.stats import IterationStats, SchedulerStats
+
+DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
+MAX_RETRY_AFTER_S = 60  # never ask a client to wait longer
+# Until requests finish, a waiting request is assumed to need this many KV blocks.
+_DEFAULT_BLOCKS_PER_REQUEST = 1.0
+_EWMA_WEIGHT = 0.1  # of each finished request in the blocks-per-request estimate
+
+
+def admission_config_from_args(args: Any, max_num_seqs: int) -> AdmissionConfig:
+    """The serve flags' AdmissionConfig; ``--max-waiting-requests`` unset becomes
+    ``2 * max_num_seqs`` (why: see AdmissionConfig)."""
+    limit = getattr(args, "max_waiting_requests", None)
+    return AdmissionConfig(max_waiting_requests=2 * max_num_seqs if limit is None else limit,
+                           engine_stall_timeout=float(getattr(args, "engine_stall_timeout", 0.0) or 0.0))
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a request is refused: ``reason`` (a REJECTION_REASONS label), the HTTP
+    ``status`` (429 or 503), ``retry_after`` (whole seconds) and a message."""
+
+    reason: str
+    status: int
+    retry_after: int
+    message: str
+
+
+class DrainRate:
+    """Requests finished per second over the last ``window_s`` seconds (monotonic clock)."""
+
+    def __init__(self, window_s: float = DRAIN_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self.started = clock()
+        self.finished: collections.deque[float] = collections.deque()
+
+    def record(self) -> None:
+        """One request finished now."""
+        now = self.clock()
+        self.finished.append(now)
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self.finished and self.finished[0] < now - self.window_s:
+            self.finished.popleft()
+
+    def retry_after(self, backlog: int) -> int:
+        """Seconds (1..MAX_RETRY_AFTER_S) to finish ``backlog`` requests at the measured
+        rate. With nothing finished in the window, the time already spent without one
+        (a stalled engine earns long waits, a cold start short ones)."""
+        now = self.clock()
+        self._prune(now)
+        span = max(min(self.window_s, now - self.started), 1e-3)
+        if not self.finished:
+            seconds = span
+        else:
+            seconds = max(backlog, 1) * span / len(self.finished)
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
+
+
+class AdmissionController:
+    """Admits requests to the server (see the module docstring); also a stat logger of
+    the AsyncLLM (``record``), which is how it sees the engine's scheduler stats and
+    progress.
+
+    Args:
+      config: the limits. block_size: KV block size in tokens. max_num_seqs: the
+        engine's running-batch size (a request beyond it waits).
+      stat_logger: the PrometheusStatLogger counting refusals and deadlines (or None).
+      clock: monotonic seconds (tests pass their own).
+    ``is_draining``: a callable set by the launcher (True once shutdown began).
+    """
+
+    def __init__(self, config: AdmissionConfig, block_size: int = 16, max_num_seqs: int = 128,
+                 stat_logger: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.stat_logger = stat_logger
+        self.clock = clock
+        self.drain = DrainRate(clock=clock)
+        self.is_draining: Callable[[], bool] = lambda: False
+        self.in_flight = 0  # admitted requests whose response has not ended
+        self.stats = SchedulerStats()  # the latest, from the engine
+        self.blocks_per_request = _DEFAULT_BLOCKS_PER_REQUEST
+        self.last_progress = clock()  # last engine output, or when work began after idling
+
+    # ---- stat logger (called by AsyncLLM's output handler after each batch) -----------
+    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
+               *args: Any, **kwargs: Any) -> None:
+        """Keeps the scheduler stats and updates the KV blocks a finished request held.
+        A batch with scheduler stats came from an engine step: that is progress (the
+        frontend's own calls, e.g. ``AsyncLLM.abort``, pass None and are not)."""
+        if scheduler_stats is not None:
+            self.last_progress = self.clock()
+            self.stats = scheduler_stats
+        if iteration_stats is not None:
+            for fin in iteration_stats.finished_requests:
+                tokens = fin.num_prompt_tokens + fin.num_generation_tokens
+                blocks = max(1, -(-tokens // self.block_size))
+                self.blocks_per_request += _EWMA_WEIGHT * (blocks - self.blocks_per_request)
+
+    def log(self) -> None:
+        """Stat-logger hook (nothing to log)."""
+
+    def log_engine_initialized(self) -> None:
+        """Stat-logger hook (nothing to do)."""
+
+    # ---- admission -----------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Admitted requests not running in the engine (rendering, or in its queue)."""
+        return max(0, self.in_flight - self.stats.num_running_reqs)
+
+    def _engine_busy(self) -> bool:
+        return self.in_flight > 0 or self.stats.num_running_reqs > 0 or self.stats.num_waiting_reqs > 0
+
+    def check(self) -> Optional[Rejection]:
+        """The rejection a new request would get now, or None (admitted). Changes nothing."""
+        waiting = self.num_waiting
+        if self.is_draining():
+            return Rejection("draining", 503, self.drain.retry_after(self.in_flight),
+                             "The server is shutting down and takes no new requests.")
+        limit = self.config.max_waiting_requests
+        # The new request waits too unless the engine has a free slot and nobody is ahead.
+        would_wait = waiting > 0 or self.stats.num_running_reqs >= self.max_num_seqs
+        if limit >= 0 and waiting + would_wait > limit:
+            return Rejection("queue_full", 429, self.drain.retry_after(waiting),
+                             f"The server is overloaded: {waiting} requests are waiting "
+                             f"(--max-waiting-requests {limit}). Retry later.")
+        total = self.stats.num_total_blocks
+        need = self.stats.num_used_blocks + (waiting + 1) * self.blocks_per_request
+        if limit >= 0 and waiting > 0 and total > 0 and need > total:
+            return Rejection("kv_cache_full", 429, self.drain.retry_after(waiting),
+                             f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
+                             f"{waiting} waiting requests. Retry later.")
+        return None
+
+    def admit(self) -> Optional[Rejection]:
+        """Admit a request (None) or return why not; a refusal is counted in /metrics.
+        An admitted request must be ``release()``d when its response ends."""
+        rejection = self.check()
+        if rejection is not None:
+            if self.stat_logger is not None:
+                self.stat_logger.record_rejection(rejection.reason)
+            return rejection
+        if not self._engine_busy():
+            self.last_progress = self.clock()  # the stall clock starts with the work
+        self.in_flight += 1
+        return None
+
+    def release(self) -> None:
+        """An admitted request's response ended (any way): it counts toward the drain rate."""
+        self.in_flight -= 1
+        self.drain.record()
+
+    def deadline_exceeded(self) -> None:
+        """A request was aborted at its deadline (counted in /metrics)."""
+        if self.stat_logger is not None:
+            self.stat_logger.record_deadline_exceeded()
+
+    # ---- liveness ------------------------------------------------------------------
+    def stalled_for(self) -> float:
+        """Seconds the engine has gone without progress while busy, when that exceeds
+        ``engine_stall_timeout`` (0 otherwise, and always 0 when the timeout is 0)."""
+        timeout = self.config.engine_stall_timeout
+        if timeout <= 0 or not self._engine_busy():
+            return 0.0
+        idle = self.clock() - self.last_progress
+        return idle if idle > timeout else 0.0
+
+
+class AdmissionMiddleware:
+    """Pure ASGI middleware: admission and the ``X-Request-Timeout`` deadline for POSTs
+    to :data:`TRACKED_PATHS`, before the body is read. A refusal answers 429/503 with
+    ``Retry-After``; a bad header 400; otherwise the deadline is set for the handler and
+    the request is released when its response (streamed or not) ends. The controller is
+    ``state.admission`` (set by ``init_app_state``); without one requests pass."""
+
+    def __init__(self, app: Any, state: Any):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        controller = getattr(self.state, "admission", None)
+        if controller is None or scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        root = scope.get("root_path", "") or ""
+        path = scope["path"][len(root):] if root and scope["path"].startswith(root) else scope["path"]
+        if path not in TRACKED_PATHS:
+            return await self.app(scope, receive, send)
+        try:
+            timeout = parse_request_timeout(Headers(scope=scope).get(REQUEST_TIMEOUT_HEADER))
+        except ValueError as e:
+            status, body = error_response_from_exception(e)
+            return await json_response(body, status)(scope, receive, send)
+        rejection = controller.admit()
+        if rejection is not None:
+            response = json_response(make_error(rejection.message, rejection.status), rejection.status)
+            response.headers["Retry-After"] = str(rejection.retry_after)
+            return await response(scope, receive, send)
+        token = set_deadline(None if timeout is None else
+                             Deadline(time.monotonic() + timeout, controller.deadline_exceeded))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            reset_deadline(token)
+            controller.release()
+
+
+def engine_stalled_error(state: Any) -> Optional[ErrorResponse]:
+    """The 503 body ``/health`` answers when the app's engine is stalled (see
+    :meth:`AdmissionController.stalled_for`), else None."""
+    controller = getattr(state, "admission", None)
+    stalled = controller.stalled_for() if controller is not None else 0.0
+    if not stalled:
+        return None
+    return make_error(f"The engine has made no progress for {stalled:.1f} s while requests are in flight "
+                      f"(--engine-stall-timeout {controller.config.engine_stall_timeout:g}).", 503,
+                      err_type="EngineStalledError")
+
+
+def readiness_error(state: Any) -> Optional[tuple[ErrorResponse, Optional[int]]]:
+    """Why the app is not ready for new requests (the 503 body and a Retry-After), or
+    None when it is: starting (no engine or controller yet), engine dead or stopped,
+    engine stalled, or a new request would be refused (draining, over the limit)."""
+    engine = getattr(state, "engine_client", None)
+    controller = getattr(state, "admission", None)
+    if engine is None or controller is None:
+        return make_error("The server is starting.", 503), None
+    if engine.errored or not getattr(engine, "is_running", True):
+        return make_error("The engine is not running.", 503, err_type="EngineDeadError"), None
+    stalled = engine_stalled_error(state)
+    if stalled is not None:
+        return stalled, None
+    rejection = controller.check()
+    if rejection is not None:
+        return make_error(f"Not ready ({rejection.reason}): {rejection.message}", 503), rejection.retry_after
+    return None
+
+
+def make_admission_controller(engine_client: Any, args: Any, stat_logger: Any = None) -> AdmissionController:
+    """The server's controller for ``engine_client``'s config and the serve flags,
+    registered as one of its stat loggers (so it sees every batch of engine outputs).
+    An engine client without a config or stat loggers (a test double) gets the server
+    defaults (128 sequences, 16-token blocks) and no engine feed."""
+    config = getattr(engine_client, "vllm_config", None)
+    max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
+    block_size = config.cache_config.block_size if config is not None else 16
+    controller = AdmissionController(admission_config_from_args(args, max_num_seqs), block_size=block_size,
+                                     max_num_seqs=max_num_seqs, stat_logger=stat_logger)
+    loggers = getattr(engine_client, "stat_loggers", None)
+    if loggers is not None:  # one controller per engine client: a rebuilt app state replaces it
+        loggers[:] = [sl for sl in loggers if not isinstance(sl, AdmissionController)] + [controller]
+    return controller

@@ -1,0 +1,176 @@
+"""Admission control, deadlines and liveness against a real server (issue 17, points 3-4).
+
+One server on a tiny random Llama (fast steps), with a 2-request waiting bound and a 2 s
+stall timeout. The engine process is frozen with SIGSTOP (and thawed with SIGCONT) to
+make "queued", "running" and "stalled" deterministic instead of racing the clock.
+"""
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from e2e_utils import RemoteServer
+
+MODEL = "tiny"
+LONG = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def adm_server(tmp_path_factory, save_tiny_model_fn):
+    from llmserve.tokenizer import get_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-admission"))
+    save_tiny_model_fn("llama", path)
+    get_tokenizer("SmolLM2-135M-Instruct").save_pretrained(path)
+    srv = RemoteServer(["--model", path, "--served-model-name", MODEL, "--dtype", "float32",
+                        "--kv-cache-memory", "64MiB", "--max-num-seqs", "2", "--max-waiting-requests", "2",
+                        "--engine-stall-timeout", "2", "--timeout-graceful-shutdown", "3"])
+    yield srv
+    srv.stop()
+
+
+def _engine(srv: RemoteServer) -> psutil.Process:
+    procs = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+             if "llmserve.engine.core" in " ".join(p.cmdline())]
+    assert len(procs) == 1, procs
+    return procs[0]
+
+
+@contextlib.contextmanager
+def frozen(srv: RemoteServer):
+    """The engine process stopped (SIGSTOP) for the block; always continued after."""
+    engine = _engine(srv)
+    engine.send_signal(signal.SIGSTOP)
+    try:
+        yield engine
+    finally:
+        engine.send_signal(signal.SIGCONT)
+
+
+def _metric(srv: RemoteServer, name: str, **labels: str) -> float:
+    text = httpx.get(srv.url_for("metrics"), timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _status(srv: RemoteServer, path: str) -> int:
+    return httpx.get(srv.url_for(path), timeout=10).status_code
+
+
+def test_deadline_aborts_running_and_queued_requests_and_stall_is_detected(adm_server):
+    srv = adm_server
+    deadlines0 = _metric(srv, "vllm:request_deadline_exceeded_total")
+    aborts0 = _metric(srv, "vllm:request_success_total", finished_reason="abort")
+    body = dict(LONG, messages=[{"role": "user", "content": "Count."}], stream=True,
+                stream_options={"include_usage": True})
+    texts, finishes, usage = [], [], None
+    with srv.http.stream("POST", "/v1/chat/completions", json=body, headers={"X-Request-Timeout": "3"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        engine = None
+        try:
+            for line in lines:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for ch in chunk["choices"]:
+                    texts.append(ch["delta"].get("content") or "")
+                    finishes.append(ch["finish_reason"])
+                usage = chunk.get("usage") or usage
+                if engine is None and len([t for t in texts if t]) >= 3:
+                    engine = _engine(srv)  # running, with tokens out: freeze it mid-request
+                    engine.send_signal(signal.SIGSTOP)
+                    # Non-streamed and queued behind a frozen engine: ends at its deadline, no tokens.
+                    q = srv.post("/v1/completions", dict(LONG, prompt="Hello"), headers={"X-Request-Timeout": "1"})
+                    assert q.status_code == 200, q.text
+                    choice = q.json()["choices"][0]
+                    assert choice["finish_reason"] == "abort" and choice["text"] == ""
+                    assert q.json()["usage"]["completion_tokens"] == 0
+                    # Work in flight and no progress for > 2 s: liveness and readiness fail.
+                    _wait_for(lambda: _status(srv, "health") == 503, what="/health 503 on a stalled engine")
+                    h = httpx.get(srv.url_for("health"), timeout=10)
+                    assert h.json()["error"]["type"] == "EngineStalledError"
+                    assert _status(srv, "ready") == 503
+        finally:
+            if engine is not None:
+                engine.send_signal(signal.SIGCONT)
+    assert engine is not None, "the stream ended before three tokens"
+    # The streamed request ended at its deadline with its tokens so far.
+    assert finishes[-1] == "abort" and all(f is None for f in finishes[:-1])
+    assert 3 <= usage["completion_tokens"] < 400
+    assert "".join(texts)
+    _wait_for(lambda: _status(srv, "health") == 200 and _status(srv, "ready") == 200, what="recovery")
+    assert _metric(srv, "vllm:request_deadline_exceeded_total") - deadlines0 == 2
+    assert _metric(srv, "vllm:request_success_total", finished_reason="abort") - aborts0 == 2
+
+
+def test_non_streamed_deadline_keeps_tokens(adm_server):
+    srv = adm_server
+    gen0 = _metric(srv, "vllm:generation_tokens_total")
+    result = {}
+
+    def send():
+        result["r"] = srv.post("/v1/chat/completions",
+                               dict(LONG, messages=[{"role": "user", "content": "Go on."}]),
+                               headers={"X-Request-Timeout": "4"})
+
+    t = threading.Thread(target=send)
+    t.start()
+    _wait_for(lambda: _metric(srv, "vllm:generation_tokens_total") - gen0 >= 2, what="tokens")
+    with frozen(srv):
+        t.join(60)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert 2 <= out["usage"]["completion_tokens"] < 400 and out["choices"][0]["message"]["content"]
+
+
+def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
+    srv = adm_server
+    rejected0 = _metric(srv, "vllm:request_rejected_total", reason="queue_full")
+    results = []
+    body = dict(LONG, prompt="Hi", max_tokens=8)
+
+    def send():
+        results.append(srv.post("/v1/completions", body, headers={"X-Request-Timeout": "30"}))
+
+    with frozen(srv):
+        threads = [threading.Thread(target=send) for _ in range(2)]
+        for t in threads:
+            t.start()
+        _wait_for(lambda: _status(srv, "ready") == 503, what="/ready 503 over the limit")
+        r = srv.post("/v1/completions", body)
+        assert r.status_code == 429, r.text
+        assert r.headers["content-type"] == "application/json" and int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert err["code"] == 429 and err["type"] == "RateLimitError" and "max-waiting-requests" in err["message"]
+        rc = srv.client().chat.completions.with_raw_response
+        with pytest.raises(Exception) as e:  # the official client sees a RateLimitError
+            rc.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert type(e.value).__name__ == "RateLimitError"
+    for t in threads:
+        t.join(60)
+    assert [x.status_code for x in results] == [200, 200]
+    assert all(x.json()["choices"][0]["finish_reason"] == "length" for x in results)
+    assert _metric(srv, "vllm:request_rejected_total", reason="queue_full") - rejected0 == 2
+    _wait_for(lambda: _status(srv, "ready") == 200, what="/ready 200 after the burst")
+    srv.assert_healthy()

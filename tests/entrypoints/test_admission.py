@@ -1,0 +1,273 @@
+"""Admission control units: the controller's limits, Retry-After from the drain rate, the
+stall clock, the X-Request-Timeout parser and the deadline wrapper (fake clocks; no
+sleeps), and the middleware/routes over a scripted engine (429 body, Retry-After, /ready,
+/health stall, rejection metrics)."""
+import argparse
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from llmserve.config import AdmissionConfig
+from llmserve.engine_args import AsyncEngineArgs
+from llmserve.entrypoints.openai.admission import (MAX_RETRY_AFTER_S, AdmissionController, DrainRate,
+                                                   admission_config_from_args)
+from llmserve.entrypoints.openai.api_server import build_app, init_app_state
+from llmserve.entrypoints.openai.cli_args import make_arg_parser
+from llmserve.entrypoints.openai.deadline import Deadline, parse_request_timeout, with_deadline
+from llmserve.metrics.prometheus import PrometheusStatLogger
+from llmserve.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from llmserve.sampling_params import SamplingParamsError
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _controller(limit=2, stall=10.0, clock=None, stat_logger=None):
+    return AdmissionController(AdmissionConfig(limit, stall), block_size=16, stat_logger=stat_logger,
+                               clock=clock or Clock())
+
+
+def _stats(running=0, waiting=0, used=0, total=100):
+    return SchedulerStats(num_running_reqs=running, num_waiting_reqs=waiting, num_used_blocks=used,
+                          num_total_blocks=total, kv_cache_usage=used / total)
+
+
+def test_config_validates_and_defaults_to_twice_max_num_seqs():
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        AdmissionConfig(-2, 1.0)
+    with pytest.raises(ValueError, match="engine_stall_timeout"):
+        AdmissionConfig(1, -1.0)
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        AsyncEngineArgs(max_waiting_requests=-5)
+    with pytest.raises(ValueError, match="engine_stall_timeout"):
+        AsyncEngineArgs(engine_stall_timeout=float("nan"))
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([])
+    assert args.max_waiting_requests is None and args.engine_stall_timeout == 60.0
+    assert admission_config_from_args(args, 128) == AdmissionConfig(256, 60.0)
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(
+        ["--max-waiting-requests", "64", "--engine-stall-timeout", "5"])
+    assert admission_config_from_args(args, 128) == AdmissionConfig(64, 5.0)
+
+
+def test_waiting_requests_are_bounded_and_running_ones_do_not_count():
+    c = _controller(limit=2)
+    assert c.admit() is None and c.admit() is None
+    rej = c.admit()
+    assert (rej.reason, rej.status) == ("queue_full", 429) and "--max-waiting-requests 2" in rej.message
+    assert c.in_flight == 2
+    c.record(_stats(running=2), None)  # both are running now: nobody waits
+    assert c.num_waiting == 0
+    assert c.admit() is None and c.admit() is None and c.admit() is not None
+    c.release()
+    assert c.in_flight == 3 and c.admit() is None
+
+
+def test_unbounded_and_zero_limits():
+    c = _controller(limit=-1)
+    assert all(c.admit() is None for _ in range(1000))
+    c = _controller(limit=0)  # none may wait: admitted only into a free engine slot
+    assert c.admit() is None
+    assert c.admit().reason == "queue_full"  # the first is not running yet: this one would wait
+    c.record(_stats(running=1), None)
+    assert c.admit() is None
+    assert c.admit().reason == "queue_full"
+    full = AdmissionController(AdmissionConfig(0, 0.0), max_num_seqs=1, clock=Clock())
+    full.record(_stats(running=1), None)  # the batch is full (requests of another client)
+    assert full.admit().reason == "queue_full"
+
+
+def test_kv_cache_bound_counts_blocks_in_use_and_those_waiting_requests_need():
+    c = _controller(limit=100)
+    fin = IterationStats(finished_requests=[FinishedRequestStats("stop", 1.0, 150, 10)])  # 160 tokens: 10 blocks
+    for _ in range(60):
+        c.record(None, fin)
+    assert c.blocks_per_request == pytest.approx(10, abs=0.05)
+    assert c.admit() is None and c.admit() is None
+    c.record(_stats(running=2, used=60, total=100), None)  # those 2 run and hold 60 blocks
+    assert c.admit() is None  # nobody waits: always admitted
+    for _ in range(3):  # 1, 2, 3 waiting: 60 + (1 + 1) x 10 = 80 ... 60 + (3 + 1) x 10 = 100
+        assert c.admit() is None
+    rej = c.admit()  # 60 + (4 + 1) x 10 > 100
+    assert (rej.reason, rej.status) == ("kv_cache_full", 429)
+    c.record(_stats(running=6, used=60, total=100), None)  # the waiting ones started
+    assert c.admit() is None
+
+
+def test_nothing_waiting_is_always_admitted_even_when_the_cache_is_full():
+    c = _controller(limit=10)
+    c.record(_stats(running=0, used=100, total=100), None)
+    assert c.admit() is None
+
+
+def test_retry_after_follows_the_measured_drain_rate():
+    clock = Clock()
+    rate = DrainRate(window_s=30.0, clock=clock)
+    clock.t += 0.5
+    assert rate.retry_after(10) == 1  # cold start: nothing finished in half a second
+    clock.t += 9.5
+    assert rate.retry_after(10) == 10  # nothing finished for 10 s
+    for _ in range(20):  # 20 finished in 10 s: 2 per second
+        rate.record()
+    assert rate.retry_after(10) == 5
+    assert rate.retry_after(1000) == MAX_RETRY_AFTER_S
+    clock.t += 31  # they leave the window
+    assert rate.retry_after(10) == 30
+
+
+def test_stall_clock_runs_only_while_busy():
+    clock = Clock()
+    c = _controller(stall=10.0, clock=clock)
+    clock.t += 100  # idle for long: not a stall
+    assert c.stalled_for() == 0
+    assert c.admit() is None  # work begins: the clock starts now
+    clock.t += 9
+    assert c.stalled_for() == 0
+    clock.t += 2
+    assert c.stalled_for() == pytest.approx(11)
+    c.record(None, IterationStats())  # the frontend's own stats (an abort): not engine progress
+    assert c.stalled_for() == pytest.approx(11)
+    c.record(_stats(running=1), None)  # progress
+    assert c.stalled_for() == 0
+    c.release()
+    c.record(_stats(running=0), None)
+    clock.t += 100
+    assert c.stalled_for() == 0
+    assert _controller(stall=0.0, clock=clock).stalled_for() == 0
+
+
+def test_request_timeout_header_parsing():
+    assert parse_request_timeout(None) is None
+    assert parse_request_timeout(" 2.5 ") == 2.5
+    for bad in ("0", "-1", "abc", "nan", "inf", "1e9", ""):
+        with pytest.raises(SamplingParamsError) as e:
+            parse_request_timeout(bad)
+        assert e.value.param == "X-Request-Timeout"
+
+
+def test_with_deadline_aborts_once_at_the_deadline():
+    async def run():
+        aborted, expired = [], []
+        done = asyncio.Event()
+
+        async def gen():
+            yield 1
+            await done.wait()  # a request the engine would keep running
+            yield 2
+
+        async def abort():
+            aborted.append(1)
+            done.set()
+
+        deadline = Deadline(time.monotonic() + 0.05, lambda: expired.append(1))
+        items = [x async for x in with_deadline(gen(), abort, deadline)]
+        return items, aborted, expired
+
+    items, aborted, expired = asyncio.run(run())
+    assert items == [1, 2] and aborted == [1] and expired == [1]
+
+
+def test_with_deadline_does_not_fire_after_the_request_ends():
+    async def run():
+        aborted = []
+
+        async def gen():
+            yield 1
+
+        async def abort():
+            aborted.append(1)
+
+        items = [x async for x in with_deadline(gen(), abort, Deadline(time.monotonic() + 0.01))]
+        await asyncio.sleep(0.05)
+        return items, aborted
+
+    assert asyncio.run(run()) == ([1], [])
+
+
+# ---- over HTTP, with a scripted engine --------------------------------------------------
+class _HeldEngine:
+    """Engine stub whose requests wait until ``release`` is set (so they stay in flight)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(max_model_len=64, vocab_size=49152, served_model_name=("m",), model="m")
+        self.generation_config_defaults = {}
+        self.errored = False
+        self.stat_loggers = []
+
+    async def check_health(self):
+        return None
+
+
+def _app(tokenizer, *flags):
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(list(flags))
+    engine = _HeldEngine(tokenizer)
+    prom = PrometheusStatLogger(SimpleNamespace(model_config=engine.model_config))
+    app = build_app(args)
+    asyncio.run(init_app_state(engine, app.state, args, stat_logger=prom))
+    return app, engine, prom
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def test_429_with_retry_after_ready_and_rejection_metrics(smol_tokenizer):
+    app, engine, prom = _app(smol_tokenizer, "--max-waiting-requests", "1")
+    controller = app.state.admission
+    assert engine.stat_loggers == [controller]
+    client = TestClient(app)
+    assert client.get("/ready").status_code == 200 and client.get("/ready").json() == {"ready": True}
+    controller.in_flight = 1  # one request waits (admitted, not running)
+    r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "rq-1"})
+    assert r.status_code == 429 and r.headers["content-type"] == "application/json"
+    assert r.headers["X-Request-Id"] == "rq-1"
+    assert 1 <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S
+    err = r.json()["error"]
+    assert err["code"] == 429 and err["type"] == "RateLimitError" and "overloaded" in err["message"]
+    for path in ("/v1/completions", "/v1/embeddings", "/invocations"):  # every generation/pooling route
+        assert client.post(path, json={"model": "m", "prompt": "x", "input": "x"}).status_code == 429
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and "queue_full" in ready.json()["error"]["message"]
+    assert "Retry-After" in ready.headers
+    assert client.post("/tokenize", json={"model": "m", "prompt": "hi"}).status_code == 200  # not admitted work
+    text = client.get("/metrics").text
+    assert 'vllm:request_rejected_total{engine="0",model_name="m",reason="queue_full"} 4.0' in text
+    assert 'vllm:request_rejected_total{engine="0",model_name="m",reason="kv_cache_full"} 0.0' in text
+    controller.in_flight = 0
+    controller.is_draining = lambda: True
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and "Retry-After" in r.headers and "shutting down" in r.json()["error"]["message"]
+    assert client.get("/ready").status_code == 503
+    assert 'reason="draining"} 1.0' in client.get("/metrics").text
+
+
+def test_bad_request_timeout_header_is_a_400_naming_it(smol_tokenizer):
+    app, _, _ = _app(smol_tokenizer)
+    r = TestClient(app).post("/v1/chat/completions", json=CHAT, headers={"X-Request-Timeout": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
+    assert app.state.admission.in_flight == 0
+
+
+def test_health_reports_a_stalled_engine(smol_tokenizer):
+    app, _, _ = _app(smol_tokenizer, "--engine-stall-timeout", "5")
+    controller = app.state.admission
+    clock = Clock()
+    controller.clock = clock
+    client = TestClient(app)
+    assert controller.admit() is None  # a request in flight; the engine says nothing
+    clock.t += 4
+    assert client.get("/health").status_code == 200
+    clock.t += 2
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "EngineStalledError"
+    assert "no progress for 6.0 s" in r.json()["error"]["message"]
+    assert client.get("/ready").status_code == 503
+    controller.record(_stats(running=1), None)  # it moved again
+    assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
