@@ -49,6 +49,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     time.time() seconds. resumable: a streaming-input session (``StreamingInputChunk``
     messages extend it; it finishes only after the final chunk). trace_headers: W3C trace
     context (``traceparent``, ``tracestate``) of the caller, kept for tracing.
+    output_token_ids: tokens this request generated in an engine that died (self-healing
+    restart): the engine starts it as if it had been preempted after them, so its output
+    budget, penalties, ``min_tokens`` and seeded stream positions continue.
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     resumable: bool = False
     trace_headers: Optional[dict[str, str]] = None
     pooling_params: Optional[PoolingParams] = None
+    output_token_ids: list[int] = []
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -26,6 +26,7 @@ llmserve:request_generation_tokens             histogram  output length of finis
 llmserve:iteration_tokens_total                histogram  tokens (prompt + generated) per engine step
 llmserve:request_params_n                      histogram  n of finished requests (one sample per sample)
 llmserve:request_params_max_tokens             histogram  max_tokens of finished requests
+llmserve:engine_restarts_total                 counter    engine processes restarted (--restart-engine-on-failure)
 =============================================  =========  ==========================================
 
 Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
@@ -101,6 +102,8 @@ class PrometheusStatLogger:
         self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.counter_prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.counter_prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.counter_engine_restarts = counter("engine_restarts", "Engine processes restarted after a crash or a "
+                                               "stall (--restart-engine-on-failure).")
         self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
@@ -192,6 +195,10 @@ class PrometheusStatLogger:
                 self.hist_params_max_tokens.observe(fin.max_tokens_param)
             if fin.num_generation_tokens > 1:
                 self.hist_req_tpot.observe(fin.mean_tpot)
+
+    def record_engine_restart(self) -> None:
+        """One engine restart (called by the self-healing AsyncLLM)."""
+        self.counter_engine_restarts.inc()
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Refresh the gauges from a live engine snapshot (``AsyncLLM.get_engine_stats()``:
