@@ -126,12 +126,12 @@ def test_sigkill_during_streams_resumes_identically(engine, loop):
     work = _workload()
 
     async def run():
-        ref = [await _stream(engine, p, sp, f"ref-{i}") for i, (p, sp) in enumerate(work)]
+        ref = await asyncio.gather(*[_stream(engine, p, sp, f"ref-{i}") for i, (p, sp) in enumerate(work)])
         progress: dict = {}
         tasks = [asyncio.create_task(_stream(engine, p, sp, f"k-{i}", progress)) for i, (p, sp) in enumerate(work)]
         pid, _ = await _kill_when(engine, progress, 8, signal.SIGKILL)
         late = asyncio.create_task(_stream(engine, *work[0], "late"))  # lands during the restart
-        got = await asyncio.wait_for(asyncio.gather(*tasks, late), 240)
+        got = await asyncio.wait_for(asyncio.gather(*tasks, late), 900)
         return ref, got, pid
 
     restarts = engine.num_engine_restarts
@@ -152,12 +152,12 @@ def test_sigstop_is_detected_and_healed(engine, loop):
     work = _workload()[:2] + _workload()[:2]
 
     async def run():
-        ref = [await _stream(engine, p, sp, f"sref-{i}") for i, (p, sp) in enumerate(work[:2])]
+        ref = await asyncio.gather(*[_stream(engine, p, sp, f"sref-{i}") for i, (p, sp) in enumerate(work[:2])])
         progress: dict = {}
         tasks = [asyncio.create_task(_stream(engine, p, sp, f"s-{i}", progress)) for i, (p, sp) in enumerate(work)]
         pid, _ = await _kill_when(engine, progress, 5, signal.SIGSTOP)
-        got = await asyncio.wait_for(asyncio.gather(*tasks), 240)
-        return ref, got, pid
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 900)
+        return list(ref), got, pid
 
     stalls, restarts = engine.healer.stalls_detected, engine.num_engine_restarts
     ref, got, pid = loop.run_until_complete(run())
