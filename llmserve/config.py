@@ -326,6 +326,36 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class RestartConfig:
+    """Self-healing of the engine process (beyond vLLM; issue 17 point 5).
+
+    enabled: restart a dead or stalled EngineCore in place and resume the requests in
+    flight (``--restart-engine-on-failure``). stall_timeout: seconds without any engine
+    output while requests are in flight after which the engine is deemed stalled and
+    killed (0: never). max_restarts: restarts allowed within ``window`` seconds; one more
+    failure and the engine is given up as dead (the server exits non-zero). backoff: the
+    delay before the second restart within the window, doubled for each later one (the
+    first restart is immediate), capped at ``max_backoff`` seconds."""
+
+    enabled: bool = False
+    stall_timeout: float = 60.0
+    max_restarts: int = 5
+    window: float = 300.0
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout < 0:
+            raise ValueError(f"engine_stall_timeout must be >= 0 seconds, got {self.stall_timeout}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_restarts}")
+        if self.window <= 0:
+            raise ValueError(f"engine_restart_window must be > 0 seconds, got {self.window}")
+        if self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError("the engine restart backoff must be >= 0 seconds")
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """Everything the engine needs (vLLM's ``VllmConfig``); built by
     ``EngineArgs.create_engine_config()``. shutdown_timeout: seconds the server lets
@@ -342,6 +372,7 @@ class VllmConfig:
     num_threads: Optional[int] = None
     enforce_eager: bool = True
     shutdown_timeout: float = 0.0
+    restart_config: RestartConfig = field(default_factory=RestartConfig)
 
 
 # The first name of the config; kept so existing imports keep working.

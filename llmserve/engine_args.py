@@ -249,6 +249,10 @@ class EngineArgs:
     renderer_num_workers: int = field(default=1, metadata=_help("Threads that render chat templates and tokenize on the server's async path (no effect offline)."))
     shutdown_timeout: int = field(default=0, metadata=_help("Seconds in-flight requests get to finish when the server shuts down, and the engine process gets to exit (vLLM's --shutdown-timeout); 0: the server's --timeout-graceful-shutdown (10 s) and the engine's own 5 s."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log per-step stats."))
+    restart_engine_on_failure: Optional[bool] = field(default=None, metadata=_help("Restart a dead or stalled engine process in place; requests in flight resume from the tokens already sent (default: on for `llmserve serve`, off for the offline LLM)."))
+    engine_stall_timeout: float = field(default=60.0, metadata=_help("Seconds with no engine output while requests are in flight after which the engine counts as stalled and, with --restart-engine-on-failure, is killed and restarted (0: never)."))
+    max_engine_restarts: int = field(default=5, metadata=_help("Engine restarts allowed within --engine-restart-window seconds; one more failure exits the server non-zero."))
+    engine_restart_window: float = field(default=300.0, metadata=_help("Seconds over which --max-engine-restarts counts restarts."))
     num_threads: Optional[int] = field(default=None, metadata=_help("torch CPU threads in the engine (default: all cores)."))
     device: str = field(default="auto", metadata=_help("cpu, cuda or auto."))
 
@@ -306,7 +310,7 @@ def _cli_kwargs(f: dataclasses.Field) -> dict:
     origin, inner = get_origin(tp), [a for a in get_args(tp) if a is not type(None)]
     if f.metadata.get("cli_type"):
         return {"type": f.metadata["cli_type"], "default": default, "help": shown}
-    if tp is bool:
+    if tp is bool or (origin is Union and inner == [bool]):
         return {"action": argparse.BooleanOptionalAction, "default": default, "help": shown}
     if origin is list or (origin is Union and inner and get_origin(inner[0]) is list):
         return {"nargs": "+", "default": default, "help": helptext}

@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmserve.config import (CacheConfig, CompilationMode, ModelConfig, ObservabilityConfig, ParallelConfig,
-                             SchedulerConfig, VllmConfig, resolve_dtype)
+                             RestartConfig, SchedulerConfig, VllmConfig, resolve_dtype)
 
 if TYPE_CHECKING:
     from llmserve.engine_args import EngineArgs, UsageContext
@@ -233,4 +233,14 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
         compilation_config=args.compilation_config, kv_transfer_config=args.kv_transfer_config,
         structured_outputs_config=args.structured_outputs_config,
-        num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout)
+        num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout,
+        restart_config=_restart_config(args, usage_context))
+
+
+def _restart_config(args: "EngineArgs", usage_context: "UsageContext") -> RestartConfig:
+    """--restart-engine-on-failure defaults to on for the server, off offline."""
+    enabled = args.restart_engine_on_failure
+    if enabled is None:
+        enabled = getattr(usage_context, "name", None) == "OPENAI_API_SERVER"
+    return RestartConfig(enabled=enabled, stall_timeout=args.engine_stall_timeout,
+                         max_restarts=args.max_engine_restarts, window=args.engine_restart_window)

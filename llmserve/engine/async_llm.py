@@ -26,6 +26,7 @@ from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector, register_incarnations
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine.protocol import EngineClient
+from llmserve.engine.self_heal import CoreHolder, EngineHealer
 from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.metrics.stats import IterationStats
@@ -92,6 +93,20 @@ def _record_stats(stat_loggers, scheduler_stats, iteration_stats) -> None:
         except Exception:
             logger.exception("stat logger failed")
 
+def _stopped_flag(llm: "AsyncLLM"):
+    """A callable that says whether ``llm`` was shut down (or collected), holding only a
+    weak reference to it."""
+    import weakref
+
+    ref = weakref.ref(llm)
+
+    def stopped() -> bool:
+        obj = ref()
+        return obj is None or obj._stopped
+
+    return stopped
+
+
 class AsyncLLM(EngineClient):
     """Async engine client (vLLM's ``AsyncLLM``), an ``EngineClient``.
 
@@ -121,8 +136,9 @@ class AsyncLLM(EngineClient):
         self._death = _EngineDeath()
         self._stopped = False
         self.output_handler: Optional[asyncio.Task] = None
+        self._stall_watcher: Optional[asyncio.Task] = None
         # The engine process loads the model while we load the tokenizer.
-        self.engine_core, self.tokenizer = start_engine_and_frontend(
+        engine_core, self.tokenizer = start_engine_and_frontend(
             vllm_config, lambda: EngineCoreClient.make_async_mp_client(
                 vllm_config, executor_class, log_stats, client_addresses, client_count, client_index))
         # The model's generation-config sampling defaults, computed once into the model
@@ -135,6 +151,17 @@ class AsyncLLM(EngineClient):
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
+        # A restart swaps the client inside the holder (see self_heal.py).
+        self._core = CoreHolder(engine_core)
+        restart = vllm_config.restart_config
+        self.healer: Optional[EngineHealer] = EngineHealer(
+            self._core, self.output_processor, restart, self.model_config.max_model_len,
+            self.stat_loggers) if restart.enabled else None
+
+    @property
+    def engine_core(self):
+        """The client of the current engine process (a new one after each restart)."""
+        return self._core.client
 
     @classmethod
     def from_vllm_config(cls, vllm_config: EngineConfig, start_engine_loop: bool = True,
@@ -173,7 +200,10 @@ class AsyncLLM(EngineClient):
     # ---- state ---------------------------------------------------------------
     @property
     def errored(self) -> bool:
-        """True once the engine process died (or the output handler failed for good)."""
+        """True once the engine process died (or the output handler failed for good); with
+        ``--restart-engine-on-failure`` only once the restarts are given up."""
+        if self.healer is not None:
+            return self._death.error is not None
         return self.engine_core.engine_dead or self._death.error is not None
 
     @property
@@ -187,7 +217,7 @@ class AsyncLLM(EngineClient):
     @property
     def dead_error(self) -> BaseException:
         """The EngineDeadError handed to callers once ``errored``."""
-        if not self.engine_core.engine_dead and self._death.error is not None:
+        if (not self.engine_core.engine_dead or self.healer is not None) and self._death.error is not None:
             return EngineDeadError(str(self._death.error))
         return EngineDeadError(f"EngineCore died: {self.engine_core.dead_error}")
 
@@ -240,12 +270,37 @@ class AsyncLLM(EngineClient):
                 req.trace_headers = headers
             if reasoning_ended is not None:
                 req.reasoning_ended = reasoning_ended
-        for req in reqs:
-            await self.engine_core.add_request_async(req)
+        await self._send_requests(reqs)
         if self.log_requests:
             logger.info("Added request %s: %d prompt tokens, params=%s, trace_headers=%s", request_id,
                         len(reqs[0].prompt_token_ids), params, headers)
         return collector
+
+    async def _send_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """Send registered requests to the engine. While a restart is under way they stay
+        registered only, and the restart sends them to the new engine with the resumed
+        ones; if the engine dies under the send, the restart resubmits them too."""
+        healer = self.healer
+        if healer is not None and healer.restarting:
+            return
+        try:
+            for req in reqs:
+                await self.engine_core.add_request_async(req)
+        except EngineDeadError:
+            if healer is None:
+                raise
+
+    async def restart_engine(self) -> None:
+        """Kill the engine process now (e.g. a liveness check found it stalled). With
+        ``--restart-engine-on-failure`` it is restarted and the requests in flight resume;
+        without, this is the engine's death (``wait_for_engine_death`` returns)."""
+        self._run_output_handler()
+        self.engine_core.kill_engine()
+
+    @property
+    def num_engine_restarts(self) -> int:
+        """Engine restarts so far (0 without ``--restart-engine-on-failure``)."""
+        return self.healer.num_restarts if self.healer is not None else 0
 
     def _process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                         arrival_time: float, priority: int) -> tuple[list, Optional[ParentRequest]]:
@@ -416,7 +471,8 @@ class AsyncLLM(EngineClient):
     def _run_output_handler(self) -> None:
         if self.output_handler is not None:
             return
-        engine_core = self.engine_core
+        core = self._core
+        healer = self.healer
         output_processor = self.output_processor
         stat_loggers = self.stat_loggers
         log_stats = self.output_processor.log_stats
@@ -425,7 +481,14 @@ class AsyncLLM(EngineClient):
         async def output_handler() -> None:
             try:
                 while True:
-                    outs = await engine_core.get_output_async()
+                    try:
+                        outs = await core.client.get_output_async()
+                    except EngineDeadError as e:
+                        if healer is not None and not self_stopped() and await healer.heal(e):
+                            continue
+                        raise
+                    if healer is not None:
+                        healer.last_output = time.monotonic()
                     if outs.rejected:
                         output_processor.reject_requests(outs.rejected)
                     items = outs.outputs
@@ -435,7 +498,7 @@ class AsyncLLM(EngineClient):
                         chunk = items[start:start + OUTPUT_PROC_CHUNK_SIZE]
                         processed = output_processor.process_outputs(chunk, outs.timestamp, iteration_stats)
                         if processed.reqs_to_abort:
-                            await engine_core.abort_requests_async(processed.reqs_to_abort)
+                            await core.client.abort_requests_async(processed.reqs_to_abort)
                         if start + OUTPUT_PROC_CHUNK_SIZE < len(items):
                             await asyncio.sleep(0)
                     _record_stats(stat_loggers, outs.scheduler_stats, iteration_stats)
@@ -451,18 +514,24 @@ class AsyncLLM(EngineClient):
                 output_processor.propagate_error(err)
                 death.set(err)
 
-        self.output_handler = asyncio.get_running_loop().create_task(output_handler())
+        # Weakly bound, so the handler holds no reference to the AsyncLLM.
+        self_stopped = _stopped_flag(self)
+        loop = asyncio.get_running_loop()
+        self.output_handler = loop.create_task(output_handler())
+        if healer is not None and healer.config.stall_timeout > 0:
+            self._stall_watcher = loop.create_task(healer.watch_stalls())
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Cancel the output handler, stop the engine process (SHUTDOWN, then SIGTERM /
         SIGKILL) and remove the sockets, all within ``timeout`` seconds (None: the
         engine gets up to 5 s to exit cleanly)."""
         self._stopped = True
-        if self.output_handler is not None and not self.output_handler.done():
-            try:
-                self.output_handler.cancel()
-            except RuntimeError:
-                pass
+        for task in (self.output_handler, self._stall_watcher):
+            if task is not None and not task.done():
+                try:
+                    task.cancel()
+                except RuntimeError:
+                    pass
         self.engine_core.shutdown(timeout)
 
     def __del__(self) -> None:

@@ -87,6 +87,8 @@ class EngineCore:
                           req.eos_token_id, req.arrival_time, req.priority, resumable=req.resumable,
                           trace_headers=req.trace_headers, log_stats=self.log_stats,
                           pooling_params=req.pooling_params)
+        for tok in req.output_token_ids:  # resumed after an engine restart: as if preempted
+            request.append_output_token_ids(tok)
         if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:
             self.structured_output_manager.grammar_init(request, req.reasoning_ended)
         self.scheduler.add_request(request)

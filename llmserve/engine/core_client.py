@@ -117,6 +117,8 @@ class MPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, asyncio_mode: bool, executor_class: Optional[type] = None,
                  log_stats: bool = False) -> None:
         self.config = config
+        self._executor_class = executor_class
+        self._log_stats = log_stats
         self.resources = res = MPResources()
         self._finalizer = weakref.finalize(self, res)
         self.encoder = MsgpackEncoder()
@@ -193,6 +195,13 @@ class MPClient(EngineCoreClient):
     @property
     def engine_pid(self) -> Optional[int]:
         return self.resources.proc.pid if self.resources.proc else None
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine process (a stalled one: SIGKILL also ends a stopped process);
+        the death monitor then reports it as dead."""
+        proc = self.resources.proc
+        if proc is not None:
+            proc.kill()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine process and release the sockets within ``timeout`` seconds."""
@@ -322,7 +331,49 @@ class AsyncMPClient(MPClient):
     async def _send(self, rtype: EngineCoreRequestType, payload: Any) -> None:
         self._ensure_alive()
         self._ensure_reader()
-        await self._async_in.send_multipart([rtype.value, self.encoder.encode(payload)], copy=False)
+        try:
+            await self._async_in.send_multipart([rtype.value, self.encoder.encode(payload)], copy=False)
+        except zmq.ZMQError as e:  # the sockets were closed under a pending send: the engine is gone
+            raise EngineDeadError(f"EngineCore is gone ({e})") from None
+        except asyncio.CancelledError:
+            # ``respawn_async`` closing the socket cancels a send that waited for the dead
+            # engine (a PUSH with no peer blocks); only a real cancellation propagates.
+            task = asyncio.current_task()
+            if self.engine_dead and task is not None and not task.cancelling():
+                raise EngineDeadError("EngineCore died while a message was being sent") from None
+            raise
+
+    async def respawn_async(self) -> "AsyncMPClient":
+        """Stop this client's engine process (dead or stalled: it is killed), release its
+        sockets, and return a new client of a fresh engine with the same config (new
+        sockets, so nothing queued for the old engine reaches the new one). The model
+        loads in a worker thread; the event loop stays free. Raises RuntimeError when the
+        new engine fails to start."""
+        self.engine_dead = True  # from now on nothing is sent to (or read from) this engine
+        self._cancel_reader()
+        res = self.resources
+        if self._finalizer.alive:
+            self._finalizer.detach()
+        res.stop_event.set()
+        if res.proc is not None and res.proc.is_alive():
+            res.proc.kill()
+        # Close the asyncio sockets first: that fails sends still waiting for the dead
+        # engine (see ``_send``); closing only the sockets underneath would leave them hanging.
+        for sock in (self._async_in, self._async_out):
+            if sock is not None:
+                sock.close(linger=0)
+        loop = asyncio.get_running_loop()
+        if res.proc is not None:
+            await loop.run_in_executor(None, res.proc.join, 5.0)
+        res(0)  # the process is gone: this only closes the sockets and removes their dir
+        return await loop.run_in_executor(None, lambda: type(self)(self.config, self._executor_class, self._log_stats))
+
+    def _cancel_reader(self) -> None:
+        if self._reader_task is not None and not self._reader_task.done():
+            try:
+                self._reader_task.cancel()
+            except RuntimeError:  # its event loop is already closed
+                pass
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send(EngineCoreRequestType.ADD, request)
@@ -343,11 +394,7 @@ class AsyncMPClient(MPClient):
         return await fut
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
-        if self._reader_task is not None and not self._reader_task.done():
-            try:
-                self._reader_task.cancel()
-            except RuntimeError:  # its event loop is already closed
-                pass
+        self._cancel_reader()
         super().shutdown(timeout)
 
 

@@ -13,3 +13,9 @@ class EngineDeadError(Exception):
         msg = "EngineCore encountered an issue. See stack trace (above) for the root cause."
         super().__init__(*(args or (msg,)), **kwargs)
         self.__suppress_context__ = suppress_context
+
+
+class EngineRestartedError(EngineDeadError):
+    """The engine was restarted (``--restart-engine-on-failure``) and this request could
+    not resume on the new one (e.g. a streaming-input session); the engine is running
+    again, so the request may be retried. A 503 on the server."""

@@ -79,6 +79,9 @@ class LLMEngine:
             executor_class = Executor.get_class(vllm_config)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled()
+        if vllm_config.restart_config.enabled:
+            logger.warning("restart_engine_on_failure is honoured by AsyncLLM (the server) only; the "
+                           "offline engine still raises EngineDeadError when its engine process dies")
         self.engine_core, self.tokenizer = start_engine_and_frontend(
             vllm_config, lambda: EngineCoreClient.make_client(multiprocess_mode, False, vllm_config,
                                                               executor_class, log_stats))

@@ -52,6 +52,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     reasoning_ended: for a structured-output request under a reasoning parser, whether the
     reasoning already ended (the grammar applies from the first token); None lets the
     engine decide from the prompt (vLLM).
+    output_token_ids: tokens this request generated in an engine that died (self-healing
+    restart): the engine starts it as if it had been preempted after them, so its output
+    budget, penalties, ``min_tokens`` and seeded stream positions continue.
     """
 
     request_id: str
@@ -64,6 +67,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     trace_headers: Optional[dict[str, str]] = None
     pooling_params: Optional[PoolingParams] = None
     reasoning_ended: Optional[bool] = None
+    output_token_ids: list[int] = []
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -12,7 +12,7 @@ from typing import Optional
 
 from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, LogprobsLists
+from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, EngineCoreRequest, LogprobsLists
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 from llmserve.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
@@ -105,6 +105,9 @@ class RequestState:
     last_token_ts: float = 0.0
     sent_token_ids: int = 0
     sent_logprobs: int = 0
+    # The EngineCoreRequest as first sent, kept so that an engine restart can resume it
+    # (``self_heal.resume_request``); a reference, no copy.
+    engine_request: Optional[EngineCoreRequest] = None
 
     def record_events(self, events: list[EngineCoreEvent]) -> None:
         for ev in events:
@@ -258,6 +261,27 @@ class OutputProcessor:
             if st.collector is None:
                 raise exc
             st.collector.put(exc)
+
+    def reincarnate(self, st: RequestState) -> str:
+        """Give the live request ``st`` a fresh engine id (after an engine restart, before
+        it is resubmitted) and return it; its client-side state (detokenizer, stop
+        strings, logprobs, sent counts) stays, so its output continues seamlessly."""
+        new_id = self.engine_request_id(st.external_req_id)
+        self.states.pop(st.request_id, None)
+        st.request_id = new_id
+        self.states[new_id] = st
+        self.external_to_internal[st.external_req_id] = new_id
+        return new_id
+
+    def fail_request(self, st: RequestState, exc: BaseException) -> None:
+        """End the live request ``st`` with ``exc`` (raised in its consumer) and forget it;
+        without a collector (LLMEngine) the error is raised here."""
+        self._forget(st)
+        if st.parent is not None:
+            self.parents.pop(st.parent.request_id, None)
+        if st.collector is None:
+            raise exc
+        st.collector.put(exc)
 
     def propagate_error(self, exc: BaseException) -> None:
         for st in self.states.values():
@@ -424,5 +448,6 @@ def register_incarnations(output_processor: OutputProcessor, reqs: list, parent:
         output_processor.add_request(req.request_id, text, req.prompt_token_ids,
                                      req.sampling_params or req.pooling_params,
                                      req.arrival_time, parent=parent, collector=collector, external_req_id=ext)
+        output_processor.states[req.request_id].engine_request = req
         out.append(req)
     return out

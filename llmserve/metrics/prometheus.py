@@ -3,34 +3,7 @@
 Names and labels are vLLM's (``vllm:`` prefix, so Grafana dashboards built for vLLM work unchanged),
 each labelled with ``model_name`` and ``engine``:
 
-==========================================  =========  ==========================================
-vllm:num_requests_running                   gauge      requests in the running batch
-vllm:num_requests_waiting                   gauge      requests queued
-vllm:kv_cache_usage_perc                    gauge      used KV blocks / all blocks (0..1)
-vllm:num_preemptions_total                  counter    preempted requests
-vllm:prefix_cache_queries_total             counter    prompt tokens looked up in the prefix cache
-vllm:prefix_cache_hits_total                counter    of those, tokens found
-vllm:prompt_tokens_total                    counter    prefilled prompt tokens
-vllm:generation_tokens_total                counter    generated tokens
-vllm:request_success_total                  counter    finished requests, label finished_reason
-vllm:time_to_first_token_seconds            histogram  arrival -> first token
-vllm:inter_token_latency_seconds            histogram  between consecutive tokens of a request
-vllm:time_per_output_token_seconds          histogram  same samples (vLLM's older name)
-vllm:request_time_per_output_token_seconds  histogram  mean per finished request
-vllm:e2e_request_latency_seconds            histogram  arrival -> finish
-vllm:request_queue_time_seconds             histogram  queued -> first scheduled (engine events)
-vllm:request_prefill_time_seconds           histogram  first scheduled -> first token
-vllm:request_decode_time_seconds            histogram  first token -> last token
-vllm:request_inference_time_seconds         histogram  first scheduled -> last token
-vllm:request_prompt_tokens                  histogram  prompt length of finished requests
-vllm:request_generation_tokens              histogram  output length of finished requests
-vllm:iteration_tokens_total                 histogram  tokens (prompt + generated) per engine step
-vllm:request_params_n                       histogram  n of finished requests (one sample per sample)
-vllm:request_params_max_tokens              histogram  max_tokens of finished requests
-vllm:request_rejected_total                 counter    refused by admission control, label reason
-vllm:request_deadline_exceeded_total        counter    aborted at their X-Request-Timeout deadline
-==========================================  =========  ==========================================
-
+==========================================  =========  ===================================
 Every logger owns its own ``CollectorRegistry`` (no process-global state), so several
 apps or engines in one process never collide.
 """
@@ -108,6 +81,8 @@ class PrometheusStatLogger:
         self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.counter_prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.counter_prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.counter_engine_restarts = counter("engine_restarts", "Engine processes restarted after a crash or a "
+                                               "stall (--restart-engine-on-failure).")
         self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
@@ -214,6 +189,10 @@ class PrometheusStatLogger:
     def record_deadline_exceeded(self) -> None:
         """Count one request aborted at its deadline."""
         self.counter_deadline.inc()
+
+    def record_engine_restart(self) -> None:
+        """One engine restart (called by the self-healing AsyncLLM)."""
+        self.counter_engine_restarts.inc()
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Refresh the gauges from a live engine snapshot (``AsyncLLM.get_engine_stats()``:

@@ -18,6 +18,9 @@ import pytest
 from e2e_utils import MODEL, SERVE_CLI, RemoteServer
 
 _ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--timeout-graceful-shutdown", "1"]
+# vLLM's behaviour on engine death (the server exits for a supervisor to restart it); with
+# the default --restart-engine-on-failure the engine heals instead (tests/e2e/test_self_heal.py).
+_NO_RESTART = _ARGS + ["--no-restart-engine-on-failure"]
 
 
 def _engine_pid(server: RemoteServer) -> int:
@@ -136,7 +139,7 @@ def test_engine_death_fails_requests_and_exits_nonzero():
     with the OpenAI error body), requests that come right after get 503 or find the port
     closed, never a hang, and the server shuts itself down and exits non-zero within a
     few seconds, so that a supervisor restarts it (vLLM's behaviour)."""
-    server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
+    server = RemoteServer(_NO_RESTART, entrypoint=SERVE_CLI)
     try:
         engine_pid = _engine_pid(server)
         stream_thread, first_chunk, stream_result, lines = _start_stream(server)
@@ -180,7 +183,7 @@ def test_engine_death_fails_requests_and_exits_nonzero():
 def test_engine_death_while_idle_exits_nonzero():
     """No request in flight: the death is still noticed (/health turns 503 or the port
     closes) and the server exits non-zero by itself."""
-    server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
+    server = RemoteServer(_NO_RESTART, entrypoint=SERVE_CLI)
     try:
         engine_pid = _engine_pid(server)
         t0 = time.monotonic()
