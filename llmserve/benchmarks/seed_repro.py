@@ -47,7 +47,8 @@ def _engine_kwargs(args: argparse.Namespace, **over) -> dict:
 def _texts(llm, prompts, sp, one_at_a_time: bool) -> list[list[tuple]]:
     """Per prompt, per choice: (text, token ids)."""
     if one_at_a_time:
-        outs = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        outs = [llm.generate([p], s, use_tqdm=False)[0] for p, s in zip(prompts, sps)]
     else:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     return [[(c.text, tuple(c.token_ids)) for c in o.outputs] for o in outs]
