@@ -63,6 +63,8 @@ class ModelConfig:
     ``get_diff_sampling_param()``). extra_eos_token_ids: EOS ids of the generation config
     other than the tokenizer's, which also end generation.
     max_logprobs: the most logprobs a request may ask for per position (-1: no limit).
+    batch_invariant: pad every step's GEMMs so logits do not depend on the batch
+    (``llmserve.ops.batch_invariant``); False pads only steps holding a seeded request.
     renderer_num_workers: threads that render chat templates on the async server path.
     """
 
@@ -88,6 +90,7 @@ class ModelConfig:
     quantization: Optional[str] = None
     enforce_eager: bool = True
     max_logprobs: int = 20
+    batch_invariant: bool = True
     disable_sliding_window: bool = False
     override_generation_config: dict = field(default_factory=dict)
     renderer_num_workers: int = 1

@@ -168,7 +168,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
         generation_config=args.generation_config, chat_template=args.chat_template, device=device,
         revision=args.revision, tokenizer_revision=args.tokenizer_revision, tokenizer_mode=args.tokenizer_mode,
         quantization=args.quantization or ("gguf" if resolved.gguf_file else None),
-        enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
+        enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, batch_invariant=args.batch_invariant,
         disable_sliding_window=args.disable_sliding_window,
         override_generation_config=dict(args.override_generation_config),
         renderer_num_workers=args.renderer_num_workers, diff_sampling_param=defaults,

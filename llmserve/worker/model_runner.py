@@ -247,9 +247,10 @@ class ModelRunner:
         if not so.scheduled:
             return out
         inputs = self._prepare_inputs(so)
-        # A seeded request's logits must not depend on the batch (issue 18): pad GEMMs.
-        seeded = any(getattr(s.request.sampling_params, "seed", None) is not None for s in so.scheduled)
-        with min_gemm_rows(MIN_INVARIANT_ROWS if seeded else 1):
+        # Logits must not depend on the batch (greedy: issue 10.6, seeded: issue 18): pad GEMMs.
+        invariant = self.model_config.batch_invariant or any(
+            getattr(s.request.sampling_params, "seed", None) is not None for s in so.scheduled)
+        with min_gemm_rows(MIN_INVARIANT_ROWS if invariant else 1):
             hidden = self._forward(inputs)
             if not inputs.logit_rows:
                 return out
