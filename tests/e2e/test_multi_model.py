@@ -5,6 +5,7 @@ answer equal to what a single-model server / the offline ``LLM.embed`` gives."""
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import numpy as np
 import pytest
@@ -54,9 +55,12 @@ async def _load(srv: RemoteServer) -> tuple[list[str], list[list[float]]]:
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def embed(i: int) -> list[float]:
-        fmt = "float" if i % 2 else "base64"  # the client decodes base64 itself
-        r = await client.embeddings.create(model=EMB, input=SENTS[i], encoding_format=fmt)
-        return r.data[0].embedding
+        if i % 3 == 0:  # no format: the client asks for base64 and decodes it itself
+            return (await client.embeddings.create(model=EMB, input=SENTS[i])).data[0].embedding
+        if i % 3 == 1:
+            return (await client.embeddings.create(model=EMB, input=SENTS[i], encoding_format="float")).data[0].embedding
+        b64 = (await client.embeddings.create(model=EMB, input=SENTS[i], encoding_format="base64")).data[0].embedding
+        return np.frombuffer(base64.b64decode(b64), dtype="<f4").tolist()
 
     try:
         res = await asyncio.gather(*(chat(i) for i in range(32)), *(embed(i) for i in range(32)))
