@@ -117,9 +117,13 @@ def test_embedding_options_and_errors(emb_server):
     m = _emb(s, messages=msgs, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     plain = _emb(s, input="Hello", add_special_tokens=False)["data"][0]["embedding"]  # vLLM: no special tokens
     assert np.allclose(m["data"][0]["embedding"], plain, atol=1e-6)
-    # a pooling model does not generate
-    _err(s.post("/v1/chat/completions", {"model": MODEL, "messages": msgs}))
-    _err(s.post("/v1/completions", {"model": MODEL, "prompt": "hi"}), "model")
+    # a pooling model does not generate: every generating endpoint, streamed or not, says
+    # to use `--runner generate` (before the chat template, which BERT lacks, is looked at)
+    for path, body in (("/v1/chat/completions", {"messages": msgs}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/responses", {"input": "hi"})):
+        for stream in (False, True):
+            err = _err(s.post(path, {"model": MODEL, "stream": stream, **body}), "model")
+            assert "--runner generate" in err["message"], err
     # the server still serves after every error
     assert len(_emb(s, input=TEXTS)["data"]) == 2
 

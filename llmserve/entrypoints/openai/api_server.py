@@ -46,6 +46,7 @@ from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_front
 from llmserve.entrypoints.openai.openapi import install_openapi
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+from llmserve.entrypoints.openai.multi_model import build_extra_engine_clients, init_multi_model_state
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
 from llmserve.entrypoints.openai.sagemaker.api_router import register_sagemaker_api_routers
@@ -213,9 +214,10 @@ async def init_generate_state(engine_client: Any, state: Any, args: argparse.Nam
 def shutdown_app_state(state: Any) -> None:
     """Stop what ``init_app_state`` started (the renderer pool); the engine client is
     shut down by the context manager that built it."""
-    renderer = getattr(state, "openai_serving_render", None)
-    if renderer is not None:
-        renderer.shutdown()
+    for model_state in getattr(state, "served_models", None) or [state]:  # one per model (multi_model)
+        renderer = getattr(model_state, "openai_serving_render", None)
+        if renderer is not None:
+            renderer.shutdown()
 
 
 # ----------------------------------------------------------------------------- serving
@@ -224,9 +226,14 @@ async def run_server(args: argparse.Namespace) -> int:
     the engine down. Returns the process exit code: 0 after a signal,
     ``ENGINE_DEAD_EXIT_CODE`` (1) when the server stopped because the engine died."""
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
-    async with build_async_engine_client(args) as engine_client:
+    async with build_async_engine_client(args) as engine_client, \
+            build_extra_engine_clients(args, build_async_engine_client_from_engine_args) as extras:
         app = build_app(args)
-        await init_app_state(engine_client, app.state, args)
+        if extras:  # --extra-model: one engine per model, chosen per request by `model`
+            engine_client = await init_multi_model_state([(engine_client, args), *extras], app.state,
+                                                         init_app_state)
+        else:
+            await init_app_state(engine_client, app.state, args)
         host = args.host if args.host is not None else "0.0.0.0"
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)",
                     ", ".join(app.state.openai_serving_models.model_names), host, args.port)

@@ -12,6 +12,7 @@ from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_
                                                          add_vllm_frontend_args, check_vllm_compat_args)
 from llmserve import envs
 from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_edge_args
+from llmserve.entrypoints.openai.multi_model import parse_extra_model
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -73,6 +74,15 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                         help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
                              "they are aborted.")
     server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
+    server.add_argument("--extra-model", type=parse_extra_model, action="append", default=None,
+                        metavar="MODEL[:RUNNER]|JSON",
+                        help="Serve another model from this server, in its own engine, chosen per request by "
+                             "`model` (beyond vLLM), e.g. `--extra-model all-MiniLM-L6-v2` next to a chat model. "
+                             "RUNNER: auto, generate or pooling; or a JSON object of engine fields "
+                             "('{\"model\": \"SmolLM2-135M-Instruct\", \"runner\": \"pooling\", "
+                             "\"served_model_name\": \"smol-embed\"}'). The extra engine shares this "
+                             "server's resource flags (--kv-cache-memory, batching, --dtype), not its model flags. "
+                             "Repeatable.")
     add_vllm_frontend_args(server)
     add_http_edge_args(server)
     AsyncEngineArgs.add_cli_args(parser)

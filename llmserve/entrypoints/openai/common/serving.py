@@ -110,6 +110,19 @@ class GenerateBaseServing(BaseServing):
         self.token_id_formatter = TokenIdFormatter()
         self.default_sampling_params = default_sampling_params(engine_client)
 
+    def _check_model(self, request: Any) -> str:
+        """As :meth:`BaseServing._check_model`, and a 400 naming ``model`` when the model
+        does not generate (a pooling model), before any rendering: vLLM's advice to start
+        it with ``--runner generate``."""
+        name = super()._check_model(request)
+        tasks = getattr(self.model_config, "supported_tasks", ("generate",))
+        if "generate" not in tasks:
+            raise SamplingParamsError(
+                f"The model `{name}` does not generate text: it is served as a pooling model for {list(tasks)} "
+                "(/v1/embeddings, /pooling, /score, /rerank). Use a generative model, or start this one with "
+                "`--runner generate`.", "model")
+        return name
+
     def formatter(self, request: Any) -> Any:
         """How the request's logprobs write tokens: ``token_id:N`` with vLLM's
         ``return_tokens_as_token_ids``, else the token's text."""

@@ -10,10 +10,12 @@ from llmserve.entrypoints.openai.models.protocol import ModelCard, ModelList
 
 @dataclass(frozen=True)
 class BaseModelPath:
-    """One name the API accepts (``name``) for the model loaded from ``model_path``."""
+    """One name the API accepts (``name``) for the model loaded from ``model_path``;
+    ``max_model_len``: its context in tokens (None: the server's)."""
 
     name: str
     model_path: str
+    max_model_len: Optional[int] = None
 
 
 class ModelNotFoundError(LookupError):
@@ -26,7 +28,8 @@ class ModelNotFoundError(LookupError):
 
 
 class OpenAIServingModels:
-    """The names under which the one loaded model is served.
+    """The names under which the loaded model (or, on a multi-model server, every
+    model: see ``multi_model``) is served.
 
     ``base_model_paths``: every ``--served-model-name`` (the first is the default used when
     a request leaves ``model`` out). ``max_model_len``: context limit in tokens.
@@ -59,7 +62,8 @@ class OpenAIServingModels:
         raise ModelNotFoundError(model_name, self.model_names)
 
     def _card(self, p: BaseModelPath) -> ModelCard:
-        return ModelCard(id=p.name, created=self.created, root=p.model_path, max_model_len=self.max_model_len)
+        return ModelCard(id=p.name, created=self.created, root=p.model_path,
+                         max_model_len=p.max_model_len or self.max_model_len)
 
     def show_available_models(self) -> ModelList:
         """The body of ``GET /v1/models``."""

@@ -1,0 +1,90 @@
+"""``--extra-model`` parsing, the extra engine's arguments, and the multi-model registry's
+routing decisions (no engine: the served models are namespaces with a model config)."""
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from llmserve.engine_args import AsyncEngineArgs
+from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from llmserve.entrypoints.openai.models.serving import BaseModelPath, ModelNotFoundError, OpenAIServingModels
+from llmserve.entrypoints.openai.multi_model import (ModelRegistry, ModelRoutedHandler, ServedModel,
+                                                      extra_engine_args, parse_extra_model, per_model_args)
+from llmserve.sampling_params import SamplingParamsError
+
+
+def test_parse_extra_model_forms():
+    assert parse_extra_model("all-MiniLM-L6-v2") == {"model": "all-MiniLM-L6-v2"}
+    assert parse_extra_model("SmolLM2-135M-Instruct:pooling") == {"model": "SmolLM2-135M-Instruct",
+                                                                  "runner": "pooling"}
+    # a colon that is not a runner stays in the model path
+    assert parse_extra_model("/models/a:b") == {"model": "/models/a:b"}
+    spec = parse_extra_model('{"model": "SmolLM2-135M-Instruct", "runner": "pooling", "served_model_name": "e"}')
+    assert spec == {"model": "SmolLM2-135M-Instruct", "runner": "pooling", "served_model_name": "e"}
+    for bad in ('{"runner": "pooling"}', '{"model": "m", "no_such_field": 1}', "{not json", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_extra_model(bad)
+
+
+def test_extra_model_flag_is_repeatable_and_parsed():
+    parser = make_arg_parser()
+    args = parser.parse_args(["SmolLM2-135M-Instruct", "--extra-model", "all-MiniLM-L6-v2",
+                              "--extra-model", "SmolLM2-135M-Instruct:pooling"])
+    validate_parsed_serve_args(args)
+    assert args.extra_model == [{"model": "all-MiniLM-L6-v2"}, {"model": "SmolLM2-135M-Instruct", "runner": "pooling"}]
+    assert make_arg_parser().parse_args([]).extra_model is None
+
+
+def test_extra_engine_keeps_resources_but_not_model_fields():
+    main = AsyncEngineArgs(model="SmolLM2-135M-Instruct", served_model_name=["chat"], max_model_len=1024,
+                           chat_template="{{ x }}", kv_cache_memory="256MiB", max_num_seqs=8, dtype="float32")
+    extra = extra_engine_args(main, {"model": "all-MiniLM-L6-v2"})
+    assert (extra.model, extra.served_model_name, extra.max_model_len, extra.chat_template) == (
+        "all-MiniLM-L6-v2", None, None, None)
+    assert (extra.kv_cache_memory, extra.max_num_seqs, extra.dtype) == ("256MiB", 8, "float32")
+    named = extra_engine_args(main, {"model": "SmolLM2-135M-Instruct", "runner": "pooling",
+                                     "served_model_name": "smol-embed"})
+    assert named.runner == "pooling" and named.served_model_name == ["smol-embed"]
+    args = per_model_args(argparse.Namespace(port=1, chat_template="{{ x }}", model="SmolLM2-135M-Instruct"), extra)
+    assert (args.port, args.chat_template, args.model) == (1, None, "all-MiniLM-L6-v2")
+
+
+def _served(name: str, tasks: tuple[str, ...], max_len: int) -> ServedModel:
+    engine = SimpleNamespace(model_config=SimpleNamespace(supported_tasks=tasks))
+    handler = SimpleNamespace(create=lambda request, tag: (name, request.model, tag))
+    state = SimpleNamespace(openai_serving_models=OpenAIServingModels([BaseModelPath(name, "/p/" + name)], max_len),
+                            openai_serving_chat=handler, openai_serving_embedding=handler,
+                            openai_serving_tokenization=handler)
+    return ServedModel(engine, state)
+
+
+def test_registry_routes_by_model_and_task():
+    reg = ModelRegistry([_served("chat", ("generate",), 2048), _served("emb", ("encode", "embed"), 512)])
+    assert reg.resolve("emb").names == ["emb"]
+    assert reg.resolve(None, "embed").names == ["emb"]  # no `model`: the first that can
+    assert reg.resolve("", "generate").names == ["chat"]
+    assert reg.resolve(None).names == ["chat"]
+    with pytest.raises(ModelNotFoundError) as nf:
+        reg.resolve("nope", "generate")
+    assert "`chat`" in str(nf.value) and "`emb`" in str(nf.value)
+    with pytest.raises(SamplingParamsError) as e:
+        reg.resolve("emb", "generate", "--runner generate")
+    assert e.value.param == "model" and "--runner generate" in str(e.value) and '"model": "chat"' in str(e.value)
+    with pytest.raises(SamplingParamsError) as e:
+        reg.resolve("chat", "embed", "--runner pooling")
+    assert "--runner pooling" in str(e.value) and '"model": "emb"' in str(e.value)
+    # each routed handler calls the handler of the model the request names
+    req = SimpleNamespace(model="emb")
+    assert ModelRoutedHandler(reg, "openai_serving_embedding").create(req, tag=1) == ("emb", "emb", 1)
+    assert ModelRoutedHandler(reg, "openai_serving_tokenization").create(req, 2) == ("emb", "emb", 2)
+    with pytest.raises(SamplingParamsError):
+        ModelRoutedHandler(reg, "openai_serving_chat").create(req, 3)
+    cards = reg.serving_models().show_available_models().data
+    assert [(c.id, c.max_model_len) for c in cards] == [("chat", 2048), ("emb", 512)]
+
+
+def test_registry_refuses_duplicate_names():
+    with pytest.raises(ValueError, match="served_model_name"):
+        ModelRegistry([_served("m", ("generate",), 8), _served("m", ("embed",), 8)])
