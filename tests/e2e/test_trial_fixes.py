@@ -48,3 +48,43 @@ def test_logit_bias_bad_keys_are_all_named_with_the_vocabulary(server, path, str
     assert err["param"] == "logit_bias"
     assert err["message"] == ("logit_bias: token ids out of vocabulary: 'abc', -3, 60000, '1.5' (the vocabulary "
                               "has 49152 tokens, valid ids are 0..49151).")
+
+
+# ---- OpenAI chat fields the official client sends that were silently dropped ---------
+REFUSED = {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+           "web_search_options": {}, "functions": [{"name": "f", "parameters": {}}],
+           "function_call": {"name": "f"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_openai_fields_this_server_cannot_honour_are_400(server, field, stream):
+    r = server.post(CHAT, {"model": MODEL, **BASES[CHAT], "max_tokens": 2, "stream": stream,
+                           field: REFUSED[field]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    # text-only modalities and an "auto"/"none" function_call without functions ask for nothing new
+    for ok in ({"modalities": ["text"]}, {"function_call": "auto"}, {"function_call": "none"}):
+        assert server.post(CHAT, {"model": MODEL, **BASES[CHAT], "max_tokens": 1, **ok}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_effort_reaches_the_chat_template(server, stream):
+    template = "{{ reasoning_effort }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    body = {"model": MODEL, **BASES[CHAT], "max_tokens": 1, "chat_template": template, "return_token_ids": True,
+            "stream": stream}
+
+    def prompt_text(extra):
+        if stream:
+            ids = server.stream_chunks(CHAT, {**body, **extra})[0]["prompt_token_ids"]
+        else:
+            r = server.post(CHAT, {**body, **extra})
+            assert r.status_code == 200, r.text
+            ids = r.json()["prompt_token_ids"]
+        return server.post("/detokenize", {"model": MODEL, "tokens": ids}).json()["prompt"]
+
+    assert prompt_text({"reasoning_effort": "high"}) == "high|Name a colour."
+    assert prompt_text({}) == "|Name a colour."
+    # an explicit template variable wins, as in vLLM
+    assert prompt_text({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}) == \
+        "low|Name a colour."

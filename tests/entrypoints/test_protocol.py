@@ -163,3 +163,24 @@ def test_non_finite_and_oversized_numbers_rejected():
     with pytest.raises(SamplingParamsError) as e:
         chat(n=MAX_N + 1).check()
     assert e.value.param == "n" and str(MAX_N) in str(e.value)
+
+
+@pytest.mark.parametrize("kw,param", [({"audio": {"voice": "alloy"}}, "audio"),
+                                      ({"modalities": ["text", "audio"]}, "modalities"),
+                                      ({"web_search_options": {}}, "web_search_options"),
+                                      ({"functions": [{"name": "f"}]}, "functions"),
+                                      ({"function_call": {"name": "f"}}, "function_call")])
+def test_openai_fields_this_server_cannot_honour(kw, param):
+    with pytest.raises(SamplingParamsError) as e:
+        chat(**kw).check()
+    assert e.value.param == param
+    chat(modalities=["text"], function_call="auto", reasoning_effort="low").check()
+
+
+def test_reasoning_effort_is_a_template_variable():
+    from llmserve.entrypoints.openai.chat_completion.openai_fields import template_kwargs
+
+    assert template_kwargs(chat(reasoning_effort="high")) == {"reasoning_effort": "high"}
+    assert template_kwargs(chat(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low", "x": 1})) \
+        == {"reasoning_effort": "low", "x": 1}
+    assert template_kwargs(chat()) is None
