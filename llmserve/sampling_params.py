@@ -6,6 +6,7 @@ HTTP layer can turn it into a 400 with ``param`` set.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -80,6 +81,30 @@ class StructuredOutputsParams:
             raise _err("structured_outputs",
                        "structured_outputs needs exactly one of json, regex, choice, grammar, "
                        f"json_object or structural_tag; got {given or 'none'}.")
+
+
+def _clamp_logit_bias(bias: dict) -> dict:
+    """``logit_bias`` with integer keys (ints or integer strings, as JSON sends them) and
+    values clamped to [-100, 100] (vLLM's ``to_sampling_params`` clamp, in every path:
+    chat, completions, offline). A key that is not a token id is kept as given, so the
+    InputProcessor, which knows the vocabulary, names it with the out-of-range ids.
+    Raises SamplingParamsError naming every key whose value is not a number (or NaN)."""
+    out, bad_values = {}, []
+    for k, v in bias.items():
+        try:
+            key = int(k) if not isinstance(k, float) else k
+        except (TypeError, ValueError):
+            key = k
+        try:
+            value = float(v)
+        except (TypeError, ValueError):
+            value = math.nan
+        if math.isnan(value):
+            bad_values.append(repr(k))
+        out[key] = min(100.0, max(-100.0, value))
+    if bad_values:
+        raise _err("logit_bias", f"logit_bias values must be numbers; bad values at keys: {', '.join(bad_values)}.")
+    return out
 
 
 @dataclass
@@ -168,12 +193,7 @@ class SamplingParams:
         if self.bad_words is None:
             self.bad_words = []
         if self.logit_bias:
-            try:
-                self.logit_bias = {
-                    int(k): min(100.0, max(-100.0, float(v))) for k, v in self.logit_bias.items()
-                }
-            except (TypeError, ValueError) as e:
-                raise _err("logit_bias", f"logit_bias must map token ids to numbers: {e}")
+            self.logit_bias = _clamp_logit_bias(self.logit_bias)
         if 0 < self.temperature < _SAMPLING_EPS:
             # Tiny temperatures are numerically unstable; treat them as greedy.
             self.temperature = 0.0

@@ -24,6 +24,10 @@ def list_ids(ids: list[Any]) -> str:
     return ", ".join(map(str, ids[:MAX_LISTED_IDS])) + f", ... ({len(ids)} in all)"
 
 
+def _is_token_id(t: Any, vocab_size: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: Optional[int], max_model_len: int,
                     side: Optional[str] = None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: keep at most that many prompt tokens (-1: the
@@ -250,8 +254,10 @@ class InputProcessor:
         for name, ids in (("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", list(params.logit_bias or ())),
                           ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
+            bad = [t for t in ids or () if not _is_token_id(t, self.vocab_size)]
             if bad:
+                if name == "logit_bias":  # keys may be any text: name each as sent
+                    bad = [t if isinstance(t, int) else repr(t) for t in bad]
                 raise SamplingParamsError(
                     f"{name}: token ids out of vocabulary: {list_ids(bad)} (the vocabulary has "
                     f"{self.vocab_size} tokens, valid ids are 0..{self.vocab_size - 1}).", name)

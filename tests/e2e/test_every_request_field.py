@@ -90,6 +90,13 @@ CHAT = {
     "chat_template": ({}, "{% for m in messages %}{{ m.content }}{% endfor %}"),
     "chat_template_kwargs": ({"chat_template": "{{ hello }}{% for m in messages %}{{ m.content }}{% endfor %}"},
                              {"hello": "Bonjour! "}),
+    "reasoning_effort": ({"chat_template": "{{ reasoning_effort }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+                         "high"),
+    "audio": ({}, {"voice": "alloy", "format": "wav"}),
+    "modalities": ({}, ["text", "audio"]),
+    "web_search_options": ({}, {}),
+    "functions": ({}, [{"name": "f", "parameters": {}}]),
+    "function_call": ({}, {"name": "f"}),
 }
 ENDPOINTS = {
     "/v1/completions": (CompletionRequest, {"prompt": "The capital of France is"}, COMPLETIONS),

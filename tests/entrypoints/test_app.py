@@ -31,6 +31,7 @@ class ScriptedEngine:
         self.outputs = []
         self.closed = []
         self.prompts = []
+        self.params = []
 
     @property
     def errored(self):
@@ -42,6 +43,7 @@ class ScriptedEngine:
 
     async def generate(self, prompt, params, request_id, priority=0):
         self.prompts.append(prompt)
+        self.params.append(params)
         try:
             if self.dead:
                 raise EngineDeadError()

@@ -86,8 +86,7 @@ def test_chat_check_names_the_param(kw, param):
 
 @pytest.mark.parametrize("kw,param", [({"top_k": -5}, "top_k"), ({"top_p": 0}, "top_p"), ({"stop": [""]}, "stop"),
                                       ({"presence_penalty": 2.5}, "presence_penalty"),
-                                      ({"repetition_penalty": 0}, "repetition_penalty"),
-                                      ({"logit_bias": {"abc": 1}}, "logit_bias")])
+                                      ({"repetition_penalty": 0}, "repetition_penalty")])
 def test_sampling_params_errors_keep_param(kw, param):
     req = chat(**kw)
     req.check()
@@ -166,3 +165,24 @@ def test_non_finite_and_oversized_numbers_rejected():
     with pytest.raises(SamplingParamsError) as e:
         chat(n=MAX_N + 1).check()
     assert e.value.param == "n" and str(MAX_N) in str(e.value)
+
+
+@pytest.mark.parametrize("kw,param", [({"audio": {"voice": "alloy"}}, "audio"),
+                                      ({"modalities": ["text", "audio"]}, "modalities"),
+                                      ({"web_search_options": {}}, "web_search_options"),
+                                      ({"functions": [{"name": "f"}]}, "functions"),
+                                      ({"function_call": {"name": "f"}}, "function_call")])
+def test_openai_fields_this_server_cannot_honour(kw, param):
+    with pytest.raises(SamplingParamsError) as e:
+        chat(**kw).check()
+    assert e.value.param == param
+    chat(modalities=["text"], function_call="auto", reasoning_effort="low").check()
+
+
+def test_reasoning_effort_is_a_template_variable():
+    from llmserve.entrypoints.openai.chat_completion.openai_fields import template_kwargs
+
+    assert template_kwargs(chat(reasoning_effort="high")) == {"reasoning_effort": "high"}
+    assert template_kwargs(chat(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low", "x": 1})) \
+        == {"reasoning_effort": "low", "x": 1}
+    assert template_kwargs(chat()) is None

@@ -19,6 +19,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     check_max_logprobs,
     random_uuid,
 )
+from llmserve.entrypoints.openai.chat_completion.openai_fields import check_openai_only_fields
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -41,6 +42,13 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: bool = False
+    # OpenAI fields refused or passed to the template (openai_fields.py)
+    audio: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
+    reasoning_effort: Optional[str] = None
 
     def requested_max_tokens(self) -> Optional[int]:
         """``max_completion_tokens`` wins over the legacy ``max_tokens``."""
@@ -49,6 +57,7 @@ class ChatCompletionRequest(SamplingRequest):
     def check(self) -> None:
         """Request-level checks (no prompt needed). Raises SamplingParamsError."""
         self.check_common()
+        check_openai_only_fields(self)
         if self.max_completion_tokens is not None and self.max_completion_tokens < 0:
             raise SamplingParamsError(
                 f"max_completion_tokens must be at least 0, got {self.max_completion_tokens}.",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
+from llmserve.entrypoints.openai.chat_completion.openai_fields import template_kwargs
 from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -74,7 +75,7 @@ class OpenAIServingChat(GenerateBaseServing):
         return await self.renderer.render_chat(
             request.messages, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,
-            chat_template_kwargs=request.chat_template_kwargs, add_special_tokens=request.add_special_tokens,
+            chat_template_kwargs=template_kwargs(request), add_special_tokens=request.add_special_tokens,
             tools=tools, check_length=request.truncate_prompt_tokens is None)  # truncation may take a longer prompt
 
     def output_parsing(self, request: ChatCompletionRequest, plan: ToolPlan, params: SamplingParams,

@@ -224,7 +224,7 @@ class SamplingRequest(OpenAIRequestModel):
 
         defaults: the model's generation-config defaults under SamplingParams names
         (vLLM's ``get_diff_sampling_param``); a field the request leaves out takes the
-        model's default, else OpenAI's. Raises SamplingParamsError for bad logit_bias keys.
+        model's default, else OpenAI's.
         """
         def pick(name: str, builtin: Any) -> Any:
             value = getattr(self, name)
@@ -232,19 +232,6 @@ class SamplingRequest(OpenAIRequestModel):
                 return value
             return defaults.get(name, builtin)
 
-        logit_bias = None
-        if self.logit_bias:
-            logit_bias, bad = {}, []
-            for k, v in self.logit_bias.items():
-                try:
-                    logit_bias[int(k)] = float(v)
-                except ValueError:
-                    bad.append(repr(k))
-            if bad:  # name every bad key (the vocabulary check names ids out of range)
-                from llmserve.engine.input_processor import list_ids
-                raise SamplingParamsError(
-                    f"logit_bias keys must be token ids (integers as strings), got: {list_ids(bad)}.",
-                    "logit_bias")
         return dict(
             n=self.n if self.n is not None else 1,
             temperature=pick("temperature", 1.0),
@@ -262,7 +249,8 @@ class SamplingRequest(OpenAIRequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=logit_bias,
+            # Keys that are not token ids are named by the InputProcessor, with the vocabulary.
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             bad_words=self.bad_words,
