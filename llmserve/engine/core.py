@@ -32,6 +32,12 @@ from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 from llmserve.executor import Executor
 from llmserve import envs
 
+# Pooling engines gather the next step's requests (EngineCoreProc._gather_pooling_batch)
+# until input was quiet for GAP, or for at most MAX, of the last step's duration (floor MIN_S).
+POOLING_GATHER_GAP = 0.05
+POOLING_GATHER_MAX = 0.25
+POOLING_GATHER_MIN_S = 0.01
+
 logger = logging.getLogger(__name__)
 
 
@@ -173,6 +179,7 @@ class EngineCoreProc:
             self.output_queue.put(None)
             self._out_thread.join(timeout=5)
             raise
+        self._pooling = config.model_config.runner == "pooling"
         self.output_queue.put(EngineCoreOutputs(ready=EngineCoreReady(self.core.num_blocks, os.getpid())))
         self._in_thread = threading.Thread(target=self._process_input_socket, daemon=True)
         self._in_thread.start()
@@ -222,8 +229,10 @@ class EngineCoreProc:
         an idle ``step()`` sends the final stats (0 running, KV blocks freed) before
         blocking (vLLM: EngineCoreProc.run_busy_loop)."""
         core = self.core
+        gather = False  # a pooling step just sent its vectors: gather the clients' next requests
         while True:
             if not core.has_work():
+                gather = False  # idle: the next request runs at once
                 if self._stats_stale:
                     self._stats_stale = False
                     self.output_queue.put(core.step())
@@ -238,12 +247,42 @@ class EngineCoreProc:
                 if self._handle(self.input_queue.get_nowait()):
                     return
             if core.has_work():
+                if gather and self._gather_pooling_batch(len(outs.outputs), step_s):
+                    return
+                t0 = time.monotonic()
                 outs = core.step()
+                step_s = time.monotonic() - t0
+                gather = self._pooling and bool(outs.outputs)
                 if outs.outputs:
                     self.output_queue.put(outs)
                 elif not core.has_work():
                     self.output_queue.put(outs)  # final stats after the last request left
                 self._stats_stale = False
+
+    def _gather_pooling_batch(self, expected: int, step_s: float) -> bool:
+        """A pooling engine with work left, right after sending the vectors of a step
+        that took ``step_s`` to ``expected`` requests: those clients usually send their
+        next requests soon, and one step of 32 prompts costs much less per prompt than
+        two of 16 (all-MiniLM-L6-v2 on 2 busy cores: 61 vs 93 ms of CPU per sentence).
+        Take input until ``expected`` requests came in, input was quiet for
+        POOLING_GATHER_GAP of a step, POOLING_GATHER_MAX of a step passed, or
+        max_num_seqs are in. A lone request never waits (an idle engine blocks on input
+        as before); generating engines never come here. Returns True to shut down."""
+        sched = self.core.scheduler
+        gap = max(POOLING_GATHER_MIN_S, POOLING_GATHER_GAP * step_s)
+        deadline = time.monotonic() + max(POOLING_GATHER_MIN_S, POOLING_GATHER_MAX * step_s)
+        while expected > 0 and len(sched.waiting) + len(sched.running) < sched.config.max_num_seqs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                item = self.input_queue.get(timeout=min(gap, left))
+            except queue.Empty:
+                break
+            if self._handle(item):
+                return True
+            expected -= 1
+        return False
 
     def _log_prefault_progress(self) -> None:
         """Log once when the idle prefault has made the whole KV cache resident."""
