@@ -242,7 +242,7 @@ class EngineArgs:
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
     kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV transfer (disaggregated prefill) as a JSON dict; connectors are " + _NOT_YET + ".", str))
     # ---- structured outputs
-    structured_outputs_config: Optional[StructuredOutputsConfig] = field(default=None, metadata=_help("Structured outputs as a JSON dict (vLLM's StructuredOutputsConfig): backend ('auto' or 'xgrammar'), disable_any_whitespace, disable_additional_properties, enable_in_reasoning.", str))
+    structured_outputs_config: Optional[StructuredOutputsConfig] = field(default=None, metadata=_help("Structured outputs as a JSON dict (vLLM's StructuredOutputsConfig): backend ('auto' or 'xgrammar'), disable_any_whitespace (default true here: no free whitespace in JSON), disable_additional_properties, enable_in_reasoning.", str))
     reasoning_parser: str = field(default="", metadata=_help("Reasoning parser name; a structured-output request's grammar applies once its reasoning ends (the parser's is_reasoning_end)."))
     # ---- front end, process
     renderer_num_workers: int = field(default=1, metadata=_help("Threads that render chat templates and tokenize on the server's async path (no effect offline)."))

@@ -160,6 +160,7 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
         extra["ignore_eos"] = True
     if args.temperature is not None:
         extra["temperature"] = args.temperature
+    extra.update(getattr(args, "_structured_body", None) or {})
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=False)
@@ -240,6 +241,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="Per-request timeout (s).")
     parser.add_argument("--percentile-metrics", type=str, default="ttft,tpot,itl,e2el")
     parser.add_argument("--metric-percentiles", type=str, default="99")
+    parser.add_argument("--structured-output-schema", type=str, default=None,
+                        help="Send every request with response_format json_schema: a JSON schema file, or "
+                             "'builtin' (an array of small objects that does not complete within the output length, "
+                             "so constrained and unconstrained requests generate the same number of tokens).")
+    parser.add_argument("--structured-output-compare", action="store_true",
+                        help="With --structured-output-schema: first run the same requests unconstrained, then "
+                             "constrained, and report the output-throughput ratio (constrained / unconstrained).")
     parser.add_argument("--save-result", action="store_true", help="Write the result as JSON.")
     parser.add_argument("--result-dir", type=str, default=".")
     parser.add_argument("--result-filename", type=str, default=None)
@@ -257,6 +265,30 @@ def _validate(args: argparse.Namespace) -> None:
     for m in args.percentile_metrics.split(","):
         if m.strip() and m.strip() not in METRICS:
             raise ValueError(f"--percentile-metrics: unknown metric {m!r} (choose from {', '.join(METRICS)})")
+
+
+# --structured-output-schema builtin: never complete within a bench's output length.
+BUILTIN_SCHEMA = {"type": "object", "properties": {"rows": {
+    "type": "array", "minItems": 512, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                                         "ok": {"type": "boolean"}},
+        "required": ["id", "name", "ok"], "additionalProperties": False}}},
+    "required": ["rows"], "additionalProperties": False}
+
+
+def structured_body(schema: Optional[str]) -> dict[str, Any]:
+    """The request fields of ``--structured-output-schema`` (a file or 'builtin'); {} for None.
+    Raises ValueError for a file that is not a JSON object."""
+    if not schema:
+        return {}
+    if schema == "builtin":
+        value = BUILTIN_SCHEMA
+    else:
+        with open(schema, encoding="utf-8") as f:
+            value = json.load(f)
+        if not isinstance(value, dict):
+            raise ValueError(f"--structured-output-schema: {schema} does not hold a JSON object")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": value}}}
 
 
 def _server_model(base_url: str, api_key: Optional[str]) -> str:
@@ -292,7 +324,20 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Benchmarking {model} at {api_url}: {len(requests)} requests, input ~{args.random_input_len}, "
           f"output ~{args.random_output_len}, concurrency {args.max_concurrency or 'inf'}, "
           f"rate {args.request_rate}")
+    body = structured_body(args.structured_output_schema)
+    baseline = None
+    if body and args.structured_output_compare:
+        baseline = asyncio.run(benchmark(args, api_url, model, requests, chat))
+        print_result(baseline, args)
+        print("Unconstrained run done; now the same requests with the JSON schema.")
+    args._structured_body = body
     result = asyncio.run(benchmark(args, api_url, model, requests, chat))
+    if baseline is not None:
+        ratio = result["output_throughput"] / baseline["output_throughput"] if baseline["output_throughput"] else 0.0
+        result["unconstrained_output_throughput"] = baseline["output_throughput"]
+        result["structured_output_throughput_ratio"] = ratio
+        print(f"Output token throughput, JSON schema / unconstrained: {result['output_throughput']:.2f} / "
+              f"{baseline['output_throughput']:.2f} tok/s = {ratio:.3f}x")
     result.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "model_id": model, "endpoint": args.endpoint,
                    "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                    "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",

@@ -16,8 +16,12 @@ class StructuredOutputsConfig:
     backend: "auto" or "xgrammar" (the only backend here; "auto" picks it).
     disable_fallback: accepted for vLLM compatibility (there is no other backend to fall
       back to).
-    disable_any_whitespace: JSON grammars allow no optional whitespace (vLLM's option; the
-      default lets the model put whitespace where JSON allows it).
+    disable_any_whitespace: JSON grammars allow no optional whitespace (vLLM's option).
+      Default True here, unlike vLLM's False: with free whitespace, small models (SmolLM2)
+      spend the token budget on newlines and indentation, or run away in them, and the
+      JSON is cut with ``length`` (C26 J3: ``json_object`` at 64 tokens); compact JSON
+      finishes (xgrammar then writes json.dumps' separators: ", " and ": "). The
+      config option ``{"disable_any_whitespace": false}`` gives vLLM's behaviour.
     disable_additional_properties: schemas without ``additionalProperties`` are treated as
       ``additionalProperties: false`` (xgrammar's strict mode already does so; kept for
       vLLM compatibility).
@@ -30,7 +34,7 @@ class StructuredOutputsConfig:
 
     backend: str = "auto"
     disable_fallback: bool = False
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
     disable_additional_properties: bool = False
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False

@@ -59,6 +59,7 @@ COMMON: dict[str, tuple[Value, Value]] = {
     "stream": ({}, True),
     "stream_options": ({"stream": True}, {"include_usage": True}),
     "response_format": ({}, {"type": "json_object"}),
+    "structured_outputs": ({}, {"choice": ["yes", "no"]}),
     "priority": ({}, 1),
     "prompt_logprobs": ({}, 0),
     "return_token_ids": ({}, True),

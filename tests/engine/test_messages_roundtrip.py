@@ -12,13 +12,14 @@ from llmserve.engine import messages as m
 from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.pooling_params import PoolingParams
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _params():
     """SamplingParams with fields derived after construction (by the InputProcessor)."""
     p = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=None, stop=["\n\n"], stop_token_ids=[5],
-                       logprobs=2, seed=3, bad_words=["xyz"])
+                       logprobs=2, seed=3, bad_words=["xyz"],
+                       structured_outputs=StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True))
     p.max_tokens = 77
     p.all_stop_token_ids |= {11, 12}  # extra EOS ids of the generation config
     p.bad_words_token_ids = [[4, 5]]
@@ -43,7 +44,8 @@ def _output():
 SAMPLES = {
     m.EngineCoreRequest: lambda: m.EngineCoreRequest("r1", [1, 2, 3], _params(), 2, 1700000000.5, 3, True,
                                                      {"traceparent": "00-abc-def-01"},
-                                                     PoolingParams(normalize=False, dimensions=8, task="embed")),
+                                                     PoolingParams(normalize=False, dimensions=8, task="embed"),
+                                                     True),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(

@@ -113,8 +113,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--ignore-patterns": (NOOP, _NO_HUB, ()),
     "--use-tqdm-on-load": (NOOP, "no progress bar while the weights load", ()),
     "--pt-load-map-location": (NOOP, "weights load onto the engine's --device", ()),
-    # StructuredOutputsConfig
-    "--structured-outputs-config": (REFUSED, "structured outputs are not implemented yet", ()),
     # ParallelConfig
     "--decode-context-parallel-size": (REFUSED, "context parallelism is not implemented", ("1",)),
     "--data-parallel-rank": (REFUSED, _NO_DP, ()),

@@ -10,8 +10,9 @@ raises :class:`~llmserve.sampling_params.SamplingParamsError` (a ValueError with
 on out-of-range values, so the server answers 400 naming the field.
 
 Unknown request fields are accepted and ignored, as vLLM and OpenAI do; fields whose
-meaning llmserve cannot honour (``suffix``, ``tools`` with a tool choice, structured
-``response_format``) are rejected with a 400 instead of being silently ignored.
+meaning llmserve cannot honour (``suffix``, ``tools`` with a tool choice) are rejected
+with a 400 instead of being silently ignored. ``response_format`` and vLLM's
+``structured_outputs`` become ``SamplingParams.structured_outputs`` (``structured.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmserve.entrypoints.openai.common.structured import ResponseFormat, structured_outputs_params
 from llmserve.sampling_params import RequestOutputKind, SamplingParamsError
 
 # vLLM's default ``max_logprobs``: the most top logprobs one position may ask for.
@@ -112,8 +114,9 @@ class SamplingRequest(OpenAIRequestModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    response_format: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
     # vLLM extras
+    structured_outputs: Optional[dict[str, Any]] = None
     top_k: Optional[Int64] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -153,11 +156,6 @@ class SamplingRequest(OpenAIRequestModel):
             raise SamplingParamsError(
                 f"truncate_prompt_tokens must be at least 1, or -1 for the model's context length, got {t}.",
                 "truncate_prompt_tokens")
-        rf = self.response_format
-        if rf is not None and rf.get("type", "text") != "text":
-            raise SamplingParamsError(
-                f"response_format of type {rf.get('type')!r} is not supported by this server "
-                "(structured outputs are not available).", "response_format")
 
     def sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams keyword arguments of the fields shared by chat and completions.
@@ -207,6 +205,7 @@ class SamplingRequest(OpenAIRequestModel):
             prompt_logprobs=self.prompt_logprobs,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs_params(self.response_format, self.structured_outputs),
         )
 
 

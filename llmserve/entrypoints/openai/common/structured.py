@@ -1,0 +1,92 @@
+"""OpenAI ``response_format`` and vLLM's ``structured_outputs`` request field -> one
+:class:`~llmserve.sampling_params.StructuredOutputsParams` (vLLM's
+``ChatCompletionRequest.to_sampling_params`` structured-output part), shared by chat and
+completions.
+
+``response_format``:
+  ``{"type": "text"}``: no constraint.
+  ``{"type": "json_object"}``: the output is a JSON object.
+  ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``:
+    the output validates against ``schema``. The engine always compiles schemas in
+    xgrammar's strict mode, so ``strict: true`` schemas (the official client's
+    ``parse(response_format=Model)`` sends ``additionalProperties: false`` and every
+    property required) are enforced exactly; ``strict`` false or absent gets the same
+    enforcement (a subset of what the schema allows, as vLLM).
+``structured_outputs``: a dict of ``StructuredOutputsParams`` fields (``json``, ``regex``,
+``choice``, ``grammar``, ``json_object``, ``structural_tag``, options).
+
+Every problem is a SamplingParamsError naming the field (``response_format`` or
+``structured_outputs``), so the server answers 400 before the request runs; a schema
+that cannot compile is caught here too.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+from llmserve.structured_output.grammar import validate_structured_outputs
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``; ``schema`` is the JSON schema (pydantic
+    keeps it under ``json_schema_`` since ``schema`` is taken by BaseModel)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``type`` text, json_object or json_schema; any other
+    type is a 400 (pydantic names ``response_format.type``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaResponseFormat] = None
+
+
+def _from_response_format(rf: ResponseFormat) -> Optional[StructuredOutputsParams]:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.json_schema is None:
+        raise SamplingParamsError("response_format of type 'json_schema' needs a 'json_schema' object "
+                                  "with a 'schema'.", "response_format")
+    schema = rf.json_schema.json_schema_
+    if schema is None:  # OpenAI allows it; any JSON object then
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=schema)
+
+
+def _from_dict(value: dict[str, Any]) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**value)
+    except TypeError as e:
+        raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
+    except SamplingParamsError as e:
+        raise SamplingParamsError(str(e), "structured_outputs") from None
+
+
+def structured_outputs_params(response_format: Optional[ResponseFormat],
+                              structured_outputs: Optional[dict[str, Any]]) -> Optional[StructuredOutputsParams]:
+    """The request's constraint, checked (it compiles), or None.
+
+    Raises SamplingParamsError naming ``response_format`` or ``structured_outputs`` for a
+    missing schema, an unknown field, both fields constraining at once, or a schema,
+    regex, choice or grammar that cannot compile."""
+    from_rf = _from_response_format(response_format) if response_format is not None else None
+    from_so = _from_dict(structured_outputs) if structured_outputs is not None else None
+    if from_rf is not None and from_so is not None:
+        raise SamplingParamsError("Set either response_format (json_object / json_schema) or "
+                                  "structured_outputs, not both.", "structured_outputs")
+    params, param = (from_rf, "response_format") if from_rf is not None else (from_so, "structured_outputs")
+    if params is not None:
+        validate_structured_outputs(params, param)
+    return params

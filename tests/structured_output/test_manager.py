@@ -1,0 +1,151 @@
+"""StructuredOutputManager with the scheduler (no model): grammars compile off the step
+loop (WAITING_FOR_FSM while others run), one bitmask row per constrained request that
+samples, matchers advance with accepted tokens and finish the request with ``stop``,
+aborts while compiling, preemption, and reasoning (a fake parser: no mask until the
+reasoning ends)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.outputs import FinishReason
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.scheduler import ModelRunnerOutput, Scheduler
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams as SO
+from llmserve.structured_output.bitmask import apply_grammar_bitmask
+from llmserve.structured_output.config import StructuredOutputsConfig
+from llmserve.structured_output.manager import StructuredOutputManager
+
+END_THINK = 100  # the fake reasoning parser's end token
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from llmserve.tokenizer import get_tokenizer
+
+    return get_tokenizer("SmolLM2-135M-Instruct")
+
+
+def _setup(tok, reasoning=False, budget=64):
+    cfg = SimpleNamespace(
+        structured_outputs_config=StructuredOutputsConfig(reasoning_parser="fake" if reasoning else ""),
+        model_config=SimpleNamespace(vocab_size=len(tok), extra_eos_token_ids=()))
+    mgr = StructuredOutputManager(cfg, tokenizer=tok)
+    if reasoning:
+        mgr.reasoner = SimpleNamespace(is_reasoning_end=lambda ids: END_THINK in ids)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256),
+                  CacheConfig(block_size=4, enable_prefix_caching=False), 64, structured_output_manager=mgr)
+    return mgr, s
+
+
+def _add(mgr, s, rid, n_prompt, so=None, max_tokens=32, reasoning_ended=None):
+    req = Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, structured_outputs=so),
+                  eos_token_id=2)
+    if so is not None:
+        mgr.grammar_init(req, reasoning_ended)
+    s.add_request(req)
+    return req
+
+
+def _step(s, tokens):
+    """One step; each sampling request gets the next of its tokens (rid -> list)."""
+    so = s.schedule()
+    ro = ModelRunnerOutput()
+    for x in so.scheduled:
+        if x.num_computed_tokens + x.num_scheduled_tokens >= x.request.num_tokens:
+            ro.sampled_token_ids[x.request.request_id] = tokens[x.request.request_id].pop(0)
+    return so, s.update_from_output(so, ro)
+
+
+def _allowed(so, rid, vocab):
+    row = torch.zeros(1, vocab)
+    apply_grammar_bitmask(row, so.grammar_bitmask, [0], [so.structured_output_request_ids[rid]])
+    return set(torch.nonzero(row[0] == 0).flatten().tolist())
+
+
+def test_compiles_off_the_loop_masks_and_finishes_with_stop(tok):
+    mgr, s = _setup(tok)
+    plain = _add(mgr, s, "plain", 4)
+    req = _add(mgr, s, "json", 10, SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                                            "required": ["a"], "additionalProperties": False}))
+    assert req.status == RequestStatus.WAITING_FOR_FSM or req.structured_output_request.is_ready()
+    text_ids = tok.encode('{"a": 12}', add_special_tokens=False)  # json.dumps separators
+    so, _ = _step(s, {"plain": [7]})  # the unconstrained request runs whatever the compile does
+    assert "plain" in {x.request.request_id for x in so.scheduled}
+    req.structured_output_request.future and req.structured_output_request.future.result()
+    toks = {"plain": [7] * 40, "json": list(text_ids) + [2]}
+    finished = None
+    while finished is None:
+        nxt = toks["json"][0]
+        so, outs = _step(s, toks)
+        if so.structured_output_request_ids:
+            assert set(so.structured_output_request_ids) == {"json"}  # never the plain row
+            assert nxt in _allowed(so, "json", len(tok))
+        finished = next((o for o in outs if o.request_id == "json" and o.finish_reason is not None), None)
+    assert finished.finish_reason == FinishReason.STOP
+    assert req.output_token_ids == list(text_ids) + [2]
+    assert s._num_structured == 0 and plain.status == RequestStatus.RUNNING
+
+
+def test_chunked_prefill_gets_no_row_until_it_samples(tok):
+    mgr, s = _setup(tok, budget=8)
+    req = _add(mgr, s, "r", 20, SO(choice=["yes", "no"]))
+    req.structured_output_request.future.result()
+    so, _ = _step(s, {})
+    assert so.scheduled[0].num_scheduled_tokens == 8 and so.grammar_bitmask is None
+    _step(s, {})
+    so, _ = _step(s, {"r": [tok.encode("yes", add_special_tokens=False)[0]]})
+    assert so.structured_output_request_ids == {"r": 0}
+
+
+def test_abort_while_compiling_and_bad_grammar_in_engine(tok):
+    mgr, s = _setup(tok)
+    req = _add(mgr, s, "r", 4, SO(regex="[a-z]{3}"))
+    s.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    assert not s.waiting_for_fsm and not s.has_unfinished_requests() and s._num_structured == 0
+    # A grammar that fails in the engine (validation skipped) aborts only its request.
+    bad = _add(mgr, s, "bad", 4, SO(grammar="root ::= missing"))
+    ok = _add(mgr, s, "ok", 4)
+    bad.structured_output_request.future.exception()
+    so, outs = _step(s, {"ok": [5]})
+    assert [o.finish_reason for o in outs if o.request_id == "bad"] == [FinishReason.ABORT]
+    assert ok.status == RequestStatus.RUNNING and s._num_structured == 0
+
+
+def test_preemption_keeps_the_matcher_in_step(tok):
+    mgr, s = _setup(tok)
+    req = _add(mgr, s, "r", 4, SO(regex="abcabc"))
+    req.structured_output_request.future.result()
+    ids = tok.encode("abcabc", add_special_tokens=False)
+    toks = {"r": list(ids) + [2]}
+    _step(s, toks)
+    s._preempt(req)  # recompute: same tokens, the matcher keeps its place
+    while not req.is_finished():
+        nxt = toks["r"][0]
+        so, _ = _step(s, toks)
+        if so.grammar_bitmask is not None:
+            assert nxt in _allowed(so, "r", len(tok))
+    assert req.get_finished_reason() == FinishReason.STOP
+
+
+def test_grammar_waits_for_the_end_of_reasoning(tok):
+    mgr, s = _setup(tok, reasoning=True)
+    req = _add(mgr, s, "r", 4, SO(choice=["yes"]))
+    req.structured_output_request.future.result()
+    yes = tok.encode("yes", add_special_tokens=False)
+    toks = {"r": [55, 66, END_THINK] + yes + [2]}
+    seen = []
+    while not req.is_finished():
+        so, _ = _step(s, toks)
+        seen.append(bool(so.structured_output_request_ids))
+    # Three reasoning tokens sampled unmasked, then the grammar applies.
+    assert seen[:3] == [False, False, False] and all(seen[3:])
+    assert req.get_finished_reason() == FinishReason.STOP
+    # reasoning_ended from the front end: masked from the first token.
+    req2 = _add(mgr, s, "r2", 4, SO(choice=["yes"]), reasoning_ended=True)
+    req2.structured_output_request.future.result()
+    so, _ = _step(s, {"r2": list(yes) + [2]})
+    assert so.structured_output_request_ids == {"r2": 0}
