@@ -119,8 +119,9 @@ def test_param_validation_c31(server):
 
 
 def test_unserved_features_answer_400_not_200(server):
-    """Tool calls are not served yet, and a response_format that cannot be enforced is
-    refused: a clean 400, never unconstrained 200 (structured outputs: tests/e2e/test_structured_outputs.py)."""
+    """A response_format or tool schema that cannot be enforced is refused: a clean 400,
+    never unconstrained 200 (structured outputs: tests/e2e/test_structured_outputs.py; tools:
+    tests/e2e/test_tool_calling_e2e.py)."""
     for rf in ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}},
                {"type": "bogus"}):
         assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "response_format": rf}),

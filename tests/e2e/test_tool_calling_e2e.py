@@ -162,3 +162,9 @@ def test_c25_none_and_missing_tools(server):
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
     w5 = server.post("/v1/chat/completions", {"model": MODEL, **{k: v for k, v in W1.items() if k != "tools"}})
     assert w5.status_code == 400 and w5.json()["error"]["param"] == "tool_choice"
+    # a schema that is valid JSON Schema but cannot become a grammar: 400 naming the tools
+    dangling = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]
+    for stream in (False, True):
+        r = server.post("/v1/chat/completions", {"model": MODEL, **W1, "tools": dangling, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

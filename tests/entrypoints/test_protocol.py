@@ -97,7 +97,8 @@ def test_sampling_params_errors_keep_param(kw, param):
 
 def test_accepted_edge_values():
     for kw in ({"top_k": -1}, {"temperature": 0}, {"temperature": 2.0}, {"response_format": {"type": "text"}},
-               {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, {"stream": True, "stream_options": {}}):
+               {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+               {"stream": True, "stream_options": {}}):
         req = chat(**kw)
         req.check()
         req.to_sampling_params(4, {})

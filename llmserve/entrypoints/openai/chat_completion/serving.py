@@ -126,7 +126,10 @@ class OpenAIServingChat(GenerateBaseServing):
         created = int(time.time())
         gens = [self.generate(prompt, self.engine_params(params), request_id, request.priority, **gen_kwargs)]
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        firsts = await self.start_generation(gens, {"prompt": "messages", "max_tokens": max_param})
+        names = {"prompt": "messages", "max_tokens": max_param}
+        if plan.schema is not None:  # a grammar the engine cannot build comes from the tools
+            names["structured_outputs"] = "tools"
+        firsts = await self.start_generation(gens, names)
         merged = merge_started(firsts, gens)
         parsing = OutputParsing(plan, make_parser)
         if request.stream:
