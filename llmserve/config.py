@@ -90,7 +90,7 @@ class ModelConfig:
     quantization: Optional[str] = None
     enforce_eager: bool = True
     max_logprobs: int = 20
-    batch_invariant: bool = True
+    batch_invariant: bool = False
     disable_sliding_window: bool = False
     override_generation_config: dict = field(default_factory=dict)
     renderer_num_workers: int = 1

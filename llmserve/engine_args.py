@@ -207,7 +207,7 @@ class EngineArgs:
     quantization: Optional[str] = field(default=None, metadata=_help("Weight quantization: None (the checkpoint's own; GGUF files are dequantized on load) or 'gguf' for a GGUF model; other methods are " + _NOT_YET + "."))
     load_format: str = field(default="auto", metadata=_help("'auto', 'safetensors' or 'gguf'; other vLLM formats are " + _NOT_YET + "."))
     enforce_eager: bool = field(default=True, metadata=_help("Accepted for vLLM compatibility; this engine always runs eagerly (no CUDA graphs)."))
-    batch_invariant: bool = field(default=True, metadata=_help("Batch-invariant numerics: every step's GEMMs are padded to at least 4 rows, so a request's logits (and greedy or seeded tokens) are bit-identical alone, batched, chunked or after a prefix-cache hit (vLLM's VLLM_BATCH_INVARIANT). With --no-batch-invariant only steps holding a seeded request are padded."))
+    batch_invariant: bool = field(default=False, metadata=_help("Batch-invariant numerics (vLLM's VLLM_BATCH_INVARIANT): every step's GEMMs are padded to at least 4 rows, so a request's logits (and greedy tokens) are bit-identical alone, batched, chunked or after a prefix-cache hit. Costs only steps of 1-3 tokens (low-concurrency decode). Off: only steps holding a seeded request are padded."))
     max_logprobs: int = field(default=20, metadata=_help("Most logprobs a request may ask for per token (-1: no limit)."))
     disable_sliding_window: bool = field(default=False, metadata=_help("Cap max_model_len at the model's sliding window (vLLM's rule)."))
     generation_config: str = field(default="auto", metadata=_help("Default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a directory holding a generation_config.json."))

@@ -10,11 +10,13 @@ M >= 4 class. The paged C++ attention already treats each query token alone over
 cached context, so with padded GEMMs a row's hidden states no longer depend on the batch.
 
 The runner pads every step (``min_gemm_rows``) while ``ModelConfig.batch_invariant`` is on
-(the default, ``--batch-invariant``), so greedy tokens are the same alone, batched, chunked
-or after a prefix-cache hit (issue 10.6); with it off, only steps holding a seeded request
-are padded (issue 18). Padding only touches steps of 1-3 tokens (decodes of 1-3 requests),
-where a GEMV's weight traffic dominates anyway; the cost is measured by
-``llmserve bench seed-repro --greedy --ab-rounds K``. vLLM offers batch invariance only as
+(``--batch-invariant``, off by default), so greedy tokens are the same alone, batched,
+chunked or after a prefix-cache hit (issue 10.6); with it off, only steps holding a seeded
+request are padded (issue 18). Padding only touches steps of 1-3 tokens (decodes of 1-3
+requests), but there it is not free: measured at SmolLM2 GEMM shapes, one thread, a loaded
+machine, padding 1 row to 4 cost +7..18% GEMM time in bfloat16 and ~2x in float32 (oneDNN's
+M=1 GEMV is fast), hence opt-in. ``llmserve bench seed-repro --greedy --ab-rounds K``
+measures it end to end. vLLM offers batch invariance only as
 an opt-in on some GPUs (``VLLM_BATCH_INVARIANT``). Verified here (torch 2.13, AVX512-BF16):
 every row of a 2..1100-row GEMM equals that row padded to 4, in float32 and bfloat16, at all
 SmolLM2 shapes. The attention needs nothing: the paged C++ kernel runs each query token
