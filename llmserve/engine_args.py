@@ -251,7 +251,7 @@ class EngineArgs:
     shutdown_timeout: int = field(default=0, metadata=_help("Seconds in-flight requests get to finish when the server shuts down, and the engine process gets to exit (vLLM's --shutdown-timeout); 0: the server's --timeout-graceful-shutdown (10 s) and the engine's own 5 s."))
     disable_log_stats: bool = field(default=False, metadata=_help("Do not log per-step stats."))
     restart_engine_on_failure: Optional[bool] = field(default=None, metadata=_help("Restart a dead or stalled engine process in place; requests in flight resume from the tokens already sent (default: on for `llmserve serve`, off for the offline LLM)."))
-    engine_stall_timeout: float = field(default=60.0, metadata=_help("Seconds with no engine output while requests are in flight after which the engine counts as stalled and, with --restart-engine-on-failure, is killed and restarted (0: never)."))
+    engine_stall_timeout: float = field(default=60.0, metadata=_help("Seconds with no engine output while requests are in flight after which the engine counts as stalled: /health answers 503 and, with --restart-engine-on-failure, the engine is killed and restarted (0: never)."))
     max_engine_restarts: int = field(default=5, metadata=_help("Engine restarts allowed within --engine-restart-window seconds; one more failure exits the server non-zero."))
     engine_restart_window: float = field(default=300.0, metadata=_help("Seconds over which --max-engine-restarts counts restarts."))
     num_threads: Optional[int] = field(default=None, metadata=_help("torch CPU threads in the engine (default: all cores)."))
@@ -346,7 +346,7 @@ class AsyncEngineArgs(EngineArgs):
     disable_log_requests: bool = field(default=True, metadata=_help("Do not log each request."))
     # ---- admission control and liveness (the server's; beyond vLLM, see entrypoints/openai/admission.py)
     max_waiting_requests: Optional[int] = field(default=None, metadata=_help("Requests that may wait (admitted, not yet running) before new ones get 429 with Retry-After (default: 2 x max_num_seqs; -1: unbounded, as vLLM)."))
-    engine_stall_timeout: float = field(default=60.0, metadata=_help("Seconds without engine progress, while requests are in flight, after which /health answers 503 (0: never)."))
+    # engine_stall_timeout (EngineArgs) also bounds /health: 503 after that long without progress.
 
     def __post_init__(self) -> None:
         super().__post_init__()
