@@ -94,7 +94,7 @@ def test_models_metrics_and_tokenizers_of_both(duo):
 
     text = duo.http.get("/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}  # parses: no duplicate series
-    prompt_tokens = {s.labels["model_name"]: s.value for s in families["llmserve:prompt_tokens"].samples
+    prompt_tokens = {s.labels["model_name"]: s.value for s in families["vllm:prompt_tokens"].samples
                      if s.name.endswith("_total")}
     assert set(prompt_tokens) == {CHAT, EMB} and all(v > 0 for v in prompt_tokens.values())
     assert duo.http.get("/health").status_code == 200
