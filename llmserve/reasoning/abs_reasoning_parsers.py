@@ -11,7 +11,9 @@ the server, so the engine process can use it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
+
+from llmserve.parser_registry import ParserRegistry
 
 
 @dataclass(frozen=True)
@@ -80,32 +82,13 @@ class ReasoningParser:
         return DeltaMessage(reasoning=reasoning or None, content=content or None)
 
 
-class ReasoningParserManager:
+class ReasoningParserManager(ParserRegistry):
     """Registry of reasoning parsers by name (vLLM's ``ReasoningParserManager``)."""
 
-    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
+    kind = "reasoning parser"
+    _registry: dict[str, type[ReasoningParser]] = {}
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
         """The parser class registered as ``name``. Raises KeyError naming the known ones."""
-        if name not in cls.reasoning_parsers:
-            raise KeyError(f"reasoning parser {name!r} is not registered "
-                           f"(known: {sorted(cls.reasoning_parsers)})")
-        return cls.reasoning_parsers[name]
-
-    @classmethod
-    def register_module(cls, name: Union[str, list[str], None] = None, force: bool = True,
-                        module: Optional[type[ReasoningParser]] = None) -> Any:
-        """Register ``module`` under ``name`` (a decorator when ``module`` is None)."""
-        def register(mod: type[ReasoningParser]) -> type[ReasoningParser]:
-            names = [name] if isinstance(name, str) else (name or [mod.__name__])
-            for n in names:
-                if not force and n in cls.reasoning_parsers:
-                    raise KeyError(f"reasoning parser {n!r} is already registered")
-                cls.reasoning_parsers[n] = mod
-            return mod
-        return register(module) if module is not None else register
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(cls.reasoning_parsers)
+        return cls._lookup(name)

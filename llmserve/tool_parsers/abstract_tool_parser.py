@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 from llmserve.entrypoints.openai.chat_completion.protocol import (
     DeltaFunctionCall,
@@ -23,6 +23,7 @@ from llmserve.entrypoints.openai.chat_completion.protocol import (
     FunctionCall,
     ToolCall,
 )
+from llmserve.parser_registry import ParserRegistry
 from llmserve.tool_parsers.json_scan import RawCall, canonical_json_prefix
 
 logger = logging.getLogger(__name__)
@@ -177,34 +178,16 @@ class ToolParser:
         self.current_tool_name_sent = True
 
 
-class ToolParserManager:
+class ToolParserManager(ParserRegistry):
     """Registry of tool parsers by name (vLLM's ``ToolParserManager``)."""
 
-    tool_parsers: dict[str, type[ToolParser]] = {}
+    kind = "tool parser"
+    _registry: dict[str, type[ToolParser]] = {}
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
         """The parser class registered as ``name``. Raises KeyError naming the known ones."""
-        if name not in cls.tool_parsers:
-            raise KeyError(f"tool parser {name!r} is not registered (known: {sorted(cls.tool_parsers)})")
-        return cls.tool_parsers[name]
-
-    @classmethod
-    def register_module(cls, name: Union[str, list[str], None] = None, force: bool = True,
-                        module: Optional[type[ToolParser]] = None) -> Any:
-        """Register ``module`` under ``name`` (a decorator when ``module`` is None)."""
-        def register(mod: type[ToolParser]) -> type[ToolParser]:
-            names = [name] if isinstance(name, str) else (name or [mod.__name__])
-            for n in names:
-                if not force and n in cls.tool_parsers:
-                    raise KeyError(f"tool parser {n!r} is already registered")
-                cls.tool_parsers[n] = mod
-            return mod
-        return register(module) if module is not None else register
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(cls.tool_parsers)
+        return cls._lookup(name)
 
 
 ToolParserFactory = Callable[[Any], ToolParser]

@@ -43,11 +43,11 @@ def validate_tool_calling_args(args: argparse.Namespace) -> None:
     parser = getattr(args, "tool_call_parser", None)
     if getattr(args, "enable_auto_tool_choice", False) and not parser:
         raise ValueError("When --enable-auto-tool-choice is set, --tool-call-parser must be set too.")
-    if parser and parser not in ToolParserManager.tool_parsers:
+    if parser and parser not in ToolParserManager.list_registered():
         raise ValueError(f"--tool-call-parser {parser!r} is not registered; choose one of "
                          f"{ToolParserManager.list_registered()}.")
     reasoning = getattr(args, "reasoning_parser", None)
-    if reasoning and reasoning not in ReasoningParserManager.reasoning_parsers:
+    if reasoning and reasoning not in ReasoningParserManager.list_registered():
         raise ValueError(f"--reasoning-parser {reasoning!r} is not registered; choose one of "
                          f"{ReasoningParserManager.list_registered()}.")
 
