@@ -248,6 +248,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-output-compare", action="store_true",
                         help="With --structured-output-schema: first run the same requests unconstrained, then "
                              "constrained, and report the output-throughput ratio (constrained / unconstrained).")
+    parser.add_argument("--structured-output-rounds", type=int, default=1,
+                        help="With --structured-output-compare: alternate unconstrained and constrained runs this "
+                             "many times each and report the median ratio (a shared machine's load drifts).")
     parser.add_argument("--save-result", action="store_true", help="Write the result as JSON.")
     parser.add_argument("--result-dir", type=str, default=".")
     parser.add_argument("--result-filename", type=str, default=None)
@@ -291,6 +294,35 @@ def structured_body(schema: Optional[str]) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": value}}}
 
 
+def _compare_rounds(args: argparse.Namespace, api_url: str, model: str, requests: list, chat: bool,
+                    body: dict[str, Any]) -> dict[str, Any]:
+    """--structured-output-compare: alternate unconstrained (A) and JSON-schema (B) runs of the
+    same requests ``--structured-output-rounds`` times; the last B result, with per-round and
+    median output-throughput ratios B / A added."""
+    import statistics
+
+    ratios, base_tps, so_tps = [], [], []
+    result: dict[str, Any] = {}
+    for r in range(max(1, args.structured_output_rounds)):
+        args._structured_body = {}
+        baseline = asyncio.run(benchmark(args, api_url, model, requests, chat))
+        args._structured_body = body
+        result = asyncio.run(benchmark(args, api_url, model, requests, chat))
+        a, b = baseline["output_throughput"], result["output_throughput"]
+        base_tps.append(a)
+        so_tps.append(b)
+        ratios.append(b / a if a else 0.0)
+        print(f"round {r + 1}: unconstrained {a:.2f} tok/s, JSON schema {b:.2f} tok/s, ratio {ratios[-1]:.3f}x")
+    result["unconstrained_output_throughput"] = statistics.median(base_tps)
+    result["structured_output_throughput"] = statistics.median(so_tps)
+    result["structured_output_throughput_ratios"] = ratios
+    result["structured_output_throughput_ratio"] = statistics.median(ratios)
+    print(f"Output token throughput, JSON schema / unconstrained (median of {len(ratios)} alternating rounds): "
+          f"{result['structured_output_throughput']:.2f} / {result['unconstrained_output_throughput']:.2f} tok/s, "
+          f"ratio {result['structured_output_throughput_ratio']:.3f}x")
+    return result
+
+
 def _server_model(base_url: str, api_key: Optional[str]) -> str:
     import urllib.request
 
@@ -325,19 +357,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
           f"output ~{args.random_output_len}, concurrency {args.max_concurrency or 'inf'}, "
           f"rate {args.request_rate}")
     body = structured_body(args.structured_output_schema)
-    baseline = None
     if body and args.structured_output_compare:
-        baseline = asyncio.run(benchmark(args, api_url, model, requests, chat))
-        print_result(baseline, args)
-        print("Unconstrained run done; now the same requests with the JSON schema.")
-    args._structured_body = body
-    result = asyncio.run(benchmark(args, api_url, model, requests, chat))
-    if baseline is not None:
-        ratio = result["output_throughput"] / baseline["output_throughput"] if baseline["output_throughput"] else 0.0
-        result["unconstrained_output_throughput"] = baseline["output_throughput"]
-        result["structured_output_throughput_ratio"] = ratio
-        print(f"Output token throughput, JSON schema / unconstrained: {result['output_throughput']:.2f} / "
-              f"{baseline['output_throughput']:.2f} tok/s = {ratio:.3f}x")
+        result = _compare_rounds(args, api_url, model, requests, chat, body)
+    else:
+        args._structured_body = body
+        result = asyncio.run(benchmark(args, api_url, model, requests, chat))
     result.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "model_id": model, "endpoint": args.endpoint,
                    "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                    "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",

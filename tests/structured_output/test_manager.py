@@ -149,3 +149,20 @@ def test_grammar_waits_for_the_end_of_reasoning(tok):
     req2.structured_output_request.future.result()
     so, _ = _step(s, {"r2": list(yes) + [2]})
     assert so.structured_output_request_ids == {"r2": 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows,bm_rows", [([0, 1, 2, 3], [0, 1, 2, 3]), ([5, 2], [3, 0]), ([6], [1])])
+def test_bitmask_masks_only_its_rows_in_place_in_every_dtype(dtype, rows, bm_rows):
+    """The in-place kernel path (and the float copy for other dtypes) sets exactly the
+    forbidden tokens of the constrained rows to -inf; other rows keep their bits."""
+    g = torch.Generator().manual_seed(0)
+    V = 49152 + 7  # a logits width past the bitmask's 32-token words: the tail stays as is
+    bm = torch.randint(-2**31, 2**31 - 1, (4, 49152 // 32), dtype=torch.int32, generator=g)
+    logits = torch.randn(7, V, generator=g).to(dtype)
+    expected = logits.clone()
+    for r, b in zip(rows, bm_rows):
+        allowed = ((bm[b].view(-1, 1) >> torch.arange(32)) & 1).flatten().bool()
+        expected[r, :49152][~allowed] = float("-inf")
+    apply_grammar_bitmask(logits, bm, rows, bm_rows)
+    assert torch.equal(logits, expected)
