@@ -36,3 +36,28 @@ class ParserRegistry:
     @classmethod
     def list_registered(cls) -> list[str]:
         return sorted(cls._registry)
+
+    @classmethod
+    def import_plugin(cls, plugin_path: str) -> None:
+        """Run the Python file ``plugin_path`` as a module named after the file (vLLM's
+        ``import_from_path``), so that its ``register_module`` calls register parsers here.
+        Raises ValueError (with the cause) for a missing file or one that fails to import;
+        vLLM only logs that, and the server then fails later on an unknown parser name."""
+        import importlib.util
+        import os
+        import sys
+
+        if not os.path.isfile(plugin_path):
+            raise ValueError(f"{cls.kind} plugin {plugin_path!r} is not a file")
+        name = os.path.splitext(os.path.basename(plugin_path))[0]
+        spec = importlib.util.spec_from_file_location(name, plugin_path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"{cls.kind} plugin {plugin_path!r} cannot be imported (not a Python file)")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any error of the user's file is reported as such
+            sys.modules.pop(name, None)
+            raise ValueError(f"{cls.kind} plugin {plugin_path!r} failed to import: "
+                             f"{type(e).__name__}: {e}") from e

@@ -140,6 +140,10 @@ class ToolParser:
         because it might have started a call, arguments whose last token was pending).
         When no call was streamed and the whole text holds none, the text held back is
         content, as :meth:`extract_tool_calls` says."""
+        if type(self).scan is ToolParser.scan:
+            # A vLLM-style plugin parser (its own extract_* methods, no scan): vLLM's
+            # streaming has no flush, its streaming method already sent everything.
+            return None
         before = self.scan(text, final=False)
         if all(c.name is None for c in before.calls) and not self.extract_tool_calls(text, request).tools_called:
             rest = text[len(before.content):] if text.startswith(before.content) else ""
@@ -188,6 +192,12 @@ class ToolParserManager(ParserRegistry):
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
         """The parser class registered as ``name``. Raises KeyError naming the known ones."""
         return cls._lookup(name)
+
+    @classmethod
+    def import_tool_parser(cls, plugin_path: str) -> None:
+        """``--tool-parser-plugin``: import a file that registers parsers with
+        ``@ToolParserManager.register_module(...)`` (vLLM's name). Raises ValueError."""
+        cls.import_plugin(plugin_path)
 
 
 ToolParserFactory = Callable[[Any], ToolParser]

@@ -255,8 +255,8 @@ def test_flags_are_checked_at_start():
         parse("--enable-auto-tool-choice", "--tool-call-parser", "nope")
     with pytest.raises(ValueError, match="--reasoning-parser"):
         parse("--reasoning-parser", "nope")
-    with pytest.raises(ValueError, match="--tool-parser-plugin"):
-        parse("--tool-parser-plugin", "x.py")
+    with pytest.raises(ValueError, match="--tool-parser-plugin.*not a file"):
+        parse("--tool-parser-plugin", "no_such_plugin.py")
 
 
 def test_reasoning_parser_needs_think_tokens(app):
@@ -306,3 +306,65 @@ def test_c48_tool_call_history(app, smol_tokenizer, template):
     if template == TOOL_TEMPLATE:  # the call reaches the template with dict arguments
         assert '<call get_temp {"city": "Oslo"}>' in text
     assert "tool_calls" not in engine.calls[-1].prompt["prompt"]
+
+
+# ---- --tool-parser-plugin: a vLLM-style plugin file registers a parser ---------------------
+PLUGIN = """
+import json
+from llmserve.entrypoints.openai.chat_completion.protocol import (
+    DeltaFunctionCall, DeltaMessage, DeltaToolCall, ExtractedToolCallInformation, FunctionCall, ToolCall)
+from llmserve.tool_parsers import ToolParser, ToolParserManager
+
+
+@ToolParserManager.register_module(["angle_calls"])
+class AngleToolParser(ToolParser):
+    # vLLM's plugin shape: its own extract methods; calls look like <<name {json}>>.
+    def extract_tool_calls(self, model_output, request):
+        if not model_output.startswith("<<"):
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
+        name, _, args = model_output[2:-2].partition(" ")
+        call = ToolCall(function=FunctionCall(name=name, arguments=json.dumps(json.loads(args))))
+        return ExtractedToolCallInformation(tools_called=True, tool_calls=[call], content=None)
+
+    def extract_tool_calls_streaming(self, previous_text, current_text, delta_text, previous_token_ids,
+                                     current_token_ids, delta_token_ids, request):
+        if not current_text.startswith("<"):
+            return DeltaMessage(content=delta_text)
+        if not current_text.endswith(">>") or len(current_text) < 4:
+            return None
+        info = self.extract_tool_calls(current_text, request)
+        c = info.tool_calls[0]
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=0, id=c.id, type="function", function=DeltaFunctionCall(
+            name=c.function.name, arguments=c.function.arguments))])
+"""
+
+
+def test_tool_parser_plugin_registers_a_parser_for_auto(app, tmp_path):
+    """vLLM's --tool-parser-plugin: the file is imported, its parser becomes a valid
+    --tool-call-parser and parses auto tool calls, whole and streamed."""
+    plugin = tmp_path / "angle_plugin.py"
+    plugin.write_text(PLUGIN)
+    client, engine = app("--tool-parser-plugin", str(plugin), "--enable-auto-tool-choice",
+                         "--tool-call-parser", "angle_calls")
+    engine.text = '<<subtract {"a": 9, "b": 5}>>'
+    body = {**W1, "tool_choice": "auto"}
+    r = post(client, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "subtract", "arguments": '{"a": 9, "b": 5}'}
+    content, _, calls, finish = assemble(stream_chunks(client, body))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("subtract", '{"a": 9, "b": 5}')]
+    engine.text = "No tool needed."
+    assert post(client, body).json()["choices"][0]["message"]["content"] == "No tool needed."
+    assert assemble(stream_chunks(client, body))[0] == "No tool needed."
+
+
+def test_tool_parser_plugin_that_fails_to_import_is_a_clear_error(tmp_path):
+    bad = tmp_path / "broken_plugin.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--tool-parser-plugin", str(bad)])
+    with pytest.raises(ValueError, match=r"--tool-parser-plugin: .*broken_plugin.py.*RuntimeError: boom"):
+        validate_parsed_serve_args(args)

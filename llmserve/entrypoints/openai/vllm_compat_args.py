@@ -62,8 +62,6 @@ _NO_DP = "one engine per server: data parallel is not implemented"
 _NO_EPLB = "only used with --enable-eplb, which is refused"
 _NO_HUB = "nothing is downloaded: models load from local paths, the HF cache or packages"
 _ARCH = "the model's architecture picks the runner (generate or pooling)"
-_NO_TOOLS = ("tool-parser plugins are not loaded; --tool-call-parser takes the built-in parsers "
-             "(hermes, llama3_json, llama4_json, mistral, pythonic)")
 
 # vLLM flag -> (kind, reason, accepted values). A refused flag is fine at vLLM's default
 # (``accepted``, as strings; a bool flag: False), e.g. ``--api-server-count 1``.
@@ -79,7 +77,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--disable-frontend-multiprocessing": (NOOP, "the engine always runs in its own process "
                                                  "(LLMSERVE_ENABLE_MULTIPROCESSING=0 is for the offline LLM)", ()),
     "--enable-request-id-headers": (NOOP, "X-Request-Id (the client's, or a new one) is always sent", ()),
-    "--tool-parser-plugin": (REFUSED, _NO_TOOLS, ("",)),
     "--tool-server": (REFUSED, "built-in tools (MCP/demo tool servers) are not implemented", ()),
     "--enable-log-outputs": (NOOP, "outputs are not logged; --enable-log-requests logs each request", ()),
     "--h11-max-header-count": (NOOP, "uvicorn's h11 has no header-count limit to set", ()),

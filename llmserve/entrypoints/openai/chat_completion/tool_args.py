@@ -1,5 +1,5 @@
 """vLLM's tool-calling and reasoning flags of ``vllm serve`` (``--enable-auto-tool-choice``,
-``--tool-call-parser``, ``--exclude-tools-when-tool-choice-none``, ``--reasoning-parser``):
+``--tool-call-parser``, ``--tool-parser-plugin``, ``--exclude-tools-when-tool-choice-none``, ``--reasoning-parser``):
 their arguments, their checks, and how they configure the chat handler."""
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def add_tool_calling_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--tool-call-parser", type=str, default=None,
                            help="The format of the model's tool calls (with --enable-auto-tool-choice): one of "
                                 + ", ".join(ToolParserManager.list_registered()) + ".")
+    if "--tool-parser-plugin" not in have:
+        group.add_argument("--tool-parser-plugin", type=str, default="",
+                           help="A Python file that registers tool parsers with "
+                                "@ToolParserManager.register_module(NAME) (from llmserve.tool_parsers; "
+                                "vLLM's plugins import it from vllm); its names are then valid "
+                                "--tool-call-parser values.")
     if "--exclude-tools-when-tool-choice-none" not in have:
         group.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction,
                            default=False,
@@ -40,6 +46,12 @@ def validate_tool_calling_args(args: argparse.Namespace) -> None:
     from llmserve.reasoning import ReasoningParserManager
     from llmserve.tool_parsers import ToolParserManager
 
+    plugin = getattr(args, "tool_parser_plugin", None)
+    if plugin and len(plugin) > 3:  # vLLM's test: shorter values (e.g. "") mean none
+        try:
+            ToolParserManager.import_tool_parser(plugin)
+        except ValueError as e:
+            raise ValueError(f"--tool-parser-plugin: {e}") from None
     parser = getattr(args, "tool_call_parser", None)
     if getattr(args, "enable_auto_tool_choice", False) and not parser:
         raise ValueError("When --enable-auto-tool-choice is set, --tool-call-parser must be set too.")
