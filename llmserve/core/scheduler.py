@@ -161,15 +161,29 @@ class Scheduler:
         if req.status == RequestStatus.WAITING_FOR_STREAMING_INPUT:
             self._resume_session(req)
 
-    def _next_chunk(self, req: Request) -> None:
+    def _next_chunk(self, req: Request) -> bool:
+        """Start the request's next input chunk. Returns True when it must first wait for
+        a new grammar to compile (its chunk brought another structured-outputs constraint)."""
         token_ids, params = req.streaming_queue.popleft()
         req.append_prompt_chunk(token_ids, params, self.block_size)
         self.finished_req_ids.add(req.request_id)  # the runner rebuilds its state for it
+        had = req.structured_output_request is not None
+        if not had and req.sampling_params.structured_outputs is None:
+            return False
+        # The new generation starts its grammar over (a matcher left at the end of the
+        # previous answer would forbid or wrongly allow the new answer's tokens).
+        self.structured_output_manager.grammar_restart(req)
+        sor = req.structured_output_request
+        self._num_structured += (sor is not None) - had
+        return sor is not None and not sor.is_ready()
 
     def _resume_session(self, req: Request) -> None:
         """A parked session got input: schedule its next chunk, or finish it."""
         if req.streaming_queue:
-            self._next_chunk(req)
+            if self._next_chunk(req):
+                req.status = RequestStatus.WAITING_FOR_FSM
+                self.waiting_for_fsm.append(req)
+                return
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
         elif req.input_closed:
@@ -184,8 +198,8 @@ class Scheduler:
         status). Returns True when it goes on: with the next queued chunk at once, or
         parked until one arrives; False when its input is closed and it is done."""
         if req.streaming_queue:
-            self._next_chunk(req)
-            req.status = RequestStatus.RUNNING
+            # Waiting for a new grammar: update_from_output moves it to waiting_for_fsm.
+            req.status = RequestStatus.WAITING_FOR_FSM if self._next_chunk(req) else RequestStatus.RUNNING
             return True
         if req.input_closed:
             return False
@@ -345,7 +359,7 @@ class Scheduler:
                 stopped = True
             if stopped and req.resumable and self._continue_session(req):
                 stopped = False
-                if req.status == RequestStatus.WAITING_FOR_STREAMING_INPUT:
+                if req.status in (RequestStatus.WAITING_FOR_STREAMING_INPUT, RequestStatus.WAITING_FOR_FSM):
                     parked.append(req)
             outputs.append(EngineCoreOutput(
                 req.request_id, [tok], runner_out.logprobs.get(req.request_id), plp,
@@ -358,6 +372,8 @@ class Scheduler:
             self._free_request(req)
         for req in parked:
             self.running.remove(req)
+            if req.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.append(req)
         return outputs
 
     def _finish_pooling(self, req: Request, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput],

@@ -77,9 +77,12 @@ class StructuredOutputManager:
         grammar = backend.new_grammar(sor.key)
         self.compile_seconds += time.perf_counter() - t0
         if sor.reasoning_ended is None:  # vLLM: a prompt may already close the reasoning
-            sor.reasoning_ended = (self.reasoner is None or self.config.enable_in_reasoning
-                                   or bool(self.reasoner.is_reasoning_end(prompt_token_ids)))
+            sor.reasoning_ended = self._reasoning_ended_in(prompt_token_ids)
         return grammar
+
+    def _reasoning_ended_in(self, prompt_token_ids: list[int]) -> bool:
+        return (self.reasoner is None or self.config.enable_in_reasoning
+                or bool(self.reasoner.is_reasoning_end(prompt_token_ids)))
 
     # ---- per request -------------------------------------------------------
     def grammar_init(self, request: "Request", reasoning_ended: Optional[bool] = None) -> None:
@@ -94,6 +97,29 @@ class StructuredOutputManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
         sor.future = self._executor.submit(self._compile, sor, list(request.prompt_token_ids))
+
+    def grammar_restart(self, request: "Request") -> None:
+        """Streaming input: a new prompt chunk starts a new generation, so its grammar
+        starts over. Same constraint (the chunk kept the request's params, or sent the
+        same one): the compiled matcher is reset, and whether reasoning has ended is
+        decided again on the grown prompt. Another constraint: a new grammar compiles (the
+        caller waits for it as for a new request). None: the request runs unconstrained."""
+        params = request.sampling_params.structured_outputs
+        old = request.structured_output_request
+        if params is None:
+            if old is not None:
+                old.cancel()
+            request.structured_output_request = None
+            return
+        key = grammar_key(params, not self.config.disable_any_whitespace)
+        if old is not None and old.key == key and old.grammar is not None:
+            old.grammar.reset()
+            old.reasoning_ended = (True if not self.config.reasoning_parser
+                                   else self._reasoning_ended_in(list(request.prompt_token_ids)))
+            return
+        if old is not None:
+            old.cancel()
+        self.grammar_init(request)
 
     def wait_for_compile(self, requests: list["Request"], timeout: float) -> None:
         """Block up to ``timeout`` seconds until one of these requests' grammars is

@@ -166,3 +166,70 @@ def test_bitmask_masks_only_its_rows_in_place_in_every_dtype(dtype, rows, bm_row
         expected[r, :49152][~allowed] = float("-inf")
     apply_grammar_bitmask(logits, bm, rows, bm_rows)
     assert torch.equal(logits, expected)
+
+
+A_SCHEMA = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                    "additionalProperties": False})
+
+
+def _answer(s, tok, rid, text, others=None):
+    """Drive ``rid`` through ``text`` + EOS, checking each token is allowed by its mask
+    (when it has one). Returns (the finishing output or None, bitmask rows seen)."""
+    ids = list(tok.encode(text, add_special_tokens=False)) + [2]
+    toks = {rid: list(ids), **(others or {})}
+    masked = 0
+    for _ in range(len(ids)):
+        nxt = toks[rid][0]
+        so, outs = _step(s, toks)
+        if rid in so.structured_output_request_ids:
+            masked += 1
+            assert nxt in _allowed(so, rid, len(tok)), (text, nxt)
+        done = next((o for o in outs if o.request_id == rid and o.finish_reason is not None), None)
+    return done, masked
+
+
+def _wait_compiled(s, req):
+    sor = req.structured_output_request
+    sor.future and sor.future.result()
+    s.has_requests_to_schedule()  # promotes it from waiting_for_fsm
+
+
+def test_streaming_input_chunk_restarts_the_grammar(tok):
+    """Each answer of a streaming-input session starts its grammar over: after a
+    complete JSON answer, the next chunk's answer must again start with '{' (a matcher
+    left terminated would allow only EOS); a chunk with another constraint compiles its
+    grammar first (WAITING_FOR_FSM); a chunk without one runs unconstrained."""
+    mgr, s = _setup(tok)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=32, structured_outputs=A_SCHEMA), eos_token_id=2,
+                  resumable=True)
+    mgr.grammar_init(req)
+    s.add_request(req)
+    _wait_compiled(s, req)
+    first, masked = _answer(s, tok, "r", '{"a": 12}')
+    assert masked == len(tok.encode('{"a": 12}', add_special_tokens=False)) + 1
+    assert first is None and req.status == RequestStatus.WAITING_FOR_STREAMING_INPUT
+    # chunk 2, same params: parked -> resumed with a fresh matcher
+    s.update_streaming_request("r", [5, 6], None, final=False)
+    assert req.status == RequestStatus.WAITING and req.structured_output_request.grammar.num_processed_tokens == 0
+    # chunk 3 (another constraint) is queued before chunk 2 is answered: _continue_session path
+    yes_no = SamplingParams(max_tokens=8, structured_outputs=SO(choice=["yes", "no"]))
+    s.update_streaming_request("r", [7], yes_no, final=False)
+    _, masked = _answer(s, tok, "r", '{"a": 7}')
+    assert masked == len(tok.encode('{"a": 7}', add_special_tokens=False)) + 1 and s._num_structured == 1
+    assert req.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING) and req not in s.running
+    _wait_compiled(s, req)
+    assert req.structured_output_request.key[0] == "choice"
+    so = s.schedule()
+    assert so.structured_output_request_ids == {"r": 0}
+    allowed = _allowed(so, "r", len(tok))
+    assert tok.encode("yes", add_special_tokens=False)[0] in allowed
+    assert tok.encode("{", add_special_tokens=False)[0] not in allowed
+    s.update_from_output(so, ModelRunnerOutput(sampled_token_ids={"r": tok.encode("no", add_special_tokens=False)[0]}))
+    _step(s, {"r": [2]})
+    # chunk 4 without a constraint: unconstrained, and no longer counted as structured
+    s.update_streaming_request("r", [8], SamplingParams(max_tokens=2), final=True)
+    assert req.structured_output_request is None and s._num_structured == 0
+    so, _ = _step(s, {"r": [9, 9]})
+    assert so.grammar_bitmask is None
+    _, outs = _step(s, {"r": [9]})
+    assert [o.finish_reason for o in outs] == [FinishReason.LENGTH] and s.get_num_unfinished_requests() == 0
