@@ -296,19 +296,21 @@ def structured_body(schema: Optional[str]) -> dict[str, Any]:
 
 def _compare_rounds(args: argparse.Namespace, api_url: str, model: str, requests: list, chat: bool,
                     body: dict[str, Any]) -> dict[str, Any]:
-    """--structured-output-compare: alternate unconstrained (A) and JSON-schema (B) runs of the
-    same requests ``--structured-output-rounds`` times; the last B result, with per-round and
-    median output-throughput ratios B / A added."""
+    """--structured-output-compare: unconstrained (A) and JSON-schema (B) runs of the same
+    requests, ``--structured-output-rounds`` rounds in ABBA order; the last B result, with
+    per-round and median output-throughput ratios B / A added."""
     import statistics
 
     ratios, base_tps, so_tps = [], [], []
     result: dict[str, Any] = {}
     for r in range(max(1, args.structured_output_rounds)):
-        args._structured_body = {}
-        baseline = asyncio.run(benchmark(args, api_url, model, requests, chat))
-        args._structured_body = body
-        result = asyncio.run(benchmark(args, api_url, model, requests, chat))
-        a, b = baseline["output_throughput"], result["output_throughput"]
+        runs = {}
+        # ABBA order: a load that drifts during a round favours neither side.
+        for constrained in ((False, True) if r % 2 == 0 else (True, False)):
+            args._structured_body = body if constrained else {}
+            runs[constrained] = asyncio.run(benchmark(args, api_url, model, requests, chat))
+        result = runs[True]
+        a, b = runs[False]["output_throughput"], result["output_throughput"]
         base_tps.append(a)
         so_tps.append(b)
         ratios.append(b / a if a else 0.0)

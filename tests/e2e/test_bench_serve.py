@@ -25,3 +25,23 @@ def test_bench_serve_small_run(server, tmp_path):
     assert result["total_input_tokens"] == 64 and result["total_output_tokens"] == 16
     assert result["output_throughput"] > 0 and result["median_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
     assert result["p99_e2el_ms"] >= result["median_e2el_ms"] > 0
+
+
+def test_bench_serve_structured_output_compare_rounds(server, tmp_path):
+    """--structured-output-compare with --structured-output-rounds: ABBA rounds of the same
+    requests, unconstrained and with the builtin schema; per-round ratios and their median."""
+    import statistics
+
+    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "bench", "serve", "--base-url", server.url_root,
+           "--api-key", server.api_key, "--endpoint", "/v1/chat/completions", "--num-prompts", "2",
+           "--random-input-len", "8", "--random-output-len", "4", "--max-concurrency", "2", "--temperature", "0",
+           "--structured-output-schema", "builtin", "--structured-output-compare", "--structured-output-rounds", "2",
+           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "so.json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("round ") == 2 and "median of 2 alternating rounds" in proc.stdout
+    result = json.loads((tmp_path / "so.json").read_text())
+    ratios = result["structured_output_throughput_ratios"]
+    assert len(ratios) == 2 and all(r > 0 for r in ratios)
+    assert result["structured_output_throughput_ratio"] == statistics.median(ratios)
+    assert result["completed"] == 2 and result["total_output_tokens"] == 8  # every JSON answer ran its length
