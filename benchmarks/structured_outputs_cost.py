@@ -65,7 +65,10 @@ def offline(rounds: int) -> None:
 
     ratios = []
     for r in range(rounds):
-        a, b = tps(plain), tps(so)
+        if r % 2 == 0:  # ABBA order: a drifting load favours neither side
+            a, b = tps(plain), tps(so)
+        else:
+            b, a = tps(so), tps(plain)
         ratios.append(b / a)
         print(f"round {r + 1}: unconstrained {a:.1f} tok/s, JSON schema {b:.1f} tok/s, ratio {b / a:.3f}  "
               f"(load {os.getloadavg()[0]:.2f})")
