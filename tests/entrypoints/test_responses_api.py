@@ -206,3 +206,37 @@ def test_background_then_cancel(app_and_engine):
         engine.outputs = [_output("x", "stop")]
         done = client.post("/v1/responses", json=BASE).json()
         _err(client.post(f"/v1/responses/{done['id']}/cancel"), 400, "response_id")  # not a background one
+
+
+def test_output_builder_reasoning_text_and_calls_stream_like_whole():
+    """Reasoning (with --reasoning-parser), then text, then two calls: each event is a
+    valid openai event, the items close in order, and building from the whole parsed
+    output gives the same items as the streamed pieces."""
+    from llmserve.entrypoints.openai.chat_completion.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    from llmserve.entrypoints.openai.responses.streaming import OutputBuilder
+
+    def call(i, args, name=None):
+        return DeltaToolCall(index=i, id=f"call_{i}" if name else None, type="function" if name else None,
+                             function=DeltaFunctionCall(name=name, arguments=args))
+
+    stream = OutputBuilder(stream=True)
+    pieces = [DeltaMessage(reasoning="Let me "), DeltaMessage(reasoning="think."), DeltaMessage(content="Sure."),
+              DeltaMessage(tool_calls=[call(0, '{"city": ', "get_weather")]),
+              DeltaMessage(tool_calls=[call(0, '"Oslo"}')]), DeltaMessage(tool_calls=[call(1, "{}", "now")])]
+    events = [e for p in pieces for e in stream.add(p)] + stream.finish()
+    payloads = [json.loads(e.split("\ndata: ", 1)[1]) for e in events]
+    for p in payloads:
+        EVENT.validate_python(p)
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    done = [(p["output_index"], p["item"]["type"]) for p in payloads if p["type"] == "response.output_item.done"]
+    assert done == [(0, "reasoning"), (1, "message"), (2, "function_call"), (3, "function_call")]
+    args = [p["arguments"] for p in payloads if p["type"] == "response.function_call_arguments.done"]
+    assert args == ['{"city": "Oslo"}', "{}"]
+    whole = OutputBuilder()
+    assert whole.add(DeltaMessage(reasoning="Let me think.", content="Sure.")) == []
+    whole.tool_call(0, "call_0", "get_weather", '{"city": "Oslo"}')
+    whole.tool_call(1, "call_1", "now", "{}")
+    whole.finish()
+    strip = [{k: v for k, v in i.model_dump().items() if k != "id"} for i in stream.items]
+    assert strip == [{k: v for k, v in i.model_dump().items() if k != "id"} for i in whole.items]
+    Response.model_validate(ResponsesResponse(id="resp-1", model="m", output=whole.items).model_dump(mode="json"))

@@ -3,18 +3,19 @@
 The request keeps OpenAI's field names (``input``, ``instructions``,
 ``max_output_tokens``, ``text.format``, flat function ``tools``, ``tool_choice``,
 ``previous_response_id``, ``store``, ``background``...) plus a few of vLLM's sampling
-extras (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``priority``). The
+extras (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``ignore_eos``,
+``priority``). The
 response object and its output items follow ``openai.types.responses`` (the official
 client validates them with ``Response.model_validate``; the tests do too).
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
-from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from llmserve.entrypoints.openai.common.protocol import (
     MAX_TEMPERATURE,
     Int64,
@@ -88,6 +89,10 @@ class ResponsesRequest(OpenAIRequestModel):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     seed: Optional[Int64] = None
+    stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
+                         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
+    ignore_eos: bool = False
     priority: Int64 = 0
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
@@ -136,7 +141,7 @@ class ResponsesRequest(OpenAIRequestModel):
         return SamplingParams(
             max_tokens=self.max_output_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
-            seed=self.seed,
+            seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 

@@ -252,7 +252,7 @@ class OpenAIServingResponses(GenerateBaseServing):
     async def _stream(self, job: ResponsesJob, merged: Any, gens: list[Any]) -> AsyncGenerator[str, None]:
         builder = OutputBuilder(stream=True)
         response = job.response
-        num_tokens, cached, finish = 0, 0, None
+        num_tokens, cached, finish, ended = 0, 0, None, False
         if response.store:
             self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages)))
         try:
@@ -278,6 +278,7 @@ class OpenAIServingResponses(GenerateBaseServing):
                 "status": status, "incomplete_details": details, "output": builder.items,
                 "usage": self._usage(job, num_tokens, cached, builder.items)})
             self._store(job, response)
+            ended = True
             for event in builder.response_event(f"response.{status}", response):
                 yield event
         except Exception as e:  # the stream already started: report in-band
@@ -288,9 +289,12 @@ class OpenAIServingResponses(GenerateBaseServing):
             failed = response.model_copy(update={"status": "failed", "output": builder.items, "error": ResponseError(
                 code="server_error" if body.error.code >= 500 else "invalid_request", message=body.error.message)})
             self._store(job, failed)
+            ended = True
             for event in builder.response_event("response.failed", failed):
                 yield event
         finally:
+            if not ended and response.id in self.store:  # the client went away: its request was aborted
+                self.store.get(response.id).response.status = "cancelled"
             await merged.aclose()
             await aclose_all(gens)
 
