@@ -112,6 +112,9 @@ class ResponsesRequest(OpenAIRequestModel):
         if unknown:
             raise SamplingParamsError(f"include: unknown value(s) {unknown}; expected some of "
                                       f"{sorted(INCLUDE_VALUES)}.", "include")
+        if self.truncation == "auto":  # dropping earlier turns to fit is not implemented: say so
+            raise SamplingParamsError('truncation "auto" is not supported by this server; send "disabled" (an '
+                                      "input that does not fit the context is a 400).", "truncation")
         if self.background and not self.store:
             raise SamplingParamsError("background responses must be stored: set store to true.", "store")
         if self.background and self.stream:

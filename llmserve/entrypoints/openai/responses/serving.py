@@ -134,15 +134,21 @@ class OpenAIServingResponses(GenerateBaseServing):
         params = request.to_sampling_params(self.default_sampling_params)
         params.structured_outputs, text_echo = self._text_format(request)
         make_parser, gen_kwargs = setup_output_parsing(self, view, plan, params, prompt.token_ids)
-        response = ResponsesResponse(
+        response = self._skeleton(request, model_name, request_id, params, text_echo)
+        return ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
+                            history + new_messages)
+
+    def _skeleton(self, request: ResponsesRequest, model_name: str, request_id: Optional[str],
+                  params: SamplingParams, text_echo: dict[str, Any]) -> ResponsesResponse:
+        """The response object before any output: the request's settings echoed."""
+        return ResponsesResponse(
             id=self.new_request_id(request_id), model=model_name, instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls is not False,
             previous_response_id=request.previous_response_id, reasoning=request.reasoning,
             store=request.store is not False, background=bool(request.background), temperature=params.temperature,
-            top_p=params.top_p, text={"format": text_echo}, tool_choice=request.tool_choice or "auto", tools=list(request.tools or []), truncation=request.truncation,
-            user=request.user, metadata=request.metadata)
-        return ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
-                            history + new_messages)
+            top_p=params.top_p, text={"format": text_echo}, tool_choice=request.tool_choice or "auto",
+            tools=list(request.tools or []), truncation=request.truncation or "disabled", user=request.user,
+            metadata=request.metadata)
 
     def _start(self, job: ResponsesJob) -> list[Any]:
         return [self.generate(job.prompt, job.params, job.response.id, job.request.priority, **job.gen_kwargs)]
