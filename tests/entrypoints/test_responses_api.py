@@ -154,6 +154,7 @@ def test_store_evicts_oldest_first():
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": "x"}] * 4097}, "input"),  # MAX_MESSAGES items (a long string is fine)
     ({"input": [{"type": "image_generation_call"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
@@ -243,3 +244,11 @@ def test_output_builder_reasoning_text_and_calls_stream_like_whole():
     strip = [{k: v for k, v in i.model_dump().items() if k != "id"} for i in stream.items]
     assert strip == [{k: v for k, v in i.model_dump().items() if k != "id"} for i in whole.items]
     Response.model_validate(ResponsesResponse(id="resp-1", model="m", output=whole.items).model_dump(mode="json"))
+
+
+def test_long_string_input_is_the_context_400_not_a_list_limit(app_and_engine):
+    client, engine = app_and_engine()
+    for stream in (False, True):
+        err = _err(client.post("/v1/responses", json={**BASE, "input": "word " * 150_000, "stream": stream}),
+                   400, "input")
+        assert "64" in err["message"] and "cannot fit" in err["message"], err

@@ -66,7 +66,7 @@ class ResponsesRequest(OpenAIRequestModel):
     """
 
     model: Optional[str] = None
-    input: Union[str, list[Any]] = Field(max_length=MAX_MESSAGES)
+    input: Union[str, Annotated[list[Any], Field(max_length=MAX_MESSAGES)]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[Int64] = None
     temperature: Optional[float] = None
