@@ -104,6 +104,52 @@ async def request_func(session: Any, api_url: str, model: str, prompt: Any, prom
     return out
 
 
+async def responses_request_func(session: Any, api_url: str, model: str, prompt: Any, prompt_len: int,
+                                 output_len: int, chat: bool, extra_body: dict[str, Any],
+                                 headers: dict[str, str]) -> RequestFuncOutput:
+    """:func:`request_func` for ``/v1/responses``: ``input`` and ``max_output_tokens``;
+    the text comes in ``response.output_text.delta`` events and the token count in the
+    terminal event's ``response.usage.output_tokens``. Never raises."""
+    payload: dict[str, Any] = {"model": model, "input": prompt, "max_output_tokens": output_len, "stream": True,
+                               "store": False, **extra_body}
+    out = RequestFuncOutput(prompt_len=prompt_len)
+    texts: list[str] = []
+    start = most_recent = time.perf_counter()
+    try:
+        async with session.post(api_url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return out
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                msg = json.loads(line[5:].strip())
+                kind = msg.get("type")
+                if kind == "response.output_text.delta" and msg.get("delta"):
+                    now = time.perf_counter()
+                    if not texts:
+                        out.ttft = now - start
+                    else:
+                        out.itl.append(now - most_recent)
+                    most_recent = now
+                    texts.append(msg["delta"])
+                elif kind in ("error", "response.failed"):
+                    out.error = str(msg.get("message") or msg.get("response", {}).get("error"))
+                    return out
+                elif kind in ("response.completed", "response.incomplete"):
+                    out.output_tokens = int(((msg["response"].get("usage") or {}).get("output_tokens")) or 0)
+        out.latency = time.perf_counter() - start
+        out.generated_text = "".join(texts)
+        out.output_tokens = out.output_tokens or len(texts)
+        out.success = out.output_tokens > 0
+        if not out.success:
+            out.error = "no tokens received"
+    except Exception as e:  # connection errors, timeouts, bad JSON
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
 async def _arrivals(requests: list[Any], request_rate: float, burstiness: float,
                     rng: np.random.Generator) -> AsyncIterator[Any]:
     """Yield requests at Poisson (burstiness 1) or gamma-distributed intervals."""
@@ -167,15 +213,16 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = np.random.default_rng(args.seed)
     outputs: list[RequestFuncOutput] = []
+    send = responses_request_func if api_url.rstrip("/").endswith("/responses") else request_func
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for prompt, plen, olen in requests[:args.num_warmups]:
-            await request_func(session, api_url, model, prompt, plen, olen, chat, extra, headers)
+            await send(session, api_url, model, prompt, plen, olen, chat, extra, headers)
 
         async def one(req: tuple[Any, int, int]) -> RequestFuncOutput:
             if sem is None:
-                return await request_func(session, api_url, model, *req, chat, extra, headers)
+                return await send(session, api_url, model, *req, chat, extra, headers)
             async with sem:
-                return await request_func(session, api_url, model, *req, chat, extra, headers)
+                return await send(session, api_url, model, *req, chat, extra, headers)
 
         start = time.perf_counter()
         tasks = [asyncio.create_task(one(req)) async for req in _arrivals(requests, args.request_rate,
@@ -219,7 +266,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", type=str, default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--endpoint", type=str, default="/v1/completions",
-                        help="/v1/completions (token-id prompts) or /v1/chat/completions (decoded text).")
+                        help="/v1/completions (token-id prompts), /v1/chat/completions or /v1/responses (decoded "
+                             "text).")
+    parser.add_argument("--compare-endpoint", type=str, default=None,
+                        help="Also run the same requests on this endpoint, alternating with --endpoint for "
+                             "--compare-rounds rounds each, and report both medians and the output-throughput "
+                             "ratio (--endpoint / --compare-endpoint).")
+    parser.add_argument("--compare-rounds", type=int, default=2, help="Rounds per endpoint with --compare-endpoint.")
     parser.add_argument("--model", type=str, default=None, help="Model name (default: the server's first model).")
     parser.add_argument("--tokenizer", type=str, default=None,
                         help="Tokenizer for the random dataset (default: the model, else SmolLM2-135M-Instruct).")
@@ -350,7 +403,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if args.tokenizer:
             raise
         tokenizer = get_tokenizer(DEFAULT_MODEL)
-    chat = "chat" in args.endpoint
+    chat = "chat" in args.endpoint or "responses" in args.endpoint  # text prompts
     sampled = sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                      args.random_range_ratio, args.seed)
     requests = [((tokenizer.decode(ids) if chat else ids), len(ids), olen) for ids, olen in sampled]
@@ -358,6 +411,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Benchmarking {model} at {api_url}: {len(requests)} requests, input ~{args.random_input_len}, "
           f"output ~{args.random_output_len}, concurrency {args.max_concurrency or 'inf'}, "
           f"rate {args.request_rate}")
+    if args.compare_endpoint:
+        from llmserve.benchmarks.endpoint_compare import compare_endpoints
+
+        return compare_endpoints(args, base_url, model, tokenizer, sampled)
     body = structured_body(args.structured_output_schema)
     if body and args.structured_output_compare:
         result = _compare_rounds(args, api_url, model, requests, chat, body)

@@ -49,6 +49,7 @@ from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServ
 from llmserve.entrypoints.openai.multi_model import build_extra_engine_clients, init_multi_model_state
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
+from llmserve.entrypoints.openai.responses.store import DEFAULT_STORE_MAX_ENTRIES
 from llmserve.entrypoints.openai.sagemaker.api_router import register_sagemaker_api_routers
 from llmserve.entrypoints.openai.score.api_router import register_score_api_routers
 from llmserve.entrypoints.openai.score.serving import OpenAIServingScores
@@ -206,8 +207,9 @@ async def init_generate_state(engine_client: Any, state: Any, args: argparse.Nam
     state.openai_serving_chat = OpenAIServingChat(engine_client, models, renderer, log_requests=log_requests)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, renderer,
                                                               log_requests=log_requests)
-    state.openai_serving_responses = OpenAIServingResponses(engine_client, models, renderer,
-                                                            log_requests=log_requests)
+    state.openai_serving_responses = OpenAIServingResponses(
+        engine_client, models, renderer, log_requests=log_requests,
+        store_max_entries=getattr(args, "responses_store_max_entries", None) or DEFAULT_STORE_MAX_ENTRIES)
     configure_handlers(state, args)
 
 

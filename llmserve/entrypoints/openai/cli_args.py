@@ -12,6 +12,7 @@ from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_
                                                          add_vllm_frontend_args, check_vllm_compat_args)
 from llmserve import envs
 from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_edge_args
+from llmserve.entrypoints.openai.responses.store import add_responses_args, check_responses_args
 from llmserve.entrypoints.openai.multi_model import parse_extra_model
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
@@ -85,6 +86,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                              "Repeatable.")
     add_vllm_frontend_args(server)
     add_http_edge_args(server)
+    add_responses_args(server)
     AsyncEngineArgs.add_cli_args(parser)
     add_tool_calling_args(parser)  # after the engine's: --reasoning-parser may be an engine field
     # every other `vllm serve` flag: a no-op or refused with its reason, never "unrecognized"
@@ -108,3 +110,4 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     check_vllm_compat_args(args)
     validate_tool_calling_args(args)
     check_http_edge_args(args)
+    check_responses_args(args)

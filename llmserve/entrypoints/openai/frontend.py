@@ -91,6 +91,7 @@ def configure_handlers(state: Any, args: argparse.Namespace) -> None:
         handler.max_log_len = getattr(args, "max_log_len", None)
         if name == "openai_serving_chat":
             handler.response_role = getattr(args, "response_role", None) or "assistant"
+        if name in ("openai_serving_chat", "openai_serving_responses"):  # the same tool/reasoning flags
             configure_tool_calling(handler, args)
         if as_ids and hasattr(handler, "token_formatter"):
             handler.token_formatter = TokenIdFormatter(handler.tokenizer)

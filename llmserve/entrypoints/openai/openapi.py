@@ -21,7 +21,7 @@ from llmserve.entrypoints.openai.common.protocol import ErrorResponse
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
 # Routes whose 200 may be an SSE stream (``"stream": true``).
-STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions")
+STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class HealthResponse(BaseModel):

@@ -40,11 +40,11 @@ from llmserve.entrypoints.openai.chat_completion.tool_calling import (
     ChoiceOutputParser,
     OutputParsing,
     ToolPlan,
-    reasoning_kwargs,
+    setup_output_parsing,
 )
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from llmserve.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(GenerateBaseServing):
@@ -88,24 +88,7 @@ class OpenAIServingChat(GenerateBaseServing):
         when nothing is parsed) and the ``reasoning_ended`` /
         ``reasoning_parser_kwargs`` arguments of ``AsyncLLM.generate``.
         """
-        if plan.schema is not None:
-            params.structured_outputs = StructuredOutputsParams(json=plan.schema)
-        if plan.mode == "auto" and self.tool_parser_cls.keeps_special_tokens:
-            params.skip_special_tokens = False
-        reasoner, gen_kwargs = None, {}
-        if self.reasoning_parser_cls is not None:
-            kwargs = reasoning_kwargs(request)
-            reasoner = self.reasoning_parser_cls(self.tokenizer, **kwargs)
-            ended = reasoner.is_reasoning_end(prompt_ids)
-            gen_kwargs = {"reasoning_ended": ended or not request.include_reasoning,
-                          "reasoning_parser_kwargs": kwargs}
-            if ended:  # the template closed the reasoning (e.g. enable_thinking false): all content
-                reasoner = None
-        if reasoner is None and not plan.parses_tools:
-            return None, gen_kwargs
-        max_calls = 1 if request.parallel_tool_calls is False else None
-        return (lambda: ChoiceOutputParser(reasoner, plan.make_tool_parser(self.tokenizer, self.tool_parser_cls),
-                                           request, max_calls)), gen_kwargs
+        return setup_output_parsing(self, request, plan, params, prompt_ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
                                      ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:

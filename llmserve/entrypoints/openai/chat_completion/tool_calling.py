@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage, DeltaToolCall, ToolCall
-from llmserve.sampling_params import SamplingParamsError
+from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 # OpenAI's rule for function names.
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -300,6 +300,38 @@ def join_deltas(a: Optional[DeltaMessage], b: Optional[DeltaMessage]) -> Optiona
     calls: list[DeltaToolCall] = list(a.tool_calls or []) + list(b.tool_calls or [])
     return DeltaMessage(reasoning=((a.reasoning or "") + (b.reasoning or "")) or None,
                         content=((a.content or "") + (b.content or "")) or None, tool_calls=calls or None)
+
+
+def setup_output_parsing(handler: Any, request: Any, plan: ToolPlan, params: Any, prompt_ids: list[int],
+                         ) -> tuple[Optional[Any], dict[str, Any]]:
+    """Set up tool-call and reasoning parsing of the output (vLLM's chat paths), for
+    the chat and Responses handlers alike.
+
+    handler: has ``tokenizer``, ``tool_parser_cls`` and ``reasoning_parser_cls`` (the
+    flags). Puts the forced schema of ``required``/named tool choices on ``params``
+    (structured outputs) and keeps special tokens for parsers whose markers are special
+    tokens. Returns a factory of one ChoiceOutputParser per choice (None when nothing is
+    parsed) and the ``reasoning_ended`` / ``reasoning_parser_kwargs`` arguments of
+    ``AsyncLLM.generate``.
+    """
+    if plan.schema is not None:
+        params.structured_outputs = StructuredOutputsParams(json=plan.schema)
+    if plan.mode == "auto" and handler.tool_parser_cls.keeps_special_tokens:
+        params.skip_special_tokens = False
+    reasoner, gen_kwargs = None, {}
+    if handler.reasoning_parser_cls is not None:
+        kwargs = reasoning_kwargs(request)
+        reasoner = handler.reasoning_parser_cls(handler.tokenizer, **kwargs)
+        ended = reasoner.is_reasoning_end(prompt_ids)
+        gen_kwargs = {"reasoning_ended": ended or not request.include_reasoning,
+                      "reasoning_parser_kwargs": kwargs}
+        if ended:  # the template closed the reasoning (e.g. enable_thinking false): all content
+            reasoner = None
+    if reasoner is None and not plan.parses_tools:
+        return None, gen_kwargs
+    max_calls = 1 if request.parallel_tool_calls is False else None
+    return (lambda: ChoiceOutputParser(reasoner, plan.make_tool_parser(handler.tokenizer, handler.tool_parser_cls),
+                                       request, max_calls)), gen_kwargs
 
 
 def reasoning_kwargs(request: Any) -> dict[str, Any]:

@@ -33,6 +33,15 @@ _ERROR_TYPES = {
 }
 
 
+class NotFoundError(LookupError):
+    """A resource named by the request (other than the model) does not exist, e.g. a
+    stored response id: HTTP 404 with ``param`` (OpenAI's NotFoundError)."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def error_type_for(status_code: int) -> str:
     """OpenAI/vLLM error ``type`` for an HTTP status (e.g. 404 -> "NotFoundError")."""
     return _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
@@ -48,7 +57,7 @@ def make_error(message: str, status_code: int = 400, param: Optional[str] = None
 def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map an exception to (HTTP status, error body).
 
-    ModelNotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
+    ModelNotFoundError, NotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
     the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
     never a 5xx, which the official clients retry twice); EngineDeadError -> 503;
     EngineGenerateError and anything else -> 500 (unexpected errors are logged with
@@ -56,6 +65,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     """
     if isinstance(exc, ModelNotFoundError):
         return 404, make_error(str(exc), 404, "model")
+    if isinstance(exc, NotFoundError):
+        return 404, make_error(str(exc.args[0]), 404, exc.param)
     if isinstance(exc, RequestDeadlineExceeded):
         return 408, make_error(str(exc), 408, exc.param)
     if isinstance(exc, EngineDeadError):

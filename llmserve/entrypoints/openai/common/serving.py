@@ -91,7 +91,7 @@ class BaseServing:
 
 
 class GenerateBaseServing(BaseServing):
-    """Base of the handlers that generate (chat, completions; Responses next).
+    """Base of the handlers that generate (chat, completions, responses).
 
     renderer: the server's AsyncRenderer (messages/prompts -> token ids in its pool).
     ``default_sampling_params``: the model's generation-config defaults.

@@ -1,17 +1,273 @@
-"""Protocol of ``POST /v1/responses`` (OpenAI's Responses API; not served yet: the request
-is parsed far enough to check the model and the input length)."""
+"""Protocol of ``/v1/responses`` (OpenAI's Responses API, as vLLM serves it).
+
+The request keeps OpenAI's field names (``input``, ``instructions``,
+``max_output_tokens``, ``text.format``, flat function ``tools``, ``tool_choice``,
+``previous_response_id``, ``store``, ``background``...) plus a few of vLLM's sampling
+extras (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``ignore_eos``,
+``priority``). The
+response object and its output items follow ``openai.types.responses`` (the official
+client validates them with ``Response.model_validate``; the tests do too).
+"""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import time
+from typing import Annotated, Any, Literal, Optional, Union
 
-from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from llmserve.entrypoints.openai.common.protocol import (
+    MAX_TEMPERATURE,
+    Int64,
+    OpenAIBaseModel,
+    OpenAIRequestModel,
+    random_uuid,
+)
+from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+
+# OpenAI's ``include`` values; those that do not apply to this server's outputs (no
+# search, image or code tools; no encrypted reasoning) are accepted and have no effect.
+INCLUDE_VALUES = frozenset({
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+    "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
+    "web_search_call.action.sources", "web_search_call.results"})
+MAX_METADATA_ENTRIES = 16  # OpenAI's limit on ``metadata``
+
+
+class ResponseTextFormat(OpenAIBaseModel):
+    """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "name", "schema", "description", "strict"}`` (flat, unlike
+    chat's ``response_format.json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseTextConfig(OpenAIBaseModel):
+    """``text``: the output's ``format`` and OpenAI's ``verbosity`` (no effect here)."""
+
+    format: Optional[ResponseTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
 
 
 class ResponsesRequest(OpenAIRequestModel):
-    """``POST /v1/responses``: only parsed far enough to check the model and the input
-    length; the endpoint itself is not served yet."""
+    """``POST /v1/responses``.
+
+    ``input``: a string (one user message) or a list of input items: messages
+    (``{"role", "content"}`` with a string or ``input_text``/``output_text`` parts),
+    ``function_call`` and ``function_call_output`` items, and ``reasoning`` items (not
+    shown to the template, as vLLM). ``tools``: function tools ``{"type": "function",
+    "name", "description", "parameters", "strict"}``. Checks that need no model are
+    :meth:`check`; the rest (tools, input items, context length) raise
+    SamplingParamsError naming the field when the request is built.
+    """
 
     model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, Annotated[list[Any], Field(max_length=MAX_MESSAGES)]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[Int64] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    text: Optional[ResponseTextConfig] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    include: Optional[list[str]] = None
+    store: Optional[bool] = True
+    background: Optional[bool] = False
+    stream: Optional[bool] = False
+    previous_response_id: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None  # {"effort": ...}: passed to the chat template
+    truncation: Optional[Literal["auto", "disabled"]] = "disabled"
+    # vLLM extras
+    top_k: Optional[Int64] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[Int64] = None
+    stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
+                         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
+    ignore_eos: bool = False
+    priority: Int64 = 0
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    def check(self) -> None:
+        """Checks that need no model. Raises SamplingParamsError naming the field."""
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise SamplingParamsError(f"max_output_tokens must be at least 1, got {self.max_output_tokens}.",
+                                      "max_output_tokens")
+        if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.",
+                                      "temperature")
+        if isinstance(self.input, list) and not self.input:
+            raise SamplingParamsError("input must not be an empty list.", "input")
+        if self.metadata is not None and len(self.metadata) > MAX_METADATA_ENTRIES:
+            raise SamplingParamsError(f"metadata may have at most {MAX_METADATA_ENTRIES} entries.", "metadata")
+        unknown = sorted(set(self.include or ()) - INCLUDE_VALUES)
+        if unknown:
+            raise SamplingParamsError(f"include: unknown value(s) {unknown}; expected some of "
+                                      f"{sorted(INCLUDE_VALUES)}.", "include")
+        if self.truncation == "auto":  # dropping earlier turns to fit is not implemented: say so
+            raise SamplingParamsError('truncation "auto" is not supported by this server; send "disabled" (an '
+                                      "input that does not fit the context is a 400).", "truncation")
+        if self.background and not self.store:
+            raise SamplingParamsError("background responses must be stored: set store to true.", "store")
+        if self.background and self.stream:
+            raise SamplingParamsError("Streaming background responses is not supported by this server: "
+                                      "poll GET /v1/responses/{id} instead.", "stream")
+        if self.reasoning is not None and self.reasoning.get("effort") not in (None, "none", "minimal", "low",
+                                                                             "medium", "high", "xhigh"):
+            raise SamplingParamsError(f"reasoning.effort: unknown value {self.reasoning.get('effort')!r}.",
+                                      "reasoning")
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """The chat template's extra variables: ``chat_template_kwargs`` plus
+        ``reasoning_effort`` from ``reasoning.effort`` (as chat's ``reasoning_effort``)."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": effort, **(self.chat_template_kwargs or {})}
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """SamplingParams of the request (vLLM's ``ResponsesRequest.to_sampling_params``);
+        a field left out takes the model's generation-config default, else OpenAI's.
+        ``max_output_tokens`` None leaves the budget to the engine's InputProcessor."""
+        def pick(name: str, builtin: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, builtin)
+
+        return SamplingParams(
+            max_tokens=self.max_output_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+            seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+
+# ----------------------------------------------------------------------------- output
+class OutputText(OpenAIBaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(OpenAIBaseModel):
+    """An assistant ``message`` output item."""
+
+    id: str = Field(default_factory=lambda: f"msg_{random_uuid()}")
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class FunctionCallItem(OpenAIBaseModel):
+    """A ``function_call`` output item: ``arguments`` is JSON text; ``call_id`` pairs it
+    with the client's ``function_call_output``."""
+
+    id: str = Field(default_factory=lambda: f"fc_{random_uuid()}")
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """A ``reasoning`` output item (with ``--reasoning-parser``): the text in ``content``."""
+
+    id: str = Field(default_factory=lambda: f"rs_{random_uuid()}")
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = Union[OutputMessage, FunctionCallItem, ReasoningItem]
+
+
+class InputTokensDetails(OpenAIBaseModel):
+    """``cached_tokens``: prompt tokens served from the prefix cache;
+    ``cache_write_tokens``: the others (computed by this request, and cached)."""
+
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    """Token counts: the prompt (``input_tokens``, prefix-cache hits in
+    ``input_tokens_details.cached_tokens``), the output, and their sum."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(OpenAIBaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseError(OpenAIBaseModel):
+    code: str
+    message: str
+
+
+ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
+
+
+class ResponsesResponse(OpenAIBaseModel):
+    """The ``response`` object (``openai.types.responses.Response``)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: ResponseStatus = "in_progress"
+    error: Optional[ResponseError] = None
+    incomplete_details: Optional[IncompleteDetails] = None
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: Optional[str] = None
+    reasoning: Optional[dict[str, Any]] = None
+    store: bool = True
+    background: bool = False
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Union[str, dict[str, Any]] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    truncation: str = "disabled"
+    usage: Optional[ResponseUsage] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+
+    @property
+    def output_text(self) -> str:
+        """The text of every output_text part (the openai client's ``output_text``)."""
+        return "".join(c.text for item in self.output if isinstance(item, OutputMessage) for c in item.content)
+
+
+class DeletedResponse(OpenAIBaseModel):
+    """``DELETE /v1/responses/{id}``'s body."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True

@@ -1,49 +1,357 @@
-"""``POST /v1/responses`` (OpenAI's Responses API), not served yet.
+"""``/v1/responses`` (OpenAI's Responses API; vLLM's ``OpenAIServingResponses``).
 
-The request is checked as far as this server can: an unknown model is a 404, an input
-that does not fit the context is a 400 naming the limit and the token counts (the
-engine's InputProcessor decides, as for chat), and anything else is a 400 saying the
-API is not supported yet. Never a 5xx: the openai clients retry those.
+A request becomes chat messages (``instructions`` as the system message, the stored
+conversation of ``previous_response_id``, then ``input``: input_items.py), rendered by
+the one renderer with the function tools; sampling, structured outputs (``text.format``)
+and tool/reasoning parsing are chat's (``tool_calling.py``, the same
+``--enable-auto-tool-choice`` / ``--tool-call-parser`` / ``--reasoning-parser`` flags).
+The output becomes ``reasoning``, ``message`` and ``function_call`` items
+(streaming.py); ``max_output_tokens`` reached is ``status: "incomplete"`` with
+``incomplete_details.reason == "max_output_tokens"``.
+
+State (store.py): ``store`` (default true) keeps the response and its conversation in a
+bounded in-process store (``--responses-store-max-entries``, oldest evicted first) for
+``GET``/``DELETE /v1/responses/{id}`` and ``previous_response_id``;
+``background: true`` answers ``queued`` at once and runs in a task that
+``POST /v1/responses/{id}/cancel`` aborts (``cancelled``).
+
+Errors before a response starts are raised (404 unknown model or response id, 400
+naming the field); a stream that fails later ends with an ``error`` event and
+``response.failed``. A client that disconnects aborts its engine request, as on chat.
 """
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from typing import Any, AsyncGenerator, Optional, Union
 
-from llmserve.entrypoints.openai.common.serving import GenerateBaseServing
-from llmserve.entrypoints.openai.responses.protocol import ResponsesRequest
+from llmserve.entrypoints.openai.chat_completion.tool_calling import (
+    OutputParsing,
+    ToolPlan,
+    check_tools,
+    setup_output_parsing,
+)
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.serving import GenerateBaseServing, aclose_all, merge_started
+from llmserve.entrypoints.openai.common.structured import JsonSchemaResponseFormat, ResponseFormat, \
+    structured_outputs_params
+from llmserve.entrypoints.openai.responses.input_items import (
+    ChatToolsView,
+    input_messages,
+    output_messages,
+    to_chat_tool_choice,
+    to_chat_tools,
+)
+from llmserve.entrypoints.openai.responses.protocol import (
+    DeletedResponse,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ReasoningItem,
+    ResponseError,
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponseUsage,
+)
+from llmserve.entrypoints.openai.responses.store import ResponsesStore, StoredResponse
+from llmserve.entrypoints.openai.responses.streaming import OutputBuilder
+from llmserve.entrypoints.renderer import RenderedPrompt
+from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger("llmserve.entrypoints.openai")
+
+# engine / renderer field -> Responses field, for the ``param`` of a 400
+PARAM_NAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
+               "structured_outputs": "text.format", "response_format": "text.format"}
+
+
+def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
+    return SamplingParamsError(str(e), names.get(e.param, e.param)) if e.param in names else e
+
+
+class ResponsesJob:
+    """One prepared request: the response skeleton, the prompt, the params, the output
+    parsing and the conversation so far (chat messages, for the store)."""
+
+    def __init__(self, request: ResponsesRequest, response: ResponsesResponse, prompt: RenderedPrompt,
+                 params: SamplingParams, parsing: OutputParsing, gen_kwargs: dict[str, Any],
+                 messages: list[dict[str, Any]]) -> None:
+        self.request, self.response, self.prompt, self.params = request, response, prompt, params
+        self.parsing, self.gen_kwargs, self.messages = parsing, gen_kwargs, messages
 
 
 class OpenAIServingResponses(GenerateBaseServing):
-    """Handler of ``/v1/responses`` (checks only, for now)."""
+    """Handler of ``/v1/responses`` (create, retrieve, delete, cancel)."""
 
     request_id_prefix = "resp"
+    # set by configure_tool_calling from the flags, as on the chat handler
+    enable_auto_tools = False
+    tool_parser_cls: Any = None
+    reasoning_parser_cls: Any = None
+    exclude_tools_when_tool_choice_none = False
 
-    def messages(self, request: ResponsesRequest) -> list[Any]:
-        """The request's ``instructions`` and ``input`` as chat messages."""
-        if isinstance(request.input, str):
-            messages: list[Any] = [{"role": "user", "content": request.input}]
-        else:
-            messages = [m for m in request.input if isinstance(m, dict) and "role" in m]
-        if request.instructions:
-            messages = [{"role": "system", "content": request.instructions}] + messages
-        return messages
+    def __init__(self, *args: Any, store_max_entries: int = 1000, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = ResponsesStore(store_max_entries)
+        self._background: set[asyncio.Task] = set()
 
-    async def create_responses(self, request: ResponsesRequest) -> None:
-        """Always raises: ModelNotFoundError (404), or SamplingParamsError (400) for an
-        input that does not fit, else SamplingParamsError (400) "not supported yet"."""
-        self._check_model(request)
-        max_out = request.max_output_tokens
-        if max_out is not None and max_out < 1:
-            raise SamplingParamsError(f"max_output_tokens must be at least 1, got {max_out}.", "max_output_tokens")
+    # ---- preparing -------------------------------------------------------------------
+    def _text_format(self, request: ResponsesRequest) -> tuple[Any, dict[str, Any]]:
+        """The StructuredOutputsParams of ``text.format`` (None for text) and its echo."""
+        fmt = request.text.format if request.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None, {"type": "text"}
+        if fmt.type == "json_schema" and (not fmt.name or fmt.schema_ is None):
+            raise SamplingParamsError("text.format of type 'json_schema' needs a `name` and a `schema`.",
+                                      "text.format")
+        rf = ResponseFormat(type=fmt.type, json_schema=JsonSchemaResponseFormat(
+            name=fmt.name, schema=fmt.schema_, strict=fmt.strict) if fmt.type == "json_schema" else None)
         try:
-            prompt = await self.renderer.render_chat(self.messages(request))
-            check = getattr(self.engine_client, "input_processor", None)
-            if check is not None:  # the engine's own checks, without running the request
-                check.process_inputs(self.new_request_id(), prompt.to_engine_prompt(),
-                                     SamplingParams(max_tokens=max_out))
+            params = structured_outputs_params(rf, None)
         except SamplingParamsError as e:
-            names = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
-            raise SamplingParamsError(str(e), names.get(e.param, e.param)) from e
-        raise SamplingParamsError("The Responses API (/v1/responses) is not supported by this server yet; "
-                                  "use /v1/chat/completions.", "model")
+            raise _renamed(e, PARAM_NAMES) from None
+        return params, fmt.model_dump(by_alias=True, exclude_none=True)
+
+    async def _prepare(self, request: ResponsesRequest, model_name: str, request_id: Optional[str]) -> ResponsesJob:
+        """Check and render the request (everything that can fail before it runs)."""
+        request.check()
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            history = list(self.store.get(request.previous_response_id, "previous_response_id").messages)
+        new_messages = input_messages(request.input)
+        view = ChatToolsView(to_chat_tools(request.tools), to_chat_tool_choice(request.tool_choice),
+                             request.parallel_tool_calls, chat_template_kwargs=request.chat_template_kwargs)
+        check_tools(view)
+        plan = ToolPlan.of(view, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
+                           exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none)
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        try:
+            prompt = await self.renderer.render_chat(system + history + new_messages, tools=plan.template_tools,
+                                                     chat_template_kwargs=request.template_kwargs())
+        except SamplingParamsError as e:
+            raise _renamed(e, PARAM_NAMES) from None
+        params = request.to_sampling_params(self.default_sampling_params)
+        params.structured_outputs, text_echo = self._text_format(request)
+        make_parser, gen_kwargs = setup_output_parsing(self, view, plan, params, prompt.token_ids)
+        response = self._skeleton(request, model_name, request_id, params, text_echo)
+        return ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
+                            history + new_messages)
+
+    def _skeleton(self, request: ResponsesRequest, model_name: str, request_id: Optional[str],
+                  params: SamplingParams, text_echo: dict[str, Any]) -> ResponsesResponse:
+        """The response object before any output: the request's settings echoed."""
+        return ResponsesResponse(
+            id=self.new_request_id(request_id), model=model_name, instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls is not False,
+            previous_response_id=request.previous_response_id, reasoning=request.reasoning,
+            store=request.store is not False, background=bool(request.background), temperature=params.temperature,
+            top_p=params.top_p, text={"format": text_echo}, tool_choice=request.tool_choice or "auto",
+            tools=list(request.tools or []), truncation=request.truncation or "disabled", user=request.user,
+            metadata=request.metadata)
+
+    def _start(self, job: ResponsesJob) -> list[Any]:
+        return [self.generate(job.prompt, job.params, job.response.id, job.request.priority, **job.gen_kwargs)]
+
+    def _check_input(self, job: ResponsesJob) -> None:
+        """The engine's own checks of the prompt (context length, ...), without running it
+        (a background request answers before its first token)."""
+        check = getattr(self.engine_client, "input_processor", None)
+        if check is None:
+            return
+        try:
+            check.process_inputs(job.response.id, job.prompt.to_engine_prompt(), job.params.clone())
+        except SamplingParamsError as e:
+            raise _renamed(e, PARAM_NAMES) from None
+
+    # ---- create ------------------------------------------------------------------------
+    async def create_responses(self, request: ResponsesRequest, request_id: Optional[str] = None,
+                               ) -> Union[ResponsesResponse, AsyncGenerator[str, None]]:
+        """Serve ``POST /v1/responses``: the response object, or (``stream``) an async
+        generator of SSE strings. Raises ModelNotFoundError / ResponseNotFoundError (404),
+        SamplingParamsError (400 naming the field), EngineDeadError (503)."""
+        model_name = self._check_model(request)
+        job = await self._prepare(request, model_name, request_id)
+        if request.background:
+            self._check_input(job)
+            job.response.status = "queued"
+            entry = StoredResponse(job.response.model_copy(deep=True))
+            entry.task = asyncio.get_running_loop().create_task(self._run_background(job, entry))
+            self._background.add(entry.task)
+            entry.task.add_done_callback(self._background.discard)
+            self.store.put(entry)
+            return entry.response.model_copy(deep=True)  # as it was queued (the task changes the stored one)
+        gens = self._start(job)
+        firsts = await self.start_generation(gens, PARAM_NAMES)
+        merged = merge_started(firsts, gens)
+        if request.stream:
+            return self._stream(job, merged, gens)
+        try:
+            final = await self._collect(merged)
+        finally:
+            await merged.aclose()
+            await aclose_all(gens)
+        return self._finish(job, final)
+
+    @staticmethod
+    async def _collect(merged: Any) -> Optional[RequestOutput]:
+        final: Optional[RequestOutput] = None
+        async for _, res in merged:
+            if final is None:
+                final = res
+            else:
+                final.add(res, aggregate=False)
+        return final
+
+    def _finish(self, job: ResponsesJob, final: Optional[RequestOutput]) -> ResponsesResponse:
+        """The finished response of a whole output (stored when ``store``)."""
+        if final is None:
+            raise RuntimeError(f"request {job.response.id} ended without output")
+        out = final.outputs[0]
+        builder = OutputBuilder()
+        if job.parsing.active:
+            parsed = job.parsing.make_parser().parse(out.text)
+            from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage
+
+            builder.add(DeltaMessage(reasoning=parsed.reasoning, content=parsed.content))
+            for i, call in enumerate(parsed.tool_calls):
+                builder.tool_call(i, call.id, call.function.name, call.function.arguments)
+        else:
+            builder.text(out.text)
+        status, details = self._status(out.finish_reason)
+        builder.finish("incomplete" if status == "incomplete" else "completed")
+        response = job.response.model_copy(update={
+            "status": status, "incomplete_details": details, "output": builder.items,
+            "usage": self._usage(job, len(out.token_ids), final.num_cached_tokens, builder.items)})
+        self._store(job, response)
+        return response
+
+    @staticmethod
+    def _status(finish_reason: Optional[str]) -> tuple[str, Optional[IncompleteDetails]]:
+        """completed, or incomplete (``max_output_tokens`` when the budget ran out)."""
+        if finish_reason == "length":
+            return "incomplete", IncompleteDetails(reason="max_output_tokens")
+        if finish_reason == "abort":
+            return "incomplete", None
+        return "completed", None
+
+    def _usage(self, job: ResponsesJob, output_tokens: int, cached: Optional[int], items: list[Any]) -> ResponseUsage:
+        reasoning = "".join(c.text for it in items if isinstance(it, ReasoningItem) for c in it.content)
+        reasoning_tokens = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        input_tokens, cached = len(job.prompt.token_ids), int(cached or 0)
+        return ResponseUsage(input_tokens=input_tokens, input_tokens_details=InputTokensDetails(
+            cached_tokens=cached, cache_write_tokens=max(input_tokens - cached, 0)), output_tokens=output_tokens, output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=min(reasoning_tokens, output_tokens)), total_tokens=input_tokens + output_tokens)
+
+    def _store(self, job: ResponsesJob, response: ResponsesResponse) -> None:
+        if not response.store:
+            return
+        entry = StoredResponse(response, job.messages + output_messages(response.output))
+        try:
+            old = self.store.get(response.id)
+            entry.task = old.task
+        except LookupError:
+            pass
+        self.store.put(entry)
+
+    # ---- streaming -----------------------------------------------------------------------
+    async def _stream(self, job: ResponsesJob, merged: Any, gens: list[Any]) -> AsyncGenerator[str, None]:
+        builder = OutputBuilder(stream=True)
+        response = job.response
+        num_tokens, cached, finish, ended = 0, 0, None, False
+        if response.store:
+            self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages)))
+        try:
+            for event in builder.response_event("response.created", response):
+                yield event
+            for event in builder.response_event("response.in_progress", response):
+                yield event
+            async for _, res in merged:
+                cached = res.num_cached_tokens
+                out = res.outputs[0]
+                num_tokens += len(out.token_ids)
+                finish = out.finish_reason
+                if job.parsing.active:
+                    delta, _ = job.parsing.stream_delta(0, out.text, finish)
+                else:
+                    delta = _content(out.text)
+                for event in builder.add(delta):
+                    yield event
+            status, details = self._status(finish)
+            for event in builder.finish("incomplete" if status == "incomplete" else "completed"):
+                yield event
+            response = response.model_copy(update={
+                "status": status, "incomplete_details": details, "output": builder.items,
+                "usage": self._usage(job, num_tokens, cached, builder.items)})
+            self._store(job, response)
+            ended = True
+            for event in builder.response_event(f"response.{status}", response):
+                yield event
+        except Exception as e:  # the stream already started: report in-band
+            _, body = error_response_from_exception(e)
+            for event in builder.event("error", code=str(body.error.code), message=body.error.message,
+                                       param=body.error.param):
+                yield event
+            failed = response.model_copy(update={"status": "failed", "output": builder.items, "error": ResponseError(
+                code="server_error" if body.error.code >= 500 else "invalid_request", message=body.error.message)})
+            self._store(job, failed)
+            ended = True
+            for event in builder.response_event("response.failed", failed):
+                yield event
+        finally:
+            if not ended and response.id in self.store:  # the client went away: its request was aborted
+                self.store.get(response.id).response.status = "cancelled"
+            await merged.aclose()
+            await aclose_all(gens)
+
+    # ---- background ----------------------------------------------------------------------
+    async def _run_background(self, job: ResponsesJob, entry: StoredResponse) -> None:
+        entry.response.status = "in_progress"
+        gens = self._start(job)
+        merged = None
+        try:
+            merged = merge_started(await self.start_generation(gens, PARAM_NAMES), gens)
+            self._finish(job, await self._collect(merged))
+        except asyncio.CancelledError:
+            entry.response.status = "cancelled"
+        except Exception as e:  # nobody waits on the task: the stored response says what failed
+            status, body = error_response_from_exception(e)
+            entry.response.status = "failed"
+            entry.response.error = ResponseError(code="server_error" if status >= 500 else "invalid_request",
+                                                 message=body.error.message)
+        finally:
+            if merged is not None:
+                await merged.aclose()
+            await aclose_all(gens)
+
+    # ---- retrieve / delete / cancel ----------------------------------------------------
+    def retrieve_responses(self, response_id: str) -> ResponsesResponse:
+        """``GET /v1/responses/{id}``. Raises ResponseNotFoundError (404)."""
+        return self.store.get(response_id).response
+
+    def delete_responses(self, response_id: str) -> DeletedResponse:
+        """``DELETE /v1/responses/{id}`` (a running background response is cancelled).
+        Raises ResponseNotFoundError (404)."""
+        entry = self.store.pop(response_id)
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+        return DeletedResponse(id=response_id)
+
+    async def cancel_responses(self, response_id: str) -> ResponsesResponse:
+        """``POST /v1/responses/{id}/cancel``: abort a queued or running background
+        response (``cancelled``); a finished one is returned as it is. Raises
+        ResponseNotFoundError (404), SamplingParamsError (400) for a response that was not
+        created with ``background: true``."""
+        entry = self.store.get(response_id)
+        if entry.task is None:
+            raise SamplingParamsError("Only background responses can be cancelled.", "response_id")
+        if not entry.task.done():
+            entry.task.cancel()
+            await asyncio.gather(entry.task, return_exceptions=True)
+        return self.store.get(response_id).response if response_id in self.store else entry.response
+
+
+def _content(text: str) -> Any:
+    from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage
+
+    return DeltaMessage(content=text) if text else None

@@ -1,0 +1,150 @@
+"""Responses input items and tools -> the chat shapes the one renderer and the chat
+tool machinery take (vLLM's ``construct_input_messages`` / ``convert_tool_responses_to_
+completions_format``).
+
+- input items -> chat messages: ``message`` items (string content, or ``input_text`` /
+  ``output_text`` / ``refusal`` parts) keep their role; consecutive ``function_call``
+  items become one assistant message with ``tool_calls``; ``function_call_output``
+  becomes a ``tool`` message; ``reasoning`` items are left out of the prompt (chat
+  templates drop earlier turns' reasoning).
+- flat function tools (``{"type": "function", "name", "parameters"}``) and
+  ``{"type": "function", "name"}`` tool choices -> chat's nested ``function`` form.
+- output items -> the assistant messages a follow-up (``previous_response_id``) sees.
+
+Every problem is a SamplingParamsError naming ``input``, ``tools`` or ``tool_choice``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from llmserve.sampling_params import SamplingParamsError
+
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+@dataclass
+class ChatToolsView:
+    """The tool fields of a Responses request in chat's shape, for
+    ``tool_calling.check_tools`` / ``ToolPlan`` / the parsers (which read ``tools``,
+    ``tool_choice``, ``parallel_tool_calls``, ``include_reasoning``,
+    ``chat_template_kwargs``, ``skip_special_tokens``)."""
+
+    tools: Optional[list[dict[str, Any]]]
+    tool_choice: Optional[Union[str, dict[str, Any]]]
+    parallel_tool_calls: Optional[bool] = True
+    include_reasoning: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    skip_special_tokens: bool = True
+
+
+def to_chat_tools(tools: Optional[list[Any]]) -> Optional[list[dict[str, Any]]]:
+    """Function tools in chat's form (``{"type": "function", "function": {...}}``).
+    Raises SamplingParamsError (``tools``) for another tool type (web_search, mcp, ...)."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise SamplingParamsError(f"tools[{i}]: only tools of type 'function' are supported, got {kind!r}.",
+                                      "tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def to_chat_tool_choice(choice: Any) -> Any:
+    """``{"type": "function", "name": N}`` -> chat's ``{"type": "function", "function":
+    {"name": N}}``; strings pass. Raises SamplingParamsError (``tool_choice``) for other
+    forms (allowed_tools, hosted tool types)."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise SamplingParamsError(f"Invalid value for `tool_choice`: {choice!r}. Use \"none\", \"auto\", "
+                              "\"required\" or {\"type\": \"function\", \"name\": \"my_function\"}.", "tool_choice")
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise SamplingParamsError(f"input[{i}].content must be a string or a list of content parts.", "input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind)
+        if key is None:
+            raise SamplingParamsError(f"input[{i}].content[{j}]: content part of type {kind!r} is not supported "
+                                      "(this model takes text only: input_text).", "input")
+        if not isinstance(part.get(key), str):
+            raise SamplingParamsError(f"input[{i}].content[{j}] needs a string `{key}`.", "input")
+        texts.append(part[key])
+    return "\n".join(texts)
+
+
+def _str_field(item: dict[str, Any], name: str, i: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise SamplingParamsError(f"input[{i}] of type {item.get('type')!r} needs a string `{name}`.", "input")
+    return value
+
+
+def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
+    """The chat messages of ``input`` (see the module docstring)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise SamplingParamsError(f"input[{i}] must be an object.", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise SamplingParamsError(f"input[{i}].role must be one of {list(_ROLES)}, got {role!r}.", "input")
+            messages.append({"role": role, "content": _content_text(item.get("content"), i)})
+        elif kind == "function_call":
+            args = _str_field(item, "arguments", i)
+            try:
+                json.loads(args)
+            except ValueError:
+                raise SamplingParamsError(f"input[{i}].arguments is not valid JSON.", "input") from None
+            call = {"id": _str_field(item, "call_id", i), "type": "function",
+                    "function": {"name": _str_field(item, "name", i), "arguments": args}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _content_text(output, i)
+            messages.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", i), "content": text})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise SamplingParamsError(f"input[{i}]: items of type {kind!r} are not supported (message, "
+                                      "function_call, function_call_output and reasoning are).", "input")
+    return messages
+
+
+def output_messages(output: list[Any]) -> list[dict[str, Any]]:
+    """The assistant turn(s) of a response's output items, as chat messages (text and
+    tool calls in one assistant message; reasoning left out)."""
+    text, calls = "", []
+    for item in output:
+        if item.type == "message":
+            text += "".join(c.text for c in item.content)
+        elif item.type == "function_call":
+            calls.append({"id": item.call_id, "type": "function",
+                          "function": {"name": item.name, "arguments": item.arguments}})
+    if not text and not calls:
+        return []
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]

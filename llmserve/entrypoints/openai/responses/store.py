@@ -1,0 +1,90 @@
+"""The bounded in-process store of ``/v1/responses`` (vLLM's ``response_store`` /
+``msg_store``, with a bound).
+
+Each stored response keeps its response object, the chat messages of its whole
+conversation (earlier turns, its input, its output: what ``previous_response_id``
+prepends) and, for ``background: true``, the task that runs it (``cancel`` aborts it).
+At most ``max_entries`` responses are kept (``--responses-store-max-entries``); adding
+one more evicts the oldest first. Everything runs on the server's event loop, so no lock.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from llmserve.entrypoints.openai.common.errors import NotFoundError
+from llmserve.entrypoints.openai.responses.protocol import ResponsesResponse
+
+
+class ResponseNotFoundError(NotFoundError):
+    """An unknown (never stored, deleted, evicted or ``store: false``) response id: a 404
+    with OpenAI's body naming ``param``."""
+
+    def __init__(self, response_id: str, param: str = "response_id") -> None:
+        super().__init__(f"Response with id '{response_id}' not found.", param)
+
+
+@dataclass
+class StoredResponse:
+    """One stored response; ``messages``: its conversation as chat messages (set when it
+    finishes); ``task``: the background task that runs it (None otherwise)."""
+
+    response: ResponsesResponse
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    task: Optional[asyncio.Task] = None
+
+
+class ResponsesStore:
+    """Response id -> StoredResponse, oldest evicted first past ``max_entries`` (>= 1)."""
+
+    def __init__(self, max_entries: int = 1000) -> None:  # DEFAULT_STORE_MAX_ENTRIES
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"responses_store_max_entries must be an integer >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._entries: "OrderedDict[str, StoredResponse]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, response_id: object) -> bool:
+        return response_id in self._entries
+
+    def put(self, entry: StoredResponse) -> None:
+        """Store (or replace) ``entry`` under its response id, evicting the oldest
+        entries beyond the bound (an evicted background task keeps running unstored)."""
+        self._entries[entry.response.id] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """The entry; raises ResponseNotFoundError (404, naming ``param``)."""
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise ResponseNotFoundError(response_id, param)
+        return entry
+
+    def pop(self, response_id: str) -> StoredResponse:
+        """Remove and return the entry; raises ResponseNotFoundError (404)."""
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            raise ResponseNotFoundError(response_id)
+        return entry
+
+
+DEFAULT_STORE_MAX_ENTRIES = 1000
+
+
+def add_responses_args(group: Any) -> None:
+    """``--responses-store-max-entries`` (the store's bound)."""
+    group.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_STORE_MAX_ENTRIES,
+                       help="Most /v1/responses responses kept in memory for GET, previous_response_id and "
+                            "background runs; the oldest is evicted first.")
+
+
+def check_responses_args(args: Any) -> None:
+    """Raise ValueError naming the flag for a bound below 1."""
+    n = getattr(args, "responses_store_max_entries", DEFAULT_STORE_MAX_ENTRIES)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"--responses-store-max-entries must be an integer >= 1, got {n!r}")

@@ -1,0 +1,163 @@
+"""Output items of a response, built whole or streamed as OpenAI's event sequence
+(vLLM's ``responses_stream_generator``; event shapes from ``openai.types.responses``).
+
+:class:`OutputBuilder` takes the parsed output in pieces (reasoning text, content text,
+tool-call fragments: the ``DeltaMessage`` of chat's :class:`OutputParsing`) and keeps
+the output items; with ``stream`` it also writes the SSE events of each piece:
+
+    response.created, response.in_progress,
+    per item: response.output_item.added,
+      message:   response.content_part.added, response.output_text.delta..., response.output_text.done,
+                 response.content_part.done
+      reasoning: response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
+                 response.content_part.done
+      function_call: response.function_call_arguments.delta..., response.function_call_arguments.done
+    response.output_item.done, ..., then one of response.completed / response.incomplete /
+    response.failed (after an ``error`` event).
+
+Every event carries ``sequence_number`` (0, 1, 2, ...). A non-streamed response is built
+by the same code from the whole parsed output, so streamed and whole outputs agree.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from llmserve.entrypoints.openai.responses.protocol import (
+    FunctionCallItem,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponsesResponse,
+)
+
+
+def sse_event(event_type: str, payload: dict[str, Any]) -> str:
+    """One SSE event as OpenAI writes it: an ``event:`` line then the JSON ``data:``."""
+    return f"event: {event_type}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class OutputBuilder:
+    """The output items of one response (see the module docstring).
+
+    stream: write events (each method returns the SSE strings of its piece; [] when not
+    streaming)."""
+
+    def __init__(self, stream: bool = False) -> None:
+        self.stream = stream
+        self.sequence_number = 0
+        self.items: list[OutputItem] = []
+        self._open: Optional[OutputItem] = None
+        self._tool_index: Optional[int] = None
+
+    # ---- events --------------------------------------------------------------------
+    def event(self, event_type: str, **fields: Any) -> list[str]:
+        """The SSE string of one event (numbered), or [] when not streaming."""
+        if not self.stream:
+            return []
+        payload = {"type": event_type, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return [sse_event(event_type, payload)]
+
+    def response_event(self, event_type: str, response: ResponsesResponse) -> list[str]:
+        """``response.created`` / ``in_progress`` / ``completed`` / ... with the object."""
+        return self.event(event_type, response=response.model_dump(mode="json"))
+
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    # ---- pieces ----------------------------------------------------------------------
+    def add(self, delta: Any) -> list[str]:
+        """One parsed piece (a DeltaMessage: ``reasoning``, ``content``, ``tool_calls``)."""
+        events: list[str] = []
+        if delta is None:
+            return events
+        if getattr(delta, "reasoning", None):
+            events += self.reasoning(delta.reasoning)
+        if delta.content:
+            events += self.text(delta.content)
+        for call in delta.tool_calls or ():
+            events += self.tool_call(call.index, call.id, call.function.name if call.function else None,
+                                     call.function.arguments if call.function else None)
+        return events
+
+    def reasoning(self, text: str) -> list[str]:
+        events: list[str] = []
+        if not isinstance(self._open, ReasoningItem):
+            events += self._open_item(ReasoningItem(status="in_progress"))
+            self._open.content.append(ReasoningText(text=""))
+            events += self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""})
+        self._open.content[0].text += text
+        return events + self.event("response.reasoning_text.delta", item_id=self._open.id, output_index=self._index(),
+                                   content_index=0, delta=text)
+
+    def text(self, text: str) -> list[str]:
+        events: list[str] = []
+        if not isinstance(self._open, OutputMessage):
+            events += self._open_item(OutputMessage(status="in_progress"))
+            self._open.content.append(OutputText(text=""))
+            events += self._part_event("response.content_part.added", OutputText(text="").model_dump())
+        self._open.content[0].text += text
+        return events + self.event("response.output_text.delta", item_id=self._open.id, output_index=self._index(),
+                                   content_index=0, delta=text, logprobs=[])
+
+    def tool_call(self, index: int, call_id: Optional[str], name: Optional[str],
+                  arguments: Optional[str]) -> list[str]:
+        """A fragment of tool call ``index``: its first fragment names it (``name``)."""
+        events: list[str] = []
+        if not isinstance(self._open, FunctionCallItem) or index != self._tool_index:
+            from llmserve.entrypoints.openai.common.protocol import random_uuid
+
+            events += self._open_item(FunctionCallItem(call_id=call_id or f"call_{random_uuid()}", name=name or "",
+                                                       arguments="", status="in_progress"))
+            self._tool_index = index
+        elif name:
+            self._open.name += name
+        if arguments:
+            self._open.arguments += arguments
+            events += self.event("response.function_call_arguments.delta", item_id=self._open.id,
+                                 output_index=self._index(), delta=arguments)
+        return events
+
+    def finish(self, status: str = "completed") -> list[str]:
+        """Close the open item (items still open end with ``status``: "completed", or
+        "incomplete" when the output was cut). An output with no item gets an empty message."""
+        events: list[str] = []
+        if not self.items:
+            events += self.text("")
+        return events + self._close(status)
+
+    # ---- items -----------------------------------------------------------------------
+    def _open_item(self, item: OutputItem) -> list[str]:
+        events = self._close("completed")
+        self.items.append(item)
+        self._open = item
+        return events + self.event("response.output_item.added", output_index=self._index(),
+                                   item=item.model_dump(mode="json"))
+
+    def _part_event(self, event_type: str, part: dict[str, Any]) -> list[str]:
+        return self.event(event_type, item_id=self._open.id, output_index=self._index(), content_index=0, part=part)
+
+    def _close(self, status: str) -> list[str]:
+        item, events = self._open, []
+        if item is None:
+            return events
+        i = self._index()
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            events += self.event("response.output_text.done", item_id=item.id, output_index=i, content_index=0,
+                                 text=part.text, logprobs=[])
+            events += self._part_event("response.content_part.done", part.model_dump(mode="json"))
+        elif isinstance(item, ReasoningItem):
+            part = item.content[0]
+            events += self.event("response.reasoning_text.done", item_id=item.id, output_index=i, content_index=0,
+                                 text=part.text)
+            events += self._part_event("response.content_part.done", part.model_dump(mode="json"))
+        else:
+            events += self.event("response.function_call_arguments.done", item_id=item.id, output_index=i,
+                                 name=item.name, arguments=item.arguments)
+        item.status = status
+        self._open = None
+        return events + self.event("response.output_item.done", output_index=i, item=item.model_dump(mode="json"))

@@ -1,0 +1,200 @@
+"""``/v1/responses`` on a real server (the real SmolLM2, greedy) with the official openai
+client and an openai-agents Agent on its default Responses model (issue 13, case C36).
+One server for the module, started with the chat tool flags (``--enable-auto-tool-choice
+--tool-call-parser hermes``) so the agent's turns after its forced tool call (tool
+choice reset to auto, as the SDK does) are served like chat's."""
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import openai
+import pytest
+
+from e2e_utils import MODEL, RemoteServer
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather of a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+FORCE = {"type": "function", "name": "get_weather"}
+Q = "What is 2+2?"
+
+
+@pytest.fixture(scope="module")
+def rserver():
+    srv = RemoteServer(["--dtype", "float32", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
+                        "--tool-call-parser", "hermes", "--responses-store-max-entries", "64"])
+    yield srv
+    srv.stop()
+
+
+def _count(srv, messages):
+    return srv.post("/tokenize", {"model": MODEL, "messages": messages}).json()["count"]
+
+
+def test_plain_and_instructions_equal_chat_with_exact_usage(rserver):
+    c = rserver.client()
+    r = c.responses.create(model=MODEL, input=Q, instructions="Answer briefly.", max_output_tokens=12,
+                           temperature=0, metadata={"run": "e2e"})
+    assert r.object == "response" and r.id.startswith("resp") and isinstance(r.created_at, (int, float))
+    assert r.model == MODEL and r.metadata == {"run": "e2e"} and r.instructions == "Answer briefly."
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": Q}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == _count(rserver, messages)
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+
+def test_max_output_tokens_incomplete_and_streams_c36(rserver):
+    c = rserver.client()
+    o1 = c.responses.create(model=MODEL, input=Q, max_output_tokens=1)
+    assert o1.status == "incomplete" and o1.incomplete_details.reason == "max_output_tokens"
+    assert o1.usage.output_tokens == 1 and o1.usage.input_tokens > 0
+    assert o1.usage.total_tokens == o1.usage.input_tokens + 1
+    assert o1.output[0].type == "message" and o1.output_text
+    o2 = c.responses.create(model=MODEL, input=Q, max_output_tokens=64, temperature=0)
+    if o2.usage.output_tokens < 64:
+        assert o2.status == "completed" and o2.incomplete_details is None and o2.output_text
+    for whole, kwargs in ((o1, {"max_output_tokens": 1, "temperature": 0}),
+                          (o2, {"max_output_tokens": 64, "temperature": 0})):
+        with c.responses.stream(model=MODEL, input=Q, **kwargs) as s:
+            events = list(s)
+        types = [e.type for e in events]
+        assert types[:2] == ["response.created", "response.in_progress"]
+        terminal = [t for t in types if t in ("response.completed", "response.incomplete", "response.failed")]
+        assert terminal == [types[-1]] == [f"response.{whole.status}"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        if whole is o2:
+            assert text == whole.output_text
+        assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+        assert events[-1].response.usage.input_tokens == whole.usage.input_tokens
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * (len(types) - 8),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+
+
+def test_previous_response_id_retrieve_delete_and_404s(rserver):
+    c = rserver.client()
+    first = c.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=8, temperature=0)
+    second = c.responses.create(model=MODEL, input="Name another one.", previous_response_id=first.id,
+                                max_output_tokens=8, temperature=0)
+    conversation = [{"role": "user", "content": "Name a colour."},
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "Name another one."}]
+    assert second.usage.input_tokens == _count(rserver, conversation)
+    assert second.previous_response_id == first.id
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+    c.responses.delete(first.id)
+    for call in (lambda: c.responses.retrieve(first.id), lambda: c.responses.delete(first.id),
+                 lambda: c.responses.create(model=MODEL, input="x", previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = c.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=0)
+    assert e.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+    assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="no-such-model", input="hi")
+
+
+def test_json_schema_text_format(rserver):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = rserver.client().responses.create(
+        model=MODEL, input="Give me a person.", max_output_tokens=48, temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_forced_function_tool_then_function_call_output(rserver):
+    c = rserver.client()
+    r = c.responses.create(model=MODEL, input="What is the weather in Oslo?", tools=TOOLS, tool_choice=FORCE,
+                           max_output_tokens=24, temperature=0)
+    assert [o.type for o in r.output] == ["function_call"] and r.status == "completed"
+    call = r.output[0]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    with c.responses.stream(model=MODEL, input="What is the weather in Oslo?", tools=TOOLS, tool_choice=FORCE,
+                            max_output_tokens=24, temperature=0) as s:
+        events = list(s)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == deltas == call.arguments
+    follow = c.responses.create(model=MODEL, previous_response_id=r.id, tools=TOOLS, max_output_tokens=8,
+                                temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                       "output": "Sunny, 20 degrees."}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+
+def test_background_completes_and_cancel_aborts(rserver):
+    c = rserver.client()
+    queued = c.responses.create(model=MODEL, input=Q, max_output_tokens=4, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background
+    for _ in range(600):  # polled, not timed: the run finishes whatever the load
+        got = c.responses.retrieve(queued.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.2)
+    assert got.status == "incomplete" and got.usage.output_tokens == 4
+    long = c.responses.create(model=MODEL, input="Write a long story.", max_output_tokens=2000, background=True)
+    cancelled = c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and c.responses.retrieve(long.id).status == "cancelled"
+    rserver.assert_healthy()
+
+
+def test_openai_agents_agent_with_a_function_tool(rserver):
+    """An openai-agents Agent on its default model (OpenAIResponsesModel over this
+    server) calls its one function tool (forced by ModelSettings) and answers."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_default_openai_client, set_tracing_disabled)
+    from agents.models.multi_provider import MultiProvider
+
+    set_tracing_disabled(True)
+    set_default_openai_client(rserver.async_client(), use_for_tracing=False)
+    assert isinstance(MultiProvider().get_model(MODEL), OpenAIResponsesModel)  # the SDK's default model
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        calls.append(city)
+        return f"It is sunny and 20 degrees in {city}."
+
+    agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=MODEL,
+                  tools=[get_weather], model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
+                                                                    max_tokens=16))
+    result = asyncio.run(Runner.run(agent, "What is the weather in Oslo?", max_turns=4))
+    kinds = [type(i).__name__ for i in result.new_items]
+    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+    assert len(calls) == 1 and isinstance(result.final_output, str) and result.final_output
+    assert len(result.raw_responses) == 2  # the forced call, then the answer after the tool's output
+    assert all(r.response_id.startswith("resp") for r in result.raw_responses)
+
+
+def test_bench_serve_responses_against_chat(rserver):
+    """``bench serve --endpoint /v1/responses --compare-endpoint /v1/chat/completions``:
+    both endpoints produce every requested token (ignore_eos honoured on Responses)."""
+    import argparse
+
+    from llmserve.benchmarks import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_cli_args(parser)
+    res = bench.main(parser.parse_args([
+        "--base-url", rserver.url_root, "--api-key", rserver.api_key, "--endpoint", "/v1/responses",
+        "--compare-endpoint", "/v1/chat/completions", "--compare-rounds", "1", "--num-prompts", "2",
+        "--random-input-len", "16", "--random-output-len", "4", "--max-concurrency", "2"]))
+    assert [r["endpoint"] for r in res["rounds"]] == ["/v1/responses", "/v1/chat/completions"]
+    assert all(r["total_output_tokens"] == 8 and r["failed"] == 0 for r in res["rounds"]), res["rounds"]
+    assert res["output_throughput_ratio"] > 0

@@ -1,0 +1,254 @@
+"""``/v1/responses`` wiring with the scripted engine of test_app.py (no model): the event
+sequence validated by the openai client's own types, the store (GET/DELETE, eviction,
+``store: false``, ``previous_response_id``), background + cancel, and the 400/404
+bodies. The real model is tests/e2e/test_responses_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from test_app import _output, app_and_engine  # noqa: F401  (the fixture)
+
+from llmserve.entrypoints.openai.responses.input_items import input_messages
+from llmserve.entrypoints.openai.responses.store import ResponsesStore, StoredResponse
+from llmserve.entrypoints.openai.responses.protocol import ResponsesResponse
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+BASE = {"model": "m", "input": "hi", "max_output_tokens": 3}
+
+
+def _events(r):
+    """The SSE events of a streamed response: (event line, payload) pairs."""
+    out = []
+    for block in r.text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def _err(r, status, param):
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param, err
+    return err
+
+
+def test_create_retrieve_delete_and_the_object_validates(app_and_engine):
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Hello there", "stop")]
+    r = client.post("/v1/responses", json={**BASE, "instructions": "Be brief.", "metadata": {"k": "v"}})
+    assert r.status_code == 200, r.text
+    body = Response.model_validate(r.json())
+    assert body.object == "response" and body.id.startswith("resp") and body.status == "completed"
+    assert body.output_text == "Hello there" and body.instructions == "Be brief." and body.metadata == {"k": "v"}
+    assert body.incomplete_details is None
+    n_prompt = len(engine.prompts[-1]["prompt_token_ids"])
+    assert (body.usage.input_tokens, body.usage.output_tokens) == (n_prompt, 1)
+    assert body.usage.total_tokens == n_prompt + 1
+    assert "Be brief." in engine.prompts[-1]["prompt"] and "hi" in engine.prompts[-1]["prompt"]
+    got = client.get(f"/v1/responses/{body.id}")
+    assert got.status_code == 200 and got.json() == r.json()
+    d = client.delete(f"/v1/responses/{body.id}")
+    assert d.json() == {"id": body.id, "object": "response", "deleted": True}
+    for method in ("get", "delete"):
+        err = _err(getattr(client, method)(f"/v1/responses/{body.id}"), 404, "response_id")
+        assert body.id in err["message"] and err["type"] == "NotFoundError"
+    _err(client.post("/v1/responses/resp-nope/cancel"), 404, "response_id")
+
+
+def test_max_output_tokens_is_incomplete_c36(app_and_engine):
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Four", "length")]
+    body = client.post("/v1/responses", json={**BASE, "max_output_tokens": 1}).json()
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["type"] == "message" and body["output"][0]["content"][0]["text"] == "Four"
+    assert body["usage"]["output_tokens"] == 1
+    Response.model_validate(body)
+    stream = client.post("/v1/responses", json={**BASE, "max_output_tokens": 1, "stream": True})
+    events = _events(stream)
+    assert events[-1][0] == "response.incomplete"
+    assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1][1]["response"]["usage"]["output_tokens"] == 1
+    assert [e for e, _ in events].count("response.incomplete") == 1
+
+
+def test_stream_event_order_sequence_and_types(app_and_engine):
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Hel"), _output("lo", "stop")]
+    r = client.post("/v1/responses", json={**BASE, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r)
+    for name, payload in events:
+        assert name == payload["type"]
+        EVENT.validate_python(payload)  # the openai client's own event types
+    assert [p["sequence_number"] for _, p in events] == list(range(len(events)))
+    assert [e for e, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    final = Response.model_validate(events[-1][1]["response"])
+    assert final.output_text == "Hello" == "".join(p["delta"] for e, p in events if e.endswith("text.delta"))
+    assert final.usage.output_tokens == 2
+    assert client.get(f"/v1/responses/{final.id}").json()["output"][0]["content"][0]["text"] == "Hello"
+
+
+def test_error_after_the_stream_started_is_an_error_event_then_failed(app_and_engine):
+    from llmserve.engine.exceptions import EngineDeadError
+
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Hel")]
+    engine.fail_after = EngineDeadError()
+    events = _events(client.post("/v1/responses", json={**BASE, "stream": True}))
+    assert [e for e, _ in events][-2:] == ["error", "response.failed"]
+    for _, payload in events:
+        EVENT.validate_python(payload)
+    assert events[-1][1]["response"]["status"] == "failed"
+
+
+def test_store_false_previous_response_id_and_eviction(app_and_engine):
+    client, engine = app_and_engine("--responses-store-max-entries", "2")
+    engine.outputs = [_output("Paris", "stop")]
+    unstored = client.post("/v1/responses", json={**BASE, "store": False}).json()
+    assert unstored["store"] is False
+    _err(client.get(f"/v1/responses/{unstored['id']}"), 404, "response_id")
+    first = client.post("/v1/responses", json={**BASE, "input": "Capital of France?"}).json()
+    engine.outputs = [_output("Berlin", "stop")]
+    client.post("/v1/responses", json={**BASE, "input": "And of Germany?", "previous_response_id": first["id"],
+                                       "instructions": "Answer in one word."})
+    prompt = engine.prompts[-1]["prompt"]
+    # earlier turn (input and output), then the new input; the new instructions lead
+    order = [prompt.index(s) for s in ("Answer in one word.", "Capital of France?", "Paris", "And of Germany?")]
+    assert order == sorted(order)
+    third = client.post("/v1/responses", json=BASE).json()
+    _err(client.get(f"/v1/responses/{first['id']}"), 404, "response_id")  # the oldest of 3 went
+    assert client.get(f"/v1/responses/{third['id']}").status_code == 200
+    _err(client.post("/v1/responses", json={**BASE, "previous_response_id": first["id"]}), 404,
+         "previous_response_id")
+
+
+def test_function_call_items_and_follow_up_render_as_chat_tool_turns():
+    msgs = input_messages([
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Bergen"}'},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert msgs[0] == {"role": "user", "content": "Weather in Oslo?"}
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c1", "c2"] and msgs[1]["role"] == "assistant"
+    assert msgs[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+
+
+def test_store_evicts_oldest_first():
+    store = ResponsesStore(2)
+    for i in range(3):
+        store.put(StoredResponse(ResponsesResponse(id=f"r{i}", model="m")))
+    assert "r0" not in store and "r1" in store and "r2" in store and len(store) == 2
+    with pytest.raises(ValueError, match="responses_store_max_entries"):
+        ResponsesStore(0)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": "x"}] * 4097}, "input"),  # MAX_MESSAGES items (a long string is fine)
+    ({"input": [{"type": "image_generation_call"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),  # no auto flags
+    ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
+    ({"include": ["bogus"]}, "include"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"background": True, "store": False}, "store"),
+    ({"background": True, "stream": True}, "stream"),
+    ({"stream": "yes"}, "stream"),
+])
+def test_bad_requests_are_400s_naming_the_field(app_and_engine, body, param):
+    client, engine = app_and_engine()
+    engine.outputs = [_output("x", "stop")]
+    for stream in (False, True):
+        if "stream" in body:
+            stream = body["stream"]
+        _err(client.post("/v1/responses", json={**BASE, **body, "stream": stream}), 400, param)
+    assert engine.prompts == []  # nothing ran
+
+
+def test_background_then_cancel(app_and_engine):
+    client, engine = app_and_engine()
+    started = asyncio.Event()
+
+    async def hang(prompt, params, request_id, priority=0):
+        try:
+            started.set()
+            await asyncio.sleep(3600)
+            yield None
+        finally:
+            engine.closed.append(request_id)
+
+    engine.generate = hang
+    with client:  # one event loop for the whole block, so the background task keeps running
+        r = client.post("/v1/responses", json={**BASE, "background": True})
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "queued" and body["background"] is True
+        Response.model_validate(body)
+        assert client.get(f"/v1/responses/{body['id']}").json()["status"] in ("queued", "in_progress")
+        c = client.post(f"/v1/responses/{body['id']}/cancel")
+        assert c.status_code == 200 and c.json()["status"] == "cancelled", c.text
+        assert client.get(f"/v1/responses/{body['id']}").json()["status"] == "cancelled"
+        assert engine.closed and engine.closed[-1].startswith(body["id"])  # the engine request was aborted
+        engine.generate = type(engine).generate.__get__(engine)
+        engine.outputs = [_output("x", "stop")]
+        done = client.post("/v1/responses", json=BASE).json()
+        _err(client.post(f"/v1/responses/{done['id']}/cancel"), 400, "response_id")  # not a background one
+
+
+def test_output_builder_reasoning_text_and_calls_stream_like_whole():
+    """Reasoning (with --reasoning-parser), then text, then two calls: each event is a
+    valid openai event, the items close in order, and building from the whole parsed
+    output gives the same items as the streamed pieces."""
+    from llmserve.entrypoints.openai.chat_completion.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    from llmserve.entrypoints.openai.responses.streaming import OutputBuilder
+
+    def call(i, args, name=None):
+        return DeltaToolCall(index=i, id=f"call_{i}" if name else None, type="function" if name else None,
+                             function=DeltaFunctionCall(name=name, arguments=args))
+
+    stream = OutputBuilder(stream=True)
+    pieces = [DeltaMessage(reasoning="Let me "), DeltaMessage(reasoning="think."), DeltaMessage(content="Sure."),
+              DeltaMessage(tool_calls=[call(0, '{"city": ', "get_weather")]),
+              DeltaMessage(tool_calls=[call(0, '"Oslo"}')]), DeltaMessage(tool_calls=[call(1, "{}", "now")])]
+    events = [e for p in pieces for e in stream.add(p)] + stream.finish()
+    payloads = [json.loads(e.split("\ndata: ", 1)[1]) for e in events]
+    for p in payloads:
+        EVENT.validate_python(p)
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    done = [(p["output_index"], p["item"]["type"]) for p in payloads if p["type"] == "response.output_item.done"]
+    assert done == [(0, "reasoning"), (1, "message"), (2, "function_call"), (3, "function_call")]
+    args = [p["arguments"] for p in payloads if p["type"] == "response.function_call_arguments.done"]
+    assert args == ['{"city": "Oslo"}', "{}"]
+    whole = OutputBuilder()
+    assert whole.add(DeltaMessage(reasoning="Let me think.", content="Sure.")) == []
+    whole.tool_call(0, "call_0", "get_weather", '{"city": "Oslo"}')
+    whole.tool_call(1, "call_1", "now", "{}")
+    whole.finish()
+    strip = [{k: v for k, v in i.model_dump().items() if k != "id"} for i in stream.items]
+    assert strip == [{k: v for k, v in i.model_dump().items() if k != "id"} for i in whole.items]
+    Response.model_validate(ResponsesResponse(id="resp-1", model="m", output=whole.items).model_dump(mode="json"))
+
+
+def test_long_string_input_is_the_context_400_not_a_list_limit(app_and_engine):
+    client, engine = app_and_engine()
+    for stream in (False, True):
+        err = _err(client.post("/v1/responses", json={**BASE, "input": "word " * 150_000, "stream": stream}),
+                   400, "input")
+        assert "64" in err["message"] and "cannot fit" in err["message"], err
