@@ -40,31 +40,54 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="Alternating offline / sentence-transformers rounds; the medians are compared.")
     parser.add_argument("--output-json", default=None)
 
 
-def _offline(args: argparse.Namespace, sents: list[str]) -> tuple[float, list[list[float]]]:
+def _timed(fn, sents: list[str]):
+    t = time.perf_counter()
+    out = fn(sents)
+    return len(sents) / (time.perf_counter() - t), out
+
+
+def _offline_and_st(args: argparse.Namespace, sents: list[str]) -> dict:
+    """Offline ``LLM.embed`` and sentence-transformers ``encode`` (batch ``st_batch_size``)
+    in alternating rounds in this one run (the machine is shared: a load change hits
+    both), medians of sentences/s, their ratio and the agreement (min cosine)."""
+    import statistics
+
+    import numpy as np
+
     from llmserve import LLM
 
     llm = LLM(args.model, dtype=args.dtype)
-    llm.embed(sents[:32], use_tqdm=False)  # warm-up
-    t = time.perf_counter()
-    outs = llm.embed(sents, use_tqdm=False)
-    dt = time.perf_counter() - t
+    runs = {"offline": lambda s: [o.outputs.embedding for o in llm.embed(s, use_tqdm=False)]}
+    if not args.skip_st:
+        from sentence_transformers import SentenceTransformer
+
+        from llmserve.model_loader import resolve_model
+
+        st = SentenceTransformer(resolve_model(args.model).path, device="cpu")
+        runs["st"] = lambda s: st.encode(s, batch_size=args.st_batch_size, convert_to_numpy=True)
+    rates: dict = {k: [] for k in runs}
+    outs: dict = {}
+    for k, fn in runs.items():
+        fn(sents[:64])  # warm-up
+    for _ in range(args.rounds):
+        for k, fn in runs.items():
+            r, outs[k] = _timed(fn, sents)
+            rates[k].append(r)
     llm.shutdown()
-    return len(sents) / dt, [o.outputs.embedding for o in outs]
-
-
-def _st(args: argparse.Namespace, sents: list[str]):
-    from sentence_transformers import SentenceTransformer
-
-    from llmserve.model_loader import resolve_model
-
-    st = SentenceTransformer(resolve_model(args.model).path, device="cpu")
-    st.encode(sents[:64], batch_size=args.st_batch_size)
-    t = time.perf_counter()
-    ref = st.encode(sents, batch_size=args.st_batch_size, convert_to_numpy=True)
-    return len(sents) / (time.perf_counter() - t), ref
+    res = {"rounds": args.rounds, "offline_rounds": rates["offline"],
+           "offline_sentences_per_s": statistics.median(rates["offline"])}
+    if "st" in rates:
+        got, ref = np.asarray(outs["offline"]), outs["st"]
+        res.update(st_rounds=rates["st"], st_sentences_per_s=statistics.median(rates["st"]),
+                   min_cosine_vs_st=float(((got * ref).sum(1) / np.linalg.norm(got, axis=1)
+                                           / np.linalg.norm(ref, axis=1)).min()))
+        res["offline_vs_st"] = res["offline_sentences_per_s"] / res["st_sentences_per_s"]
+    return res
 
 
 async def _server(args: argparse.Namespace, sents: list[str]) -> tuple[float, int]:
@@ -88,22 +111,15 @@ async def _server(args: argparse.Namespace, sents: list[str]) -> tuple[float, in
 
 
 def main(args: argparse.Namespace) -> dict:
-    import numpy as np
-
     sents = make_sentences(args.num_sentences, args.min_words, args.max_words, args.seed)
-    res: dict = {"num_sentences": len(sents), "threads": os.cpu_count()}
+    res: dict = {"num_sentences": len(sents), "threads": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}
     if not args.skip_offline:
-        res["offline_sentences_per_s"], vecs = _offline(args, sents)
-        if not args.skip_st:
-            res["st_sentences_per_s"], ref = _st(args, sents)
-            got = np.asarray(vecs)
-            res["min_cosine_vs_st"] = float(((got * ref).sum(1) / np.linalg.norm(got, axis=1)
-                                             / np.linalg.norm(ref, axis=1)).min())
-            res["offline_vs_st"] = res["offline_sentences_per_s"] / res["st_sentences_per_s"]
+        res.update(_offline_and_st(args, sents))
     if args.server_url:
         res["server_sentences_per_s"], res["server_errors"] = asyncio.run(_server(args, sents))
         if "offline_sentences_per_s" in res:
             res["server_vs_offline"] = res["server_sentences_per_s"] / res["offline_sentences_per_s"]
+    res["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(res, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:

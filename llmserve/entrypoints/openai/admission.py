@@ -8,6 +8,9 @@ Each POST to a generation or pooling route (vLLM's load-aware routes,
 
 - ``queue_full`` (429): the requests waiting (admitted, not running in the engine) reach
   ``--max-waiting-requests``;
+- ``queue_delay`` (429): the new request would wait, and its predicted wait (its place
+  in the queue over the measured drain rate) exceeds ``--max-queue-delay``: the count
+  bound alone let a waiting request wait about one request lifetime;
 - ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
   waiting requests will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
@@ -43,6 +46,7 @@ from llmserve.entrypoints.openai.server_utils import json_response
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
 DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
+DEFAULT_MAX_QUEUE_DELAY_S = 1.0  # why: see AdmissionConfig.max_queue_delay
 MAX_RETRY_AFTER_S = 60  # never ask a client to wait longer
 # Until requests finish, a waiting request is assumed to need this many KV blocks.
 _DEFAULT_BLOCKS_PER_REQUEST = 1.0
@@ -53,8 +57,10 @@ def admission_config_from_args(args: Any, max_num_seqs: int) -> AdmissionConfig:
     """The serve flags' AdmissionConfig; ``--max-waiting-requests`` unset becomes
     ``2 * max_num_seqs`` (why: see AdmissionConfig)."""
     limit = getattr(args, "max_waiting_requests", None)
+    delay = getattr(args, "max_queue_delay", None)
     return AdmissionConfig(max_waiting_requests=2 * max_num_seqs if limit is None else limit,
-                           engine_stall_timeout=float(getattr(args, "engine_stall_timeout", 0.0) or 0.0))
+                           engine_stall_timeout=float(getattr(args, "engine_stall_timeout", 0.0) or 0.0),
+                           max_queue_delay=DEFAULT_MAX_QUEUE_DELAY_S if delay is None else float(delay))
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,14 @@ class DrainRate:
     def _prune(self, now: float) -> None:
         while self.finished and self.finished[0] < now - self.window_s:
             self.finished.popleft()
+
+    def rate(self) -> float:
+        """Requests finished per second over the window; 0.0 while none finished in it."""
+        now = self.clock()
+        self._prune(now)
+        if not self.finished:
+            return 0.0
+        return len(self.finished) / max(min(self.window_s, now - self.started), 1e-3)
 
     def retry_after(self, backlog: int) -> int:
         """Seconds (1..MAX_RETRY_AFTER_S) to finish ``backlog`` requests at the measured
@@ -171,6 +185,15 @@ class AdmissionController:
             return Rejection("queue_full", 429, self.drain.retry_after(waiting),
                              f"The server is overloaded: {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}). Retry later.")
+        bound = self.config.max_queue_delay
+        if limit >= 0 and bound > 0 and would_wait:
+            # Its place in the queue over the drain rate: the seconds until a slot frees for it.
+            rate = self.drain.rate()
+            if rate > 0 and (waiting + 1) / rate > bound:
+                return Rejection("queue_delay", 429, self.drain.retry_after(waiting),
+                                 f"The server is overloaded: a new request would wait about "
+                                 f"{(waiting + 1) / rate:.1f} s to start (--max-queue-delay {bound:g}). "
+                                 "Retry later.")
         total = self.stats.num_total_blocks
         need = self.stats.num_used_blocks + (waiting + 1) * self.blocks_per_request
         if limit >= 0 and waiting > 0 and total > 0 and need > total:
