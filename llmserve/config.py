@@ -394,8 +394,9 @@ class AdmissionConfig:
       request's wait stays near two request lifetimes instead of growing without limit.
     engine_stall_timeout: seconds without engine progress, while requests are in flight,
       after which ``/health`` answers 503 (0: never).
-    max_queue_delay: seconds a new request may be predicted to wait before the engine
-      starts it (its place in the queue over the measured drain rate); past it, 429
+    max_queue_delay: while the engine's running batch is full, seconds a new request may
+      be predicted to wait before the engine starts it (its place in the queue over the
+      measured drain rate); past it, 429
       ``queue_delay`` (0: no such bound). Applies only while ``max_waiting_requests`` is
       a bound (not -1) and once a request has finished (the rate is measured). The
       server's default (``--max-queue-delay`` unset) is 1 s, about one time-to-first-token

@@ -134,6 +134,10 @@ def test_predicted_queue_delay_bounds_the_wait_once_the_drain_rate_is_measured()
     off.drain.record()
     off.in_flight = 40
     assert off.admit() is None  # 0: only the count bound
+    pooling = AdmissionController(AdmissionConfig(64, 10.0, 1.0), max_num_seqs=4, clock=clock)
+    pooling.drain.record()
+    pooling.in_flight = 32  # in flight but never "running" between steps (pooling): not refused for delay
+    assert pooling.admit() is None
     unbounded = AdmissionController(AdmissionConfig(-1, 10.0, 1.0), max_num_seqs=4, clock=clock)
     unbounded.record(_stats(running=4), None)
     unbounded.drain.record()

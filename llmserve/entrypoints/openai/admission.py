@@ -8,7 +8,7 @@ Each POST to a generation or pooling route (vLLM's load-aware routes,
 
 - ``queue_full`` (429): the requests waiting (admitted, not running in the engine) reach
   ``--max-waiting-requests``;
-- ``queue_delay`` (429): the new request would wait, and its predicted wait (its place
+- ``queue_delay`` (429): the running batch is full, and the new request's predicted wait (its place
   in the queue over the measured drain rate) exceeds ``--max-queue-delay``: the count
   bound alone let a waiting request wait about one request lifetime;
 - ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
@@ -186,8 +186,10 @@ class AdmissionController:
                              f"The server is overloaded: {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}). Retry later.")
         bound = self.config.max_queue_delay
-        if limit >= 0 and bound > 0 and would_wait:
-            # Its place in the queue over the drain rate: the seconds until a slot frees for it.
+        if limit >= 0 and bound > 0 and self.stats.num_running_reqs >= self.max_num_seqs:
+            # Only while the running batch is full: a new request then waits for a slot, its
+            # place in the queue over the drain rate. (Pooling requests finish within the
+            # step that runs them, so they never fill the batch and this never refuses them.)
             rate = self.drain.rate()
             if rate > 0 and (waiting + 1) / rate > bound:
                 return Rejection("queue_delay", 429, self.drain.retry_after(waiting),
