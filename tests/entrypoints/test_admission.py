@@ -105,6 +105,12 @@ def test_kv_cache_bound_counts_blocks_in_use_and_those_waiting_requests_need():
     assert c.admit() is None
 
 
+def test_an_encoder_model_is_never_refused_for_its_nominal_kv_cache():
+    c = AdmissionController(AdmissionConfig(64, 10.0), max_num_seqs=4, clock=Clock(), uses_kv_cache=False)
+    c.record(_stats(running=0, used=31, total=31), None)
+    assert all(c.admit() is None for _ in range(32))  # 32 embedding clients at once
+
+
 def test_nothing_waiting_is_always_admitted_even_when_the_cache_is_full():
     c = _controller(limit=10)
     c.record(_stats(running=0, used=100, total=100), None)

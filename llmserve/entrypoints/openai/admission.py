@@ -125,12 +125,15 @@ class AdmissionController:
         engine's running-batch size (a request beyond it waits).
       stat_logger: the PrometheusStatLogger counting refusals and deadlines (or None).
       clock: monotonic seconds (tests pass their own).
+      uses_kv_cache: False for an encoder-only model (no KV kept: no ``kv_cache_full``).
     ``is_draining``: a callable set by the launcher (True once shutdown began).
     """
 
     def __init__(self, config: AdmissionConfig, block_size: int = 16, max_num_seqs: int = 128,
-                 stat_logger: Any = None, clock: Callable[[], float] = time.monotonic):
+                 stat_logger: Any = None, clock: Callable[[], float] = time.monotonic, uses_kv_cache: bool = True):
         self.config = config
+        # An encoder (BERT) keeps no KV: its nominal cache must not refuse requests.
+        self.uses_kv_cache = uses_kv_cache
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.stat_logger = stat_logger
@@ -198,7 +201,7 @@ class AdmissionController:
                                  "Retry later.")
         total = self.stats.num_total_blocks
         need = self.stats.num_used_blocks + (waiting + 1) * self.blocks_per_request
-        if limit >= 0 and waiting > 0 and total > 0 and need > total:
+        if limit >= 0 and self.uses_kv_cache and waiting > 0 and total > 0 and need > total:
             return Rejection("kv_cache_full", 429, self.drain.retry_after(waiting),
                              f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
                              f"{waiting} waiting requests. Retry later.")
@@ -315,8 +318,9 @@ def make_admission_controller(engine_client: Any, args: Any, stat_logger: Any = 
     config = getattr(engine_client, "vllm_config", None)
     max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
     block_size = config.cache_config.block_size if config is not None else 16
+    encoder = bool(getattr(getattr(config, "model_config", None), "is_encoder_only", False))
     controller = AdmissionController(admission_config_from_args(args, max_num_seqs), block_size=block_size,
-                                     max_num_seqs=max_num_seqs, stat_logger=stat_logger)
+                                     max_num_seqs=max_num_seqs, stat_logger=stat_logger, uses_kv_cache=not encoder)
     loggers = getattr(engine_client, "stat_loggers", None)
     if loggers is not None:  # one controller per engine client: a rebuilt app state replaces it
         loggers[:] = [sl for sl in loggers if not isinstance(sl, AdmissionController)] + [controller]
