@@ -394,12 +394,22 @@ class AdmissionConfig:
       request's wait stays near two request lifetimes instead of growing without limit.
     engine_stall_timeout: seconds without engine progress, while requests are in flight,
       after which ``/health`` answers 503 (0: never).
+    max_queue_delay: while the engine's running batch is full, seconds a new request may
+      be predicted to wait before the engine starts it (its place in the queue over the
+      measured drain rate); past it, 429
+      ``queue_delay`` (0: no such bound). Applies only while ``max_waiting_requests`` is
+      a bound (not -1) and once a request has finished (the rate is measured). The
+      server's default (``--max-queue-delay`` unset) is 1 s, about one time-to-first-token
+      of an unloaded CPU server: an accepted request then waits at most about as long as
+      its prefill, so under overload its TTFT stays within ~2x of an unloaded server's,
+      where a count bound alone let it wait a whole request lifetime (issue 17).
     Built by the server from ``--max-waiting-requests`` / ``--engine-stall-timeout``
     (``entrypoints/openai/admission.py``). Raises ValueError naming the field.
     """
 
     max_waiting_requests: int = -1
     engine_stall_timeout: float = 0.0
+    max_queue_delay: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < -1:
@@ -408,3 +418,5 @@ class AdmissionConfig:
         if not (self.engine_stall_timeout >= 0 and math.isfinite(self.engine_stall_timeout)):
             raise ValueError(f"engine_stall_timeout must be a finite number of seconds >= 0, "
                              f"got {self.engine_stall_timeout!r}")
+        if not (self.max_queue_delay >= 0 and math.isfinite(self.max_queue_delay)):
+            raise ValueError(f"max_queue_delay must be a finite number of seconds >= 0, got {self.max_queue_delay!r}")

@@ -346,12 +346,14 @@ class AsyncEngineArgs(EngineArgs):
     disable_log_requests: bool = field(default=True, metadata=_help("Do not log each request."))
     # ---- admission control and liveness (the server's; beyond vLLM, see entrypoints/openai/admission.py)
     max_waiting_requests: Optional[int] = field(default=None, metadata=_help("Requests that may wait (admitted, not yet running) before new ones get 429 with Retry-After (default: 2 x max_num_seqs; -1: unbounded, as vLLM)."))
+    max_queue_delay: Optional[float] = field(default=None, metadata=_help("Seconds a new request may be predicted to wait in the queue (its place over the measured drain rate) before it gets 429 with Retry-After (default: 1; 0: no bound). Keeps accepted requests' time to first token near an unloaded server's under overload."))
     # engine_stall_timeout (EngineArgs) also bounds /health: 503 after that long without progress.
 
     def __post_init__(self) -> None:
         super().__post_init__()
         AdmissionConfig(-1 if self.max_waiting_requests is None else self.max_waiting_requests,
-                        self.engine_stall_timeout)  # raises ValueError naming the bad field
+                        self.engine_stall_timeout,
+                        0.0 if self.max_queue_delay is None else self.max_queue_delay)  # raises ValueError naming the bad field
 
 
 # ModelConfig, the sub-configs and the old name, re-exported for callers that import them here.

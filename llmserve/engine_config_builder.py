@@ -197,7 +197,14 @@ def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageCont
 
     default_mnbt, default_seqs = default_batching(device, usage_context)
     mnbt = args.max_num_batched_tokens
-    if mnbt is None:
+    if mnbt is None and pooling:
+        # The server's smaller step protects running streams' inter-token latency; a pooling
+        # model has no streams, and 32 one-sentence requests (~2,700 tokens at 8-128 words)
+        # split over two steps cost more CPU per sentence than one step (see the pooling
+        # gather in engine/core.py): pooling takes the offline budget on the server too.
+        from llmserve.engine_args import UsageContext
+        mnbt = max(default_batching(device, UsageContext.LLM_CLASS)[0], max_model_len)
+    elif mnbt is None:
         mnbt = default_mnbt if args.enable_chunked_prefill and not pooling else max(default_mnbt, max_model_len)
     elif pooling and mnbt < max_model_len:
         # A pooling prompt runs whole in one step (vLLM's rule for pooling models).

@@ -4,7 +4,15 @@
 back to back; a 429/503 must carry ``Retry-After``, which the client then honours (as
 the official ``openai`` client does). Reports the status counts, refusals without
 Retry-After, timeouts, other errors, and the median/p90 time to first token of accepted
-requests. Run it once at ``--concurrency 1`` against an idle server for the unloaded TTFT.
+requests.
+
+``--ab-rounds N`` measures the "within 2x of an unloaded server" figure side by side: it
+alternates N rounds of ``--baseline-concurrency`` clients (default 128, the server's
+``max_num_seqs``: the concurrency the server accepts and runs, without overload traffic)
+and of ``--concurrency`` clients (the overload) against the same server, and reports the
+medians of each round's median TTFT, their ratio and the load average.
+
+    python -m llmserve.benchmarks.overload --concurrency 256 --ab-rounds 2 --duration 45
 """
 from __future__ import annotations
 
@@ -79,6 +87,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None}
 
 
+async def run_ab(args: argparse.Namespace) -> dict[str, Any]:
+    """Alternate baseline and overload rounds (see the module docstring)."""
+    import os
+
+    rounds: dict[str, list] = {"baseline": [], "overload": []}
+    load = [os.getloadavg()[0]]
+    for _ in range(args.ab_rounds):
+        for kind, c in (("baseline", args.baseline_concurrency), ("overload", args.concurrency)):
+            res = await run(argparse.Namespace(**{**vars(args), "concurrency": c}))
+            rounds[kind].append(res)
+            load.append(os.getloadavg()[0])
+            await asyncio.sleep(args.pause)  # the queue drains: each round starts alike
+    med = {k: statistics.median(r["ttft_median_s"] for r in v if r["ttft_median_s"] is not None)
+           for k, v in rounds.items()}
+    return {"rounds": rounds, "baseline_ttft_median_s": med["baseline"], "overload_ttft_median_s": med["overload"],
+            "ttft_ratio": med["overload"] / med["baseline"], "load_avg": load,
+            "timeouts": sum(r["timeouts"] for v in rounds.values() for r in v),
+            "refusals_without_retry_after": sum(r["refusals_without_retry_after"] for v in rounds.values() for r in v),
+            "other_errors": sum(r["n_errors"] for v in rounds.values() for r in v)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -89,7 +118,13 @@ def main() -> None:
     parser.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=300.0, help="Client timeout per request (s).")
-    print(json.dumps(asyncio.run(run(parser.parse_args())), indent=1))
+    parser.add_argument("--ab-rounds", type=int, default=0,
+                        help="Alternate this many baseline/overload rounds and report the TTFT ratio.")
+    parser.add_argument("--baseline-concurrency", type=int, default=128,
+                        help="Clients of the unloaded rounds (default: the server's max_num_seqs, 128).")
+    parser.add_argument("--pause", type=float, default=5.0, help="Seconds between A/B rounds.")
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run_ab(args) if args.ab_rounds else run(args)), indent=1))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from llmserve.engine.messages import (
 from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 from llmserve.executor import Executor
 from llmserve import envs
+from llmserve.gc_utils import freeze_gc_heap
 
 # Pooling engines gather the next step's requests (EngineCoreProc._gather_pooling_batch)
 # until input was quiet for GAP, or for at most MAX, of the last step's duration (floor MIN_S).
@@ -205,6 +206,7 @@ class EngineCoreProc:
         proc = None
         try:
             proc = EngineCoreProc(config, input_addr, output_addr, executor_class, log_stats)
+            freeze_gc_heap("EngineCore")  # no full-GC pauses between steps (gc_utils)
             proc.run_busy_loop()
         except SystemExit:
             logger.info("EngineCore shutting down")

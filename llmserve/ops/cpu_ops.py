@@ -76,6 +76,26 @@ def _build_dir() -> str:
     return path
 
 
+def _load_built(build_dir: str) -> Optional[Any]:
+    """The already built module of ``build_dir``, imported directly, or None. The
+    directory's name hashes the sources, torch, the CPU and the venv, so a .so there is
+    this build. ``cpp_extension.load`` would rerun the compiler check and ninja first
+    (two subprocesses, after importing setuptools: 2-6 s of every engine start, and of every self-healing restart,
+    on a busy 2-core machine)."""
+    import importlib.util
+
+    path = os.path.join(build_dir, "llmserve_cpu_ops.so")
+    if not os.path.exists(path):
+        return None
+    try:  # as cpp_extension._import_module_from_library, without importing cpp_extension (setuptools)
+        spec = importlib.util.spec_from_file_location("llmserve_cpu_ops", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # a partial or foreign file: let load() rebuild it
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def get_cpu_ops() -> Optional[Any]:
     """The compiled ops module, or None when it cannot be built here (logged once) or
@@ -101,6 +121,10 @@ def get_cpu_ops() -> Optional[Any]:
     """
     if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
         return None
+    build_dir = _build_dir()
+    built = _load_built(build_dir)
+    if built is not None:
+        return built
     try:
         from torch.utils.cpp_extension import load
         module = load(
@@ -109,7 +133,7 @@ def get_cpu_ops() -> Optional[Any]:
             extra_include_paths=[CSRC_DIR],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
-            build_directory=_build_dir(),
+            build_directory=build_dir,
             verbose=False,
         )
     except Exception as e:  # no compiler / ninja / headers: the torch path still works

@@ -30,6 +30,7 @@ def adm_server(tmp_path_factory, save_tiny_model_fn):
     get_tokenizer("SmolLM2-135M-Instruct").save_pretrained(path)
     srv = RemoteServer(["--model", path, "--served-model-name", MODEL, "--dtype", "float32",
                         "--kv-cache-memory", "64MiB", "--max-num-seqs", "2", "--max-waiting-requests", "2",
+                        "--max-queue-delay", "0",  # the count bound alone, deterministic with a frozen engine
                         "--engine-stall-timeout", "2", "--timeout-graceful-shutdown", "3",
                         # the self-healing restart would kill the SIGSTOPped engine this test thaws
                         "--no-restart-engine-on-failure"])

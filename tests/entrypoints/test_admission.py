@@ -51,10 +51,14 @@ def test_config_validates_and_defaults_to_twice_max_num_seqs():
         AsyncEngineArgs(engine_stall_timeout=float("nan"))
     args = make_arg_parser(argparse.ArgumentParser()).parse_args([])
     assert args.max_waiting_requests is None and args.engine_stall_timeout == 60.0
-    assert admission_config_from_args(args, 128) == AdmissionConfig(256, 60.0)
+    assert admission_config_from_args(args, 128) == AdmissionConfig(256, 60.0, 1.0)
     args = make_arg_parser(argparse.ArgumentParser()).parse_args(
         ["--max-waiting-requests", "64", "--engine-stall-timeout", "5"])
-    assert admission_config_from_args(args, 128) == AdmissionConfig(64, 5.0)
+    assert admission_config_from_args(args, 128) == AdmissionConfig(64, 5.0, 1.0)
+    with pytest.raises(ValueError, match="max_queue_delay"):
+        AsyncEngineArgs(max_queue_delay=-1.0)
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--max-queue-delay", "0"])
+    assert admission_config_from_args(args, 128).max_queue_delay == 0.0
 
 
 def test_waiting_requests_are_bounded_and_running_ones_do_not_count():
@@ -101,10 +105,50 @@ def test_kv_cache_bound_counts_blocks_in_use_and_those_waiting_requests_need():
     assert c.admit() is None
 
 
+def test_an_encoder_model_is_never_refused_for_its_nominal_kv_cache():
+    c = AdmissionController(AdmissionConfig(64, 10.0), max_num_seqs=4, clock=Clock(), uses_kv_cache=False)
+    c.record(_stats(running=0, used=31, total=31), None)
+    assert all(c.admit() is None for _ in range(32))  # 32 embedding clients at once
+
+
 def test_nothing_waiting_is_always_admitted_even_when_the_cache_is_full():
     c = _controller(limit=10)
     c.record(_stats(running=0, used=100, total=100), None)
     assert c.admit() is None
+
+
+def test_predicted_queue_delay_bounds_the_wait_once_the_drain_rate_is_measured():
+    clock = Clock()
+    c = AdmissionController(AdmissionConfig(64, 10.0, 1.0), block_size=16, max_num_seqs=4, clock=clock)
+    c.record(_stats(running=4), None)
+    c.in_flight = 4  # a full batch running: a new request would wait
+    # Nothing finished yet: no rate to predict from, only the count bound applies.
+    assert [c.admit() for _ in range(5)] == [None] * 5
+    clock.t += 10.0
+    for _ in range(30):  # 3 requests finish per second
+        c.drain.record()
+    c.in_flight = 4 + 2  # two waiting: the third would start in about 1 s: admitted
+    assert c.admit() is None
+    rej = c.admit()  # the fourth: 4 / 3 per s = 1.3 s > 1 s
+    assert (rej.reason, rej.status) == ("queue_delay", 429) and "--max-queue-delay 1" in rej.message
+    assert rej.retry_after >= 1
+    c.record(_stats(running=4), None)
+    c.in_flight = 3  # a free slot and nobody waiting: admitted whatever the rate
+    assert c.admit() is None
+    off = AdmissionController(AdmissionConfig(64, 10.0, 0.0), max_num_seqs=4, clock=clock)
+    off.record(_stats(running=4), None)
+    off.drain.record()
+    off.in_flight = 40
+    assert off.admit() is None  # 0: only the count bound
+    pooling = AdmissionController(AdmissionConfig(64, 10.0, 1.0), max_num_seqs=4, clock=clock)
+    pooling.drain.record()
+    pooling.in_flight = 32  # in flight but never "running" between steps (pooling): not refused for delay
+    assert pooling.admit() is None
+    unbounded = AdmissionController(AdmissionConfig(-1, 10.0, 1.0), max_num_seqs=4, clock=clock)
+    unbounded.record(_stats(running=4), None)
+    unbounded.drain.record()
+    unbounded.in_flight = 400
+    assert unbounded.admit() is None  # -1 stays vLLM's unbounded queue
 
 
 def test_retry_after_follows_the_measured_drain_rate():

@@ -8,6 +8,9 @@ Each POST to a generation or pooling route (vLLM's load-aware routes,
 
 - ``queue_full`` (429): the requests waiting (admitted, not running in the engine) reach
   ``--max-waiting-requests``;
+- ``queue_delay`` (429): the running batch is full, and the new request's predicted wait (its place
+  in the queue over the measured drain rate) exceeds ``--max-queue-delay``: the count
+  bound alone let a waiting request wait about one request lifetime;
 - ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
   waiting requests will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
@@ -43,6 +46,7 @@ from llmserve.entrypoints.openai.server_utils import json_response
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
 DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
+DEFAULT_MAX_QUEUE_DELAY_S = 1.0  # why: see AdmissionConfig.max_queue_delay
 MAX_RETRY_AFTER_S = 60  # never ask a client to wait longer
 # Until requests finish, a waiting request is assumed to need this many KV blocks.
 _DEFAULT_BLOCKS_PER_REQUEST = 1.0
@@ -53,8 +57,10 @@ def admission_config_from_args(args: Any, max_num_seqs: int) -> AdmissionConfig:
     """The serve flags' AdmissionConfig; ``--max-waiting-requests`` unset becomes
     ``2 * max_num_seqs`` (why: see AdmissionConfig)."""
     limit = getattr(args, "max_waiting_requests", None)
+    delay = getattr(args, "max_queue_delay", None)
     return AdmissionConfig(max_waiting_requests=2 * max_num_seqs if limit is None else limit,
-                           engine_stall_timeout=float(getattr(args, "engine_stall_timeout", 0.0) or 0.0))
+                           engine_stall_timeout=float(getattr(args, "engine_stall_timeout", 0.0) or 0.0),
+                           max_queue_delay=DEFAULT_MAX_QUEUE_DELAY_S if delay is None else float(delay))
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,14 @@ class DrainRate:
         while self.finished and self.finished[0] < now - self.window_s:
             self.finished.popleft()
 
+    def rate(self) -> float:
+        """Requests finished per second over the window; 0.0 while none finished in it."""
+        now = self.clock()
+        self._prune(now)
+        if not self.finished:
+            return 0.0
+        return len(self.finished) / max(min(self.window_s, now - self.started), 1e-3)
+
     def retry_after(self, backlog: int) -> int:
         """Seconds (1..MAX_RETRY_AFTER_S) to finish ``backlog`` requests at the measured
         rate. With nothing finished in the window, the time already spent without one
@@ -111,12 +125,15 @@ class AdmissionController:
         engine's running-batch size (a request beyond it waits).
       stat_logger: the PrometheusStatLogger counting refusals and deadlines (or None).
       clock: monotonic seconds (tests pass their own).
+      uses_kv_cache: False for an encoder-only model (no KV kept: no ``kv_cache_full``).
     ``is_draining``: a callable set by the launcher (True once shutdown began).
     """
 
     def __init__(self, config: AdmissionConfig, block_size: int = 16, max_num_seqs: int = 128,
-                 stat_logger: Any = None, clock: Callable[[], float] = time.monotonic):
+                 stat_logger: Any = None, clock: Callable[[], float] = time.monotonic, uses_kv_cache: bool = True):
         self.config = config
+        # An encoder (BERT) keeps no KV: its nominal cache must not refuse requests.
+        self.uses_kv_cache = uses_kv_cache
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.stat_logger = stat_logger
@@ -171,9 +188,20 @@ class AdmissionController:
             return Rejection("queue_full", 429, self.drain.retry_after(waiting),
                              f"The server is overloaded: {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}). Retry later.")
+        bound = self.config.max_queue_delay
+        if limit >= 0 and bound > 0 and self.stats.num_running_reqs >= self.max_num_seqs:
+            # Only while the running batch is full: a new request then waits for a slot, its
+            # place in the queue over the drain rate. (Pooling requests finish within the
+            # step that runs them, so they never fill the batch and this never refuses them.)
+            rate = self.drain.rate()
+            if rate > 0 and (waiting + 1) / rate > bound:
+                return Rejection("queue_delay", 429, self.drain.retry_after(waiting),
+                                 f"The server is overloaded: a new request would wait about "
+                                 f"{(waiting + 1) / rate:.1f} s to start (--max-queue-delay {bound:g}). "
+                                 "Retry later.")
         total = self.stats.num_total_blocks
         need = self.stats.num_used_blocks + (waiting + 1) * self.blocks_per_request
-        if limit >= 0 and waiting > 0 and total > 0 and need > total:
+        if limit >= 0 and self.uses_kv_cache and waiting > 0 and total > 0 and need > total:
             return Rejection("kv_cache_full", 429, self.drain.retry_after(waiting),
                              f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
                              f"{waiting} waiting requests. Retry later.")
@@ -290,8 +318,9 @@ def make_admission_controller(engine_client: Any, args: Any, stat_logger: Any = 
     config = getattr(engine_client, "vllm_config", None)
     max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
     block_size = config.cache_config.block_size if config is not None else 16
+    encoder = bool(getattr(getattr(config, "model_config", None), "is_encoder_only", False))
     controller = AdmissionController(admission_config_from_args(args, max_num_seqs), block_size=block_size,
-                                     max_num_seqs=max_num_seqs, stat_logger=stat_logger)
+                                     max_num_seqs=max_num_seqs, stat_logger=stat_logger, uses_kv_cache=not encoder)
     loggers = getattr(engine_client, "stat_loggers", None)
     if loggers is not None:  # one controller per engine client: a rebuilt app state replaces it
         loggers[:] = [sl for sl in loggers if not isinstance(sl, AdmissionController)] + [controller]

@@ -30,6 +30,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 import llmserve
 from llmserve.engine_args import AsyncEngineArgs, UsageContext
+from llmserve.gc_utils import freeze_gc_heap
 from llmserve.entrypoints.launcher import serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
@@ -239,6 +240,7 @@ async def run_server(args: argparse.Namespace) -> int:
         host = args.host if args.host is not None else "0.0.0.0"
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)",
                     ", ".join(app.state.openai_serving_models.model_names), host, args.port)
+        freeze_gc_heap("API server")  # no full-GC pauses of the event loop (gc_utils)
         try:
             await serve_http(app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
                              access_log=not args.disable_uvicorn_access_log,
