@@ -128,8 +128,11 @@ class ModelConfig:
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         """What the engine can do with this model (vLLM's ``supported_tasks``):
-        ("generate",) or the pooling tasks ("encode", "embed")."""
-        return ("generate",) if self.runner == "generate" else ("encode", "embed")
+        ("generate",), ("generate", "transcription") for Whisper, or the pooling tasks
+        ("encode", "embed")."""
+        if self.runner != "generate":
+            return ("encode", "embed")
+        return ("generate", "transcription") if self.is_encoder_decoder else ("generate",)
 
     @property
     def vocab_size(self) -> int:
