@@ -117,3 +117,67 @@ def test_split_audio_cuts_long_audio_at_quiet_points():
     assert [c.size for c in chunks][0] == 16000 * 29 + 4000
     assert sum(c.size for c in chunks) == x.size and all(c.size <= 16000 * 30 for c in chunks)
     assert len(chunks) == 3
+
+
+def _encode_av(x: np.ndarray, sr: int, fmt: str, codec: str) -> bytes:
+    import io
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=48000 if codec == "libopus" else sr)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray((x[None] * 32767).astype(np.int16), format="s16", layout="mono")
+        frame.sample_rate = sr
+        resampler = av.AudioResampler(format=stream.codec_context.format.name, layout="mono",
+                                      rate=stream.codec_context.sample_rate)
+        for f in resampler.resample(frame):
+            out.mux(stream.encode(f))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, codec", [("mp3", "libmp3lame"), ("webm", "libopus")])
+def test_decode_compressed_formats(fmt, codec):
+    """mp3 and webm/opus (PyAV) decode to the clip's samples at 16 kHz (lossy: compared by
+    duration and correlation)."""
+    from llmserve.multimodal.audio import decode_audio
+    x, sr = sf.read(os.path.join(AUDIO, "clip05.flac"), dtype="float32")
+    y, sr2 = decode_audio(_encode_av(x, sr, fmt, codec))
+    y = to_mono_16k(y, sr2)
+    assert abs(y.size - x.size) < 0.06 * 16000
+    n = min(x.size, y.size)
+    lag = int(np.argmax(np.correlate(y[:n][:16000], x[:n][:16000], "full"))) - 15999
+    a, b = (x[:n - abs(lag)], y[lag:n]) if lag >= 0 else (x[-lag:n], y[:n + lag])
+    assert np.corrcoef(a, b)[0, 1] > 0.9
+
+
+def test_decode_rejects_garbage():
+    from llmserve.multimodal.audio import AudioDecodeError, decode_audio
+    with pytest.raises(AudioDecodeError):
+        decode_audio(b"this is not audio at all")
+    with pytest.raises(AudioDecodeError):
+        decode_audio(b"")
+
+
+def test_offline_llm_generate_with_audio_prompt():
+    """vLLM's offline form: ``LLM.generate({"prompt": ..., "multi_modal_data": {"audio":
+    (samples, rate)}})``, a batch of clips at two sample rates, greedy; a prompt without
+    audio is a ValueError naming multi_modal_data."""
+    from llmserve import LLM, SamplingParams
+    llm = LLM("whisper-tiny.en", dtype="float32", kv_cache_memory="32MiB")
+    try:
+        prompts = []
+        for i in (0, 5):
+            x, sr = sf.read(os.path.join(AUDIO, f"clip{i:02d}.flac"), dtype="float32")
+            if i == 5:
+                import soxr
+                x, sr = soxr.resample(x, sr, 44100), 44100
+            prompts.append({"prompt": "<|startoftranscript|><|notimestamps|>", "multi_modal_data": {"audio": (x, sr)}})
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+        texts = [o.outputs[0].text.strip().lower() for o in outs]
+        assert texts[0].endswith("over the lazy dog.") and "sea shore" in texts[1]
+        assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+        with pytest.raises(ValueError, match="multi_modal_data"):
+            llm.generate("<|startoftranscript|>", SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()

@@ -190,7 +190,7 @@ class OpenAIServingSpeechToText(BaseServing):
         after the last timestamp ends at the chunk's end."""
         segs: list[TranscriptionSegment] = []
         for r in results:
-            start: Optional[float] = None
+            start: Optional[float] = 0.0  # the prompt ends with <|0.00|>
             cur: list[int] = []
 
             def close(end: float) -> None:
