@@ -143,8 +143,8 @@ def main() -> None:
                 ours_t.append(dt)
                 fw_texts, dt2 = faster_whisper_round(fw, files)
                 fw_t.append(dt2)
-                print(f"round {r}: llmserve {len(files) / dt:.3f} clips/s ({args.concurrency} concurrent), "
-                      f"faster-whisper {len(files) / dt2:.3f} clips/s (sequential), load avg {load:.1f}")
+                print(flush=True, *[f"round {r}: llmserve {len(files) / dt:.3f} clips/s ({args.concurrency} concurrent), "
+                      f"faster-whisper {len(files) / dt2:.3f} clips/s (sequential), load avg {load:.1f}"])
         finally:
             proc.terminate()
             proc.wait(30)
