@@ -8,6 +8,11 @@ On the 20 espeak-ng clips of tests/data/audio (scripts/make_test_audio.py):
   transcribing the clips one after another (greedy, no VAD, no timestamps, language en);
   medians over ``--rounds``, with the load average.
 
+Known difference: faster-whisper pads the log-mel of a clip shorter than 30 s with zeros,
+transformers' WhisperFeatureExtractor (llmserve, openai-whisper) pads the audio with
+silence; fed faster-whisper's features, llmserve's decoder gives its text token for token
+(checked on the clips where the texts differ).
+
 Run: ``PYTHONPATH=$PWD python benchmarks/whisper_bench.py [--model whisper-base] [--rounds 3]``
 (needs ``pip install --no-deps ctranslate2 faster-whisper``).
 """
