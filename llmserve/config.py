@@ -120,10 +120,19 @@ class ModelConfig:
         return is_encoder_only(self.hf_config)
 
     @property
+    def is_encoder_decoder(self) -> bool:
+        """An encoder-decoder (Whisper): the encoder runs once per request on its encoder
+        input (audio features), the decoder generates with the paged KV cache."""
+        return bool(getattr(self.hf_config, "is_encoder_decoder", False))
+
+    @property
     def supported_tasks(self) -> tuple[str, ...]:
         """What the engine can do with this model (vLLM's ``supported_tasks``):
-        ("generate",) or the pooling tasks ("encode", "embed")."""
-        return ("generate",) if self.runner == "generate" else ("encode", "embed")
+        ("generate",), ("generate", "transcription") for Whisper, or the pooling tasks
+        ("encode", "embed")."""
+        if self.runner != "generate":
+            return ("encode", "embed")
+        return ("generate", "transcription") if self.is_encoder_decoder else ("generate",)
 
     @property
     def vocab_size(self) -> int:
@@ -131,17 +140,22 @@ class ModelConfig:
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
+        # Encoder-decoder (Whisper): the KV cache is the decoder's.
+        return int(getattr(self.hf_config, "decoder_layers", None) or self.hf_config.num_hidden_layers)
 
     @property
     def num_kv_heads(self) -> int:
         c = self.hf_config
+        if self.is_encoder_decoder:
+            return int(c.decoder_attention_heads)
         return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
 
     @property
     def head_dim(self) -> int:
         c = self.hf_config
         hd = getattr(c, "head_dim", None)
+        if self.is_encoder_decoder:
+            return int(c.d_model // c.decoder_attention_heads)
         return int(hd) if hd else int(c.hidden_size // c.num_attention_heads)
 
 
@@ -174,7 +188,10 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits: max_num_batched_tokens (tokens per step), max_num_seqs
-    (requests per step), chunked prefill, policy ("fcfs" or "priority")."""
+    (requests per step), chunked prefill, policy ("fcfs" or "priority").
+    max_num_encoder_input_tokens: encoder positions (Whisper: 1500 per audio) whose
+    encoder may run in one step (vLLM's encoder compute budget); a request whose encoder
+    alone exceeds it still runs, alone."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -184,8 +201,10 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    max_num_encoder_input_tokens: int = 3000
 
     def __post_init__(self) -> None:
+        _positive("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

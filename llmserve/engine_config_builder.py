@@ -95,7 +95,8 @@ def _check_format(args: "EngineArgs", resolved: "ResolvedModel") -> None:
 
 
 def _max_model_len(args: "EngineArgs", hf_config: Any, device: str) -> int:
-    derived = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+    derived = int(getattr(hf_config, "max_position_embeddings", None)
+                  or getattr(hf_config, "max_target_positions", None) or 2048)  # Whisper: its decoder
     window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
     if args.disable_sliding_window and window:  # vLLM: the context is capped at the window
         derived = min(derived, int(window))
@@ -175,7 +176,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
         extra_eos_token_ids=eos_ids, runner=runner, convert=args.convert, pooler_config=pooler)
 
 
-def _cache_config(args: "EngineArgs") -> CacheConfig:
+def _cache_config(args: "EngineArgs", encoder_decoder: bool = False) -> CacheConfig:
     from llmserve.engine_args import _DEFAULT_KV_CACHE_BYTES, parse_bytes
 
     if args.kv_cache_memory is not None and args.kv_cache_memory_bytes is not None:
@@ -185,7 +186,9 @@ def _cache_config(args: "EngineArgs") -> CacheConfig:
         kv_bytes = args.kv_cache_memory_bytes
     return CacheConfig(block_size=args.block_size,
                        kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _default_kv_cache_bytes(_DEFAULT_KV_CACHE_BYTES),
-                       enable_prefix_caching=args.enable_prefix_caching,
+                       # An encoder-decoder's decoder KV depends on the audio, not only on the
+                       # tokens, so prefix blocks cannot be shared (vLLM turns it off too).
+                       enable_prefix_caching=args.enable_prefix_caching and not encoder_decoder,
                        num_gpu_blocks_override=args.num_gpu_blocks_override, cache_dtype=args.kv_cache_dtype,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        kv_sharing_fast_prefill=args.kv_sharing_fast_prefill)
@@ -233,7 +236,7 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         logger.warning("compilation_config mode %s: this engine runs eagerly, so it runs as mode 0 "
                        "(NONE), as vLLM does under enforce_eager", int(mode))
     return VllmConfig(
-        model_config=model_config, cache_config=_cache_config(args),
+        model_config=model_config, cache_config=_cache_config(args, model_config.is_encoder_decoder),
         scheduler_config=_scheduler_config(args, device, usage_context, model_config.max_model_len,
                                            model_config.runner == "pooling"),
         parallel_config=parallel_config,

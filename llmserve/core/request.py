@@ -65,6 +65,7 @@ class Request:
         trace_headers: Optional[dict[str, str]] = None,
         log_stats: bool = False,
         pooling_params=None,
+        encoder_inputs=None,
     ) -> None:
         self.request_id = request_id
         # A pooling request (pooling_params set) runs its prompt once and samples nothing;
@@ -103,6 +104,12 @@ class Request:
         # Grammar state (a StructuredOutputRequest) of a structured-output request, set by
         # the engine's StructuredOutputManager; None for every other request.
         self.structured_output_request = None
+        # Encoder-decoder (Whisper): the encoder input (engine.messages.EncoderInputs) and
+        # whether the scheduler has spent encoder budget on it (the runner then runs the
+        # encoder at this request's first step and keeps its output until it finishes).
+        self.encoder_inputs = encoder_inputs
+        self.num_encoder_tokens = encoder_inputs.num_encoder_tokens if encoder_inputs is not None else 0
+        self.encoder_scheduled = False
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
         if self.log_stats:

@@ -270,8 +270,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - sum(scheduled.values())
 
         if not preempted:
+            encoder_budget = self.config.max_num_encoder_input_tokens
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self._next_waiting()
+                enc = req.num_encoder_tokens if not req.encoder_scheduled else 0
+                if enc and enc > encoder_budget and encoder_budget < self.config.max_num_encoder_input_tokens:
+                    break  # its encoder waits for the next step's budget
                 computed_blocks, num_hit = [], 0
                 if req.num_computed_tokens == 0:
                     computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
@@ -282,6 +286,9 @@ class Scheduler:
                 if self.needs_kv and self.kv_cache_manager.allocate_slots(req, n, computed_blocks) is None:
                     break
                 self.waiting.remove(req)
+                if enc:
+                    encoder_budget -= enc
+                    req.encoder_scheduled = True
                 req.num_computed_tokens += num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit

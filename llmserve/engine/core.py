@@ -93,7 +93,7 @@ class EngineCore:
         request = Request(req.request_id, req.prompt_token_ids, req.sampling_params,
                           req.eos_token_id, req.arrival_time, req.priority, resumable=req.resumable,
                           trace_headers=req.trace_headers, log_stats=self.log_stats,
-                          pooling_params=req.pooling_params)
+                          pooling_params=req.pooling_params, encoder_inputs=req.encoder_inputs)
         for tok in req.output_token_ids:  # resumed after an engine restart: as if preempted
             request.append_output_token_ids(tok)
         if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:

@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional, Union
 
 from llmserve.config import CacheConfig, ModelConfig
-from llmserve.engine.messages import EngineCoreRequest
+from llmserve.engine.messages import EncoderInputs, EngineCoreRequest
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.structured_output.grammar import validate_structured_outputs
@@ -88,9 +88,13 @@ class InputProcessor:
         self.kv_sharing_fast_prefill = bool(cache_config and cache_config.kv_sharing_fast_prefill)
         self.vocab_size = model_config.vocab_size
         self.priority_enabled = scheduler_config is None or getattr(scheduler_config, "policy", None) == "priority"
+        # Whisper's decoder prompt is its special tokens, written out: no BOS/EOS added.
+        self.encoder_decoder = model_config.is_encoder_decoder
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError."""
+        if isinstance(prompt, dict) and "decoder_prompt" in prompt:  # vLLM's explicit enc-dec form
+            return self.tokenize_prompt(prompt["decoder_prompt"])
         if isinstance(prompt, str):
             return prompt, self._encode_prompt(prompt)
         if isinstance(prompt, list):
@@ -107,7 +111,7 @@ class InputProcessor:
         """Token ids of a text prompt, special tokens added. Raises SamplingParamsError
         for text that is not valid Unicode."""
         check_encodable(text, "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        return self.tokenizer.encode(text, add_special_tokens=not self.encoder_decoder)
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: Optional[float] = None, priority: int = 0,
@@ -132,6 +136,7 @@ class InputProcessor:
             raise SamplingParamsError(
                 f"Got priority {priority} but priority scheduling is not enabled "
                 "(start the engine with --scheduling-policy priority).", "priority")
+        encoder_inputs = self._encoder_inputs(prompt)
         text, ids = self.tokenize_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.model_config.max_model_len)
@@ -157,8 +162,37 @@ class InputProcessor:
         req = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                 eos_token_id=self.eos_token_id,
                                 arrival_time=arrival_time if arrival_time is not None else time.time(),
-                                priority=priority)
+                                priority=priority, encoder_inputs=encoder_inputs)
         return req, text
+
+    def _encoder_inputs(self, prompt: PromptType) -> Optional[EncoderInputs]:
+        """An encoder-decoder prompt's audio (``multi_modal_data={"audio": (samples,
+        sample_rate)}``, at the top level or in ``encoder_prompt``, as vLLM) -> its Whisper
+        log-mel features. Raises SamplingParamsError (``multi_modal_data``) for audio a
+        text model cannot take, a Whisper prompt without audio, or bad audio."""
+        mm = None
+        if isinstance(prompt, dict):
+            enc = prompt.get("encoder_prompt")
+            mm = (enc.get("multi_modal_data") if isinstance(enc, dict) else None) or prompt.get("multi_modal_data")
+        if not self.encoder_decoder:
+            if mm:
+                raise SamplingParamsError("This model takes no multi_modal_data (it is a text model)",
+                                          "multi_modal_data")
+            return None
+        audio = mm.get("audio") if isinstance(mm, dict) else None
+        if isinstance(audio, list) and len(audio) == 1:
+            audio = audio[0]
+        if not isinstance(audio, tuple) or len(audio) != 2:
+            raise SamplingParamsError("This model needs one audio input: multi_modal_data="
+                                      "{'audio': (samples, sample_rate)}", "multi_modal_data")
+        from llmserve.multimodal.audio import to_mono_16k, whisper_features
+        try:
+            x = to_mono_16k(*audio)
+            feats = whisper_features(x, int(getattr(self.model_config.hf_config, "num_mel_bins", 80)))
+        except ValueError as e:
+            raise SamplingParamsError(f"multi_modal_data.audio: {e}", "multi_modal_data") from None
+        return EncoderInputs(feats.tobytes(), tuple(feats.shape), str(feats.dtype),
+                             num_encoder_tokens=feats.shape[-1] // 2)
 
     def process_pooling_inputs(self, request_id: str, prompt: PromptType, params: PoolingParams,
                                arrival_time: Optional[float] = None, priority: int = 0,

@@ -25,7 +25,7 @@ from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
 
 
-__all__ = ["EngineCoreRequestType", "EngineCoreRequest", "StreamingInputChunk", "EngineCoreReady",
+__all__ = ["EngineCoreRequestType", "EncoderInputs", "EngineCoreRequest", "StreamingInputChunk", "EngineCoreReady",
            "EngineCoreRejection", "EngineCoreDead", "UtilityOutput", "EngineCoreOutputs", "UtilityRequest",
            "WIRE_TYPES", "EngineCoreOutput", "EngineCoreEvent", "EngineCoreEventType", "FinishReason",
            "LogprobsLists"]
@@ -39,6 +39,18 @@ class EngineCoreRequestType(bytes, enum.Enum):
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
     STREAMING_INPUT = b"\x04"
+
+
+class EncoderInputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """An encoder-decoder request's encoder input (Whisper: log-mel features
+    ``[num_mel_bins, frames]``) as raw bytes of a C-contiguous array of ``shape`` and
+    numpy ``dtype`` name. ``num_encoder_tokens``: positions the encoder produces (frames
+    after its stride), what the scheduler's encoder budget counts."""
+
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+    num_encoder_tokens: int
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -55,6 +67,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     output_token_ids: tokens this request generated in an engine that died (self-healing
     restart): the engine starts it as if it had been preempted after them, so its output
     budget, penalties, ``min_tokens`` and seeded stream positions continue.
+    encoder_inputs: an encoder-decoder model's encoder input (audio features), None for
+    every other request.
     """
 
     request_id: str
@@ -68,6 +82,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: Optional[PoolingParams] = None
     reasoning_ended: Optional[bool] = None
     output_token_ids: list[int] = []
+    encoder_inputs: Optional[EncoderInputs] = None
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -144,5 +159,5 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
 
 
 #: Every struct that crosses the process boundary (the round-trip test walks this).
-WIRE_TYPES = (EngineCoreRequest, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+WIRE_TYPES = (EngineCoreRequest, EncoderInputs, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
               EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent)

@@ -52,8 +52,11 @@ def get_model(model_config: Any) -> nn.Module:
             gguf_path = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
             model.load_weights(iterate_gguf_weights(gguf_path, hf_config, dtype))
         else:
+            from llmserve.model_loader.ct2_loader import iterate_ct2_weights, manifest_parts
             from llmserve.model_loader.safetensors_loader import iterate_safetensors_weights
-            model.load_weights(iterate_safetensors_weights(path))
+            ct2_parts = manifest_parts(path)  # a CTranslate2 checkpoint seen as an HF dir
+            model.load_weights(iterate_ct2_weights(ct2_parts) if ct2_parts
+                               else iterate_safetensors_weights(path))
     device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
         model = model.to(device)

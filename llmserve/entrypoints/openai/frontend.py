@@ -104,6 +104,10 @@ def add_http_edge_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                        help="Largest request body in bytes; a larger one gets 413 before it is parsed "
                             "(0: no limit).")
+    group.add_argument("--max-audio-file-bytes", type=int, default=25 * 1024 * 1024,
+                       help="Largest audio file /v1/audio/transcriptions and /translations accept, in bytes "
+                            "(OpenAI's 25 MB); a larger one is a 400 naming `file`. The request body limit "
+                            "(--max-request-body-bytes) applies first.")
     group.add_argument("--timeout-keep-alive", type=float,
                        default=float(envs.get("LLMSERVE_HTTP_TIMEOUT_KEEP_ALIVE", "5")),
                        help="Seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive; "
@@ -118,7 +122,7 @@ def add_http_edge_args(group: argparse._ArgumentGroup) -> None:
 
 def check_http_edge_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for a negative limit or timeout."""
-    for name in ("max_request_body_bytes", "timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
+    for name in ("max_request_body_bytes", "max_audio_file_bytes", "timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
         value = getattr(args, name, 0)
         if value is not None and value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -129,7 +133,9 @@ def add_edge_middleware(app: FastAPI, args: argparse.Namespace) -> None:
     their answers carry the header)."""
     app.add_middleware(BodyLimitMiddleware,
                        max_body_bytes=int(getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)),
-                       body_timeout_s=float(getattr(args, "timeout_request_body", 0.0) or 0.0))
+                       body_timeout_s=float(getattr(args, "timeout_request_body", 0.0) or 0.0),
+                       # An audio upload may reach --max-audio-file-bytes (+ 1 MiB of form fields).
+                       path_limits={"/v1/audio/": int(getattr(args, "max_audio_file_bytes", 0) or 0) + (1 << 20)})
     app.add_middleware(EdgeGuardMiddleware)
 
 

@@ -70,15 +70,21 @@ class BodyLimitMiddleware:
     past it, :class:`RequestBodyTimeout` (408).
     """
 
-    def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = 0.0) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = 0.0,
+                 path_limits: Optional[dict[str, int]] = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        # Path prefix -> its own limit (the audio uploads: --max-audio-file-bytes + form).
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit, timeout = self.max_body_bytes, self.body_timeout_s
+        if limit and self.path_limits:
+            path = scope.get("path", "")
+            limit = next((max(limit, v) for p, v in self.path_limits.items() if path.startswith(p)), limit)
         length = Headers(scope=scope).get("content-length")
         if limit and length is not None and length.isdigit() and int(length) > limit:
             return await send_error(send, 413, str(RequestBodyTooLarge(limit).detail), headers=_CLOSE)

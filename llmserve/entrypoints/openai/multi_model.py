@@ -51,6 +51,7 @@ ROUTED_HANDLERS = {
     "openai_serving_embedding": ("embed", "--runner pooling"),
     "openai_serving_scores": ("embed", "--runner pooling"),
     "openai_serving_tokenization": (None, None),
+    "openai_serving_transcription": ("transcription", "a Whisper model"),
 }
 
 

@@ -1,0 +1,137 @@
+"""Request and response bodies of ``/v1/audio/transcriptions`` and
+``/v1/audio/translations`` (OpenAI's audio API, with vLLM's extra sampling fields and its
+stream events ``transcription.chunk``).
+
+The request is multipart form data: ``file`` plus text fields; ``parse_form`` turns the
+fields into a ``TranscriptionRequest`` (a 400 naming the field for a bad value).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, Field, ValidationError
+
+from llmserve.entrypoints.openai.common.protocol import random_uuid
+from llmserve.sampling_params import SamplingParamsError
+
+ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+
+
+class TranscriptionRequest(BaseModel):
+    """The form fields (``file`` comes apart). ``timestamp_granularities`` is OpenAI's
+    ``timestamp_granularities[]``; only "segment" is supported ("word" is a 400)."""
+
+    model: Optional[str] = None
+    language: Optional[str] = None
+    prompt: str = ""
+    response_format: ResponseFormat = "json"
+    temperature: float = Field(0.0, ge=0.0, le=1.0)
+    timestamp_granularities: list[Literal["segment", "word"]] = []
+    stream: bool = False
+    stream_include_usage: bool = False
+    stream_continuous_usage_stats: bool = False
+    # vLLM's extra sampling fields
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    max_completion_tokens: Optional[int] = None
+    to_language: Optional[str] = None
+
+
+_LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities",
+                "timestamp_granularities": "timestamp_granularities"}
+
+
+def parse_form(items: list[tuple[str, Any]]) -> tuple[TranscriptionRequest, Any]:
+    """(form field, value) pairs -> (request, the ``file`` upload). Raises
+    SamplingParamsError naming the field for a missing file, an unknown field or a bad
+    value."""
+    data: dict[str, Any] = {}
+    upload = None
+    known = set(TranscriptionRequest.model_fields)
+    for key, value in items:
+        if key == "file":
+            upload = value
+        elif key in _LIST_FIELDS:
+            data.setdefault(_LIST_FIELDS[key], []).append(value)
+        elif key in known:
+            if not isinstance(value, str):
+                raise SamplingParamsError(f"`{key}` must be a text field", key)
+            data[key] = value
+        else:
+            raise SamplingParamsError(f"Unknown field `{key}`", key)
+    if upload is None or isinstance(upload, str):
+        raise SamplingParamsError("`file` is required: the audio file to transcribe (multipart upload)", "file")
+    for key in ("language", "to_language", "prompt"):  # empty means "not given" (curl -F language=)
+        if data.get(key) == "":
+            data.pop(key)
+    try:
+        return TranscriptionRequest.model_validate(data), upload
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else None
+        raise SamplingParamsError(f"`{field}`: {err['msg']}", field) from None
+
+
+class TranscriptionUsage(BaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: int
+
+
+class TranscriptionResponse(BaseModel):
+    text: str
+    usage: Optional[TranscriptionUsage] = None
+
+
+class TranscriptionSegment(BaseModel):
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float = 0.0
+    compression_ratio: float = 1.0
+    no_speech_prob: float = 0.0
+
+
+class TranscriptionResponseVerbose(BaseModel):
+    task: Literal["transcribe", "translate"] = "transcribe"
+    language: str
+    duration: float
+    text: str
+    segments: list[TranscriptionSegment] = []
+    words: Optional[list[Any]] = None
+
+
+class DeltaMessage(BaseModel):
+    content: Optional[str] = None
+
+
+class TranscriptionResponseStreamChoice(BaseModel):
+    delta: DeltaMessage
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+class StreamUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TranscriptionStreamResponse(BaseModel):
+    """vLLM's stream event (``object`` "transcription.chunk"; translations use the same)."""
+
+    id: str = Field(default_factory=lambda: f"trsc-{random_uuid()}")
+    object: Literal["transcription.chunk"] = "transcription.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[TranscriptionResponseStreamChoice]
+    usage: Optional[StreamUsage] = None

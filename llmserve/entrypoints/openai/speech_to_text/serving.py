@@ -1,0 +1,259 @@
+"""Speech to text (vLLM's ``OpenAIServingTranscription`` / ``OpenAIServingTranslation``):
+audio file -> 16 kHz samples -> <= 30 s chunks -> one Whisper request per chunk (run
+together) -> text stitched in order, in the asked ``response_format``.
+
+Decoder prompt per chunk (as vLLM's ``WhisperForConditionalGeneration.get_decoder_prompt``):
+``[<|startofprev|> prompt]<|startoftranscript|><|lang|><|transcribe or translate|>`` then
+``<|notimestamps|>``, except for ``verbose_json``/``srt``/``vtt``, which let the model write
+its timestamp tokens and turn them into segments. English-only checkpoints (``*.en``)
+take no language or task token. Temperature 0 by default, as OpenAI.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Optional
+
+import numpy as np
+
+from llmserve.entrypoints.openai.common.serving import SSE_DONE, BaseServing, sse, sse_error
+from llmserve.entrypoints.openai.speech_to_text.protocol import (
+    DeltaMessage, StreamUsage, TranscriptionRequest, TranscriptionResponse, TranscriptionResponseStreamChoice,
+    TranscriptionResponseVerbose, TranscriptionSegment, TranscriptionStreamResponse, TranscriptionUsage)
+from llmserve.multimodal.audio import SAMPLE_RATE, AudioDecodeError, decode_audio, split_audio, to_mono_16k
+from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+
+DEFAULT_MAX_AUDIO_FILE_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit
+_TIMESTAMP_STEP_S = 0.02
+
+
+@dataclass
+class Transcript:
+    """One chunk's result: text, output token ids, start offset (s) and duration (s)."""
+
+    text: str
+    token_ids: list[int]
+    offset: float
+    duration: float
+    num_prompt_tokens: int
+
+
+def _fmt_time(t: float, sep: str) -> str:
+    ms = int(round(t * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def subtitles(segments: list[TranscriptionSegment], fmt: str) -> str:
+    """Segments as SubRip (``srt``) or WebVTT (``vtt``) text."""
+    if fmt == "srt":
+        return "".join(f"{i + 1}\n{_fmt_time(s.start, ',')} --> {_fmt_time(s.end, ',')}\n{s.text.strip()}\n\n"
+                       for i, s in enumerate(segments))
+    return "WEBVTT\n\n" + "".join(f"{_fmt_time(s.start, '.')} --> {_fmt_time(s.end, '.')}\n{s.text.strip()}\n\n"
+                                  for s in segments)
+
+
+class OpenAIServingSpeechToText(BaseServing):
+    """Handler of ``/v1/audio/transcriptions`` (``task="transcribe"``) and
+    ``/v1/audio/translations`` (``task="translate"``; the output is English). Raises
+    SamplingParamsError (400 naming the field): ``model`` when the model is not a speech
+    model, ``file`` for audio that cannot be decoded or is larger than
+    ``max_audio_file_bytes``, ``language`` for a language Whisper does not know (or any
+    but English on an English-only checkpoint), ``timestamp_granularities`` for "word"."""
+
+    request_id_prefix = "trsc"
+
+    def __init__(self, engine_client: Any, models: Any, *, log_requests: bool = False,
+                 max_audio_file_bytes: int = DEFAULT_MAX_AUDIO_FILE_BYTES):
+        super().__init__(engine_client, models, log_requests=log_requests)
+        self.tokenizer = engine_client.tokenizer
+        self.max_audio_file_bytes = max_audio_file_bytes
+        self.is_speech_model = bool(getattr(self.model_config, "is_encoder_decoder", False))
+        self.multilingual = int(self.model_config.vocab_size) >= 51865  # *.en checkpoints have 51864
+        tok = self.tokenizer
+        self.eot = tok.convert_tokens_to_ids("<|endoftext|>") if self.is_speech_model else None
+        # The first timestamp token follows <|notimestamps|> (Whisper's vocabulary layout;
+        # some tokenizer.json files leave the timestamp tokens out).
+        self.ts_begin = tok.convert_tokens_to_ids("<|notimestamps|>") + 1 if self.is_speech_model else None
+
+    def new_request_id(self, base: Optional[str] = None) -> str:
+        from llmserve.entrypoints.openai.common.protocol import random_uuid
+        return f"{self.request_id_prefix}-{base or random_uuid()}"
+
+    # ---- validation ----------------------------------------------------------
+    def _language(self, request: TranscriptionRequest) -> str:
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+        lang = (request.language or "en").strip().lower()
+        lang = TO_LANGUAGE_CODE.get(lang, lang)  # "english" -> "en"
+        if lang not in LANGUAGES:
+            raise SamplingParamsError(f"Unsupported language {request.language!r}: use an ISO-639-1 code Whisper "
+                                      f"knows ({', '.join(sorted(LANGUAGES))})", "language")
+        if not self.multilingual and lang != "en":
+            raise SamplingParamsError(f"The model `{self.model_config.served_model_name[0]}` is English-only; "
+                                      f"language {request.language!r} is not supported", "language")
+        return lang
+
+    def _check(self, request: TranscriptionRequest, data: bytes) -> tuple[str, str]:
+        name = self._check_model(request)
+        if not self.is_speech_model:
+            raise SamplingParamsError(f"The model `{name}` is not a speech-to-text model (Whisper); it cannot "
+                                      "transcribe audio", "model")
+        if "word" in request.timestamp_granularities:
+            raise SamplingParamsError("timestamp_granularities 'word' is not supported; use 'segment'",
+                                      "timestamp_granularities")
+        if len(data) > self.max_audio_file_bytes:
+            raise SamplingParamsError(f"The audio file is {len(data)} bytes; the limit is {self.max_audio_file_bytes} "
+                                      "bytes (--max-audio-file-bytes)", "file")
+        return name, self._language(request)
+
+    # ---- prompts and parameters -------------------------------------------
+    def _decoder_prompt(self, request: TranscriptionRequest, lang: str, task: str, timestamps: bool) -> str:
+        prev = f"<|startofprev|> {request.prompt.strip()}" if request.prompt.strip() else ""
+        head = f"<|startoftranscript|><|{lang}|><|{task}|>" if self.multilingual else "<|startoftranscript|>"
+        return prev + head + ("" if timestamps else "<|notimestamps|>")
+
+    def _params(self, request: TranscriptionRequest, prompt_len: int, kind: RequestOutputKind) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        max_tokens = min(room, request.max_completion_tokens) if request.max_completion_tokens else room
+        extra = {k: v for k in ("top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty",
+                                "presence_penalty") if (v := getattr(request, k)) is not None}
+        try:
+            return SamplingParams(temperature=request.temperature, max_tokens=max(1, max_tokens),
+                                  output_kind=kind, **extra)
+        except ValueError as e:
+            raise SamplingParamsError(str(e), getattr(e, "param", None)) from None
+
+    @staticmethod
+    async def _chunks(data: bytes) -> tuple[list[np.ndarray], float]:
+        """Decode + resample + split in a worker thread (FFmpeg and soxr release the GIL)."""
+        def work():
+            try:
+                samples, sr = decode_audio(data)
+                x = to_mono_16k(samples, sr)
+            except (AudioDecodeError, ValueError) as e:
+                raise SamplingParamsError(f"Invalid or unsupported audio file: {e}", "file") from None
+            return split_audio(x), x.size / SAMPLE_RATE
+        return await asyncio.to_thread(work)
+
+    # ---- entry point ---------------------------------------------------------
+    async def create(self, request: TranscriptionRequest, data: bytes, task: str,
+                     request_id: Optional[str] = None) -> Any:
+        """A pydantic response (json / verbose_json), a ``str`` (text / srt / vtt) or,
+        with ``stream``, an async generator of SSE events."""
+        name, lang = self._check(request, data)
+        timestamps = request.response_format in ("verbose_json", "srt", "vtt") and not request.stream
+        chunks, duration = await self._chunks(data)
+        prompt = self.tokenizer.encode(self._decoder_prompt(request, lang, task, timestamps), add_special_tokens=False)
+        if timestamps:  # start in timestamp mode at <|0.00|>, as Whisper's timestamp rules force
+            prompt.append(self.ts_begin)
+        n_prompt = len(prompt)
+        rid = self.new_request_id(request_id)
+        if request.stream:
+            params = self._params(request, n_prompt, RequestOutputKind.DELTA)
+            gen = self._stream(request, name, rid, prompt, params, chunks)
+            first = await gen.__anext__()  # a rejected request is a 400 before the stream starts
+            return _prepend(first, gen)
+        params = self._params(request, n_prompt, RequestOutputKind.FINAL_ONLY)
+        results = await asyncio.gather(*(self._run_chunk(f"{rid}-{i}", prompt, params, c, i)
+                                         for i, c in enumerate(chunks)))
+        offset = 0.0
+        for r, c in zip(results, chunks):
+            r.offset, r.duration = offset, c.size / SAMPLE_RATE
+            offset += r.duration
+        text = "".join(r.text for r in results).strip()
+        fmt = request.response_format
+        if fmt == "json":
+            return TranscriptionResponse(text=text, usage=TranscriptionUsage(seconds=math.ceil(duration)))
+        if fmt == "text":
+            return text + "\n"
+        segments = self._segments(results, request.temperature)
+        if fmt in ("srt", "vtt"):
+            return subtitles(segments, fmt)
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+        return TranscriptionResponseVerbose(task=task, language=LANGUAGES[lang], duration=round(duration, 3),
+                                            text=text, segments=segments)
+
+    async def _run_chunk(self, rid: str, prompt: list[int], params: SamplingParams, chunk: np.ndarray,
+                         index: int) -> Transcript:
+        final = None
+        async for out in self.engine_client.generate(
+                {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, rid):
+            final = out
+        o = final.outputs[0]
+        return Transcript(o.text, list(o.token_ids), 0.0, 0.0, len(final.prompt_token_ids or ()))
+
+    def _segments(self, results: list[Transcript], temperature: float) -> list[TranscriptionSegment]:
+        """Whisper's timestamp tokens (``<|t|>`` pairs, 0.02 s steps) -> segments; text
+        after the last timestamp ends at the chunk's end."""
+        segs: list[TranscriptionSegment] = []
+        for r in results:
+            start: Optional[float] = 0.0  # the prompt ends with <|0.00|>
+            cur: list[int] = []
+
+            def close(end: float) -> None:
+                text = self.tokenizer.decode(cur, skip_special_tokens=True)
+                if text.strip():
+                    segs.append(TranscriptionSegment(
+                        id=len(segs), seek=int(r.offset * 100), start=round(r.offset + (start or 0.0), 2),
+                        end=round(r.offset + min(end, r.duration), 2), text=text, tokens=list(cur),
+                        temperature=temperature))
+
+            for t in r.token_ids:
+                if t >= self.ts_begin:
+                    ts = (t - self.ts_begin) * _TIMESTAMP_STEP_S
+                    if start is not None and cur:
+                        close(ts)
+                        cur, start = [], None
+                    else:
+                        start = ts
+                elif t != self.eot:
+                    cur.append(t)
+            if cur:
+                close(r.duration)
+        return segs
+
+    async def _stream(self, request: TranscriptionRequest, name: str, rid: str, prompt: list[int],
+                      params: SamplingParams, chunks: list[np.ndarray]) -> AsyncGenerator[str, None]:
+        """vLLM's transcription stream: one ``transcription.chunk`` event per text delta,
+        the chunks in order, ``finish_reason`` on the last, usage when asked, ``[DONE]``."""
+        n_prompt = n_out = 0
+        finish, stop = None, None
+        started = False
+        try:
+            for i, chunk in enumerate(chunks):
+                gen = self.engine_client.generate(
+                    {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, f"{rid}-{i}")
+                async for out in gen:
+                    o = out.outputs[0]
+                    n_out += len(o.token_ids)
+                    last = out.finished and i == len(chunks) - 1
+                    if out.finished:
+                        n_prompt += len(out.prompt_token_ids or ())
+                        finish, stop = o.finish_reason, o.stop_reason
+                    if not o.text and not last:
+                        continue
+                    usage = (StreamUsage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                                         total_tokens=n_prompt + n_out)
+                             if request.stream_continuous_usage_stats else None)
+                    started = True
+                    yield sse(TranscriptionStreamResponse(
+                        id=rid, model=name, usage=usage, choices=[TranscriptionResponseStreamChoice(
+                            delta=DeltaMessage(content=o.text), finish_reason=finish if last else None,
+                            stop_reason=stop if last else None)]).model_dump_json(exclude_none=True))
+            if request.stream_include_usage:
+                yield sse(TranscriptionStreamResponse(id=rid, model=name, choices=[], usage=StreamUsage(
+                    prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)).model_dump_json())
+        except Exception as e:
+            if not started:  # before the first event: the handler answers 400 / 500
+                raise
+            yield sse_error(e)  # after the stream started: an error event, as vLLM
+        yield SSE_DONE
+
+
+async def _prepend(first: str, rest: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    yield first
+    async for item in rest:
+        yield item

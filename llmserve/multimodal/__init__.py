@@ -1,0 +1,1 @@
+"""Multimodal inputs (audio for Whisper): decoding, resampling, features."""

@@ -1,0 +1,109 @@
+"""``/v1/audio/transcriptions`` and ``/v1/audio/translations`` (issue 15) through the
+official ``openai`` client, on one ``llmserve serve`` hosting SmolLM2 for chat and
+whisper-tiny.en (CTranslate2 weights from its package) for speech: every response
+format, streaming, the 400s, and chat + transcription at once."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from e2e_utils import MODEL as CHAT, SERVE_CLI, RemoteServer
+
+STT = "whisper-tiny.en"
+AUDIO = os.path.join(os.path.dirname(__file__), "..", "data", "audio")
+MAX_AUDIO = 600_000
+
+
+def clip(i: int) -> bytes:
+    with open(os.path.join(AUDIO, f"clip{i:02d}.flac"), "rb") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = RemoteServer([CHAT, "--extra-model", STT, "--dtype", "float32", "--kv-cache-memory", "128MiB",
+                      "--max-audio-file-bytes", str(MAX_AUDIO)], entrypoint=SERVE_CLI)
+    yield s
+    s.stop()
+
+
+def test_every_response_format(srv):
+    c = srv.client()
+    f = ("clip05.flac", clip(5))
+    js = c.audio.transcriptions.create(model=STT, file=f)
+    assert "sea shore" in js.text.lower() and js.usage.seconds == 3
+    assert c.audio.transcriptions.create(model=STT, file=f, response_format="text") == js.text + "\n"
+    v = c.audio.transcriptions.create(model=STT, file=f, response_format="verbose_json",
+                                      timestamp_granularities=["segment"])
+    assert v.text == js.text and v.language == "english" and abs(v.duration - 2.69) < 0.01
+    assert v.segments and "".join(s.text for s in v.segments).strip() == js.text
+    assert all(0 <= s.start <= s.end <= v.duration for s in v.segments)
+    srt = c.audio.transcriptions.create(model=STT, file=f, response_format="srt")
+    lines = srt.strip().split("\n")
+    assert lines[0] == "1" and " --> " in lines[1] and lines[2] == js.text
+    vtt = c.audio.transcriptions.create(model=STT, file=f, response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n") and js.text in vtt
+    tr = c.audio.translations.create(model=STT, file=f)
+    assert tr.text == js.text  # English audio: the translation is the transcript
+
+
+def test_stream_matches_json(srv):
+    c = srv.client()
+    js = c.audio.transcriptions.create(model=STT, file=("c.flac", clip(0)))
+    events = list(c.audio.transcriptions.create(model=STT, file=("c.flac", clip(0)), stream=True))
+    assert all(e.object == "transcription.chunk" for e in events)
+    assert "".join(e.choices[0]["delta"]["content"] for e in events).strip() == js.text
+    assert events[-1].choices[0]["finish_reason"] == "stop"
+
+
+def test_other_formats_decode_to_the_same_text(srv):
+    c = srv.client()
+    js = c.audio.transcriptions.create(model=STT, file=("c.flac", clip(5))).text
+    x, sr = sf.read(io.BytesIO(clip(5)), dtype="float32")
+    wav = io.BytesIO()  # lossless, resampled to 44.1 kHz stereo: decoded, downmixed, resampled back
+    import soxr
+    y = soxr.resample(x, sr, 44100)
+    sf.write(wav, np.stack([y, y], axis=1), 44100, format="WAV", subtype="PCM_16")
+    assert c.audio.transcriptions.create(model=STT, file=("c.wav", wav.getvalue())).text == js
+
+
+@pytest.mark.parametrize("fields, files, param", [
+    ({"model": STT}, {"file": ("x.wav", b"this is not audio")}, "file"),
+    ({"model": STT, "language": "xx"}, {"file": ("c.flac", b"0")}, "language"),
+    ({"model": STT, "language": "fr"}, {"file": ("c.flac", b"0")}, "language"),
+    ({"model": STT}, {"file": ("big.wav", b"\0" * (MAX_AUDIO + 1))}, "file"),
+    ({"model": CHAT}, {"file": ("c.flac", b"0")}, "model"),
+    ({"model": STT, "response_format": "docx"}, {"file": ("c.flac", b"0")}, "response_format"),
+    ({"model": STT, "temperature": "3"}, {"file": ("c.flac", b"0")}, "temperature"),
+    ({"model": STT, "timestamp_granularities[]": "word"}, {"file": ("c.flac", b"0")}, "timestamp_granularities"),
+    ({"model": STT}, None, "file"),  # not multipart
+    ({"model": STT, "colour": "red"}, {"file": ("c.flac", b"0")}, "colour"),  # unknown field
+])
+def test_bad_requests_are_400_naming_the_field(srv, fields, files, param):
+    r = srv.post("/v1/audio/transcriptions", data=fields, **({"files": files} if files else {}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_chat_and_transcription_at_once(srv):
+    ref = srv.client().audio.transcriptions.create(model=STT, file=("c.flac", clip(3))).text
+
+    async def run():
+        c = srv.async_client(timeout=600.0)
+        chats = [c.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": f"Count to {i}."}],
+                                           max_tokens=8, temperature=0) for i in range(4)]
+        stts = [c.audio.transcriptions.create(model=STT, file=("c.flac", clip(3))) for _ in range(4)]
+        return await asyncio.gather(*chats, *stts)
+
+    outs = asyncio.run(run())
+    assert all(o.choices[0].message.content for o in outs[:4])
+    assert [o.text for o in outs[4:]] == [ref] * 4
+    models = {m.id for m in srv.client().models.list()}
+    assert {CHAT, STT} <= models
