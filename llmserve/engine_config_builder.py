@@ -32,7 +32,6 @@ def _is_default_worker(value: Any) -> bool:
 # field -> (accepted?, what it would need). Checked before anything is loaded.
 _SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pipeline_parallel_size": (lambda v: v == 1, "pipeline parallelism; use 1"),
-    "data_parallel_size": (lambda v: v == 1, "several engines behind one client; use 1"),
     "distributed_executor_backend": (lambda v: v in (None, "uni", "mp", "ray"), "use None, 'uni', 'mp' or 'ray'"),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"), "use 'auto' or 'hf'"),
     "skip_tokenizer_init": (lambda v: not v, "the engine detokenizes, so it needs the tokenizer"),
@@ -244,6 +243,11 @@ def _restart_config(args: "EngineArgs", usage_context: "UsageContext") -> Restar
     """--restart-engine-on-failure defaults to on for the server, off offline."""
     enabled = args.restart_engine_on_failure
     if enabled is None:
-        enabled = getattr(usage_context, "name", None) == "OPENAI_API_SERVER"
+        # Off with data parallel: a dead rank fails the DP group and the server reports
+        # unhealthy, as vLLM (restarting one rank under a balancing client is not done).
+        enabled = getattr(usage_context, "name", None) == "OPENAI_API_SERVER" and args.data_parallel_size == 1
+    elif enabled and args.data_parallel_size > 1:
+        raise ValueError("restart_engine_on_failure is not supported with data_parallel_size > 1 "
+                         "(a dead rank fails the DP group, as vLLM); leave it unset")
     return RestartConfig(enabled=enabled, stall_timeout=args.engine_stall_timeout,
                          max_restarts=args.max_engine_restarts, window=args.engine_restart_window)

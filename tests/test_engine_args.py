@@ -105,15 +105,17 @@ def test_parallel_sizes_beyond_one_are_clear_errors(tiny_dir):
     with pytest.raises(ValueError, match=r"data_parallel_size=2\) is not supported for single-process usage.*"
                                          r"examples/offline_inference/data_parallel.py"):
         LLM("x", data_parallel_size=2)
-    for name in ("pipeline_parallel_size", "data_parallel_size"):
+    for name in ("pipeline_parallel_size",):
         with pytest.raises(ValueError, match=f"{name}=2 is not supported by this engine yet"):
             _args(tiny_dir, **{name: 2}).create_engine_config()
         with pytest.raises(ValueError, match=name):
             _args(tiny_dir, **{name: 0}).create_engine_config()
-    # tensor parallel is supported (tests/executor/test_tensor_parallel.py); 0 is still refused
-    assert _args(tiny_dir, tensor_parallel_size=2).create_engine_config().parallel_config.tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        _args(tiny_dir, tensor_parallel_size=0).create_engine_config()
+    # tensor and data parallel are supported (tests/executor/test_tensor_parallel.py,
+    # tests/engine/test_data_parallel.py); 0 is still refused
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        assert getattr(_args(tiny_dir, **{name: 2}).create_engine_config().parallel_config, name) == 2
+        with pytest.raises(ValueError, match=name):
+            _args(tiny_dir, **{name: 0}).create_engine_config()
 
 
 @pytest.mark.parametrize("name,value", [
