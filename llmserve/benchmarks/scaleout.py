@@ -105,6 +105,12 @@ def dp_vs_threads(args) -> dict:
 
     configs = {"dp2x1": ["--data-parallel-size", "2", "--num-threads", "1"],
                "dp1x2": ["--num-threads", "2"]}
+    if not args.port:
+        import socket
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            args.port = sk.getsockname()[1]
     tput: dict[str, list[float]] = {k: [] for k in configs}
     loads = []
     for rnd in range(args.rounds):
@@ -177,7 +183,7 @@ def main(argv=None) -> None:
     t.add_argument("--tokens", type=int, default=32)
     d = sub.add_parser("dp-vs-threads", help="DP=2x1 thread vs DP=1x2 threads, bench serve")
     d.add_argument("--model", default="SmolLM2-135M-Instruct")
-    d.add_argument("--port", type=int, default=8731)
+    d.add_argument("--port", type=int, default=0, help="0: a free port")
     d.add_argument("--rounds", type=int, default=2)
     d.add_argument("--concurrency", type=int, default=32)
     d.add_argument("--num-prompts", type=int, default=96)

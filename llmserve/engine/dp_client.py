@@ -81,6 +81,7 @@ class DPLBAsyncMPClient:
         self._pumps: list[asyncio.Task] = []
         self.engine_dead = False
         self.dead_error: Optional[str] = None
+        self._shut_down = False
 
     # ---- routing ----------------------------------------------------------------
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
@@ -205,15 +206,24 @@ class DPLBAsyncMPClient:
         raise EngineDeadError("engine restarts are off with data parallel (a dead rank fails the group, as vLLM)")
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Stop every rank's engine process (in parallel, within ``timeout`` seconds)."""
+        """Stop every rank's engine process (in parallel, within ``timeout`` seconds).
+        Idempotent; at interpreter exit (no new threads) the ranks stop one after another."""
+        import sys
+        import threading
+
+        if self._shut_down:
+            return
+        self._shut_down = True
         for t in self._pumps:
             if not t.done():
                 try:
                     t.cancel()
                 except RuntimeError:
                     pass
-        import threading
-
+        if sys.is_finalizing():
+            for c in self.cores:
+                c.shutdown(timeout)
+            return
         threads = [threading.Thread(target=c.shutdown, args=(timeout,)) for c in self.cores]
         for t in threads:
             t.start()
