@@ -50,7 +50,7 @@ class LoggingStatLogger:
         self.gen_tokens = 0
         self.sched = None
 
-    def record(self, scheduler_stats, iteration_stats) -> None:
+    def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
         if iteration_stats is not None:
             self.prompt_tokens += iteration_stats.num_prompt_tokens
             self.gen_tokens += iteration_stats.num_generation_tokens
@@ -85,11 +85,15 @@ class _EngineDeath:
         self.event.set()
 
 
-def _record_stats(stat_loggers, scheduler_stats, iteration_stats) -> None:
-    """Hand one batch of stats to every stat logger; a failing logger is logged, not raised."""
+def _record_stats(stat_loggers, scheduler_stats, iteration_stats, engine_idx: int = 0) -> None:
+    """Hand one batch of stats to every stat logger; a failing logger is logged, not raised.
+    ``engine_idx``: the data-parallel rank that sent them (passed only when not 0)."""
     for sl in stat_loggers:
         try:
-            sl.record(scheduler_stats, iteration_stats)
+            if engine_idx:
+                sl.record(scheduler_stats, iteration_stats, engine_idx=engine_idx)
+            else:
+                sl.record(scheduler_stats, iteration_stats)
         except Exception:
             logger.exception("stat logger failed")
 
@@ -510,7 +514,7 @@ class AsyncLLM(EngineClient):
                             await core.client.abort_requests_async(processed.reqs_to_abort)
                         if start + OUTPUT_PROC_CHUNK_SIZE < len(items):
                             await asyncio.sleep(0)
-                    _record_stats(stat_loggers, outs.scheduler_stats, iteration_stats)
+                    _record_stats(stat_loggers, outs.scheduler_stats, iteration_stats, outs.engine_index)
             except asyncio.CancelledError:
                 raise
             except EngineDeadError as e:

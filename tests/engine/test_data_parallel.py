@@ -37,7 +37,10 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def dp_engine(tiny_path):
+    from llmserve.metrics.prometheus import PrometheusStatLogger
+
     eng = AsyncLLM.from_engine_args(_args(tiny_path, data_parallel_size=2))
+    eng.stat_loggers.append(PrometheusStatLogger(eng.vllm_config))
     yield eng
     eng.shutdown()
 
@@ -81,6 +84,13 @@ def test_dp2_same_text_as_one_engine_and_load_spread(dp_engine, tiny_path, promp
     assert [list(o.outputs[0].token_ids) for o in outs] == [list(r) for r in ref]
     assert sorted(seen) == [0] * 8 + [1] * 8  # a burst of 16 alternates between the idle ranks
     assert client.in_flight == [0, 0] and client.req_rank == {}
+    # /metrics: one series per rank (engine label), as vLLM
+    from prometheus_client import generate_latest
+
+    text = generate_latest(dp_engine.stat_loggers[-1].registry).decode()
+    engines = {line.split('engine="')[1][0] for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{")}
+    assert engines == {"0", "1"}
 
 
 def test_rank_pin_abort_and_stats(dp_engine, prompts, loop):
