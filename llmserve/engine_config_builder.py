@@ -31,10 +31,8 @@ def _is_default_worker(value: Any) -> bool:
 
 # field -> (accepted?, what it would need). Checked before anything is loaded.
 _SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tensor_parallel_size": (lambda v: v == 1, "tensor parallelism; use 1"),
     "pipeline_parallel_size": (lambda v: v == 1, "pipeline parallelism; use 1"),
-    "data_parallel_size": (lambda v: v == 1, "several engines behind one client; use 1"),
-    "distributed_executor_backend": (lambda v: v in (None, "uni", "mp"), "use None, 'uni' or 'mp'"),
+    "distributed_executor_backend": (lambda v: v in (None, "uni", "mp", "ray"), "use None, 'uni', 'mp' or 'ray'"),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"), "use 'auto' or 'hf'"),
     "skip_tokenizer_init": (lambda v: not v, "the engine detokenizes, so it needs the tokenizer"),
     "kv_cache_dtype": (lambda v: v == "auto", "the KV cache uses the model's dtype; use 'auto'"),
@@ -231,6 +229,10 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         distributed_executor_backend=args.distributed_executor_backend, worker_cls=args.worker_cls)
     device = _device(args.device)
     model_config = _model_config(args, device)
+    if args.tensor_parallel_size > 1:
+        from llmserve.models.tensor_parallel import check_tp_size
+
+        check_tp_size(model_config.hf_config, args.tensor_parallel_size)
     mode = args.compilation_config.mode
     if mode not in (None, CompilationMode.NONE):
         logger.warning("compilation_config mode %s: this engine runs eagerly, so it runs as mode 0 "
@@ -251,6 +253,11 @@ def _restart_config(args: "EngineArgs", usage_context: "UsageContext") -> Restar
     """--restart-engine-on-failure defaults to on for the server, off offline."""
     enabled = args.restart_engine_on_failure
     if enabled is None:
-        enabled = getattr(usage_context, "name", None) == "OPENAI_API_SERVER"
+        # Off with data parallel: a dead rank fails the DP group and the server reports
+        # unhealthy, as vLLM (restarting one rank under a balancing client is not done).
+        enabled = getattr(usage_context, "name", None) == "OPENAI_API_SERVER" and args.data_parallel_size == 1
+    elif enabled and args.data_parallel_size > 1:
+        raise ValueError("restart_engine_on_failure is not supported with data_parallel_size > 1 "
+                         "(a dead rank fails the DP group, as vLLM); leave it unset")
     return RestartConfig(enabled=enabled, stall_timeout=args.engine_stall_timeout,
                          max_restarts=args.max_engine_restarts, window=args.engine_restart_window)

@@ -105,15 +105,21 @@ def test_parallel_sizes_beyond_one_are_clear_errors(tiny_dir):
     with pytest.raises(ValueError, match=r"data_parallel_size=2\) is not supported for single-process usage.*"
                                          r"examples/offline_inference/data_parallel.py"):
         LLM("x", data_parallel_size=2)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    for name in ("pipeline_parallel_size",):
         with pytest.raises(ValueError, match=f"{name}=2 is not supported by this engine yet"):
             _args(tiny_dir, **{name: 2}).create_engine_config()
+        with pytest.raises(ValueError, match=name):
+            _args(tiny_dir, **{name: 0}).create_engine_config()
+    # tensor and data parallel are supported (tests/executor/test_tensor_parallel.py,
+    # tests/engine/test_data_parallel.py); 0 is still refused
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        assert getattr(_args(tiny_dir, **{name: 2}).create_engine_config().parallel_config, name) == 2
         with pytest.raises(ValueError, match=name):
             _args(tiny_dir, **{name: 0}).create_engine_config()
 
 
 @pytest.mark.parametrize("name,value", [
-    ("distributed_executor_backend", "ray"), ("tokenizer_mode", "slow"), ("skip_tokenizer_init", True),
+    ("distributed_executor_backend", "external_launcher"), ("tokenizer_mode", "slow"), ("skip_tokenizer_init", True),
     ("kv_cache_dtype", "fp8"), ("cpu_offload_gb", 4.0), ("long_prefill_token_threshold", 128),
     ("max_num_partial_prefills", 2), ("max_long_partial_prefills", 2), ("async_scheduling", True),
     ("load_format", "dummy"), ("quantization", "awq"), ("quantization", "gguf"), ("load_format", "gguf")])

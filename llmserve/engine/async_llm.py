@@ -50,7 +50,7 @@ class LoggingStatLogger:
         self.gen_tokens = 0
         self.sched = None
 
-    def record(self, scheduler_stats, iteration_stats) -> None:
+    def record(self, scheduler_stats, iteration_stats, *args, **kwargs) -> None:
         if iteration_stats is not None:
             self.prompt_tokens += iteration_stats.num_prompt_tokens
             self.gen_tokens += iteration_stats.num_generation_tokens
@@ -85,11 +85,15 @@ class _EngineDeath:
         self.event.set()
 
 
-def _record_stats(stat_loggers, scheduler_stats, iteration_stats) -> None:
-    """Hand one batch of stats to every stat logger; a failing logger is logged, not raised."""
+def _record_stats(stat_loggers, scheduler_stats, iteration_stats, engine_idx: int = 0) -> None:
+    """Hand one batch of stats to every stat logger; a failing logger is logged, not raised.
+    ``engine_idx``: the data-parallel rank that sent them (passed only when not 0)."""
     for sl in stat_loggers:
         try:
-            sl.record(scheduler_stats, iteration_stats)
+            if engine_idx:
+                sl.record(scheduler_stats, iteration_stats, engine_idx=engine_idx)
+            else:
+                sl.record(scheduler_stats, iteration_stats)
         except Exception:
             logger.exception("stat logger failed")
 
@@ -114,7 +118,8 @@ class AsyncLLM(EngineClient):
     ``Executor.get_class(vllm_config)``); log_stats: collect IterationStats and have the
     engine report request events (queue time); stat_loggers; log_requests: log each
     request (with its trace headers); client_addresses / client_count / client_index:
-    for several API servers (scale-out issue; ValueError unless the defaults).
+    for several API servers (ValueError unless the defaults). With
+    ``data_parallel_size > 1`` the client is a ``DPLBAsyncMPClient`` (engine/dp_client.py).
 
     Raises, from ``generate``: ValueError for bad input (before the first output),
     EngineDeadError once the engine process is dead.
@@ -245,12 +250,17 @@ class AsyncLLM(EngineClient):
                           params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                           priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None,
                           resumable: bool = False, reasoning_ended: Optional[bool] = None,
-                          **kwargs: Any) -> RequestOutputCollector:
+                          data_parallel_rank: Optional[int] = None, **kwargs: Any) -> RequestOutputCollector:
         """Add a request; returns its collector at once. ``prompt`` may be a prepared
         ``EngineCoreRequest`` (its own request id wins over ``request_id``, with a
-        warning). Raises ValueError / EngineDeadError."""
+        warning). ``data_parallel_rank`` pins the request to that DP engine (vLLM).
+        Raises ValueError / EngineDeadError."""
         if self.errored:
             raise self.dead_error
+        if data_parallel_rank is not None:
+            dp = self.vllm_config.parallel_config.data_parallel_size
+            if not isinstance(data_parallel_rank, int) or not 0 <= data_parallel_rank < dp:
+                raise ValueError(f"data_parallel_rank={data_parallel_rank!r} is out of range [0, {dp})")
         self._run_output_handler()
         if isinstance(prompt, EngineCoreRequest):
             reqs, parent, params = self._prepared_request(request_id, prompt, params)
@@ -270,6 +280,8 @@ class AsyncLLM(EngineClient):
                 req.trace_headers = headers
             if reasoning_ended is not None:
                 req.reasoning_ended = reasoning_ended
+            if data_parallel_rank is not None:
+                req.data_parallel_rank = data_parallel_rank
         await self._send_requests(reqs)
         if self.log_requests:
             logger.info("Added request %s: %d prompt tokens, params=%s, trace_headers=%s", request_id,
@@ -328,7 +340,7 @@ class AsyncLLM(EngineClient):
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int = 0, *,
                        trace_headers: Optional[Mapping[str, str]] = None, reasoning_ended: Optional[bool] = None,
                        reasoning_parser_kwargs: Optional[dict[str, Any]] = None,
-                       **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+                       data_parallel_rank: Optional[int] = None, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs of one request (output kind per sampling_params).
 
         ``prompt``: text, token ids, a prompt dict, an ``EngineCoreRequest``, or an async
@@ -338,8 +350,8 @@ class AsyncLLM(EngineClient):
         kept on it. reasoning_ended goes to the engine on the request (a structured-output
         request's grammar applies at once when True; see StructuredOutputManager);
         reasoning_parser_kwargs is accepted for vLLM compatibility; with streaming input they raise
-        NotImplementedError, as in vLLM. Closing or cancelling the generator aborts the
-        request in the engine.
+        NotImplementedError, as in vLLM. ``data_parallel_rank`` pins the request to one DP
+        engine. Closing or cancelling the generator aborts the request in the engine.
         """
         streaming = is_streaming_prompt(prompt)
         if streaming and (reasoning_ended is not None or reasoning_parser_kwargs is not None):
@@ -352,7 +364,8 @@ class AsyncLLM(EngineClient):
                                                                       priority, trace_headers)
             else:
                 collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
-                                                   trace_headers=trace_headers, reasoning_ended=reasoning_ended)
+                                                   trace_headers=trace_headers, reasoning_ended=reasoning_ended,
+                                                   data_parallel_rank=data_parallel_rank)
                 if isinstance(prompt, EngineCoreRequest):
                     request_id = prompt.request_id
             finished = False
@@ -501,7 +514,7 @@ class AsyncLLM(EngineClient):
                             await core.client.abort_requests_async(processed.reqs_to_abort)
                         if start + OUTPUT_PROC_CHUNK_SIZE < len(items):
                             await asyncio.sleep(0)
-                    _record_stats(stat_loggers, outs.scheduler_stats, iteration_stats)
+                    _record_stats(stat_loggers, outs.scheduler_stats, iteration_stats, outs.engine_index)
             except asyncio.CancelledError:
                 raise
             except EngineDeadError as e:

@@ -72,6 +72,11 @@ class EngineCoreClient:
         if client_count != 1 or client_index != 0:
             raise ValueError(f"client_count={client_count}, client_index={client_index}: several API-server "
                              "clients per engine are not supported yet (use 1 and 0)")
+        pc = getattr(vllm_config, "parallel_config", None)
+        if pc is not None and pc.data_parallel_size > 1:
+            from llmserve.engine.dp_client import DPLBAsyncMPClient
+
+            return DPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_index)
         return AsyncMPClient(vllm_config, executor_class, log_stats)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:

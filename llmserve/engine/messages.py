@@ -83,6 +83,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     reasoning_ended: Optional[bool] = None
     output_token_ids: list[int] = []
     encoder_inputs: Optional[EncoderInputs] = None
+    data_parallel_rank: Optional[int] = None  # pins the DP engine (DPLBAsyncMPClient)
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -146,6 +147,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     rejected: Optional[list[EngineCoreRejection]] = None
     dead: Optional[EngineCoreDead] = None
     ready: Optional[EngineCoreReady] = None
+    engine_index: int = 0  # the DP rank that sent it (set by the DP client on receipt)
 
     @property
     def engine_dead(self) -> bool:

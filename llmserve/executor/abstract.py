@@ -12,8 +12,13 @@ if TYPE_CHECKING:
     from llmserve.core.outputs import ModelRunnerOutput
     from llmserve.core.sched_output import SchedulerOutput
 
-# distributed_executor_backend values and the executor that serves each (None: default).
-_BACKENDS = {None: "uni", "uni": "uni"}
+# distributed_executor_backend values and the executor that serves each (None: "uni" for
+# one worker, "mp" for several, as vLLM on one node).
+_BACKENDS = {
+    "uni": "llmserve.executor.uniproc_executor.UniProcExecutor",
+    "mp": "llmserve.executor.multiproc_executor.MultiprocExecutor",
+    "ray": "llmserve.executor.ray_executor.RayDistributedExecutor",
+}
 
 
 class Executor:
@@ -28,26 +33,31 @@ class Executor:
 
     @staticmethod
     def get_class(vllm_config: Any) -> type["Executor"]:
-        """The executor class for ``vllm_config.parallel_config.distributed_executor_backend``
-        (None or "uni": ``UniProcExecutor``; an Executor subclass is returned as is).
-        Raises ValueError for a backend this engine does not have, or for tensor/pipeline
-        parallel sizes above 1, which no executor here can run yet."""
+        """The executor class for ``vllm_config.parallel_config.distributed_executor_backend``:
+        "uni" (``UniProcExecutor``, the model in the engine process), "mp"
+        (``MultiprocExecutor``, one worker process per tensor-parallel rank), "ray"
+        (``RayDistributedExecutor``, workers as Ray actors); None picks "uni" for one worker
+        and "mp" for several; an Executor subclass is returned as is. Raises ValueError for
+        another backend, or for "uni" with more than one worker."""
         pc = getattr(vllm_config, "parallel_config", None)
         backend = getattr(pc, "distributed_executor_backend", None)
         if isinstance(backend, type):
             if not issubclass(backend, Executor):
                 raise ValueError(f"distributed_executor_backend: {backend.__name__} is not an Executor subclass")
             return backend
+        world = (getattr(pc, "tensor_parallel_size", 1) or 1) * (getattr(pc, "pipeline_parallel_size", 1) or 1)
+        if backend is None:
+            backend = "uni" if world == 1 else "mp"
         if backend not in _BACKENDS:
             raise ValueError(f"distributed_executor_backend={backend!r} is not supported; "
-                             f"choose one of {sorted(k for k in _BACKENDS if k)} (or leave it unset)")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if (getattr(pc, name, 1) or 1) > 1:
-                raise ValueError(f"{name}={getattr(pc, name)} needs a multi-process executor, which this "
-                                 "engine does not have yet; use 1")
-        from llmserve.executor.uniproc_executor import UniProcExecutor
+                             f"choose one of {sorted(_BACKENDS)} (or leave it unset)")
+        if backend == "uni" and world > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker; tensor_parallel_size="
+                             f"{pc.tensor_parallel_size} needs 'mp' or 'ray'")
+        import importlib
 
-        return UniProcExecutor
+        module, _, name = _BACKENDS[backend].rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
     def _init_executor(self) -> None:
         raise NotImplementedError

@@ -65,15 +65,23 @@ class PrometheusStatLogger:
         labels = ["model_name", "engine"]
         lv = {"model_name": self.model_name, "engine": str(engine_index)}
         r = self.registry
+        # id(child) -> its family, so a data-parallel rank's view can relabel every metric.
+        self._families: dict[int, Any] = {}
+        self._engine_views: dict[int, "PrometheusStatLogger"] = {engine_index: self}
+
+        def child(family: Any) -> Any:
+            c = family.labels(**lv)
+            self._families[id(c)] = family
+            return c
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, labels, registry=r).labels(**lv)
+            return child(Gauge(PREFIX + name, doc, labels, registry=r))
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, labels, registry=r).labels(**lv)
+            return child(Counter(PREFIX + name, doc, labels, registry=r))
 
         def hist(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(**lv)
+            return child(Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r))
 
         self.gauge_running = gauge("num_requests_running", "Number of requests in the running batch.")
         self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be scheduled.")
@@ -134,9 +142,31 @@ class PrometheusStatLogger:
         self.counter_deadline = counter("request_deadline_exceeded",
                                         "Requests aborted at the deadline their X-Request-Timeout set.")
 
+    def _engine_view(self, engine_idx: int) -> "PrometheusStatLogger":
+        """The same metrics under ``engine="<engine_idx>"`` (a data-parallel rank), made once."""
+        view = self._engine_views.get(engine_idx)
+        if view is None:
+            import copy
+
+            view = copy.copy(self)
+            lv = dict(self._lv, engine=str(engine_idx))
+            for attr, value in vars(self).items():
+                family = self._families.get(id(value))
+                if family is not None:
+                    setattr(view, attr, family.labels(**lv))
+            view._lv = lv
+            view.counter_success = {reason: self._success_family.labels(finished_reason=reason, **lv)
+                                    for reason in FINISH_REASONS}
+            self._engine_views[engine_idx] = view
+        return view
+
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
-               *args: Any, **kwargs: Any) -> None:
-        """Update the metrics from one batch of stats (either may be None)."""
+               *args: Any, engine_idx: int = 0, **kwargs: Any) -> None:
+        """Update the metrics from one batch of stats (either may be None); ``engine_idx``:
+        the data-parallel rank that sent them (its own ``engine`` label, as vLLM)."""
+        if engine_idx:
+            self._engine_view(engine_idx).record(scheduler_stats, iteration_stats)
+            return
         if scheduler_stats is not None:
             self.gauge_running.set(scheduler_stats.num_running_reqs)
             self.gauge_waiting.set(scheduler_stats.num_waiting_reqs)

@@ -329,6 +329,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        # Tensor parallel: this rank's vocab-parallel head (models/tensor_parallel.py).
+        self.tp_lm_head = None
         self.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -349,6 +351,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> logits ``[N, vocab_size]`` float32."""
+        if self.tp_lm_head is not None:
+            return self.tp_lm_head.logits(hidden_states)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = batch_invariant.linear(hidden_states, weight)
         if logits.dtype == torch.float32:

@@ -132,6 +132,8 @@ class ModelRunner:
             from llmserve.worker.encoder_cache import EncoderCache
             self.encoder_cache = EncoderCache(self.device)
         self.eos_token_id: Optional[int] = None
+        # KV heads held here: all of them, or this rank's share under tensor parallel.
+        self.num_kv_heads = mc.num_kv_heads
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
@@ -147,7 +149,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks that fit in ``kv_cache_memory_bytes`` (or the override).
@@ -170,7 +172,7 @@ class ModelRunner:
         if mc.is_encoder_only:
             self.kv_caches = []
             return
-        shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
             raw = np.zeros(nbytes, dtype=np.uint8)

@@ -1,0 +1,231 @@
+"""Data-parallel engine clients (vLLM's ``DPLBAsyncMPClient``, ``vllm/v1/engine/core_client.py``).
+
+``DPLBAsyncMPClient`` starts ``data_parallel_size`` EngineCore processes (one
+``AsyncMPClient`` each: own sockets, own death monitor) and balances requests over them:
+
+* a new request goes to the rank with the least work: ``4 * waiting + running`` as the
+  engine last reported (``SchedulerStats`` on every output) plus the requests this client
+  sent it since that report (so a burst does not all land on one rank); ties go to the
+  lowest rank. ``EngineCoreRequest.data_parallel_rank`` pins a rank;
+* aborts and streaming-input chunks go to the rank that holds the request; utility calls
+  go to every rank (``get_stats`` sums the counts and lists each rank's under "engines");
+* every ``EngineCoreOutputs`` carries its ``engine_index``;
+* one rank dying is the client's death (vLLM: the DP group fails together): every waiter
+  gets EngineDeadError, the server reports unhealthy. Engine self-healing is off with DP.
+
+Each rank's engine gets ``cores / data_parallel_size`` torch threads unless
+``num_threads`` is set.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Any, Optional
+
+from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, StreamingInputChunk
+
+logger = logging.getLogger(__name__)
+
+
+def rank_config(config: Any, dp_size: int) -> Any:
+    """The EngineConfig one DP rank's engine runs: the cores split between the ranks."""
+    if config.num_threads or dp_size == 1:
+        return config
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return dataclasses.replace(config, num_threads=max(1, cores // dp_size))
+
+
+class DPLBAsyncMPClient:
+    """asyncio client of ``data_parallel_size_local`` engine processes with internal load
+    balancing; same surface as ``AsyncMPClient``. Raises RuntimeError if a rank fails to
+    start (the ranks already started are stopped)."""
+
+    def __init__(self, vllm_config: Any, executor_class: Optional[type] = None, log_stats: bool = False,
+                 client_index: int = 0) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from llmserve.engine.core_client import AsyncMPClient
+
+        pc = vllm_config.parallel_config
+        self.config = vllm_config
+        self.dp_size = pc.data_parallel_size
+        self.client_index = client_index
+        cfg = rank_config(vllm_config, self.dp_size)
+        # The ranks load their models at the same time.
+        with ThreadPoolExecutor(self.dp_size) as pool:
+            futs = [pool.submit(AsyncMPClient, cfg, executor_class, log_stats) for _ in range(self.dp_size)]
+        self.cores: list = []
+        errors = []
+        for f in futs:
+            try:
+                self.cores.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - reported below after cleanup
+                errors.append(e)
+        if errors:
+            for c in self.cores:
+                c.shutdown(2.0)
+            raise RuntimeError(f"data parallel: {len(errors)} of {self.dp_size} engines failed to start: {errors[0]}")
+        self.num_blocks = min(c.num_blocks for c in self.cores)
+        self.ready = self.cores[0].ready
+        self.req_rank: dict[str, int] = {}
+        self.reported = [0] * self.dp_size  # 4 * waiting + running, last report per rank
+        self.sent_since = [0] * self.dp_size  # requests sent to each rank since its last report
+        self.in_flight = [0] * self.dp_size  # this client's unfinished requests per rank
+        self._queue: Optional[asyncio.Queue] = None
+        self._pumps: list[asyncio.Task] = []
+        self.engine_dead = False
+        self.dead_error: Optional[str] = None
+        self._shut_down = False
+
+    # ---- routing ----------------------------------------------------------------
+    def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
+        """The rank for a new request: its ``data_parallel_rank`` if set (ValueError if out
+        of range), else the least loaded one."""
+        pinned = getattr(request, "data_parallel_rank", None)
+        if pinned is not None:
+            if not 0 <= pinned < self.dp_size:
+                raise ValueError(f"data_parallel_rank={pinned} is out of range [0, {self.dp_size})")
+            return pinned
+        scores = [self.reported[r] + self.sent_since[r] for r in range(self.dp_size)]
+        return scores.index(min(scores))
+
+    def _finished(self, rank: int, request_id: str) -> None:
+        if self.req_rank.pop(request_id, None) is not None:
+            self.in_flight[rank] -= 1
+
+    # ---- outputs ------------------------------------------------------------------
+    def _ensure_pumps(self) -> None:
+        if self._queue is None or not self._pumps or self._pumps[0].done() and not self.engine_dead:
+            self._queue = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self._pumps = [loop.create_task(self._pump(r)) for r in range(self.dp_size)]
+
+    async def _pump(self, rank: int) -> None:
+        core = self.cores[rank]
+        queue = self._queue
+        while True:
+            try:
+                outs: EngineCoreOutputs = await core.get_output_async()
+            except EngineDeadError as e:
+                self.engine_dead = True
+                self.dead_error = f"data parallel rank {rank}: {e}"
+                queue.put_nowait(e)
+                return
+            except asyncio.CancelledError:
+                return
+            outs.engine_index = rank
+            stats = outs.scheduler_stats
+            if stats is not None:
+                self.reported[rank] = 4 * stats.num_waiting_reqs + stats.num_running_reqs
+                self.sent_since[rank] = 0
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    self._finished(rank, o.request_id)
+            for rej in outs.rejected or ():
+                self._finished(rank, rej.request_id)
+            queue.put_nowait(outs)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next output of any rank; raises EngineDeadError once a rank died."""
+        self._ensure_alive()
+        self._ensure_pumps()
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.engine_dead = True
+            self._queue.put_nowait(item)  # every later waiter sees it too
+            raise EngineDeadError(f"EngineCore died: {self.dead_error}")
+        return item
+
+    def _ensure_alive(self) -> None:
+        if self.engine_dead:
+            raise EngineDeadError(f"EngineCore died: {self.dead_error}")
+
+    # ---- inputs -------------------------------------------------------------------
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._ensure_alive()
+        self._ensure_pumps()
+        rank = self.get_core_engine_for_request(request)
+        self.req_rank[request.request_id] = rank
+        self.in_flight[rank] += 1
+        self.sent_since[rank] += 1
+        await self.cores[rank].add_request_async(request)
+
+    async def add_streaming_input_async(self, chunk: StreamingInputChunk) -> None:
+        rank = self.req_rank.get(chunk.request_id, 0)
+        await self.cores[rank].add_streaming_input_async(chunk)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if not request_ids or self.engine_dead:
+            return
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self.req_rank.get(rid)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+                self._finished(rank, rid)
+        for rank, ids in by_rank.items():
+            await self.cores[rank].abort_requests_async(ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Call ``method`` on every rank. get_stats: counts summed, each rank's dict under
+        "engines"; bool results: all true; else the list of results in rank order."""
+        self._ensure_alive()
+        self._ensure_pumps()
+        results = await asyncio.gather(*(c.call_utility_async(method, *args) for c in self.cores))
+        if method == "get_stats":
+            merged: dict[str, Any] = {k: sum(r[k] for r in results) for k in results[0]
+                                      if isinstance(results[0][k], int) and k != "pid"}
+            total = merged.get("num_total_blocks") or 0
+            merged["kv_cache_usage"] = merged.get("num_used_blocks", 0) / total if total else 0.0
+            merged["engines"] = results
+            return merged
+        if all(isinstance(r, bool) for r in results):
+            return all(results)
+        return results[0] if len(set(map(repr, results))) == 1 else results
+
+    # ---- processes ----------------------------------------------------------------
+    @property
+    def engine_pid(self) -> Optional[int]:
+        return self.cores[0].engine_pid
+
+    @property
+    def engine_pids(self) -> list[Optional[int]]:
+        return [c.engine_pid for c in self.cores]
+
+    def kill_engine(self) -> None:
+        for c in self.cores:
+            c.kill_engine()
+
+    async def respawn_async(self):
+        raise EngineDeadError("engine restarts are off with data parallel (a dead rank fails the group, as vLLM)")
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop every rank's engine process (in parallel, within ``timeout`` seconds).
+        Idempotent; at interpreter exit (no new threads) the ranks stop one after another."""
+        import sys
+        import threading
+
+        if self._shut_down:
+            return
+        self._shut_down = True
+        for t in self._pumps:
+            if not t.done():
+                try:
+                    t.cancel()
+                except RuntimeError:
+                    pass
+        if sys.is_finalizing():
+            for c in self.cores:
+                c.shutdown(timeout)
+            return
+        threads = [threading.Thread(target=c.shutdown, args=(timeout,)) for c in self.cores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
