@@ -54,10 +54,11 @@ class Linear(nn.Module):
 
 
 def packed_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [M, in] @ dequant(qweight).T (+ bias)`` -> ``[M, out]`` in x's dtype, from GGUF blocks."""
+                  bias: Optional[torch.Tensor] = None, out_float: bool = False) -> torch.Tensor:
+    """``x [M, in] @ dequant(qweight).T (+ bias)`` -> ``[M, out]`` from GGUF blocks, in x's
+    dtype (float32 with ``out_float``)."""
     from llmserve.ops.quant_ops import get_quant_ops
-    y = get_quant_ops().quant_linear(x, qweight, qtype)
+    y = get_quant_ops().quant_linear(x, qweight, qtype, out_float)
     return y if bias is None else y + bias
 
 
@@ -371,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` -> logits ``[N, vocab_size]`` float32."""
         head = self.packed_head
         if head is not None and hidden_states.shape[0] <= head[2] and batch_invariant.unpadded():
-            return packed_linear(hidden_states.float(), head[0], head[1])
+            return packed_linear(hidden_states, head[0], head[1], out_float=True)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = batch_invariant.linear(hidden_states, weight)
         if logits.dtype == torch.float32:

@@ -47,8 +47,11 @@ def _build_dir() -> str:
 def get_quant_ops() -> Optional[Any]:
     """The compiled module, or None (no AVX512F, no compiler, ``LLMSERVE_PACKED_WEIGHTS=0``).
 
-    - ``quant_linear(x [M, K], w uint8 [N, K/32*bb], qtype) -> [M, N]``: x float32 /
-      bfloat16 / float16; the result in x's dtype (float32 sums, rounded once).
+    - ``quant_linear(x [M, K], w uint8 [N, K/32*bb], qtype, out_float=False) -> [M, N]``:
+      x float32 / bfloat16 / float16; the result in x's dtype (float32 sums, rounded once)
+      or float32 with ``out_float``. bfloat16 x (with AVX512-BF16) takes the block's codes
+      as exact bfloat16 values into bf16 dot products and scales per block (the same sum
+      up to float32 rounding order); other dtypes dequantize each block to float32.
     - ``quant_dequantize(w, qtype) -> float32 [N, K]``: the exact gguf dequantization.
     Both raise RuntimeError for a shape or type mismatch.
     """

@@ -66,6 +66,9 @@ def test_quant_linear_matches_float_reference(qtype, m):
     got_b = ops.quant_linear(xb, raw, qtype)
     assert got_b.dtype == torch.bfloat16
     torch.testing.assert_close(got_b.double(), xb.double() @ w64.T, atol=2e-3, rtol=8e-3)
+    got_bf = ops.quant_linear(xb, raw, qtype, True)  # bf16 in, float32 out: only sum order differs
+    assert got_bf.dtype == torch.float32
+    torch.testing.assert_close(got_bf.double(), xb.double() @ w64.T, atol=1e-4, rtol=1e-5)
 
 
 def test_rows_do_not_depend_on_the_step_size():
