@@ -58,7 +58,9 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
     """``x [M, in] @ dequant(qweight).T (+ bias)`` -> ``[M, out]`` from GGUF blocks, in x's
     dtype (float32 with ``out_float``)."""
     from llmserve.ops.quant_ops import get_quant_ops
-    y = get_quant_ops().quant_linear(x, qweight, qtype, out_float)
+    # float32 activations: the exact-dequant path (the bf16-dot path's model test fails; see issue 16 notes)
+    y = get_quant_ops().quant_linear(x.float(), qweight, qtype, True)
+    y = y if out_float else y.to(x.dtype)
     return y if bias is None else y + bias
 
 

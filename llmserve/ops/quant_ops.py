@@ -69,10 +69,11 @@ def get_quant_ops() -> Optional[Any]:
 
 
 def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 16, 32),
-                   iters: int = 5) -> int:
+                   iters: int = 15) -> int:
     """The largest step size (rows) in ``candidates`` at which ``quant_linear`` on a random
     Q4_1 ``[n, k]`` weight beats ``F.linear`` on its ``dtype`` copy, fastest of ``iters``
-    each (0: never). Run once at model load, so the switch point is this machine's."""
+    interleaved calls each (0: never). Run once at model load, so the switch point is this
+    machine's; interleaving and the minimum keep a busy machine's preemptions out of it."""
     ops = get_quant_ops()
     if ops is None:
         return 0
@@ -85,17 +86,14 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 1
     for m in candidates:
         x = torch.randn(m, k, generator=g).to(dtype)
 
-        def fastest(fn) -> float:
-            fn()
-            times = []
-            for _ in range(iters):
+        fns = (lambda: ops.quant_linear(x, w, 3), lambda: torch.nn.functional.linear(x, dense))
+        best_t = [float("inf"), float("inf")]
+        for _ in range(iters + 1):  # the first pass warms up
+            for i, fn in enumerate(fns):
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        tq = fastest(lambda: ops.quant_linear(x, w, 3))
-        td = fastest(lambda: torch.nn.functional.linear(x, dense))
+                best_t[i] = min(best_t[i], time.perf_counter() - t0)
+        tq, td = best_t
         if tq >= td:
             break
         best = m
