@@ -304,6 +304,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-output-rounds", type=int, default=1,
                         help="With --structured-output-compare: alternate unconstrained and constrained runs this "
                              "many times each and report the median ratio (a shared machine's load drifts).")
+    parser.add_argument("--compare-url", type=str, default=None,
+                        help="Also run the same requests against this second server (e.g. llama-server) "
+                             "right after, and print the ratios of the two (throughput, median TTFT/TPOT).")
     parser.add_argument("--save-result", action="store_true", help="Write the result as JSON.")
     parser.add_argument("--result-dir", type=str, default=".")
     parser.add_argument("--result-filename", type=str, default=None)
@@ -426,6 +429,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                    "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
                    "random_input_len": args.random_input_len, "random_output_len": args.random_output_len})
     print_result(result, args)
+    if args.compare_url:
+        result["compare"] = _compare(args, requests, chat, result)
     if args.save_result:
         name = args.result_filename or (f"bench-serve-{model.replace('/', '_')}-c{args.max_concurrency or 'inf'}-"
                                         f"{result['date']}.json")
@@ -435,6 +440,27 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             json.dump(result, f, indent=2)
         print(f"Saved result to {path}")
     return result
+
+
+_COMPARED = (("output_throughput", "output tok/s"), ("median_ttft_ms", "median TTFT ms"),
+             ("median_tpot_ms", "median TPOT ms"))
+
+
+def _compare(args: argparse.Namespace, requests: list[tuple[Any, int, int]], chat: bool,
+             ours: dict[str, Any]) -> dict[str, Any]:
+    """The same requests against ``--compare-url`` (its own first model); returns its
+    metrics plus ``ratio_*`` (this server / the other) of the compared figures."""
+    other_url = args.compare_url.rstrip("/")
+    other_model = _server_model(other_url, args.api_key)
+    print(f"Comparing with {other_model} at {other_url}")
+    other = asyncio.run(benchmark(args, other_url + args.endpoint, other_model, requests, chat))
+    print_result(other, args)
+    print(f"{'figure':<16} {'this':>10} {'compare':>10} {'ratio':>7}  (load {os.getloadavg()[0]:.1f})")
+    for key, label in _COMPARED:
+        a, b = ours.get(key) or 0.0, other.get(key) or 0.0
+        other[f"ratio_{key}"] = a / b if b else float("inf")
+        print(f"{label:<16} {a:>10.2f} {b:>10.2f} {other[f'ratio_{key}']:>6.2f}x")
+    return other
 
 
 if __name__ == "__main__":

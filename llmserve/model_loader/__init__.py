@@ -50,7 +50,13 @@ def get_model(model_config: Any) -> nn.Module:
         if gguf_file is not None:
             from llmserve.model_loader.gguf_loader import iterate_gguf_weights
             gguf_path = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
-            model.load_weights(iterate_gguf_weights(gguf_path, hf_config, dtype))
+            # Quantized blocks are also kept packed for small steps (issue 16); float32
+            # models keep exact dense GEMMs only.
+            packed = {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
+            model.load_weights(iterate_gguf_weights(gguf_path, hf_config, dtype, packed))
+            if packed:
+                from llmserve.models.packed import attach_packed_weights
+                attach_packed_weights(model, packed)
         else:
             from llmserve.model_loader.ct2_loader import iterate_ct2_weights, manifest_parts
             from llmserve.model_loader.safetensors_loader import iterate_safetensors_weights

@@ -158,12 +158,15 @@ def _read_with_gguf_reader(path: str) -> tuple[str, list[GGUFTensorInfo]]:
     return arch, [GGUFTensorInfo(t.name, t.tensor_type, t.data) for t in reader.tensors]
 
 
-def iterate_gguf_weights(gguf_path: str, hf_config: Any,
-                         dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
+                         packed: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for the GGUF file's tensors, dequantized to ``dtype``.
 
     hf_config supplies ``num_attention_heads`` / ``num_key_value_heads`` for the q/k
     un-permutation (applied when the GGUF ``general.architecture`` is ``llama``).
+    ``packed``: when given, 2-d tensors of a type in ``packed_types`` (ggml type id ->
+    block bytes) are also stored there as ``hf_name -> (type id, uint8 [rows, row_bytes])``,
+    the file's blocks with the same row un-permutation (for ``llmserve.models.packed``).
     Raises ValueError for a tensor type the gguf package cannot dequantize.
     """
     from gguf.quants import dequantize
@@ -193,7 +196,22 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any,
                 w = reverse_permute(w, n_head)
             elif ".attn_k." in t.name:
                 w = reverse_permute(w, n_kv)
+        if packed is not None:
+            _keep_packed(packed, hf_name, t, arch, n_head, n_kv)
         w = np.ascontiguousarray(w)
         if not w.flags.writeable:  # float32 tensors come straight from the read-only memmap
             w = w.copy()
         yield hf_name, torch.from_numpy(w).to(dtype)
+
+
+def _keep_packed(packed: dict, hf_name: str, t: GGUFTensorInfo, arch: str, n_head: int, n_kv: int) -> None:
+    """Store a quantized 2-d tensor's raw blocks (rows un-permuted like the floats)."""
+    from llmserve.ops.quant_ops import PACKED_TYPES
+
+    qtype = int(t.tensor_type)
+    if qtype not in PACKED_TYPES or t.data.ndim != 2:
+        return
+    raw = t.data
+    if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        raw = reverse_permute(raw, n_head if ".attn_q." in t.name else n_kv)
+    packed[hf_name] = (qtype, torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)))

@@ -38,8 +38,30 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
+        self.qweight: Optional[torch.Tensor] = None  # GGUF blocks (llmserve.models.packed)
+        self.qtype = 0
+        self.packed_max_rows = 0
+
+    def set_packed(self, qweight: torch.Tensor, qtype: int, max_rows: int) -> None:
+        """Run steps of at most ``max_rows`` tokens on ``qweight`` (uint8 ``[out, row_bytes]``
+        GGUF blocks of ggml type ``qtype``) instead of ``weight``."""
+        self.qweight, self.qtype, self.packed_max_rows = qweight, qtype, max_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.packed_max_rows and x.dim() == 2 and batch_invariant.unpadded():
+            return packed_linear(x, self.qweight, self.qtype, self.bias)
         return batch_invariant.linear(x, self.weight, self.bias)
+
+
+def packed_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
+                  bias: Optional[torch.Tensor] = None, out_float: bool = False) -> torch.Tensor:
+    """``x [M, in] @ dequant(qweight).T (+ bias)`` -> ``[M, out]`` from GGUF blocks, in x's
+    dtype (float32 with ``out_float``)."""
+    from llmserve.ops.quant_ops import get_quant_ops
+    # float32 activations: the exact-dequant path (the bf16-dot path's model test fails; see issue 16 notes)
+    y = get_quant_ops().quant_linear(x.float(), qweight, qtype, True)
+    y = y if out_float else y.to(x.dtype)
+    return y if bias is None else y + bias
 
 
 class RMSNorm(nn.Module):
@@ -331,6 +353,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         # Tensor parallel: this rank's vocab-parallel head (models/tensor_parallel.py).
         self.tp_lm_head = None
+        self.packed_head = None  # tied head's GGUF blocks: (qweight, qtype, max_rows)
         self.eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -353,6 +376,9 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden]`` -> logits ``[N, vocab_size]`` float32."""
         if self.tp_lm_head is not None:
             return self.tp_lm_head.logits(hidden_states)
+        head = self.packed_head
+        if head is not None and hidden_states.shape[0] <= head[2] and batch_invariant.unpadded():
+            return packed_linear(hidden_states, head[0], head[1], out_float=True)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = batch_invariant.linear(hidden_states, weight)
         if logits.dtype == torch.float32:

@@ -47,6 +47,11 @@ def min_gemm_rows(rows: int) -> Iterator[None]:
         _min_rows.reset(token)
 
 
+def unpadded() -> bool:
+    """True outside :func:`min_gemm_rows` (step-size dependent kernels may run)."""
+    return _min_rows.get() == 1
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` ([M, in] x [out, in] -> [M, out]); inside :func:`min_gemm_rows` a 2-D
     input with fewer rows is padded with zero rows (dropped from the result)."""

@@ -45,3 +45,21 @@ def test_bench_serve_structured_output_compare_rounds(server, tmp_path):
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
     assert result["structured_output_throughput_ratio"] == statistics.median(ratios)
     assert result["completed"] == 2 and result["total_output_tokens"] == 8  # every JSON answer ran its length
+
+
+def test_bench_serve_compare_url_runs_both_and_reports_ratios(server, tmp_path):
+    """--compare-url sends the same requests to a second server (here the same one) and
+    saves its metrics with this/other ratios."""
+    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "bench", "serve", "--base-url", server.url_root,
+           "--compare-url", server.url_root, "--api-key", server.api_key, "--num-prompts", "2",
+           "--random-input-len", "16", "--random-output-len", "3", "--max-concurrency", "1", "--seed", "2",
+           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "cmp.json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Comparing with" in proc.stdout and "median TPOT ms" in proc.stdout
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    other = result["compare"]
+    assert other["completed"] == 2 and other["failed"] == 0 and other["total_output_tokens"] == 6
+    expected = result["output_throughput"] / other["output_throughput"]
+    assert abs(other["ratio_output_throughput"] - expected) < 1e-9
+    assert other["ratio_median_tpot_ms"] > 0

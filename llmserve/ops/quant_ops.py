@@ -1,0 +1,100 @@
+"""Linear layers on GGUF-packed weights for small steps (issue 16), C++ in
+``csrc/quant_gemv.cpp``, built on first use like :mod:`llmserve.ops.cpu_ops` but as its own
+extension (so editing either does not rebuild the other).
+
+At batch 1 a decode step reads every weight once; SmolLM2-135M in bfloat16 is ~270 MB per
+step, as Q4_1 blocks ~85 MB. llama.cpp keeps the file's blocks and so reads ~3x fewer
+bytes. ``quant_linear`` does the same for Q4_0 / Q4_1 / Q8_0 (ggml type ids 2, 3, 8):
+each 32-weight block is dequantized in registers exactly as ``gguf.quants.dequantize``
+does (float32) and multiplied with float32 activations, so the weights used are the file's
+exact values (the bfloat16 model rounds them). Needs AVX512F; elsewhere
+:func:`get_quant_ops` returns None and the model keeps its bfloat16 GEMMs.
+``LLMSERVE_PACKED_WEIGHTS=0`` turns the packed path off.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from llmserve import envs
+from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = "quant_gemv.cpp"
+# ggml type id -> (bytes per 32-weight block); gguf.GGMLQuantizationType values.
+PACKED_TYPES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+
+
+def _build_dir() -> str:
+    with open(os.path.join(CSRC_DIR, _SOURCE)) as f:
+        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions",
+                        f"quant_ops_{digest}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def get_quant_ops() -> Optional[Any]:
+    """The compiled module, or None (no AVX512F, no compiler, ``LLMSERVE_PACKED_WEIGHTS=0``).
+
+    - ``quant_linear(x [M, K], w uint8 [N, K/32*bb], qtype, out_float=False) -> [M, N]``:
+      x float32 / bfloat16 / float16; the result in x's dtype (float32 sums, rounded once)
+      or float32 with ``out_float``. bfloat16 x (with AVX512-BF16) takes the block's codes
+      as exact bfloat16 values into bf16 dot products and scales per block (the same sum
+      up to float32 rounding order); other dtypes dequantize each block to float32.
+    - ``quant_dequantize(w, qtype) -> float32 [N, K]``: the exact gguf dequantization.
+    Both raise RuntimeError for a shape or type mismatch.
+    """
+    if envs.get("LLMSERVE_PACKED_WEIGHTS", "1") == "0" or "avx512f" not in _cpu_signature():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name="llmserve_quant_ops", sources=[os.path.join(CSRC_DIR, _SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
+    except Exception as e:  # no compiler: the bfloat16 GEMMs still work
+        logger.warning("packed-weight kernels unavailable (%s: %s)", type(e).__name__,
+                       str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 16, 32),
+                   iters: int = 15) -> int:
+    """The largest step size (rows) in ``candidates`` at which ``quant_linear`` on a random
+    Q4_1 ``[n, k]`` weight beats ``F.linear`` on its ``dtype`` copy, fastest of ``iters``
+    interleaved calls each (0: never). Run once at model load, so the switch point is this
+    machine's; interleaving and the minimum keep a busy machine's preemptions out of it."""
+    ops = get_quant_ops()
+    if ops is None:
+        return 0
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (n, k // 32 * 20), dtype=torch.uint8, generator=g)
+    w.view(n, k // 32, 20)[:, :, 1] = 0x2C  # small float16 d and m (no inf/nan)
+    w.view(n, k // 32, 20)[:, :, 3] = 0x2C
+    dense = ops.quant_dequantize(w, 3).to(dtype)
+    best = 0
+    for m in candidates:
+        x = torch.randn(m, k, generator=g).to(dtype)
+
+        fns = (lambda: ops.quant_linear(x, w, 3), lambda: torch.nn.functional.linear(x, dense))
+        best_t = [float("inf"), float("inf")]
+        for _ in range(iters + 1):  # the first pass warms up
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                best_t[i] = min(best_t[i], time.perf_counter() - t0)
+        tq, td = best_t
+        if tq >= td:
+            break
+        best = m
+    return best
