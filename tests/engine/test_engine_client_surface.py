@@ -58,17 +58,19 @@ def test_executor_class_and_unsupported_backends():
     assert Executor.get_class(config) is UniProcExecutor
 
     class _PC:
-        distributed_executor_backend = "ray"
+        distributed_executor_backend = "tpu"
         tensor_parallel_size = 1
 
     class _Cfg:
         parallel_config = _PC()
 
-    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not supported"):
+    with pytest.raises(ValueError, match="distributed_executor_backend='tpu' is not supported"):
         Executor.get_class(_Cfg())
-    _PC.distributed_executor_backend, _PC.tensor_parallel_size = None, 2
+    _PC.distributed_executor_backend, _PC.tensor_parallel_size = "uni", 2
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         Executor.get_class(_Cfg())
+    _PC.distributed_executor_backend = None  # several workers, no backend: one process each (vLLM's "mp")
+    assert Executor.get_class(_Cfg()).__name__ == "MultiprocExecutor"
 
 
 def test_make_client_refuses_what_it_cannot_do():

@@ -10,7 +10,7 @@ from llmserve.worker.model_runner import ModelRunner
 
 
 def _runner(num_blocks: int) -> ModelRunner:
-    mc = SimpleNamespace(device="cpu", dtype="float32", runner="generate", seed=0, is_encoder_only=False,
+    mc = SimpleNamespace(device="cpu", dtype="float32", runner="generate", seed=0, is_encoder_only=False, is_encoder_decoder=False,
                          num_layers=2, num_kv_heads=1, head_dim=64)
     cfg = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(block_size=16), num_threads=None)
     r = ModelRunner(cfg)

@@ -30,6 +30,7 @@ FAMILIES = {
                                        "/v1/responses/{response_id}/cancel"},
     "register_embeddings_api_routers": {"/v1/embeddings", "/pooling"},
     "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"},
+    "register_speech_to_text_api_routers": {"/v1/audio/transcriptions", "/v1/audio/translations"},
     "register_sagemaker_api_routers": {"/invocations", "/ping"},
 }
 
