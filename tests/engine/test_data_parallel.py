@@ -135,16 +135,23 @@ def test_sigkill_one_rank_fails_every_waiter_and_shutdown_cleans_up(tiny_path, p
     async def run():
         long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
+        started = asyncio.Event()
+        first = set()
+
         async def one(i):
             try:
                 async for _ in eng.generate({"prompt_token_ids": prompts[i]}, long, f"k-{i}"):
-                    pass
+                    first.add(i)
+                    if len(first) == 8:
+                        started.set()
                 return "finished"
             except EngineDeadError:
                 return "dead"
 
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
-        await asyncio.sleep(1.0)
+        # Kill once every request has a first token: all are in flight on both ranks (a fixed
+        # sleep let the tiny model finish all 200 tokens first on a quiet machine).
+        await asyncio.wait_for(started.wait(), 60)
         os.kill(pids[1], signal.SIGKILL)
         t0 = loop.time()
         results = await asyncio.wait_for(asyncio.gather(*tasks), 30)

@@ -339,9 +339,12 @@ class AngleToolParser(ToolParser):
 """
 
 
-def test_tool_parser_plugin_registers_a_parser_for_auto(app, tmp_path):
+def test_tool_parser_plugin_registers_a_parser_for_auto(app, tmp_path, monkeypatch):
     """vLLM's --tool-parser-plugin: the file is imported, its parser becomes a valid
     --tool-call-parser and parses auto tool calls, whole and streamed."""
+    # The plugin's registration must not outlive this test (the flag table lists the parsers).
+    from llmserve.tool_parsers import ToolParserManager
+    monkeypatch.setattr(ToolParserManager, "_registry", dict(ToolParserManager._registry))
     plugin = tmp_path / "angle_plugin.py"
     plugin.write_text(PLUGIN)
     client, engine = app("--tool-parser-plugin", str(plugin), "--enable-auto-tool-choice",
