@@ -2,6 +2,7 @@
 exact output length, the table is printed and --save-result writes the JSON."""
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ def test_bench_serve_small_run(server, tmp_path):
     assert result["p99_e2el_ms"] >= result["median_e2el_ms"] > 0
 
 
+@pytest.mark.slow  # a bench option, not a serving path: `make test-all`
 def test_bench_serve_structured_output_compare_rounds(server, tmp_path):
     """--structured-output-compare with --structured-output-rounds: ABBA rounds of the same
     requests, unconstrained and with the builtin schema; per-round ratios and their median."""
@@ -47,6 +49,7 @@ def test_bench_serve_structured_output_compare_rounds(server, tmp_path):
     assert result["completed"] == 2 and result["total_output_tokens"] == 8  # every JSON answer ran its length
 
 
+@pytest.mark.slow  # a bench option, not a serving path: `make test-all`
 def test_bench_serve_compare_url_runs_both_and_reports_ratios(server, tmp_path):
     """--compare-url sends the same requests to a second server (here the same one) and
     saves its metrics with this/other ratios."""

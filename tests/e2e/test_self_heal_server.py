@@ -6,6 +6,7 @@ of an undisturbed greedy run (no duplicated or missing token), the server never 
 gives up at once: the server exits non-zero as without the flag."""
 from __future__ import annotations
 
+import pytest
 import re
 import threading
 import time
@@ -95,6 +96,7 @@ def test_sigkill_under_streams_heals_with_identical_text():
         server.stop()
 
 
+@pytest.mark.slow  # tests/engine/test_self_heal.py::test_restart_loop_gives_up covers the budget in process; `make test-all`
 def test_restart_budget_spent_exits_nonzero():
     server = RemoteServer(_ARGS + ["--max-engine-restarts", "0"], entrypoint=SERVE_CLI)
     try:
