@@ -116,7 +116,8 @@ class LLM(PoolingMixin):
             return [params] * n
         params = list(params)
         if len(params) != n:
-            raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; give one or one per prompt")
+            raise ValueError(f"The lengths of prompts and params must be the same: got {len(params)} "
+                             f"sampling_params for {n} prompts; give one or one per prompt.")
         return params
 
     @staticmethod

@@ -34,7 +34,8 @@ class PoolingMixin:
             params = PoolingParams()
         plist = [params] * n if isinstance(params, PoolingParams) else list(params)
         if len(plist) != n:
-            raise ValueError(f"pooling_params: got {len(plist)} for {n} prompts; give one or one per prompt")
+            raise ValueError(f"The lengths of prompts and params must be the same: got {len(plist)} "
+                             f"pooling_params for {n} prompts; give one or one per prompt.")
         out = []
         for p in plist:
             p = p.clone()
