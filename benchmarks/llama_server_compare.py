@@ -17,7 +17,10 @@ as llmserve's engine (``-t``/``-tb``, default: the cores). Load averages are pri
 each figure; run it under ``flock /tmp/measure.lock`` on a shared machine:
 
     flock /tmp/measure.lock env PYTHONPATH=. python benchmarks/llama_server_compare.py \
-        [--llama-server PATH] [--concurrency 1 4 16 32] [--rounds 1] [-- extra llmserve serve flags]
+        [--llama-server PATH] [--concurrency 1 4 16 32] [--rounds 1] [--startup-rounds 1]
+        [--startup-only] [-- extra llmserve serve flags]
+
+Without the llama-server binary it measures llmserve's start-up and idle RSS only.
 
 Needs psutil.
 """
@@ -191,29 +194,39 @@ def _print_row(row: dict) -> None:
 
 
 def _start_both(args, serve_extra: list[str], gguf_path: str) -> tuple:
-    """Cold then warm start of each server; returns (ours, llama, times dict)."""
+    """Cold then warm start of each server (``--startup-rounds`` times, medians); returns
+    the warm-started servers (llama-server: None without its binary), the times and urls."""
     ours_url, llama_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.llama_port}"
     threads = str(args.threads or os.cpu_count())
     ours_cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(args.port),
                 *[a for a in serve_extra if a != "--"]]
     llama_cmd = [args.llama_server, "-m", gguf_path, "-t", threads, "-tb", threads, "-np", str(args.parallel),
                  "-c", str(args.parallel * 512), "--port", str(args.llama_port)]
-    times = {}
-    for name, cmd, url in (("llmserve", ours_cmd, ours_url), ("llama-server", llama_cmd, llama_url)):
-        evict_page_cache(gguf_path)
-        if name == "llmserve":
-            clear_llmserve_startup_cache(gguf_path)
-        proc, cold = start_server(cmd, url)
-        stop_server(proc)
-        proc, warm = start_server(cmd, url)
-        times[name] = (cold, warm)
-        print(f"{name}: start -> first chat cold {cold:.1f} s, warm {warm:.1f} s "
-              f"(load {os.getloadavg()[0]:.1f})", flush=True)
-        if name == "llmserve":
-            ours = proc
-        else:
-            llama = proc
-    return ours, llama, times, (ours_url, llama_url)
+    servers = [("llmserve", ours_cmd, ours_url)]
+    if os.path.isfile(args.llama_server):
+        servers.append(("llama-server", llama_cmd, llama_url))
+    else:
+        print(f"no llama-server at {args.llama_server}: llmserve only", flush=True)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in servers}
+    procs: dict[str, subprocess.Popen] = {}
+    for i in range(args.startup_rounds):
+        for name, cmd, url in servers:  # alternate the servers round by round
+            evict_page_cache(gguf_path)
+            if name == "llmserve":
+                clear_llmserve_startup_cache(gguf_path)
+            proc, cold = start_server(cmd, url)
+            stop_server(proc)
+            proc, warm = start_server(cmd, url)
+            times[name].append((cold, warm))
+            print(f"{name}: start -> first chat cold {cold:.1f} s, warm {warm:.1f} s "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            if i + 1 < args.startup_rounds:
+                stop_server(proc)
+            else:
+                procs[name] = proc
+    medians = {name: (statistics.median(c for c, _ in t), statistics.median(w for _, w in t))
+               for name, t in times.items()}
+    return procs.get("llmserve"), procs.get("llama-server"), medians, (ours_url, llama_url)
 
 
 def main() -> None:
@@ -224,6 +237,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="bench runs per level, alternating which server goes first")
     p.add_argument("--parallel", type=int, default=32, help="llama-server --parallel slots")
     p.add_argument("--threads", type=int, default=None, help="llama-server threads (default: all cores, as llmserve)")
+    p.add_argument("--startup-rounds", type=int, default=1, help="cold + warm starts of each server (medians)")
+    p.add_argument("--startup-only", action="store_true", help="measure start-up and idle RSS only")
     p.add_argument("--port", type=int, default=8931)
     p.add_argument("--llama-port", type=int, default=8932)
     args, serve_extra = p.parse_known_args()
@@ -232,6 +247,17 @@ def main() -> None:
     gguf_path = os.path.join(path, gguf)
     ours, llama, times, urls = _start_both(args, serve_extra, gguf_path)
     rows = []
+    if args.startup_only or llama is None:
+        time.sleep(5)
+        print(f"idle RSS MiB: llmserve {tree_rss_mib(ours.pid):.0f}"
+              + (f", llama-server {tree_rss_mib(llama.pid):.0f}" if llama else ""))
+        for proc in (ours, llama):
+            if proc is not None:
+                stop_server(proc)
+        for name, (cold, warm) in times.items():
+            print(f"{name}: start -> first completed chat (median of {args.startup_rounds}): "
+                  f"cold {cold:.1f} s, warm {warm:.1f} s (load {os.getloadavg()[0]:.1f})")
+        return
     try:
         time.sleep(5)
         idle = (tree_rss_mib(ours.pid), tree_rss_mib(llama.pid))
