@@ -69,7 +69,13 @@ def _load_tokenizer(path: str, gguf_file: Optional[str],
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:
-        tok = AutoTokenizer.from_pretrained(path, **kwargs)
+        if gguf_file:  # converting the GGUF vocabulary takes seconds: cached on disk (issue 16)
+            from llmserve.model_loader.startup_cache import load_hf_object
+            tok = load_hf_object(os.path.join(path, gguf_file), "tokenizer_config.json",
+                                 lambda d: AutoTokenizer.from_pretrained(d, local_files_only=True),
+                                 lambda: AutoTokenizer.from_pretrained(path, **kwargs))
+        else:
+            tok = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         where = os.path.join(path, gguf_file) if gguf_file else path
         raise ValueError(f"cannot load a tokenizer from {where!r}: {e}") from e

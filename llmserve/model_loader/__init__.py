@@ -53,7 +53,9 @@ def get_model(model_config: Any) -> nn.Module:
             # Quantized blocks are also kept packed for small steps (issue 16); float32
             # models keep exact dense GEMMs only.
             packed = {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
-            model.load_weights(iterate_gguf_weights(gguf_path, hf_config, dtype, packed))
+            from llmserve.model_loader.startup_cache import cached_gguf_weights
+            model.load_weights(cached_gguf_weights(
+                gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
             if packed:
                 from llmserve.models.packed import attach_packed_weights
                 attach_packed_weights(model, packed)

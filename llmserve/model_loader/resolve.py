@@ -201,7 +201,12 @@ _CAUSAL_LM_ARCHS = {
 def _load_hf_config_cached(path: str, gguf_file: Optional[str]) -> Any:
     from transformers import AutoConfig
     if gguf_file:
-        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+        # The GGUF metadata -> config conversion takes seconds: cached on disk (issue 16).
+        from llmserve.model_loader.startup_cache import load_hf_object
+        config = load_hf_object(
+            os.path.join(path, gguf_file), "config.json",
+            lambda d: AutoConfig.from_pretrained(d, local_files_only=True),
+            lambda: AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True))
     else:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     if not getattr(config, "architectures", None):

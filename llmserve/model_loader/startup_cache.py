@@ -1,0 +1,208 @@
+"""On-disk start-up cache for GGUF models (issue 16: "ready to serve in a few seconds from
+a warm cache").
+
+Reading a GGUF file is slow in Python: transformers converts its metadata into a config
+(seconds) and its 49k-entry vocabulary into a fast tokenizer (seconds, in the API server
+and again in the engine), and ``gguf.quants.dequantize`` turns the blocks into floats in
+numpy (seconds). The first start saves what those steps produce under
+``~/.cache/llmserve/models/<sha256 of the file>/``, keyed by the file's content (and the
+transformers version, which does the conversion):
+
+- ``hf/``: ``config.json`` and the tokenizer files (``save_pretrained``), so later starts
+  load them as from a Hugging Face directory;
+- ``weights-<dtype>[-packed].safetensors``: the dequantized tensors under their HF names
+  (``w.<name>``) and, when packed small-step weights were kept, the file's raw blocks
+  (``p.<name>``, ggml type ids in the metadata), exactly what
+  ``gguf_loader.iterate_gguf_weights`` yields.
+
+The content hash is computed once per (path, size, mtime, inode) and remembered in
+``stat/``. Every entry is written to a temporary name and renamed into place, so
+concurrent starts never read half a file. Any failure to read or write the cache is
+logged and the engine loads from the GGUF file as before. vLLM has no GGUF cache; its
+closest relative is the torch.compile cache under ``VLLM_CACHE_ROOT``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when what the loader yields for the same file changes (names, permutations, dtypes).
+FORMAT_VERSION = "1"
+
+
+def cache_root() -> str:
+    """``~/.cache/llmserve/models`` (next to the C++ kernels' build cache)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "models")
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:  # pragma: no cover
+        return "none"
+
+
+def file_hash(path: str) -> str:
+    """sha256 (hex) of the file's bytes, remembered per (real path, size, mtime, inode) so
+    a warm start does not read the file."""
+    st = os.stat(path)
+    stat_key = hashlib.sha256(f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+                              .encode()).hexdigest()[:32]
+    memo = os.path.join(cache_root(), "stat", stat_key)
+    try:
+        with open(memo, encoding="ascii") as f:
+            value = f.read().strip()
+        if len(value) == 64:
+            return value
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    value = h.hexdigest()
+    try:
+        _write_atomic(memo, value.encode("ascii"))
+    except OSError as e:
+        logger.debug("cannot remember the hash of %s: %s", path, e)
+    return value
+
+
+def entry_dir(gguf_path: str) -> str:
+    """The cache directory of a GGUF file (it need not exist yet)."""
+    key = hashlib.sha256(f"{file_hash(gguf_path)}|{_transformers_version()}|{FORMAT_VERSION}"
+                         .encode()).hexdigest()[:32]
+    return os.path.join(cache_root(), key)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _hf_dir(gguf_path: str) -> Optional[str]:
+    try:
+        return os.path.join(entry_dir(gguf_path), "hf")
+    except OSError as e:
+        logger.warning("start-up cache unavailable for %s: %s", gguf_path, e)
+        return None
+
+
+def load_hf_object(gguf_path: str, marker: str, load_cached: Callable[[str], Any],
+                   load_fresh: Callable[[], Any]) -> Any:
+    """A config or tokenizer of a GGUF file: ``load_cached(hf_dir)`` when the cache's
+    ``hf/`` directory holds ``marker`` (e.g. ``config.json``), else ``load_fresh()``, whose
+    result is then saved there with ``save_pretrained``. Errors of ``load_fresh``
+    propagate; cache errors only fall back to it."""
+    hf_dir = _hf_dir(gguf_path)
+    if hf_dir is not None and os.path.isfile(os.path.join(hf_dir, marker)):
+        try:
+            return load_cached(hf_dir)
+        except Exception as e:  # a damaged entry: rebuild it below
+            logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", hf_dir, e)
+    obj = load_fresh()
+    if hf_dir is not None:
+        try:
+            os.makedirs(hf_dir, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=hf_dir, prefix=".tmp-")
+            try:
+                obj.save_pretrained(tmp)
+                for name in os.listdir(tmp):
+                    os.replace(os.path.join(tmp, name), os.path.join(hf_dir, name))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as e:
+            logger.warning("cannot write the start-up cache %s: %s", hf_dir, e)
+    return obj
+
+
+def _weights_file(gguf_path: str, dtype: torch.dtype, packed: bool) -> str:
+    name = f"weights-{str(dtype).removeprefix('torch.')}{'-packed' if packed else ''}.safetensors"
+    return os.path.join(entry_dir(gguf_path), name)
+
+
+def cached_gguf_weights(gguf_path: str, dtype: torch.dtype, packed: Optional[dict],
+                        load_fresh: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iterate_gguf_weights``' ``(hf_name, tensor)`` pairs (and its ``packed`` entries,
+    filled in as it would), from the cache when present, else from ``load_fresh()`` while
+    saving them for the next start."""
+    try:
+        path = _weights_file(gguf_path, dtype, packed is not None)
+    except OSError as e:
+        logger.warning("start-up cache unavailable for %s: %s", gguf_path, e)
+        yield from load_fresh()
+        return
+    if os.path.isfile(path):
+        try:
+            items = _read_weights(path, packed)
+        except Exception as e:
+            logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", path, e)
+        else:
+            logger.info("weights from the start-up cache %s", path)
+            yield from items
+            return
+    saved: dict[str, torch.Tensor] = {}
+    for name, tensor in load_fresh():
+        saved[f"w.{name}"] = tensor
+        yield name, tensor
+    _save_weights(path, saved, packed)
+
+
+def _read_weights(path: str, packed: Optional[dict]) -> list[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    items = []
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        for key in f.keys():
+            kind, _, name = key.partition(".")
+            if kind == "w":
+                items.append((name, f.get_tensor(key)))
+            elif kind == "p" and packed is not None:
+                packed[name] = (int(meta[key]), f.get_tensor(key))
+    return items
+
+
+def _save_weights(path: str, saved: dict[str, torch.Tensor], packed: Optional[dict]) -> None:
+    from safetensors.torch import save_file
+
+    meta = {}
+    for name, (qtype, raw) in (packed or {}).items():
+        saved[f"p.{name}"] = raw
+        meta[f"p.{name}"] = str(int(qtype))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in saved.items()}, tmp, metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+    except Exception as e:
+        logger.warning("cannot write the start-up cache %s: %s", path, e)
