@@ -49,19 +49,7 @@ class BlockPool:
     it is found by hash until it is evicted for reuse.
 
     Block 0 is reserved as a null/padding block and never handed out.
-
-    Memory follows use (issue 16): the queue starts with the first ``grow_step`` blocks and
-    takes the next ``grow_step`` (or as many as a request needs) only when it runs out,
-    after evicting cached free blocks. Block ids so stay below the most blocks ever in use
-    at once (rounded up to a step), and the KV pages the runner touches with them, instead
-    of wrapping through the whole configured cache as the traffic adds up. The blocks not
-    yet in the queue count as free (``get_num_free_blocks``), so admission is unchanged.
-    The step is ``max(MIN_GROW_STEP, (num_blocks - 1) // GROW_STEPS)``: small pools are
-    whole from the start.
     """
-
-    MIN_GROW_STEP = 256
-    GROW_STEPS = 32
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         if num_blocks < 2:
@@ -69,21 +57,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.grow_step = max(self.MIN_GROW_STEP, (num_blocks - 1) // self.GROW_STEPS)
-        self.num_exposed = min(num_blocks, 1 + self.grow_step)  # blocks [0, num_exposed) are in play
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:self.num_exposed])
+            (b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[int, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
-        return len(self.free_queue) + self.num_blocks - self.num_exposed
-
-    def _grow(self, need: int) -> None:
-        """Append the next max(grow_step, need) never-used blocks to the free queue."""
-        end = min(self.num_blocks, self.num_exposed + max(self.grow_step, need))
-        for b in self.blocks[self.num_exposed:end]:
-            self.free_queue[b.block_id] = b
-        self.num_exposed = end
+        return len(self.free_queue)
 
     def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
         return self.cached.get(block_hash)
@@ -97,10 +76,8 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Pop n free blocks (evicting their cached contents). Raises ValueError if short."""
-        if n > self.get_num_free_blocks():
-            raise ValueError(f"cannot get {n} free blocks from the pool")
         if n > len(self.free_queue):
-            self._grow(n - len(self.free_queue))
+            raise ValueError(f"cannot get {n} free blocks from the pool")
         out = []
         for _ in range(n):
             _, b = self.free_queue.popitem(last=False)
@@ -130,7 +107,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes. Only possible when no block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks - 1:
+        if len(self.free_queue) != self.num_blocks - 1:
             return False
         for b in self.blocks:
             b.block_hash = None
@@ -139,7 +116,7 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
 
 
 class KVCacheManager:

@@ -197,7 +197,7 @@ class ModelRunner:
 
     def _note_kv_use(self, block_tables: np.ndarray) -> None:
         """Let the idle prefault run ``KV_PREFAULT_HEADROOM_BYTES`` past the highest block
-        of this step (the block pool keeps ids below its high-water mark: BlockPool)."""
+        of this step (the free list hands blocks out in id order until it wraps)."""
         if getattr(self, "_kv_prefault_next", None) is None or not block_tables.size:
             return
         limit = min(self._kv_num_blocks, int(block_tables.max()) + 1 + self._kv_headroom)

@@ -88,34 +88,3 @@ def test_hash_chain_depends_on_prefix():
     # Same second block, different first block: no hit on the second block.
     b = _req("b", [9, 9, 9, 9, 5, 6, 7, 8, 1])
     assert m.get_computed_blocks(b)[1] == 0
-
-
-def test_large_pool_block_ids_follow_use_not_traffic():
-    """Issue 16: a large pool hands out ids below the most blocks ever in use at once
-    (rounded up to a grow step), evicting cached free blocks before growing, so the KV
-    pages touched follow use; the not-yet-used blocks still count as free."""
-    n = 1 + 64 * 1024
-    m = KVCacheManager(num_blocks=n, block_size=4)
-    step = m.pool.grow_step
-    assert step == (n - 1) // 32 and m.pool.num_exposed == 1 + step
-    assert m.pool.get_num_free_blocks() == n - 1 and m.usage == 0.0
-    # Much more traffic than one step, never more than 40 blocks in use at once.
-    for i in range(4 * step // 10):
-        r = _req(f"r{i}", [i * 1000 + t for t in range(40)])
-        assert len(m.allocate_slots(r, 40)) == 10
-        r.num_computed_tokens = 40
-        m.cache_blocks(r, 40)
-        m.free(r)
-    assert m.pool.num_exposed == 1 + step
-    # A request larger than what is left grows the pool by what it needs (at least a step).
-    big = _req("big", list(range(4 * (step + 100))))
-    assert len(m.allocate_slots(big, 4 * (step + 100))) == step + 100
-    assert m.pool.num_exposed == 1 + 2 * step  # 100 more were needed: one step
-    assert max(m.get_block_ids("big")) < m.pool.num_exposed
-    assert m.num_used_blocks == step + 100 and m.pool.get_num_free_blocks() == n - 1 - step - 100
-    m.free(big)
-    assert m.usage == 0.0 and m.reset_prefix_cache()
-    # The whole pool is still usable.
-    whole = _req("whole", list(range(4 * (n - 1))))
-    assert len(m.allocate_slots(whole, 4 * (n - 1))) == n - 1 and m.pool.num_exposed == n
-    assert m.allocate_slots(_req("x", [1, 2]), 2) is None
