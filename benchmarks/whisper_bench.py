@@ -5,13 +5,18 @@ On the 20 espeak-ng clips of tests/data/audio (scripts/make_test_audio.py):
 - how many clips get identical text from both at temperature 0 (exact, after strip);
 - throughput, side by side in one run, rounds alternating: llmserve serving
   ``--concurrency`` uploads at once through ``/v1/audio/transcriptions`` vs faster-whisper
-  transcribing the clips one after another (greedy, no VAD, no timestamps, language en);
-  medians over ``--rounds``, with the load average.
+  transcribing the clips one after another; medians over ``--rounds``, with the load average.
 
-Known difference: faster-whisper pads the log-mel of a clip shorter than 30 s with zeros,
-transformers' WhisperFeatureExtractor (llmserve, openai-whisper) pads the audio with
-silence; fed faster-whisper's features, llmserve's decoder gives its text token for token
-(checked on the clips where the texts differ).
+faster-whisper settings (stated, since its defaults differ): ``beam_size=1`` (its default is
+5; llmserve decodes greedily, as vLLM), ``temperature=0.0`` alone (no fallback),
+``without_timestamps=True`` (llmserve's json format prompts ``<|notimestamps|>``),
+``language="en"``, ``condition_on_previous_text=False``, no VAD; its default
+``suppress_tokens=[-1]`` / ``suppress_blank=True`` are kept (llmserve suppresses nothing,
+as vLLM; on these clips that changes no token).
+
+Both feed the encoder OpenAI Whisper's log-mel: the clip's frames, then zeros in log-mel
+space up to 3000 frames (``whisper.transcribe``'s ``pad_or_trim`` of the mel segment), not
+transformers' extractor's log-mel of padded silence (which made 3 of 20 clips differ).
 
 Run: ``PYTHONPATH=$PWD python benchmarks/whisper_bench.py [--model whisper-base] [--rounds 3]``
 (needs ``pip install --no-deps ctranslate2 faster-whisper``).

@@ -2,9 +2,9 @@
 
 Decoding: ``soundfile`` (libsndfile: wav, flac, ogg/vorbis/opus...) and PyAV (FFmpeg: mp3,
 webm, m4a, anything else), both from PyPI wheels. Resampling: ``soxr`` (the resampler
-librosa uses by default). Features: transformers' ``WhisperFeatureExtractor`` (80 or 128
-log-mel bins over 30 s windows, 10 ms hop), the path vLLM uses. Long audio is cut into
-<= 30 s chunks at the quietest 0.1 s near each boundary, as vLLM's ``_split_audio`` does.
+librosa uses by default). Features: OpenAI Whisper's log-mel (80 or 128 bins, 10 ms hop,
+30 s windows) with its padding, which faster-whisper reproduces (see ``whisper_features``).
+Long audio is cut into <= 30 s chunks at the quietest 0.1 s near each boundary, as vLLM's ``_split_audio`` does.
 """
 from __future__ import annotations
 
@@ -100,17 +100,46 @@ def split_audio(x: np.ndarray, chunk_seconds: int = CHUNK_SECONDS) -> list[np.nd
     return chunks
 
 
+N_FFT = 400
+HOP_LENGTH = 160
+N_FRAMES = CHUNK_SECONDS * SAMPLE_RATE // HOP_LENGTH  # 3000 log-mel frames per 30 s window
+
+
 @functools.lru_cache(maxsize=4)
-def _feature_extractor(num_mel_bins: int):
-    from transformers import WhisperFeatureExtractor
-    return WhisperFeatureExtractor(feature_size=num_mel_bins, sampling_rate=SAMPLE_RATE)
+def _mel_filters(num_mel_bins: int):
+    """Slaney mel filters ``[num_mel_bins, N_FFT // 2 + 1]`` float32 (librosa's, as
+    OpenAI's ``mel_filters.npz`` and transformers' WhisperFeatureExtractor)."""
+    import torch
+    from transformers.audio_utils import mel_filter_bank
+    fb = mel_filter_bank(num_frequency_bins=N_FFT // 2 + 1, num_mel_filters=num_mel_bins, min_frequency=0.0,
+                         max_frequency=SAMPLE_RATE / 2, sampling_rate=SAMPLE_RATE, norm="slaney",
+                         mel_scale="slaney")
+    return torch.from_numpy(np.ascontiguousarray(fb.T, dtype=np.float32))
 
 
 def whisper_features(x: np.ndarray, num_mel_bins: int = 80) -> np.ndarray:
-    """<= 30 s of 16 kHz samples -> log-mel ``[num_mel_bins, 3000]`` float32 (padded with
-    silence to 30 s, as Whisper was trained). Raises ValueError past 30 s."""
+    """<= 30 s of 16 kHz samples -> log-mel ``[num_mel_bins, 3000]`` float32, as OpenAI
+    Whisper's ``transcribe()`` (and faster-whisper) feed the encoder: the audio padded with
+    30 s of zeros, STFT (400-point Hann, hop 160), log10 mel power clamped to max - 8,
+    ``(x + 4) / 4``; the clip's own frames (``len(x) // 160``) kept and the rest of the
+    3000 frames zero *in log-mel space* (``pad_or_trim`` of the mel segment).
+
+    transformers' WhisperFeatureExtractor (vLLM) pads the audio instead, which gives the
+    log-mel of silence after the clip; the model was trained on OpenAI's padding, and on
+    short clips the two decode differently (3 of the 20 test clips with whisper-base).
+    Raises ValueError past 30 s."""
+    import torch
     if x.size > CHUNK_SECONDS * SAMPLE_RATE:
         raise ValueError(f"audio of {x.size / SAMPLE_RATE:.1f} s is longer than Whisper's "
                          f"{CHUNK_SECONDS} s window; split it first")
-    feats = _feature_extractor(num_mel_bins)(x, sampling_rate=SAMPLE_RATE, return_tensors="np").input_features
-    return np.ascontiguousarray(feats[0], dtype=np.float32)
+    audio = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    audio = torch.nn.functional.pad(audio, (0, CHUNK_SECONDS * SAMPLE_RATE))
+    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=torch.hann_window(N_FFT), return_complex=True)
+    mel = _mel_filters(num_mel_bins) @ (stft[..., :-1].abs() ** 2)
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    log_spec = (log_spec + 4.0) / 4.0
+    content = x.size // HOP_LENGTH
+    out = np.zeros((num_mel_bins, N_FRAMES), dtype=np.float32)
+    out[:, :content] = log_spec[:, :content].numpy()
+    return out

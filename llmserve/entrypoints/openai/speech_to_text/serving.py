@@ -6,11 +6,14 @@ Decoder prompt per chunk (as vLLM's ``WhisperForConditionalGeneration.get_decode
 ``[<|startofprev|> prompt]<|startoftranscript|><|lang|><|transcribe or translate|>`` then
 ``<|notimestamps|>``, except for ``verbose_json``/``srt``/``vtt``, which let the model write
 its timestamp tokens and turn them into segments. English-only checkpoints (``*.en``)
-take no language or task token. Temperature 0 by default, as OpenAI.
+take no language or task token. Temperature 0 by default, as OpenAI. Without ``language`` a
+multilingual model detects it first (Whisper's ``detect_language``: one decoder step after
+``<|startoftranscript|>`` over the first chunk, the most likely language token).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional
@@ -56,6 +59,36 @@ def subtitles(segments: list[TranscriptionSegment], fmt: str) -> str:
                                   for s in segments)
 
 
+def timestamp_segments(token_ids: list[int], ts_begin: int, eot: int,
+                       duration: float) -> list[tuple[float, float, list[int]]]:
+    """One 30 s window's output tokens (decoded after a prompt ending ``<|0.00|>``) ->
+    ``[(start s, end s, text token ids)]``, as OpenAI's ``transcribe()`` reads Whisper's
+    timestamp tokens (id ``ts_begin + k`` is ``k * 0.02`` s): two consecutive timestamps
+    close a segment and open the next; a segment runs from its first to its last
+    timestamp; text after the last pair ends at a lone final timestamp, else at
+    ``duration``. Whatever the model wrote, the times rise (each start >= the previous
+    end, end >= start) and stay within ``[0, duration]``; segments without text are
+    dropped."""
+    toks = [ts_begin] + [t for t in token_ids if t != eot]
+    is_ts = [t >= ts_begin for t in toks]
+    cuts = [i for i in range(1, len(toks)) if is_ts[i - 1] and is_ts[i]] + [len(toks)]
+    out: list[tuple[float, float, list[int]]] = []
+    last_end, prev = 0.0, 0
+    for cut in cuts:
+        piece, piece_ts = toks[prev:cut], is_ts[prev:cut]
+        prev = cut
+        text = [t for t, ts in zip(piece, piece_ts) if not ts]
+        if not text:
+            continue
+        start = (piece[0] - ts_begin) * _TIMESTAMP_STEP_S if piece_ts[0] else last_end
+        closed = len(piece) > 1 and piece_ts[-1]
+        end = (piece[-1] - ts_begin) * _TIMESTAMP_STEP_S if closed else duration
+        start = min(max(start, last_end), duration)
+        last_end = end = min(max(end, start), duration)
+        out.append((start, end, text))
+    return out
+
+
 class OpenAIServingSpeechToText(BaseServing):
     """Handler of ``/v1/audio/transcriptions`` (``task="transcribe"``) and
     ``/v1/audio/translations`` (``task="translate"``; the output is English). Raises
@@ -84,8 +117,11 @@ class OpenAIServingSpeechToText(BaseServing):
         return f"{self.request_id_prefix}-{base or random_uuid()}"
 
     # ---- validation ----------------------------------------------------------
-    def _language(self, request: TranscriptionRequest) -> str:
+    def _language(self, request: TranscriptionRequest) -> Optional[str]:
+        """The request's language code; None when omitted on a multilingual model (detect it)."""
         from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+        if not (request.language or "").strip() and self.multilingual:
+            return None
         lang = (request.language or "en").strip().lower()
         lang = TO_LANGUAGE_CODE.get(lang, lang)  # "english" -> "en"
         if lang not in LANGUAGES:
@@ -96,7 +132,7 @@ class OpenAIServingSpeechToText(BaseServing):
                                       f"language {request.language!r} is not supported", "language")
         return lang
 
-    def _check(self, request: TranscriptionRequest, data: bytes) -> tuple[str, str]:
+    def _check(self, request: TranscriptionRequest, data: bytes) -> tuple[str, Optional[str]]:
         name = self._check_model(request)
         if not self.is_speech_model:
             raise SamplingParamsError(f"The model `{name}` is not a speech-to-text model (Whisper); it cannot "
@@ -146,11 +182,13 @@ class OpenAIServingSpeechToText(BaseServing):
         name, lang = self._check(request, data)
         timestamps = request.response_format in ("verbose_json", "srt", "vtt") and not request.stream
         chunks, duration = await self._chunks(data)
+        rid = self.new_request_id(request_id)
+        if lang is None:
+            lang = await self._detect_language(f"{rid}-lang", chunks[0])
         prompt = self.tokenizer.encode(self._decoder_prompt(request, lang, task, timestamps), add_special_tokens=False)
         if timestamps:  # start in timestamp mode at <|0.00|>, as Whisper's timestamp rules force
             prompt.append(self.ts_begin)
         n_prompt = len(prompt)
-        rid = self.new_request_id(request_id)
         if request.stream:
             params = self._params(request, n_prompt, RequestOutputKind.DELTA)
             gen = self._stream(request, name, rid, prompt, params, chunks)
@@ -176,6 +214,30 @@ class OpenAIServingSpeechToText(BaseServing):
         return TranscriptionResponseVerbose(task=task, language=LANGUAGES[lang], duration=round(duration, 3),
                                             text=text, segments=segments)
 
+    @functools.cached_property
+    def _language_token_ids(self) -> dict[int, str]:
+        """{token id: language code} of the language tokens this tokenizer has."""
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+        tok = self.tokenizer
+        ids = {tok.convert_tokens_to_ids(f"<|{code}|>"): code for code in LANGUAGES}
+        ids.pop(tok.unk_token_id, None)
+        ids.pop(None, None)
+        return ids
+
+    async def _detect_language(self, rid: str, chunk: np.ndarray) -> str:
+        """Whisper's ``detect_language``: the argmax over the language tokens of the
+        decoder's first step after ``<|startoftranscript|>`` on this audio (one engine
+        request of one token, batched like any other)."""
+        ids = self._language_token_ids
+        params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=list(ids),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        sot = self.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+        final = None
+        async for out in self.engine_client.generate(
+                {"prompt_token_ids": [sot], "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, rid):
+            final = out
+        return ids[final.outputs[0].token_ids[0]]
+
     async def _run_chunk(self, rid: str, prompt: list[int], params: SamplingParams, chunk: np.ndarray,
                          index: int) -> Transcript:
         final = None
@@ -186,33 +248,14 @@ class OpenAIServingSpeechToText(BaseServing):
         return Transcript(o.text, list(o.token_ids), 0.0, 0.0, len(final.prompt_token_ids or ()))
 
     def _segments(self, results: list[Transcript], temperature: float) -> list[TranscriptionSegment]:
-        """Whisper's timestamp tokens (``<|t|>`` pairs, 0.02 s steps) -> segments; text
-        after the last timestamp ends at the chunk's end."""
         segs: list[TranscriptionSegment] = []
         for r in results:
-            start: Optional[float] = 0.0  # the prompt ends with <|0.00|>
-            cur: list[int] = []
-
-            def close(end: float) -> None:
-                text = self.tokenizer.decode(cur, skip_special_tokens=True)
+            for start, end, toks in timestamp_segments(r.token_ids, self.ts_begin, self.eot, r.duration):
+                text = self.tokenizer.decode(toks, skip_special_tokens=True)
                 if text.strip():
                     segs.append(TranscriptionSegment(
-                        id=len(segs), seek=int(r.offset * 100), start=round(r.offset + (start or 0.0), 2),
-                        end=round(r.offset + min(end, r.duration), 2), text=text, tokens=list(cur),
-                        temperature=temperature))
-
-            for t in r.token_ids:
-                if t >= self.ts_begin:
-                    ts = (t - self.ts_begin) * _TIMESTAMP_STEP_S
-                    if start is not None and cur:
-                        close(ts)
-                        cur, start = [], None
-                    else:
-                        start = ts
-                elif t != self.eot:
-                    cur.append(t)
-            if cur:
-                close(r.duration)
+                        id=len(segs), seek=int(r.offset * 100), start=round(r.offset + start, 2),
+                        end=round(r.offset + end, 2), text=text, tokens=toks, temperature=temperature))
         return segs
 
     async def _stream(self, request: TranscriptionRequest, name: str, rid: str, prompt: list[int],
