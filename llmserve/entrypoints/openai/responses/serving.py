@@ -304,8 +304,9 @@ class OpenAIServingResponses(GenerateBaseServing):
         if response.store:
             self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages)))
         try:
-            yield "".join(builder.response_event("response.created", response)
-                          + builder.response_event("response.in_progress", response))
+            head = response.model_dump(mode="json")  # dumped once for both opening events
+            yield "".join(builder.event("response.created", response=head)
+                          + builder.event("response.in_progress", response=head))
             logprobs, parsed = None, job.parsing.active
             async for _, res in merged:
                 cached = res.num_cached_tokens

@@ -15,7 +15,11 @@ the output items; with ``stream`` it also writes the SSE events of each piece:
     response.output_item.done, ..., then one of response.completed / response.incomplete /
     response.failed (after an ``error`` event).
 
-Every event carries ``sequence_number`` (0, 1, 2, ...). A non-streamed response is built
+Every event carries ``sequence_number`` (0, 1, 2, ...). With ``include:
+["message.output_text.logprobs"]`` the ``output_text`` part holds the tokens' logprobs and
+each ``response.output_text.delta`` its own (``logprobs`` is ``[]`` otherwise). The delta
+event, the one per token, is written from a preformatted head (no dict, no model): its
+cost per token is below chat's chunk (benchmarks/responses_stream_cost.py). A non-streamed response is built
 by the same code from the whole parsed output, so streamed and whole outputs agree.
 """
 from __future__ import annotations
