@@ -64,7 +64,7 @@ logger = logging.getLogger("llmserve.entrypoints.openai")
 
 # engine / renderer field -> Responses field, for the ``param`` of a 400
 PARAM_NAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
-               "structured_outputs": "text.format", "response_format": "text.format"}
+               "structured_outputs": "text.format", "response_format": "text.format", "logprobs": "top_logprobs"}
 
 
 def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
