@@ -198,3 +198,24 @@ def test_bench_serve_responses_against_chat(rserver):
     assert [r["endpoint"] for r in res["rounds"]] == ["/v1/responses", "/v1/chat/completions"]
     assert all(r["total_output_tokens"] == 8 and r["failed"] == 0 for r in res["rounds"]), res["rounds"]
     assert res["output_throughput_ratio"] > 0
+
+
+def test_output_text_logprobs_equal_chat_streamed_and_whole(rserver):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the entries
+    equal chat's logprobs for the same greedy turn (the same builder), and the streamed
+    delta events carry the same tokens and values (no bytes, as OpenAI's delta events)."""
+    c = rserver.client()
+    kw = {"max_output_tokens": 6, "temperature": 0, "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+    r = c.responses.create(model=MODEL, input=Q, **kw)
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": Q}], max_tokens=6,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    lps = r.output[0].content[0].logprobs
+    assert [lp.model_dump() for lp in lps] == [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert len(lps) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
+    with c.responses.stream(model=MODEL, input=Q, **kw) as s:
+        deltas = [e for e in s if e.type == "response.output_text.delta"]
+    streamed = [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs])
+                for e in deltas for lp in e.logprobs]
+    assert streamed == [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in lps]
+    plain = c.responses.create(model=MODEL, input=Q, max_output_tokens=2, top_logprobs=2)  # not included
+    assert plain.output[0].content[0].logprobs == []

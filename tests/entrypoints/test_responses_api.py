@@ -166,7 +166,8 @@ def test_store_evicts_oldest_first():
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),
     ({"include": ["bogus"]}, "include"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"background": True, "store": False}, "store"),
@@ -252,3 +253,72 @@ def test_long_string_input_is_the_context_400_not_a_list_limit(app_and_engine):
         err = _err(client.post("/v1/responses", json={**BASE, "input": "word " * 150_000, "stream": stream}),
                    400, "input")
         assert "64" in err["message"] and "cannot fit" in err["message"], err
+
+
+def _logprob_output(text, token_ids, finish=None):
+    """One step of output with logprobs: each token chosen at rank 1 among two."""
+    from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+    steps = [{t: Logprob(-0.25, 1), t + 1: Logprob(-1.5, 2)} for t in token_ids]
+    return RequestOutput("r", None, [1], None, [CompletionOutput(0, text, token_ids, None, steps, finish)],
+                         finish is not None)
+
+
+def test_include_output_text_logprobs_whole_and_streamed(app_and_engine):
+    """``include: ["message.output_text.logprobs"]`` samples ``top_logprobs`` alternatives
+    (SamplingParams.logprobs) and returns chat's entries on the output_text part (token,
+    logprob, bytes, top_logprobs) and, streamed, on each delta event (no bytes); without
+    include the engine is asked for none and the lists stay empty."""
+    client, engine = app_and_engine()
+    tok = engine.tokenizer
+    ids = tok.encode(" four", add_special_tokens=False) + tok.encode("!", add_special_tokens=False)
+    engine.outputs = [_logprob_output(" four!", ids, "stop")]
+    body = {**BASE, "include": ["message.output_text.logprobs"], "top_logprobs": 1}
+    whole = client.post("/v1/responses", json=body).json()
+    assert engine.params[-1].logprobs == 1
+    parsed = Response.model_validate(whole)
+    assert parsed.top_logprobs == 1
+    lps = parsed.output[0].content[0].logprobs
+    assert [lp.token for lp in lps] == [tok.convert_ids_to_tokens(i).replace("\u0120", " ") for i in ids]
+    assert [lp.logprob for lp in lps] == [-0.25] * len(ids)
+    assert all(lp.bytes == list(lp.token.encode()) and len(lp.top_logprobs) == 1 for lp in lps)
+    assert [lp.top_logprobs[0].logprob for lp in lps] == [-0.25] * len(ids)  # the chosen one ranks first
+    engine.outputs = [_logprob_output(" four", ids[:1]), _logprob_output("!", ids[1:], "stop")]
+    events = [p for _, p in _events(client.post("/v1/responses", json={**body, "stream": True}))]
+    for p in events:
+        EVENT.validate_python(p)
+    deltas = [p for p in events if p["type"] == "response.output_text.delta"]
+    assert [d["delta"] for d in deltas] == [" four", "!"]
+    streamed = [lp for d in deltas for lp in d["logprobs"]]
+    assert streamed == [{k: v for k, v in lp.model_dump().items() if k != "bytes"} | {
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob} for t in lp.top_logprobs]} for lp in lps]
+    done = next(p for p in events if p["type"] == "response.output_item.done")
+    assert done["item"]["content"][0]["logprobs"] == [lp.model_dump() for lp in lps]
+    final = next(p for p in events if p["type"] == "response.completed")["response"]
+    assert final["output"][0]["content"][0]["text"] == " four!"
+    engine.outputs = [_output("x", "stop")]
+    plain = client.post("/v1/responses", json={**BASE, "top_logprobs": 3}).json()  # no include: none asked
+    assert engine.params[-1].logprobs is None and plain["output"][0]["content"][0]["logprobs"] == []
+    # the other include values ask for items this server never makes: accepted, no effect
+    engine.outputs = [_output("x", "stop")]
+    assert client.post("/v1/responses", json={**BASE, "include": ["reasoning.encrypted_content"]}).status_code == 200
+
+
+def test_truncation_auto_drops_the_oldest_items_and_keeps_instructions(app_and_engine):
+    """The context is 64 tokens here: three long turns do not fit; with ``auto`` the
+    oldest turns go, the instructions and the last message stay (OpenAI's truncation
+    strategy; vLLM truncates too)."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("x", "stop")]
+    turns = [{"role": "user", "content": "alpha " * 12}, {"role": "assistant", "content": "bravo " * 12},
+             {"role": "user", "content": "charlie"}]
+    body = {**BASE, "input": turns, "instructions": "Be brief."}
+    assert client.post("/v1/responses", json=body).status_code == 200  # (this stub engine checks no length)
+    assert "alpha" in engine.tokenizer.decode(engine.prompts[-1]["prompt_token_ids"])
+    r = client.post("/v1/responses", json={**body, "truncation": "auto"})
+    assert r.status_code == 200 and r.json()["truncation"] == "auto", r.text
+    prompt = engine.tokenizer.decode(engine.prompts[-1]["prompt_token_ids"])
+    assert "Be brief." in prompt and "charlie" in prompt and "alpha" not in prompt
+    assert len(engine.prompts[-1]["prompt_token_ids"]) <= 64 - 3
+    # one message that alone does not fit stays the context-length 400
+    _err(client.post("/v1/responses", json={**BASE, "input": "word " * 150_000, "truncation": "auto"}), 400, "input")

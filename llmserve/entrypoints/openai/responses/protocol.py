@@ -18,6 +18,7 @@ from pydantic import Field
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from llmserve.entrypoints.openai.common.protocol import (
     MAX_TEMPERATURE,
+    check_max_logprobs,
     Int64,
     OpenAIBaseModel,
     OpenAIRequestModel,
@@ -25,8 +26,12 @@ from llmserve.entrypoints.openai.common.protocol import (
 )
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
-# OpenAI's ``include`` values; those that do not apply to this server's outputs (no
-# search, image or code tools; no encrypted reasoning) are accepted and have no effect.
+# OpenAI's ``include`` values (``openai.types.responses.ResponseIncludable``). Only
+# ``message.output_text.logprobs`` changes the output here; the others ask for parts of
+# items this server never produces (search, image and code-interpreter calls, encrypted
+# reasoning), so, as OpenAI does for a request without those items and as vLLM does,
+# they are accepted and ignored. Any other value is a 400 naming ``include``.
+INCLUDE_OUTPUT_LOGPROBS = "message.output_text.logprobs"
 INCLUDE_VALUES = frozenset({
     "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
     "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
@@ -78,6 +83,7 @@ class ResponsesRequest(OpenAIRequestModel):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     include: Optional[list[str]] = None
+    top_logprobs: Optional[Int64] = None  # 0..20 alternatives per token, with include logprobs
     store: Optional[bool] = True
     background: Optional[bool] = False
     stream: Optional[bool] = False
@@ -112,9 +118,7 @@ class ResponsesRequest(OpenAIRequestModel):
         if unknown:
             raise SamplingParamsError(f"include: unknown value(s) {unknown}; expected some of "
                                       f"{sorted(INCLUDE_VALUES)}.", "include")
-        if self.truncation == "auto":  # dropping earlier turns to fit is not implemented: say so
-            raise SamplingParamsError('truncation "auto" is not supported by this server; send "disabled" (an '
-                                      "input that does not fit the context is a 400).", "truncation")
+        check_max_logprobs(self.top_logprobs, "top_logprobs")
         if self.background and not self.store:
             raise SamplingParamsError("background responses must be stored: set store to true.", "store")
         if self.background and self.stream:
@@ -124,6 +128,12 @@ class ResponsesRequest(OpenAIRequestModel):
                                                                              "medium", "high", "xhigh"):
             raise SamplingParamsError(f"reasoning.effort: unknown value {self.reasoning.get('effort')!r}.",
                                       "reasoning")
+
+    @property
+    def include_output_logprobs(self) -> bool:
+        """``include`` asks for ``message.output_text.logprobs`` (vLLM's
+        ``is_include_output_logprobs``)."""
+        return bool(self.include) and INCLUDE_OUTPUT_LOGPROBS in self.include
 
     def template_kwargs(self) -> Optional[dict[str, Any]]:
         """The chat template's extra variables: ``chat_template_kwargs`` plus
@@ -136,6 +146,8 @@ class ResponsesRequest(OpenAIRequestModel):
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams of the request (vLLM's ``ResponsesRequest.to_sampling_params``);
         a field left out takes the model's generation-config default, else OpenAI's.
+        Token logprobs (``top_logprobs`` alternatives) are sampled only when ``include``
+        asks for ``message.output_text.logprobs``, as vLLM.
         ``max_output_tokens`` None leaves the budget to the engine's InputProcessor."""
         def pick(name: str, builtin: Any) -> Any:
             value = getattr(self, name)
@@ -145,6 +157,7 @@ class ResponsesRequest(OpenAIRequestModel):
             max_tokens=self.max_output_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+            logprobs=(self.top_logprobs or 0) if self.include_output_logprobs else None,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
@@ -255,6 +268,7 @@ class ResponsesResponse(OpenAIBaseModel):
     tool_choice: Union[str, dict[str, Any]] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     truncation: str = "disabled"
+    top_logprobs: Optional[int] = None
     usage: Optional[ResponseUsage] = None
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None

@@ -54,7 +54,8 @@ from llmserve.entrypoints.openai.responses.protocol import (
     ResponseUsage,
 )
 from llmserve.entrypoints.openai.responses.store import ResponsesStore, StoredResponse
-from llmserve.entrypoints.openai.responses.streaming import OutputBuilder
+from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
+from llmserve.entrypoints.openai.responses.streaming import OutputBuilder, response_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -63,7 +64,7 @@ logger = logging.getLogger("llmserve.entrypoints.openai")
 
 # engine / renderer field -> Responses field, for the ``param`` of a 400
 PARAM_NAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
-               "structured_outputs": "text.format", "response_format": "text.format"}
+               "structured_outputs": "text.format", "response_format": "text.format", "logprobs": "top_logprobs"}
 
 
 def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
@@ -79,6 +80,7 @@ class ResponsesJob:
                  messages: list[dict[str, Any]]) -> None:
         self.request, self.response, self.prompt, self.params = request, response, prompt, params
         self.parsing, self.gen_kwargs, self.messages = parsing, gen_kwargs, messages
+        self.want_logprobs = request.include_output_logprobs
 
 
 class OpenAIServingResponses(GenerateBaseServing):
@@ -127,8 +129,7 @@ class OpenAIServingResponses(GenerateBaseServing):
                            exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         try:
-            prompt = await self.renderer.render_chat(system + history + new_messages, tools=plan.template_tools,
-                                                     chat_template_kwargs=request.template_kwargs())
+            prompt = await self._render(request, system, history + new_messages, plan.template_tools)
         except SamplingParamsError as e:
             raise _renamed(e, PARAM_NAMES) from None
         params = request.to_sampling_params(self.default_sampling_params)
@@ -137,6 +138,40 @@ class OpenAIServingResponses(GenerateBaseServing):
         response = self._skeleton(request, model_name, request_id, params, text_echo)
         return ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
                             history + new_messages)
+
+    async def _render(self, request: ResponsesRequest, system: list[dict[str, Any]],
+                      conversation: list[dict[str, Any]], tools: Any) -> RenderedPrompt:
+        """The prompt of ``system + conversation``. With ``truncation: "auto"`` (OpenAI:
+        "drop items from the beginning of the conversation"; vLLM truncates the prompt),
+        the oldest conversation messages are dropped until the prompt leaves room for
+        ``max_output_tokens`` (else one token) in ``max_model_len``; the instructions
+        and the last message always stay, so a last message that alone does not fit is
+        still the engine's context-length 400."""
+        kwargs = {"tools": tools, "chat_template_kwargs": request.template_kwargs()}
+        if request.truncation != "auto":
+            return await self.renderer.render_chat(system + conversation, **kwargs)
+        budget = self.max_model_len - (request.max_output_tokens or 1)
+
+        async def render(start: int) -> RenderedPrompt:
+            # a tool result without the assistant turn that called it is no conversation
+            while start < len(conversation) - 1 and conversation[start]["role"] == "tool":
+                start += 1
+            last = start >= len(conversation) - 1  # the cheap length guard for what must fit alone
+            return await self.renderer.render_chat(system + conversation[start:], check_length=last, **kwargs)
+
+        prompt = await render(0)
+        if len(prompt.token_ids) <= budget:
+            return prompt
+        lo, hi = 1, len(conversation) - 1  # the fewest dropped that fit: fewer messages, fewer tokens
+        best = await render(hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            candidate = await render(mid)
+            if len(candidate.token_ids) <= budget:
+                best, hi = candidate, mid
+            else:
+                lo = mid + 1
+        return best
 
     def _skeleton(self, request: ResponsesRequest, model_name: str, request_id: Optional[str],
                   params: SamplingParams, text_echo: dict[str, Any]) -> ResponsesResponse:
@@ -148,7 +183,7 @@ class OpenAIServingResponses(GenerateBaseServing):
             store=request.store is not False, background=bool(request.background), temperature=params.temperature,
             top_p=params.top_p, text={"format": text_echo}, tool_choice=request.tool_choice or "auto",
             tools=list(request.tools or []), truncation=request.truncation or "disabled", user=request.user,
-            metadata=request.metadata)
+            metadata=request.metadata, top_logprobs=request.top_logprobs)
 
     def _start(self, job: ResponsesJob) -> list[Any]:
         return [self.generate(job.prompt, job.params, job.response.id, job.request.priority, **job.gen_kwargs)]
@@ -209,15 +244,17 @@ class OpenAIServingResponses(GenerateBaseServing):
             raise RuntimeError(f"request {job.response.id} ended without output")
         out = final.outputs[0]
         builder = OutputBuilder()
+        # vLLM: the output_text part carries the logprobs of every generated token
+        logprobs = self._logprobs(job, out.token_ids, out.logprobs) if job.want_logprobs else None
         if job.parsing.active:
             parsed = job.parsing.make_parser().parse(out.text)
             from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage
 
-            builder.add(DeltaMessage(reasoning=parsed.reasoning, content=parsed.content))
+            builder.add(DeltaMessage(reasoning=parsed.reasoning, content=parsed.content), logprobs)
             for i, call in enumerate(parsed.tool_calls):
                 builder.tool_call(i, call.id, call.function.name, call.function.arguments)
         else:
-            builder.text(out.text)
+            builder.text(out.text, logprobs)
         status, details = self._status(out.finish_reason)
         builder.finish("incomplete" if status == "incomplete" else "completed")
         response = job.response.model_copy(update={
@@ -225,6 +262,11 @@ class OpenAIServingResponses(GenerateBaseServing):
             "usage": self._usage(job, len(out.token_ids), final.num_cached_tokens, builder.items)})
         self._store(job, response)
         return response
+
+    def _logprobs(self, job: ResponsesJob, token_ids: Any, logprobs: Any) -> list[dict[str, Any]]:
+        """The ``output_text.logprobs`` entries of ``token_ids`` (chat's builder)."""
+        return response_logprobs(build_chat_logprobs(self.token_formatter, list(token_ids), logprobs or [],
+                                                     job.request.top_logprobs or 0).content)
 
     @staticmethod
     def _status(finish_reason: Optional[str]) -> tuple[str, Optional[IncompleteDetails]]:
@@ -262,24 +304,31 @@ class OpenAIServingResponses(GenerateBaseServing):
         if response.store:
             self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages)))
         try:
-            for event in builder.response_event("response.created", response):
-                yield event
-            for event in builder.response_event("response.in_progress", response):
-                yield event
+            head = response.model_dump(mode="json")  # dumped once for both opening events
+            yield "".join(builder.event("response.created", response=head)
+                          + builder.event("response.in_progress", response=head))
+            logprobs, parsed = None, job.parsing.active
             async for _, res in merged:
                 cached = res.num_cached_tokens
                 out = res.outputs[0]
                 num_tokens += len(out.token_ids)
                 finish = out.finish_reason
-                if job.parsing.active:
+                if job.want_logprobs and out.token_ids:
+                    logprobs = (logprobs or []) + self._logprobs(job, out.token_ids, out.logprobs)
+                if parsed:  # logprobs ride on the next content text (reasoning/tool tokens have none)
                     delta, _ = job.parsing.stream_delta(0, out.text, finish)
+                    events = builder.add(delta, logprobs)
+                    if delta is not None and delta.content:
+                        logprobs = None
+                elif out.text or logprobs:  # the common case: one delta event, no models built
+                    events = builder.text(out.text, logprobs)
+                    logprobs = None
                 else:
-                    delta = _content(out.text)
-                for event in builder.add(delta):
-                    yield event
+                    continue
+                if events:  # one write per engine step, as chat's one chunk
+                    yield "".join(events)
             status, details = self._status(finish)
-            for event in builder.finish("incomplete" if status == "incomplete" else "completed"):
-                yield event
+            yield "".join(builder.finish("incomplete" if status == "incomplete" else "completed"))
             response = response.model_copy(update={
                 "status": status, "incomplete_details": details, "output": builder.items,
                 "usage": self._usage(job, num_tokens, cached, builder.items)})
@@ -350,8 +399,3 @@ class OpenAIServingResponses(GenerateBaseServing):
             await asyncio.gather(entry.task, return_exceptions=True)
         return self.store.get(response_id).response if response_id in self.store else entry.response
 
-
-def _content(text: str) -> Any:
-    from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage
-
-    return DeltaMessage(content=text) if text else None

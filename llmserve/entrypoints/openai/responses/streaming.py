@@ -15,7 +15,11 @@ the output items; with ``stream`` it also writes the SSE events of each piece:
     response.output_item.done, ..., then one of response.completed / response.incomplete /
     response.failed (after an ``error`` event).
 
-Every event carries ``sequence_number`` (0, 1, 2, ...). A non-streamed response is built
+Every event carries ``sequence_number`` (0, 1, 2, ...). With ``include:
+["message.output_text.logprobs"]`` the ``output_text`` part holds the tokens' logprobs and
+each ``response.output_text.delta`` its own (``logprobs`` is ``[]`` otherwise). The delta
+event, the one per token, is written from a preformatted head (no dict, no model): its
+cost per token is below chat's chunk (benchmarks/responses_stream_cost.py). A non-streamed response is built
 by the same code from the whole parsed output, so streamed and whole outputs agree.
 """
 from __future__ import annotations
@@ -39,6 +43,19 @@ def sse_event(event_type: str, payload: dict[str, Any]) -> str:
     return f"event: {event_type}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def response_logprobs(entries: Any) -> list[dict[str, Any]]:
+    """``output_text.logprobs`` from chat's logprobs content entries (the same
+    ``build_chat_logprobs``): ``[{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}]}]`` (``openai.types.responses.response_output_text.Logprob``)."""
+    return [entry.model_dump() for entry in entries]
+
+
+def _delta_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry as the delta/done events carry it: no ``bytes``."""
+    return {"token": entry["token"], "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
+
+
 class OutputBuilder:
     """The output items of one response (see the module docstring).
 
@@ -48,9 +65,18 @@ class OutputBuilder:
     def __init__(self, stream: bool = False) -> None:
         self.stream = stream
         self.sequence_number = 0
-        self.items: list[OutputItem] = []
+        self._items: list[OutputItem] = []
         self._open: Optional[OutputItem] = None
         self._tool_index: Optional[int] = None
+        self._pieces: list[str] = []  # the open message's text, joined when it closes
+        self._delta_head = ""
+
+    @property
+    def items(self) -> list[OutputItem]:
+        """The output items so far (an open message holds the text added so far)."""
+        if isinstance(self._open, OutputMessage):
+            self._open.content[0].text = "".join(self._pieces)
+        return self._items
 
     # ---- events --------------------------------------------------------------------
     def event(self, event_type: str, **fields: Any) -> list[str]:
@@ -66,18 +92,19 @@ class OutputBuilder:
         return self.event(event_type, response=response.model_dump(mode="json"))
 
     def _index(self) -> int:
-        return len(self.items) - 1
+        return len(self._items) - 1
 
     # ---- pieces ----------------------------------------------------------------------
-    def add(self, delta: Any) -> list[str]:
-        """One parsed piece (a DeltaMessage: ``reasoning``, ``content``, ``tool_calls``)."""
+    def add(self, delta: Any, logprobs: Optional[list[dict[str, Any]]] = None) -> list[str]:
+        """One parsed piece (a DeltaMessage: ``reasoning``, ``content``, ``tool_calls``);
+        ``logprobs`` go with its content (see :meth:`text`)."""
         events: list[str] = []
         if delta is None:
             return events
         if getattr(delta, "reasoning", None):
             events += self.reasoning(delta.reasoning)
         if delta.content:
-            events += self.text(delta.content)
+            events += self.text(delta.content, logprobs)
         for call in delta.tool_calls or ():
             events += self.tool_call(call.index, call.id, call.function.name if call.function else None,
                                      call.function.arguments if call.function else None)
@@ -93,15 +120,31 @@ class OutputBuilder:
         return events + self.event("response.reasoning_text.delta", item_id=self._open.id, output_index=self._index(),
                                    content_index=0, delta=text)
 
-    def text(self, text: str) -> list[str]:
+    def text(self, text: str, logprobs: Optional[list[dict[str, Any]]] = None) -> list[str]:
+        """Text of the assistant message; ``logprobs`` (``include`` logprobs): the entries
+        of its tokens (``token``, ``logprob``, ``bytes``, ``top_logprobs``: see
+        :func:`response_logprobs`), kept on the ``output_text`` part and sent on the delta
+        event (without ``bytes``, as OpenAI's ``ResponseTextDeltaEvent``)."""
         events: list[str] = []
         if not isinstance(self._open, OutputMessage):
             events += self._open_item(OutputMessage(status="in_progress"))
             self._open.content.append(OutputText(text=""))
+            self._pieces = []
             events += self._part_event("response.content_part.added", OutputText(text="").model_dump())
-        self._open.content[0].text += text
-        return events + self.event("response.output_text.delta", item_id=self._open.id, output_index=self._index(),
-                                   content_index=0, delta=text, logprobs=[])
+            self._delta_head = (f'event: response.output_text.delta\ndata: {{"type":"response.output_text.delta",'
+                                f'"item_id":"{self._open.id}","output_index":{self._index()},"content_index":0,'
+                                '"sequence_number":')
+        self._pieces.append(text)
+        if logprobs:
+            self._open.content[0].logprobs.extend(logprobs)
+        if not self.stream:
+            return events
+        # the one event per token: written by hand (no dict, no model), as cheap as chat's chunk
+        tail = json.dumps([_delta_logprob(lp) for lp in logprobs], ensure_ascii=False) if logprobs else "[]"
+        events.append(f'{self._delta_head}{self.sequence_number},"delta":{json.dumps(text, ensure_ascii=False)},'
+                      f'"logprobs":{tail}}}\n\n')
+        self.sequence_number += 1
+        return events
 
     def tool_call(self, index: int, call_id: Optional[str], name: Optional[str],
                   arguments: Optional[str]) -> list[str]:
@@ -125,14 +168,14 @@ class OutputBuilder:
         """Close the open item (items still open end with ``status``: "completed", or
         "incomplete" when the output was cut). An output with no item gets an empty message."""
         events: list[str] = []
-        if not self.items:
+        if not self._items:
             events += self.text("")
         return events + self._close(status)
 
     # ---- items -----------------------------------------------------------------------
     def _open_item(self, item: OutputItem) -> list[str]:
         events = self._close("completed")
-        self.items.append(item)
+        self._items.append(item)
         self._open = item
         return events + self.event("response.output_item.added", output_index=self._index(),
                                    item=item.model_dump(mode="json"))
@@ -147,8 +190,9 @@ class OutputBuilder:
         i = self._index()
         if isinstance(item, OutputMessage):
             part = item.content[0]
+            part.text = "".join(self._pieces)
             events += self.event("response.output_text.done", item_id=item.id, output_index=i, content_index=0,
-                                 text=part.text, logprobs=[])
+                                 text=part.text, logprobs=[_delta_logprob(lp) for lp in part.logprobs])
             events += self._part_event("response.content_part.done", part.model_dump(mode="json"))
         elif isinstance(item, ReasoningItem):
             part = item.content[0]
