@@ -144,8 +144,9 @@ async def _server(args: argparse.Namespace, sents: list[str]) -> list[int]:
     """Embed ``sents`` one per request from ``concurrency`` clients; a 0/1 error flag each.
 
     The clients use aiohttp with one keep-alive connection each: on a 2-core machine the
-    load generator shares the CPUs with the server, and httpx spends about 3x aiohttp's
-    CPU per request (measured), which the figure would otherwise charge to the server."""
+    load generator shares the CPUs with the server, and httpx spent 2.8 ms of client CPU
+    per request against aiohttp's 0.43 ms (c=32, /v1/embeddings, same run), which the
+    figure would otherwise charge to the server."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
