@@ -7,6 +7,10 @@ undisturbed run (made first, same prompts) and the expected number of tokens (no
 duplicated or missing token). Reports the time to recover per kill: from the SIGKILL to
 the first chunk any stream receives afterwards.
 
+``--signal stop`` SIGSTOPs the engine instead (a stall): the server must detect it after
+``--engine-stall-timeout`` (start it with a small one, e.g. 3 s), kill and restart the
+engine and resume the streams the same way; the recovery time then includes that timeout.
+
     python -m llmserve.benchmarks.self_heal --base-url http://127.0.0.1:8000 --server-pid PID
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ def engine_pid(server_pid: int) -> int:
 
 
 async def run_round(client, model: str, n: int, max_tokens: int, kill: bool, kill_after: int,
-                    server_pid: int) -> tuple[list, list, float | None]:
+                    server_pid: int, sig: str = "kill") -> tuple[list, list, float | None]:
     """Run ``n`` streams (killing the engine mid-way if ``kill``); returns the texts, the
     token counts and the recovery time in seconds (None without a kill)."""
     progress = [0] * n
@@ -66,7 +70,10 @@ async def run_round(client, model: str, n: int, max_tokens: int, kill: bool, kil
             await asyncio.sleep(0.005)
         pid = engine_pid(server_pid)
         kill_t.append(time.monotonic())
-        psutil.Process(pid).kill()
+        if sig == "stop":
+            psutil.Process(pid).suspend()  # SIGSTOP: the process lives but makes no progress
+        else:
+            psutil.Process(pid).kill()
     results = await asyncio.gather(*tasks)
     recovery = kill_t[1] - kill_t[0] if len(kill_t) == 2 else None
     return [r[0] for r in results], [r[1] for r in results], recovery
@@ -81,9 +88,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     rounds = []
     for r in range(args.rounds):
         texts, ntok, recovery = await run_round(client, model, args.streams, args.max_tokens, True, args.kill_after,
-                                                args.server_pid)
+                                                args.server_pid, args.signal)
         identical = sum(t == rt for t, rt in zip(texts, ref))
-        rounds.append({"round": r, "identical": identical, "streams": args.streams, "recovery_s": recovery,
+        rounds.append({"round": r, "signal": args.signal, "identical": identical, "streams": args.streams, "recovery_s": recovery,
                        "tokens_ok": all(k == args.max_tokens for k in ntok)})
         print(json.dumps(rounds[-1]), flush=True)
     rec = [x["recovery_s"] for x in rounds if x["recovery_s"] is not None]
@@ -100,6 +107,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--signal", choices=("kill", "stop"), default="kill",
+                   help="SIGKILL the engine (a crash) or SIGSTOP it (a stall)")
     p.add_argument("--kill-after", type=int, default=8, help="chunks every stream has before the SIGKILL")
     print(json.dumps(asyncio.run(main_async(p.parse_args())), indent=1))
 

@@ -103,13 +103,30 @@ def spawn_engine_process(config: Any, input_addr: str, output_addr: str, executo
     EngineConfig and the socket addresses) on stdin. A fresh interpreter, unlike
     multiprocessing's spawn, never re-imports the user's ``__main__`` module."""
     proc = subprocess.Popen([sys.executable, "-m", "llmserve.engine.core"], stdin=subprocess.PIPE,
-                            close_fds=True)
+                            close_fds=True, env=engine_env(config))
     try:
         proc.stdin.write(pickle.dumps((config, input_addr, output_addr, os.getpid(), executor_class, log_stats)))
         proc.stdin.close()
     except BrokenPipeError:
         pass
     return EngineProcess(proc)
+
+
+def engine_env(config: Any, environ: Optional[dict] = None) -> dict:
+    """The engine process's environment: ``environ`` (default ``os.environ``) plus
+    ``OMP_WAIT_POLICY=PASSIVE`` for a pooling model unless the user set a policy.
+
+    A pooling step is a few large GEMMs between Python-side work; with OpenMP's default
+    (spinning) wait policy the idle worker threads burn a core between parallel regions,
+    which on a busy 2-core machine halved ``LLM.embed``'s throughput at 32 prompts per
+    step (measured: 22 vs 52 CPU ms per sentence, 8-11 s vs 22-24 s wall, 300 sentences).
+    Generating models keep the default: their decode steps are many short parallel
+    regions, where waking sleeping threads may cost latency (not measured here)."""
+    env = dict(os.environ if environ is None else environ)
+    model_config = getattr(config, "model_config", None)
+    if getattr(model_config, "runner", None) == "pooling" and "OMP_WAIT_POLICY" not in env:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
 
 
 class EngineProcess:
