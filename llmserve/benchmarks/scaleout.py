@@ -136,7 +136,8 @@ def _ab(configs: dict[str, list[str]], args) -> dict:
     time.sleep(1)
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("output_tok_s", "req_s")} for k, v in runs.items()}
     return {"runs": runs, "median": med, "loadavg_1m": loads,
-            "socket_dirs_left": sorted(set(glob.glob("/tmp/llmserve-*")) - before)}
+            "socket_dirs_left": sorted(d for d in set(glob.glob("/tmp/llmserve-*")) - before
+                                        if os.path.isdir(d))}  # other users' live servers show too
 
 
 def dp_vs_threads(args) -> dict:

@@ -5,8 +5,8 @@
   /metrics ``engine="<rank>"`` (gauges refreshed from its engine by a utility call).
 * ``--api-server-count 2``: two API servers on one port over one engine: many requests
   all answered, both processes served some (X-API-Server-Index), /metrics sums them (the
-  same totals whichever process answers the scrape); SIGTERM to the launcher stops both
-  API servers and the engine and removes the socket dir.
+  same totals whichever process answers the scrape); SIGTERM (twice) to the launcher stops
+  both API servers and the engine and removes the socket dir.
 """
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ def test_two_api_servers_share_the_engine_and_metrics(two_api_servers):
         sock_dirs = set(re.findall(r"socket dir (\S+)", f.read()))
     srv.http.close()
     srv.proc.send_signal(signal.SIGTERM)
+    srv.proc.send_signal(signal.SIGTERM)  # a second one (a supervisor's) does not cut the cleanup short
     assert srv.proc.wait(60) == 0
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)

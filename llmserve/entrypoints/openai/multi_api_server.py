@@ -178,9 +178,11 @@ class _Launcher:
                     break
         finally:
             self.stop.set()
-            for s, h in old.items():
-                signal.signal(s, h)
-            self.shutdown()
+            try:  # a second signal (a supervisor's, a process group's) must not cut the cleanup short
+                self.shutdown()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
         if self.engine_died or failed:
             return 1
         return 0
