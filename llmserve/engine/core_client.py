@@ -76,6 +76,10 @@ class EngineCoreClient:
         if (client_count > 1) != bool(client_addresses):
             raise ValueError("client_addresses and client_count > 1 go together (several API servers "
                              "share engines started elsewhere)")
+        missing = {"input_address", "output_address"} - set(client_addresses or {"input_address": 1,
+                                                                                   "output_address": 1})
+        if missing:
+            raise ValueError(f"client_addresses lacks {sorted(missing)}")
         pc = getattr(vllm_config, "parallel_config", None)
         if pc is not None and pc.data_parallel_external_lb:
             from llmserve.engine.dp_client import DPAsyncMPClient
