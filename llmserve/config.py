@@ -238,11 +238,22 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
     worker_cls: Union[str, bytes] = "auto"
+    # External load balancing: this front end owns rank data_parallel_rank only.
+    data_parallel_external_lb: bool = False
+    data_parallel_rank: Optional[int] = None
+    data_parallel_size_local: Optional[int] = None  # ranks on this host (they share its cores)
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
+        if self.data_parallel_size_local is not None:
+            _positive("data_parallel_size_local", self.data_parallel_size_local)
+        if self.data_parallel_rank is not None and not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), "
+                             f"got {self.data_parallel_rank}")
+        if self.data_parallel_external_lb and self.data_parallel_rank is None:
+            raise ValueError("data_parallel_external_lb needs data_parallel_rank (the rank this server owns)")
         if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(_EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")

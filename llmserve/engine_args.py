@@ -238,6 +238,12 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size: worker processes (or Ray actors) that each hold a share of the attention heads, MLP columns and vocabulary (Llama family; at most the number of KV heads)."))
     pipeline_parallel_size: int = field(default=1, metadata=_help("Pipeline parallel size; " + _NOT_YET + " (1 only)."))
     data_parallel_size: int = field(default=1, metadata=_help("Data parallel engines: N EngineCore processes (each with cores / N threads) behind one load-balancing client (server only; offline use examples/offline_inference/data_parallel.py)."))
+    data_parallel_rank: Optional[int] = field(default=None, metadata=_help("With external load balancing: the one data-parallel rank this server runs (setting it turns on --data-parallel-external-lb, as vLLM)."))
+    data_parallel_start_rank: int = field(default=0, metadata=_help("First data-parallel rank of this host; with --data-parallel-external-lb and no --data-parallel-rank, the rank this server runs."))
+    data_parallel_size_local: Optional[int] = field(default=None, metadata=_help("Data-parallel ranks on this host, which share its cores (default: all of --data-parallel-size: one host)."))
+    data_parallel_address: Optional[str] = field(default=None, metadata=_help("Accepted for vLLM compatibility: the ranks on one host need no coordination address (dense models run no cross-rank collectives)."))
+    data_parallel_rpc_port: Optional[int] = field(default=None, metadata=_help("Accepted for vLLM compatibility: the ranks on one host need no coordination port."))
+    data_parallel_external_lb: bool = field(default=False, metadata=_help("External load balancing: this server runs one data-parallel rank (--data-parallel-rank) through a DPAsyncMPClient; a load balancer in front spreads requests over the servers."))
     distributed_executor_backend: Optional[str] = field(default=None, metadata=_help("None (uni for one worker, mp for several), 'uni' (the model in the engine process), 'mp' (worker processes) or 'ray' (Ray actors in a placement group); 'external_launcher' is " + _NOT_YET + "."))
     worker_cls: str = field(default="auto", metadata=_help("Worker class: 'auto', or a qualified class name or class (cloudpickled); custom workers are " + _NOT_YET + "."))
     # ---- compilation, KV transfer

@@ -223,10 +223,7 @@ def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageCont
 def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> VllmConfig:
     """See ``EngineArgs.create_engine_config``."""
     check_supported(args)
-    parallel_config = ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend, worker_cls=args.worker_cls)
+    parallel_config = _parallel_config(args)
     device = _device(args.device)
     model_config = _model_config(args, device)
     if args.tensor_parallel_size > 1:
@@ -247,6 +244,35 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         structured_outputs_config=args.structured_outputs_config,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout,
         restart_config=_restart_config(args, usage_context))
+
+
+def _parallel_config(args: "EngineArgs") -> ParallelConfig:
+    """ParallelConfig, with vLLM's data-parallel rules: a ``data_parallel_rank`` means
+    external load balancing, whose rank defaults to ``data_parallel_start_rank``; internal
+    load balancing runs every rank here (``data_parallel_size_local`` = size)."""
+    dp = args.data_parallel_size
+    external = args.data_parallel_external_lb or args.data_parallel_rank is not None
+    local = args.data_parallel_size_local
+    if args.data_parallel_start_rank < 0:
+        raise ValueError(f"data_parallel_start_rank must be >= 0, got {args.data_parallel_start_rank}")
+    if external:
+        rank = args.data_parallel_rank if args.data_parallel_rank is not None else args.data_parallel_start_rank
+        if not 0 <= rank < dp:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={dp}), got {rank}")
+    else:
+        rank = None
+        if local is not None and local != dp:
+            raise ValueError(f"data_parallel_size_local={local} != data_parallel_size={dp}: ranks on other hosts "
+                             "(multi-node internal load balancing) are not supported; use "
+                             "--data-parallel-external-lb with one server per rank")
+        if args.data_parallel_start_rank:
+            raise ValueError("data_parallel_start_rank applies to --data-parallel-external-lb only "
+                             "(internal load balancing runs ranks 0..N-1 here)")
+    return ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=dp, distributed_executor_backend=args.distributed_executor_backend,
+        worker_cls=args.worker_cls, data_parallel_external_lb=external, data_parallel_rank=rank,
+        data_parallel_size_local=local if local is not None else dp)
 
 
 def _restart_config(args: "EngineArgs", usage_context: "UsageContext") -> RestartConfig:

@@ -5,6 +5,9 @@
     python -m llmserve.benchmarks.scaleout dp-vs-threads [--rounds 2] [--concurrency 32]
         `llmserve bench serve` against DP=2 x 1 thread and DP=1 x 2 threads, alternating
         rounds (one server at a time), medians and the ratio
+    python -m llmserve.benchmarks.scaleout api-servers [--rounds 2] [--concurrency 64] [--output-len 4]
+        `llmserve bench serve` against --api-server-count 2 and 1 (short outputs: front-end
+        bound), alternating rounds, medians and the requests/s ratio
     python -m llmserve.benchmarks.scaleout kill-rank [--concurrency 16]
         SIGKILL one DP rank under load: seconds until every client has its answer or error;
         processes and socket dirs left after shutdown
@@ -84,7 +87,7 @@ def _stop_server(proc) -> None:
         proc.wait()
 
 
-def _bench(port: int, args) -> float:
+def _bench(port: int, args) -> dict:
     import subprocess
     import sys
     import tempfile
@@ -96,35 +99,61 @@ def _bench(port: int, args) -> float:
                         "--ignore-eos", "--num-warmups", "2", "--save-result", "--result-dir", d,
                         "--result-filename", "r.json"], check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(d, "r.json")) as f:
-            return float(json.load(f)["output_throughput"])
+            r = json.load(f)
+    return {"output_tok_s": float(r["output_throughput"]), "req_s": float(r["request_throughput"])}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def _ab(configs: dict[str, list[str]], args) -> dict:
+    """``llmserve bench serve`` against one server per config, configs alternating for
+    ``args.rounds`` rounds (one server at a time); medians and the 1-minute load average
+    at the start of each run. Also lists any ``llmserve-*`` socket dir a stopped server left."""
+    import glob
+    import statistics
+
+    port = args.port or _free_port()
+    runs: dict[str, list[dict]] = {k: [] for k in configs}
+    loads = []
+    before = set(glob.glob("/tmp/llmserve-*"))
+    for rnd in range(args.rounds):
+        for name, extra in configs.items():
+            proc = _start_server(args.model, port, extra)
+            try:
+                loads.append(round(os.getloadavg()[0], 1))
+                runs[name].append(_bench(port, args))
+            finally:
+                _stop_server(proc)
+            r = runs[name][-1]
+            print(f"round {rnd} {name}: {r['output_tok_s']:.1f} output tok/s, {r['req_s']:.2f} req/s "
+                  f"(load {loads[-1]})", flush=True)
+    time.sleep(1)
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("output_tok_s", "req_s")} for k, v in runs.items()}
+    return {"runs": runs, "median": med, "loadavg_1m": loads,
+            "socket_dirs_left": sorted(d for d in set(glob.glob("/tmp/llmserve-*")) - before
+                                        if os.path.isdir(d))}  # other users' live servers show too
 
 
 def dp_vs_threads(args) -> dict:
     """Output tok/s of DP=2 (1 thread per rank) and DP=1 (2 threads), alternating rounds."""
-    import statistics
+    out = _ab({"dp2x1": ["--data-parallel-size", "2", "--num-threads", "1"], "dp1x2": ["--num-threads", "2"]}, args)
+    m = out["median"]
+    out["ratio_dp2x1_over_dp1x2"] = m["dp2x1"]["output_tok_s"] / m["dp1x2"]["output_tok_s"]
+    return out
 
-    configs = {"dp2x1": ["--data-parallel-size", "2", "--num-threads", "1"],
-               "dp1x2": ["--num-threads", "2"]}
-    if not args.port:
-        import socket
 
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            args.port = sk.getsockname()[1]
-    tput: dict[str, list[float]] = {k: [] for k in configs}
-    loads = []
-    for rnd in range(args.rounds):
-        for name, extra in configs.items():
-            proc = _start_server(args.model, args.port, extra)
-            try:
-                loads.append(os.getloadavg()[0])
-                tput[name].append(_bench(args.port, args))
-            finally:
-                _stop_server(proc)
-            print(f"round {rnd} {name}: {tput[name][-1]:.1f} output tok/s (load {loads[-1]:.1f})", flush=True)
-    med = {k: statistics.median(v) for k, v in tput.items()}
-    return {"output_tok_s": tput, "median": med, "ratio_dp2x1_over_dp1x2": med["dp2x1"] / med["dp1x2"],
-            "loadavg_1m": loads}
+def api_servers(args) -> dict:
+    """Requests/s of 2 API servers vs 1 over the same engine, short outputs (front-end bound)."""
+    out = _ab({"api2": ["--api-server-count", "2"], "api1": []}, args)
+    m = out["median"]
+    out["ratio_api2_over_api1_req_s"] = m["api2"]["req_s"] / m["api1"]["req_s"]
+    return out
 
 
 def kill_rank(args) -> dict:
@@ -189,11 +218,20 @@ def main(argv=None) -> None:
     d.add_argument("--num-prompts", type=int, default=96)
     d.add_argument("--input-len", type=int, default=128)
     d.add_argument("--output-len", type=int, default=64)
+    a = sub.add_parser("api-servers", help="--api-server-count 2 vs 1, short outputs, bench serve")
+    a.add_argument("--model", default="SmolLM2-135M-Instruct")
+    a.add_argument("--port", type=int, default=0, help="0: a free port")
+    a.add_argument("--rounds", type=int, default=2)
+    a.add_argument("--concurrency", type=int, default=64)
+    a.add_argument("--num-prompts", type=int, default=256)
+    a.add_argument("--input-len", type=int, default=32)
+    a.add_argument("--output-len", type=int, default=4)
     k = sub.add_parser("kill-rank", help="SIGKILL one DP rank under load")
     k.add_argument("--model", default="SmolLM2-135M-Instruct")
     k.add_argument("--concurrency", type=int, default=16)
     args = p.parse_args(argv)
-    result = {"tp-equal": tp_equal, "dp-vs-threads": dp_vs_threads, "kill-rank": kill_rank}[args.cmd](args)
+    result = {"tp-equal": tp_equal, "dp-vs-threads": dp_vs_threads, "api-servers": api_servers,
+              "kill-rank": kill_rank}[args.cmd](args)
     print(json.dumps(result, indent=1))
 
 

@@ -118,8 +118,11 @@ class AsyncLLM(EngineClient):
     ``Executor.get_class(vllm_config)``); log_stats: collect IterationStats and have the
     engine report request events (queue time); stat_loggers; log_requests: log each
     request (with its trace headers); client_addresses / client_count / client_index:
-    for several API servers (ValueError unless the defaults). With
-    ``data_parallel_size > 1`` the client is a ``DPLBAsyncMPClient`` (engine/dp_client.py).
+    this is API server ``client_index`` of ``client_count`` over engines started
+    elsewhere (``--api-server-count``, entrypoints/openai/multi_api_server.py). The client
+    is chosen once from the topology (``make_async_mp_client``): ``DPAsyncMPClient``
+    (external load balancing), ``DPLBAsyncMPClient`` (``data_parallel_size > 1``,
+    engine/dp_client.py) or ``AsyncMPClient``.
 
     Raises, from ``generate``: ValueError for bad input (before the first output),
     EngineDeadError once the engine process is dead.

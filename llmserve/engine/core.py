@@ -10,13 +10,14 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler
+from llmserve.engine.client_router import ClientRouter
 from llmserve.engine.messages import (
     EngineCoreDead,
     EngineCoreOutputs,
@@ -158,10 +159,13 @@ class EngineCoreProc:
     encodes and sends EngineCoreOutputs. On an unrecoverable error it sends
     ENGINE_CORE_DEAD (``EngineCoreDead``) before exiting."""
 
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str,
+    def __init__(self, config: EngineConfig, input_addr: Union[str, list[str]], output_addr: Union[str, list[str]],
                  executor_class: Optional[type[Executor]] = None, log_stats: bool = False) -> None:
-        self.input_addr = input_addr
-        self.output_addr = output_addr
+        # One address each, or one per API-server client (--api-server-count): the input
+        # socket connects to every client's, and each client gets its own output socket.
+        self.input_addrs = [input_addr] if isinstance(input_addr, str) else list(input_addr)
+        self.output_addrs = [output_addr] if isinstance(output_addr, str) else list(output_addr)
+        self._router = ClientRouter(len(self.output_addrs)) if len(self.output_addrs) > 1 else None
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = zmq.Context()
@@ -186,7 +190,7 @@ class EngineCoreProc:
         self._in_thread.start()
 
     @staticmethod
-    def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+    def run_engine_core(config: EngineConfig, input_addr: Union[str, list[str]], output_addr: Union[str, list[str]],
                         executor_class: Optional[type[Executor]] = None, log_stats: bool = False) -> int:
         """Entry point of the child process. Returns its exit code: 0 after SHUTDOWN or
         SIGTERM, 1 after a fatal error (ENGINE_CORE_DEAD sent first)."""
@@ -303,6 +307,8 @@ class EngineCoreProc:
         if rtype == EngineCoreRequestType.ADD or rtype == EngineCoreRequestType.STREAMING_INPUT:
             try:
                 if rtype == EngineCoreRequestType.ADD:
+                    if self._router is not None:
+                        self._router.add(payload)
                     self.core.add_request(payload)
                 else:
                     self.core.add_streaming_input(payload)
@@ -314,19 +320,23 @@ class EngineCoreProc:
             if self.core.has_work():  # else every request has finished: stats unchanged
                 self._stats_stale = True
             self.core.abort_requests(payload)
+            if self._router is not None:
+                self._router.forget(payload)
         elif rtype == EngineCoreRequestType.UTILITY:
             try:
                 res = UtilityOutput(payload.call_id, result=self.core.call_utility(payload.method, payload.args))
             except Exception as e:  # a bad utility call must not kill the engine
                 res = UtilityOutput(payload.call_id, failure_message=f"{type(e).__name__}: {e}")
-            self.output_queue.put(EngineCoreOutputs(utility_output=res))
+            outs = EngineCoreOutputs(utility_output=res)
+            self.output_queue.put(outs if self._router is None else (payload.client_index, outs))
         elif rtype == EngineCoreRequestType.SHUTDOWN:
             return True
         return False
 
     def _process_input_socket(self) -> None:
         sock = self.ctx.socket(zmq.PULL)
-        sock.connect(self.input_addr)
+        for addr in self.input_addrs:  # PULL fair-queues the clients
+            sock.connect(addr)
         decoders = {
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
@@ -345,15 +355,24 @@ class EngineCoreProc:
                 logger.error("Bad message on the input socket:\n%s", traceback.format_exc())
 
     def _process_output_socket(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(self.output_addr)
+        socks = []
+        for addr in self.output_addrs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(addr)
+            socks.append(sock)
+        router = self._router
         while True:
             outs = self.output_queue.get()
             if outs is None:
                 break
-            sock.send(self.encoder.encode(outs), copy=False)
-        sock.close()
+            if router is None:
+                socks[0].send(self.encoder.encode(outs), copy=False)
+                continue
+            for idx, part in router.route(outs):
+                socks[idx].send(self.encoder.encode(part), copy=False)
+        for sock in socks:
+            sock.close()
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -382,7 +401,8 @@ def _keep_freed_memory() -> None:
 
 def main() -> None:
     """``python -m llmserve.engine.core``: read (config, input_addr, output_addr,
-    parent_pid, executor_class, log_stats) from stdin, then run EngineCoreProc."""
+    parent_pid, executor_class, log_stats) from stdin (each address a str, or a list with
+    one per API-server client), then run EngineCoreProc."""
     import pickle
     import sys
 

@@ -63,21 +63,36 @@ class EngineCoreClient:
     def make_async_mp_client(vllm_config: EngineConfig, executor_class: Optional[type] = None,
                              log_stats: bool = False, client_addresses: Optional[dict[str, str]] = None,
                              client_count: int = 1, client_index: int = 0) -> "AsyncMPClient":
-        """The asyncio client of one engine process it starts itself (vLLM's signature).
-        ``client_addresses`` (engines started elsewhere, for several API servers) and
-        ``client_count``/``client_index`` > 1 belong to the scale-out issue: a ValueError
-        here, never silently ignored."""
-        if client_addresses:
-            raise ValueError("client_addresses: connecting to engines started elsewhere is not supported yet")
-        if client_count != 1 or client_index != 0:
-            raise ValueError(f"client_count={client_count}, client_index={client_index}: several API-server "
-                             "clients per engine are not supported yet (use 1 and 0)")
+        """The asyncio client for the topology, chosen once (vLLM's signature):
+        ``DPAsyncMPClient`` (``data_parallel_external_lb``: this front end owns rank
+        ``data_parallel_rank``), ``DPLBAsyncMPClient`` (``data_parallel_size > 1``) or
+        ``AsyncMPClient``. ``client_addresses`` ({"input_address", "output_address"}):
+        the engine was started elsewhere (``--api-server-count``, see
+        ``entrypoints/openai/multi_api_server.py``) and this is API server
+        ``client_index`` of ``client_count``. Raises ValueError for a combination not
+        supported (several API servers with internal-LB data parallel)."""
+        if not 0 <= client_index < max(client_count, 1):
+            raise ValueError(f"client_index={client_index} is out of range [0, {client_count})")
+        if (client_count > 1) != bool(client_addresses):
+            raise ValueError("client_addresses and client_count > 1 go together (several API servers "
+                             "share engines started elsewhere)")
+        missing = {"input_address", "output_address"} - set(client_addresses or {"input_address": 1,
+                                                                                   "output_address": 1})
+        if missing:
+            raise ValueError(f"client_addresses lacks {sorted(missing)}")
         pc = getattr(vllm_config, "parallel_config", None)
+        if pc is not None and pc.data_parallel_external_lb:
+            from llmserve.engine.dp_client import DPAsyncMPClient
+
+            return DPAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses, client_index)
         if pc is not None and pc.data_parallel_size > 1:
+            if client_addresses:
+                raise ValueError("--api-server-count > 1 with --data-parallel-size > 1 (internal load "
+                                 "balancing) is not supported yet; use --data-parallel-external-lb")
             from llmserve.engine.dp_client import DPLBAsyncMPClient
 
             return DPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_index)
-        return AsyncMPClient(vllm_config, executor_class, log_stats)
+        return AsyncMPClient(vllm_config, executor_class, log_stats, client_addresses, client_index)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         pass
@@ -120,8 +135,13 @@ class MPClient(EngineCoreClient):
     """Shared part of the multiprocess clients: spawn, handshake, sockets, cleanup."""
 
     def __init__(self, config: EngineConfig, asyncio_mode: bool, executor_class: Optional[type] = None,
-                 log_stats: bool = False) -> None:
+                 log_stats: bool = False, client_addresses: Optional[dict[str, str]] = None,
+                 client_index: int = 0) -> None:
         self.config = config
+        # client_addresses: the engine was started elsewhere (several API servers); this
+        # client binds those addresses, does not own the process and never stops it.
+        self.client_addresses = client_addresses
+        self.client_index = client_index
         self._executor_class = executor_class
         self._log_stats = log_stats
         self.resources = res = MPResources()
@@ -131,9 +151,13 @@ class MPClient(EngineCoreClient):
         self.engine_dead = False
         self.dead_error: Optional[str] = None
         self._call_ids = itertools.count()
-        res.tmpdir = tempfile.mkdtemp(prefix="llmserve-")
-        input_addr = f"ipc://{res.tmpdir}/input.sock"
-        self.output_addr = output_addr = f"ipc://{res.tmpdir}/output.sock"
+        if client_addresses:
+            input_addr = client_addresses["input_address"]
+            self.output_addr = output_addr = client_addresses["output_address"]
+        else:
+            res.tmpdir = tempfile.mkdtemp(prefix="llmserve-")
+            input_addr = f"ipc://{res.tmpdir}/input.sock"
+            self.output_addr = output_addr = f"ipc://{res.tmpdir}/output.sock"
         # Sync sockets for the handshake (and the sync client); the async client swaps in
         # asyncio sockets on the same context.
         res.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -144,8 +168,9 @@ class MPClient(EngineCoreClient):
         out_sock = sync_ctx.socket(zmq.PULL)
         out_sock.bind(output_addr)
         res.sockets += [in_sock, out_sock]
-        res.input_socket = in_sock
-        res.proc = spawn_engine_process(config, input_addr, output_addr, executor_class, log_stats)
+        res.input_socket = None if client_addresses else in_sock  # SHUTDOWN only from the owner
+        if not client_addresses:
+            res.proc = spawn_engine_process(config, input_addr, output_addr, executor_class, log_stats)
         self._in_sock_sync = in_sock
         self._out_sock_sync = out_sock
         self.ready: Optional[EngineCoreReady] = None
@@ -163,9 +188,10 @@ class MPClient(EngineCoreClient):
             self._finalizer()
             raise
         self.num_blocks = self.ready.num_blocks
-        threading.Thread(target=monitor_engine_process,
-                         args=(res.proc, self.output_addr, self._sync_ctx, res.stop_event),
-                         daemon=True, name="EngineCoreMonitor").start()
+        if res.proc is not None:  # else the process that started the engine watches it
+            threading.Thread(target=monitor_engine_process,
+                             args=(res.proc, self.output_addr, self._sync_ctx, res.stop_event),
+                             daemon=True, name="EngineCoreMonitor").start()
         self._on_ready()
 
     def _on_ready(self) -> None:
@@ -182,7 +208,7 @@ class MPClient(EngineCoreClient):
                     raise RuntimeError(msg.dead.message or "Engine start-up failed")
                 if msg.ready is not None:
                     return msg.ready
-            elif not proc.is_alive():
+            elif proc is not None and not proc.is_alive():
                 raise RuntimeError(f"Engine process exited during start-up (exit code {proc.exitcode}); "
                                    "see the log above for the cause")
         raise RuntimeError(f"Engine did not start within {timeout:.0f} s")
@@ -199,7 +225,9 @@ class MPClient(EngineCoreClient):
 
     @property
     def engine_pid(self) -> Optional[int]:
-        return self.resources.proc.pid if self.resources.proc else None
+        if self.resources.proc:
+            return self.resources.proc.pid
+        return self.ready.pid if self.ready is not None else None
 
     def kill_engine(self) -> None:
         """SIGKILL the engine process (a stalled one: SIGKILL also ends a stopped process);
@@ -207,6 +235,14 @@ class MPClient(EngineCoreClient):
         proc = self.resources.proc
         if proc is not None:
             proc.kill()
+        elif self.ready is not None:  # started elsewhere: its starter's monitor reports the death
+            import os
+            import signal
+
+            try:
+                os.kill(self.ready.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the engine process and release the sockets within ``timeout`` seconds."""
@@ -304,8 +340,9 @@ class AsyncMPClient(MPClient):
     awaited on futures resolved by whoever reads the output socket."""
 
     def __init__(self, vllm_config: EngineConfig, executor_class: Optional[type] = None,
-                 log_stats: bool = False) -> None:
-        super().__init__(vllm_config, True, executor_class, log_stats)
+                 log_stats: bool = False, client_addresses: Optional[dict[str, str]] = None,
+                 client_index: int = 0) -> None:
+        super().__init__(vllm_config, True, executor_class, log_stats, client_addresses, client_index)
         self._async_in = None
         self._async_out = None
         self.utility_results: dict[int, asyncio.Future] = {}
@@ -354,6 +391,9 @@ class AsyncMPClient(MPClient):
         sockets, so nothing queued for the old engine reaches the new one). The model
         loads in a worker thread; the event loop stays free. Raises RuntimeError when the
         new engine fails to start."""
+        if self.client_addresses:
+            raise EngineDeadError("the engine was started by another process (--api-server-count); "
+                                  "this API server cannot restart it")
         self.engine_dead = True  # from now on nothing is sent to (or read from) this engine
         self._cancel_reader()
         res = self.resources
@@ -381,6 +421,8 @@ class AsyncMPClient(MPClient):
                 pass
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
+        if self.client_index:
+            request.client_index = self.client_index
         await self._send(EngineCoreRequestType.ADD, request)
 
     async def add_streaming_input_async(self, chunk: StreamingInputChunk) -> None:
@@ -395,7 +437,7 @@ class AsyncMPClient(MPClient):
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.utility_results[call_id] = fut
-        await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        await self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args), self.client_index))
         return await fut
 
     def shutdown(self, timeout: Optional[float] = None) -> None:

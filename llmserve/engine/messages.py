@@ -84,6 +84,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     output_token_ids: list[int] = []
     encoder_inputs: Optional[EncoderInputs] = None
     data_parallel_rank: Optional[int] = None  # pins the DP engine (DPLBAsyncMPClient)
+    client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go there
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -158,6 +159,7 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
     call_id: int
     method: str
     args: list[Any] = []
+    client_index: int = 0  # the API server whose output socket gets the result
 
 
 #: Every struct that crosses the process boundary (the round-trip test walks this).

@@ -38,15 +38,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> None:
-    from llmserve.entrypoints.openai.api_server import run_server
     from llmserve.entrypoints.openai.cli_args import validate_parsed_serve_args
-    import asyncio
+    from llmserve.entrypoints.openai.multi_api_server import run_api_servers
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
-        code = asyncio.run(run_server(args))
+        code = run_api_servers(args)
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         print(f"llmserve serve: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -77,12 +77,13 @@ async def _shutdown_when_engine_dies(server: Any, engine: Any) -> None:
     server.should_exit = True
 
 
-async def serve_http(app: Any, engine_client: Any, **uvicorn_kwargs: Any) -> None:
+async def serve_http(app: Any, engine_client: Any, sockets: Optional[list] = None, **uvicorn_kwargs: Any) -> None:
     """Serve ``app`` until SIGINT/SIGTERM or the engine's death.
 
     uvicorn_kwargs: ``uvicorn.Config`` arguments (host, port, log_level,
-    timeout_graceful_shutdown, ...). Returns after the server stopped; the caller shuts
-    the engine down.
+    timeout_graceful_shutdown, ...). sockets: already-bound listening sockets to accept
+    on instead of host/port (shared by several API servers). Returns after the server
+    stopped; the caller shuts the engine down.
     """
     import uvicorn
 
@@ -92,6 +93,6 @@ async def serve_http(app: Any, engine_client: Any, **uvicorn_kwargs: Any) -> Non
         admission.is_draining = lambda: bool(server.should_exit)
     watchdog = asyncio.create_task(_shutdown_when_engine_dies(server, engine_client))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         watchdog.cancel()

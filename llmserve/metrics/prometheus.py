@@ -9,6 +9,7 @@ apps or engines in one process never collide.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -75,7 +76,8 @@ class PrometheusStatLogger:
             return c
 
         def gauge(name: str, doc: str) -> Any:
-            return child(Gauge(PREFIX + name, doc, labels, registry=r))
+            # Several API servers (multiprocess mode) all see the same engine: its latest value.
+            return child(Gauge(PREFIX + name, doc, labels, registry=r, multiprocess_mode="mostrecent"))
 
         def counter(name: str, doc: str) -> Any:
             return child(Counter(PREFIX + name, doc, labels, registry=r))
@@ -132,7 +134,7 @@ class PrometheusStatLogger:
         cache = getattr(engine_config, "cache_config", None)
         if cache is not None:
             info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache config.",
-                         ["block_size", "enable_prefix_caching"], registry=r)
+                         ["block_size", "enable_prefix_caching"], registry=r, multiprocess_mode="mostrecent")
             info.labels(block_size=str(cache.block_size),
                         enable_prefix_caching=str(cache.enable_prefix_caching)).set(1)
         # Beyond vLLM (admission control, deadlines), under the same prefix and labels.
@@ -242,7 +244,16 @@ class PrometheusStatLogger:
         """Called once the engine is up (nothing to do)."""
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of this logger's registry."""
+        """The Prometheus text exposition of this logger's registry; in prometheus_client's
+        multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set: several API servers, see
+        ``multi_api_server.py``) that of every process's metrics, merged (counters and
+        histograms summed, gauges the most recent value), as vLLM."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
     content_type = CONTENT_TYPE_LATEST

@@ -77,10 +77,17 @@ def test_make_client_refuses_what_it_cannot_do():
     config = _args().create_engine_config()
     with pytest.raises(ValueError, match="asyncio_mode needs multiprocess_mode"):
         EngineCoreClient.make_client(False, True, config, UniProcExecutor, False)
-    with pytest.raises(ValueError, match="client_count=2"):
+    # several API servers: engines started elsewhere, reached at client_addresses (multi_api_server.py)
+    with pytest.raises(ValueError, match="client_addresses and client_count > 1 go together"):
         EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False, client_count=2, client_index=1)
-    with pytest.raises(ValueError, match="client_addresses"):
-        EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False, client_addresses={"input": "x"})
+    with pytest.raises(ValueError, match="client_addresses and client_count > 1 go together"):
+        EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False,
+                                              client_addresses={"input_address": "x", "output_address": "y"})
+    with pytest.raises(ValueError, match="lacks"):
+        EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False, client_addresses={"input": "x"},
+                                              client_count=2)
+    with pytest.raises(ValueError, match="client_index=2 is out of range"):
+        EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False, client_count=2, client_index=2)
 
 
 def test_async_llm_is_an_engine_client(setup):

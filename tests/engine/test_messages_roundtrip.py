@@ -50,7 +50,8 @@ SAMPLES = {
     m.EngineCoreRequest: lambda: m.EngineCoreRequest("r1", [1, 2, 3], _params(), 2, 1700000000.5, 3, True,
                                                      {"traceparent": "00-abc-def-01"},
                                                      PoolingParams(normalize=False, dimensions=8, task="embed"),
-                                                     True, [4, 5], _enc(), data_parallel_rank=1),
+                                                     True, [4, 5], _enc(), data_parallel_rank=1,
+                                                     client_index=2),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(
@@ -61,7 +62,7 @@ SAMPLES = {
     m.EngineCoreRejection: lambda: m.EngineCoreRejection("r2", "The request needs up to 900 tokens"),
     m.EngineCoreDead: lambda: m.EngineCoreDead("EngineCore process died (exit code -9)", -9, True),
     m.UtilityOutput: lambda: m.UtilityOutput(4, None, "ValueError: no"),
-    m.UtilityRequest: lambda: m.UtilityRequest(5, "get_stats", [1, "x"]),
+    m.UtilityRequest: lambda: m.UtilityRequest(5, "get_stats", [1, "x"], 1),
     m.LogprobsLists: _lp,
     EngineCoreEvent: _event,
 }

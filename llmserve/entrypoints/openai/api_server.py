@@ -47,6 +47,7 @@ from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_front
 from llmserve.entrypoints.openai.openapi import install_openapi
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+from llmserve.entrypoints.openai.multi_api_server import run_api_servers
 from llmserve.entrypoints.openai.multi_model import build_extra_engine_clients, init_multi_model_state
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
@@ -124,27 +125,31 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 @contextlib.asynccontextmanager
 async def build_async_engine_client(
     args: argparse.Namespace, *, usage_context: UsageContext = UsageContext.OPENAI_API_SERVER,
-    stat_loggers: Optional[list] = None,
+    stat_loggers: Optional[list] = None, client_config: Optional[dict[str, Any]] = None,
 ) -> AsyncIterator[Any]:
     """``async with build_async_engine_client(args) as engine_client``: the AsyncLLM of
     the parsed serve flags (see :func:`build_async_engine_client_from_engine_args`)."""
     engine_args = AsyncEngineArgs.from_cli_args(args)
     async with build_async_engine_client_from_engine_args(
-            engine_args, usage_context=usage_context, stat_loggers=stat_loggers) as engine_client:
+            engine_args, usage_context=usage_context, stat_loggers=stat_loggers,
+            client_config=client_config) as engine_client:
         yield engine_client
 
 
 @contextlib.asynccontextmanager
 async def build_async_engine_client_from_engine_args(
     engine_args: AsyncEngineArgs, *, usage_context: UsageContext = UsageContext.OPENAI_API_SERVER,
-    stat_loggers: Optional[list] = None,
+    stat_loggers: Optional[list] = None, client_config: Optional[dict[str, Any]] = None,
 ) -> AsyncIterator[Any]:
     """Start an AsyncLLM (its EngineCore process) for ``engine_args`` and yield it; on
     exit (normal, exception or cancellation) ``engine_client.shutdown(timeout=
     engine_args.shutdown_timeout)``.
 
-    stat_loggers: stat logger instances; a PrometheusStatLogger (served at /metrics) is
-    added when none is given. Raises ValueError for bad arguments or an unknown model.
+    stat_loggers: stat logger instances; a PrometheusStatLogger (served at /metrics,
+    labelled with this server's data-parallel rank) is added when none is given.
+    client_config: ``client_addresses``/``client_count``/``client_index`` for AsyncLLM
+    (one of several API servers, see multi_api_server.py). Raises ValueError for bad
+    arguments or an unknown model.
     """
     from llmserve.engine.async_llm import AsyncLLM
     from llmserve.metrics.prometheus import PrometheusStatLogger
@@ -152,11 +157,11 @@ async def build_async_engine_client_from_engine_args(
     config = engine_args.create_engine_config(usage_context)
     loggers = list(stat_loggers or [])
     if not any(isinstance(sl, PrometheusStatLogger) for sl in loggers):
-        loggers.append(PrometheusStatLogger(config))
+        loggers.append(PrometheusStatLogger(config, engine_index=config.parallel_config.data_parallel_rank or 0))
     # vLLM's name is from_vllm_config; engines that predate it have from_engine_config.
     make = getattr(AsyncLLM, "from_vllm_config", None) or AsyncLLM.from_engine_config
     engine_client = make(config, log_requests=not engine_args.disable_log_requests,
-                         log_stats=not engine_args.disable_log_stats, stat_loggers=loggers)
+                         log_stats=not engine_args.disable_log_stats, stat_loggers=loggers, **(client_config or {}))
     try:
         yield engine_client
     finally:
@@ -231,12 +236,15 @@ def shutdown_app_state(state: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- serving
-async def run_server(args: argparse.Namespace) -> int:
+async def run_server(args: argparse.Namespace, sock: Any = None,
+                     client_config: Optional[dict[str, Any]] = None) -> int:
     """Start the engine and serve until SIGINT/SIGTERM or the engine's death, then shut
     the engine down. Returns the process exit code: 0 after a signal,
-    ``ENGINE_DEAD_EXIT_CODE`` (1) when the server stopped because the engine died."""
+    ``ENGINE_DEAD_EXIT_CODE`` (1) when the server stopped because the engine died.
+    sock / client_config: one of several API servers (``multi_api_server.py``): serve on
+    this already-bound socket, over engines started by the launcher."""
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
-    async with build_async_engine_client(args) as engine_client, \
+    async with build_async_engine_client(args, client_config=client_config) as engine_client, \
             build_extra_engine_clients(args, build_async_engine_client_from_engine_args) as extras:
         app = build_app(args)
         if extras:  # --extra-model: one engine per model, chosen per request by `model`
@@ -244,6 +252,10 @@ async def run_server(args: argparse.Namespace) -> int:
                                                          init_app_state)
         else:
             await init_app_state(engine_client, app.state, args)
+        if client_config is not None:
+            from llmserve.entrypoints.openai.multi_api_server import ApiServerIndexMiddleware
+
+            app.add_middleware(ApiServerIndexMiddleware, index=client_config["client_index"])
         host = args.host if args.host is not None else "0.0.0.0"
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)",
                     ", ".join(app.state.openai_serving_models.model_names), host, args.port)
@@ -252,7 +264,7 @@ async def run_server(args: argparse.Namespace) -> int:
             await serve_http(app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
                              access_log=not args.disable_uvicorn_access_log,
                              timeout_graceful_shutdown=args.shutdown_timeout or args.timeout_graceful_shutdown,
-                             **uvicorn_kwargs(args))
+                             sockets=[sock] if sock is not None else None, **uvicorn_kwargs(args))
         finally:
             shutdown_app_state(app.state)
         engine_died = engine_client.errored
@@ -270,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
-        code = asyncio.run(run_server(args))
+        code = run_api_servers(args)
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if code:

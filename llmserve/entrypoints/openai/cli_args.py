@@ -75,6 +75,10 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                         help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
                              "they are aborted.")
     server.add_argument("--root-path", type=str, default=None, help="ASGI root_path behind a path-based proxy.")
+    server.add_argument("--api-server-count", type=int, default=1,
+                        help="API-server processes sharing the engine and one listening socket (vLLM's): "
+                             "for front-end-bound loads (many clients, short outputs). /metrics is one view "
+                             "over all of them; each response names its process in X-API-Server-Index.")
     server.add_argument("--extra-model", type=parse_extra_model, action="append", default=None,
                         metavar="MODEL[:RUNNER]|JSON",
                         help="Serve another model from this server, in its own engine, chosen per request by "
@@ -102,6 +106,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {args.port}")
+    if args.api_server_count < 1:
+        raise ValueError(f"api_server_count must be >= 1, got {args.api_server_count}")
     if isinstance(args.api_key, list):  # several keys (vLLM); one stays a string
         keys = [k for k in args.api_key if k]
         args.api_key = keys if len(keys) > 1 else (keys[0] if keys else None)

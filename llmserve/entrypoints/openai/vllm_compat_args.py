@@ -58,7 +58,7 @@ def read_vllm_flags(path: str = FLAGS_FILE) -> list[VllmFlag]:
 
 _NO_MM = "no multimodal model runs on this engine"
 _NO_LORA = "only used with --enable-lora, which is refused"
-_NO_DP = "one engine per server: data parallel is not implemented"
+_NO_DP = "multi-node data parallel (hybrid load balancing, other DP backends) is not implemented"
 _NO_EPLB = "only used with --enable-eplb, which is refused"
 _NO_HUB = "nothing is downloaded: models load from local paths, the HF cache or packages"
 _ARCH = "the model's architecture picks the runner (generate or pooling)"
@@ -68,7 +68,6 @@ _ARCH = "the model's architecture picks the runner (generate or pooling)"
 COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # serve subcommand
     "--headless": (REFUSED, "multi-node data parallel is not implemented", ()),
-    "--api-server-count": (REFUSED, "one API server process serves the engine", ("1",)),
     # frontend
     "--lora-modules": (REFUSED, "LoRA adapters are not supported (the models have no LoRA layers)", ()),
     "--trust-request-chat-template": (NOOP, "a request's chat_template is always accepted (rendered in "
@@ -112,14 +111,8 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--pt-load-map-location": (NOOP, "weights load onto the engine's --device", ()),
     # ParallelConfig
     "--decode-context-parallel-size": (REFUSED, "context parallelism is not implemented", ("1",)),
-    "--data-parallel-rank": (REFUSED, _NO_DP, ()),
-    "--data-parallel-start-rank": (REFUSED, _NO_DP, ("0",)),
-    "--data-parallel-size-local": (REFUSED, _NO_DP, ("1",)),
-    "--data-parallel-address": (REFUSED, _NO_DP, ()),
-    "--data-parallel-rpc-port": (REFUSED, _NO_DP, ()),
     "--data-parallel-backend": (REFUSED, _NO_DP, ("mp",)),
     "--data-parallel-hybrid-lb": (REFUSED, _NO_DP, ()),
-    "--data-parallel-external-lb": (REFUSED, _NO_DP, ()),
     "--enable-expert-parallel": (REFUSED, "no mixture-of-experts model runs on this engine", ()),
     "--enable-dbo": (REFUSED, "dual-batch overlap is not implemented", ()),
     "--dbo-decode-token-threshold": (NOOP, "only used with --enable-dbo, which is refused", ()),

@@ -30,9 +30,9 @@ OWN_FLAG_KINDS = {
     "--max-num-partial-prefills": REFUSED,
     "--max-long-partial-prefills": REFUSED,
     "--async-scheduling": REFUSED,
-    "--tensor-parallel-size": REFUSED,
     "--pipeline-parallel-size": REFUSED,
-    "--data-parallel-size": REFUSED,
+    "--data-parallel-address": NOOP,
+    "--data-parallel-rpc-port": NOOP,
     "--kv-transfer-config": REFUSED,
 }
 

@@ -1,0 +1,257 @@
+"""Several API-server processes over the same engine(s): ``llmserve serve --api-server-count K``
+(vLLM's ``run_multi_api_server``, ``vllm/entrypoints/cli/serve.py``).
+
+When the front end, not the engine, is the bottleneck (short outputs, many clients: HTTP,
+JSON, detokenizing and the event loop of one process), K API servers share the work:
+
+* this process (the launcher) binds the listening socket once and starts the engine once
+  (one EngineCore process, or this server's rank with ``--data-parallel-external-lb``),
+  its input/output sockets one pair per API server (``client_addresses``);
+* it starts K API-server processes, each handed the listening socket (uvicorn
+  ``serve(sockets=[sock])``: the kernel spreads the connections over the K accept loops)
+  and its ``client_addresses`` / ``client_count`` / ``client_index``, which go to
+  ``AsyncLLM``: the engine routes each request's outputs (and utility results) to the API
+  server that sent it (``EngineCoreRequest.client_index``, ``engine/client_router.py``);
+* ``/metrics`` is one view: every API server writes its metrics to a shared
+  ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode, as vLLM) and any of
+  them serves the sum (counters, histograms) and the most recent engine gauges;
+* each response carries ``X-API-Server-Index`` (which process answered);
+* SIGINT/SIGTERM of the launcher: every API server drains and exits (SIGTERM), then the
+  engine stops; the socket and metrics dirs are removed. If the engine dies, the launcher
+  tells every API server (ENGINE_CORE_DEAD), they exit, and so does it, with code 1. If
+  an API server exits, the launcher stops the rest.
+
+``--api-server-count`` is refused with ``--extra-model``, with internal-LB data parallel
+(``--data-parallel-size > 1`` without ``--data-parallel-external-lb``) and with
+``--restart-engine-on-failure`` (an API server does not own the engine).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+
+logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
+
+API_SERVER_INDEX_HEADER = "X-API-Server-Index"
+# How long the launcher waits for the API servers after SIGTERM, beyond their graceful
+# shutdown period (their engine client's own shutdown and interpreter exit).
+_CHILD_EXIT_MARGIN_S = 15.0
+
+
+def run_api_servers(args: argparse.Namespace) -> int:
+    """Serve with ``args.api_server_count`` API servers (this process alone when 1).
+    Returns the exit code (0, or 1 when the engine died)."""
+    from llmserve.entrypoints.openai.api_server import run_server
+
+    if getattr(args, "api_server_count", 1) > 1:
+        return run_multi_api_server(args)
+    return asyncio.run(run_server(args))
+
+
+def check_multi_api_server_args(args: argparse.Namespace, config: Any) -> None:
+    """ValueError naming the flag for what several API servers cannot do."""
+    count = args.api_server_count
+    if count < 1:
+        raise ValueError(f"api_server_count must be >= 1, got {count}")
+    if getattr(args, "extra_model", None):
+        raise ValueError("--api-server-count > 1 with --extra-model is not supported")
+    if args.restart_engine_on_failure:
+        raise ValueError("--restart-engine-on-failure with --api-server-count > 1 is not supported: "
+                         "an API server does not own the engine (the launcher exits when it dies)")
+    pc = config.parallel_config
+    if pc.data_parallel_size > 1 and not pc.data_parallel_external_lb:
+        raise ValueError("--api-server-count > 1 with --data-parallel-size > 1 (internal load balancing) is "
+                         "not supported yet; run one server per rank with --data-parallel-external-lb")
+
+
+def _bind(host: Optional[str], port: int) -> socket.socket:
+    """The listening socket every API server accepts on (bound here, once)."""
+    host = host if host is not None else "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Launcher:
+    """The engine process and the K API-server processes of one ``run_multi_api_server``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from llmserve.engine.core_process import MPResources, spawn_engine_process
+        from llmserve.engine.dp_client import rank_config
+        from llmserve.engine_args import AsyncEngineArgs, UsageContext
+        from llmserve.executor import Executor
+
+        args.restart_engine_on_failure = args.restart_engine_on_failure or False
+        config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        check_multi_api_server_args(args, config)
+        self.count = count = args.api_server_count
+        self.grace = args.shutdown_timeout or args.timeout_graceful_shutdown
+        self.tmpdir = tempfile.mkdtemp(prefix="llmserve-api-")
+        self.metrics_dir = os.path.join(self.tmpdir, "prometheus")
+        os.mkdir(self.metrics_dir)
+        self.sock = _bind(args.host, args.port)
+        args.port = self.sock.getsockname()[1]
+        self.inputs = [f"ipc://{self.tmpdir}/input-{i}.sock" for i in range(count)]
+        self.outputs = [f"ipc://{self.tmpdir}/output-{i}.sock" for i in range(count)]
+        pc = config.parallel_config
+        engine_config = rank_config(config, pc.data_parallel_size_local or 1) if pc.data_parallel_external_lb \
+            else config
+        self.engine = MPResources()
+        self.engine.proc = spawn_engine_process(engine_config, self.inputs, self.outputs,
+                                                Executor.get_class(config), not args.disable_log_stats)
+        self.stop = threading.Event()
+        self.engine_died = False
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
+        # The parsed flags, less what only the CLI needs (its dispatch function).
+        child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+        self.children = []
+        for i in range(count):
+            proc = subprocess.Popen([sys.executable, "-m", "llmserve.entrypoints.openai.multi_api_server"],
+                                    stdin=subprocess.PIPE, pass_fds=(self.sock.fileno(),), env=env,
+                                    start_new_session=True)  # a terminal's Ctrl-C reaches the launcher only
+            client = {"client_addresses": {"input_address": self.inputs[i], "output_address": self.outputs[i]},
+                      "client_count": count, "client_index": i}
+            proc.stdin.write(pickle.dumps((child_args, client, self.sock.fileno(), os.getpid())))
+            proc.stdin.close()
+            self.children.append(proc)
+        logger.info("Started %d API servers (pids %s) over engine pid %d on port %d, socket dir %s", count,
+                    [p.pid for p in self.children], self.engine.proc.pid, args.port, self.tmpdir)
+
+    def _watch_engine(self) -> None:
+        """On the engine's death, send ENGINE_CORE_DEAD to every API server."""
+        import zmq
+
+        from llmserve.engine.messages import EngineCoreDead, EngineCoreOutputs
+        from llmserve.engine.serial import MsgpackEncoder
+
+        proc = self.engine.proc
+        while not self.stop.is_set():
+            proc.join(timeout=0.2)
+            if proc.is_alive() or self.stop.is_set():
+                continue
+            self.engine_died = True
+            logger.error("EngineCore died (exit code %s); stopping the API servers", proc.exitcode)
+            msg = MsgpackEncoder().encode(EngineCoreOutputs(dead=EngineCoreDead(
+                f"EngineCore process died (exit code {proc.exitcode})", exit_code=proc.exitcode)))
+            ctx = zmq.Context()
+            for addr in self.outputs:
+                s = ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 1000)
+                s.connect(addr)
+                s.send(msg)
+                s.close()
+            ctx.term()
+            return
+
+    def run(self) -> int:
+        """Wait for a signal, the engine's death or an API server's exit; stop all."""
+        signalled = []
+
+        def _on_signal(signum, frame):  # noqa: ANN001
+            signalled.append(signum)
+            self.stop.set()
+
+        old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        threading.Thread(target=self._watch_engine, daemon=True, name="EngineWatch").start()
+        failed = False
+        try:
+            while not self.stop.wait(0.2):
+                if any(p.poll() is not None for p in self.children):
+                    failed = not self.engine_died and any(p.returncode for p in self.children if
+                                                          p.returncode is not None)
+                    break
+        finally:
+            self.stop.set()
+            try:  # a second signal (a supervisor's, a process group's) must not cut the cleanup short
+                self.shutdown()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+        if self.engine_died or failed:
+            return 1
+        return 0
+
+    def shutdown(self) -> None:
+        """SIGTERM every API server (they drain), wait, then stop the engine; remove the dirs."""
+        for p in self.children:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace + _CHILD_EXIT_MARGIN_S
+        for p in self.children:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.engine(None)  # SIGTERM (no client of ours to send SHUTDOWN), then SIGKILL
+        self.sock.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def run_multi_api_server(args: argparse.Namespace) -> int:
+    """Start the engine once and ``args.api_server_count`` API servers on one socket;
+    return when they stopped (0, or 1 when the engine died or an API server failed).
+    Raises ValueError for flags several API servers do not support."""
+    return _Launcher(args).run()
+
+
+class ApiServerIndexMiddleware:
+    """Pure ASGI middleware: adds ``X-API-Server-Index: <client_index>`` to each response."""
+
+    def __init__(self, app: Any, index: int) -> None:
+        self.app = app
+        self.header = (API_SERVER_INDEX_HEADER.lower().encode(), str(index).encode())
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_index(message):  # noqa: ANN001
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [self.header]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_index)
+
+
+def _watch_launcher(launcher_pid: int) -> None:
+    """Exit if the launcher goes away (no orphaned API servers)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != launcher_pid:
+            os._exit(1)
+
+
+def _api_server_main() -> None:
+    """One API server: ``python -m llmserve.entrypoints.openai.multi_api_server``, its
+    (args, client config, socket fd, launcher pid) pickled on stdin."""
+    from llmserve.entrypoints.openai.api_server import run_server
+
+    args, client, fd, launcher_pid = pickle.loads(sys.stdin.buffer.read())
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(levelname)s %(asctime)s [api-server {client['client_index']}] %(name)s: %(message)s")
+    threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
+    sock = socket.socket(fileno=fd)
+    code = asyncio.run(run_server(args, sock=sock, client_config=client))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    _api_server_main()

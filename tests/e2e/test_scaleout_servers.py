@@ -1,0 +1,107 @@
+"""Scale-out front ends (issue 14), on the tiny checkpoint:
+
+* ``--data-parallel-external-lb``: two ``llmserve serve`` processes, ranks 0 and 1 of
+  DP=2, each runs its own rank's engine (a DPAsyncMPClient), answers chat, and labels its
+  /metrics ``engine="<rank>"`` (gauges refreshed from its engine by a utility call).
+* ``--api-server-count 2``: two API servers on one port over one engine: many requests
+  all answered, both processes served some (X-API-Server-Index), /metrics sums them (the
+  same totals whichever process answers the scrape); SIGTERM (twice) to the launcher stops
+  both API servers and the engine and removes the socket dir.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.e2e_utils import SERVE_CLI, RemoteServer
+
+TINY = ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+
+
+def _metric(text: str, name: str, **labels: str) -> list[float]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            out.append(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def external_lb_pair(tiny_model_dir):
+    servers = []
+    try:
+        for rank in (0, 1):
+            servers.append(RemoteServer(["--model", tiny_model_dir, *TINY, "--data-parallel-size", "2",
+                                         "--data-parallel-rank", str(rank), "--data-parallel-external-lb"],
+                                        entrypoint=SERVE_CLI))
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_external_lb_each_server_owns_its_rank(external_lb_pair):
+    for rank, srv in enumerate(external_lb_pair):
+        kids = [p for p in psutil.Process(srv.proc.pid).children()
+                if "llmserve.engine.core" in " ".join(p.cmdline())]
+        assert len(kids) == 1  # its own rank's engine only
+        chat = srv.client(timeout=60).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"hi rank {rank}"}], max_tokens=3,
+            extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3
+        metrics = srv.http.get("/metrics").text
+        assert _metric(metrics, "vllm:request_success_total", engine=str(rank), finished_reason="length") == [1.0]
+        assert {m for m in re.findall(r'engine="(\d+)"', metrics)} == {str(rank)}
+        # a utility call reaches this rank's engine: the scrape refreshed the gauges from it
+        assert _metric(metrics, "vllm:num_requests_running", engine=str(rank)) == [0.0]
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tiny_model_dir):
+    srv = RemoteServer(["--model", tiny_model_dir, *TINY, "--api-server-count", "2"], entrypoint=SERVE_CLI)
+    yield srv
+    srv.stop()
+
+
+def test_two_api_servers_share_the_engine_and_metrics(two_api_servers):
+    srv = two_api_servers
+    launcher = psutil.Process(srv.proc.pid)
+    kids = launcher.children()
+    api = [p for p in kids if "multi_api_server" in " ".join(p.cmdline())]
+    engines = [p for p in kids if "llmserve.engine.core" in " ".join(p.cmdline())]
+    assert len(api) == 2 and len(engines) == 1
+    n = 40
+    body = {"model": "tiny", "max_tokens": 3, "ignore_eos": True}
+
+    def one(i: int) -> tuple[int, str, int]:
+        # a fresh connection each: the kernel picks the accepting process
+        r = httpx.post(srv.url_for("v1/chat/completions"), headers={"Authorization": f"Bearer {srv.api_key}"},
+                       json={**body, "messages": [{"role": "user", "content": f"q{i}"}]}, timeout=120)
+        return r.status_code, r.headers.get("x-api-server-index"), r.json()["usage"]["completion_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(n)))
+    assert [(s, t) for s, _, t in results] == [(200, 3)] * n
+    assert {idx for _, idx, _ in results} == {"0", "1"}  # both API servers answered some
+    for _ in range(4):  # every scrape, whichever process answers it, sums both
+        metrics = srv.http.get("/metrics").text
+        assert _metric(metrics, "vllm:request_success_total", finished_reason="length") == [float(n)]
+        assert _metric(metrics, "vllm:generation_tokens_total") == [3.0 * n]
+        assert _metric(metrics, "vllm:num_requests_running") == [0.0]
+
+    # SIGTERM to the launcher: both API servers and the engine stop, the socket dir goes.
+    pids = [p.pid for p in kids]
+    with open(srv.log.name, errors="replace") as f:
+        sock_dirs = set(re.findall(r"socket dir (\S+)", f.read()))
+    srv.http.close()
+    srv.proc.send_signal(signal.SIGTERM)
+    srv.proc.send_signal(signal.SIGTERM)  # a second one (a supervisor's) does not cut the cleanup short
+    assert srv.proc.wait(60) == 0
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)
