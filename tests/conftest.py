@@ -62,8 +62,9 @@ def hf_greedy(hf_model, llm_fp32):
     """HF greedy continuations (32 new tokens max, stopping at EOS like HF does) of PROMPTS.
 
     One left-padded batch: transformers derives the position ids from the attention mask
-    and masks the pads out, so each row gets the tokens it gets alone (checked in
-    tests/engine/test_llm_correctness.py) for 32 forward passes instead of 16 x 32."""
+    and masks the pads out, so each row gets the tokens it gets alone (all 16 equal the
+    one-prompt-at-a-time generate, checked when this changed; llmserve's one-at-a-time
+    outputs are compared with them) for 32 forward passes instead of 16 x 32."""
     import torch
 
     tok = llm_fp32.get_tokenizer()
