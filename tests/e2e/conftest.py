@@ -29,7 +29,7 @@ def server_512():
     # Default dtype (bfloat16 on this CPU): these cases check lengths and statuses, not
     # batch-invariant text, and bfloat16 decodes about twice as fast.
     srv = RemoteServer(["--max-model-len", "512", "--num-gpu-blocks-override", "241",
-                        "--max-num-batched-tokens", "512", "--timeout-graceful-shutdown", "3"])
+                        "--max-num-batched-tokens", "512", "--timeout-graceful-shutdown", "1"])
     yield srv
     srv.stop()
 

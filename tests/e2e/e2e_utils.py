@@ -91,7 +91,7 @@ class RemoteServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # startup ends at an unknown moment: poll often
         self.stop()
         raise RuntimeError(f"server not ready after {_STARTUP_TIMEOUT_S} s:\n{self.logs()}")
 

@@ -31,7 +31,8 @@ def duo():
 def offline_embeddings():
     from llmserve import LLM
 
-    llm = LLM(EMB, dtype="float32", kv_cache_memory="64MiB")
+    # The reference: the engine in this process (no child process to start; same numbers).
+    llm = LLM(EMB, dtype="float32", kv_cache_memory="64MiB", multiprocess_mode=False)
     try:
         return np.array([o.outputs.embedding for o in llm.embed(SENTS, use_tqdm=False)])
     finally:

@@ -130,35 +130,39 @@ def test_outputs_in_input_order_and_token_id_prompts(llm_fp32, hf_greedy):
     assert [o.outputs[0].finish_reason for o in per_prompt] == ["length", "length"]
 
 
-def test_llm_over_sync_mp_client_matches_in_process(llm_fp32, hf_greedy):
-    """LLM with the EngineCore in a child process (SyncMPClient, the default) gives the
-    same greedy tokens; utility calls work; shutdown ends the child."""
+@pytest.fixture(scope="module")
+def llm_mp():
+    """LLM with the EngineCore in a child process (SyncMPClient, the default); the two tests
+    below share it (one start), the second shuts it down."""
     llm = LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="128MiB", max_model_len=512)
-    try:
-        outs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-        assert _tokens(outs) == [hf_greedy[p] for p in PROMPTS[:4]]
-        stats = llm.llm_engine.get_stats()
-        assert stats["num_used_blocks"] == 0 and stats["num_running_reqs"] == 0
-        proc = llm.llm_engine.engine_core.resources.proc
-        assert proc.is_alive()
-    finally:
-        llm.shutdown()
-    assert not proc.is_alive()
+    yield llm
+    llm.shutdown()
 
 
-def test_llm_shutdown_is_prompt_and_engine_exits_by_itself(engine_exit_watch):
+def test_llm_over_sync_mp_client_matches_in_process(llm_mp, hf_greedy):
+    """LLM over SyncMPClient gives the same greedy tokens; utility calls work (its shutdown
+    ending the child: the next test)."""
+    outs = llm_mp.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == [hf_greedy[p] for p in PROMPTS[:4]]
+    stats = llm_mp.llm_engine.get_stats()
+    assert stats["num_used_blocks"] == 0 and stats["num_running_reqs"] == 0
+    assert llm_mp.llm_engine.engine_core.resources.proc.is_alive()
+
+
+def test_llm_shutdown_is_prompt_and_engine_exits_by_itself(llm_mp, engine_exit_watch):
     """LLM (SyncMPClient) shutdown delivers SHUTDOWN: the engine exits 0 on its own, well
     within the 5 s it would get before SIGTERM."""
     import time
 
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
-    with engine_exit_watch(llm.llm_engine.engine_core.resources.proc) as watch:  # SIGTERM/SIGKILL would fail it
-        assert llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+    proc = llm_mp.llm_engine.engine_core.resources.proc
+    with engine_exit_watch(proc) as watch:  # SIGTERM/SIGKILL would fail it
+        assert llm_mp.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
         t0 = time.monotonic()
-        llm.shutdown()
+        llm_mp.shutdown()
         elapsed = time.monotonic() - t0
     watch.assert_exited_by_itself()
     assert elapsed < 2.0, elapsed
+    assert not proc.is_alive()
 
 
 def test_idle_kv_prefault_keeps_cached_blocks(hf_greedy):

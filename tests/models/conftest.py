@@ -87,19 +87,11 @@ def smollm2_model_fp32(smollm2_resolved, smollm2_config):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_resolved, smollm2_config):
-    """transformers' own model from the GGUF (float32). ``from_pretrained(gguf_file=...)``
-    needs ``accelerate``; this builds the same thing from transformers'
-    ``load_gguf_checkpoint`` (its GGUF name mapping, dequantization and q/k un-permutation)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    model = AutoModelForCausalLM.from_config(smollm2_config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(smollm2_resolved.model_file, return_tensors=True,
-                                  model_to_load=model)
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model.eval()
+def smollm2_hf(hf_model):
+    """transformers' own model from the GGUF (float32): ``from_pretrained(gguf_file=...)``,
+    i.e. its ``load_gguf_checkpoint`` (GGUF name mapping, dequantization, q/k
+    un-permutation). The session's ``hf_model`` (tests/conftest.py), loaded once."""
+    return hf_model
 
 
 @pytest.fixture(scope="session")
