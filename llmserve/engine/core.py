@@ -33,6 +33,7 @@ from llmserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 from llmserve.executor import Executor
 from llmserve import envs
 from llmserve.gc_utils import freeze_gc_heap
+from llmserve.proc_utils import exit_when_parent_dies
 
 # Pooling engines gather the next step's requests (EngineCoreProc._gather_pooling_batch)
 # until input was quiet for GAP, or for at most MAX, of the last step's duration (floor MIN_S).
@@ -375,14 +376,6 @@ class EngineCoreProc:
             sock.close()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit if the front-end process goes away (no orphaned engines)."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
 def _keep_freed_memory() -> None:
     """Have glibc serve large blocks from the heap and keep freed memory (mallopt
     M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 1 GiB). By default every tensor over 32 MiB (the
@@ -408,7 +401,7 @@ def main() -> None:
 
     config, input_addr, output_addr, parent_pid, executor_class, log_stats = pickle.loads(sys.stdin.buffer.read())
     _keep_freed_memory()
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    exit_when_parent_dies(parent_pid)
     exit_code = EngineCoreProc.run_engine_core(config, input_addr, output_addr, executor_class, log_stats)
     # Nothing is left to clean up (outputs flushed, sockets closed; the client removes
     # the socket dir): skip the interpreter teardown, ~1 s of module finalization

@@ -12,17 +12,9 @@ import logging
 import os
 import pickle
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Client
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+from llmserve.proc_utils import exit_when_parent_dies
 
 
 def main() -> None:
@@ -32,7 +24,7 @@ def main() -> None:
     config, rank, world_size, dist_init, address, authkey, parent_pid = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=envs.get("LLMSERVE_LOGGING_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [worker {rank}] %(message)s")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    exit_when_parent_dies(parent_pid)
     conn = Client(address, family="AF_UNIX", authkey=authkey)
     conn.send(rank)
     worker = Worker(config, rank, world_size, dist_init)

@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 from typing import Any, Optional
+from llmserve.proc_utils import exit_when_parent_dies
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
 
@@ -231,14 +232,6 @@ class ApiServerIndexMiddleware:
         return await self.app(scope, receive, send_with_index)
 
 
-def _watch_launcher(launcher_pid: int) -> None:
-    """Exit if the launcher goes away (no orphaned API servers)."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != launcher_pid:
-            os._exit(1)
-
-
 def _api_server_main() -> None:
     """One API server: ``python -m llmserve.entrypoints.openai.multi_api_server``, its
     (args, client config, socket fd, launcher pid) pickled on stdin."""
@@ -247,7 +240,7 @@ def _api_server_main() -> None:
     args, client, fd, launcher_pid = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s %(asctime)s [api-server {client['client_index']}] %(name)s: %(message)s")
-    threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
+    exit_when_parent_dies(launcher_pid)
     sock = socket.socket(fileno=fd)
     code = asyncio.run(run_server(args, sock=sock, client_config=client))
     sys.exit(code)
