@@ -3,6 +3,8 @@ response) and C47 (several text parts of one message joined with "\\n") from
 shared/cases.md, on the shared float32 server."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from e2e_utils import MODEL
 
 BASE = {"model": MODEL, "prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
@@ -15,13 +17,16 @@ def _text(server, body: dict) -> str:
 
 
 def test_top_k_zero_is_no_limit_c41(server):
-    seeds = range(1, 6)
-    k0 = [_text(server, dict(BASE, seed=s, top_k=0)) for s in seeds]
-    assert k0 == [_text(server, dict(BASE, seed=s, top_k=-1)) for s in seeds]  # A2
-    assert k0 == [_text(server, dict(BASE, seed=s)) for s in seeds]
-    greedy = _text(server, dict(BASE, temperature=0))
+    seeds = list(range(1, 6))
+    bodies = ([dict(BASE, seed=s, top_k=0) for s in seeds] + [dict(BASE, seed=s, top_k=-1) for s in seeds]
+              + [dict(BASE, seed=s) for s in seeds] + [dict(BASE, temperature=0), dict(BASE, seed=1234, top_k=1)])
+    # All at once: a seeded request's text does not depend on the batch (issue 18).
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        texts = list(pool.map(lambda b: _text(server, b), bodies))
+    k0, k_minus1, unset, (greedy, k1) = texts[:5], texts[5:10], texts[10:15], texts[15:]
+    assert k0 == k_minus1 == unset  # A2
     assert any(t != greedy for t in k0)  # A3: 0 is not a limit of 1
-    assert _text(server, dict(BASE, seed=1234, top_k=1)) == greedy
+    assert k1 == greedy
     chat = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                 "max_tokens": 4, "top_k": 0})
     assert chat.status_code == 200, chat.text  # A1
