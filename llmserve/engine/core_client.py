@@ -70,7 +70,8 @@ class EngineCoreClient:
         the engine was started elsewhere (``--api-server-count``, see
         ``entrypoints/openai/multi_api_server.py``) and this is API server
         ``client_index`` of ``client_count``. Raises ValueError for a combination not
-        supported (several API servers with internal-LB data parallel)."""
+        supported. With internal-LB data parallel (``data_parallel_size`` N > 1) each
+        address is a list of N, one per rank (the launcher started the N engines)."""
         if not 0 <= client_index < max(client_count, 1):
             raise ValueError(f"client_index={client_index} is out of range [0, {client_count})")
         if (client_count > 1) != bool(client_addresses):
@@ -81,21 +82,35 @@ class EngineCoreClient:
         if missing:
             raise ValueError(f"client_addresses lacks {sorted(missing)}")
         pc = getattr(vllm_config, "parallel_config", None)
+        internal_lb = pc is not None and pc.data_parallel_size > 1 and not pc.data_parallel_external_lb
+        if client_addresses:
+            _check_client_addresses(client_addresses, pc.data_parallel_size if internal_lb else None)
         if pc is not None and pc.data_parallel_external_lb:
             from llmserve.engine.dp_client import DPAsyncMPClient
 
             return DPAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses, client_index)
-        if pc is not None and pc.data_parallel_size > 1:
-            if client_addresses:
-                raise ValueError("--api-server-count > 1 with --data-parallel-size > 1 (internal load "
-                                 "balancing) is not supported yet; use --data-parallel-external-lb")
+        if internal_lb:
             from llmserve.engine.dp_client import DPLBAsyncMPClient
 
-            return DPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_index)
+            return DPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_index, client_addresses)
         return AsyncMPClient(vllm_config, executor_class, log_stats, client_addresses, client_index)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         pass
+
+
+def _check_client_addresses(client_addresses: dict, dp_size: Optional[int]) -> None:
+    """ValueError unless each address is a string (one engine), or, with internal-LB data
+    parallel (``dp_size``), a list of ``dp_size`` strings (one per rank)."""
+    for key in ("input_address", "output_address"):
+        addr = client_addresses[key]
+        if dp_size is None:
+            if not isinstance(addr, str):
+                raise ValueError(f"client_addresses[{key!r}] must be one address, got {addr!r}")
+        elif not (isinstance(addr, (list, tuple)) and len(addr) == dp_size
+                  and all(isinstance(a, str) for a in addr)):
+            raise ValueError(f"client_addresses[{key!r}] must list one address per data parallel rank "
+                             f"({dp_size}), got {addr!r}")
 
 
 class InprocClient(EngineCoreClient):

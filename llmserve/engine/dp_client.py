@@ -17,6 +17,9 @@ API server owns; a load balancer in front spreads requests over the servers.
 * one rank dying is the client's death (vLLM: the DP group fails together): every waiter
   gets EngineDeadError, the server reports unhealthy. Engine self-healing is off with DP.
 
+With ``--api-server-count K`` the launcher starts the N engines and each API server's
+``DPLBAsyncMPClient`` attaches to them (``client_addresses``: one address pair per rank).
+
 Each rank's engine gets ``cores / data_parallel_size`` torch threads unless
 ``num_threads`` is set.
 """
@@ -78,20 +81,28 @@ class DPAsyncMPClient(AsyncMPClient):
 class DPLBAsyncMPClient:
     """asyncio client of ``data_parallel_size_local`` engine processes with internal load
     balancing; same surface as ``AsyncMPClient``. Raises RuntimeError if a rank fails to
-    start (the ranks already started are stopped)."""
+    start (the ranks already started are stopped).
+
+    ``client_addresses`` ({"input_address": [N], "output_address": [N]}, one per rank):
+    attached mode, API server ``client_index`` of several (``--api-server-count``): the
+    launcher started the N engines, this client binds its own address pair per rank, never
+    starts or stops an engine, and balances by the engines' reported counts (which include
+    the other API servers' requests) plus what it sent since (no coordinator)."""
 
     def __init__(self, vllm_config: Any, executor_class: Optional[type] = None, log_stats: bool = False,
-                 client_index: int = 0) -> None:
+                 client_index: int = 0, client_addresses: Optional[dict[str, list[str]]] = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         pc = vllm_config.parallel_config
         self.config = vllm_config
         self.dp_size = pc.data_parallel_size
         self.client_index = client_index
+        self.client_addresses = client_addresses
         cfg = rank_config(vllm_config, self.dp_size)
-        # The ranks load their models at the same time.
+        # The ranks load their models at the same time (or, attached, say READY).
         with ThreadPoolExecutor(self.dp_size) as pool:
-            futs = [pool.submit(AsyncMPClient, cfg, executor_class, log_stats) for _ in range(self.dp_size)]
+            futs = [pool.submit(AsyncMPClient, cfg, executor_class, log_stats, self._rank_addresses(r), client_index)
+                    for r in range(self.dp_size)]
         self.cores: list = []
         errors = []
         for f in futs:
@@ -114,6 +125,13 @@ class DPLBAsyncMPClient:
         self.engine_dead = False
         self.dead_error: Optional[str] = None
         self._shut_down = False
+
+    def _rank_addresses(self, rank: int) -> Optional[dict[str, str]]:
+        """Rank ``rank``'s (input, output) addresses for this API server when the engines
+        were started elsewhere (``--api-server-count``); None: this client starts them."""
+        if not self.client_addresses:
+            return None
+        return {key: self.client_addresses[key][rank] for key in ("input_address", "output_address")}
 
     # ---- routing ----------------------------------------------------------------
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:

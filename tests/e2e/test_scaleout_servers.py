@@ -7,6 +7,8 @@
   all answered, both processes served some (X-API-Server-Index), /metrics sums them (the
   same totals whichever process answers the scrape); SIGTERM (twice) to the launcher stops
   both API servers and the engine and removes the socket dir.
+* ``--api-server-count 2 --data-parallel-size 2``: the launcher starts both engines; each
+  API server balances over both; both servers and both engines serve some; SIGTERM stops all.
 """
 from __future__ import annotations
 
@@ -105,3 +107,42 @@ def test_two_api_servers_share_the_engine_and_metrics(two_api_servers):
     assert srv.proc.wait(60) == 0
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)
+
+
+def test_two_api_servers_over_two_dp_engines(tiny_model_dir):
+    """--api-server-count 2 --data-parallel-size 2: the launcher starts both engines, each
+    API server balances over both (attached DPLBAsyncMPClient); SIGTERM stops everything."""
+    srv = RemoteServer(["--model", tiny_model_dir, *TINY, "--api-server-count", "2", "--data-parallel-size", "2"],
+                       entrypoint=SERVE_CLI)
+    try:
+        kids = psutil.Process(srv.proc.pid).children()
+        api = [p for p in kids if "multi_api_server" in " ".join(p.cmdline())]
+        engines = [p for p in kids if "llmserve.engine.core" in " ".join(p.cmdline())]
+        assert len(api) == 2 and len(engines) == 2
+        n = 24
+        body = {"model": "tiny", "max_tokens": 4, "ignore_eos": True}
+
+        def one(i: int) -> tuple[int, str, int]:
+            r = httpx.post(srv.url_for("v1/chat/completions"), headers={"Authorization": f"Bearer {srv.api_key}"},
+                           json={**body, "messages": [{"role": "user", "content": f"q{i}"}]}, timeout=120)
+            return r.status_code, r.headers.get("x-api-server-index"), r.json()["usage"]["completion_tokens"]
+
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(one, range(n)))
+        assert [(s, t) for s, _, t in results] == [(200, 4)] * n
+        assert {idx for _, idx, _ in results} == {"0", "1"}  # both API servers answered some
+        metrics = srv.http.get("/metrics").text
+        served = {e: sum(_metric(metrics, "vllm:request_success_total", engine=e)) for e in ("0", "1")}
+        assert all(served.values()), served  # both engines served some
+        assert sum(served.values()) == n
+
+        pids = [p.pid for p in kids]
+        with open(srv.log.name, errors="replace") as f:
+            sock_dirs = set(re.findall(r"socket dir (\S+)", f.read()))
+        srv.http.close()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)
+    finally:
+        srv.stop()

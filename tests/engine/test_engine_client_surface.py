@@ -3,6 +3,7 @@ make_client / make_async_mp_client, add_request with an EngineCoreRequest, trace
 IterationStats only with outputs, the queue-time metric, streaming input, shutdown(timeout).
 Real model (float32) behind a real engine process."""
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -88,6 +89,14 @@ def test_make_client_refuses_what_it_cannot_do():
                                               client_count=2)
     with pytest.raises(ValueError, match="client_index=2 is out of range"):
         EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False, client_count=2, client_index=2)
+    with pytest.raises(ValueError, match="must be one address"):  # one engine: one address each
+        EngineCoreClient.make_async_mp_client(config, UniProcExecutor, False, client_count=2,
+                                              client_addresses={"input_address": ["x"], "output_address": "y"})
+    dp_config = dataclasses.replace(config, parallel_config=dataclasses.replace(config.parallel_config,
+                                                                                data_parallel_size=2))
+    with pytest.raises(ValueError, match="one address per data parallel rank"):  # DP=2: a list of 2 each
+        EngineCoreClient.make_async_mp_client(dp_config, UniProcExecutor, False, client_count=2,
+                                              client_addresses={"input_address": ["x", "z"], "output_address": "y"})
 
 
 def test_async_llm_is_an_engine_client(setup):

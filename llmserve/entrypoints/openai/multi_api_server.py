@@ -4,9 +4,13 @@
 When the front end, not the engine, is the bottleneck (short outputs, many clients: HTTP,
 JSON, detokenizing and the event loop of one process), K API servers share the work:
 
-* this process (the launcher) binds the listening socket once and starts the engine once
-  (one EngineCore process, or this server's rank with ``--data-parallel-external-lb``),
-  its input/output sockets one pair per API server (``client_addresses``);
+* this process (the launcher) binds the listening socket once and starts the engine(s)
+  once: one EngineCore process, this server's rank with ``--data-parallel-external-lb``,
+  or the ``--data-parallel-size`` N ranks (internal load balancing, cores / N threads
+  each); every engine's input/output sockets are one pair per API server
+  (``client_addresses``; with N ranks, each address is a list of N, one per rank, and
+  each API server's ``DPLBAsyncMPClient`` attaches to all N and balances by the engines'
+  reported counts plus its own sends since, without a coordinator);
 * it starts K API-server processes, each handed the listening socket (uvicorn
   ``serve(sockets=[sock])``: the kernel spreads the connections over the K accept loops)
   and its ``client_addresses`` / ``client_count`` / ``client_index``, which go to
@@ -17,12 +21,11 @@ JSON, detokenizing and the event loop of one process), K API servers share the w
   them serves the sum (counters, histograms) and the most recent engine gauges;
 * each response carries ``X-API-Server-Index`` (which process answered);
 * SIGINT/SIGTERM of the launcher: every API server drains and exits (SIGTERM), then the
-  engine stops; the socket and metrics dirs are removed. If the engine dies, the launcher
+  engine(s) stop; the socket and metrics dirs are removed. If an engine dies, the launcher
   tells every API server (ENGINE_CORE_DEAD), they exit, and so does it, with code 1. If
   an API server exits, the launcher stops the rest.
 
-``--api-server-count`` is refused with ``--extra-model``, with internal-LB data parallel
-(``--data-parallel-size > 1`` without ``--data-parallel-external-lb``) and with
+``--api-server-count`` is refused with ``--extra-model`` and with
 ``--restart-engine-on-failure`` (an API server does not own the engine).
 """
 from __future__ import annotations
@@ -71,10 +74,20 @@ def check_multi_api_server_args(args: argparse.Namespace, config: Any) -> None:
     if args.restart_engine_on_failure:
         raise ValueError("--restart-engine-on-failure with --api-server-count > 1 is not supported: "
                          "an API server does not own the engine (the launcher exits when it dies)")
+
+
+def _engine_topology(config: Any) -> tuple[Any, int]:
+    """(the EngineConfig each engine runs, how many engines the launcher starts): this
+    server's rank (``--data-parallel-external-lb``), ``data_parallel_size`` ranks (internal
+    load balancing, the cores split between them, as ``DPLBAsyncMPClient`` does), or one."""
+    from llmserve.engine.dp_client import rank_config
+
     pc = config.parallel_config
-    if pc.data_parallel_size > 1 and not pc.data_parallel_external_lb:
-        raise ValueError("--api-server-count > 1 with --data-parallel-size > 1 (internal load balancing) is "
-                         "not supported yet; run one server per rank with --data-parallel-external-lb")
+    if pc.data_parallel_external_lb:
+        return rank_config(config, pc.data_parallel_size_local or 1), 1
+    if pc.data_parallel_size > 1:
+        return rank_config(config, pc.data_parallel_size), pc.data_parallel_size
+    return config, 1
 
 
 def _bind(host: Optional[str], port: int) -> socket.socket:
@@ -90,11 +103,10 @@ def _bind(host: Optional[str], port: int) -> socket.socket:
 
 
 class _Launcher:
-    """The engine process and the K API-server processes of one ``run_multi_api_server``."""
+    """The engine process(es) and the K API-server processes of one ``run_multi_api_server``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from llmserve.engine.core_process import MPResources, spawn_engine_process
-        from llmserve.engine.dp_client import rank_config
         from llmserve.engine_args import AsyncEngineArgs, UsageContext
         from llmserve.executor import Executor
 
@@ -108,14 +120,18 @@ class _Launcher:
         os.mkdir(self.metrics_dir)
         self.sock = _bind(args.host, args.port)
         args.port = self.sock.getsockname()[1]
-        self.inputs = [f"ipc://{self.tmpdir}/input-{i}.sock" for i in range(count)]
-        self.outputs = [f"ipc://{self.tmpdir}/output-{i}.sock" for i in range(count)]
-        pc = config.parallel_config
-        engine_config = rank_config(config, pc.data_parallel_size_local or 1) if pc.data_parallel_external_lb \
-            else config
-        self.engine = MPResources()
-        self.engine.proc = spawn_engine_process(engine_config, self.inputs, self.outputs,
-                                                Executor.get_class(config), not args.disable_log_stats)
+        self.engine_config, num_engines = _engine_topology(config)
+        # One (input, output) address pair per engine and API server: [engine][api server].
+        self.inputs = [[f"ipc://{self.tmpdir}/input-{r}-{i}.sock" for i in range(count)] for r in range(num_engines)]
+        self.outputs = [[f"ipc://{self.tmpdir}/output-{r}-{i}.sock" for i in range(count)]
+                        for r in range(num_engines)]
+        self.internal_lb = num_engines > 1
+        self.engines = []
+        for r in range(num_engines):
+            res = MPResources()
+            res.proc = spawn_engine_process(self.engine_config, self.inputs[r], self.outputs[r],
+                                            Executor.get_class(config), not args.disable_log_stats)
+            self.engines.append(res)
         self.stop = threading.Event()
         self.engine_died = False
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir)
@@ -126,32 +142,44 @@ class _Launcher:
             proc = subprocess.Popen([sys.executable, "-m", "llmserve.entrypoints.openai.multi_api_server"],
                                     stdin=subprocess.PIPE, pass_fds=(self.sock.fileno(),), env=env,
                                     start_new_session=True)  # a terminal's Ctrl-C reaches the launcher only
-            client = {"client_addresses": {"input_address": self.inputs[i], "output_address": self.outputs[i]},
-                      "client_count": count, "client_index": i}
+            client = {"client_addresses": self._client_addresses(i), "client_count": count, "client_index": i}
             proc.stdin.write(pickle.dumps((child_args, client, self.sock.fileno(), os.getpid())))
             proc.stdin.close()
             self.children.append(proc)
-        logger.info("Started %d API servers (pids %s) over engine pid %d on port %d, socket dir %s", count,
-                    [p.pid for p in self.children], self.engine.proc.pid, args.port, self.tmpdir)
+        logger.info("Started %d API servers (pids %s) over engine pids %s on port %d, socket dir %s", count,
+                    [p.pid for p in self.children], [e.proc.pid for e in self.engines], args.port, self.tmpdir)
 
-    def _watch_engine(self) -> None:
-        """On the engine's death, send ENGINE_CORE_DEAD to every API server."""
+    def _client_addresses(self, index: int) -> dict[str, Any]:
+        """API server ``index``'s addresses: one pair, or (internal-LB data parallel) a list
+        of one address per engine rank for each of input and output."""
+        if self.internal_lb:
+            return {"input_address": [addrs[index] for addrs in self.inputs],
+                    "output_address": [addrs[index] for addrs in self.outputs]}
+        return {"input_address": self.inputs[0][index], "output_address": self.outputs[0][index]}
+
+    def _watch_engines(self) -> None:
+        """On any engine's death, send ENGINE_CORE_DEAD to every API server (on that
+        engine's output sockets: each API server's client fails as a whole)."""
         import zmq
 
         from llmserve.engine.messages import EngineCoreDead, EngineCoreOutputs
         from llmserve.engine.serial import MsgpackEncoder
 
-        proc = self.engine.proc
         while not self.stop.is_set():
-            proc.join(timeout=0.2)
-            if proc.is_alive() or self.stop.is_set():
+            dead = [r for r, e in enumerate(self.engines) if not e.proc.is_alive()]
+            if not dead:
+                self.stop.wait(0.2)
                 continue
+            if self.stop.is_set():
+                return
+            rank = dead[0]
+            proc = self.engines[rank].proc
             self.engine_died = True
-            logger.error("EngineCore died (exit code %s); stopping the API servers", proc.exitcode)
+            logger.error("EngineCore %d died (exit code %s); stopping the API servers", rank, proc.exitcode)
             msg = MsgpackEncoder().encode(EngineCoreOutputs(dead=EngineCoreDead(
                 f"EngineCore process died (exit code {proc.exitcode})", exit_code=proc.exitcode)))
             ctx = zmq.Context()
-            for addr in self.outputs:
+            for addr in self.outputs[rank]:
                 s = ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.LINGER, 1000)
                 s.connect(addr)
@@ -169,7 +197,7 @@ class _Launcher:
             self.stop.set()
 
         old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        threading.Thread(target=self._watch_engine, daemon=True, name="EngineWatch").start()
+        threading.Thread(target=self._watch_engines, daemon=True, name="EngineWatch").start()
         failed = False
         try:
             while not self.stop.wait(0.2):
@@ -200,13 +228,18 @@ class _Launcher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.engine(None)  # SIGTERM (no client of ours to send SHUTDOWN), then SIGKILL
+        # SIGTERM (no client of ours to send SHUTDOWN), then SIGKILL; the engines in parallel.
+        stoppers = [threading.Thread(target=e, args=(None,)) for e in self.engines]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
         self.sock.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def run_multi_api_server(args: argparse.Namespace) -> int:
-    """Start the engine once and ``args.api_server_count`` API servers on one socket;
+    """Start the engine(s) once and ``args.api_server_count`` API servers on one socket;
     return when they stopped (0, or 1 when the engine died or an API server failed).
     Raises ValueError for flags several API servers do not support."""
     return _Launcher(args).run()
