@@ -8,7 +8,8 @@
   same totals whichever process answers the scrape); SIGTERM (twice) to the launcher stops
   both API servers and the engine and removes the socket dir.
 * ``--api-server-count 2 --data-parallel-size 2``: the launcher starts both engines; each
-  API server balances over both; both servers and both engines serve some; SIGTERM stops all.
+  API server balances over both; both servers and both engines serve some; SIGTERM stops all;
+  SIGKILL of one engine makes everything exit with code 1.
 """
 from __future__ import annotations
 
@@ -143,6 +144,26 @@ def test_two_api_servers_over_two_dp_engines(tiny_model_dir):
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(60) == 0
         assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)
+    finally:
+        srv.stop()
+
+
+def test_two_api_servers_over_two_dp_engines_exit_when_an_engine_dies(tiny_model_dir):
+    """SIGKILL of one of the two DP engines: both API servers and the launcher exit with
+    code 1, the other engine stops, the socket dir is removed."""
+    srv = RemoteServer(["--model", tiny_model_dir, *TINY, "--api-server-count", "2", "--data-parallel-size", "2"],
+                       entrypoint=SERVE_CLI)
+    try:
+        kids = psutil.Process(srv.proc.pid).children()
+        engines = [p for p in kids if "llmserve.engine.core" in " ".join(p.cmdline())]
+        assert len(engines) == 2
+        with open(srv.log.name, errors="replace") as f:
+            sock_dirs = set(re.findall(r"socket dir (\S+)", f.read()))
+        srv.http.close()
+        engines[1].send_signal(signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+        assert not [p.pid for p in kids if psutil.pid_exists(p.pid) and p.status() != psutil.STATUS_ZOMBIE]
         assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)
     finally:
         srv.stop()
