@@ -38,40 +38,9 @@ import threading
 import time
 import urllib.request
 
-import psutil
+from llmserve.benchmarks.proc_stats import tree_cpu_s, tree_rss_mib
 
 DEFAULT_LLAMA = ("/work/llama-build/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        p = psutil.Process(pid)
-        return [p] + p.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident MiB of a process and all its descendants."""
-    total = 0
-    for q in _tree(pid):
-        try:
-            total += q.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
-
-
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its live descendants."""
-    total = 0.0
-    for q in _tree(pid):
-        try:
-            t = q.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 class Sampler(threading.Thread):

@@ -55,22 +55,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def _cpu_s() -> float:
     """CPU seconds used so far by this process and its children (the EngineCore)."""
-    import psutil
+    import os
 
-    me = psutil.Process()
-    procs = [me]
-    try:
-        procs += me.children(recursive=True)
-    except psutil.Error:
-        pass
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+    from llmserve.benchmarks.proc_stats import tree_cpu_s
+
+    return tree_cpu_s(os.getpid())
 
 
 def _timed(fn, sents: list[str]):
