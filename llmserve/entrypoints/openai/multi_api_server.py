@@ -4,15 +4,18 @@
 When the front end, not the engine, is the bottleneck (short outputs, many clients: HTTP,
 JSON, detokenizing and the event loop of one process), K API servers share the work:
 
-* this process (the launcher) binds the listening socket once and starts the engine(s)
+* this process (the launcher) binds the listening sockets and starts the engine(s)
   once: one EngineCore process, this server's rank with ``--data-parallel-external-lb``,
   or the ``--data-parallel-size`` N ranks (internal load balancing, cores / N threads
   each); every engine's input/output sockets are one pair per API server
   (``client_addresses``; with N ranks, each address is a list of N, one per rank, and
   each API server's ``DPLBAsyncMPClient`` attaches to all N and balances by the engines'
   reported counts plus its own sends since, without a coordinator);
-* it starts K API-server processes, each handed the listening socket (uvicorn
-  ``serve(sockets=[sock])``: the kernel spreads the connections over the K accept loops)
+* it starts K API-server processes, each handed a listening socket of its own, all K bound
+  to the one port with ``SO_REUSEPORT`` (uvicorn ``serve(sockets=[sock])``): the kernel
+  hashes each new connection to one of them, so the K processes share new connections
+  evenly whatever their event loops do. (One socket shared by K accept loops, as vLLM,
+  goes to whichever loop wakes first: in CI one process took all of 40 connections.)
   and its ``client_addresses`` / ``client_count`` / ``client_index``, which go to
   ``AsyncLLM``: the engine routes each request's outputs (and utility results) to the API
   server that sent it (``EngineCoreRequest.client_index``, ``engine/client_router.py``);
@@ -90,16 +93,22 @@ def _engine_topology(config: Any) -> tuple[Any, int]:
     return config, 1
 
 
-def _bind(host: Optional[str], port: int) -> socket.socket:
-    """The listening socket every API server accepts on (bound here, once)."""
+def _bind(host: Optional[str], port: int, count: int) -> list[socket.socket]:
+    """``count`` listening sockets on one (host, port), one per API server, in one
+    ``SO_REUSEPORT`` group (``port`` 0: the first picks a free port, the rest join it).
+    Raises OSError when the port is taken."""
     host = host if host is not None else "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    socks: list[socket.socket] = []
+    for _ in range(count):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, socks[0].getsockname()[1] if socks else port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+        socks.append(sock)
+    return socks
 
 
 class _Launcher:
@@ -118,8 +127,8 @@ class _Launcher:
         self.tmpdir = tempfile.mkdtemp(prefix="llmserve-api-")
         self.metrics_dir = os.path.join(self.tmpdir, "prometheus")
         os.mkdir(self.metrics_dir)
-        self.sock = _bind(args.host, args.port)
-        args.port = self.sock.getsockname()[1]
+        socks = _bind(args.host, args.port, count)
+        args.port = socks[0].getsockname()[1]
         self.engine_config, num_engines = _engine_topology(config)
         # One (input, output) address pair per engine and API server: [engine][api server].
         self.inputs = [[f"ipc://{self.tmpdir}/input-{r}-{i}.sock" for i in range(count)] for r in range(num_engines)]
@@ -140,12 +149,15 @@ class _Launcher:
         self.children = []
         for i in range(count):
             proc = subprocess.Popen([sys.executable, "-m", "llmserve.entrypoints.openai.multi_api_server"],
-                                    stdin=subprocess.PIPE, pass_fds=(self.sock.fileno(),), env=env,
+                                    stdin=subprocess.PIPE, pass_fds=(socks[i].fileno(),), env=env,
                                     start_new_session=True)  # a terminal's Ctrl-C reaches the launcher only
             client = {"client_addresses": self._client_addresses(i), "client_count": count, "client_index": i}
-            proc.stdin.write(pickle.dumps((child_args, client, self.sock.fileno(), os.getpid())))
+            proc.stdin.write(pickle.dumps((child_args, client, socks[i].fileno(), os.getpid())))
             proc.stdin.close()
             self.children.append(proc)
+            # Only the child keeps it: a socket left open here after its child died would
+            # take its share of new connections and never accept them.
+            socks[i].close()
         logger.info("Started %d API servers (pids %s) over engine pids %s on port %d, socket dir %s", count,
                     [p.pid for p in self.children], [e.proc.pid for e in self.engines], args.port, self.tmpdir)
 
@@ -234,7 +246,6 @@ class _Launcher:
             t.start()
         for t in stoppers:
             t.join()
-        self.sock.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
