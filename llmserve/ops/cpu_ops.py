@@ -116,6 +116,9 @@ def get_cpu_ops() -> Optional[Any]:
     - ``sample_inverse_cdf(out [n] int64, x [n, V] float32, k [n] float32, u [n] float32)``:
       a token per row drawn from softmax(x * k / log2(e)) (k = log2(e) / temperature) at
       the uniform u, by the inverse CDF over 64-wide chunks; -inf logits are never drawn.
+    - ``apply_token_bitmask(logits [N, V], bitmask int32 [R, W], rows [K] int64,
+      bm_rows [K] int64)``: logits[rows[i], t] <- -inf where bitmask[bm_rows[i]] has bit t
+      clear (xgrammar's layout), for t < min(V, 32 W); float32/bfloat16/float16 logits.
     Each raises RuntimeError on a shape, dtype or range mismatch.
     The first build takes ~1 min on 2 cores; later processes load the cached .so.
     """

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-# dtypes xgrammar's CPU kernel masks in place; any other is masked through a float32 copy.
+from llmserve.ops.cpu_ops import cpu_ops_for
+
+# dtypes the masking kernels write in place; any other is masked through a float32 copy.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -17,12 +19,23 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: lis
     requests in the batch sample exactly as without a grammar. Tokens past ``32 * W``
     (bitmask words) are left as they are, as in xgrammar.
 
-    One call of xgrammar's fused CPU kernel over the constrained rows, in place in the
-    logits' own dtype (float32/bfloat16/float16): no gather, float copy or scatter of the
-    [N, V] logits (that copy cost ~10% of a 32-stream step on SmolLM2; vLLM applies the
-    mask the same way, with ``indices``)."""
+    On CPU, one call of our ``apply_token_bitmask`` kernel (``ops/csrc/sampler.cpp``) in
+    place in the logits' own dtype: xgrammar's CPU kernel tests one bit at a time and took
+    4.8 ms for 32 rows of SmolLM2's 49152 tokens, 9.4% of the engine's time at 32
+    JSON-schema streams (py-spy); ours takes ~0.2 ms. Elsewhere (or without the built
+    kernels) xgrammar's kernel, with ``indices`` as vLLM calls it."""
     if not rows:
         return
+    ops = cpu_ops_for(logits)
+    if ops is not None and logits.dtype in _KERNEL_DTYPES and logits.stride(-1) == 1 and bitmask.is_contiguous():
+        ops.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long),
+                                torch.tensor(bitmask_rows, dtype=torch.long))
+        return
+    _apply_with_xgrammar(logits, bitmask, rows, bitmask_rows)
+
+
+def _apply_with_xgrammar(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                         bitmask_rows: list[int]) -> None:
     import xgrammar as xgr
 
     if list(rows) != list(bitmask_rows):

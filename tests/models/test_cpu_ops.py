@@ -145,3 +145,29 @@ def test_bfloat16_model_same_with_and_without_kernels(tmp_path, save_tiny_model_
     slow = run()
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
     torch.testing.assert_close(fast, slow, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_apply_token_bitmask_equals_xgrammar(dtype):
+    """Our grammar-mask kernel against xgrammar's on random words (incl. all-clear and
+    all-set), a vocab that is not a multiple of 32 and longer logits rows than the mask,
+    rows out of order and a bitmask row per logits row that is not its own index."""
+    import xgrammar as xgr
+
+    torch.manual_seed(0)
+    V, W = 1000, 32  # 32 words cover 1024 > V; logits are wider still
+    bm = torch.randint(-2**31, 2**31 - 1, (6, W), dtype=torch.int32)
+    bm[0, :5], bm[1, 5:9] = 0, -1
+    logits = torch.randn(9, 1030, dtype=dtype)
+    rows, bm_rows = [7, 2, 4, 0], [1, 0, 5, 3]
+    got = logits.clone()
+    ops.apply_token_bitmask(got, bm, torch.tensor(rows), torch.tensor(bm_rows))
+    want = logits.clone()
+    aligned = torch.full((9, W), -1, dtype=torch.int32)
+    aligned[rows] = bm[bm_rows]
+    xgr.apply_token_bitmask_inplace(want, aligned, vocab_size=1024, indices=rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3, 5, 6, 8]], logits[[1, 3, 5, 6, 8]])  # unconstrained rows untouched
+    assert torch.isinf(got[2, :160]).all() and torch.equal(got[:, 1024:], logits[:, 1024:])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.apply_token_bitmask(got, bm, torch.tensor([9]), torch.tensor([0]))

@@ -9,5 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", torch::wrap_pybind_function(rotary_embedding), "rotary_embedding");
   m.def("to_float", torch::wrap_pybind_function(to_float), "to_float");
   m.def("sample_inverse_cdf", torch::wrap_pybind_function(sample_inverse_cdf), "sample_inverse_cdf");
+  m.def("apply_token_bitmask", torch::wrap_pybind_function(apply_token_bitmask), "apply_token_bitmask");
   m.def("reshape_and_cache", torch::wrap_pybind_function(reshape_and_cache), "reshape_and_cache");
 }

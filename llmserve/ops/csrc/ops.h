@@ -11,4 +11,5 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up);
 void rotary_embedding(at::Tensor positions, at::Tensor x, at::Tensor cos_cache, at::Tensor sin_cache);
 void to_float(at::Tensor out, at::Tensor x);
 void sample_inverse_cdf(at::Tensor out, at::Tensor x, at::Tensor k, at::Tensor u);
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows, at::Tensor bm_rows);
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping);

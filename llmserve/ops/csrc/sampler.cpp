@@ -99,3 +99,53 @@ void sample_inverse_cdf(at::Tensor out, at::Tensor x, at::Tensor k, at::Tensor u
     }
   });
 }
+
+// ---- grammar bitmask ----
+
+// One logits row: every token t < V whose bit (t % 32 of word t / 32) is clear gets the
+// value `neg` (the -inf bit pattern of the row's dtype, stored as a raw integer so the
+// all-forbidden and partial words compile to plain vector stores).
+template <typename Raw>
+static void mask_row(Raw* row, const int32_t* words, int64_t V, Raw neg) {
+  const int64_t W = (V + 31) / 32;
+  for (int64_t w = 0; w < W; ++w) {
+    const uint32_t word = static_cast<uint32_t>(words[w]);
+    if (word == 0xffffffffu) continue;
+    Raw* p = row + w * 32;
+    const int64_t n = std::min<int64_t>(32, V - w * 32);
+    for (int64_t b = 0; b < n; ++b) p[b] = ((word >> b) & 1u) ? p[b] : neg;
+  }
+}
+
+// logits[rows[i], t] <- -inf for the tokens t < min(V, 32 * W) that bitmask[bm_rows[i]]
+// forbids (xgrammar's layout: int32 [R, W], bit set = allowed). Other rows and columns are
+// untouched. Replaces xgrammar's CPU kernel, which tests bits one at a time (4.8 ms for 32
+// rows of SmolLM2's 49152 tokens, ~10% of a 32-stream decode step; this: ~0.2 ms).
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows, at::Tensor bm_rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits: [N, V] with unit column stride");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
+              "bitmask: int32 [R, W] contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && bm_rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+              bm_rows.is_contiguous() && rows.numel() == bm_rows.numel(), "rows, bm_rows: int64 [K]");
+  const int64_t N = logits.size(0), R = bitmask.size(0), W = bitmask.size(1), K = rows.numel();
+  const int64_t V = std::min<int64_t>(logits.size(1), 32 * W), stride = logits.stride(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* bp = bm_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < K; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N && bp[i] >= 0 && bp[i] < R, "row index out of range");
+  const int32_t* words = bitmask.data_ptr<int32_t>();
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "logits: float32, bfloat16 or float16");
+  void* base = logits.data_ptr();
+  at::parallel_for(0, K, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int32_t* wr = words + bp[i] * W;
+      if (dtype == at::kFloat)
+        mask_row(static_cast<uint32_t*>(base) + rp[i] * stride, wr, V, uint32_t{0xff800000u});
+      else
+        mask_row(static_cast<uint16_t*>(base) + rp[i] * stride, wr, V,
+                 static_cast<uint16_t>(dtype == at::kBFloat16 ? 0xff80u : 0xfc00u));
+    }
+  });
+}
