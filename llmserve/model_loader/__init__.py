@@ -67,8 +67,10 @@ def get_model(model_config: Any) -> nn.Module:
                                else iterate_safetensors_weights(path))
     device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
-        model = model.to(device)
-    elif getattr(model, "is_causal", True):  # build (or load the cached) C++ decode kernel now, not at the first request
+        return model.to(device).eval()
+    if getattr(model, "is_causal", True):  # build (or load the cached) C++ decode kernel now, not at the first request
         from llmserve.ops.cpu_ops import get_decode_kernel
         get_decode_kernel()
+    from llmserve.ops.onednn_linear import pack_model
+    pack_model(model)  # last: the loaders above read the dense weights
     return model.eval()

@@ -32,6 +32,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from llmserve.ops import onednn_linear
+
 MIN_INVARIANT_ROWS = 4
 
 _min_rows: contextvars.ContextVar[int] = contextvars.ContextVar("llmserve_min_gemm_rows", default=1)
@@ -53,10 +55,18 @@ def unpadded() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` ([M, in] x [out, in] -> [M, out]); inside :func:`min_gemm_rows` a 2-D
-    input with fewer rows is padded with zero rows (dropped from the result)."""
+    """``F.linear`` ([M, in] x [out, in] -> [M, out]), or oneDNN's linear when ``weight``
+    was packed by :mod:`llmserve.ops.onednn_linear` (``weight.is_mkldnn``); inside
+    :func:`min_gemm_rows` a 2-D input with fewer rows is padded with zero rows (dropped
+    from the result)."""
     m = _min_rows.get()
     if m > 1 and x.dim() == 2 and x.shape[0] < m:
         padded = torch.cat([x, x.new_zeros(m - x.shape[0], x.shape[1])])
-        return F.linear(padded, weight, bias)[:x.shape[0]]
+        return _gemm(padded, weight, bias)[:x.shape[0]]
+    return _gemm(x, weight, bias)
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return onednn_linear.linear(x, weight, bias)
     return F.linear(x, weight, bias)

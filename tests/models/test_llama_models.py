@@ -7,6 +7,7 @@ import torch
 from llmserve.model_loader import get_model, load_hf_config, resolve_model
 from llmserve.models import get_model_class
 from llmserve.models.llama import LlamaForCausalLM
+from llmserve.ops.onednn_linear import dense
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4
@@ -96,12 +97,12 @@ def test_fused_weights_hold_hf_weights(tiny):
     arch, ours, hf, path = tiny
     sd = hf.state_dict()
     attn = ours.model.layers[1].self_attn
-    qkv = attn.qkv_proj.weight
+    qkv = dense(attn.qkv_proj.weight)  # packed for oneDNN after loading
     ref = torch.cat([sd["model.layers.1.self_attn.q_proj.weight"],
                      sd["model.layers.1.self_attn.k_proj.weight"],
                      sd["model.layers.1.self_attn.v_proj.weight"]])
     assert torch.equal(qkv, ref)
-    gu = ours.model.layers[0].mlp.gate_up_proj.weight
+    gu = dense(ours.model.layers[0].mlp.gate_up_proj.weight)
     assert torch.equal(gu, torch.cat([sd["model.layers.0.mlp.gate_proj.weight"],
                                       sd["model.layers.0.mlp.up_proj.weight"]]))
 
