@@ -27,14 +27,15 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
 
 
-def get_model(model_config: Any) -> nn.Module:
+def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
     """Build the model of ``model_config.hf_config`` and load its weights.
 
     model_config: ``llmserve.config.ModelConfig``; its ``model_path`` (directory or .gguf
     file) and ``gguf_file`` say where the weights are; ``dtype`` ("float32", "bfloat16",
     "float16") the parameter dtype; ``device`` where the model goes. Returns the model in
     eval mode, parameters without grad. Raises ValueError for an unsupported architecture
-    or a checkpoint that does not fit the config.
+    or a checkpoint that does not fit the config. On CPU the linears' weights end packed
+    for oneDNN (``ops/onednn_linear.py``) unless ``pack_weights`` is False.
     """
     from llmserve.models.registry import get_model_class
 
@@ -71,6 +72,7 @@ def get_model(model_config: Any) -> nn.Module:
     if getattr(model, "is_causal", True):  # build (or load the cached) C++ decode kernel now, not at the first request
         from llmserve.ops.cpu_ops import get_decode_kernel
         get_decode_kernel()
-    from llmserve.ops.onednn_linear import pack_model
-    pack_model(model)  # last: the loaders above read the dense weights
+    if pack_weights:
+        from llmserve.ops.onednn_linear import pack_model
+        pack_model(model)  # last: the loaders above read the dense weights
     return model.eval()

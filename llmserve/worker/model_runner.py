@@ -137,12 +137,14 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
-    def load_model(self) -> None:
+    def load_model(self, pack_weights: bool = True) -> None:
+        """Load the model; ``pack_weights=False`` leaves the linears dense (tensor-parallel
+        workers shard them first, then pack: ``onednn_linear.pack_model``)."""
         from llmserve.model_loader import get_model
 
         t0 = time.perf_counter()
         torch.manual_seed(self.model_config.seed)
-        self.model = get_model(self.model_config)
+        self.model = get_model(self.model_config, pack_weights=pack_weights)
         logger.info("Loaded %s (%s) in %.1f s", self.model_config.model, self.model_config.dtype,
                     time.perf_counter() - t0)
 

@@ -53,12 +53,14 @@ class Worker:
         from llmserve.worker.model_runner import ModelRunner
 
         self.model_runner = runner = ModelRunner(self.config)
-        runner.load_model()
+        runner.load_model(pack_weights=self.world_size == 1)
         if self.world_size > 1:
             from llmserve.models.tensor_parallel import shard_llama
+            from llmserve.ops.onednn_linear import pack_model
 
             shard_llama(runner.model, self.tp)
             runner.num_kv_heads = runner.model.tp_num_kv_heads
+            pack_model(runner.model)  # the shards, not the whole weights (CPU only)
             import gc
 
             gc.collect()  # the unsharded weights go now, not at the next collection
