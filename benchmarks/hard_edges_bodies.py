@@ -2,20 +2,25 @@
 a default server: status and time of each answer, the API server's RSS growth, and /health
 latency polled every 10 ms meanwhile. Run from the repository root:
 ``PYTHONPATH=$PWD python benchmarks/hard_edges_bodies.py``."""
-import json, socket, sys, threading, time
+import json, multiprocessing, socket, sys, threading, time
 import httpx, psutil
 sys.path.insert(0, "tests/e2e")
 from e2e_utils import RemoteServer
 
 srv = RemoteServer(["--kv-cache-memory", "256MiB"], api_key=None)
 proc = psutil.Process(srv.proc.pid)
-lat, stop = [], threading.Event()
 
-def poll():
+def poll(url, conn):
+    """In its own process: this client's GIL (building and sending 50 MB) must not show up
+    as /health latency. Polls between a "start" and a "stop" message, then sends the list."""
     with httpx.Client() as c:
-        while not stop.is_set():
-            t = time.perf_counter(); r = c.get(srv.url_for("health")); lat.append((time.perf_counter() - t, r.status_code))
-            time.sleep(0.01)
+        while conn.recv() == "start":
+            got = []
+            while not conn.poll():
+                t = time.perf_counter(); r = c.get(url); got.append((time.perf_counter() - t, r.status_code))
+                time.sleep(0.01)
+            conn.recv()
+            conn.send(got)
 
 def body_of(nbytes):
     pad = nbytes - len(json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": ""}]}))
@@ -47,16 +52,20 @@ def send_raw(body, chunked=False):
     done.wait(30); t = time.perf_counter() - t0; s.close(); th.join(1)
     return resp.split(b"\r\n", 1)[0].decode(), t, resp.split(b"\r\n\r\n", 1)[-1][:160]
 
-th = threading.Thread(target=poll); th.start(); time.sleep(1)
+ours, theirs = multiprocessing.Pipe()
+poller = multiprocessing.Process(target=poll, args=(srv.url_for("health"), theirs), daemon=True); poller.start()
+httpx.get(srv.url_for("health")); time.sleep(1)
 rss0 = proc.memory_info().rss
 for size, chunked in ((50_000_000, False), (50_000_000, True), (5_000_000, False), (5_000_000, True), (1_000_000, False), (1_000_000, True)):
-    lat.clear(); time.sleep(0.3)
-    status, t, body = send_raw(body_of(size), chunked)
+    payload = body_of(size)
+    ours.send("start"); time.sleep(0.3)
+    status, t, body = send_raw(payload, chunked)
     time.sleep(0.3)
+    ours.send("stop"); lat = ours.recv()
     ls = sorted(l for l, _ in lat); worst = ls[-1]; med = ls[len(ls)//2]; p90 = ls[int(len(ls)*0.9)]
     print(f"{size/1e6:.0f} MB {'chunked' if chunked else 'content-length'}: {status!r} in {t:.3f} s; RSS growth "
           f"{(proc.memory_info().rss - rss0)/2**20:.1f} MiB; /health median {med*1000:.1f} p90 {p90*1000:.1f} max {worst*1000:.1f} ms over {len(lat)} polls; {body[:110]!r}")
-stop.set(); th.join()
+ours.send("quit"); poller.join(5)
 print("rss_peak_hwm", psutil.Process(srv.proc.pid).memory_full_info().rss / 2**20)
 print(open(srv.log.name).read()[-1500:])
 srv.stop()

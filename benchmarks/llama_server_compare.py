@@ -40,6 +40,7 @@ import urllib.request
 
 from llmserve.benchmarks.proc_stats import tree_cpu_s, tree_rss_mib
 
+MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_LLAMA = ("/work/llama-build/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
 
 
@@ -62,7 +63,8 @@ class Sampler(threading.Thread):
 
 
 def _chat_once(url: str) -> None:
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
+    # llmserve answers 404 to a model name it does not serve; llama-server takes any
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8,
                        "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
@@ -117,7 +119,7 @@ def _bench(ours_url: str, other_url: str, c: int, n: int) -> dict:
                "--compare-url", other_url, "--endpoint", "/v1/chat/completions",
                "--num-prompts", str(n), "--max-concurrency", str(c),
                "--random-input-len", "128", "--random-output-len", "128", "--temperature", "0",
-               "--tokenizer", "SmolLM2-135M-Instruct", "--save-result", "--result-dir", d,
+               "--model", MODEL, "--tokenizer", MODEL, "--save-result", "--result-dir", d,
                "--result-filename", "r.json"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(d, "r.json")) as f:
