@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import Any, Optional
 
 from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 
@@ -97,8 +97,27 @@ def _short(e: BaseException) -> str:
     return msg.splitlines()[0] if msg else type(e).__name__
 
 
+def json_schema_error(schema: Any) -> Optional[str]:
+    """Where and why ``schema`` breaks the JSON Schema meta-schema of its ``$schema`` draft
+    (2020-12 when it names none), e.g. ``at properties/a/minLength: -3 is less than the
+    minimum of 0``; None when it is valid. xgrammar converts some invalid schemas and only
+    fails when compiling against the tokenizer, in the engine, too late for a 400."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        return f"at {where}: {e.message}"
+    return None
+
+
 @functools.lru_cache(maxsize=512)
 def _check_key(key: GrammarKey) -> None:
+    if key[0] == "json":
+        err = json_schema_error(json.loads(key[1]))
+        if err is not None:
+            raise ValueError(f"not a valid JSON schema {err}")
     build_grammar(key)
 
 

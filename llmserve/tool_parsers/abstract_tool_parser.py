@@ -61,7 +61,7 @@ def canonical_arguments(call: RawCall) -> Optional[str]:
     return canonical_json_prefix(raw)
 
 
-def _streamed_args(call: RawCall) -> str:
+def streamed_arguments(call: RawCall) -> str:
     """The argument text streamed for ``call`` so far ({} for a finished call that has
     none, as :func:`canonical_arguments`)."""
     args = canonical_json_prefix(call.args)
@@ -157,14 +157,14 @@ class ToolParser:
             if call.name is None:
                 continue
             old = before.calls[i] if i < len(before.calls) else None
-            args = _streamed_args(call)
+            args = streamed_arguments(call)
             if old is None or old.name is None:
                 self._ids[i] = self.make_tool_call_id()
                 self._track(i, call.name, args)
                 deltas.append(DeltaToolCall(index=i, id=self._ids[i], type="function",
                                             function=DeltaFunctionCall(name=call.name, arguments=args)))
                 continue
-            sent = _streamed_args(old)
+            sent = streamed_arguments(old)
             if len(args) > len(sent) and args.startswith(sent):
                 self._track(i, call.name, args)
                 deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=args[len(sent):])))

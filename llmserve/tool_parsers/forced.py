@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmserve.tool_parsers.abstract_tool_parser import ScanResult, ToolParser
+from llmserve.entrypoints.openai.chat_completion.protocol import (ExtractedToolCallInformation, FunctionCall,
+                                                                   ToolCall)
+from llmserve.tool_parsers.abstract_tool_parser import (ScanResult, ToolParser, canonical_arguments,
+                                                      streamed_arguments)
 from llmserve.tool_parsers.json_scan import RawCall, scan_call_list, skip_ws, value_end
 
 
@@ -35,3 +38,15 @@ class NamedToolParser(ToolParser):
             return ScanResult()
         complete = value_end(text, i) is not None
         return ScanResult(calls=[RawCall(self.name, text, complete)])
+
+    def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCallInformation:
+        """The whole output is the call's arguments, also when ``max_tokens`` cut it
+        (vLLM's named tool choice; the streamed deltas carry the same text), not content."""
+        scan = self.scan(model_output, final=True)
+        if not scan.calls:  # nothing but whitespace
+            return super().extract_tool_calls(model_output, request)
+        raw = scan.calls[0]
+        args = canonical_arguments(raw) if raw.complete else None
+        call = ToolCall(id=self.make_tool_call_id(),
+                        function=FunctionCall(name=self.name, arguments=streamed_arguments(raw) if args is None else args))
+        return ExtractedToolCallInformation(tools_called=True, tool_calls=[call], content=None)

@@ -67,6 +67,7 @@ def test_n_children_and_unconstrained_neighbours(llm_fp32):
 
 
 @pytest.mark.parametrize("so", [SO(json={"type": "nonsense"}), SO(json={"type": "integer", "minimum": "x"}),
+                                SO(json={"type": "string", "minLength": -3}),  # valid to xgrammar until compiled
                                 SO(regex="a(b"), SO(grammar="root ::= nothing")])
 def test_malformed_constraint_refused_before_running(llm_fp32, so):
     with pytest.raises(SamplingParamsError) as e:

@@ -134,6 +134,9 @@ def test_required_and_named_outputs():
     info = check_streaming_equals_whole(lambda: NamedToolParser(None, "subtract"), named)
     assert info.tool_calls[0].function.name == "subtract"
     assert json.loads(info.tool_calls[0].function.arguments) == {"a": 9, "b": -52.5}
+    # cut by max_tokens: still the named call, its arguments the text so far, as streamed (vLLM)
+    info = check_streaming_equals_whole(lambda: NamedToolParser(None, "subtract"), '{ "a" : 9,\n "b": -5')
+    assert info.tools_called and info.content is None and info.tool_calls[0].function.arguments.startswith('{"a": 9')
 
 
 def test_first_fragment_has_id_type_name_then_only_arguments():

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage, DeltaToolCall, ToolCall
 from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+from llmserve.structured_output.grammar import json_schema_error
 
 # OpenAI's rule for function names.
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -29,14 +30,9 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 def _check_schema(schema: Any, i: int) -> None:
     if not isinstance(schema, dict):
         raise SamplingParamsError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
-        raise SamplingParamsError(f"tools[{i}].function.parameters is not a valid JSON schema at {where}: "
-                                  f"{e.message}", "tools") from None
+    err = json_schema_error(schema)
+    if err is not None:
+        raise SamplingParamsError(f"tools[{i}].function.parameters is not a valid JSON schema {err}", "tools")
 
 
 def check_tool(tool: Any, i: int) -> str:

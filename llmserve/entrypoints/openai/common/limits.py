@@ -122,10 +122,10 @@ class PromptCharLimit:
         chars = sum(non_whitespace_chars(t) for t in texts)
         if chars > self.limit:
             raise SamplingParamsError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your {param} "
-                f"has {chars} non-whitespace characters, and no token of this model is longer than "
-                f"{self.max_token_chars} characters, so it has more than {chars // self.max_token_chars} "
-                f"tokens and cannot fit. Please reduce the length of the {param}.", param)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, `{param}` "
+                f"holds {chars} non-whitespace characters, and no token of this model is longer than "
+                f"{self.max_token_chars} characters, so that is more than {chars // self.max_token_chars} "
+                f"tokens, which cannot fit. Please reduce the length of the {param}.", param)
 
 
 def message_texts(messages: Iterable[Any]) -> list[str]:
