@@ -224,6 +224,8 @@ class MPClient(EngineCoreClient):
                 if msg.ready is not None:
                     return msg.ready
             elif proc is not None and not proc.is_alive():
+                if out_sock.poll(1000):  # its start-up error, sent just before it exited, may still be in flight
+                    continue
                 raise RuntimeError(f"Engine process exited during start-up (exit code {proc.exitcode}); "
                                    "see the log above for the cause")
         raise RuntimeError(f"Engine did not start within {timeout:.0f} s")
