@@ -55,6 +55,12 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), HINT_ROWS)
 
 
+def pack_or_keep(weight: torch.Tensor) -> torch.Tensor:
+    """:func:`pack`'s result, or ``weight`` itself where packing does not apply."""
+    packed = pack(weight)
+    return weight if packed is None else packed
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [..., in] @ W.T (+ bias)`` -> ``[..., out]`` in x's dtype, W from :func:`pack`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -92,7 +92,7 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 1
     dense = ops.quant_dequantize(w, 3).to(dtype)
     copies = max(1, -(-stream_bytes // (dense.numel() * dense.element_size())))
     quant = [w.clone() for _ in range(copies)]
-    denses = [_as_model_runs_it(dense.clone(), onednn_linear) for _ in range(copies)]
+    denses = [onednn_linear.pack_or_keep(dense.clone()) for _ in range(copies)]  # as the model runs them
     best = 0
     for m in candidates:
         x = torch.randn(m, k, generator=g).to(dtype)
@@ -109,7 +109,3 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 1
         best = m
     return best
 
-
-def _as_model_runs_it(weight: torch.Tensor, onednn_linear) -> torch.Tensor:
-    packed = onednn_linear.pack(weight)
-    return weight if packed is None else packed
