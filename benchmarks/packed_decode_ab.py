@@ -30,7 +30,7 @@ def main() -> None:
         for m in layers:
             m.packed_max_rows = rows
         if model.packed_head is not None:
-            model.packed_head = (*model.packed_head[:2], rows)
+            model.packed_head = (model.packed_head[0], rows)
 
     sp = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(1000 + i, 1032 + i))} for i in range(args.batch)]

@@ -25,6 +25,7 @@ from torch import nn
 from llmserve.attention.backend import AttentionMetadata, PagedAttention
 from llmserve.ops import batch_invariant, onednn_linear
 from llmserve.ops.cpu_ops import cpu_ops_for
+from llmserve.ops.quant_ops import QuantWeight
 
 
 class Linear(nn.Module):
@@ -41,30 +42,18 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
 
-        self.qweight: Optional[torch.Tensor] = None  # GGUF blocks (llmserve.models.packed)
-        self.qtype = 0
+        self.qweight: Optional[QuantWeight] = None  # GGUF blocks (llmserve.models.packed)
         self.packed_max_rows = 0
 
-    def set_packed(self, qweight: torch.Tensor, qtype: int, max_rows: int) -> None:
-        """Run steps of at most ``max_rows`` tokens on ``qweight`` (uint8 ``[out, row_bytes]``
-        GGUF blocks of ggml type ``qtype``) instead of ``weight``."""
-        self.qweight, self.qtype, self.packed_max_rows = qweight, qtype, max_rows
+    def set_packed(self, qweight: QuantWeight, max_rows: int) -> None:
+        """Run steps of at most ``max_rows`` tokens on ``qweight`` instead of ``weight``."""
+        self.qweight, self.packed_max_rows = qweight, max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.packed_max_rows and x.dim() == 2 and batch_invariant.unpadded():
-            return packed_linear(x, self.qweight, self.qtype, self.bias)
+            y = self.qweight.linear(x)
+            return y if self.bias is None else y + self.bias
         return batch_invariant.linear(x, self.weight, self.bias)
-
-
-def packed_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int,
-                  bias: Optional[torch.Tensor] = None, out_float: bool = False) -> torch.Tensor:
-    """``x [M, in] @ dequant(qweight).T (+ bias)`` -> ``[M, out]`` from GGUF blocks, in x's
-    dtype (float32 with ``out_float``)."""
-    from llmserve.ops.quant_ops import get_quant_ops
-    # float32 activations: the exact-dequant path (the bf16-dot path's model test fails; see issue 16 notes)
-    y = get_quant_ops().quant_linear(x.float(), qweight, qtype, True)
-    y = y if out_float else y.to(x.dtype)
-    return y if bias is None else y + bias
 
 
 class RMSNorm(nn.Module):
@@ -356,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
         # Tensor parallel: this rank's vocab-parallel head (models/tensor_parallel.py).
         self.tp_lm_head = None
-        self.packed_head = None  # tied head's GGUF blocks: (qweight, qtype, max_rows)
+        self.packed_head: Optional[tuple[QuantWeight, int]] = None  # tied head's GGUF blocks, max rows
         self.onednn_head: Optional[torch.Tensor] = None  # tied head packed for oneDNN
         self.eval()
 
@@ -388,8 +377,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp_lm_head is not None:
             return self.tp_lm_head.logits(hidden_states)
         head = self.packed_head
-        if head is not None and hidden_states.shape[0] <= head[2] and batch_invariant.unpadded():
-            return packed_linear(hidden_states, head[0], head[1], out_float=True)
+        if head is not None and hidden_states.shape[0] <= head[1] and batch_invariant.unpadded():
+            return head[0].linear(hidden_states, out_float=True)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         weight = weight if self.onednn_head is None else self.onednn_head
         logits = batch_invariant.linear(hidden_states, weight)

@@ -5,7 +5,7 @@ steps), :func:`attach_packed_weights` gives each ``Linear`` whose checkpoint ten
 Q4_0 / Q4_1 / Q8_0 blocks a packed copy (fused the way the model fuses them: q/k/v rows
 into ``qkv_proj``, gate/up into ``gate_up_proj``), and the LM head the packed embedding
 when they are tied. ``Linear`` then runs steps of at most ``max_rows`` tokens through
-``quant_linear`` (:mod:`llmserve.ops.quant_ops`), as llama.cpp does for all steps;
+``QuantWeight.linear`` (:mod:`llmserve.ops.quant_ops`), as llama.cpp does for all steps;
 ``max_rows`` comes from a start-up probe, so the switch to the dense GEMM is this
 machine's. Steps inside ``batch_invariant.min_gemm_rows`` (seeded requests,
 ``--batch-invariant``) keep the dense GEMMs: their rows must not depend on the step size.
@@ -43,7 +43,7 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
     ``probe_max_rows`` at the MLP's shape. Returns the number of layers given a packed
     weight (0 when the kernels are unavailable or the probe finds no win)."""
     from llmserve.models.llama import Linear
-    from llmserve.ops.quant_ops import get_quant_ops, probe_max_rows
+    from llmserve.ops.quant_ops import QuantWeight, get_quant_ops, probe_max_rows
 
     if get_quant_ops() is None or not packed:
         return 0
@@ -61,11 +61,11 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
         prefix, _, leaf = name.rpartition(".")
         found = _packed_for(prefix, leaf, packed)
         if found is not None and found[1].shape[0] == mod.weight.shape[0]:
-            mod.set_packed(found[1], found[0], max_rows)
+            mod.set_packed(QuantWeight.from_gguf(found[1], found[0]), max_rows)
             count += 1
     head = packed.get("lm_head.weight") or packed.get("model.embed_tokens.weight")
     if head is not None and getattr(model, "lm_head", None) is None:
-        model.packed_head = (head[1], head[0], max_rows)
+        model.packed_head = (QuantWeight.from_gguf(head[1], head[0]), max_rows)
         count += 1
     logger.info("packed weights: %d layers run steps of <= %d tokens from GGUF blocks", count, max_rows)
     return count

@@ -4,12 +4,14 @@ extension (so editing either does not rebuild the other).
 
 At batch 1 a decode step reads every weight once; SmolLM2-135M in bfloat16 is ~270 MB per
 step, as Q4_1 blocks ~85 MB. llama.cpp keeps the file's blocks and so reads ~3x fewer
-bytes. ``quant_linear`` does the same for Q4_0 / Q4_1 / Q8_0 (ggml type ids 2, 3, 8):
-each 32-weight block is dequantized in registers exactly as ``gguf.quants.dequantize``
-does (float32) and multiplied with float32 activations, so the weights used are the file's
-exact values (the bfloat16 model rounds them). Needs AVX512F; elsewhere
-:func:`get_quant_ops` returns None and the model keeps its bfloat16 GEMMs.
-``LLMSERVE_PACKED_WEIGHTS=0`` turns the packed path off.
+bytes. :class:`QuantWeight` does the same for Q4_0 / Q4_1 / Q8_0 (ggml type ids 2, 3, 8),
+repacked once into codes and float16 scales that reproduce the file's values exactly.
+Its default kernel quantizes each 32-value block of the activations to int8 and takes the
+integer dot products on AVX512-VNNI, as llama.cpp does (``LLMSERVE_PACKED_WEIGHTS=float32``:
+dequantize in registers and multiply with float32 activations instead, the file's weights
+exactly; 2-3x slower here). Needs AVX512-VNNI; elsewhere :func:`get_quant_ops` returns
+None and the model keeps its bfloat16 GEMMs. ``LLMSERVE_PACKED_WEIGHTS=0`` turns the
+packed path off.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -45,17 +48,17 @@ def _build_dir() -> str:
 
 @functools.lru_cache(maxsize=1)
 def get_quant_ops() -> Optional[Any]:
-    """The compiled module, or None (no AVX512F, no compiler, ``LLMSERVE_PACKED_WEIGHTS=0``).
+    """The compiled module, or None (no AVX512-VNNI, no compiler, ``LLMSERVE_PACKED_WEIGHTS=0``).
 
-    - ``quant_linear(x [M, K], w uint8 [N, K/32*bb], qtype, out_float=False) -> [M, N]``:
-      x float32 / bfloat16 / float16; the result in x's dtype (float32 sums, rounded once)
-      or float32 with ``out_float``. bfloat16 x (with AVX512-BF16) takes the block's codes
-      as exact bfloat16 values into bf16 dot products and scales per block (the same sum
-      up to float32 rounding order); other dtypes dequantize each block to float32.
+    - ``quant_repack(w uint8 [N, K/32*bb], qtype) -> [codes uint8 [N, K/2 or K], dm int16 [N, K/16]]``:
+      GGUF rows into the kernels' layout (``csrc/quant_gemv.cpp``).
+    - ``quant_linear(x [M, K], codes, dm, bits, int8=True, out_float=False) -> [M, N]``:
+      x float32 / bfloat16 / float16; float32 sums, the result in x's dtype or float32
+      with ``out_float``.
     - ``quant_dequantize(w, qtype) -> float32 [N, K]``: the exact gguf dequantization.
-    Both raise RuntimeError for a shape or type mismatch.
+    All raise RuntimeError for a shape or type mismatch.
     """
-    if envs.get("LLMSERVE_PACKED_WEIGHTS", "1") == "0" or "avx512f" not in _cpu_signature():
+    if envs.get("LLMSERVE_PACKED_WEIGHTS", "1") == "0" or "avx512_vnni" not in _cpu_signature():
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -68,10 +71,44 @@ def get_quant_ops() -> Optional[Any]:
         return None
 
 
+def int8_activations() -> bool:
+    """Whether packed layers quantize activations to int8 (default) or keep them float32
+    (``LLMSERVE_PACKED_WEIGHTS=float32``)."""
+    return envs.get("LLMSERVE_PACKED_WEIGHTS", "1") != "float32"
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A linear layer's GGUF-quantized weight ``[N, K]`` in the kernels' layout: ``codes``
+    uint8 ``[N, K/2]`` (4-bit types) or ``[N, K]`` (Q8_0), ``dm`` int16 (float16 bits)
+    ``[N, K/16]``, one (d, m) pair per 32 weights; ``bits`` 4 or 8. Source: llama.cpp's
+    ``ggml_vec_dot_q4_1_q8_1`` scheme (vLLM has no CPU GGUF kernel)."""
+
+    codes: torch.Tensor
+    dm: torch.Tensor
+    bits: int
+    int8: bool = True
+
+    @classmethod
+    def from_gguf(cls, blocks: torch.Tensor, qtype: int) -> "QuantWeight":
+        """From the file's blocks (uint8 ``[N, K/32*block_bytes]``, ggml type ``qtype``);
+        raises RuntimeError for another type or a row that is not whole blocks."""
+        codes, dm = get_quant_ops().quant_repack(blocks.contiguous(), qtype)
+        return cls(codes, dm, 8 if qtype == 8 else 4, int8_activations())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.dm.shape[1] * 16
+
+    def linear(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
+        """``x [M, K] @ W.T`` -> ``[M, N]`` in x's dtype (float32 with ``out_float``)."""
+        return get_quant_ops().quant_linear(x, self.codes, self.dm, self.bits, self.int8, out_float)
+
+
 def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 16, 32),
                    iters: int = 6, stream_bytes: int = 64 << 20) -> int:
     """The largest step size (rows) in ``candidates`` at which ``quant_linear`` on random
-    Q4_1 ``[n, k]`` weights beats the dense GEMM on their ``dtype`` copies (packed for
+    Q4_1 ``[n, k]`` weights (the model's kernel, :func:`int8_activations`) beats the dense GEMM on their ``dtype`` copies (packed for
     oneDNN where the model's are), fastest of ``iters`` interleaved passes each (0: never).
 
     Each pass runs over enough copies of the weight (dense copies >= ``stream_bytes``, past
@@ -91,12 +128,12 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 1
     w.view(n, k // 32, 20)[:, :, 3] = 0x2C
     dense = ops.quant_dequantize(w, 3).to(dtype)
     copies = max(1, -(-stream_bytes // (dense.numel() * dense.element_size())))
-    quant = [w.clone() for _ in range(copies)]
+    quant = [QuantWeight.from_gguf(w, 3) for _ in range(copies)]
     denses = [onednn_linear.pack_or_keep(dense.clone()) for _ in range(copies)]  # as the model runs them
     best = 0
     for m in candidates:
         x = torch.randn(m, k, generator=g).to(dtype)
-        passes = (lambda: [ops.quant_linear(x, q, 3) for q in quant],
+        passes = (lambda: [q.linear(x) for q in quant],
                   lambda: [batch_invariant.linear(x, d) for d in denses])
         best_t = [float("inf"), float("inf")]
         for _ in range(iters + 1):  # the first pass warms up

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.ops.quant_ops import PACKED_TYPES, get_quant_ops
+from llmserve.ops.quant_ops import PACKED_TYPES, QuantWeight, get_quant_ops
 
 ops = get_quant_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512F and a compiler")
+pytestmark = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI and a compiler")
 
 NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
@@ -51,40 +51,69 @@ def test_dequantize_of_quantized_floats(qtype):
     assert float((got - torch.from_numpy(w)).abs().max()) < 0.01  # and approximate w
 
 
+def _int8_reference(x: torch.Tensor, w64: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """What the int8 kernel computes, in float64: per 32-block of x, q_x = round(x * 127 /
+    max|x|) (half to even), then d * d_x * sum(q * q_x) + m * sum(x) with the weight's
+    codes q = (w - m) / d."""
+    m_, k = x.shape
+    n = w64.shape[0]
+    dm = qw.dm.view(torch.float16).double().view(n, k // 32, 2)
+    d, off = dm[..., 0], dm[..., 1]
+    q = (w64.view(n, k // 32, 32) - off[..., None]) / d[..., None]
+    xf = x.float().view(m_, k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)  # float32 steps, as the kernel rounds them
+    qx = torch.where(amax > 0, torch.round(xf * 127 / amax), torch.zeros_like(xf)).double()
+    xb = xf.double()
+    return (torch.einsum("nbk,tbk,nb,tb->tn", q, qx, d, (amax[..., 0] / 127).double())
+            + torch.einsum("nb,tb->tn", off, xb.sum(-1)))
+
+
 @pytest.mark.parametrize("qtype", sorted(PACKED_TYPES))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-def test_quant_linear_matches_float_reference(qtype, m):
-    n, k = 200, 576
+@pytest.mark.parametrize("k", [576, 512, 96])  # a tail group of 2 blocks, none, 3 blocks
+def test_quant_linear_matches_references(qtype, m, k):
+    n = 200
     raw = torch.from_numpy(_blocks(qtype, n, k, seed=10 + qtype))
     w64 = torch.from_numpy(_gguf_dequant(raw.numpy(), qtype)).double()
+    qw = QuantWeight.from_gguf(raw, qtype)
+    assert qw.shape == (n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    ref = x.double() @ w64.T
-    got = ops.quant_linear(x, raw, qtype)
-    assert got.dtype == torch.float32 and got.shape == (m, n)
-    torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+    x[0, :32] = 0  # an all-zero block
+    exact = ops.quant_linear(x, qw.codes, qw.dm, qw.bits, False)
+    assert exact.dtype == torch.float32 and exact.shape == (m, n)
+    torch.testing.assert_close(exact.double(), x.double() @ w64.T, atol=1e-4, rtol=1e-5)
+    got = ops.quant_linear(x, qw.codes, qw.dm, qw.bits, True)
+    torch.testing.assert_close(got.double(), _int8_reference(x, w64, qw), atol=1e-4, rtol=1e-5)
+    scale = float((x.double() @ w64.T).abs().max())  # and int8 activations stay close to exact
+    assert float((got.double() - x.double() @ w64.T).abs().max()) < 0.03 * scale
     xb = x.bfloat16()
-    got_b = ops.quant_linear(xb, raw, qtype)
-    assert got_b.dtype == torch.bfloat16
-    torch.testing.assert_close(got_b.double(), xb.double() @ w64.T, atol=2e-3, rtol=8e-3)
-    got_bf = ops.quant_linear(xb, raw, qtype, True)  # bf16 in, float32 out: only sum order differs
+    got_bf = ops.quant_linear(xb, qw.codes, qw.dm, qw.bits, True, True)
     assert got_bf.dtype == torch.float32
-    torch.testing.assert_close(got_bf.double(), xb.double() @ w64.T, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got_bf.double(), _int8_reference(xb.float(), w64, qw), atol=1e-4, rtol=1e-5)
+    got_b = ops.quant_linear(xb, qw.codes, qw.dm, qw.bits, True)  # the float32 sums rounded once
+    assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, got_bf.bfloat16())
 
 
-def test_rows_do_not_depend_on_the_step_size():
-    raw = torch.from_numpy(_blocks(3, 64, 256, seed=3))
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
-    full = ops.quant_linear(x, raw, 3)
+@pytest.mark.parametrize("int8", [True, False])
+def test_rows_do_not_depend_on_the_step_size(int8):
+    qw = QuantWeight.from_gguf(torch.from_numpy(_blocks(3, 64, 288, seed=3)), 3)
+    x = torch.randn(7, 288, generator=torch.Generator().manual_seed(0)).bfloat16()
+    full = ops.quant_linear(x, qw.codes, qw.dm, 4, int8)
     for i in range(7):
-        assert torch.equal(ops.quant_linear(x[i:i + 1], raw, 3)[0], full[i])
+        assert torch.equal(ops.quant_linear(x[i:i + 1], qw.codes, qw.dm, 4, int8)[0], full[i])
 
 
 def test_bad_shapes_raise():
     raw = torch.from_numpy(_blocks(3, 8, 64, seed=0))
+    qw = QuantWeight.from_gguf(raw, 3)
     with pytest.raises(RuntimeError, match="does not fit"):
-        ops.quant_linear(torch.randn(1, 96), raw, 3)
+        ops.quant_linear(torch.randn(1, 96), qw.codes, qw.dm, 4)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        ops.quant_linear(torch.randn(1, 64), qw.codes, qw.dm, 5)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        ops.quant_linear(torch.randn(1, 64), raw, 12)
+        ops.quant_repack(raw, 12)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        ops.quant_repack(raw[:, :30].contiguous(), 3)
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +127,15 @@ def _set_max_rows(model, rows: int) -> None:
     for mod in model.modules():
         if isinstance(mod, Linear) and mod.qweight is not None:
             mod.packed_max_rows = rows
-    qw, qt, _ = model.packed_head
-    model.packed_head = (qw, qt, rows)
+    model.packed_head = (model.packed_head[0], rows)
 
 
 def test_smollm2_packed_decode_is_closer_to_fp32_than_dense_bf16(
         smollm2_bf16, smollm2_model_fp32, smollm2_tokenizer, step_runner_cls):
-    """The Q4_1/Q8_0 file's blocks stay packed; decode steps on them give logits at least as
-    close to the float32 model as the bfloat16-dequantized weights do (both use the file's
-    values; bf16 rounds them), and the same greedy tokens."""
+    """The Q4_1/Q8_0 file's blocks stay packed; decode steps on them (int8 activations, as
+    llama.cpp) give logits at least as close to the float32 model as the
+    bfloat16-dequantized weights do (bf16 rounds the weights and every activation), and the
+    same greedy tokens."""
     from llmserve.models.llama import Linear
     layers = [m for m in smollm2_bf16.modules() if isinstance(m, Linear)]
     assert all(m.qweight is not None for m in layers) and smollm2_bf16.packed_head is not None

@@ -1,21 +1,36 @@
-// Small-step linear layers on GGUF-packed weights (Q4_0, Q4_1, Q8_0 blocks of 32 kept as
-// the file stores them), for steps of few tokens, where a bf16 GEMM is bound by reading
-// its weights: a Q4_1 row is 20 bytes per 32 weights instead of 64.
+// Small-step linear layers on GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks of 32), for
+// steps of few tokens, where a bf16 GEMM is bound by reading its weights: a Q4_1 row is
+// 20 bytes per 32 weights instead of 64.
 //
-// Each weight block is dequantized exactly as gguf.quants does (float32: Q4_0 d*(q-8),
-// Q4_1 d*q+m as a product then a sum, Q8_0 d*q, d and m from float16) into registers and
-// multiplied with the float32 activations, once per block for up to 4 tokens; the row sum
-// is float32. Rows are independent of each other and of the number of tokens (a token's
-// result does not change with the batch). Built as its own extension (ops/quant_ops.py).
+// Weights are repacked once at load (quant_repack) into one layout for all three types:
+// per row, unsigned codes q and per-block float16 (d, m) with w = d * q + m exactly
+// (Q4_0: q = nibble, m = -8d; Q4_1: as stored; Q8_0: q = int8 + 128, m = -128d; the
+// products and sums are exact in float32, so w equals gguf.quants' value bit for bit).
+// Codes are grouped 4 blocks at a time (128 weights) so one 64-byte load feeds a VNNI
+// dot product whose 16 int32 lanes are 4 lanes per block: Q4 keeps the file's byte order
+// (byte i of a block holds weights i and i + 16 as low and high nibble); Q8 stores a
+// group's weights 0..15 of each block, then its weights 16..31.
+//
+// Two kernels share the layout:
+// - int8 (default, llama.cpp's scheme): each 32-value block of a token's activations is
+//   quantized to int8 with its own scale (d_x = max|x| / 127, round to nearest), then
+//   sum w*x = d * d_x * sum(q * q_x) + m * sum(x), the integer dot on AVX512-VNNI and the
+//   block sum of x exact in float32.
+// - float32 (exact): each block is dequantized in registers and multiplied with the
+//   float32 activations; the row sum is float32.
+// Rows are independent of each other and of the number of tokens.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t QK = 32;
+constexpr int64_t QK = 32;  // weights per block
+constexpr int64_t GB = 4;   // blocks per group
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml type ids
 
 int64_t block_bytes(int64_t qt) {
@@ -24,7 +39,7 @@ int64_t block_bytes(int64_t qt) {
     case Q4_1: return 20;
     case Q8_0: return 34;
   }
-  TORCH_CHECK(false, "quant_linear: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(false, "quant: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q8_0=8)");
 }
 
 inline float h2f(const uint8_t* p) {
@@ -33,186 +48,250 @@ inline float h2f(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One block -> weights 0..15 (lo) and 16..31 (hi) as float32.
-template <int64_t QT>
-inline void dequant(const uint8_t* b, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(h2f(b));
-  if constexpr (QT == Q8_0) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+inline uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+// One GGUF block -> 32 codes in weight order, d and m (see the layout above).
+void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t* dm) {
+  float d = h2f(b), m;
+  if (qt == Q8_0) {
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);  // int8 + 128
+    m = -128.f * d;
   } else {
-    const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(q, mask));
-    __m512i qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
-    if constexpr (QT == Q4_0) {
-      const __m512i eight = _mm512_set1_epi32(8);
-      lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ql, eight)));
-      hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(qh, eight)));
-    } else {
-      const __m512 m = _mm512_set1_ps(h2f(b + 2));
-      lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(ql)), m);
-      hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(qh)), m);
-    }
+    const uint8_t* qs = b + (qt == Q4_1 ? 4 : 2);
+    for (int i = 0; i < 16; ++i) { q[i] = qs[i] & 0x0F; q[i + 16] = qs[i] >> 4; }
+    m = qt == Q4_1 ? h2f(b + 2) : -8.f * d;
+  }
+  dm[0] = f2h(d);
+  dm[1] = f2h(m);
+  TORCH_CHECK(std::isfinite(_cvtsh_ss(dm[1])), "quant_repack: block offset overflows float16");
+}
+
+// Codes of block j (of r in its group) into the group's bytes.
+void place_codes(const uint8_t* q, int bits, int64_t j, int64_t r, uint8_t* group) {
+  if (bits == 4) {
+    for (int i = 0; i < 16; ++i) group[16 * j + i] = static_cast<uint8_t>(q[i] | (q[i + 16] << 4));
+  } else {
+    std::memcpy(group + 16 * j, q, 16);
+    std::memcpy(group + 16 * r + 16 * j, q + 16, 16);
   }
 }
 
-// out[m, n] for rows n in [n0, n1) and up to 4 tokens starting at x (float32, stride K).
-template <int64_t QT, int MT>
-void rows_tile(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, int64_t n0, int64_t n1,
-               float* out, int64_t N) {
-  const int64_t nb = K / QK;
+inline __mmask64 group_mask(int64_t r) { return r == GB ? ~0ULL : (1ULL << (16 * r)) - 1; }
+
+// The group's low (weights 0..15 of each block) and high (16..31) codes, 16 bytes a block.
+// Full groups take plain loads: masked loads of memory not in cache streamed at half the
+// rate here (AMD Zen 4: 6 against 12 GB/s on one core), so only a row's tail group has them.
+template <int BITS>
+inline void load_codes(const uint8_t* g, int64_t r, __m512i& lo, __m512i& hi) {
+  const __mmask64 k = group_mask(r);
+  if constexpr (BITS == 4) {
+    const __m512i v = r == GB ? _mm512_loadu_si512(g) : _mm512_maskz_loadu_epi8(k, g);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(v, nib);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  } else {
+    lo = r == GB ? _mm512_loadu_si512(g) : _mm512_maskz_loadu_epi8(k, g);
+    hi = r == GB ? _mm512_loadu_si512(g + 64) : _mm512_maskz_loadu_epi8(k, g + 16 * r);
+  }
+}
+
+// Per-block d (lanes 4j..4j+3 = block j) and m of a group, from its float16 pairs.
+inline void load_scales(const uint16_t* dm, int64_t r, __m512& d, __m512& m) {
+  const __m128i h = r == GB ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(dm))
+                            : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1U << (2 * r)) - 1), dm);
+  const __m256 v = _mm256_cvtph_ps(h);
+  const __m512 w = _mm512_castps256_ps512(v);
+  d = _mm512_permutexvar_ps(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0), w);
+  m = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1), w);
+}
+
+struct Packed {
+  const uint8_t* codes;
+  const uint16_t* dm;
+  int64_t nb, row_bytes;
+  int64_t groups() const { return (nb + GB - 1) / GB; }
+  int64_t group_bytes(int bits) const { return GB * 16 * bits / 4; }
+};
+
+// Activations as int8 blocks in the packed groups' order, per token: codes [groups, 128]
+// (64 bytes matching the low codes, then 64 matching the high), d_x per lane [groups, 16]
+// and sum(x) / 4 per lane [groups, 16] (four lanes a block sum to it exactly); a tail
+// group's missing blocks are zeros.
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t G;
+  QuantX(const float* x, int64_t M, int64_t nb) : G((nb + GB - 1) / GB) {
+    q.assign(M * G * 128, 0);
+    d.assign(M * G * 16, 0.f);
+    s.assign(M * G * 16, 0.f);
+    for (int64_t t = 0; t < M; ++t)
+      for (int64_t b = 0; b < nb; ++b) block(x + (t * nb + b) * QK, t, b);
+  }
+  void block(const float* xb, int64_t t, int64_t b) {
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < QK; ++i) { amax = std::max(amax, std::fabs(xb[i])); sum += xb[i]; }
+    const float dx = amax / 127.f;
+    const int64_t g = b / GB, j = b % GB, base = (t * G + g) * 128;
+    for (int i = 0; i < QK; ++i) {
+      // x * 127 / amax, each step rounded once: a value at exactly half a step (x = amax / 2
+      // is common in bfloat16) rounds to even, not by the rounding of a reciprocal.
+      const int v = amax > 0.f ? static_cast<int>(std::nearbyint(xb[i] * 127.f / amax)) : 0;
+      q[base + (i < 16 ? 0 : 64) + 16 * j + (i & 15)] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    }
+    for (int l = 0; l < 4; ++l) {
+      d[(t * G + g) * 16 + 4 * j + l] = dx;
+      s[(t * G + g) * 16 + 4 * j + l] = sum * 0.25f;
+    }
+  }
+};
+
+template <int BITS, int MT>
+void rows_int8(const Packed& p, const QuantX& xq, int64_t t0, int64_t n0, int64_t n1, float* out, int64_t N) {
+  const int64_t G = p.groups(), gb = p.group_bytes(BITS);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
+    const uint8_t* row = p.codes + n * p.row_bytes;
+    const uint16_t* dm = p.dm + n * p.nb * 2;
     __m512 acc[MT];
     for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 lo, hi;
-      dequant<QT>(row + b * (row_bytes / nb), lo, hi);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = std::min(GB, p.nb - g * GB);
+      __m512i lo, hi;
+      __m512 d, m;
+      load_codes<BITS>(row + g * gb, r, lo, hi);
+      load_scales(dm + g * GB * 2, r, d, m);
       for (int t = 0; t < MT; ++t) {
-        const float* xb = x + t * K + b * QK;
+        const int64_t xo = (t0 + t) * G + g;
+        const int8_t* xi = xq.q.data() + xo * 128;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xi));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xi + 64));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(xq.d.data() + xo * 16));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xq.s.data() + xo * 16), acc[t]);
+      }
+    }
+    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+// Block b's dequantized weights 0..15 (lo) and 16..31 (hi), float32, exact.
+template <int BITS>
+inline void dequant(const Packed& p, const uint8_t* row, const uint16_t* dm, int64_t b, __m512& lo, __m512& hi) {
+  const int64_t g = b / GB, j = b % GB, r = std::min(GB, p.nb - g * GB);
+  const uint8_t* grp = row + g * p.group_bytes(BITS);
+  __m512i ql, qh;
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * j));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    ql = _mm512_cvtepu8_epi32(_mm_and_si128(v, nib));
+    qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
+  } else {
+    ql = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * j)));
+    qh = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * r + 16 * j)));
+  }
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(dm[2 * b])), m = _mm512_set1_ps(_cvtsh_ss(dm[2 * b + 1]));
+  lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(ql)), m);
+  hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(qh)), m);
+}
+
+template <int BITS, int MT>
+void rows_f32(const Packed& p, const float* x, int64_t t0, int64_t n0, int64_t n1, float* out, int64_t N) {
+  const int64_t K = p.nb * QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = p.codes + n * p.row_bytes;
+    const uint16_t* dm = p.dm + n * p.nb * 2;
+    __m512 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p.nb; ++b) {
+      __m512 lo, hi;
+      dequant<BITS>(p, row, dm, b, lo, hi);
+      for (int t = 0; t < MT; ++t) {
+        const float* xb = x + (t0 + t) * K + b * QK;
         acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[t]);
         acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[t]);
       }
     }
-    for (int t = 0; t < MT; ++t) out[t * N + n] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
   }
 }
 
-#if defined(__AVX512BF16__)
-// bfloat16 activations: the block's 32 integer codes become exact bfloat16 values (a
-// 16-entry table for the nibbles; Q8_0 through float32) and meet x in one bf16 dot
-// product (float32 sums of exact products), then the block scale: sum d*q*x = d * sum q*x.
-// Q4_1's offset adds m * sum(x of the block), from per-token block sums made once.
-template <int64_t QT>
-inline __m512i codes_bf16(const uint8_t* b) {
-  if constexpr (QT == Q8_0) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+// Tokens 4 at a time (each weight group is loaded once per 4 tokens), rows split over
+// threads in tasks of >= 64 rows (enough to amortise the hand-off, few enough to share).
+template <typename Tile>
+void for_tiles(int64_t M, int64_t N, Tile tile) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t t = 0;
+    for (; t + 4 <= M; t += 4) tile(std::integral_constant<int, 4>(), t, n0, n1);
+    switch (M - t) {
+      case 3: tile(std::integral_constant<int, 3>(), t, n0, n1); break;
+      case 2: tile(std::integral_constant<int, 2>(), t, n0, n1); break;
+      case 1: tile(std::integral_constant<int, 1>(), t, n0, n1); break;
+      default: break;
+    }
+  });
+}
+
+template <int BITS>
+void run(const Packed& p, const float* x, int64_t M, int64_t N, bool int8, float* out) {
+  if (int8) {
+    const QuantX xq(x, M, p.nb);
+    for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
+      rows_int8<BITS, decltype(mt)::value>(p, xq, t0, n0, n1, out, N);
+    });
   } else {
-    // bf16 bit patterns of 0..15 (Q4_1) or -8..7 (Q4_0), repeated to fill 32 words.
-    alignas(64) static const uint16_t kLut[2][32] = {
-        {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130,
-         0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170},
-        {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040,
-         0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0}};
-    const __m512i lut = _mm512_load_si512(kLut[QT == Q4_0 ? 1 : 0]);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), lut);
+    for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
+      rows_f32<BITS, decltype(mt)::value>(p, x, t0, n0, n1, out, N);
+    });
   }
-}
-
-template <int64_t QT, int MT>
-void rows_tile_bf16(const uint8_t* w, int64_t row_bytes, const at::BFloat16* x, const float* xsum, int64_t K,
-                    int64_t n0, int64_t n1, float* out, int64_t N) {
-  const int64_t nb = K / QK, bb = row_bytes / nb;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m512 acc[MT];
-    float off[MT];
-    for (int t = 0; t < MT; ++t) { acc[t] = _mm512_setzero_ps(); off[t] = 0.f; }
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bb;
-      const __m512bh q = (__m512bh)codes_bf16<QT>(blk);
-      const __m512 d = _mm512_set1_ps(h2f(blk));
-      for (int t = 0; t < MT; ++t) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + t * K + b * QK);
-        acc[t] = _mm512_fmadd_ps(d, _mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv), acc[t]);
-        if constexpr (QT == Q4_1) off[t] += h2f(blk + 2) * xsum[t * nb + b];
-      }
-    }
-    for (int t = 0; t < MT; ++t) out[t * N + n] = _mm512_reduce_add_ps(acc[t]) + off[t];
-  }
-}
-
-template <int64_t QT>
-void run_bf16(const uint8_t* w, int64_t row_bytes, const at::BFloat16* x, int64_t M, int64_t K, int64_t N,
-              float* out) {
-  const int64_t nb = K / QK;
-  std::vector<float> xsum(QT == Q4_1 ? M * nb : 0);
-  if (QT == Q4_1)
-    for (int64_t i = 0; i < M * nb; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < QK; ++j) s += static_cast<float>(x[i * QK + j]);
-      xsum[i] = s;
-    }
-  const float* xs = xsum.data();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      rows_tile_bf16<QT, 4>(w, row_bytes, x + m * K, xs + m * nb, K, n0, n1, out + m * N, N);
-    switch (M - m) {
-      case 3: rows_tile_bf16<QT, 3>(w, row_bytes, x + m * K, xs + m * nb, K, n0, n1, out + m * N, N); break;
-      case 2: rows_tile_bf16<QT, 2>(w, row_bytes, x + m * K, xs + m * nb, K, n0, n1, out + m * N, N); break;
-      case 1: rows_tile_bf16<QT, 1>(w, row_bytes, x + m * K, xs + m * nb, K, n0, n1, out + m * N, N); break;
-      default: break;
-    }
-  });
-}
-#endif
-
-template <int64_t QT>
-void run(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* out) {
-  // Enough rows per task to amortise the thread hand-off, few enough to split N over threads.
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows_tile<QT, 4>(w, row_bytes, x + m * K, K, n0, n1, out + m * N, N);
-    switch (M - m) {
-      case 3: rows_tile<QT, 3>(w, row_bytes, x + m * K, K, n0, n1, out + m * N, N); break;
-      case 2: rows_tile<QT, 2>(w, row_bytes, x + m * K, K, n0, n1, out + m * N, N); break;
-      case 1: rows_tile<QT, 1>(w, row_bytes, x + m * K, K, n0, n1, out + m * N, N); break;
-      default: break;
-    }
-  });
 }
 
 }  // namespace
 
-// out [M, N] = x [M, K] @ dequant(w).T, w: uint8 [N, K / 32 * block_bytes(qtype)].
-// x: float32, bfloat16 or float16; out in x's dtype (rounded to nearest even from the
-// float32 sums), or float32 with out_float.
-at::Tensor quant_linear(at::Tensor x, at::Tensor w, int64_t qtype, bool out_float) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "quant_linear: x [M, K], w uint8 [N, row_bytes] contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const int64_t bb = block_bytes(qtype);
-  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * bb, "quant_linear: K=", K, " does not fit w ", w.sizes());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t rb = w.size(1);
-  const bool keep = out_float || x.scalar_type() == at::kFloat;
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16) {
-    at::Tensor xc = x.contiguous();
-    const at::BFloat16* xb = xc.data_ptr<at::BFloat16>();
-    switch (qtype) {
-      case Q4_0: run_bf16<Q4_0>(wp, rb, xb, M, K, N, op); break;
-      case Q4_1: run_bf16<Q4_1>(wp, rb, xb, M, K, N, op); break;
-      case Q8_0: run_bf16<Q8_0>(wp, rb, xb, M, K, N, op); break;
-    }
-    return keep ? out : out.to(x.scalar_type());
-  }
-#endif
-  at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  switch (qtype) {
-    case Q4_0: run<Q4_0>(wp, rb, xp, M, K, N, op); break;
-    case Q4_1: run<Q4_1>(wp, rb, xp, M, K, N, op); break;
-    case Q8_0: run<Q8_0>(wp, rb, xp, M, K, N, op); break;
-  }
-  return keep ? out : out.to(x.scalar_type());
+// GGUF blocks uint8 [N, K/32*block_bytes] -> [codes uint8 [N, K/2 (Q4) or K (Q8)],
+// dm float16-as-int16 [N, K/32*2]] (the layout above). Raises for a type or shape mismatch.
+std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "quant_repack: w uint8 [N, row_bytes]");
+  const int64_t bb = block_bytes(qtype), N = w.size(0);
+  TORCH_CHECK(w.size(1) % bb == 0, "quant_repack: row of ", w.size(1), " bytes is not whole blocks of ", bb);
+  const int64_t nb = w.size(1) / bb, bits = qtype == Q8_0 ? 8 : 4, cb = nb * 16 * bits / 4;
+  at::Tensor codes = at::empty({N, cb}, w.options());
+  at::Tensor dm = at::empty({N, nb * 2}, w.options().dtype(at::kShort));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  uint16_t* dp = reinterpret_cast<uint16_t*>(dm.data_ptr<int16_t>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    uint8_t q[32];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t g = b / GB, r = std::min(GB, nb - g * GB);
+        split_block(src + (n * nb + b) * bb, qtype, q, dp + (n * nb + b) * 2);
+        place_codes(q, bits, b % GB, r, cp + n * cb + g * GB * 16 * bits / 4);
+      }
+  });
+  return {codes, dm};
 }
 
-// Exact float32 dequantization of packed rows (for the tests and for rebuilding weights).
+// out [M, N] = x [M, K] @ W.T for W repacked by quant_repack (bits 4 or 8); x float32,
+// bfloat16 or float16; int8: quantize x per block (else the exact float32 kernel); out in
+// x's dtype (float32 sums rounded once) or float32 with out_float.
+at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t bits, bool int8, bool out_float) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && dm.dim() == 2 && codes.scalar_type() == at::kByte &&
+                  dm.scalar_type() == at::kShort && codes.is_contiguous() && dm.is_contiguous(),
+              "quant_linear: x [M, K], codes uint8 [N, *], dm int16 [N, K/16] contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = dm.size(1) / 2;
+  TORCH_CHECK(dm.size(0) == N && K == nb * QK && codes.size(1) == nb * 16 * bits / 4, "quant_linear: x ", x.sizes(),
+              " does not fit codes ", codes.sizes(), " and dm ", dm.sizes());
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const Packed p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), nb,
+                 codes.size(1)};
+  if (bits == 4) run<4>(p, xf.data_ptr<float>(), M, N, int8, out.data_ptr<float>());
+  else run<8>(p, xf.data_ptr<float>(), M, N, int8, out.data_ptr<float>());
+  return out_float || x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// Exact float32 dequantization of GGUF rows, as gguf.quants (for the tests and probes).
 at::Tensor quant_dequantize(at::Tensor w, int64_t qtype) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "quant_dequantize: w uint8 [N, row_bytes]");
   const int64_t bb = block_bytes(qtype), N = w.size(0), nb = w.size(1) / bb;
@@ -220,21 +299,20 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N * nb, 1024, [&](int64_t b0, int64_t b1) {
+    uint8_t q[32];
+    uint16_t dm[2];
     for (int64_t b = b0; b < b1; ++b) {
-      __m512 lo, hi;
-      const uint8_t* blk = wp + b * bb;
-      if (qtype == Q4_0) dequant<Q4_0>(blk, lo, hi);
-      else if (qtype == Q4_1) dequant<Q4_1>(blk, lo, hi);
-      else dequant<Q8_0>(blk, lo, hi);
-      _mm512_storeu_ps(op + b * QK, lo);
-      _mm512_storeu_ps(op + b * QK + 16, hi);
+      split_block(wp + b * bb, qtype, q, dm);
+      const float d = _cvtsh_ss(dm[0]), m = _cvtsh_ss(dm[1]);
+      for (int i = 0; i < QK; ++i) op[b * QK + i] = d * static_cast<float>(q[i]) + m;
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "x [M, K] @ dequant(w [N, K/32*bb]).T -> [M, N]", py::arg("x"),
-        py::arg("w"), py::arg("qtype"), py::arg("out_float") = false);
-  m.def("quant_dequantize", &quant_dequantize, "packed GGUF rows -> float32 [N, K]");
+  m.def("quant_repack", &quant_repack, "GGUF rows -> [codes, dm] (see quant_gemv.cpp)", py::arg("w"), py::arg("qtype"));
+  m.def("quant_linear", &quant_linear, "x [M, K] @ W.T from repacked codes/dm -> [M, N]", py::arg("x"),
+        py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("int8") = true, py::arg("out_float") = false);
+  m.def("quant_dequantize", &quant_dequantize, "GGUF rows -> float32 [N, K], exact");
 }
