@@ -88,3 +88,42 @@ def test_hash_chain_depends_on_prefix():
     # Same second block, different first block: no hit on the second block.
     b = _req("b", [9, 9, 9, 9, 5, 6, 7, 8, 1])
     assert m.get_computed_blocks(b)[1] == 0
+
+
+def _run_one(m, rid, toks):
+    r = _req(rid, toks)
+    hits, n = m.get_computed_blocks(r)
+    r.num_computed_tokens = 0
+    assert m.allocate_slots(r, len(toks) - n, hits) is not None
+    r.num_computed_tokens = len(toks)
+    m.cache_blocks(r, len(toks))
+    m.free(r)
+    return n
+
+
+def test_freed_blocks_are_reused_before_fresh_ones():
+    """Memory follows use (issue 16): 200 distinct 3-block prompts one after another in a
+    1000-block pool touch only the blocks one of them needs, and a prompt sent again
+    right after itself still hits the prefix cache."""
+    m = KVCacheManager(num_blocks=1000, block_size=4)
+    used = set()
+    for i in range(200):
+        toks = [i * 100 + j for j in range(10)]
+        _run_one(m, f"r{i}", toks)
+        assert _run_one(m, f"again{i}", toks) == 8  # its 2 full blocks are still cached
+        used |= {b.block_id for b in m.pool.blocks if b.block_hash is not None}
+    assert max(used) <= 3 and m.pool.next_fresh <= 4
+    assert m.pool.get_num_free_blocks() == 999
+
+
+def test_fresh_blocks_when_the_live_batch_grows():
+    m = KVCacheManager(num_blocks=100, block_size=4)
+    reqs = [_req(f"r{i}", list(range(i * 50, i * 50 + 8))) for i in range(10)]
+    for r in reqs:
+        assert m.allocate_slots(r, 8) is not None  # 10 live requests x 2 blocks
+    assert m.pool.next_fresh == 21 and m.num_used_blocks == 20
+    for r in reqs:
+        m.free(r)
+    r = _req("x", list(range(1000, 1040)))
+    m.allocate_slots(r, 40)  # 10 blocks: all from the freed ones
+    assert max(m.get_block_ids("x")) <= 20 and m.pool.next_fresh == 21
