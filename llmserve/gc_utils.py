@@ -18,12 +18,27 @@ import time
 logger = logging.getLogger(__name__)
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+    Loading leaves holes: each dequantized weight is copied into its oneDNN layout and the
+    GGUF blocks into the kernels' layout, and glibc keeps freed chunks below the heap's
+    top resident. Measured: an engine's RSS fell 56 MiB (819 -> 763) after loading."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def freeze_gc_heap(what: str) -> None:
-    """Collect once, then freeze every surviving object out of future collections.
-    Call once, when start-up is done (model loaded, app built); ``what`` names the
-    process in the log line."""
+    """Collect once, then freeze every surviving object out of future collections, and
+    give the heap's free pages back (:func:`release_free_heap`). Call once, when start-up
+    is done (model loaded, app built); ``what`` names the process in the log line."""
     t = time.perf_counter()
     gc.collect()
     gc.freeze()
+    release_free_heap()
     logger.debug("%s: froze %d start-up objects out of the GC in %.0f ms", what, gc.get_freeze_count(),
                  (time.perf_counter() - t) * 1000)

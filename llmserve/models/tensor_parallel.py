@@ -93,6 +93,8 @@ def _shard_attention(attn: nn.Module, tp: TPGroup) -> None:
                    attn.q_size + attn.kv_size + (kv_start + kv_count) * hd)
     qkv = attn.qkv_proj
     qkv.weight = nn.Parameter(torch.cat([qkv.weight[r] for r in (q_rows, k_rows, v_rows)]), requires_grad=False)
+    if qkv.qweight is not None:  # GGUF blocks for small steps: the same rows
+        qkv.qweight = qkv.qweight.select(torch.cat([torch.arange(r.start, r.stop) for r in (q_rows, k_rows, v_rows)]))
     if qkv.bias is not None:
         qkv.bias = nn.Parameter(torch.cat([qkv.bias[r] for r in (q_rows, k_rows, v_rows)]), requires_grad=False)
     o = attn.o_proj
@@ -109,6 +111,8 @@ def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
     gu = mlp.gate_up_proj
     rows = torch.cat([torch.arange(start, start + count), torch.arange(i + start, i + start + count)])
     gu.weight = nn.Parameter(gu.weight[rows].contiguous(), requires_grad=False)
+    if gu.qweight is not None:
+        gu.qweight = gu.qweight.select(rows)
     if gu.bias is not None:
         gu.bias = nn.Parameter(gu.bias[rows].contiguous(), requires_grad=False)
     d = mlp.down_proj
@@ -129,5 +133,6 @@ def shard_llama(model: nn.Module, tp: TPGroup) -> nn.Module:
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.tp_lm_head = VocabParallelLMHead(weight, tp)
     model.lm_head = None  # the full head is no longer used: free it (the tied one is the embedding)
+    model.packed_head = None  # nor its GGUF blocks (row-parallel layers run dense: their blocks went with them)
     model.tp_num_kv_heads = model.model.layers[0].self_attn.num_kv_heads if len(model.model.layers) else 0
     return model

@@ -104,6 +104,15 @@ class QuantWeight:
         """``x [M, K] @ W.T`` -> ``[M, N]`` in x's dtype (float32 with ``out_float``)."""
         return get_quant_ops().quant_linear(x, self.codes, self.dm, self.bits, self.int8, out_float)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) of W, dequantized exactly: float32 ``[T, K]`` (the
+        embedding lookup of a tied head). Raises RuntimeError for an id out of range."""
+        return get_quant_ops().quant_rows(self.codes, self.dm, self.bits, ids)
+
+    def select(self, rows: torch.Tensor) -> "QuantWeight":
+        """The weight of output rows ``rows`` only (tensor-parallel shards)."""
+        return QuantWeight(self.codes[rows].contiguous(), self.dm[rows].contiguous(), self.bits, self.int8)
+
 
 def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 2, 4, 8, 16, 32),
                    iters: int = 6, stream_bytes: int = 64 << 20) -> int:

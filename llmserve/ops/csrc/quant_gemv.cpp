@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -121,12 +122,17 @@ struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   int64_t G;
-  QuantX(const float* x, int64_t M, int64_t nb) : G((nb + GB - 1) / GB) {
+  template <typename T>
+  QuantX(const T* x, int64_t M, int64_t nb) : G((nb + GB - 1) / GB) {
+    float xb[QK];
     q.assign(M * G * 128, 0);
     d.assign(M * G * 16, 0.f);
     s.assign(M * G * 16, 0.f);
     for (int64_t t = 0; t < M; ++t)
-      for (int64_t b = 0; b < nb; ++b) block(x + (t * nb + b) * QK, t, b);
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int i = 0; i < QK; ++i) xb[i] = static_cast<float>(x[(t * nb + b) * QK + i]);
+        block(xb, t, b);
+      }
   }
   void block(const float* xb, int64_t t, int64_t b) {
     float amax = 0.f, sum = 0.f;
@@ -146,8 +152,8 @@ struct QuantX {
   }
 };
 
-template <int BITS, int MT>
-void rows_int8(const Packed& p, const QuantX& xq, int64_t t0, int64_t n0, int64_t n1, float* out, int64_t N) {
+template <int BITS, int MT, typename OutT>
+void rows_int8(const Packed& p, const QuantX& xq, int64_t t0, int64_t n0, int64_t n1, OutT* out, int64_t N) {
   const int64_t G = p.groups(), gb = p.group_bytes(BITS);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * p.row_bytes;
@@ -170,7 +176,7 @@ void rows_int8(const Packed& p, const QuantX& xq, int64_t t0, int64_t n0, int64_
         acc[t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xq.s.data() + xo * 16), acc[t]);
       }
     }
-    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = static_cast<OutT>(_mm512_reduce_add_ps(acc[t]));
   }
 }
 
@@ -194,8 +200,8 @@ inline void dequant(const Packed& p, const uint8_t* row, const uint16_t* dm, int
   hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(qh)), m);
 }
 
-template <int BITS, int MT>
-void rows_f32(const Packed& p, const float* x, int64_t t0, int64_t n0, int64_t n1, float* out, int64_t N) {
+template <int BITS, int MT, typename OutT>
+void rows_f32(const Packed& p, const float* x, int64_t t0, int64_t n0, int64_t n1, OutT* out, int64_t N) {
   const int64_t K = p.nb * QK;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = p.codes + n * p.row_bytes;
@@ -211,7 +217,7 @@ void rows_f32(const Packed& p, const float* x, int64_t t0, int64_t n0, int64_t n
         acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[t]);
       }
     }
-    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = static_cast<OutT>(_mm512_reduce_add_ps(acc[t]));
   }
 }
 
@@ -231,9 +237,17 @@ void for_tiles(int64_t M, int64_t N, Tile tile) {
   });
 }
 
-template <int BITS>
-void run(const Packed& p, const float* x, int64_t M, int64_t N, bool int8, float* out) {
-  if (int8) {
+// int8: x in its own dtype (quantized straight from it); float32: x as float32. The sums
+// go to out in its dtype (float32 or rounded to nearest even once), no extra tensor.
+template <int BITS, typename InT, typename OutT>
+void run(const Packed& p, const InT* x, int64_t M, int64_t N, bool int8, OutT* out) {
+  if constexpr (!std::is_same_v<InT, float>) {
+    TORCH_CHECK(int8, "quant_linear: the float32 kernel takes float32 x");
+    const QuantX xq(x, M, p.nb);
+    for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
+      rows_int8<BITS, decltype(mt)::value>(p, xq, t0, n0, n1, out, N);
+    });
+  } else if (int8) {
     const QuantX xq(x, M, p.nb);
     for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
       rows_int8<BITS, decltype(mt)::value>(p, xq, t0, n0, n1, out, N);
@@ -242,6 +256,23 @@ void run(const Packed& p, const float* x, int64_t M, int64_t N, bool int8, float
     for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
       rows_f32<BITS, decltype(mt)::value>(p, x, t0, n0, n1, out, N);
     });
+  }
+}
+
+template <typename InT, typename OutT>
+void dispatch_bits(const Packed& p, int64_t bits, const InT* x, int64_t M, int64_t N, bool int8, OutT* out) {
+  if (bits == 4) run<4>(p, x, M, N, int8, out);
+  else run<8>(p, x, M, N, int8, out);
+}
+
+template <typename OutT>
+void dispatch_in(const Packed& p, int64_t bits, const at::Tensor& x, bool int8, OutT* out, int64_t N) {
+  const int64_t M = x.size(0);
+  if (int8 && x.scalar_type() == at::kBFloat16) dispatch_bits(p, bits, x.data_ptr<at::BFloat16>(), M, N, int8, out);
+  else if (int8 && x.scalar_type() == at::kHalf) dispatch_bits(p, bits, x.data_ptr<at::Half>(), M, N, int8, out);
+  else {
+    at::Tensor xf = x.to(at::kFloat).contiguous();
+    dispatch_bits(p, bits, xf.data_ptr<float>(), M, N, int8, out);
   }
 }
 
@@ -282,13 +313,47 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t b
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = dm.size(1) / 2;
   TORCH_CHECK(dm.size(0) == N && K == nb * QK && codes.size(1) == nb * 16 * bits / 4, "quant_linear: x ", x.sizes(),
               " does not fit codes ", codes.sizes(), " and dm ", dm.sizes());
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor xc = x.contiguous();
+  const auto out_type = out_float ? at::kFloat : x.scalar_type();
+  TORCH_CHECK(out_type == at::kFloat || out_type == at::kBFloat16 || out_type == at::kHalf,
+              "quant_linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_type));
   const Packed p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), nb,
                  codes.size(1)};
-  if (bits == 4) run<4>(p, xf.data_ptr<float>(), M, N, int8, out.data_ptr<float>());
-  else run<8>(p, xf.data_ptr<float>(), M, N, int8, out.data_ptr<float>());
-  return out_float || x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  if (out_type == at::kFloat) dispatch_in(p, bits, xc, int8, out.data_ptr<float>(), N);
+  else if (out_type == at::kBFloat16) dispatch_in(p, bits, xc, int8, out.data_ptr<at::BFloat16>(), N);
+  else dispatch_in(p, bits, xc, int8, out.data_ptr<at::Half>(), N);
+  return out;
+}
+
+// Rows ids [T] (int64) of a repacked weight, dequantized exactly: float32 [T, K] (an
+// embedding lookup from the tied LM head's blocks). Raises for an id out of range.
+at::Tensor quant_rows(at::Tensor codes, at::Tensor dm, int64_t bits, at::Tensor ids) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_rows: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.is_contiguous() && dm.is_contiguous() && ids.dim() == 1 && ids.scalar_type() == at::kLong,
+              "quant_rows: contiguous codes and dm, ids int64 [T]");
+  const int64_t N = codes.size(0), nb = dm.size(1) / 2, T = ids.size(0);
+  at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_rows: id ", ip[t], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({T, nb * QK}, codes.options().dtype(at::kFloat));
+  const Packed p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), nb,
+                 codes.size(1)};
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* row = p.codes + ip[t] * p.row_bytes;
+      const uint16_t* d = p.dm + ip[t] * nb * 2;
+      for (int64_t b = 0; b < nb; ++b) {
+        __m512 lo, hi;
+        if (bits == 4) dequant<4>(p, row, d, b, lo, hi);
+        else dequant<8>(p, row, d, b, lo, hi);
+        _mm512_storeu_ps(op + t * nb * QK + b * QK, lo);
+        _mm512_storeu_ps(op + t * nb * QK + b * QK + 16, hi);
+      }
+    }
+  });
+  return out;
 }
 
 // Exact float32 dequantization of GGUF rows, as gguf.quants (for the tests and probes).
@@ -314,5 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_repack", &quant_repack, "GGUF rows -> [codes, dm] (see quant_gemv.cpp)", py::arg("w"), py::arg("qtype"));
   m.def("quant_linear", &quant_linear, "x [M, K] @ W.T from repacked codes/dm -> [M, N]", py::arg("x"),
         py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("int8") = true, py::arg("out_float") = false);
+  m.def("quant_rows", &quant_rows, "rows ids of a repacked weight -> float32 [T, K]", py::arg("codes"),
+        py::arg("dm"), py::arg("bits"), py::arg("ids"));
   m.def("quant_dequantize", &quant_dequantize, "GGUF rows -> float32 [N, K], exact");
 }
