@@ -39,3 +39,31 @@ def test_prefault_stops_at_the_headroom_and_follows_the_highest_used_block():
 def test_a_cache_within_the_headroom_is_prefaulted_whole():
     r = _runner(3)
     assert _drain(r) == 3 and r.kv_prefault_done()
+
+
+def _kv_mapping_stats(r: ModelRunner) -> dict:
+    """Rss / AnonHugePages (kB) of the mapping that holds the KV buffer."""
+    import re
+    addr, found, out = r._kv_addr, False, {}
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                found = int(m.group(1), 16) <= addr < int(m.group(2), 16)
+            elif found and line.split(":")[0] in ("Rss", "AnonHugePages"):
+                out[line.split(":")[0]] = int(line.split()[1])
+    return out
+
+
+def test_small_use_faults_small_pages_and_large_use_advises_huge_ones():
+    """Each of the 2 x num_layers regions would hold a whole 2 MiB page after the first
+    request if the cache had huge pages from the start (numpy advises them): 120 MiB
+    for SmolLM2's 60 regions. Small pages until the use passes KV_HUGE_PAGES_FROM_BYTES."""
+    r = _runner(8192)  # 2 layers x K/V x 8192 blocks x 4 KiB = 128 MiB
+    r.KV_HUGE_PAGES_FROM_BYTES = 64 << 20
+    _drain(r)
+    assert _kv_mapping_stats(r).get("AnonHugePages", 0) == 0
+    assert _kv_mapping_stats(r)["Rss"] <= 2 * 4 * 16 + 64  # 4 headroom blocks x 4 regions x 4 KiB, + slack
+    assert not r._kv_huge
+    r._note_kv_use(np.array([[4500]], dtype=np.int32))  # 4505 blocks x 16 KiB: past 64 MiB
+    assert r._kv_huge
