@@ -7,8 +7,11 @@ same GGUF file (the default model's, SmolLM2-135M-Instruct Q4_1), in one run, as
 2. Idle RSS of each process tree (llmserve: API server + engine), a few seconds after start.
 3. ``llmserve bench serve --compare-url`` at each concurrency (128-token chat prompts,
    128 output tokens, ignore_eos, temperature 0): llmserve first, then llama-server, on the
-   same requests; ``--rounds`` > 1 alternates the order and reports medians. Peak RSS and
-   CPU seconds of both trees are sampled per level.
+   same requests; ``--rounds`` > 1 alternates the order and reports medians. Each level and
+   round draws its own prompts (its own ``--seed``): with the same prompts again, each
+   server's prompt cache (llmserve's prefix cache, llama-server's slots) turned the later
+   rounds' TTFT into a cache measurement. Peak RSS and CPU seconds of both trees are
+   sampled per level.
 4. RSS after the load.
 
 llama-server runs with ``--parallel`` slots (default 32), ``-c`` = slots x 512 tokens (each
@@ -113,11 +116,11 @@ def clear_llmserve_startup_cache(gguf_path: str) -> None:
     shutil.rmtree(entry_dir(gguf_path), ignore_errors=True)
 
 
-def _bench(ours_url: str, other_url: str, c: int, n: int) -> dict:
+def _bench(ours_url: str, other_url: str, c: int, n: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "bench", "serve", "--base-url", ours_url,
                "--compare-url", other_url, "--endpoint", "/v1/chat/completions",
-               "--num-prompts", str(n), "--max-concurrency", str(c),
+               "--num-prompts", str(n), "--max-concurrency", str(c), "--seed", str(seed),
                "--random-input-len", "128", "--random-output-len", "128", "--temperature", "0",
                "--model", MODEL, "--tokenizer", MODEL, "--save-result", "--result-dir", d,
                "--result-filename", "r.json"]
@@ -137,10 +140,10 @@ def run_level(ours, llama, urls: tuple[str, str], c: int, n: int, rounds: int) -
     figs: dict[str, list[float]] = {}
     for i in range(rounds):
         if i % 2 == 0:
-            r = _bench(urls[0], urls[1], c, n)
+            r = _bench(urls[0], urls[1], c, n, seed=1000 * c + i)
             a, b = r, r["compare"]
         else:
-            r = _bench(urls[1], urls[0], c, n)
+            r = _bench(urls[1], urls[0], c, n, seed=1000 * c + i)
             a, b = r["compare"], r
         for key in ("output_throughput", "median_ttft_ms", "median_tpot_ms"):
             figs.setdefault("ours_" + key, []).append(a[key])

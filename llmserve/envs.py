@@ -24,7 +24,7 @@ ENV_VARS: dict[str, tuple[Optional[str], str]] = {
                                          "default of --timeout-keep-alive, in seconds (5)"),
     "LLMSERVE_CPU_OPS": (None, "0: use the pure-torch paths instead of the C++ CPU kernels"),
     "LLMSERVE_ONEDNN_LINEAR": (None, "0: keep dense weights and F.linear instead of oneDNN-packed linears"),
-    "LLMSERVE_PACKED_WEIGHTS": (None, "0: dequantize GGUF Q4_0/Q4_1/Q8_0 weights only (no packed small-step GEMMs); float32: packed steps keep float32 activations (exact, slower) instead of int8"),
+    "LLMSERVE_PACKED_WEIGHTS": (None, "0: dequantize GGUF Q4_0/Q4_1/Q8_0 weights only (no packed small-step GEMMs)"),
 }
 
 

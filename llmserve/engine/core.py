@@ -184,6 +184,9 @@ class EngineCoreProc:
                 f"Engine start-up failed: {type(e).__name__}: {e}", during_startup=True)))
             self.output_queue.put(None)
             self._out_thread.join(timeout=5)
+            # Deliver it before the process exits: a closed socket's last message is sent by
+            # ZMQ's I/O thread, which os._exit would kill (term() waits up to the linger).
+            self.ctx.term()
             raise
         self._pooling = config.model_config.runner == "pooling"
         self.output_queue.put(EngineCoreOutputs(ready=EngineCoreReady(self.core.num_blocks, os.getpid())))

@@ -59,7 +59,7 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
                 gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
             if packed:
                 from llmserve.models.packed import attach_packed_weights
-                attach_packed_weights(model, packed)
+                attach_packed_weights(model, packed, drop_dense=pack_weights)  # TP workers shard dense first
         else:
             from llmserve.model_loader.ct2_loader import iterate_ct2_weights, manifest_parts
             from llmserve.model_loader.safetensors_loader import iterate_safetensors_weights

@@ -25,7 +25,7 @@ from torch import nn
 from llmserve.attention.backend import AttentionMetadata, PagedAttention
 from llmserve.ops import batch_invariant, onednn_linear
 from llmserve.ops.cpu_ops import cpu_ops_for
-from llmserve.ops.quant_ops import QuantWeight
+from llmserve.ops.quant_ops import ALL_STEPS, QuantWeight
 
 
 class Linear(nn.Module):
@@ -45,11 +45,23 @@ class Linear(nn.Module):
         self.qweight: Optional[QuantWeight] = None  # GGUF blocks (llmserve.models.packed)
         self.packed_max_rows = 0
 
-    def set_packed(self, qweight: QuantWeight, max_rows: int) -> None:
-        """Run steps of at most ``max_rows`` tokens on ``qweight`` instead of ``weight``."""
+    def set_packed(self, qweight: Optional[QuantWeight], max_rows: int, drop_dense: bool = False) -> None:
+        """Run steps of at most ``max_rows`` tokens on ``qweight`` instead of ``weight``;
+        with ``max_rows`` = ``ALL_STEPS`` and ``drop_dense``, every step, and the dense
+        weight is freed (then no longer packed for oneDNN either)."""
         self.qweight, self.packed_max_rows = qweight, max_rows
+        if drop_dense and self.packed_only:
+            self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)
+            self.onednn_packable = False
+
+    @property
+    def packed_only(self) -> bool:
+        return self.qweight is not None and self.packed_max_rows >= ALL_STEPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_only:  # the kernel is row-invariant: batch-invariant steps too
+            y = self.qweight.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
         if x.shape[0] <= self.packed_max_rows and x.dim() == 2 and batch_invariant.unpadded():
             y = self.qweight.linear(x)
             return y if self.bias is None else y + self.bias
@@ -373,11 +385,13 @@ class LlamaForCausalLM(nn.Module):
         head GEMM 3.2x faster at batch 1 (2.3 -> 0.72 ms, a third of a 7 ms decode step).
         When the head also has GGUF blocks (``packed_head``), the embedding looks its rows
         up there (exactly the dense table's values) and the dense table is freed: the
-        model then holds the head twice (oneDNN, blocks) instead of three times.
+        model then holds the head twice (oneDNN, blocks) instead of three times, or once
+        when the blocks run every step (no oneDNN copy then).
         ``onednn_linear.pack_model`` calls it."""
         if self.lm_head is None and self.tp_lm_head is None:
-            self.onednn_head = onednn_linear.pack(self.model.embed_tokens.weight)
-            if self.onednn_head is not None and self.packed_head is not None:
+            all_steps = self.packed_head is not None and self.packed_head[1] >= ALL_STEPS
+            self.onednn_head = None if all_steps else onednn_linear.pack(self.model.embed_tokens.weight)
+            if (self.onednn_head is not None or all_steps) and self.packed_head is not None:
                 emb = self.model.embed_tokens
                 emb.weight = nn.Parameter(emb.weight.new_empty(0, emb.weight.shape[1]), requires_grad=False)
                 self.embed_from_packed = True
@@ -393,7 +407,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tp_lm_head is not None:
             return self.tp_lm_head.logits(hidden_states)
         head = self.packed_head
-        if head is not None and hidden_states.shape[0] <= head[1] and batch_invariant.unpadded():
+        if head is not None and hidden_states.shape[0] <= head[1] and (head[1] >= ALL_STEPS or batch_invariant.unpadded()):
             return head[0].linear(hidden_states, out_float=True)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         weight = weight if self.onednn_head is None else self.onednn_head

@@ -1,14 +1,18 @@
-"""GGUF-packed weights beside the dense ones, for steps of few tokens (issue 16).
+"""GGUF-packed weights for the linear layers (issue 16).
 
-After a GGUF model's weights are loaded (dequantized to the model dtype, used by large
-steps), :func:`attach_packed_weights` gives each ``Linear`` whose checkpoint tensors were
+After a GGUF model's weights are loaded (dequantized to the model dtype),
+:func:`attach_packed_weights` gives each ``Linear`` whose checkpoint tensors were
 Q4_0 / Q4_1 / Q8_0 blocks a packed copy (fused the way the model fuses them: q/k/v rows
 into ``qkv_proj``, gate/up into ``gate_up_proj``), and the LM head the packed embedding
 when they are tied. ``Linear`` then runs steps of at most ``max_rows`` tokens through
-``QuantWeight.linear`` (:mod:`llmserve.ops.quant_ops`), as llama.cpp does for all steps;
-``max_rows`` comes from a start-up probe, so the switch to the dense GEMM is this
-machine's. Steps inside ``batch_invariant.min_gemm_rows`` (seeded requests,
-``--batch-invariant``) keep the dense GEMMs: their rows must not depend on the step size.
+``QuantWeight.linear`` (:mod:`llmserve.ops.quant_ops`, int8 activations on VNNI, as
+llama.cpp does); ``max_rows`` comes from a start-up probe, so the switch to the dense
+GEMM is this machine's. Where the packed kernel wins at every size probed (here), packed
+layers run every step and their dense copies are freed: the model holds its weights as
+the file's blocks only (SmolLM2: ~94 MiB instead of ~420). Where it does not, steps
+inside ``batch_invariant.min_gemm_rows`` (seeded requests, ``--batch-invariant``) keep the
+dense GEMMs (their rows must not depend on the step size; the packed kernel's rows do not
+either, but the switch between the two would).
 """
 from __future__ import annotations
 
@@ -35,15 +39,18 @@ def _packed_for(prefix: str, leaf: str, packed: dict) -> Optional[tuple[int, tor
     return qtype, w.contiguous()
 
 
-def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int] = None) -> int:
+def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int] = None,
+                          drop_dense: bool = True) -> int:
     """Give the model's ``Linear`` layers their packed weights from ``packed``
     (``hf_name -> (ggml type id, uint8 [rows, row_bytes])``, see ``iterate_gguf_weights``).
 
     ``max_rows``: steps of at most this many tokens use them; None: measured now with
-    ``probe_max_rows`` at the MLP's shape. Returns the number of layers given a packed
+    ``probe_max_rows`` at the MLP's shape; when that is ``ALL_STEPS`` and ``drop_dense``
+    (False for tensor-parallel workers, which shard the dense weights next), the dense
+    weights of packed layers are freed. Returns the number of layers given a packed
     weight (0 when the kernels are unavailable or the probe finds no win)."""
     from llmserve.models.llama import Linear
-    from llmserve.ops.quant_ops import QuantWeight, get_quant_ops, probe_max_rows
+    from llmserve.ops.quant_ops import ALL_STEPS, QuantWeight, get_quant_ops, probe_max_rows
 
     if get_quant_ops() is None or not packed:
         return 0
@@ -61,11 +68,12 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
         prefix, _, leaf = name.rpartition(".")
         found = _packed_for(prefix, leaf, packed)
         if found is not None and found[1].shape[0] == mod.weight.shape[0]:
-            mod.set_packed(QuantWeight.from_gguf(found[1], found[0]), max_rows)
+            mod.set_packed(QuantWeight.from_gguf(found[1], found[0]), max_rows, drop_dense)
             count += 1
     head = packed.get("lm_head.weight") or packed.get("model.embed_tokens.weight")
     if head is not None and getattr(model, "lm_head", None) is None:
         model.packed_head = (QuantWeight.from_gguf(head[1], head[0]), max_rows)
         count += 1
-    logger.info("packed weights: %d layers run steps of <= %d tokens from GGUF blocks", count, max_rows)
+    logger.info("packed weights: %d layers run %s from GGUF blocks", count,
+                "every step" if max_rows >= ALL_STEPS else f"steps of <= {max_rows} tokens")
     return count

@@ -93,8 +93,7 @@ def _shard_attention(attn: nn.Module, tp: TPGroup) -> None:
                    attn.q_size + attn.kv_size + (kv_start + kv_count) * hd)
     qkv = attn.qkv_proj
     qkv.weight = nn.Parameter(torch.cat([qkv.weight[r] for r in (q_rows, k_rows, v_rows)]), requires_grad=False)
-    if qkv.qweight is not None:  # GGUF blocks for small steps: the same rows
-        qkv.qweight = qkv.qweight.select(torch.cat([torch.arange(r.start, r.stop) for r in (q_rows, k_rows, v_rows)]))
+    qkv.set_packed(None, 0)  # GGUF blocks (rows interleaved by 16): shards run dense
     if qkv.bias is not None:
         qkv.bias = nn.Parameter(torch.cat([qkv.bias[r] for r in (q_rows, k_rows, v_rows)]), requires_grad=False)
     o = attn.o_proj
@@ -111,8 +110,7 @@ def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
     gu = mlp.gate_up_proj
     rows = torch.cat([torch.arange(start, start + count), torch.arange(i + start, i + start + count)])
     gu.weight = nn.Parameter(gu.weight[rows].contiguous(), requires_grad=False)
-    if gu.qweight is not None:
-        gu.qweight = gu.qweight.select(rows)
+    gu.set_packed(None, 0)
     if gu.bias is not None:
         gu.bias = nn.Parameter(gu.bias[rows].contiguous(), requires_grad=False)
     d = mlp.down_proj

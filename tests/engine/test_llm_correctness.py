@@ -171,7 +171,8 @@ def test_idle_kv_prefault_keeps_cached_blocks(hf_greedy):
     same greedy tokens after it, and the whole cache ends up resident."""
     from llmserve import LLM
 
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False, kv_cache_memory="96MiB",
+    # Within the 32 MiB prefault headroom, so the whole cache gets prefaulted while idle.
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False, kv_cache_memory="30MiB",
               max_model_len=512)
     try:
         prompt = " ".join(PROMPTS[:6])  # several full 16-token blocks

@@ -1,24 +1,21 @@
-// Small-step linear layers on GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks of 32), for
-// steps of few tokens, where a bf16 GEMM is bound by reading its weights: a Q4_1 row is
-// 20 bytes per 32 weights instead of 64.
+// Linear layers on GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks of 32) with int8
+// activations on AVX512-VNNI, llama.cpp's scheme: each 32-value block of a token's
+// activations is quantized to int8 with its own scale (d_x = max|x| / 127, round to
+// nearest even), then sum w*x = d * d_x * sum(q * q_x) + m * sum(x) per block, the
+// integer dot exact in int32, the block sum of x exact-ish in float32.
 //
-// Weights are repacked once at load (quant_repack) into one layout for all three types:
-// per row, unsigned codes q and per-block float16 (d, m) with w = d * q + m exactly
-// (Q4_0: q = nibble, m = -8d; Q4_1: as stored; Q8_0: q = int8 + 128, m = -128d; the
-// products and sums are exact in float32, so w equals gguf.quants' value bit for bit).
-// Codes are grouped 4 blocks at a time (128 weights) so one 64-byte load feeds a VNNI
-// dot product whose 16 int32 lanes are 4 lanes per block: Q4 keeps the file's byte order
-// (byte i of a block holds weights i and i + 16 as low and high nibble); Q8 stores a
-// group's weights 0..15 of each block, then its weights 16..31.
-//
-// Two kernels share the layout:
-// - int8 (default, llama.cpp's scheme): each 32-value block of a token's activations is
-//   quantized to int8 with its own scale (d_x = max|x| / 127, round to nearest), then
-//   sum w*x = d * d_x * sum(q * q_x) + m * sum(x), the integer dot on AVX512-VNNI and the
-//   block sum of x exact in float32.
-// - float32 (exact): each block is dequantized in registers and multiplied with the
-//   float32 activations; the row sum is float32.
-// Rows are independent of each other and of the number of tokens.
+// Weights are repacked once at load (quant_repack) into one layout for all three types,
+// w = d * q + m with unsigned codes q and float16 d, m per block (Q4_0: m = -8d; Q4_1:
+// as stored; Q8_0: q = int8 + 128, m = -128d; all exact: w equals gguf.quants' value):
+// rows in groups of 16, and per (group, block) the 16 rows' codes interleaved so that a
+// 64-byte vector holds 4 consecutive codes of each of the 16 rows. One VNNI instruction
+// then adds 4 products into each row's own int32 lane against 4 activation codes
+// broadcast, so a block is 8 such instructions for 16 rows, and the per-block float
+// scaling (the costly part of a per-block scheme) is paid once per 16 x 32 weights
+// instead of once per 32. Q4: 4 chunks of 64 bytes per (group, block), chunk c holding
+// codes 4c..4c+3 in its low nibbles and 4c+16..4c+19 in its high ones; Q8: 8 chunks of
+// codes 4j..4j+3. Scales: per (group, block) 16 d then 16 m, float16. Rows past N in the
+// last group are zeros.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,7 +28,7 @@
 namespace {
 
 constexpr int64_t QK = 32;  // weights per block
-constexpr int64_t GB = 4;   // blocks per group
+constexpr int64_t RG = 16;  // rows per group (one int32 lane each)
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml type ids
 
 int64_t block_bytes(int64_t qt) {
@@ -52,7 +49,7 @@ inline float h2f(const uint8_t* p) {
 inline uint16_t f2h(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
 // One GGUF block -> 32 codes in weight order, d and m (see the layout above).
-void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t* dm) {
+void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t& d16, uint16_t& m16) {
   float d = h2f(b), m;
   if (qt == Q8_0) {
     for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);  // int8 + 128
@@ -62,297 +59,235 @@ void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t* dm) {
     for (int i = 0; i < 16; ++i) { q[i] = qs[i] & 0x0F; q[i + 16] = qs[i] >> 4; }
     m = qt == Q4_1 ? h2f(b + 2) : -8.f * d;
   }
-  dm[0] = f2h(d);
-  dm[1] = f2h(m);
-  TORCH_CHECK(std::isfinite(_cvtsh_ss(dm[1])), "quant_repack: block offset overflows float16");
+  d16 = f2h(d);
+  m16 = f2h(m);
+  TORCH_CHECK(std::isfinite(_cvtsh_ss(m16)), "quant_repack: block offset overflows float16");
 }
 
-// Codes of block j (of r in its group) into the group's bytes.
-void place_codes(const uint8_t* q, int bits, int64_t j, int64_t r, uint8_t* group) {
-  if (bits == 4) {
-    for (int i = 0; i < 16; ++i) group[16 * j + i] = static_cast<uint8_t>(q[i] | (q[i + 16] << 4));
-  } else {
-    std::memcpy(group + 16 * j, q, 16);
-    std::memcpy(group + 16 * r + 16 * j, q + 16, 16);
-  }
+int64_t tile_bytes(int bits) { return RG * QK * bits / 8; }  // codes of one (group, block)
+
+// Code k of lane l in a (group, block) tile.
+inline uint8_t tile_code(const uint8_t* tile, int bits, int64_t l, int64_t k) {
+  if (bits == 8) return tile[(k / 4) * 64 + l * 4 + k % 4];
+  const int64_t c = (k % 16) / 4, shift = k < 16 ? 0 : 4;
+  return (tile[c * 64 + l * 4 + k % 4] >> shift) & 0x0F;
 }
 
-inline __mmask64 group_mask(int64_t r) { return r == GB ? ~0ULL : (1ULL << (16 * r)) - 1; }
-
-// The group's low (weights 0..15 of each block) and high (16..31) codes, 16 bytes a block.
-// Full groups take plain loads: masked loads of memory not in cache streamed at half the
-// rate here (AMD Zen 4: 6 against 12 GB/s on one core), so only a row's tail group has them.
-template <int BITS>
-inline void load_codes(const uint8_t* g, int64_t r, __m512i& lo, __m512i& hi) {
-  const __mmask64 k = group_mask(r);
-  if constexpr (BITS == 4) {
-    const __m512i v = r == GB ? _mm512_loadu_si512(g) : _mm512_maskz_loadu_epi8(k, g);
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    lo = _mm512_and_si512(v, nib);
-    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-  } else {
-    lo = r == GB ? _mm512_loadu_si512(g) : _mm512_maskz_loadu_epi8(k, g);
-    hi = r == GB ? _mm512_loadu_si512(g + 64) : _mm512_maskz_loadu_epi8(k, g + 16 * r);
-  }
-}
-
-// Per-block d (lanes 4j..4j+3 = block j) and m of a group, from its float16 pairs.
-inline void load_scales(const uint16_t* dm, int64_t r, __m512& d, __m512& m) {
-  const __m128i h = r == GB ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(dm))
-                            : _mm_maskz_loadu_epi16(static_cast<__mmask8>((1U << (2 * r)) - 1), dm);
-  const __m256 v = _mm256_cvtph_ps(h);
-  const __m512 w = _mm512_castps256_ps512(v);
-  d = _mm512_permutexvar_ps(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0), w);
-  m = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1), w);
+inline void set_tile_code(uint8_t* tile, int bits, int64_t l, int64_t k, uint8_t q) {
+  if (bits == 8) { tile[(k / 4) * 64 + l * 4 + k % 4] = q; return; }
+  uint8_t& byte = tile[((k % 16) / 4) * 64 + l * 4 + k % 4];
+  byte = static_cast<uint8_t>(k < 16 ? (byte & 0xF0) | q : (byte & 0x0F) | (q << 4));
 }
 
 struct Packed {
-  const uint8_t* codes;
-  const uint16_t* dm;
-  int64_t nb, row_bytes;
-  int64_t groups() const { return (nb + GB - 1) / GB; }
-  int64_t group_bytes(int bits) const { return GB * 16 * bits / 4; }
+  const uint8_t* codes;  // [groups, nb, tile_bytes]
+  const uint16_t* dm;    // [groups, nb, 32]
+  int64_t nb, n, bits;
 };
 
-// Activations as int8 blocks in the packed groups' order, per token: codes [groups, 128]
-// (64 bytes matching the low codes, then 64 matching the high), d_x per lane [groups, 16]
-// and sum(x) / 4 per lane [groups, 16] (four lanes a block sum to it exactly); a tail
-// group's missing blocks are zeros.
+// Activations as int8 codes in natural order [M, K], per block d_x [M, nb] and sum(x) [M, nb].
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  int64_t G;
   template <typename T>
-  QuantX(const T* x, int64_t M, int64_t nb) : G((nb + GB - 1) / GB) {
-    float xb[QK];
-    q.assign(M * G * 128, 0);
-    d.assign(M * G * 16, 0.f);
-    s.assign(M * G * 16, 0.f);
-    for (int64_t t = 0; t < M; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int i = 0; i < QK; ++i) xb[i] = static_cast<float>(x[(t * nb + b) * QK + i]);
-        block(xb, t, b);
-      }
+  QuantX(const T* x, int64_t M, int64_t nb) : q(M * nb * QK), d(M * nb), s(M * nb) {
+    at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) block(x + i * QK, i);
+    });
   }
-  void block(const float* xb, int64_t t, int64_t b) {
-    float amax = 0.f, sum = 0.f;
-    for (int i = 0; i < QK; ++i) { amax = std::max(amax, std::fabs(xb[i])); sum += xb[i]; }
-    const float dx = amax / 127.f;
-    const int64_t g = b / GB, j = b % GB, base = (t * G + g) * 128;
-    for (int i = 0; i < QK; ++i) {
-      // x * 127 / amax, each step rounded once: a value at exactly half a step (x = amax / 2
-      // is common in bfloat16) rounds to even, not by the rounding of a reciprocal.
-      const int v = amax > 0.f ? static_cast<int>(std::nearbyint(xb[i] * 127.f / amax)) : 0;
-      q[base + (i < 16 ? 0 : 64) + 16 * j + (i & 15)] = static_cast<int8_t>(std::clamp(v, -127, 127));
+  template <typename T>
+  void block(const T* xs, int64_t i) {
+    float xb[QK], amax = 0.f, sum = 0.f;
+    for (int j = 0; j < QK; ++j) {
+      xb[j] = static_cast<float>(xs[j]);
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
     }
-    for (int l = 0; l < 4; ++l) {
-      d[(t * G + g) * 16 + 4 * j + l] = dx;
-      s[(t * G + g) * 16 + 4 * j + l] = sum * 0.25f;
+    d[i] = amax / 127.f;
+    s[i] = sum;
+    // x * 127 / amax, each step rounded once: a value at exactly half a step (x = amax / 2
+    // is common in bfloat16) rounds to even, not by the rounding of a reciprocal.
+    for (int j = 0; j < QK; ++j) {
+      const int v = amax > 0.f ? static_cast<int>(std::nearbyint(xb[j] * 127.f / amax)) : 0;
+      q[i * QK + j] = static_cast<int8_t>(std::clamp(v, -127, 127));
     }
   }
 };
 
-template <int BITS, int MT, typename OutT>
-void rows_int8(const Packed& p, const QuantX& xq, int64_t t0, int64_t n0, int64_t n1, OutT* out, int64_t N) {
-  const int64_t G = p.groups(), gb = p.group_bytes(BITS);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.codes + n * p.row_bytes;
-    const uint16_t* dm = p.dm + n * p.nb * 2;
-    __m512 acc[MT];
-    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = std::min(GB, p.nb - g * GB);
-      __m512i lo, hi;
-      __m512 d, m;
-      load_codes<BITS>(row + g * gb, r, lo, hi);
-      load_scales(dm + g * GB * 2, r, d, m);
-      for (int t = 0; t < MT; ++t) {
-        const int64_t xo = (t0 + t) * G + g;
-        const int8_t* xi = xq.q.data() + xo * 128;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xi));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xi + 64));
-        const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(xq.d.data() + xo * 16));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
-        acc[t] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xq.s.data() + xo * 16), acc[t]);
-      }
-    }
-    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = static_cast<OutT>(_mm512_reduce_add_ps(acc[t]));
-  }
-}
-
-// Block b's dequantized weights 0..15 (lo) and 16..31 (hi), float32, exact.
+// The (group, block) tile's 8 code vectors: V[j] lane l = codes 4j..4j+3 of row l (Q4:
+// chunk c's low nibbles are V[c], its high ones V[c + 4]).
 template <int BITS>
-inline void dequant(const Packed& p, const uint8_t* row, const uint16_t* dm, int64_t b, __m512& lo, __m512& hi) {
-  const int64_t g = b / GB, j = b % GB, r = std::min(GB, p.nb - g * GB);
-  const uint8_t* grp = row + g * p.group_bytes(BITS);
-  __m512i ql, qh;
-  if constexpr (BITS == 4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * j));
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    ql = _mm512_cvtepu8_epi32(_mm_and_si128(v, nib));
-    qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
+inline void load_tile(const uint8_t* tile, __m512i* v) {
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(tile + 64 * j);
   } else {
-    ql = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * j)));
-    qh = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * r + 16 * j)));
-  }
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(dm[2 * b])), m = _mm512_set1_ps(_cvtsh_ss(dm[2 * b + 1]));
-  lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(ql)), m);
-  hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(qh)), m);
-}
-
-template <int BITS, int MT, typename OutT>
-void rows_f32(const Packed& p, const float* x, int64_t t0, int64_t n0, int64_t n1, OutT* out, int64_t N) {
-  const int64_t K = p.nb * QK;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = p.codes + n * p.row_bytes;
-    const uint16_t* dm = p.dm + n * p.nb * 2;
-    __m512 acc[MT];
-    for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < p.nb; ++b) {
-      __m512 lo, hi;
-      dequant<BITS>(p, row, dm, b, lo, hi);
-      for (int t = 0; t < MT; ++t) {
-        const float* xb = x + (t0 + t) * K + b * QK;
-        acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), acc[t]);
-        acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), acc[t]);
-      }
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_loadu_si512(tile + 64 * c);
+      v[c] = _mm512_and_si512(b, nib);
+      v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
     }
-    for (int t = 0; t < MT; ++t) out[(t0 + t) * N + n] = static_cast<OutT>(_mm512_reduce_add_ps(acc[t]));
   }
 }
 
-// Tokens 4 at a time (each weight group is loaded once per 4 tokens), rows split over
-// threads in tasks of >= 64 rows (enough to amortise the hand-off, few enough to share).
-template <typename Tile>
-void for_tiles(int64_t M, int64_t N, Tile tile) {
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t t = 0;
-    for (; t + 4 <= M; t += 4) tile(std::integral_constant<int, 4>(), t, n0, n1);
-    switch (M - t) {
-      case 3: tile(std::integral_constant<int, 3>(), t, n0, n1); break;
-      case 2: tile(std::integral_constant<int, 2>(), t, n0, n1); break;
-      case 1: tile(std::integral_constant<int, 1>(), t, n0, n1); break;
-      default: break;
+template <typename OutT>
+inline void store_rows(OutT* out, __m512 acc, int64_t valid) {
+  alignas(64) float tmp[RG];
+  _mm512_store_ps(tmp, acc);
+  for (int64_t l = 0; l < valid; ++l) out[l] = static_cast<OutT>(tmp[l]);
+}
+
+// Rows of group g for tokens t0..t0+MT-1.
+template <int BITS, int MT, typename OutT>
+void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
+  const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
+  const uint8_t* codes = p.codes + g * p.nb * tb;
+  const uint16_t* dm = p.dm + g * p.nb * 32;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b) {
+    __m512i v[8];
+    load_tile<BITS>(codes + b * tb, v);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
+    for (int t = 0; t < MT; ++t) {
+      const int64_t xi = (t0 + t) * p.nb + b;
+      const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
+      // V[j] holds codes 4j..4j+3 of each row (both types), x's word j the same codes of x;
+      // even and odd j in two accumulators, two dependency chains.
+      __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
+      __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], _mm512_set1_epi32(xw[1]));
+      for (int j = 2; j < 8; j += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
+        a1 = _mm512_dpbusd_epi32(a1, v[j + 1], _mm512_set1_epi32(xw[j + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xq.d[xi])), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.s[xi]), acc[t]);
+    }
+  }
+  const int64_t valid = std::min(RG, p.n - g * RG);
+  for (int t = 0; t < MT; ++t) store_rows(out + (t0 + t) * N + g * RG, acc[t], valid);
+}
+
+// Row groups split over threads; tokens 8 (then 4, 3, 2, 1) at a time, so a tile's codes
+// are loaded once per 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at
+// K=576, stay in L2 while the thread's row groups pass over them: 1.14x -> see
+// benchmarks in the closing note of issue 16).
+template <int BITS, typename OutT>
+void run(const Packed& p, const QuantX& xq, int64_t M, OutT* out) {
+  constexpr int64_t kChunk = 256;
+  const int64_t groups = (p.n + RG - 1) / RG, N = p.n;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+      const int64_t c1 = std::min(M, c0 + kChunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t t = c0;
+        for (; t + 8 <= c1; t += 8) group_tile<BITS, 8>(p, xq, g, t, out, N);
+        for (; t + 4 <= c1; t += 4) group_tile<BITS, 4>(p, xq, g, t, out, N);
+        switch (c1 - t) {
+          case 3: group_tile<BITS, 3>(p, xq, g, t, out, N); break;
+          case 2: group_tile<BITS, 2>(p, xq, g, t, out, N); break;
+          case 1: group_tile<BITS, 1>(p, xq, g, t, out, N); break;
+          default: break;
+        }
+      }
     }
   });
 }
 
-// int8: x in its own dtype (quantized straight from it); float32: x as float32. The sums
-// go to out in its dtype (float32 or rounded to nearest even once), no extra tensor.
-template <int BITS, typename InT, typename OutT>
-void run(const Packed& p, const InT* x, int64_t M, int64_t N, bool int8, OutT* out) {
-  if constexpr (!std::is_same_v<InT, float>) {
-    TORCH_CHECK(int8, "quant_linear: the float32 kernel takes float32 x");
-    const QuantX xq(x, M, p.nb);
-    for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
-      rows_int8<BITS, decltype(mt)::value>(p, xq, t0, n0, n1, out, N);
-    });
-  } else if (int8) {
-    const QuantX xq(x, M, p.nb);
-    for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
-      rows_int8<BITS, decltype(mt)::value>(p, xq, t0, n0, n1, out, N);
-    });
-  } else {
-    for_tiles(M, N, [&](auto mt, int64_t t0, int64_t n0, int64_t n1) {
-      rows_f32<BITS, decltype(mt)::value>(p, x, t0, n0, n1, out, N);
-    });
-  }
-}
-
-template <typename InT, typename OutT>
-void dispatch_bits(const Packed& p, int64_t bits, const InT* x, int64_t M, int64_t N, bool int8, OutT* out) {
-  if (bits == 4) run<4>(p, x, M, N, int8, out);
-  else run<8>(p, x, M, N, int8, out);
-}
-
 template <typename OutT>
-void dispatch_in(const Packed& p, int64_t bits, const at::Tensor& x, bool int8, OutT* out, int64_t N) {
+void dispatch(const Packed& p, const at::Tensor& x, OutT* out) {
   const int64_t M = x.size(0);
-  if (int8 && x.scalar_type() == at::kBFloat16) dispatch_bits(p, bits, x.data_ptr<at::BFloat16>(), M, N, int8, out);
-  else if (int8 && x.scalar_type() == at::kHalf) dispatch_bits(p, bits, x.data_ptr<at::Half>(), M, N, int8, out);
-  else {
-    at::Tensor xf = x.to(at::kFloat).contiguous();
-    dispatch_bits(p, bits, xf.data_ptr<float>(), M, N, int8, out);
-  }
+  std::unique_ptr<QuantX> xq;
+  if (x.scalar_type() == at::kBFloat16) xq = std::make_unique<QuantX>(x.data_ptr<at::BFloat16>(), M, p.nb);
+  else if (x.scalar_type() == at::kHalf) xq = std::make_unique<QuantX>(x.data_ptr<at::Half>(), M, p.nb);
+  else xq = std::make_unique<QuantX>(x.data_ptr<float>(), M, p.nb);
+  if (p.bits == 4) run<4>(p, *xq, M, out);
+  else run<8>(p, *xq, M, out);
+}
+
+Packed packed_of(const at::Tensor& codes, const at::Tensor& dm, int64_t bits, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.dim() == 3 && dm.dim() == 3 && codes.scalar_type() == at::kByte &&
+                  dm.scalar_type() == at::kShort && codes.is_contiguous() && dm.is_contiguous() &&
+                  codes.size(2) == tile_bytes(bits) && dm.size(2) == 32 && codes.size(0) == dm.size(0) &&
+                  codes.size(1) == dm.size(1) && n > (codes.size(0) - 1) * RG && n <= codes.size(0) * RG,
+              "quant: codes uint8 [groups, nb, ", tile_bytes(bits), "] and dm int16 [groups, nb, 32] for ", n,
+              " rows, got ", codes.sizes(), " and ", dm.sizes());
+  return Packed{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), codes.size(1),
+                n, bits};
 }
 
 }  // namespace
 
-// GGUF blocks uint8 [N, K/32*block_bytes] -> [codes uint8 [N, K/2 (Q4) or K (Q8)],
-// dm float16-as-int16 [N, K/32*2]] (the layout above). Raises for a type or shape mismatch.
+// GGUF blocks uint8 [N, K/32*block_bytes] -> [codes uint8 [ceil(N/16), K/32, 256 (Q4) or
+// 512 (Q8)], dm float16-as-int16 [ceil(N/16), K/32, 32]] (the layout above). Raises for a
+// type or shape mismatch.
 std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "quant_repack: w uint8 [N, row_bytes]");
   const int64_t bb = block_bytes(qtype), N = w.size(0);
   TORCH_CHECK(w.size(1) % bb == 0, "quant_repack: row of ", w.size(1), " bytes is not whole blocks of ", bb);
-  const int64_t nb = w.size(1) / bb, bits = qtype == Q8_0 ? 8 : 4, cb = nb * 16 * bits / 4;
-  at::Tensor codes = at::empty({N, cb}, w.options());
-  at::Tensor dm = at::empty({N, nb * 2}, w.options().dtype(at::kShort));
+  const int64_t nb = w.size(1) / bb, groups = (N + RG - 1) / RG;
+  const int bits = qtype == Q8_0 ? 8 : 4;
+  const int64_t tb = tile_bytes(bits);
+  at::Tensor codes = at::zeros({groups, nb, tb}, w.options());
+  at::Tensor dm = at::zeros({groups, nb, 32}, w.options().dtype(at::kShort));
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   uint16_t* dp = reinterpret_cast<uint16_t*>(dm.data_ptr<int16_t>());
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     uint8_t q[32];
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t g = b / GB, r = std::min(GB, nb - g * GB);
-        split_block(src + (n * nb + b) * bb, qtype, q, dp + (n * nb + b) * 2);
-        place_codes(q, bits, b % GB, r, cp + n * cb + g * GB * 16 * bits / 4);
-      }
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t l = 0; l < RG && g * RG + l < N; ++l)
+        for (int64_t b = 0; b < nb; ++b) {
+          uint16_t* s = dp + (g * nb + b) * 32;
+          split_block(src + ((g * RG + l) * nb + b) * bb, qtype, q, s[l], s[16 + l]);
+          for (int64_t k = 0; k < QK; ++k) set_tile_code(cp + (g * nb + b) * tb, bits, l, k, q[k]);
+        }
   });
   return {codes, dm};
 }
 
-// out [M, N] = x [M, K] @ W.T for W repacked by quant_repack (bits 4 or 8); x float32,
-// bfloat16 or float16; int8: quantize x per block (else the exact float32 kernel); out in
-// x's dtype (float32 sums rounded once) or float32 with out_float.
-at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t bits, bool int8, bool out_float) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && dm.dim() == 2 && codes.scalar_type() == at::kByte &&
-                  dm.scalar_type() == at::kShort && codes.is_contiguous() && dm.is_contiguous(),
-              "quant_linear: x [M, K], codes uint8 [N, *], dm int16 [N, K/16] contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = dm.size(1) / 2;
-  TORCH_CHECK(dm.size(0) == N && K == nb * QK && codes.size(1) == nb * 16 * bits / 4, "quant_linear: x ", x.sizes(),
-              " does not fit codes ", codes.sizes(), " and dm ", dm.sizes());
-  at::Tensor xc = x.contiguous();
+// out [M, N] = x [M, K] @ W.T for W repacked by quant_repack (bits 4 or 8, N rows); x
+// float32, bfloat16 or float16, quantized per block to int8; out in x's dtype (float32
+// sums rounded to nearest even once) or float32 with out_float.
+at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t bits, int64_t n, bool out_float) {
+  const Packed p = packed_of(codes, dm, bits, n);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.nb * QK, "quant_linear: x ", x.sizes(), " does not fit a weight of ",
+              p.nb * QK, " columns");
   const auto out_type = out_float ? at::kFloat : x.scalar_type();
-  TORCH_CHECK(out_type == at::kFloat || out_type == at::kBFloat16 || out_type == at::kHalf,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "quant_linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(out_type));
-  const Packed p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), nb,
-                 codes.size(1)};
-  if (out_type == at::kFloat) dispatch_in(p, bits, xc, int8, out.data_ptr<float>(), N);
-  else if (out_type == at::kBFloat16) dispatch_in(p, bits, xc, int8, out.data_ptr<at::BFloat16>(), N);
-  else dispatch_in(p, bits, xc, int8, out.data_ptr<at::Half>(), N);
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_type));
+  if (out_type == at::kFloat) dispatch(p, xc, out.data_ptr<float>());
+  else if (out_type == at::kBFloat16) dispatch(p, xc, out.data_ptr<at::BFloat16>());
+  else dispatch(p, xc, out.data_ptr<at::Half>());
   return out;
 }
 
 // Rows ids [T] (int64) of a repacked weight, dequantized exactly: float32 [T, K] (an
 // embedding lookup from the tied LM head's blocks). Raises for an id out of range.
-at::Tensor quant_rows(at::Tensor codes, at::Tensor dm, int64_t bits, at::Tensor ids) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_rows: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(codes.is_contiguous() && dm.is_contiguous() && ids.dim() == 1 && ids.scalar_type() == at::kLong,
-              "quant_rows: contiguous codes and dm, ids int64 [T]");
-  const int64_t N = codes.size(0), nb = dm.size(1) / 2, T = ids.size(0);
+at::Tensor quant_rows(at::Tensor codes, at::Tensor dm, int64_t bits, int64_t n, at::Tensor ids) {
+  const Packed p = packed_of(codes, dm, bits, n);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids int64 [T]");
   at::Tensor idc = ids.contiguous();
   const int64_t* ip = idc.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_rows: id ", ip[t], " out of range [0, ", N, ")");
-  at::Tensor out = at::empty({T, nb * QK}, codes.options().dtype(at::kFloat));
-  const Packed p{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), nb,
-                 codes.size(1)};
+  const int64_t T = ids.size(0), tb = tile_bytes(p.bits);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "quant_rows: id ", ip[t], " out of range [0, ", n, ")");
+  at::Tensor out = at::empty({T, p.nb * QK}, codes.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* row = p.codes + ip[t] * p.row_bytes;
-      const uint16_t* d = p.dm + ip[t] * nb * 2;
-      for (int64_t b = 0; b < nb; ++b) {
-        __m512 lo, hi;
-        if (bits == 4) dequant<4>(p, row, d, b, lo, hi);
-        else dequant<8>(p, row, d, b, lo, hi);
-        _mm512_storeu_ps(op + t * nb * QK + b * QK, lo);
-        _mm512_storeu_ps(op + t * nb * QK + b * QK + 16, hi);
-      }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t g = ip[t] / RG, l = ip[t] % RG;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint16_t* s = p.dm + (g * p.nb + b) * 32;
+      const float d = _cvtsh_ss(s[l]), m = _cvtsh_ss(s[16 + l]);
+      const uint8_t* tile = p.codes + (g * p.nb + b) * tb;
+      for (int64_t k = 0; k < QK; ++k)
+        op[t * p.nb * QK + b * QK + k] = d * static_cast<float>(tile_code(tile, p.bits, l, k)) + m;
     }
-  });
+  }
   return out;
 }
 
@@ -365,10 +300,10 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype) {
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N * nb, 1024, [&](int64_t b0, int64_t b1) {
     uint8_t q[32];
-    uint16_t dm[2];
+    uint16_t d16, m16;
     for (int64_t b = b0; b < b1; ++b) {
-      split_block(wp + b * bb, qtype, q, dm);
-      const float d = _cvtsh_ss(dm[0]), m = _cvtsh_ss(dm[1]);
+      split_block(wp + b * bb, qtype, q, d16, m16);
+      const float d = _cvtsh_ss(d16), m = _cvtsh_ss(m16);
       for (int i = 0; i < QK; ++i) op[b * QK + i] = d * static_cast<float>(q[i]) + m;
     }
   });
@@ -377,9 +312,9 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_repack", &quant_repack, "GGUF rows -> [codes, dm] (see quant_gemv.cpp)", py::arg("w"), py::arg("qtype"));
-  m.def("quant_linear", &quant_linear, "x [M, K] @ W.T from repacked codes/dm -> [M, N]", py::arg("x"),
-        py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("int8") = true, py::arg("out_float") = false);
+  m.def("quant_linear", &quant_linear, "x [M, K] @ W.T from repacked codes/dm -> [M, n]", py::arg("x"),
+        py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("out_float") = false);
   m.def("quant_rows", &quant_rows, "rows ids of a repacked weight -> float32 [T, K]", py::arg("codes"),
-        py::arg("dm"), py::arg("bits"), py::arg("ids"));
+        py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("ids"));
   m.def("quant_dequantize", &quant_dequantize, "GGUF rows -> float32 [N, K], exact");
 }
