@@ -395,6 +395,22 @@ def _keep_freed_memory() -> None:
         pass
 
 
+def _preload() -> None:
+    """Import what loading a model needs, and load the CPU kernels, before the config is
+    read: a prestarted engine (core_process.prestart_engine_process) does it while the API
+    server starts. Each step is best effort; the engine repeats it (cached) when needed."""
+    try:
+        import llmserve.model_loader  # noqa: F401  (torch, transformers, safetensors)
+        import llmserve.models.llama  # noqa: F401
+        import llmserve.worker.model_runner  # noqa: F401
+        from llmserve.ops.cpu_ops import get_decode_kernel
+        from llmserve.ops.quant_ops import get_quant_ops
+        get_decode_kernel()
+        get_quant_ops()
+    except Exception:  # noqa: BLE001 - the engine reports real failures when it loads
+        pass
+
+
 def main() -> None:
     """``python -m llmserve.engine.core``: read (config, input_addr, output_addr,
     parent_pid, executor_class, log_stats) from stdin (each address a str, or a list with
@@ -402,7 +418,11 @@ def main() -> None:
     import pickle
     import sys
 
-    config, input_addr, output_addr, parent_pid, executor_class, log_stats = pickle.loads(sys.stdin.buffer.read())
+    _preload()
+    data = sys.stdin.buffer.read()
+    if not data:  # a prestarted interpreter whose server never needed it
+        os._exit(0)
+    config, input_addr, output_addr, parent_pid, executor_class, log_stats = pickle.loads(data)
     _keep_freed_memory()
     exit_when_parent_dies(parent_pid)
     exit_code = EngineCoreProc.run_engine_core(config, input_addr, output_addr, executor_class, log_stats)

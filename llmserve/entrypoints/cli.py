@@ -38,6 +38,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> None:
+    if (getattr(args, "data_parallel_size", 1) or 1) == 1 and (getattr(args, "api_server_count", 1) or 1) == 1:
+        from llmserve.engine.core_process import prestart_engine_process
+        prestart_engine_process()  # its imports overlap the server's (~2 s of start-up)
     from llmserve.entrypoints.openai.cli_args import validate_parsed_serve_args
     from llmserve.entrypoints.openai.multi_api_server import run_api_servers
     import logging

@@ -89,6 +89,29 @@ def test_serve_unknown_model_is_a_one_line_error():
     assert "error" in proc.stderr and "no-such-model-xyz" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _engine_interpreters() -> set[int]:
+    """Pids of live ``python -m llmserve.engine.core`` processes."""
+    import os
+    pids = set()
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"llmserve.engine.core" in f.read():
+                    pids.add(int(d))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def test_serve_error_leaves_no_prestarted_engine():
+    """``serve`` starts the engine's interpreter before its own imports (start-up overlap);
+    when the server then stops on a bad model, that interpreter goes with it."""
+    before = _engine_interpreters()
+    proc = _run("serve", "no-such-model-xyz", "--port", "0")
+    assert proc.returncode == 2
+    assert not (_engine_interpreters() - before)
+
+
 def test_batching_defaults_follow_usage_context():
     """vLLM's CPU defaults: the offline LLM takes 4096-token steps over up to 256 requests,
     the server 2048 over 128; explicit values always win."""
