@@ -1,13 +1,15 @@
 """Perplexity of a fixed English text (``benchmarks/data/declaration.txt``, public domain)
-under llmserve's small-step packed GGUF weights, the bfloat16-dequantized weights and
-transformers in float32 (issue 16, numerics of the low-bit path).
+under llmserve's packed GGUF weights, the bfloat16-dequantized weights and transformers in
+float32 (issue 16, numerics of the low-bit path).
 
     PYTHONPATH=. python benchmarks/perplexity.py [--model SmolLM2-135M-Instruct]
 
-llmserve's figures come from prompt logprobs. ``packed``: prefill in chunks of 4 tokens
-(``max_num_batched_tokens=4``), so every step is small and runs on the packed blocks;
-``bf16``: the same chunks with ``LLMSERVE_PACKED_WEIGHTS=0`` (dense bfloat16 GEMMs);
-``fp32``: llmserve in float32 (dense, the file's exact values); ``hf-fp32``: transformers.
+llmserve's figures come from prompt logprobs, the prompt prefilled in chunks of 4 tokens
+(``max_num_batched_tokens=4``, decode-sized steps). ``packed``: the file's Q4_1/Q8_0 blocks
+with int8 activations per 32-block (llama.cpp's scheme; where the start-up probe keeps
+dense weights for large steps, these small steps still run on the blocks); ``bf16``: the
+same chunks with ``LLMSERVE_PACKED_WEIGHTS=0`` (dense bfloat16 GEMMs); ``fp32``: llmserve in
+float32 (dense, the file's exact values); ``hf-fp32``: transformers.
 """
 from __future__ import annotations
 
