@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llmserve.config import (CacheConfig, CompilationMode, ModelConfig, ObservabilityConfig, ParallelConfig,
                              RestartConfig, SchedulerConfig, VllmConfig, resolve_dtype)
@@ -82,14 +82,28 @@ def _device(device: str) -> str:
 def _check_format(args: "EngineArgs", resolved: "ResolvedModel") -> None:
     """quantization / load_format must fit the checkpoint found."""
     is_gguf = resolved.gguf_file is not None
-    if args.quantization not in (None, "gguf"):
+    if args.quantization not in (None, "gguf", "compressed-tensors"):
         raise ValueError(f"quantization={args.quantization!r} is not supported by this engine yet "
-                         "(use None; GGUF checkpoints are dequantized on load).")
+                         "(use None: GGUF files and compressed-tensors int4/int8 checkpoints are found "
+                         "from the checkpoint; or 'gguf' / 'compressed-tensors').")
     if args.quantization == "gguf" and not is_gguf:
         raise ValueError(f"quantization='gguf' but the model {args.model!r} is not a GGUF checkpoint")
     if (args.load_format == "gguf") != is_gguf and args.load_format != "auto":
         kind = "a GGUF file" if is_gguf else "a safetensors directory"
         raise ValueError(f"load_format={args.load_format!r} does not fit the model {args.model!r} ({kind})")
+
+
+def _quantization(args: "EngineArgs", resolved: "ResolvedModel", hf_config: Any) -> Optional[str]:
+    """The checkpoint's quantization method (vLLM's names): "gguf", "compressed-tensors"
+    (read from ``quantization_config``) or None. Raises ValueError when ``--quantization``
+    names another than the checkpoint's, or for a compressed-tensors scheme not run here."""
+    from llmserve.model_loader.compressed_tensors_loader import weight_scheme
+
+    found = "gguf" if resolved.gguf_file else ("compressed-tensors" if weight_scheme(hf_config) else None)
+    if args.quantization not in (None, found):
+        raise ValueError(f"quantization={args.quantization!r} but the checkpoint {args.model!r} is "
+                         f"{found or 'not quantized'}")
+    return found
 
 
 def _max_model_len(args: "EngineArgs", hf_config: Any, device: str) -> int:
@@ -154,6 +168,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
     resolved = resolve_model(args.model, args.revision)
     _check_format(args, resolved)
     hf_config = load_hf_config(resolved)
+    quantization = _quantization(args, resolved, hf_config)
     defaults, eos_ids = _generation_defaults(args, resolved)
     from llmserve.pooler_config import load_pooler_config, resolve_runner
 
@@ -166,7 +181,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
         model_path=resolved.path, gguf_file=resolved.gguf_file, trust_remote_code=args.trust_remote_code,
         generation_config=args.generation_config, chat_template=args.chat_template, device=device,
         revision=args.revision, tokenizer_revision=args.tokenizer_revision, tokenizer_mode=args.tokenizer_mode,
-        quantization=args.quantization or ("gguf" if resolved.gguf_file else None),
+        quantization=quantization,
         enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, batch_invariant=args.batch_invariant,
         disable_sliding_window=args.disable_sliding_window,
         override_generation_config=dict(args.override_generation_config),

@@ -61,11 +61,21 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
                 from llmserve.models.packed import attach_packed_weights
                 attach_packed_weights(model, packed, drop_dense=pack_weights)  # TP workers shard dense first
         else:
+            from llmserve.model_loader.compressed_tensors_loader import (iterate_compressed_tensors_weights,
+                                                                         weight_scheme)
             from llmserve.model_loader.ct2_loader import iterate_ct2_weights, manifest_parts
             from llmserve.model_loader.safetensors_loader import iterate_safetensors_weights
             ct2_parts = manifest_parts(path)  # a CTranslate2 checkpoint seen as an HF dir
-            model.load_weights(iterate_ct2_weights(ct2_parts) if ct2_parts
-                               else iterate_safetensors_weights(path))
+            weights = iterate_ct2_weights(ct2_parts) if ct2_parts else iterate_safetensors_weights(path)
+            scheme = weight_scheme(hf_config)
+            if scheme is None:
+                model.load_weights(weights)
+            else:  # int4/int8 weight-only: the same packed path as GGUF blocks
+                packed = {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
+                model.load_weights(iterate_compressed_tensors_weights(weights, scheme, dtype, packed))
+                if packed:
+                    from llmserve.models.packed import attach_packed_weights
+                    attach_packed_weights(model, packed, drop_dense=pack_weights)
     device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
         return model.to(device).eval()
