@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import sys
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -115,10 +116,11 @@ ALL_STEPS_SLACK = 1.15
 
 
 def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 16, 256),
-                   iters: int = 3, stream_bytes: int = 64 << 20) -> int:
+                   iters: int = 5, stream_bytes: int = 64 << 20) -> int:
     """The largest step size (rows) in ``candidates`` at which ``quant_linear`` on random
     Q4_1 ``[n, k]`` weights beats the dense GEMM on their ``dtype`` copies (packed for
-    oneDNN where the model's are), fastest of ``iters`` interleaved passes each (0: never;
+    oneDNN where the model's are), by the median time ratio of ``iters`` back-to-back pairs
+    of passes (0: never;
     :data:`ALL_STEPS` when it won at all; within :data:`ALL_STEPS_SLACK` of the GEMM counts
     as a win). Measured on the 2-core AMD EPYC
     (AVX512-VNNI) at SmolLM2's MLP shape: the packed kernel beat oneDNN's bfloat16 GEMM at
@@ -128,8 +130,9 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 16, 256),
     the last-level cache) that weights stream from memory as a model's layers do: with one
     weight that stays in cache, oneDNN's bfloat16 GEMM won at every size, yet a batch-1
     decode step took 9.8 ms on it against 5.9 ms on the packed blocks, which read 3.5x fewer
-    bytes. Run once at model load, so the switch point is this machine's; interleaving and
-    the minimum keep a busy machine's preemptions out of it."""
+    bytes. Run once at model load, so the switch point is this machine's. Each pair runs
+    both kernels back to back, so a busy machine slows both alike and their ratio holds (the
+    fastest of 3 passes each, the rule before, chose 1 row in 1 of 3 probes at load 3.5)."""
     from llmserve.ops import batch_invariant, onednn_linear
 
     ops = get_quant_ops()
@@ -148,13 +151,16 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 16, 256),
         x = torch.randn(m, k, generator=g).to(dtype)
         passes = (lambda: [q.linear(x) for q in quant],
                   lambda: [batch_invariant.linear(x, d) for d in denses])
-        best_t = [float("inf"), float("inf")]
-        for _ in range(iters + 1):  # the first pass warms up
-            for i, run in enumerate(passes):
+        ratios = []
+        for it in range(iters + 1):  # the first pair warms up
+            t = []
+            for run in passes:
                 t0 = time.perf_counter()
                 run()
-                best_t[i] = min(best_t[i], time.perf_counter() - t0)
-        if best_t[0] > ALL_STEPS_SLACK * best_t[1]:  # close enough counts as a win: the memory is worth more
+                t.append(time.perf_counter() - t0)
+            if it:
+                ratios.append(t[0] / t[1])
+        if statistics.median(ratios) > ALL_STEPS_SLACK:  # close enough counts as a win: the memory is worth more
             break
         best = m
     return ALL_STEPS if best == candidates[-1] else best
