@@ -6,8 +6,8 @@ float32 (issue 16, numerics of the low-bit path).
 
 llmserve's figures come from prompt logprobs, the prompt prefilled in chunks of 4 tokens
 (``max_num_batched_tokens=4``, decode-sized steps). ``packed``: the file's Q4_1/Q8_0 blocks
-with int8 activations per 32-block (llama.cpp's scheme; where the start-up probe keeps
-dense weights for large steps, these small steps still run on the blocks); ``bf16``: the
+(or a compressed-tensors checkpoint's int4/int8 weights) with int8 activations per
+32-block (llama.cpp's scheme), every step, whatever the start-up probe would pick; ``bf16``: the
 same chunks with ``LLMSERVE_PACKED_WEIGHTS=0`` (dense bfloat16 GEMMs); ``fp32``: llmserve in
 float32 (dense, the file's exact values); ``hf-fp32``: transformers.
 """
@@ -22,8 +22,11 @@ import sys
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declaration.txt")
 
 
-def _llmserve_ppl(model: str, dtype: str, chunk: int) -> float:
+def _llmserve_ppl(model: str, dtype: str, chunk: int, packed: bool = False) -> float:
     from llmserve import LLM, SamplingParams
+    if packed:  # numerics of the packed path whatever the start-up probe measures here
+        from llmserve.ops import quant_ops
+        quant_ops.probe_max_rows = lambda *a, **k: quant_ops.ALL_STEPS
     llm = LLM(model, dtype=dtype, max_num_batched_tokens=chunk, max_num_seqs=1, kv_cache_memory="64MiB",
               max_model_len=1024, enable_prefix_caching=False, multiprocess_mode=False)
     ids = llm.get_tokenizer()(open(TEXT).read()).input_ids
@@ -54,7 +57,7 @@ def main() -> None:
     args = p.parse_args()
     if args.one:  # one figure per process (the packed switch is read at load time)
         ppl = (_hf_ppl(args.model) if args.one == "hf-fp32" else
-               _llmserve_ppl(args.model, "float32" if args.one == "fp32" else "bfloat16", 4))
+               _llmserve_ppl(args.model, "float32" if args.one == "fp32" else "bfloat16", 4, args.one == "packed"))
         print(f"{ppl:.4f}")
         return
     for name, env in (("packed", {}), ("bf16", {"LLMSERVE_PACKED_WEIGHTS": "0"}), ("fp32", {}), ("hf-fp32", {})):
