@@ -26,7 +26,7 @@ def _llmserve_ppl(model: str, dtype: str, chunk: int, packed: bool = False) -> f
     from llmserve import LLM, SamplingParams
     if packed:  # numerics of the packed path whatever the start-up probe measures here
         from llmserve.ops import quant_ops
-        quant_ops.probe_max_rows = lambda *a, **k: quant_ops.ALL_STEPS
+        quant_ops.packed_switch_point = lambda *a, **k: quant_ops.ALL_STEPS
     llm = LLM(model, dtype=dtype, max_num_batched_tokens=chunk, max_num_seqs=1, kv_cache_memory="64MiB",
               max_model_len=1024, enable_prefix_caching=False, multiprocess_mode=False)
     ids = llm.get_tokenizer()(open(TEXT).read()).input_ids

@@ -48,23 +48,27 @@ class BlockPool:
     block of the queue is evicted first. A free block may still hold a cached prefix
     (``block_hash``); it is found by hash until it is evicted for reuse.
 
-    Blocks never used yet are handed out (in id order) only when that queue is empty, so
-    the KV memory a workload touches follows its peak number of live blocks instead of
-    the cache size (issue 16: the KV buffer's pages become resident only when first
-    written). The price: a cached prefix is evicted before fresh memory is used, so the
-    prefix cache holds what fits beside the largest batch seen so far, not the whole
-    configured cache (vLLM preallocates and fills it all). Measured on a 128-token-chat
-    benchmark that ran ~40k tokens through a 4 GiB cache: the highest block used, and
-    with it the engine's RSS, had grown by ~900 MiB before; now by what the live batch needs.
+    Blocks never used yet are handed out (in id order) before a block holding a cached
+    prefix is evicted only while fewer than ``cache_floor_blocks`` blocks have been used;
+    past that, freed blocks are reused first, so the KV memory a workload touches follows
+    its peak number of live blocks (or the floor) instead of the cache size (issue 16: the
+    KV buffer's pages become resident only when first written). Freed blocks that hold no
+    cached prefix are always reused first. The price: past the floor, a cached prefix is
+    evicted before fresh memory is used, so the prefix cache holds what fits in the floor
+    or beside the largest batch seen so far, not the whole configured cache (vLLM
+    preallocates and fills it all). Measured on a 128-token-chat benchmark that ran ~40k
+    tokens through a 4 GiB cache: the highest block used, and with it the engine's RSS,
+    had grown by ~900 MiB; with the floor at 16k tokens, by at most ~380 MiB (SmolLM2).
 
     Block 0 is reserved as a null/padding block and never handed out.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, cache_floor_blocks: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.cache_floor_blocks = cache_floor_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.next_fresh = 1  # blocks next_fresh.. have never been handed out
@@ -74,8 +78,12 @@ class BlockPool:
         return len(self.free_queue) + self.num_blocks - self.next_fresh
 
     def _pop_free(self) -> KVCacheBlock:
+        fresh_left = self.next_fresh < self.num_blocks
         if self.free_queue:
-            return self.free_queue.popitem(last=False)[1]
+            head = next(iter(self.free_queue.values()))
+            grow = fresh_left and head.block_hash is not None and self.next_fresh <= self.cache_floor_blocks
+            if not grow:
+                return self.free_queue.popitem(last=False)[1]
         self.next_fresh += 1
         return self.blocks[self.next_fresh - 1]
 
@@ -142,13 +150,20 @@ class KVCacheManager:
 
     Args:
       num_blocks: blocks in the cache (block 0 reserved). block_size: tokens per block.
-      enable_caching: prefix caching on/off. max_model_len: tokens.
+      enable_caching: prefix caching on/off. cache_floor_tokens: KV (tokens) the prefix
+      cache may fill before evicting (None: ``PREFIX_CACHE_FLOOR_TOKENS``; see BlockPool).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    # Tokens of KV the prefix cache may fill with fresh memory before it evicts (BlockPool):
+    # as much as llama-server's -c 16384 holds for its slots.
+    PREFIX_CACHE_FLOOR_TOKENS = 16384
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 cache_floor_tokens: Optional[int] = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        floor = self.PREFIX_CACHE_FLOOR_TOKENS if cache_floor_tokens is None else cache_floor_tokens
+        self.pool = BlockPool(num_blocks, enable_caching, floor // block_size)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         # Counters for prefix-cache hit rate (tokens).

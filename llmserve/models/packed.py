@@ -6,8 +6,8 @@ Q4_0 / Q4_1 / Q8_0 blocks a packed copy (fused the way the model fuses them: q/k
 into ``qkv_proj``, gate/up into ``gate_up_proj``), and the LM head the packed embedding
 when they are tied. ``Linear`` then runs steps of at most ``max_rows`` tokens through
 ``QuantWeight.linear`` (:mod:`llmserve.ops.quant_ops`, int8 activations on VNNI, as
-llama.cpp does); ``max_rows`` comes from a start-up probe, so the switch to the dense
-GEMM is this machine's. Where the packed kernel wins at every size probed (here), packed
+llama.cpp does); ``max_rows`` is this CPU's (``packed_switch_point``: a table entry, or a
+start-up probe on CPUs the table does not cover). Where the packed kernel takes every step (here), packed
 layers run every step and their dense copies are freed: the model holds its weights as
 the file's blocks only (SmolLM2: ~94 MiB instead of ~420). Where it does not, steps
 inside ``batch_invariant.min_gemm_rows`` (seeded requests, ``--batch-invariant``) keep the
@@ -44,20 +44,20 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
     """Give the model's ``Linear`` layers their packed weights from ``packed``
     (``hf_name -> (ggml type id, uint8 [rows, row_bytes])``, see ``iterate_gguf_weights``).
 
-    ``max_rows``: steps of at most this many tokens use them; None: measured now with
-    ``probe_max_rows`` at the MLP's shape; when that is ``ALL_STEPS`` and ``drop_dense``
+    ``max_rows``: steps of at most this many tokens use them; None: this CPU's answer
+    (``packed_switch_point`` at the MLP's shape); when that is ``ALL_STEPS`` and ``drop_dense``
     (False for tensor-parallel workers, which shard the dense weights next), the dense
     weights of packed layers are freed. Returns the number of layers given a packed
     weight (0 when the kernels are unavailable or the probe finds no win)."""
     from llmserve.models.llama import Linear
-    from llmserve.ops.quant_ops import ALL_STEPS, QuantWeight, get_quant_ops, probe_max_rows
+    from llmserve.ops.quant_ops import ALL_STEPS, QuantWeight, get_quant_ops, packed_switch_point
 
     if get_quant_ops() is None or not packed:
         return 0
     dtype = getattr(model, "dtype", torch.bfloat16)
     if max_rows is None:
         cfg = model.config
-        max_rows = probe_max_rows(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
+        max_rows = packed_switch_point(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
     if max_rows <= 0:
         logger.info("packed weights: the dense GEMM wins at every step size here; not used")
         return 0

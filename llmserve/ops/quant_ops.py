@@ -115,6 +115,20 @@ ALL_STEPS = 1 << 62
 ALL_STEPS_SLACK = 1.15
 
 
+def packed_switch_point(k: int, n: int, dtype: torch.dtype) -> int:
+    """Steps of up to how many tokens the packed kernel takes on this CPU (``ALL_STEPS``:
+    every step). A table first, the timing probe where the table has no entry: CPUs with
+    AVX512-VNNI and no AMX take every step (measured on an AMD EPYC: 2x oneDNN's bfloat16
+    GEMM speed at 1 row, 0.8-0.96x its time at 16-2048 rows; a timing probe there gave a
+    different answer on each start of a busy machine, and with it greedy output that
+    changed across restarts and with the batch, since the two kernels round differently);
+    with AMX, whose bfloat16 tiles speed oneDNN's large GEMMs up several times, the
+    switch point is measured (:func:`probe_max_rows`)."""
+    if "amx_bf16" not in _cpu_signature():
+        return ALL_STEPS
+    return probe_max_rows(k, n, dtype)
+
+
 def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 16, 256),
                    iters: int = 5, stream_bytes: int = 64 << 20) -> int:
     """The largest step size (rows) in ``candidates`` at which ``quant_linear`` on random

@@ -105,7 +105,7 @@ def test_freed_blocks_are_reused_before_fresh_ones():
     """Memory follows use (issue 16): 200 distinct 3-block prompts one after another in a
     1000-block pool touch only the blocks one of them needs, and a prompt sent again
     right after itself still hits the prefix cache."""
-    m = KVCacheManager(num_blocks=1000, block_size=4)
+    m = KVCacheManager(num_blocks=1000, block_size=4, cache_floor_tokens=0)
     used = set()
     for i in range(200):
         toks = [i * 100 + j for j in range(10)]
@@ -117,7 +117,7 @@ def test_freed_blocks_are_reused_before_fresh_ones():
 
 
 def test_fresh_blocks_when_the_live_batch_grows():
-    m = KVCacheManager(num_blocks=100, block_size=4)
+    m = KVCacheManager(num_blocks=100, block_size=4, cache_floor_tokens=0)
     reqs = [_req(f"r{i}", list(range(i * 50, i * 50 + 8))) for i in range(10)]
     for r in reqs:
         assert m.allocate_slots(r, 8) is not None  # 10 live requests x 2 blocks
@@ -127,3 +127,18 @@ def test_fresh_blocks_when_the_live_batch_grows():
     r = _req("x", list(range(1000, 1040)))
     m.allocate_slots(r, 40)  # 10 blocks: all from the freed ones
     assert max(m.get_block_ids("x")) <= 20 and m.pool.next_fresh == 21
+
+
+def test_prefix_cache_fills_the_floor_before_evicting():
+    """Up to the floor (here 40 tokens = 10 blocks) cached prefixes stay and fresh blocks are
+    used; past it, the least recently used cached blocks are reused."""
+    m = KVCacheManager(num_blocks=1000, block_size=4, cache_floor_tokens=40)
+    prompts = [[i * 100 + j for j in range(8)] for i in range(8)]  # 2 full blocks each
+    for i, toks in enumerate(prompts[:4]):
+        _run_one(m, f"r{i}", toks)
+    assert m.pool.next_fresh == 9  # 8 blocks, all still cached
+    assert _run_one(m, "again0", prompts[0] + [1]) == 8
+    for i, toks in enumerate(prompts[4:]):
+        _run_one(m, f"s{i}", toks)
+    assert m.pool.next_fresh <= 12  # the floor, then reuse
+    assert _run_one(m, "again7", prompts[7] + [1]) == 8  # the most recent ones are cached

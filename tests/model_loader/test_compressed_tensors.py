@@ -117,7 +117,7 @@ def test_bfloat16_runs_every_linear_on_the_packed_blocks(tiny_w4, monkeypatch):
     from llmserve.ops import quant_ops
     if quant_ops.get_quant_ops() is None:
         pytest.skip("packed kernels need AVX512-VNNI")
-    monkeypatch.setattr(quant_ops, "probe_max_rows", lambda *a, **k: quant_ops.ALL_STEPS)
+    monkeypatch.setattr(quant_ops, "packed_switch_point", lambda *a, **k: quant_ops.ALL_STEPS)
     from llmserve import LLM, SamplingParams
     llm = LLM(tiny_w4[0], tokenizer="SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_memory="16MiB",
               max_model_len=256, multiprocess_mode=False)

@@ -122,6 +122,16 @@ def test_rows_do_not_depend_on_the_step_size():
         assert torch.equal(qw.linear(x[i:i + 1])[0], full[i])
 
 
+def test_switch_point_is_every_step_without_amx():
+    """A table entry, not a timing: the same on every start (greedy output must not change
+    with a restart or the machine's load)."""
+    from llmserve.ops.cpu_ops import _cpu_signature
+    from llmserve.ops.quant_ops import ALL_STEPS, packed_switch_point
+    if "amx_bf16" in _cpu_signature():
+        pytest.skip("AMX CPUs measure the switch point")
+    assert {packed_switch_point(576, 3072, torch.bfloat16) for _ in range(3)} == {ALL_STEPS}
+
+
 def test_probe_answers_a_step_size_or_every_step():
     from llmserve.ops.quant_ops import ALL_STEPS, probe_max_rows
     rows = probe_max_rows(64, 256, torch.bfloat16, candidates=(1, 4), iters=1, stream_bytes=1 << 20)
@@ -146,11 +156,11 @@ def test_bad_shapes_raise():
 @pytest.fixture(scope="module")
 def smollm2_bf16(smollm2_resolved, smollm2_config, model_config_fn):
     """Packed for every step whatever a busy test machine's probe says (the probe's own
-    answer here is every step: see quant_ops.probe_max_rows)."""
+    answer here is every step: see quant_ops.packed_switch_point)."""
     from llmserve.model_loader import get_model
     from llmserve.ops import quant_ops
     mp = pytest.MonkeyPatch()
-    mp.setattr(quant_ops, "probe_max_rows", lambda *a, **k: quant_ops.ALL_STEPS)
+    mp.setattr(quant_ops, "packed_switch_point", lambda *a, **k: quant_ops.ALL_STEPS)
     try:
         return get_model(model_config_fn(smollm2_resolved, smollm2_config, "bfloat16"))
     finally:
