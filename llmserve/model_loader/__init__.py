@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -51,15 +51,11 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
         if gguf_file is not None:
             from llmserve.model_loader.gguf_loader import iterate_gguf_weights
             gguf_path = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
-            # Quantized blocks are also kept packed for small steps (issue 16); float32
-            # models keep exact dense GEMMs only.
-            packed = {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
+            packed = _packed_sink(model, dtype)
             from llmserve.model_loader.startup_cache import cached_gguf_weights
             model.load_weights(cached_gguf_weights(
                 gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
-            if packed:
-                from llmserve.models.packed import attach_packed_weights
-                attach_packed_weights(model, packed, drop_dense=pack_weights)  # TP workers shard dense first
+            _attach_packed(model, packed, pack_weights)
         else:
             from llmserve.model_loader.compressed_tensors_loader import (iterate_compressed_tensors_weights,
                                                                          weight_scheme)
@@ -71,11 +67,9 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
             if scheme is None:
                 model.load_weights(weights)
             else:  # int4/int8 weight-only: the same packed path as GGUF blocks
-                packed = {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
+                packed = _packed_sink(model, dtype)
                 model.load_weights(iterate_compressed_tensors_weights(weights, scheme, dtype, packed))
-                if packed:
-                    from llmserve.models.packed import attach_packed_weights
-                    attach_packed_weights(model, packed, drop_dense=pack_weights)
+                _attach_packed(model, packed, pack_weights)
     device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
         return model.to(device).eval()
@@ -86,3 +80,17 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
         from llmserve.ops.onednn_linear import pack_model
         pack_model(model)  # last: the loaders above read the dense weights
     return model.eval()
+
+
+def _packed_sink(model: Any, dtype: torch.dtype) -> Optional[dict]:
+    """The dict the loaders fill with quantized blocks (issue 16), or None: float32 models
+    keep exact dense GEMMs only, and models without the packed path take none."""
+    return {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
+
+
+def _attach_packed(model: Any, packed: Optional[dict], drop_dense: bool) -> None:
+    """Give the model its packed blocks; ``drop_dense`` False for tensor-parallel workers,
+    which shard the dense weights first."""
+    if packed:
+        from llmserve.models.packed import attach_packed_weights
+        attach_packed_weights(model, packed, drop_dense=drop_dense)

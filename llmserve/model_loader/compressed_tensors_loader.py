@@ -82,7 +82,7 @@ def _layer(name: str, parts: dict, scheme: dict, dtype: torch.dtype,
     per_input = scale.repeat_interleave(group, dim=1)
     dense = (q.to(torch.float32) * per_input.float()).to(dtype)
     if packed is not None and k % 32 == 0:
-        blocks = _gguf_blocks(q, scale.repeat_interleave(group // 32, dim=1) if group % 32 == 0 else per_input, bits)
+        blocks = _gguf_blocks(q, scale.repeat_interleave(group // 32, dim=1), bits)  # group: a multiple of 32
         if blocks is not None:
             packed[f"{name}.weight"] = (8 if bits == 8 else 2, torch.from_numpy(np.ascontiguousarray(blocks)))
         else:

@@ -44,19 +44,17 @@ class Linear(nn.Module):
 
         self.qweight: Optional[QuantWeight] = None  # GGUF blocks (llmserve.models.packed)
         self.packed_max_rows = 0
+        self.packed_only = False  # qweight takes every step (set_packed)
 
     def set_packed(self, qweight: Optional[QuantWeight], max_rows: int, drop_dense: bool = False) -> None:
         """Run steps of at most ``max_rows`` tokens on ``qweight`` instead of ``weight``;
         with ``max_rows`` = ``ALL_STEPS`` and ``drop_dense``, every step, and the dense
         weight is freed (then no longer packed for oneDNN either)."""
         self.qweight, self.packed_max_rows = qweight, max_rows
+        self.packed_only = qweight is not None and max_rows >= ALL_STEPS
         if drop_dense and self.packed_only:
             self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)
             self.onednn_packable = False
-
-    @property
-    def packed_only(self) -> bool:
-        return self.qweight is not None and self.packed_max_rows >= ALL_STEPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_only:  # the kernel is row-invariant: batch-invariant steps too

@@ -17,8 +17,8 @@ import functools
 import hashlib
 import logging
 import os
-import sys
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -106,8 +106,8 @@ class QuantWeight:
         return get_quant_ops().quant_rows(self.codes, self.dm, self.bits, self.n, ids)
 
 
-# probe_max_rows' answer when the packed kernel won at every step size it tried: packed
-# layers then run every step and drop their dense copies (models/packed.py).
+# packed_switch_point's answer when the packed kernel takes every step: packed layers then
+# drop their dense copies (models/packed.py).
 ALL_STEPS = 1 << 62
 # The packed kernel counts as winning at a size when it takes at most this much longer
 # than the GEMM: its 0.93-0.96x at 256+ rows was within a busy machine's noise of 1x, and
@@ -134,11 +134,10 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 16, 256),
     """The largest step size (rows) in ``candidates`` at which ``quant_linear`` on random
     Q4_1 ``[n, k]`` weights beats the dense GEMM on their ``dtype`` copies (packed for
     oneDNN where the model's are), by the median time ratio of ``iters`` back-to-back pairs
-    of passes (0: never;
-    :data:`ALL_STEPS` when it won at all; within :data:`ALL_STEPS_SLACK` of the GEMM counts
-    as a win). Measured on the 2-core AMD EPYC
-    (AVX512-VNNI) at SmolLM2's MLP shape: the packed kernel beat oneDNN's bfloat16 GEMM at
-    every size, 0.80x its time at 32 rows, 0.96x at 512 and 2048. ~0.2 s at start-up.
+    of passes; within :data:`ALL_STEPS_SLACK` of the GEMM counts as a win. 0: never;
+    :data:`ALL_STEPS`: at every size. Measured on the 2-core AMD EPYC (AVX512-VNNI) at
+    SmolLM2's MLP shape: the packed kernel beat oneDNN's bfloat16 GEMM at every size, 0.80x
+    its time at 32 rows, 0.96x at 512 and 2048; ~0.3 s.
 
     Each pass runs over enough copies of the weight (dense copies >= ``stream_bytes``, past
     the last-level cache) that weights stream from memory as a model's layers do: with one
@@ -174,7 +173,7 @@ def probe_max_rows(k: int, n: int, dtype: torch.dtype, candidates=(1, 16, 256),
                 t.append(time.perf_counter() - t0)
             if it:
                 ratios.append(t[0] / t[1])
-        if statistics.median(ratios) > ALL_STEPS_SLACK:  # close enough counts as a win: the memory is worth more
+        if statistics.median(ratios) > ALL_STEPS_SLACK:
             break
         best = m
     return ALL_STEPS if best == candidates[-1] else best

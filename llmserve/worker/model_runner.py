@@ -94,15 +94,16 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
     return fn is not None and fn(addr, length, advice) == 0
 
 
-def _advise_huge_pages(addr: int, nbytes: int) -> None:
-    """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of ``[addr, addr + nbytes)``, so
-    first writes to the KV cache fault in 2 MiB pages instead of 4 KiB ones (measured: the
-    4 KiB faults cost ~5% of a 256-prompt throughput run). Linux only; no-op elsewhere."""
+def _advise_huge_pages(addr: int, nbytes: int, huge_pages: bool = True) -> None:
+    """madvise(MADV_HUGEPAGE, or MADV_NOHUGEPAGE with ``huge_pages`` False) on the 2
+    MiB-aligned part of ``[addr, addr + nbytes)``, where huge pages can be, so first writes
+    to the KV cache fault in 2 MiB pages instead of 4 KiB ones (measured: the 4 KiB faults
+    cost ~5% of a 256-prompt throughput run). Linux only; no-op elsewhere."""
     huge = 2 << 20
     start = (addr + huge - 1) // huge * huge
     length = (addr + nbytes - start) // huge * huge
     if length > 0:
-        _madvise(start, length, 14)  # MADV_HUGEPAGE
+        _madvise(start, length, 14 if huge_pages else 15)  # MADV_HUGEPAGE / MADV_NOHUGEPAGE
 
 
 class ModelRunner:
@@ -179,7 +180,7 @@ class ModelRunner:
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
             raw = np.zeros(nbytes, dtype=np.uint8)
             # numpy advises huge pages for large arrays; not yet (_maybe_advise_huge_pages).
-            _madvise(raw.ctypes.data // 4096 * 4096, nbytes, 15)  # MADV_NOHUGEPAGE
+            _advise_huge_pages(raw.ctypes.data, nbytes, huge_pages=False)
             buf = torch.from_numpy(raw).view(self.dtype).view(shape)
             self._kv_nbytes, self._kv_huge = nbytes, False
             # Prefault cursor (see prefault_kv): 2 * num_layers regions of num_blocks blocks.
