@@ -119,6 +119,9 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torc
     ``(q int8 [N, K], scale float16 [N, K / group_size])``. No calibration (llm-compressor's
     GPTQ/AWQ recipes choose better scales; this is their plain RTN baseline)."""
     n, k = weight.shape
+    if bits not in (4, 8) or group_size <= 0 or group_size % 32 or k % group_size:
+        raise ValueError(f"bits must be 4 or 8 and group_size a multiple of 32 dividing the layer's {k} inputs "
+                         f"(what the engine runs), got bits={bits}, group_size={group_size}")
     w = weight.float().reshape(n, k // group_size, group_size)
     qmax = (1 << (bits - 1)) - 1
     scale = (w.abs().amax(-1) / qmax).clamp_min(1e-8).half()
@@ -146,9 +149,16 @@ def save_rtn_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32,
     from llmserve.tokenizer import get_tokenizer
 
     hf = load_hf_model(src, "float32") if not os.path.isdir(src) else AutoModelForCausalLM.from_pretrained(src)
+    state = hf.state_dict()
+    quantized = [n for n, t in state.items() if n.endswith(".weight") and t.dim() == 2 and ".layers." in n
+                 and "norm" not in n]
+    widths = sorted({state[n].shape[1] for n in quantized})
+    if bits not in (4, 8) or group_size <= 0 or group_size % 32 or any(k % group_size for k in widths):
+        raise ValueError(f"bits must be 4 or 8 and group_size a multiple of 32 dividing every layer's inputs "
+                         f"{widths}, got bits={bits}, group_size={group_size}")
     tensors = {}
-    for name, t in hf.state_dict().items():
-        if name.endswith(".weight") and t.dim() == 2 and ".layers." in name and "norm" not in name:
+    for name, t in state.items():
+        if name in quantized:
             q, scale = quantize_rtn(t, bits, group_size)
             base = name[:-len(".weight")]
             tensors[f"{base}.weight_packed"] = pack_to_int32(q, bits)
@@ -173,6 +183,20 @@ def save_rtn_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32,
         get_tokenizer(path, gguf).save_pretrained(dst)
 
 
+def main(argv: list[str]) -> int:
+    """``python -m llmserve.model_loader.compressed_tensors_loader SRC DST [BITS] [GROUP]``."""
+    usage = "usage: python -m llmserve.model_loader.compressed_tensors_loader SRC DST [BITS 4|8] [GROUP_SIZE]"
+    if len(argv) not in (2, 3, 4) or not all(a.isdigit() for a in argv[2:]):
+        print(usage)
+        return 2
+    try:
+        save_rtn_checkpoint(argv[0], argv[1], *(int(a) for a in argv[2:]))
+    except ValueError as e:
+        print(f"error: {e}\n{usage}")
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
     import sys
-    save_rtn_checkpoint(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:5]))
+    sys.exit(main(sys.argv[1:]))

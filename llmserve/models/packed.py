@@ -74,6 +74,6 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
     if head is not None and getattr(model, "lm_head", None) is None:
         model.packed_head = (QuantWeight.from_gguf(head[1], head[0]), max_rows)
         count += 1
-    logger.info("packed weights: %d layers run %s from GGUF blocks", count,
+    logger.info("packed weights: %d layers run %s from their 4/8-bit blocks", count,
                 "every step" if max_rows >= ALL_STEPS else f"steps of <= {max_rows} tokens")
     return count

@@ -57,6 +57,14 @@ def test_layer_dequantizes_exactly_and_gives_equal_gguf_blocks(bits, group):
         assert torch.equal(ops.quant_dequantize(blocks, qtype), want)
 
 
+def test_writer_refuses_what_the_engine_does_not_run():
+    from llmserve.model_loader.compressed_tensors_loader import main
+    for bits, group in ((3, 32), (8, 48), (4, 0), (4, 128)):  # 128 does not divide 96
+        with pytest.raises(ValueError, match="group_size a multiple of 32"):
+            quantize_rtn(torch.randn(4, 96), bits, group)
+    assert main([]) == 2 and main(["a", "b", "x"]) == 2
+
+
 def test_missing_part_is_an_error():
     scheme = {"num_bits": 4, "group_size": 32, "ignore": []}
     with pytest.raises(ValueError, match="missing parts"):
