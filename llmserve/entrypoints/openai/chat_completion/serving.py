@@ -91,11 +91,18 @@ class OpenAIServingChat(GenerateBaseServing):
         return setup_output_parsing(self, request, plan, params, prompt_ids)
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: Optional[str] = None,
-                                     ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
+                                     *, wire: bool = True,
+                                     ) -> Union[ChatCompletionResponse, AsyncGenerator[Any, None]]:
         """Serve one request: a ChatCompletionResponse, or (``stream``) an async generator
         of SSE strings. Errors before the stream starts are raised (ModelNotFoundError,
         SamplingParamsError/ValueError from the request, the renderer or the engine's
-        InputProcessor, EngineDeadError)."""
+        InputProcessor, EngineDeadError).
+
+        wire=False is the seam the other front doors (Anthropic Messages, Ollama) build on:
+        a stream is then an async generator of ChatCompletionStreamResponse objects (the
+        common deltas: content, reasoning, tool-call fragments, finish reasons, and a last
+        object with ``choices == []`` and the usage), and an error after the start is
+        raised from it instead of written in-band; each caller maps them to its own wire."""
         model_name = self._check_model(request)
         request.check()
         plan = ToolPlan.of(request, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
@@ -116,8 +123,9 @@ class OpenAIServingChat(GenerateBaseServing):
         merged = merge_started(firsts, gens)
         parsing = OutputParsing(plan, make_parser)
         if request.stream:
-            return self._stream(request, request_id, created, model_name, prompt.token_ids, zero_output, merged,
-                                gens, parsing)
+            chunks = self.stream_chunks(request, request_id, created, model_name, prompt.token_ids, zero_output,
+                                        merged, gens, parsing, always_usage=not wire)
+            return self._sse(chunks) if wire else chunks
         final: Optional[RequestOutput] = None
         try:
             async for _, res in merged:
@@ -186,9 +194,27 @@ class OpenAIServingChat(GenerateBaseServing):
             prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
 
     # ---- streaming -------------------------------------------------------------------
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
-                      prompt_ids: list[int], zero_output: bool, merged: AsyncGenerator[tuple[int, RequestOutput], None],
-                      gens: list[Any], parsing: Optional["OutputParsing"] = None) -> AsyncGenerator[str, None]:
+    @staticmethod
+    async def _sse(chunks: AsyncGenerator[ChatCompletionStreamResponse, None]) -> AsyncGenerator[str, None]:
+        """The chunks as SSE events; an error after the start is reported in-band (as vLLM
+        does), then ``data: [DONE]``."""
+        try:
+            async for resp in chunks:
+                yield sse(resp.model_dump_json())
+        except Exception as e:  # the stream already started
+            yield sse_error(e)
+        finally:
+            await chunks.aclose()
+        yield SSE_DONE
+
+    async def stream_chunks(self, request: ChatCompletionRequest, request_id: str, created: int, model_name: str,
+                            prompt_ids: list[int], zero_output: bool,
+                            merged: AsyncGenerator[tuple[int, RequestOutput], None], gens: list[Any],
+                            parsing: Optional["OutputParsing"] = None, always_usage: bool = False,
+                            ) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
+        """The stream's chunks as objects (see ``create_chat_completion(wire=False)``).
+        always_usage: end with the usage chunk whatever ``stream_options`` says (the other
+        front doors report usage at the end of every stream)."""
         n = request.n or 1
         prompt_tokens = len(prompt_ids)
         fmt = self.formatter(request)
@@ -202,11 +228,10 @@ class OpenAIServingChat(GenerateBaseServing):
         def usage_now() -> Any:
             return self.usage_options.usage(prompt_tokens, sum(num_tokens), num_cached[0])
 
-        def chunk(choice: ChatCompletionResponseStreamChoice, first: bool = False) -> str:
-            resp = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+        def chunk(choice: ChatCompletionResponseStreamChoice, first: bool = False) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                 choices=[choice], usage=usage_now() if continuous else None,
                                                 prompt_token_ids=list(prompt_ids) if first and return_ids else None)
-            return sse(resp.model_dump_json())
 
         try:
             for i in range(n):  # vLLM: the prompt's ids ride on the first chunk only
@@ -240,13 +265,9 @@ class OpenAIServingChat(GenerateBaseServing):
                         index=out.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish, stop_reason=None if zero_output else out.stop_reason,
                         token_ids=list(token_ids) if return_ids else None))
-            if include_usage:
-                final = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                     choices=[], usage=usage_now())
-                yield sse(final.model_dump_json())
-        except Exception as e:  # the stream already started: report in-band, as vLLM does
-            yield sse_error(e)
+            if include_usage or always_usage:
+                yield ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                   choices=[], usage=usage_now())
         finally:
             await merged.aclose()
             await aclose_all(gens)
-        yield SSE_DONE
