@@ -42,6 +42,7 @@ from llmserve.entrypoints.openai.common.limits import PromptCharLimit
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from llmserve.entrypoints.openai.error_shapes import ErrorShape, ErrorShapeMiddleware
 from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_frontend_routes, configure_handlers,
                                                   fastapi_kwargs, uvicorn_kwargs)
 from llmserve.entrypoints.openai.openapi import install_openapi
@@ -93,6 +94,10 @@ API_ROUTER_REGISTRARS = (
     register_speech_to_text_api_routers,
 )
 
+# The error bodies of the front doors that speak another API than OpenAI's (each
+# ErrorShape names its paths); every other path answers OpenAI's body.
+ERROR_SHAPES: tuple[ErrorShape, ...] = ()
+
 
 def build_app(args: argparse.Namespace) -> FastAPI:
     """The FastAPI app: every endpoint family's routers, the exception handlers,
@@ -110,6 +115,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     if getattr(args, "api_key", None):
         keys = args.api_key if isinstance(args.api_key, list) else [args.api_key]
         app.add_middleware(AuthenticationMiddleware, api_keys=keys)
+    app.add_middleware(ErrorShapeMiddleware, shapes=ERROR_SHAPES)  # outside auth: 401s reshaped too
     app.add_middleware(
         CORSMiddleware,
         allow_origins=getattr(args, "allowed_origins", ["*"]),

@@ -1,0 +1,111 @@
+"""Each API's own error body on the routes of that API (one server, several front doors).
+
+Every error in the server is produced once, as the OpenAI body ``{"error": {"message",
+"type", "param", "code"}}`` (``common/errors.py``). A front door that speaks another API
+(Anthropic Messages under ``/v1/messages``, Ollama under ``/api/``) registers an
+:class:`ErrorShape`: its path prefixes and a function from (status, OpenAI error info) to
+its own body. :class:`ErrorShapeMiddleware` rewrites the JSON error responses of those
+paths, whoever produced them (validation, auth, admission, body limits, handlers), so no
+producer needs to know which API it is answering. Streams that already started report
+their errors in-band in their own format (each endpoint's job).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+# (HTTP status, the OpenAI error object {"message", "type", "param", "code"}) -> body
+ShapeFn = Callable[[int, dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    """The error body of one API: ``prefixes`` (paths, after the root path, that belong to
+    it; a prefix ending in ``/`` covers a folder, else the path itself and its sub-paths)
+    and ``shape`` (status and the OpenAI error object -> that API's JSON body)."""
+
+    prefixes: tuple[str, ...]
+    shape: ShapeFn
+
+    def covers(self, path: str) -> bool:
+        """Whether ``path`` is one of this API's routes."""
+        return any(path.startswith(p) if p.endswith("/") else (path == p or path.startswith(p + "/"))
+                   for p in self.prefixes)
+
+
+def _path_of(scope: dict) -> str:
+    root = scope.get("root_path", "") or ""
+    path = scope.get("path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _reshaped(body: bytes, status: int, shape: ShapeFn) -> Optional[bytes]:
+    """The body in ``shape``'s form, or None when it is not an OpenAI error body."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    info = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(info, dict) or "message" not in info:
+        return None
+    return json.dumps(shape(status, info), ensure_ascii=False).encode()
+
+
+class ErrorShapeMiddleware:
+    """Pure ASGI middleware: JSON error responses (status >= 400) on a registered API's
+    paths are rewritten into that API's error body; everything else passes untouched.
+    Placed outside authentication and admission, so their 401/429s are reshaped too."""
+
+    def __init__(self, app: Any, shapes: Sequence[ErrorShape] = ()) -> None:
+        self.app = app
+        self.shapes = tuple(shapes)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        shape = None
+        if scope["type"] == "http" and self.shapes:
+            path = _path_of(scope)
+            shape = next((s for s in self.shapes if s.covers(path)), None)
+        if shape is None:
+            return await self.app(scope, receive, send)
+        await self.app(scope, receive, _ReshapingSend(send, shape.shape))
+
+
+class _ReshapingSend:
+    """A ``send`` that holds back a JSON error response until its body is complete, then
+    sends it reshaped (with a corrected Content-Length)."""
+
+    def __init__(self, send: Any, shape: ShapeFn) -> None:
+        self.send, self.shape = send, shape
+        self.start: Optional[dict] = None
+        self.chunks: list[bytes] = []
+
+    @staticmethod
+    def _is_json_error(message: dict) -> bool:
+        if message.get("status", 200) < 400:
+            return False
+        headers = dict((k.lower(), v) for k, v in message.get("headers", []))
+        return headers.get(b"content-type", b"").startswith(b"application/json")
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            if self._is_json_error(message):
+                self.start = message
+                return
+            return await self.send(message)
+        if self.start is None or message["type"] != "http.response.body":
+            return await self.send(message)
+        self.chunks.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        await self._flush()
+
+    async def _flush(self) -> None:
+        body = b"".join(self.chunks)
+        new = _reshaped(body, self.start["status"], self.shape)
+        if new is not None:
+            body = new
+        headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self.send({**self.start, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
