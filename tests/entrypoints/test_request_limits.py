@@ -86,7 +86,7 @@ def test_over_long_prompt_is_refused_before_tokenizing(app_and_engine, monkeypat
     monkeypatch.setattr(renderer.tokenizer, "encode",
                         lambda text, **k: calls.append(len(text)) or real_encode(text, **k), raising=False)
     limit = renderer.prompt_limit.limit
-    assert renderer.prompt_limit.max_token_chars == 80  # SmolLM2's longest token: 80 '#'
+    assert renderer.prompt_limit.max_token_chars == 81  # SmolLM2's longest token: a newline and 80 spaces
     long = "word " * (limit // 4 + 10)
     for path, body, param in (("/v1/completions", {**COMPLETION, "prompt": long}, "prompt"),
                               ("/v1/completions", {**COMPLETION, "prompt": ["hi", long]}, "prompt"),
@@ -101,9 +101,26 @@ def test_over_long_prompt_is_refused_before_tokenizing(app_and_engine, monkeypat
         assert err["param"] == param and "64" in err["message"] and "cannot fit" in err["message"], err
     assert all(n < 1000 for n in calls), calls  # "hi" of the batch may be tokenized; the long ones never
     assert not any(len(p.get("prompt", "")) > 1000 for p in engine.prompts)
-    # whitespace does not count: a long run of spaces is tokenized and answered
-    r = client.post("/tokenize", json={"model": "m", "prompt": "a" + " " * (limit + 10)})
-    assert r.status_code == 200 and r.json()["count"] > 0
+    # whitespace counts (issue 26 point 4): runs of every kind, in every route that
+    # tokenizes user text, are refused without tokenizing
+    calls.clear()
+    for ws in (" ", "\n", "\t", "\u3000"):
+        pad = "a" + ws * (limit + 10)
+        for path, body, param in (("/v1/completions", {**COMPLETION, "prompt": pad}, "prompt"),
+                                  ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user",
+                                                                                  "content": "a" + pad}]}, "messages"),
+                                  ("/tokenize", {"model": "m", "prompt": pad}, "prompt"),
+                                  ("/v1/responses", {"model": "m", "input": pad}, "input")):
+            err = _error(client.post(path, json=body))
+            assert err["param"] == param and "cannot fit" in err["message"], (path, err)
+    assert calls == []
+    # a run of whitespace that fits is still tokenized: the bound never refuses a fitting prompt
+    r = client.post("/tokenize", json={"model": "m", "prompt": "a" + " " * 2000})
+    assert r.status_code == 200 and 0 < r.json()["count"] < 64
+    # leading/trailing whitespace of a message (often trimmed by templates) is not held against it
+    r = client.post("/tokenize", json={"model": "m", "messages": [{"role": "user", "content": " " * (limit + 10)
+                                                                   + "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # template keeps it: rendered text checked
     # a prompt under the always-tokenized floor gets the engine's exact count (here: /tokenize counts)
     r = client.post("/tokenize", json={"model": "m", "prompt": "hello " * 500})
     assert r.status_code == 200 and r.json()["count"] >= 500
@@ -113,7 +130,10 @@ def test_prompt_char_limit_bound():
     lim = limits.PromptCharLimit(max_model_len=8192, max_token_chars=80)
     assert lim.limit == 8192 * 80
     lim.check(["x" * lim.limit], "prompt")
-    lim.check([" " * (lim.limit * 2)], "prompt")  # whitespace is free
+    with pytest.raises(ValueError):  # whitespace counts: the tokenizer sees it
+        lim.check([" " * (lim.limit + 1)], "prompt")
+    collapsing = limits.PromptCharLimit(max_model_len=8192, max_token_chars=80, count_whitespace=False)
+    collapsing.check([" " * (lim.limit * 2)], "prompt")  # free only where the tokenizer drops it
     with pytest.raises(ValueError) as e:
         lim.check(["x" * (lim.limit + 1)], "prompt")
     assert e.value.param == "prompt" and "8192" in str(e.value)
