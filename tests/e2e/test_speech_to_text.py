@@ -58,12 +58,26 @@ def test_every_response_format(srv):
 
 
 def test_stream_matches_json(srv):
+    """The default stream is OpenAI's (transcript.text.delta ... transcript.text.done), which the
+    official SDK parses into its own event types; vLLM's chunk shape is kept behind
+    ``stream_format=vllm`` (or a vLLM-only stream field)."""
+    from openai.types.audio import TranscriptionTextDeltaEvent, TranscriptionTextDoneEvent
+
     c = srv.client()
     js = c.audio.transcriptions.create(model=STT, file=("c.flac", clip(0)))
     events = list(c.audio.transcriptions.create(model=STT, file=("c.flac", clip(0)), stream=True))
-    assert all(e.object == "transcription.chunk" for e in events)
-    assert "".join(e.choices[0]["delta"]["content"] for e in events).strip() == js.text
-    assert events[-1].choices[0]["finish_reason"] == "stop"
+    assert all(isinstance(e, TranscriptionTextDeltaEvent) for e in events[:-1]) and len(events) > 1
+    done = events[-1]
+    assert isinstance(done, TranscriptionTextDoneEvent) and done.text.strip() == js.text
+    assert "".join(e.delta for e in events[:-1]) == done.text
+    assert done.usage.output_tokens > 0 and done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    for extra in ({"stream_format": "vllm"}, {"stream_include_usage": True}):
+        vllm_events = list(c.audio.transcriptions.create(model=STT, file=("c.flac", clip(0)), stream=True,
+                                                         extra_body=extra))
+        chunks = [e for e in vllm_events if e.choices]
+        assert all(e.object == "transcription.chunk" for e in vllm_events)
+        assert "".join(e.choices[0]["delta"]["content"] for e in chunks).strip() == js.text
+        assert chunks[-1].choices[0]["finish_reason"] == "stop"
 
 
 def test_other_formats_decode_to_the_same_text(srv):

@@ -31,6 +31,10 @@ class TranscriptionRequest(BaseModel):
     stream: bool = False
     stream_include_usage: bool = False
     stream_continuous_usage_stats: bool = False
+    # The stream's event shape: "openai" (transcript.text.delta / transcript.text.done, what
+    # the official SDKs read) or "vllm" (transcription.chunk objects). Unset: vLLM's when a
+    # vLLM-only stream field above is set (such a client expects vLLM's shape), else OpenAI's.
+    stream_format: Optional[Literal["openai", "vllm"]] = None
     # vLLM's extra sampling fields
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -124,6 +128,39 @@ class StreamUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+class TranscriptTextDelta(BaseModel):
+    """OpenAI's stream event ``transcript.text.delta``: the next piece of the text."""
+
+    type: Literal["transcript.text.delta"] = "transcript.text.delta"
+    delta: str
+
+
+class TranscriptTokenUsage(BaseModel):
+    """OpenAI's token usage of a streamed transcription (``type`` "tokens"): input tokens
+    are the decoder prompt's (the audio itself is the encoder's input)."""
+
+    type: Literal["tokens"] = "tokens"
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class TranscriptTextDone(BaseModel):
+    """OpenAI's last stream event ``transcript.text.done``: the whole text and the usage."""
+
+    type: Literal["transcript.text.done"] = "transcript.text.done"
+    text: str
+    usage: Optional[TranscriptTokenUsage] = None
+
+
+def uses_vllm_stream_format(request: "TranscriptionRequest") -> bool:
+    """Whether a streamed transcription answers in vLLM's ``transcription.chunk`` shape
+    (see ``TranscriptionRequest.stream_format``) rather than OpenAI's events."""
+    if request.stream_format is not None:
+        return request.stream_format == "vllm"
+    return request.stream_include_usage or request.stream_continuous_usage_stats
 
 
 class TranscriptionStreamResponse(BaseModel):

@@ -23,7 +23,8 @@ import numpy as np
 from llmserve.entrypoints.openai.common.serving import SSE_DONE, BaseServing, sse, sse_error
 from llmserve.entrypoints.openai.speech_to_text.protocol import (
     DeltaMessage, StreamUsage, TranscriptionRequest, TranscriptionResponse, TranscriptionResponseStreamChoice,
-    TranscriptionResponseVerbose, TranscriptionSegment, TranscriptionStreamResponse, TranscriptionUsage)
+    TranscriptionResponseVerbose, TranscriptionSegment, TranscriptionStreamResponse, TranscriptionUsage,
+    TranscriptTextDelta, TranscriptTextDone, TranscriptTokenUsage, uses_vllm_stream_format)
 from llmserve.multimodal.audio import SAMPLE_RATE, AudioDecodeError, decode_audio, split_audio, to_mono_16k
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
@@ -191,7 +192,8 @@ class OpenAIServingSpeechToText(BaseServing):
         n_prompt = len(prompt)
         if request.stream:
             params = self._params(request, n_prompt, RequestOutputKind.DELTA)
-            gen = self._stream(request, name, rid, prompt, params, chunks)
+            stream = self._stream if uses_vllm_stream_format(request) else self._openai_stream
+            gen = stream(request, name, rid, prompt, params, chunks)
             first = await gen.__anext__()  # a rejected request is a 400 before the stream starts
             return _prepend(first, gen)
         params = self._params(request, n_prompt, RequestOutputKind.FINAL_ONLY)
@@ -258,6 +260,34 @@ class OpenAIServingSpeechToText(BaseServing):
                         end=round(r.offset + end, 2), text=text, tokens=toks, temperature=temperature))
         return segs
 
+    async def _openai_stream(self, request: TranscriptionRequest, name: str, rid: str, prompt: list[int],
+                             params: SamplingParams, chunks: list[np.ndarray]) -> AsyncGenerator[str, None]:
+        """OpenAI's transcription stream (what the official SDKs parse): one
+        ``transcript.text.delta`` event per text delta, then ``transcript.text.done`` with
+        the whole text and the token usage. An error after the first event is an error
+        event (``{"error": ...}``, which the SDKs raise)."""
+        n_prompt = n_out = 0
+        parts: list[str] = []
+        started = False
+        try:
+            async for out, _last in _chunk_outputs(self.engine_client, rid, prompt, params, chunks):
+                o = out.outputs[0]
+                n_out += len(o.token_ids)
+                if out.finished:
+                    n_prompt += len(out.prompt_token_ids or ())
+                if not o.text:
+                    continue
+                parts.append(o.text)
+                started = True
+                yield sse(TranscriptTextDelta(delta=o.text).model_dump_json())
+            usage = TranscriptTokenUsage(input_tokens=n_prompt, output_tokens=n_out, total_tokens=n_prompt + n_out)
+            yield sse(TranscriptTextDone(text="".join(parts), usage=usage).model_dump_json())
+        except Exception as e:
+            if not started:  # before the first event: the handler answers 400 / 500
+                raise
+            yield sse_error(e)
+        yield SSE_DONE
+
     async def _stream(self, request: TranscriptionRequest, name: str, rid: str, prompt: list[int],
                       params: SamplingParams, chunks: list[np.ndarray]) -> AsyncGenerator[str, None]:
         """vLLM's transcription stream: one ``transcription.chunk`` event per text delta,
@@ -266,26 +296,22 @@ class OpenAIServingSpeechToText(BaseServing):
         finish, stop = None, None
         started = False
         try:
-            for i, chunk in enumerate(chunks):
-                gen = self.engine_client.generate(
-                    {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, f"{rid}-{i}")
-                async for out in gen:
-                    o = out.outputs[0]
-                    n_out += len(o.token_ids)
-                    last = out.finished and i == len(chunks) - 1
-                    if out.finished:
-                        n_prompt += len(out.prompt_token_ids or ())
-                        finish, stop = o.finish_reason, o.stop_reason
-                    if not o.text and not last:
-                        continue
-                    usage = (StreamUsage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                         total_tokens=n_prompt + n_out)
-                             if request.stream_continuous_usage_stats else None)
-                    started = True
-                    yield sse(TranscriptionStreamResponse(
-                        id=rid, model=name, usage=usage, choices=[TranscriptionResponseStreamChoice(
-                            delta=DeltaMessage(content=o.text), finish_reason=finish if last else None,
-                            stop_reason=stop if last else None)]).model_dump_json(exclude_none=True))
+            async for out, last in _chunk_outputs(self.engine_client, rid, prompt, params, chunks):
+                o = out.outputs[0]
+                n_out += len(o.token_ids)
+                if out.finished:
+                    n_prompt += len(out.prompt_token_ids or ())
+                    finish, stop = o.finish_reason, o.stop_reason
+                if not o.text and not last:
+                    continue
+                usage = (StreamUsage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                                     total_tokens=n_prompt + n_out)
+                         if request.stream_continuous_usage_stats else None)
+                started = True
+                yield sse(TranscriptionStreamResponse(
+                    id=rid, model=name, usage=usage, choices=[TranscriptionResponseStreamChoice(
+                        delta=DeltaMessage(content=o.text), finish_reason=finish if last else None,
+                        stop_reason=stop if last else None)]).model_dump_json(exclude_none=True))
             if request.stream_include_usage:
                 yield sse(TranscriptionStreamResponse(id=rid, model=name, choices=[], usage=StreamUsage(
                     prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)).model_dump_json())
@@ -294,6 +320,16 @@ class OpenAIServingSpeechToText(BaseServing):
                 raise
             yield sse_error(e)  # after the stream started: an error event, as vLLM
         yield SSE_DONE
+
+
+async def _chunk_outputs(engine_client: Any, rid: str, prompt: list[int], params: SamplingParams,
+                         chunks: list[np.ndarray]) -> AsyncGenerator[tuple[Any, bool], None]:
+    """Each engine output of each audio chunk in order, with whether it is the very last."""
+    for i, chunk in enumerate(chunks):
+        gen = engine_client.generate(
+            {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, f"{rid}-{i}")
+        async for out in gen:
+            yield out, out.finished and i == len(chunks) - 1
 
 
 async def _prepend(first: str, rest: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
