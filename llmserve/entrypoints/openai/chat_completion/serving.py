@@ -13,6 +13,7 @@ the usage, and the stream ends with ``data: [DONE]``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
@@ -35,6 +36,7 @@ from llmserve.entrypoints.openai.common.serving import (
     sse_error,
 )
 from llmserve.entrypoints.chat_utils import content_to_text
+from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.logprobs import build_chat_logprobs, build_prompt_logprobs
 from llmserve.entrypoints.openai.chat_completion.tool_calling import (
     ChoiceOutputParser,
@@ -122,9 +124,12 @@ class OpenAIServingChat(GenerateBaseServing):
         firsts = await self.start_generation(gens, names)
         merged = merge_started(firsts, gens)
         parsing = OutputParsing(plan, make_parser)
+        # the other front doors always report the prefix-cache hits (Anthropic's cache_read_input_tokens)
+        usage_options = self.usage_options if wire else dataclasses.replace(self.usage_options,
+                                                                            enable_prompt_tokens_details=True)
         if request.stream:
             chunks = self.stream_chunks(request, request_id, created, model_name, prompt.token_ids, zero_output,
-                                        merged, gens, parsing, always_usage=not wire)
+                                        merged, gens, parsing, always_usage=not wire, usage_options=usage_options)
             return self._sse(chunks) if wire else chunks
         final: Optional[RequestOutput] = None
         try:
@@ -139,7 +144,7 @@ class OpenAIServingChat(GenerateBaseServing):
         if final is None:
             raise RuntimeError(f"request {request_id} ended without output")
         return self._build_response(request, request_id, created, model_name, prompt.token_ids, zero_output, final,
-                                    parsing)
+                                    parsing, usage_options)
 
     # ---- non-streaming -------------------------------------------------------------
     @staticmethod
@@ -154,7 +159,8 @@ class OpenAIServingChat(GenerateBaseServing):
 
     def _build_response(self, request: ChatCompletionRequest, request_id: str, created: int,
                         model_name: str, prompt_ids: list[int], zero_output: bool,
-                        final: RequestOutput, parsing: Optional["OutputParsing"] = None) -> ChatCompletionResponse:
+                        final: RequestOutput, parsing: Optional["OutputParsing"] = None,
+                        usage_options: Optional[UsageOptions] = None) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         fmt = self.formatter(request)
@@ -189,7 +195,8 @@ class OpenAIServingChat(GenerateBaseServing):
             prompt_logprobs = build_prompt_logprobs(fmt, prompt_ids, final.prompt_logprobs, request.prompt_logprobs)
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
-            usage=self.usage_options.usage(prompt_tokens, completion_tokens, final.num_cached_tokens),
+            usage=(usage_options or self.usage_options).usage(prompt_tokens, completion_tokens,
+                                                              final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
 
@@ -211,22 +218,25 @@ class OpenAIServingChat(GenerateBaseServing):
                             prompt_ids: list[int], zero_output: bool,
                             merged: AsyncGenerator[tuple[int, RequestOutput], None], gens: list[Any],
                             parsing: Optional["OutputParsing"] = None, always_usage: bool = False,
+                            usage_options: Optional[UsageOptions] = None,
                             ) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
         """The stream's chunks as objects (see ``create_chat_completion(wire=False)``).
         always_usage: end with the usage chunk whatever ``stream_options`` says (the other
-        front doors report usage at the end of every stream)."""
+        front doors report usage at the end of every stream). usage_options: default the
+        handler's (the flags)."""
         n = request.n or 1
         prompt_tokens = len(prompt_ids)
         fmt = self.formatter(request)
         echo = self.echo_text(request)
         return_ids = bool(request.return_token_ids)
         opts = request.stream_options
-        include_usage, continuous = self.usage_options.stream_usage(opts)
+        usage_options = usage_options or self.usage_options
+        include_usage, continuous = usage_options.stream_usage(opts)
         num_tokens = [0] * n
         num_cached = [0]
 
         def usage_now() -> Any:
-            return self.usage_options.usage(prompt_tokens, sum(num_tokens), num_cached[0])
+            return usage_options.usage(prompt_tokens, sum(num_tokens), num_cached[0])
 
         def chunk(choice: ChatCompletionResponseStreamChoice, first: bool = False) -> ChatCompletionStreamResponse:
             return ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
