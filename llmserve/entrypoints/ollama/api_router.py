@@ -1,0 +1,109 @@
+"""Ollama's API on the OpenAI server's port: thin routes over ``serving.py`` / ``info.py``.
+
+``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``,
+``POST /api/chat``, ``POST /api/generate``, ``POST /api/embed``, ``POST /api/embeddings``.
+Ollama's model management routes (pull, push, create, copy, delete, blobs) answer 501
+with what to do instead: the server serves the models it was started with. Errors take
+Ollama's body ``{"error": "<message>"}`` through :data:`OLLAMA_ERROR_SHAPE` (registered in
+``api_server.ERROR_SHAPES``), whoever produced them; streams are NDJSON
+(``application/x-ndjson``), as Ollama's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+import llmserve
+from llmserve.entrypoints.ollama import info
+from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
+                                                  OllamaGenerateRequest, OllamaShowRequest)
+from llmserve.entrypoints.ollama.serving import (serve_chat, serve_embed, serve_embeddings, serve_generate)
+from llmserve.entrypoints.openai.error_shapes import ErrorShape
+from llmserve.entrypoints.openai.server_utils import request_id_of, with_cancellation
+from llmserve.sampling_params import SamplingParamsError
+
+router = APIRouter()
+NDJSON = "application/x-ndjson"
+UNSUPPORTED = {"/api/pull": "POST", "/api/push": "POST", "/api/create": "POST", "/api/copy": "POST",
+               "/api/delete": "DELETE", "/api/blobs/{digest}": "POST"}
+
+
+def ollama_error_body(status: int, error: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's error body: ``{"error": "<message>"}`` (the status stays)."""
+    return {"error": error.get("message", "")}
+
+
+OLLAMA_ERROR_SHAPE = ErrorShape(prefixes=("/api/",), shape=ollama_error_body)
+
+
+def _respond(result: Any, headers: dict[str, str] | None = None) -> Response:
+    """499 when the client went away, JSON for an object, else the NDJSON stream."""
+    if result is None:
+        return Response(status_code=499)
+    if isinstance(result, dict):
+        return JSONResponse(result, headers=headers)
+    return StreamingResponse(result, media_type=NDJSON, headers=headers)
+
+
+@router.get("/api/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": info.OLLAMA_API_VERSION, "llmserve_version": llmserve.__version__})
+
+
+@router.get("/api/tags")
+async def tags(raw_request: Request) -> JSONResponse:
+    return JSONResponse(info.tags(raw_request.app.state))
+
+
+@router.get("/api/ps")
+async def ps(raw_request: Request) -> JSONResponse:
+    return JSONResponse(info.ps(raw_request.app.state))
+
+
+@router.post("/api/show")
+async def show(request: OllamaShowRequest, raw_request: Request) -> JSONResponse:
+    model = request.model or request.name
+    if not model:
+        raise SamplingParamsError("model is required.", "model")
+    return JSONResponse(info.show(raw_request.app.state, model))
+
+
+@router.post("/api/chat")
+async def chat(request: OllamaChatRequest, raw_request: Request) -> Response:
+    result = await with_cancellation(raw_request, serve_chat(raw_request.app.state, request,
+                                                             request_id_of(raw_request)))
+    return _respond(*(result if result is not None else (None,)))
+
+
+@router.post("/api/generate")
+async def generate(request: OllamaGenerateRequest, raw_request: Request) -> Response:
+    return _respond(await with_cancellation(raw_request, serve_generate(raw_request.app.state, request,
+                                                                        request_id_of(raw_request))))
+
+
+@router.post("/api/embed")
+async def embed(request: OllamaEmbedRequest, raw_request: Request) -> Response:
+    return _respond(await with_cancellation(raw_request, serve_embed(raw_request.app.state, request)))
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: OllamaEmbeddingsRequest, raw_request: Request) -> Response:
+    return _respond(await with_cancellation(raw_request, serve_embeddings(raw_request.app.state, request)))
+
+
+def _unsupported(path: str) -> Any:
+    async def route() -> None:
+        raise HTTPException(501, f"{path} is not available: llmserve serves the models it was started with "
+                                 "(`llmserve serve MODEL`, `--extra-model`); see GET /api/tags.")
+    return route
+
+
+for _path, _method in UNSUPPORTED.items():
+    router.add_api_route(_path, _unsupported(_path), methods=[_method], include_in_schema=False)
+
+
+def register_ollama_api_routers(app: FastAPI) -> None:
+    """Mount Ollama's routes under /api/."""
+    app.include_router(router)

@@ -1,0 +1,168 @@
+"""What Ollama's model routes tell about the served models: ``/api/tags`` (the models),
+``/api/show`` (one model: capabilities, context length, template, parameters, details),
+``/api/ps`` (the loaded models: all of them, always), ``/api/version``.
+
+The fields follow Ollama's ``api/types.go`` (``ListModelResponse``, ``ShowResponse``,
+``ProcessModelResponse``); clients read ``capabilities`` (VS Code Copilot lists a model
+for agent mode only with ``tools``) and ``model_info["<architecture>.context_length"]``.
+Sizes are bytes of the weight files; the digest is a hash of the model's path and file
+time (a stable id, not Ollama's manifest digest); the models never unload, so
+``expires_at`` is Go's zero time.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from datetime import datetime, timezone
+from typing import Any
+
+from llmserve.entrypoints.ollama.serving import served_name
+
+# The Ollama API version these routes follow (clients compare it with their minimum).
+OLLAMA_API_VERSION = "0.12.6"
+GO_ZERO_TIME = "0001-01-01T00:00:00Z"
+WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
+FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>")
+# SamplingParams names -> Ollama's Modelfile parameter names (``/api/show`` parameters).
+PARAMETER_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repeat_penalty", "max_tokens": "num_predict",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+
+
+def model_states(state: Any) -> list[Any]:
+    """Each served model's state (its handlers): one on a plain server, one per model
+    with ``--extra-model``."""
+    return list(getattr(state, "served_models", None) or [state])
+
+
+def state_of(state: Any, name: str) -> Any:
+    """The state of the model served as ``name`` (after ``served_name``)."""
+    for s in model_states(state):
+        if name in s.openai_serving_models.model_names:
+            return s
+    return state
+
+
+def _weights_path(config: Any) -> str:
+    return getattr(config, "gguf_file", None) or config.model_path
+
+
+def size_bytes(config: Any) -> int:
+    """Bytes of the model's weight files (0 when they cannot be read)."""
+    path = _weights_path(config)
+    try:
+        if os.path.isfile(path):
+            return os.path.getsize(path)
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(WEIGHT_SUFFIXES))
+    except OSError:
+        return 0
+
+
+def modified_at(config: Any) -> str:
+    """The weights' modification time (RFC 3339, UTC)."""
+    try:
+        ts = os.path.getmtime(_weights_path(config))
+    except OSError:
+        ts = 0.0
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def digest(config: Any) -> str:
+    """A stable id of the model (hex SHA-256 of its path and modification time)."""
+    return hashlib.sha256(f"{_weights_path(config)}|{modified_at(config)}".encode()).hexdigest()
+
+
+def architecture(config: Any) -> str:
+    return getattr(config.hf_config, "model_type", None) or "unknown"
+
+
+def details(config: Any) -> dict[str, Any]:
+    """Ollama's ``details``: format, family, quantization level."""
+    arch = architecture(config)
+    quant = config.quantization or ("gguf" if getattr(config, "gguf_file", None) else config.dtype)
+    return {"parent_model": "", "format": "gguf" if getattr(config, "gguf_file", None) else "safetensors",
+            "family": arch, "families": [arch], "parameter_size": "", "quantization_level": str(quant)}
+
+
+def _card(s: Any, name: str) -> dict[str, Any]:
+    config = s.engine_client.model_config
+    return {"name": name, "model": name, "modified_at": modified_at(config), "size": size_bytes(config),
+            "digest": digest(config), "details": details(config)}
+
+
+def tags(state: Any) -> dict[str, Any]:
+    """``GET /api/tags``: every served name."""
+    return {"models": [_card(s, n) for s in model_states(state) for n in s.openai_serving_models.model_names]}
+
+
+def ps(state: Any) -> dict[str, Any]:
+    """``GET /api/ps``: every served model, loaded for the server's life."""
+    out = []
+    for s in model_states(state):
+        config = s.engine_client.model_config
+        on_gpu = str(getattr(config, "device", "cpu")).startswith("cuda")
+        for n in s.openai_serving_models.model_names:
+            card = _card(s, n)
+            out.append({**card, "expires_at": GO_ZERO_TIME, "size_vram": card["size"] if on_gpu else 0,
+                        "context_length": config.max_model_len})
+    return {"models": out}
+
+
+def capabilities(s: Any) -> list[str]:
+    """What the model does here, in Ollama's words: completion (and tools: a call is
+    enforced or parsed, see serving.py), thinking (with ``--reasoning-parser``), insert
+    (FIM tokens in the vocabulary), embedding (a pooling model)."""
+    tasks = tuple(getattr(s.engine_client.model_config, "supported_tasks", ("generate",)))
+    caps = []
+    if "generate" in tasks:
+        caps += ["completion", "tools"]
+        if getattr(s.openai_serving_chat, "reasoning_parser_cls", None) is not None:
+            caps.append("thinking")
+        vocab = s.engine_client.tokenizer.get_vocab()
+        if any(m in vocab for m in FIM_MARKERS):
+            caps.append("insert")
+    if "embed" in tasks:
+        caps.append("embedding")
+    return caps
+
+
+def model_info(config: Any) -> dict[str, Any]:
+    """Ollama's ``model_info`` (GGUF metadata names): architecture, context length and
+    the shapes the config gives."""
+    arch, hf = architecture(config), config.hf_config
+    info: dict[str, Any] = {"general.architecture": arch, "general.basename": os.path.basename(config.model),
+                            f"{arch}.context_length": config.max_model_len}
+    for key, attr in (("embedding_length", "hidden_size"), ("block_count", "num_hidden_layers"),
+                      ("attention.head_count", "num_attention_heads"),
+                      ("attention.head_count_kv", "num_key_value_heads"), ("vocab_size", "vocab_size")):
+        value = getattr(hf, attr, None)
+        if isinstance(value, int):
+            info[f"{arch}.{key}"] = value
+    return info
+
+
+def parameters(s: Any) -> str:
+    """The model's default sampling parameters as Modelfile ``PARAMETER`` lines."""
+    defaults = getattr(s.openai_serving_chat, "default_sampling_params", None) or {}
+    lines = [f"{PARAMETER_NAMES[k]:<30} {v}" for k, v in defaults.items() if k in PARAMETER_NAMES and v is not None]
+    return "\n".join(lines)
+
+
+def chat_template(s: Any) -> str:
+    renderer = getattr(s.openai_serving_render, "renderer", None)
+    template = getattr(renderer, "chat_template", None) or getattr(s.engine_client.tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else ""
+
+
+def show(state: Any, model: str) -> dict[str, Any]:
+    """``POST /api/show``. Raises ModelNotFoundError (404) for an unknown name."""
+    name = served_name(state, model)
+    s = state_of(state, name)
+    config = s.engine_client.model_config
+    template, params = chat_template(s), parameters(s)
+    modelfile = f"# Modelfile of {name}, served by llmserve\nFROM {_weights_path(config)}\n" + \
+        (f'TEMPLATE """{template}"""\n' if template else "") + \
+        "".join(f"PARAMETER {line}\n" for line in params.splitlines())
+    return {"modelfile": modelfile, "parameters": params, "template": template, "details": details(config),
+            "model_info": model_info(config), "capabilities": capabilities(s),
+            "modified_at": modified_at(config)}

@@ -1,0 +1,114 @@
+"""Ollama's ``options`` and ``format`` -> the fields of the common request (the OpenAI
+chat / completion request's sampling and structured-output fields).
+
+Ollama's runner options (``docs/modelfile.md``, ``api/types.go`` ``Options``):
+- mapped: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``num_predict``
+  (-> ``max_tokens``; -1 "no limit" and -2 "fill the context" leave the budget to the
+  engine: the room left in the context), ``stop``, ``repeat_penalty`` (->
+  ``repetition_penalty``), ``presence_penalty``, ``frequency_penalty``;
+- accepted and ignored, since they describe Ollama's own runner, not the answer:
+  ``num_ctx`` (the server's ``--max-model-len`` is the context), ``num_batch``,
+  ``num_gpu``, ``main_gpu``, ``num_thread``, ``numa``, ``low_vram``, ``f16_kv``,
+  ``use_mmap``, ``use_mlock``, ``vocab_only``, ``logits_all``, ``embedding_only``,
+  ``num_keep``, ``repeat_last_n`` (the penalties see the whole sequence, as vLLM's),
+  ``penalize_newline``, ``mirostat_tau`` / ``mirostat_eta`` (without ``mirostat``);
+- refused with a 400 naming ``options.<key>`` when set to anything but their neutral
+  value, since they change sampling in a way this server does not do: ``mirostat``
+  (0), ``tfs_z`` (1), ``typical_p`` (1);
+- any other key is ignored with a warning in the log, as Ollama does.
+Options left out take the model's generation-config defaults (vLLM's rule), not
+Ollama's built-in ones (temperature 0.8, top_k 40, ...).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from llmserve.entrypoints.openai.common.structured import structured_outputs_params
+from llmserve.sampling_params import SamplingParamsError
+
+logger = logging.getLogger("llmserve.entrypoints.ollama")
+
+# Ollama option -> the common request's field; the value must be a number.
+NUMERIC_OPTIONS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+    "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+INTEGER_OPTIONS = frozenset({"top_k", "seed", "num_predict", "num_ctx"})
+IGNORED_OPTIONS = frozenset({
+    "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "f16_kv", "use_mmap",
+    "use_mlock", "vocab_only", "logits_all", "embedding_only", "num_keep", "repeat_last_n", "penalize_newline",
+    "mirostat_tau", "mirostat_eta",
+})
+# Options whose only value honoured here is the neutral one (Ollama's "off").
+NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
+
+
+def _number(key: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError(f"options.{key} must be a number, got {type(value).__name__}.", f"options.{key}")
+    if key in INTEGER_OPTIONS:
+        if value != int(value):
+            raise SamplingParamsError(f"options.{key} must be an integer, got {value}.", f"options.{key}")
+        return int(value)
+    return value
+
+
+def _stop(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise SamplingParamsError("options.stop must be a list of strings.", "options.stop")
+    return value
+
+
+def _max_tokens(value: Any) -> Optional[int]:
+    n = _number("num_predict", value)
+    if n in (-1, -2):  # no limit / fill the context: the room left in the context
+        return None
+    if n < 0:
+        raise SamplingParamsError(f"options.num_predict must be at least -2, got {n}.", "options.num_predict")
+    return n
+
+
+def sampling_fields(options: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The common request's sampling fields of Ollama's ``options`` (see the module
+    docstring). Raises SamplingParamsError naming ``options.<key>``."""
+    out: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        if value is None:
+            continue
+        if key in NUMERIC_OPTIONS:
+            out[NUMERIC_OPTIONS[key]] = _number(key, value)
+        elif key == "num_predict":
+            out["max_tokens"] = _max_tokens(value)
+        elif key == "stop":
+            out["stop"] = _stop(value) or None
+        elif key in NEUTRAL_OPTIONS:
+            if _number(key, value) != NEUTRAL_OPTIONS[key]:
+                raise SamplingParamsError(
+                    f"options.{key}={value} is not supported by this server (only {NEUTRAL_OPTIONS[key]}, off).",
+                    f"options.{key}")
+        elif key not in IGNORED_OPTIONS:
+            logger.warning("Ollama option %r is not known here; it is ignored.", key)
+    return out
+
+
+def structured_fields(fmt: Any) -> dict[str, Any]:
+    """The common request's ``structured_outputs`` of Ollama's ``format``: ``"json"`` ->
+    any JSON object, a JSON schema object -> that schema, ``""`` / null -> none. A schema
+    the grammar compiler refuses is a 400 naming ``format``."""
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        spec: dict[str, Any] = {"json_object": True}
+    elif isinstance(fmt, dict):
+        spec = {"json": fmt}
+    else:
+        raise SamplingParamsError(f'format must be "json" or a JSON schema object, got {fmt!r}.', "format")
+    try:
+        structured_outputs_params(None, spec)
+    except ValueError as e:
+        raise SamplingParamsError(f"format: {e}", "format") from e
+    return {"structured_outputs": spec}

@@ -1,0 +1,105 @@
+"""Protocol of Ollama's API (``/api/chat``, ``/api/generate``, ``/api/embed``,
+``/api/embeddings``, ``/api/show``), as Ollama's ``api/types.go`` and its docs
+(``docs/api.md``) define it.
+
+Requests are pydantic models with Ollama's field names; unknown fields are accepted and
+ignored (logged once, as the OpenAI requests do). ``options`` stays a plain dict: it is
+mapped to sampling by ``options.py``, which names ``options.<key>`` in its errors.
+Responses are built as plain dicts in ``serving.py`` (Ollama's JSON leaves unset fields
+out, and its clients read them as optional).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
+from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
+
+# ``keep_alive``: a duration ("5m", "1h"), seconds, or -1 / 0. Accepted and ignored: the
+# model stays loaded for the server's life (there is no unloading to schedule).
+KeepAlive = Optional[Union[str, float]]
+# ``format``: "json", "" (none), or a JSON schema object.
+Format = Optional[Union[str, dict[str, Any]]]
+
+
+class OllamaMessage(OpenAIRequestModel):
+    """One message of ``/api/chat``: role, content, and Ollama's extras: ``thinking``
+    (the reasoning of an earlier assistant turn), ``images`` (base64, refused while no
+    vision model runs), ``tool_calls`` (arguments as an object), ``tool_name`` (of a
+    ``tool`` message: which tool answered)."""
+
+    role: str
+    content: Optional[str] = ""
+    thinking: Optional[str] = None
+    images: Optional[list[Any]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+
+class OllamaBaseGenerate(OpenAIRequestModel):
+    """Fields shared by ``/api/chat`` and ``/api/generate``. ``stream`` defaults to
+    true (Ollama streams NDJSON unless told ``"stream": false``)."""
+
+    model: str = Field(min_length=1)
+    stream: Optional[bool] = True
+    format: Format = None
+    options: Optional[dict[str, Any]] = None
+    keep_alive: KeepAlive = None
+    think: Optional[Union[bool, str]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+
+class OllamaChatRequest(OllamaBaseGenerate):
+    """``POST /api/chat``: ``messages`` and ``tools`` (OpenAI's function-tool shape)."""
+
+    messages: list[OllamaMessage] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+class OllamaGenerateRequest(OllamaBaseGenerate):
+    """``POST /api/generate``: ``prompt`` rendered with the chat template as one user
+    turn (``system`` before it), or sent as it is with ``raw``; ``suffix`` asks for
+    fill-in-the-middle. ``template`` (a Go template) and ``context`` (token ids of an
+    earlier answer) are Ollama's own and refused; ``images`` needs a vision model."""
+
+    prompt: Optional[str] = ""
+    suffix: Optional[str] = None
+    system: Optional[str] = None
+    template: Optional[str] = None
+    context: Optional[list[int]] = None
+    raw: Optional[bool] = False
+    images: Optional[list[Any]] = None
+
+
+class OllamaEmbedRequest(OpenAIRequestModel):
+    """``POST /api/embed``: ``input`` a string or strings; ``truncate`` (default true)
+    cuts inputs to the context instead of failing; ``dimensions`` for Matryoshka models."""
+
+    model: str = Field(min_length=1)
+    input: Union[str, list[str]] = ""
+    truncate: Optional[bool] = True
+    dimensions: Optional[int] = Field(default=None, ge=1)
+    options: Optional[dict[str, Any]] = None
+    keep_alive: KeepAlive = None
+
+
+class OllamaEmbeddingsRequest(OpenAIRequestModel):
+    """``POST /api/embeddings`` (Ollama's older route): one ``prompt``, one vector."""
+
+    model: str = Field(min_length=1)
+    prompt: str = ""
+    options: Optional[dict[str, Any]] = None
+    keep_alive: KeepAlive = None
+
+
+class OllamaShowRequest(OpenAIRequestModel):
+    """``POST /api/show``: ``model`` (older clients send ``name``); ``verbose`` adds
+    nothing here (the model info is small)."""
+
+    model: Optional[str] = None
+    name: Optional[str] = None
+    verbose: Optional[bool] = None

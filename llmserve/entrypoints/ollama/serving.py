@@ -1,0 +1,244 @@
+"""Ollama's generation and embedding routes over the OpenAI handlers (one engine path).
+
+Each Ollama request is mapped to the common request and served by the handler the
+OpenAI routes use, through its ``wire=False`` seam; only the wire format is Ollama's
+(``stream.py``):
+- ``/api/chat`` -> ChatCompletionRequest -> ``OpenAIServingChat``: messages (with
+  ``tool_calls`` arguments as objects, ``tool`` messages with ``tool_name``), ``tools``,
+  ``options`` (``options.py``), ``format`` (structured outputs), ``think`` (the chat
+  template's ``enable_thinking``; needs ``--reasoning-parser`` to be split out).
+- ``/api/generate`` -> the chat handler with ``system`` + ``prompt`` as one user turn
+  (Ollama applies the model's template), or, with ``raw`` or ``suffix``, the
+  completion handler (the prompt as it is; ``suffix`` is the completions' fill-in-the-
+  middle, a 400 naming ``suffix`` when the model has no FIM tokens). The completion
+  handler answers SSE only, so its events are read back as chunk objects.
+- ``/api/embed`` / ``/api/embeddings`` -> EmbeddingRequest -> the embedding handler
+  (a pooling model: served alone or with ``--extra-model``).
+
+Tools: Ollama lets the model decide whether to call one (OpenAI's ``tool_choice:
+"auto"``). With ``--enable-auto-tool-choice --tool-call-parser`` that is what happens.
+Without a parser the server cannot tell a call from text, so a turn that ends with the
+user's message must call one of the tools (``"required"``: the call is enforced by
+structured outputs), and a turn that ends with tool results answers in text (tools
+still shown to the template); the response header ``X-Llmserve-Tool-Choice`` says which.
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any, AsyncGenerator, Optional
+
+from llmserve.entrypoints.ollama.options import sampling_fields, structured_fields
+from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
+                                                  OllamaGenerateRequest, OllamaMessage)
+from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats, StreamError
+from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
+from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
+from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
+from llmserve.sampling_params import SamplingParamsError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def served_name(state: Any, name: str) -> str:
+    """The served model ``name`` refers to: itself, or without Ollama's default tag
+    ``:latest``. Raises ModelNotFoundError (404)."""
+    names = state.openai_serving_models.model_names
+    if name in names:
+        return name
+    base, _, tag = name.rpartition(":")
+    if base and tag == "latest" and base in names:
+        return base
+    raise ModelNotFoundError(name, names)
+
+
+def handler(state: Any, attr: str, model: str) -> Any:
+    """The handler ``attr`` (``openai_serving_chat``...) of the model named ``model``
+    (on a multi-model server, the one that model's engine serves). Raises
+    ModelNotFoundError, or a 400 naming ``model`` when it cannot serve the route."""
+    routed = getattr(state, attr)
+    if hasattr(type(routed), "handler_for"):
+        return routed.handler_for(SimpleNamespace(model=model))
+    return routed
+
+
+# ----------------------------------------------------------------------------- messages
+def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise SamplingParamsError(f"messages[{i}].tool_calls[{j}] needs a function with a name.", "messages")
+    args = fn.get("arguments", {})
+    return {"id": call.get("id") or f"call_{i}_{j}", "type": "function",
+            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+def openai_message(m: OllamaMessage, i: int) -> dict[str, Any]:
+    """One Ollama message as the common request's message. Raises SamplingParamsError
+    (``messages``) for images (no vision model runs here) or an unknown role."""
+    if m.images:
+        raise SamplingParamsError(f"messages[{i}].images: this server runs no vision model; send text only.",
+                                  "messages")
+    if m.role not in ROLES:
+        raise SamplingParamsError(f"messages[{i}].role must be one of {list(ROLES)}, got {m.role!r}.", "messages")
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.role == "assistant" and m.tool_calls:
+        out["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+    if m.role == "assistant" and m.thinking:
+        out["reasoning_content"] = m.thinking  # templates that show past reasoning read this name
+    if m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id or f"call_{i}"
+        if m.tool_name:
+            out["name"] = m.tool_name
+    return out
+
+
+def _tool_choice(chat: Any, messages: list[dict[str, Any]]) -> str:
+    if chat.enable_auto_tools and chat.tool_parser_cls is not None:
+        return "auto"
+    return "none" if messages and messages[-1]["role"] == "tool" else "required"
+
+
+def _think_fields(think: Any, chat: Any) -> dict[str, Any]:
+    """``think`` (true/false or "low"/"medium"/"high") -> the template's switches.
+    Raises SamplingParamsError (``think``) when the server cannot split reasoning out."""
+    if think is None:
+        return {}
+    if isinstance(think, str) and think not in ("low", "medium", "high"):
+        raise SamplingParamsError(f'think must be true, false, "low", "medium" or "high", got {think!r}.', "think")
+    if think is not False and chat.reasoning_parser_cls is None:
+        raise SamplingParamsError("think: this model does not support thinking here (start the server with "
+                                  "--reasoning-parser).", "think")
+    kwargs: dict[str, Any] = {"enable_thinking": think is not False}
+    if isinstance(think, str):
+        kwargs["reasoning_effort"] = think
+    return {"chat_template_kwargs": kwargs}
+
+
+def _common_fields(req: Any, name: str) -> dict[str, Any]:
+    if req.logprobs:
+        raise SamplingParamsError("logprobs are not served on Ollama's routes here; use /v1/chat/completions.",
+                                  "logprobs")
+    # always streamed inside: the times of the first and last tokens give Ollama's durations
+    return {"model": name, "stream": True, **sampling_fields(req.options), **structured_fields(req.format)}
+
+
+def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatCompletionRequest, Optional[str]]:
+    """The common request of ``/api/chat`` and the tool choice it took (None: no tools)."""
+    messages = [openai_message(m, i) for i, m in enumerate(req.messages)]
+    fields = {**_common_fields(req, name), "messages": messages, **_think_fields(req.think, chat)}
+    choice = None
+    if req.tools:
+        choice = _tool_choice(chat, messages)
+        fields.update(tools=req.tools, tool_choice=choice)
+    return ChatCompletionRequest(**fields), choice
+
+
+def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
+    """The common request of ``/api/generate``: a chat request (template applied), or a
+    completion request with ``raw`` or ``suffix``. Raises SamplingParamsError for the
+    fields Ollama has and this server does not (``template``, ``context``, ``images``)."""
+    if req.images:
+        raise SamplingParamsError("images: this server runs no vision model; send text only.", "images")
+    if req.template:
+        raise SamplingParamsError("template: Ollama's Go templates are not served here; the model's chat template "
+                                  "is applied (or send raw: true with the prompt written out).", "template")
+    if req.context:
+        raise SamplingParamsError("context: earlier answers' token ids are not kept; send the conversation to "
+                                  "/api/chat instead.", "context")
+    if req.raw or req.suffix is not None:
+        return CompletionRequest(**_common_fields(req, name), prompt=req.prompt or "", suffix=req.suffix,
+                                 stream_options={"include_usage": True})
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
+        [{"role": "user", "content": req.prompt or ""}]
+    return ChatCompletionRequest(**_common_fields(req, name), messages=messages, **_think_fields(req.think, chat))
+
+
+# ----------------------------------------------------------------------------- serving
+async def completion_chunks(events: AsyncGenerator[str, None]) -> AsyncGenerator[CompletionStreamResponse, None]:
+    """The completion handler's SSE events back as chunk objects (the chat handler has
+    the ``wire=False`` seam; the completion handler answers SSE only). An in-band error
+    event is raised as StreamError."""
+    try:
+        async for event in events:
+            data = event.strip().removeprefix("data:").strip()
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                raise StreamError(obj["error"].get("message", "the generation failed"))
+            yield CompletionStreamResponse.model_validate(obj)
+    finally:
+        await events.aclose()
+
+
+def _room_left(completion: Any, prompt: str) -> Optional[int]:
+    """The tokens left in the context after ``prompt``, capped by the model's default
+    budget (what the chat path leaves to the engine); None when nothing is left (the
+    engine then reports the prompt as too long)."""
+    room = completion.max_model_len - len(completion.tokenizer.encode(prompt))
+    cap = completion.default_sampling_params.get("max_tokens")
+    return (min(room, cap) if cap else room) if room > 0 else None
+
+
+async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
+    """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
+    name = served_name(state, req.model)
+    wire = OllamaWire(name, chat=True)
+    if not req.messages:
+        return wire.loaded(), {}
+    chat = handler(state, "openai_serving_chat", name)
+    common, choice = chat_request(req, name, chat)
+    stats = RunStats()
+    chunks = await chat.create_chat_completion(common, request_id, wire=False)
+    headers = {"X-Llmserve-Tool-Choice": choice} if choice else {}
+    return (wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)), headers
+
+
+async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Optional[str]) -> Any:
+    """``/api/generate``: an async generator of NDJSON lines, or the one object."""
+    name = served_name(state, req.model)
+    wire = OllamaWire(name, chat=False)
+    if not req.prompt and req.suffix is None:
+        return wire.loaded()
+    chat = handler(state, "openai_serving_chat", name)
+    common = generate_request(req, name, chat)
+    stats = RunStats()
+    if isinstance(common, CompletionRequest):
+        completion = handler(state, "openai_serving_completion", name)
+        if common.max_tokens is None:  # Ollama's default is no limit, not the legacy 16
+            common.max_tokens = _room_left(completion, common.prompt)
+        chunks = completion_chunks(await completion.create_completion(common, request_id))
+    else:
+        chunks = await chat.create_chat_completion(common, request_id, wire=False)
+    return wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)
+
+
+async def _embed(state: Any, model: str, inputs: list[str], truncate: bool,
+                 dimensions: Optional[int] = None) -> tuple[str, Any]:
+    name = served_name(state, model)
+    common = EmbeddingRequest(model=name, input=inputs, dimensions=dimensions,
+                              truncate_prompt_tokens=-1 if truncate else None)
+    return name, await handler(state, "openai_serving_embedding", name).create_embedding(common)
+
+
+async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
+    """``/api/embed``: ``{"model", "embeddings": [[float]], "prompt_eval_count", durations}``."""
+    stats = RunStats()
+    inputs = [req.input] if isinstance(req.input, str) else list(req.input)
+    if not inputs:
+        return {"model": served_name(state, req.model), "embeddings": []}
+    name, resp = await _embed(state, req.model, inputs, req.truncate is not False, req.dimensions)
+    return {"model": name, "embeddings": [d.embedding for d in resp.data],
+            "total_duration": stats.final_fields()["total_duration"], "load_duration": 0,
+            "prompt_eval_count": resp.usage.prompt_tokens}
+
+
+async def serve_embeddings(state: Any, req: OllamaEmbeddingsRequest) -> dict[str, Any]:
+    """``/api/embeddings`` (Ollama's older route): ``{"embedding": [float]}``; an empty
+    prompt gives an empty vector, as Ollama answers."""
+    if not req.prompt:
+        served_name(state, req.model)
+        return {"embedding": []}
+    _, resp = await _embed(state, req.model, [req.prompt], truncate=True)
+    return {"embedding": resp.data[0].embedding}

@@ -1,0 +1,196 @@
+"""The common stream (chat or completion chunk objects from the handlers' ``wire=False``
+seam) -> Ollama's responses: NDJSON lines while streaming, one object otherwise.
+
+Ollama's objects (``docs/api.md``): every line has ``model``, ``created_at`` (RFC 3339,
+UTC) and ``done``; a partial line carries ``message`` (``/api/chat``: role, content,
+thinking, tool_calls) or ``response`` / ``thinking`` (``/api/generate``); the last line
+has ``done: true``, ``done_reason`` ("stop", "length"), ``prompt_eval_count`` /
+``eval_count`` (tokens) and ``total_duration``, ``load_duration``,
+``prompt_eval_duration`` (until the first output), ``eval_duration`` (the rest), in
+nanoseconds. Tool calls go out whole, with their arguments as an object, in one line
+before the last (Ollama sends each call when it is complete). An error after the stream
+started is one line ``{"error": "<message>"}``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, AsyncGenerator, AsyncIterator, Optional
+
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+
+logger = logging.getLogger("llmserve.entrypoints.ollama")
+
+# OpenAI finish reasons -> Ollama's done_reason (a finished tool call is "stop" there).
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
+
+
+def created_at() -> str:
+    """Now as Ollama writes it: RFC 3339 in UTC with microseconds."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def ndjson(obj: dict[str, Any]) -> bytes:
+    """One NDJSON line."""
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+class StreamError(RuntimeError):
+    """An error a handler's stream reported in-band (its message, for the NDJSON line)."""
+
+
+def error_message(exc: BaseException) -> str:
+    """The message the one error mapping gives ``exc`` (the same text as a 4xx body)."""
+    if isinstance(exc, StreamError):
+        return str(exc)
+    return error_response_from_exception(exc)[1].error.message
+
+
+@dataclass
+class _ToolCall:
+    id: Optional[str] = None
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass
+class RunStats:
+    """What one generation reported: times (``time.monotonic_ns``), token counts, the
+    finish reason and the tool calls assembled from their streamed fragments."""
+
+    start_ns: int = field(default_factory=time.monotonic_ns)
+    first_ns: Optional[int] = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: Optional[str] = None
+    calls: dict[int, _ToolCall] = field(default_factory=dict)
+
+    def add_fragments(self, fragments: list[Any]) -> None:
+        for frag in fragments:
+            call = self.calls.setdefault(frag.index, _ToolCall())
+            call.id = frag.id or call.id
+            if frag.function is not None:
+                call.name += frag.function.name or ""
+                call.arguments += frag.function.arguments or ""
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The calls in Ollama's shape: ``{"id", "function": {"index", "name",
+        "arguments": {...}}}``. Raises ValueError when the model's arguments are not a
+        JSON object (a forced call cut off by the budget)."""
+        out = []
+        for index in sorted(self.calls):
+            call = self.calls[index]
+            try:
+                args = json.loads(call.arguments or "{}")
+            except ValueError as e:
+                raise ValueError(f"the model's call of tool {call.name!r} was cut off or is not valid JSON "
+                                 "(raise options.num_predict)") from e
+            if not isinstance(args, dict):
+                raise ValueError(f"the model's call of tool {call.name!r} has arguments that are not an object")
+            out.append({"id": call.id, "function": {"index": index, "name": call.name, "arguments": args}})
+        return out
+
+    def final_fields(self) -> dict[str, Any]:
+        """The last line's statistics (durations in nanoseconds)."""
+        end = time.monotonic_ns()
+        first = self.first_ns if self.first_ns is not None else end
+        return {"done_reason": DONE_REASONS.get(self.finish_reason or "stop", self.finish_reason),
+                "total_duration": end - self.start_ns, "load_duration": 0,
+                "prompt_eval_count": self.prompt_tokens, "prompt_eval_duration": first - self.start_ns,
+                "eval_count": self.output_tokens, "eval_duration": end - first}
+
+
+def _choice_parts(choice: Any, stats: RunStats) -> tuple[str, str]:
+    """(content, thinking) of one chunk's choice; tool-call fragments go to ``stats``."""
+    delta = getattr(choice, "delta", None)
+    if delta is None:  # a completion chunk
+        return choice.text or "", ""
+    if delta.tool_calls:
+        stats.add_fragments(delta.tool_calls)
+        if stats.first_ns is None:
+            stats.first_ns = time.monotonic_ns()
+    return delta.content or "", delta.reasoning or ""
+
+
+async def deltas(chunks: AsyncIterator[Any], stats: RunStats) -> AsyncGenerator[tuple[str, str], None]:
+    """(content, thinking) pieces of the handler's chunk objects, in order; finish
+    reason, usage and tool calls are kept in ``stats``."""
+    async for chunk in chunks:
+        if not chunk.choices:  # the last chunk: the usage
+            if chunk.usage is not None:
+                stats.prompt_tokens = chunk.usage.prompt_tokens
+                stats.output_tokens = chunk.usage.completion_tokens or 0
+            continue
+        choice = chunk.choices[0]
+        if choice.finish_reason is not None:
+            stats.finish_reason = choice.finish_reason
+        content, thinking = _choice_parts(choice, stats)
+        if content or thinking:
+            if stats.first_ns is None:
+                stats.first_ns = time.monotonic_ns()
+            yield content, thinking
+
+
+class OllamaWire:
+    """How one route writes its objects: ``chat`` (``message``) or generate
+    (``response`` / ``thinking``), for the served ``model`` name."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+
+    def partial(self, content: str, thinking: str = "", tool_calls: Optional[list] = None,
+                done: bool = False) -> dict[str, Any]:
+        """One object with the given output parts (``done`` false unless told)."""
+        obj: dict[str, Any] = {"model": self.model, "created_at": created_at()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            obj["message"] = message
+        else:
+            obj["response"] = content
+            if thinking:
+                obj["thinking"] = thinking
+        obj["done"] = done
+        return obj
+
+    def final(self, stats: RunStats, content: str = "", thinking: str = "",
+              tool_calls: Optional[list] = None) -> dict[str, Any]:
+        """The last object: ``done: true`` with the statistics."""
+        return {**self.partial(content, thinking, tool_calls, done=True), **stats.final_fields()}
+
+    def loaded(self) -> dict[str, Any]:
+        """Ollama's answer to a request with nothing to generate (an empty prompt or no
+        messages, which Ollama clients send to load a model): ``done_reason: "load"``."""
+        return {**self.partial(""), "done": True, "done_reason": "load"}
+
+    async def lines(self, chunks: AsyncGenerator[Any, None], stats: RunStats) -> AsyncGenerator[bytes, None]:
+        """The NDJSON stream; an error after the start is a last ``{"error"}`` line."""
+        try:
+            async for content, thinking in deltas(chunks, stats):
+                yield ndjson(self.partial(content, thinking))
+            calls = stats.tool_calls()
+            if calls:
+                yield ndjson(self.partial("", tool_calls=calls))
+            yield ndjson(self.final(stats))
+        except Exception as e:  # the stream already started: report in-band, as Ollama does
+            logger.warning("Ollama stream failed: %s", e)
+            yield ndjson({"error": error_message(e)})
+        finally:
+            await chunks.aclose()
+
+    async def whole(self, chunks: AsyncGenerator[Any, None], stats: RunStats) -> dict[str, Any]:
+        """The one object of ``"stream": false``. Errors are raised (answered as 4xx/5xx)."""
+        contents, thoughts = [], []
+        try:
+            async for content, thinking in deltas(chunks, stats):
+                contents.append(content)
+                thoughts.append(thinking)
+        finally:
+            await chunks.aclose()
+        return self.final(stats, "".join(contents), "".join(thoughts), stats.tool_calls())
