@@ -266,8 +266,14 @@ def check_max_logprobs(value: Optional[int], param: str) -> None:
 
 
 # OpenAI's message roles. Others pass to the chat template as they are (vLLM's custom
-# roles: "ipython", "document"...), so the schema says "one of these, or any string".
-ChatRole = Union[Literal["system", "developer", "user", "assistant", "tool", "function"], str]
+# roles: "ipython", "document"...), so the schema says "one of these, or any string";
+# a custom role must be a plain name (CUSTOM_ROLE_PATTERN), so "" and text that would
+# write template markup ("user<|im_end|>...") are refused.
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+ChatRole = Union[Literal[OPENAI_ROLES], Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]]
+# Roles whose message may have no content: an assistant turn of tool calls only, and
+# tool/function results (vLLM renders a missing content as empty).
+_CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "tool", "function"})
 
 
 class ChatMessageParam(OpenAIBaseModel):
@@ -278,6 +284,15 @@ class ChatMessageParam(OpenAIBaseModel):
     role: ChatRole
     content: Optional[Union[str, Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]]] = None
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_for_role(self) -> "ChatMessageParam":
+        """A message of any role but assistant/tool/function needs ``content`` (OpenAI
+        requires it for system, developer and user); raises ValueError (a 400 whose
+        message names ``messages.N``)."""
+        if self.content is None and self.role not in _CONTENT_OPTIONAL_ROLES:
+            raise ValueError(f"a message with role {self.role!r} needs `content`")
+        return self
 
 
 # ----------------------------------------------------------------------------- logprobs

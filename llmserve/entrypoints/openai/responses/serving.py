@@ -175,9 +175,15 @@ class OpenAIServingResponses(GenerateBaseServing):
 
     def _skeleton(self, request: ResponsesRequest, model_name: str, request_id: Optional[str],
                   params: SamplingParams, text_echo: dict[str, Any]) -> ResponsesResponse:
-        """The response object before any output: the request's settings echoed."""
+        """The response object before any output: the request's settings echoed. Its id
+        (the store key and the engine request's base id) is the store's own random one,
+        never the client's ``request_id`` (X-Request-Id), which is only logged (with
+        ``--enable-log-requests``)."""
+        response_id = self.store.new_response_id()
+        if request_id is not None and self.log_requests:
+            logger.info("X-Request-Id %r: response %s", request_id[:128], response_id)
         return ResponsesResponse(
-            id=self.new_request_id(request_id), model=model_name, instructions=request.instructions,
+            id=response_id, model=model_name, instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls is not False,
             previous_response_id=request.previous_response_id, reasoning=request.reasoning,
             store=request.store is not False, background=bool(request.background), temperature=params.temperature,

@@ -6,10 +6,16 @@ conversation (earlier turns, its input, its output: what ``previous_response_id`
 prepends) and, for ``background: true``, the task that runs it (``cancel`` aborts it).
 At most ``max_entries`` responses are kept (``--responses-store-max-entries``); adding
 one more evicts the oldest first. Everything runs on the server's event loop, so no lock.
+
+Ids are made here (:meth:`ResponsesStore.new_response_id`), never from anything a client
+sends: a client's ``X-Request-Id`` is echoed and logged, but two requests with the same
+header get two distinct responses, and nobody can guess (and so read, continue or
+overwrite) another client's stored response.
 """
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -50,6 +56,14 @@ class ResponsesStore:
 
     def __contains__(self, response_id: object) -> bool:
         return response_id in self._entries
+
+    def new_response_id(self) -> str:
+        """A fresh id, ``resp_`` and 48 hex digits (192 random bits from ``secrets``, as
+        long as OpenAI's own ids; vLLM: ``resp_<uuid4>``), not in the store."""
+        while True:
+            response_id = f"resp_{secrets.token_hex(24)}"
+            if response_id not in self._entries:
+                return response_id
 
     def put(self, entry: StoredResponse) -> None:
         """Store (or replace) ``entry`` under its response id, evicting the oldest

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
-from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
+from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES, MAX_PROMPT_TOKEN_IDS
 from llmserve.entrypoints.openai.common.protocol import ChatMessageParam, OpenAIBaseModel, OpenAIRequestModel
 from llmserve.sampling_params import SamplingParamsError
 
@@ -49,8 +49,12 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIRequestModel):
+    """``POST /detokenize``: ``tokens`` are JSON integers only (StrictInt: ``"1"``,
+    ``true`` and ``1.0`` are a 400 naming ``tokens``, not coerced), at most
+    MAX_PROMPT_TOKEN_IDS of them; the vocabulary range is checked by the handler."""
+
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: Annotated[list[StrictInt], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
