@@ -145,3 +145,20 @@ def test_multilingual_detects_language_and_times_segments(srv):
     first = srt.split("\n")[1]
     assert first.startswith("00:00:00,000 --> 00:00:0") and first != "00:00:00,000 --> 00:00:02,690"
     assert c.audio.translations.create(model=MULTI, file=f).text == en  # English audio
+
+
+def test_wrong_model_for_the_endpoint_names_model(srv):
+    """Chat to Whisper and a transcription to the chat model: a 400 naming `model` and the
+    models that can, not a chat-template or multi_modal_data error."""
+    c = srv.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=STT, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    body = e.value.response.json()["error"]
+    assert body["param"] == "model" and f"`{CHAT}`" in body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MULTI, prompt="hi", max_tokens=2)
+    assert e.value.response.json()["error"]["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.audio.transcriptions.create(model=CHAT, file=("c.flac", clip(5)))
+    body = e.value.response.json()["error"]
+    assert body["param"] == "model" and f"`{STT}`" in body["message"] and f"`{MULTI}`" in body["message"]

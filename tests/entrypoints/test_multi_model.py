@@ -64,13 +64,13 @@ def test_registry_routes_by_model_and_task():
     reg = ModelRegistry([_served("chat", ("generate",), 2048), _served("emb", ("encode", "embed"), 512)])
     assert reg.resolve("emb").names == ["emb"]
     assert reg.resolve(None, "embed").names == ["emb"]  # no `model`: the first that can
-    assert reg.resolve("", "generate").names == ["chat"]
+    assert reg.resolve("", "text").names == ["chat"]
     assert reg.resolve(None).names == ["chat"]
     with pytest.raises(ModelNotFoundError) as nf:
-        reg.resolve("nope", "generate")
+        reg.resolve("nope", "text")
     assert "`chat`" in str(nf.value) and "`emb`" in str(nf.value)
     with pytest.raises(SamplingParamsError) as e:
-        reg.resolve("emb", "generate", "--runner generate")
+        reg.resolve("emb", "text", "--runner generate")
     assert e.value.param == "model" and "--runner generate" in str(e.value) and '"model": "chat"' in str(e.value)
     with pytest.raises(SamplingParamsError) as e:
         reg.resolve("chat", "embed", "--runner pooling")
@@ -83,6 +83,21 @@ def test_registry_routes_by_model_and_task():
         ModelRoutedHandler(reg, "openai_serving_chat").create(req, 3)
     cards = reg.serving_models().show_available_models().data
     assert [(c.id, c.max_model_len) for c in cards] == [("chat", 2048), ("emb", 512)]
+
+
+def test_speech_model_is_not_routed_text_requests():
+    """Whisper generates, but only from audio: chat/completions naming it are a 400 naming
+    `model` and every model that can; a transcription naming the chat model likewise."""
+    reg = ModelRegistry([_served("chat", ("generate",), 2048), _served("chat2", ("generate",), 2048),
+                         _served("whisper", ("generate", "transcription"), 448)])
+    with pytest.raises(SamplingParamsError) as e:
+        ModelRoutedHandler(reg, "openai_serving_chat").create(SimpleNamespace(model="whisper"), 1)
+    assert e.value.param == "model" and "`chat`, `chat2`" in str(e.value) and "audio" in str(e.value)
+    with pytest.raises(SamplingParamsError) as e:
+        reg.resolve("chat", "transcription", "a Whisper model")
+    assert e.value.param == "model" and "`whisper`" in str(e.value)
+    assert reg.resolve(None, "transcription").names == ["whisper"]
+    assert reg.resolve(None, "text").names == ["chat"]
 
 
 def test_registry_refuses_duplicate_names():

@@ -43,16 +43,36 @@ MODEL_FIELDS = ("model", "served_model_name", "tokenizer", "tokenizer_mode", "re
                 "chat_template", "runner", "convert")
 RUNNERS = ("auto", "generate", "pooling")
 
-# Handler attribute on app.state -> (task the model must support, the flag that gives it).
+# Handler attribute on app.state -> (capability the model must have, the flag that gives it).
+# "text" is generation from a text prompt: a speech model (Whisper) generates too, but only
+# from audio, so chat/completions/responses must not be routed to it (they would fail with
+# a chat-template or multi_modal_data error instead of naming `model`).
 ROUTED_HANDLERS = {
-    "openai_serving_chat": ("generate", "--runner generate"),
-    "openai_serving_completion": ("generate", "--runner generate"),
-    "openai_serving_responses": ("generate", "--runner generate"),
+    "openai_serving_chat": ("text", "--runner generate"),
+    "openai_serving_completion": ("text", "--runner generate"),
+    "openai_serving_responses": ("text", "--runner generate"),
     "openai_serving_embedding": ("embed", "--runner pooling"),
     "openai_serving_scores": ("embed", "--runner pooling"),
     "openai_serving_tokenization": (None, None),
     "openai_serving_transcription": ("transcription", "a Whisper model"),
 }
+# What a capability lets a model do, for the error message.
+CAPABILITY_WORDS = {"text": "generate text from a text prompt", "embed": "pool (embeddings, score, rerank)",
+                    "transcription": "transcribe or translate audio"}
+
+
+def capabilities_of(supported_tasks: Sequence[str]) -> tuple[str, ...]:
+    """The endpoint capabilities (ROUTED_HANDLERS' names) of a model with vLLM's
+    ``supported_tasks``: "transcription" (a speech model, which generates from audio
+    only), else "text" for a generating model, plus "embed" for a pooling one."""
+    caps = []
+    if "transcription" in supported_tasks:
+        caps.append("transcription")
+    elif "generate" in supported_tasks:
+        caps.append("text")
+    if "embed" in supported_tasks:
+        caps.append("embed")
+    return tuple(caps)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -132,6 +152,11 @@ class ServedModel:
     def supported_tasks(self) -> tuple[str, ...]:
         return tuple(getattr(self.engine_client.model_config, "supported_tasks", ("generate",)))
 
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """See :func:`capabilities_of`."""
+        return capabilities_of(self.supported_tasks)
+
 
 class ModelRegistry:
     """Served model name -> :class:`ServedModel`. Raises ValueError when two models
@@ -152,22 +177,27 @@ class ModelRegistry:
         return list(self.by_name)
 
     def resolve(self, name: Optional[str], task: Optional[str] = None, flag: Optional[str] = None) -> ServedModel:
-        """The model a request names. ``name`` None or "": the first model that supports
-        ``task``. Raises ModelNotFoundError (404) for an unknown name, SamplingParamsError
-        (400, param ``model``) when the named model cannot do ``task``."""
+        """The model a request names. ``name`` None or "": the first model with the
+        capability ``task`` (see :func:`capabilities_of`). Raises ModelNotFoundError (404)
+        for an unknown name, SamplingParamsError (400, param ``model``) naming the models
+        that can when the named model cannot do ``task``."""
         if not name:
-            return next((m for m in self.models if task is None or task in m.supported_tasks), self.models[0])
+            return next((m for m in self.models if task is None or task in m.capabilities), self.models[0])
         model = self.by_name.get(name)
         if model is None:
             raise ModelNotFoundError(name, self.model_names)
-        if task is not None and task not in model.supported_tasks:
-            able = [m.names[0] for m in self.models if task in m.supported_tasks]
-            hint = f" The model `{able[0]}` served here can: send \"model\": \"{able[0]}\"." if able else ""
-            what = "generate text" if task == "generate" else "pool (embeddings, score, rerank)"
-            raise SamplingParamsError(
-                f"The model `{name}` cannot {what}: it is served for {list(model.supported_tasks)}.{hint} "
-                f"(A model is started for this endpoint with `{flag}`.)", "model")
+        if task is not None and task not in model.capabilities:
+            raise SamplingParamsError(self._cannot_message(name, model, task, flag), "model")
         return model
+
+    def _cannot_message(self, name: str, model: ServedModel, task: str, flag: Optional[str]) -> str:
+        able = [m.names[0] for m in self.models if task in m.capabilities]
+        what = CAPABILITY_WORDS.get(task, task)
+        can = ", ".join(f"`{a}`" for a in able)
+        hint = (f" The models served here that can: {can} (send \"model\": \"{able[0]}\")." if able else
+                " No model served here can.")
+        does = ", ".join(CAPABILITY_WORDS.get(c, c) for c in model.capabilities) or "nothing this endpoint needs"
+        return f"The model `{name}` cannot {what} (it can {does}).{hint} (A model for this endpoint: `{flag}`.)"
 
     def serving_models(self) -> OpenAIServingModels:
         """Every served name, for ``GET /v1/models`` (each card with its own context)."""
