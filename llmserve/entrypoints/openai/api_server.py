@@ -46,6 +46,7 @@ from llmserve.entrypoints.openai.error_shapes import ErrorShape, ErrorShapeMiddl
 from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_frontend_routes, configure_handlers,
                                                   fastapi_kwargs, uvicorn_kwargs)
 from llmserve.entrypoints.openai.openapi import install_openapi
+from llmserve.entrypoints.openai.method_not_allowed import install_method_not_allowed_handler
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.multi_api_server import run_api_servers
@@ -109,8 +110,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
     install_exception_handlers(app)
+    install_method_not_allowed_handler(app)  # 405: Allow lists every method of the path
     add_edge_middleware(app, args)  # body limit, JSON for whatever escapes; inside X-Request-Id
-    install_openapi(app)  # 400 not 422, the error body, /health's JSON
+    install_openapi(app, args)  # 400 not 422, the error body, /health's JSON, the limits
     app.add_middleware(RequestIdMiddleware)
     if getattr(args, "api_key", None):
         keys = args.api_key if isinstance(args.api_key, list) else [args.api_key]

@@ -5,12 +5,14 @@ turn every error into the OpenAI error body (through ``error_response_from_excep
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import uuid
 from typing import Any, Awaitable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette._utils import get_route_path
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
@@ -19,7 +21,16 @@ from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 
 REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
-PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
+# The routes that answer without an API key (exact paths, after --root-path): the probes
+# (liveness, readiness, SageMaker's /ping), the version (also Ollama's /api/version), the
+# static API documents, and, as in vLLM, /metrics and /load, which Prometheus scrapers and
+# load balancers poll without credentials and which carry counts only, never a prompt, an
+# output or a stored object. Every other path (the engine routes, the stored responses,
+# /invocations, /tokenizer_info, any route added later, an unknown path) needs the key.
+PUBLIC_PATHS = frozenset({
+    "/health", "/ready", "/ping", "/version", "/api/version", "/metrics", "/load",
+    "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+})
 
 
 def json_response(model: Any, status_code: int = 200) -> Response:
@@ -104,37 +115,49 @@ class RequestIdMiddleware:
 
 
 class AuthenticationMiddleware:
-    """Pure ASGI middleware: require ``Authorization: Bearer <api key>`` on /v1/* and the
-    tokenizer routes (constant-time comparison); /health, /metrics, /version stay open;
-    CORS preflight (OPTIONS) passes. A bad or missing key gets 401 with the OpenAI body."""
+    """Pure ASGI middleware: every path but :data:`PUBLIC_PATHS` needs one of the API keys
+    (``--api-key``), sent as ``Authorization: Bearer <key>`` (OpenAI's clients, vLLM) or
+    ``x-api-key: <key>`` (Anthropic's SDK). Protected by default, so a route added later
+    is covered without being listed (vLLM checks only ``/v1`` prefixes, which left
+    ``/invocations`` open). Keys are compared in constant time (SHA-256 digests, so not
+    even the length leaks). CORS preflight (OPTIONS) passes. A bad or missing key gets
+    401 with the OpenAI error body and ``WWW-Authenticate: Bearer``; a websocket is closed
+    with code 1008 (policy violation) before it is accepted."""
 
     def __init__(self, app: Any, api_keys: list[str]):
         self.app = app
-        self.keys = [k.encode("utf-8") for k in api_keys]
+        self.digests = [_digest(k) for k in api_keys]
 
     def _authorized(self, scope: dict) -> bool:
-        auth = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        given = token.strip().encode("utf-8")
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = [token.strip()] if scheme.lower() == "bearer" else []
+        if "x-api-key" in headers:
+            given.append(headers["x-api-key"].strip())
         ok = False
-        for key in self.keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(given, key)
+        for candidate in given:  # no early exit: the time does not depend on which key matched
+            digest = _digest(candidate)
+            for key in self.digests:
+                ok |= hmac.compare_digest(digest, key)
         return ok
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        root = scope.get("root_path", "") or ""
-        path = scope["path"][len(root):] if root and scope["path"].startswith(root) else scope["path"]
-        if path.startswith(PROTECTED_PREFIXES) and not self._authorized(scope):
-            body = make_error("Invalid or missing API key. Send 'Authorization: Bearer <key>'.", 401,
-                              err_type="AuthenticationError")
-            response = json_response(body, 401)
-            response.headers["WWW-Authenticate"] = "Bearer"
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
+        # the path as the router matches it (starlette's own helper: the same --root-path rule)
+        if get_route_path(scope) in PUBLIC_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008, "reason": "Invalid or missing API key."})
+        body = make_error("Invalid or missing API key. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                          401, err_type="AuthenticationError")
+        response = json_response(body, 401)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 # A validation error lists at most this many problems, each cut to MAX_PART_CHARS: one
