@@ -106,7 +106,8 @@ def render_chat_prompt(
     chat_template_kwargs: Optional[dict[str, Any]] = None,
     tools: Optional[list[dict[str, Any]]] = None,
 ) -> str:
-    """Render ``messages`` with the chat template into prompt text.
+    """Render ``messages`` with the chat template into prompt text
+    (:func:`conversation_for_template` then :func:`apply_chat_template`).
 
     Args:
       tokenizer: a HF tokenizer (``apply_chat_template``).
@@ -120,11 +121,31 @@ def render_chat_prompt(
     Raises: SamplingParamsError (400) when the template fails on these messages or the
       last message cannot be continued.
     """
+    conversation = conversation_for_template(messages, continue_final_message)
+    return apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs, tools=tools)
+
+
+def conversation_for_template(messages: Iterable[Any], continue_final_message: bool = False) -> list[dict[str, Any]]:
+    """:func:`parse_chat_messages`, and a check that a message to continue is the
+    assistant's. The result is plain data (picklable: the request-template sandbox gets it).
+    Raises SamplingParamsError (param ``messages`` / ``continue_final_message``)."""
     conversation = parse_chat_messages(messages)
     if continue_final_message and (not conversation or conversation[-1]["role"] != "assistant"):
         raise SamplingParamsError(
             "continue_final_message requires the last message to be an assistant message.",
             "continue_final_message")
+    return conversation
+
+
+def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *, add_generation_prompt: bool,
+                        continue_final_message: bool, chat_template: Optional[str],
+                        chat_template_kwargs: Optional[dict[str, Any]], tools: Optional[list[dict[str, Any]]]) -> str:
+    """The template text of an already parsed ``conversation`` (transformers'
+    ``apply_chat_template``, tokenize=False; its sandboxed Jinja environment).
+    Raises SamplingParamsError (param ``messages``) for any template error; the original
+    exception (a MemoryError, say) is its ``__cause__``."""
     extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
     try:
         rendered = tokenizer.apply_chat_template(

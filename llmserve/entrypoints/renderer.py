@@ -9,6 +9,11 @@ never blocks the event loop (``/health`` and the streams keep answering).
 
 A chat template writes every special token itself, so rendered chat text is tokenized
 with ``add_special_tokens=False`` by default (vLLM's rule); a text prompt gets them.
+
+A request's own ``chat_template`` is refused by :class:`AsyncRenderer` (400 naming the
+field) unless ``--trust-request-chat-template``; a trusted one renders in the
+:class:`~llmserve.entrypoints.template_sandbox.TemplateSandbox` worker processes (time
+and memory bounds), never in the API server.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from llmserve.entrypoints.chat_utils import render_chat_prompt
+from llmserve.entrypoints.chat_utils import apply_chat_template, conversation_for_template
+from llmserve.entrypoints.template_sandbox import RequestTemplateConfig, TemplateSandbox
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.tokenizer import check_encodable, resolve_chat_template
 
@@ -77,6 +83,20 @@ class Renderer:
         Raises SamplingParamsError (400) for unsupported content parts or roles, a
         template error, or both ``add_generation_prompt`` and ``continue_final_message``.
         """
+        conversation = self.conversation(messages, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, check_length=check_length)
+        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
+        return apply_chat_template(
+            self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template,
+            chat_template_kwargs=chat_template_kwargs, tools=tools)
+
+    def conversation(self, messages: Iterable[Any], *, add_generation_prompt: bool, continue_final_message: bool,
+                     check_length: bool = True) -> list[dict[str, Any]]:
+        """The checks before a template runs, then the messages as the plain dicts a
+        template reads (``conversation_for_template``). Raises SamplingParamsError (400)
+        for both ``add_generation_prompt`` and ``continue_final_message``, text that
+        cannot fit the context (with ``check_length``), or a bad message."""
         if continue_final_message and add_generation_prompt:
             raise SamplingParamsError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to true.",
@@ -86,11 +106,7 @@ class Renderer:
 
             messages = list(messages)
             self.check_length(message_texts(messages), "messages")
-        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
-        return render_chat_prompt(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=template,
-            chat_template_kwargs=chat_template_kwargs, tools=tools)
+        return conversation_for_template(messages, continue_final_message)
 
     def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
                check_length: bool = True) -> list[int]:
@@ -126,27 +142,88 @@ class AsyncRenderer:
     num_workers: ``--renderer-num-workers`` (int >= 1). Jinja rendering and the Python
     parts of tokenization hold the GIL, but in a worker thread they only take turns with
     the event loop (every few ms) instead of stopping it for the whole render.
+    request_templates: how a request's own ``chat_template`` is handled (vLLM's
+    ``--trust-request-chat-template``; default: refused). When trusted, such templates
+    render in a :class:`TemplateSandbox` (worker processes with a time and memory bound).
     Raises ValueError (field ``renderer_num_workers``) for num_workers < 1.
     """
 
-    def __init__(self, renderer: Renderer, num_workers: int = 1) -> None:
+    def __init__(self, renderer: Renderer, num_workers: int = 1,
+                 request_templates: Optional[RequestTemplateConfig] = None) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"renderer_num_workers must be an integer >= 1, got {num_workers!r}")
         self.renderer = renderer
         self.num_workers = num_workers
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="llmserve-renderer")
+        self.request_templates = request_templates or RequestTemplateConfig()
+        self._sandbox = (TemplateSandbox(renderer.tokenizer, renderer.prompt_limit, self.request_templates)
+                         if self.request_templates.trust else None)
+
+    @classmethod
+    def from_args(cls, renderer: Renderer, args: Any) -> "AsyncRenderer":
+        """From the serve flags (``--renderer-num-workers``, ``--trust-request-chat-template``
+        and the ``--request-chat-template-*`` bounds)."""
+        return cls(renderer, getattr(args, "renderer_num_workers", None) or 1, RequestTemplateConfig.from_args(args))
+
+    def _request_template(self, kwargs: dict[str, Any]) -> Optional[str]:
+        """Take the request's template out of ``kwargs`` (``chat_template``, or
+        ``chat_template_kwargs.chat_template``, which wins as in vLLM, where the kwargs
+        update the template arguments). None when there is none (or it is empty: the
+        server's template). Raises SamplingParamsError (400 naming the field) when the
+        server does not trust request templates, or for a template that is not a string."""
+        template = kwargs.pop("chat_template", None)
+        extra = kwargs.get("chat_template_kwargs")
+        smuggled = extra.get("chat_template") if isinstance(extra, dict) else None
+        if template is None and smuggled is None:
+            return None
+        param = "chat_template" if smuggled is None else "chat_template_kwargs"
+        if not self.request_templates.trust:
+            raise SamplingParamsError(
+                f"`{param}{'' if smuggled is None else '.chat_template'}`: a chat template sent with the request "
+                "is refused: this server does not run with --trust-request-chat-template (vLLM's rule). "
+                "Leave it out to use the model's chat template.", param)
+        if smuggled is not None:
+            kwargs["chat_template_kwargs"] = {k: v for k, v in extra.items() if k != "chat_template"}
+            template = smuggled
+        if not isinstance(template, str):
+            raise SamplingParamsError(f"`{param}` must hold the template as a string.", param)
+        return template or None
+
+    async def _render_request_template(self, messages: Iterable[Any], template: str, kwargs: dict[str, Any]) -> str:
+        """Checks and message parsing in the thread pool, the template in the sandbox."""
+        add_generation_prompt = kwargs.get("add_generation_prompt", True)
+        continue_final_message = kwargs.get("continue_final_message", False)
+        check_length = kwargs.get("check_length", True)
+        conversation = await self._run(self.renderer.conversation, messages, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, check_length=check_length)
+        sandbox: Any = self._sandbox  # made in __init__ when trusted, and _request_template checked that
+        return await sandbox.render(
+            conversation, template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template_kwargs=kwargs.get("chat_template_kwargs"),
+            tools=kwargs.get("tools"), check_length=check_length)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def render_messages(self, messages: Iterable[Any], **kwargs: Any) -> str:
-        """:meth:`Renderer.render_messages` in the pool."""
-        return await self._run(self.renderer.render_messages, messages, **kwargs)
+        """:meth:`Renderer.render_messages` in the pool; a request ``chat_template`` is
+        refused or sandboxed (see the class docstring)."""
+        template = self._request_template(kwargs)
+        if template is None:
+            return await self._run(self.renderer.render_messages, messages, **kwargs)
+        return await self._render_request_template(messages, template, kwargs)
 
-    async def render_chat(self, messages: Iterable[Any], **kwargs: Any) -> RenderedPrompt:
-        """:meth:`Renderer.render_chat` in the pool."""
-        return await self._run(self.renderer.render_chat, messages, **kwargs)
+    async def render_chat(self, messages: Iterable[Any], *, add_special_tokens: bool = False,
+                          **kwargs: Any) -> RenderedPrompt:
+        """:meth:`Renderer.render_chat` in the pool; a request ``chat_template`` is
+        refused or sandboxed (see the class docstring)."""
+        template = self._request_template(kwargs)
+        if template is None:
+            return await self._run(self.renderer.render_chat, messages, add_special_tokens=add_special_tokens, **kwargs)
+        text = await self._render_request_template(messages, template, kwargs)
+        return RenderedPrompt(text, await self.encode(text, add_special_tokens=add_special_tokens, param="messages",
+                                                      check_length=kwargs.get("check_length", True)))
 
     async def render_prompts(self, prompts: list[Union[str, list[int]]], *, add_special_tokens: bool = True,
                              check_length: bool = True, param: str = "prompt") -> list[RenderedPrompt]:
@@ -168,5 +245,8 @@ class AsyncRenderer:
         return await self._run(fn, *args, **kwargs)
 
     def shutdown(self) -> None:
-        """Stop the pool: queued renders are dropped, running ones finish in the background."""
+        """Stop the pool: queued renders are dropped, running ones finish in the background;
+        the request-template workers are killed."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.shutdown()

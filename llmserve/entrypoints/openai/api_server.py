@@ -206,7 +206,7 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
     state.stat_logger = stat_logger if stat_logger is not None else _prometheus_logger(engine_client)
     state.admission = make_admission_controller(engine_client, args, state.stat_logger)
     state.openai_serving_models = models
-    state.openai_serving_render = AsyncRenderer(renderer, getattr(args, "renderer_num_workers", None) or 1)
+    state.openai_serving_render = AsyncRenderer.from_args(renderer, args)  # + request-template sandbox
     state.openai_serving_tokenization = OpenAIServingTokenization(
         engine_client, models, state.openai_serving_render, log_requests=log_requests)
     state.openai_serving_embedding = OpenAIServingEmbedding(engine_client, models, state.openai_serving_render,

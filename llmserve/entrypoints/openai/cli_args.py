@@ -14,6 +14,7 @@ from llmserve import envs
 from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_edge_args
 from llmserve.entrypoints.openai.responses.store import add_responses_args, check_responses_args
 from llmserve.entrypoints.openai.multi_model import parse_extra_model
+from llmserve.entrypoints.template_sandbox import add_request_template_args, check_request_template_args
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -89,6 +90,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                              "server's resource flags (--kv-cache-memory, batching, --dtype), not its model flags. "
                              "Repeatable.")
     add_vllm_frontend_args(server)
+    add_request_template_args(server)
     add_http_edge_args(server)
     add_responses_args(server)
     AsyncEngineArgs.add_cli_args(parser)
@@ -114,6 +116,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     if args.api_key is not None and args.api_key == "":
         args.api_key = None
     check_vllm_compat_args(args)
+    check_request_template_args(args)
     validate_tool_calling_args(args)
     check_http_edge_args(args)
     check_responses_args(args)

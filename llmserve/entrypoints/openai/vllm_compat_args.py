@@ -70,8 +70,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--headless": (REFUSED, "multi-node data parallel is not implemented", ()),
     # frontend
     "--lora-modules": (REFUSED, "LoRA adapters are not supported (the models have no LoRA layers)", ()),
-    "--trust-request-chat-template": (NOOP, "a request's chat_template is always accepted (rendered in "
-                                            "transformers' sandboxed Jinja environment)", ()),
     "--enable-ssl-refresh": (REFUSED, "certificates are loaded once at start; restart to load new ones", ()),
     "--disable-frontend-multiprocessing": (NOOP, "the engine always runs in its own process "
                                                  "(LLMSERVE_ENABLE_MULTIPROCESSING=0 is for the offline LLM)", ()),
