@@ -97,8 +97,8 @@ def add_request_template_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
                        help="Accept a request's chat_template (chat, tokenize, embeddings, responses; also "
                             "chat_template_kwargs.chat_template), as vLLM; without it such a request is a 400 "
-                            "naming the field. Request templates render in worker processes with the bounds "
-                            "below; --chat-template is not affected.")
+                            "naming the field. Request templates render in worker processes with the "
+                            "--request-chat-template-* bounds; --chat-template is not affected.")
     group.add_argument("--request-chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Seconds a request's chat_template may take to render in its worker before the "
                             "worker is killed and the request is a 400; a shorter X-Request-Timeout wins "
