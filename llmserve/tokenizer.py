@@ -10,9 +10,12 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # annotation only
+    from llmserve.config import ModelConfig
 
 _TEMPLATE_CHARS = "{}\n"
 
@@ -103,3 +106,15 @@ def get_tokenizer(path: str, gguf_file: Optional[str] = None,
             path, gguf_file = resolved.path, resolved.gguf_file
     template = resolve_chat_template(chat_template)
     return _load_tokenizer(os.path.abspath(path), gguf_file, template)
+
+
+def get_model_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model a ``ModelConfig`` describes: the model's own (its HF
+    directory or GGUF file) or, with ``--tokenizer``, another model or directory; the
+    chat template override of ``--chat-template`` applied (vLLM's tokenizer init from the
+    model config). Shared by the server front-end and the engine's structured outputs.
+    Raises ValueError as :func:`get_tokenizer`."""
+    mc = model_config
+    if mc.tokenizer in (None, mc.model_path):
+        return get_tokenizer(mc.model_path, mc.gguf_file, mc.chat_template)
+    return get_tokenizer(mc.tokenizer, None, mc.chat_template)

@@ -31,12 +31,9 @@ def multiprocessing_enabled() -> bool:
 def load_frontend(config: EngineConfig):
     """The model's tokenizer (the generation-config defaults are already in
     ``config.model_config``, read once by ``create_engine_config()``)."""
-    from llmserve.tokenizer import get_tokenizer
+    from llmserve.tokenizer import get_model_tokenizer
 
-    mc = config.model_config
-    if mc.tokenizer in (None, mc.model_path):
-        return get_tokenizer(mc.model_path, mc.gguf_file, mc.chat_template)
-    return get_tokenizer(mc.tokenizer, None, mc.chat_template)  # --tokenizer names another model or directory
+    return get_model_tokenizer(config.model_config)
 
 
 def start_engine_and_frontend(config: EngineConfig, make_client: Callable[[], Any]) -> tuple[Any, Any]:

@@ -5,8 +5,9 @@ A reasoning parser splits a reasoning model's output into its reasoning text and
 answer (content). The engine asks :meth:`ReasoningParser.is_reasoning_end` of the token
 ids so far to know when a grammar starts to apply; the server splits text whole
 (:meth:`ReasoningParser.extract_reasoning`) or streamed
-(:meth:`ReasoningParser.extract_reasoning_streaming`). This module imports nothing of
-the server, so the engine process can use it.
+(:meth:`ReasoningParser.extract_reasoning_streaming`) into the shared
+:class:`~llmserve.parsing_types.DeltaMessage`. This module imports nothing of the server,
+so the engine process can use it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from llmserve.parser_registry import ParserRegistry
+from llmserve.parsing_types import DeltaMessage
 
 
 @dataclass(frozen=True)
@@ -62,19 +64,17 @@ class ReasoningParser:
 
     def extract_reasoning_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                     previous_token_ids: Sequence[int], current_token_ids: Sequence[int],
-                                    delta_token_ids: Sequence[int]) -> Any:
+                                    delta_token_ids: Sequence[int]) -> Optional[DeltaMessage]:
         """The reasoning and content that ``delta_text`` adds (a DeltaMessage with
         ``reasoning``/``content``), or None when nothing new is certain yet."""
         return self._delta(self.split(previous_text, final=False), self.split(current_text, final=False))
 
-    def flush_streaming(self, text: str) -> Any:
+    def flush_streaming(self, text: str) -> Optional[DeltaMessage]:
         """At the end of a stream: what was held back (a DeltaMessage or None)."""
         return self._delta(self.split(text, final=False), self.split(text, final=True))
 
     @staticmethod
-    def _delta(before: ReasoningSplit, after: ReasoningSplit) -> Any:
-        from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage
-
+    def _delta(before: ReasoningSplit, after: ReasoningSplit) -> Optional[DeltaMessage]:
         reasoning = after.reasoning[len(before.reasoning):]
         content = after.content[len(before.content):]
         if not reasoning and not content:

@@ -64,8 +64,8 @@ class StructuredOutputManager:
             if self.backend is None:
                 tok = self._tokenizer
                 if tok is None:
-                    from llmserve.engine.llm_engine import load_frontend
-                    tok = self._tokenizer = load_frontend(self.vllm_config)
+                    from llmserve.tokenizer import get_model_tokenizer
+                    tok = self._tokenizer = get_model_tokenizer(self.vllm_config.model_config)
                 mc = self.vllm_config.model_config
                 stop = sorted({tok.eos_token_id, *mc.extra_eos_token_ids} - {None})
                 self.backend = XgrammarBackend(tok, mc.vocab_size, stop)

@@ -15,15 +15,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from llmserve.entrypoints.openai.chat_completion.protocol import (
+from llmserve.parser_registry import ParserRegistry
+from llmserve.parsing_types import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     ExtractedToolCallInformation,
     FunctionCall,
     ToolCall,
+    make_tool_call_id,
 )
-from llmserve.parser_registry import ParserRegistry
 from llmserve.tool_parsers.json_scan import RawCall, canonical_json_prefix
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class ToolParser:
 
     def make_tool_call_id(self) -> str:
         """A new tool-call id (vLLM's ``chatcmpl-tool-<hex>``)."""
-        return ToolCall.model_fields["id"].default_factory()  # type: ignore[misc]
+        return make_tool_call_id()
 
     # ---- whole output ---------------------------------------------------------------
     def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCallInformation:

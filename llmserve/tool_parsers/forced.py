@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmserve.entrypoints.openai.chat_completion.protocol import (ExtractedToolCallInformation, FunctionCall,
-                                                                   ToolCall)
+from llmserve.parsing_types import ExtractedToolCallInformation, FunctionCall, ToolCall
 from llmserve.tool_parsers.abstract_tool_parser import (ScanResult, ToolParser, canonical_arguments,
                                                       streamed_arguments)
 from llmserve.tool_parsers.json_scan import RawCall, scan_call_list, skip_ws, value_end

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, model_serializer, model_validator
+from pydantic import Field, model_validator
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.protocol import (
@@ -20,6 +20,16 @@ from llmserve.entrypoints.openai.common.protocol import (
     random_uuid,
 )
 from llmserve.entrypoints.openai.chat_completion.openai_fields import check_openai_only_fields
+# The parsed-output types live on the low floor shared by the parsers, the engine's
+# structured outputs and every front door; re-exported here under vLLM's paths.
+from llmserve.parsing_types import (  # noqa: F401  (re-exports)
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ExtractedToolCallInformation,
+    FunctionCall,
+    ToolCall,
+)
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -88,55 +98,6 @@ class ChatCompletionRequest(SamplingRequest):
         return SamplingParams(**kwargs)
 
 
-class FunctionCall(OpenAIBaseModel):
-    """A complete function call: its name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(OpenAIBaseModel):
-    """One tool call of an assistant message (vLLM's id form ``chatcmpl-tool-<hex>``)."""
-
-    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{random_uuid()}")
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaFunctionCall(OpenAIBaseModel):
-    """A streamed fragment of a function call (None fields are left out of the JSON)."""
-
-    name: Optional[str] = None
-    arguments: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # noqa: ANN001
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaToolCall(OpenAIBaseModel):
-    """A streamed fragment of tool call ``index``: the first fragment of a call carries
-    ``id``, ``type`` and ``function.name``; later ones only ``function.arguments``."""
-
-    index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: Optional[DeltaFunctionCall] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # noqa: ANN001
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ExtractedToolCallInformation(OpenAIBaseModel):
-    """What a tool parser found in a whole output (vLLM's): whether tools were called,
-    the calls, and the text that stays content (None when there is none)."""
-
-    tools_called: bool
-    tool_calls: list[ToolCall]
-    content: Optional[str] = None
-
-
 class ChatMessage(OpenAIBaseModel):
     """The assistant's reply. ``reasoning`` (vLLM's current name) and
     ``reasoning_content`` (its former name, still read by many clients) both carry the
@@ -176,26 +137,6 @@ class ChatCompletionResponse(OpenAIBaseModel):
     # vLLM's extras, at the top level in chat: prompt_logprobs, prompt_token_ids
     prompt_logprobs: Optional[PromptLogprobs] = None
     prompt_token_ids: Optional[list[int]] = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    """A streamed message fragment; fields that are None are left out of the JSON."""
-
-    role: Optional[str] = None
-    content: Optional[str] = None
-    reasoning: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[DeltaToolCall]] = None
-
-    @model_validator(mode="after")
-    def _both_reasoning_names(self) -> "DeltaMessage":
-        if self.reasoning_content is None:
-            self.reasoning_content = self.reasoning
-        return self
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # noqa: ANN001
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
