@@ -30,7 +30,11 @@ PromptType = Union[TokenIds, Annotated[list[TokenIds], Field(max_length=MAX_PROM
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token
-    ids or a list of token-id lists. ``max_tokens`` defaults to 16 (OpenAI's legacy default)."""
+    ids or a list of token-id lists. ``max_tokens`` defaults to 16 (OpenAI's legacy default).
+    A non-empty ``suffix`` makes each prompt a fill-in-the-middle request: the prompt is
+    the text before the cursor, ``suffix`` the text after it, laid out with the model's
+    FIM tokens as llama-server's ``/infill`` does (``infill/fim.py``); a model without FIM
+    tokens answers a 400 naming ``suffix``. An empty ``suffix`` is a plain completion."""
 
     prompt: PromptType
     echo: Optional[bool] = False
@@ -42,8 +46,6 @@ class CompletionRequest(SamplingRequest):
     def check(self) -> None:
         """Request-level checks. Raises SamplingParamsError (param set)."""
         self.check_common()
-        if self.suffix is not None:
-            raise SamplingParamsError("suffix is not supported by this server.", "suffix")
         check_max_logprobs(self.logprobs, "logprobs")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise SamplingParamsError("best_of is not supported (it must equal n).", "best_of")

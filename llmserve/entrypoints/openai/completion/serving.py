@@ -33,10 +33,12 @@ from llmserve.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
+from llmserve.entrypoints.openai.infill.fim import FimTokens, gguf_path_of, infill_prompt, require_fim_tokens
 from llmserve.entrypoints.openai.logprobs import build_completion_logprobs, build_prompt_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.tokenizer import check_encodable
 
 
 class _Prompt:
@@ -84,19 +86,37 @@ class OpenAIServingCompletion(GenerateBaseServing):
         model_name = self._check_model(request)
         request.check()
         items = _prompt_items(request.prompt)
-        rendered = await self.renderer.render_prompts(items, add_special_tokens=request.add_special_tokens,
-                                                      check_length=request.truncate_prompt_tokens is None)
+        fim = None
+        if request.suffix:  # fill-in-the-middle: each prompt is the text before the cursor
+            fim = require_fim_tokens(self.tokenizer, gguf_path_of(self.model_config), "suffix")
+            rendered = await self.renderer.run_in_pool(self._fim_prompts, fim, items, request.suffix)
+        else:
+            rendered = await self.renderer.render_prompts(items, add_special_tokens=request.add_special_tokens,
+                                                          check_length=request.truncate_prompt_tokens is None)
         prompts = [_Prompt(self.truncate(r, request)) for r in rendered]
-        for p in prompts:
+        for item, p in zip(items, prompts):
             max_tokens = request.max_tokens
             if max_tokens is None:
                 max_tokens = self.default_max_tokens(len(p.ids), request.min_tokens or 0)
             p.params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            if fim is not None:  # the FIM stop tokens end the middle, as in llama.cpp
+                p.params.stop_token_ids = list(p.params.stop_token_ids or []) + fim.stop_token_ids
             p.zero_output = max_tokens == 0
-            if request.echo:
-                p.echo_text = p.text if p.text is not None else self.tokenizer.decode(
-                    p.ids, skip_special_tokens=False)
+            if request.echo:  # the prompt as sent (not the FIM layout around it)
+                text = item if isinstance(item, str) else p.text
+                p.echo_text = text if text is not None else self.tokenizer.decode(p.ids, skip_special_tokens=False)
         return model_name, prompts
+
+    def _fim_prompts(self, fim: FimTokens, items: list[Union[str, list[int]]], suffix: str) -> list[RenderedPrompt]:
+        """The FIM prompt of each item (prefix text or ids) with ``suffix``: llama-server's
+        ``/infill`` layout for ``input_prefix`` = the prompt, no ``input_extra``. The
+        prompts carry no text (the ids are what the model sees)."""
+        for item in items:
+            if isinstance(item, str):
+                check_encodable(item, "prompt")
+        check_encodable(suffix, "suffix")
+        return [RenderedPrompt(None, infill_prompt(self.tokenizer, fim, item, suffix, (), "", self.max_model_len,
+                                                   ("prompt", "suffix"))) for item in items]
 
     async def create_completion(self, request: CompletionRequest, request_id: Optional[str] = None,
                                 ) -> Union[CompletionResponse, AsyncGenerator[str, None]]:

@@ -1,0 +1,109 @@
+"""Protocol of llama.cpp's ``POST /infill`` (llama-server's fill-in-the-middle route).
+
+The request: ``input_prefix`` and ``input_suffix`` (a string, or a list of strings and
+token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``prompt``
+(text added after the prefix, before the middle), and llama-server's sampling fields
+(``n_predict``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
+``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``ignore_eos``,
+``stream``, ``return_tokens``). llama-server's per-slot and cache fields (``id_slot``,
+``cache_prompt``, ``t_max_predict_ms``, ``samplers``...) are ignored with a warning, as
+every unknown field (the server's one policy, README "Request fields"). The response is
+llama-server's non-OpenAI completion object (``content``, ``stop``, ``tokens_predicted``,
+``tokens_evaluated``, ``stop_type``...); a stream is ``data: {...}`` events of the same
+shape with ``stop: false`` until the last.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_STOP_STRING_CHARS, \
+    MAX_STOP_STRINGS
+from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, OpenAIBaseModel, \
+    OpenAIRequestModel
+from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
+from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+
+MAX_EXTRA_CHUNKS = 1024
+MixedInput = Union[str, Annotated[list[Union[Int64, str]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]]
+# llama-server's sampling defaults (``common_params_sampling``), for fields a request and
+# the model's generation config both leave out
+LLAMA_CPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+
+
+class ExtraChunk(OpenAIBaseModel):
+    """One ``input_extra`` chunk: a file of the repository (``filename`` defaults to
+    llama-server's ``tmp``)."""
+
+    text: str
+    filename: str = FIM_EXTRA_FILE_NAME
+
+
+class InfillRequest(OpenAIRequestModel):
+    """``POST /infill`` (see the module docstring)."""
+
+    model: Optional[str] = None
+    input_prefix: MixedInput = ""
+    input_suffix: MixedInput = ""
+    input_extra: Annotated[list[ExtraChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
+    prompt: str = ""
+    n_predict: Optional[Int64] = None  # -1: no limit but the context (llama-server)
+    temperature: Optional[float] = None
+    top_k: Optional[Int64] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    repeat_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[Int64] = None
+    stop: Optional[Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                             Field(max_length=MAX_STOP_STRINGS)]] = None
+    ignore_eos: bool = False
+    stream: bool = False
+    return_tokens: bool = False
+
+    def extra_chunks(self) -> list[tuple[str, str]]:
+        """``input_extra`` as (filename, text) pairs."""
+        return [(c.filename, c.text) for c in self.input_extra]
+
+    def to_sampling_params(self, defaults: dict[str, Any], stop_token_ids: list[int]) -> SamplingParams:
+        """SamplingParams of the request: a field left out takes the model's generation
+        config default, else llama-server's. ``n_predict`` -1 or absent leaves the budget to
+        the room in the context. Raises SamplingParamsError naming the field."""
+        if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.",
+                                      "temperature")
+        if self.n_predict is not None and self.n_predict < -1:
+            raise SamplingParamsError(f"n_predict must be -1 (no limit) or at least 0, got {self.n_predict}.",
+                                      "n_predict")
+
+        def pick(name: str, value: Any) -> Any:
+            return value if value is not None else defaults.get(name, LLAMA_CPP_DEFAULTS[name])
+
+        return SamplingParams(
+            max_tokens=None if self.n_predict in (None, -1) else self.n_predict,
+            temperature=pick("temperature", self.temperature), top_k=pick("top_k", self.top_k),
+            top_p=pick("top_p", self.top_p), min_p=pick("min_p", self.min_p),
+            repetition_penalty=pick("repetition_penalty", self.repeat_penalty),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed, stop=self.stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+
+class InfillResponse(OpenAIBaseModel):
+    """llama-server's completion object (the fields a client of ``/infill`` reads)."""
+
+    index: int = 0
+    content: str
+    tokens: list[int] = Field(default_factory=list)
+    id_slot: int = 0
+    stop: bool
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    tokens_cached: int = 0
+    prompt: Optional[str] = None
+    truncated: bool = False
+    stop_type: Optional[str] = None  # "eos", "limit" or "word" (set on the last)
+    stopping_word: str = ""
