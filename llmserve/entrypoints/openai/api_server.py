@@ -40,6 +40,7 @@ from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parse
 from llmserve.entrypoints.openai.completion.api_router import register_completion_api_routers
 from llmserve.entrypoints.openai.common.limits import PromptCharLimit
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from llmserve.entrypoints.openai.infill.api_router import register_infill_api_routers
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from llmserve.entrypoints.openai.error_shapes import ErrorShape, ErrorShapeMiddleware
@@ -87,6 +88,7 @@ API_ROUTER_REGISTRARS = (
     register_models_api_routers,
     register_chat_api_routers,
     register_completion_api_routers,
+    register_infill_api_routers,
     register_tokenize_api_routers,
     register_responses_api_routers,
     register_embeddings_api_routers,
