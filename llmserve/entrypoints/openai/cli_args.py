@@ -61,9 +61,9 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     server.add_argument("--host", type=str, default=None, help="Host to bind (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     server.add_argument("--api-key", type=str, nargs="+", default=envs.get(API_KEY_ENV),
-                        help=f"Require 'Authorization: Bearer <key>' (one of these keys, as vLLM) on /v1/* and "
-                             f"the tokenizer routes "
-                             f"(default: ${API_KEY_ENV} or $VLLM_API_KEY when set).")
+                        help=f"Require one of these keys, as 'Authorization: Bearer <key>' (vLLM) or 'x-api-key: "
+                             f"<key>' (Anthropic), on every route but the probes, /version, /metrics, /load and the "
+                             f"API docs (default: ${API_KEY_ENV} or $VLLM_API_KEY when set).")
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS allowed origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS allowed methods.")
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS allowed headers.")
