@@ -31,9 +31,17 @@ def grammar_key(params: StructuredOutputsParams, any_whitespace: bool = True) ->
             except json.JSONDecodeError as e:
                 raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {e}",
                                           "structured_outputs") from None
+            except RecursionError:  # past ~1000 levels; the depth check below catches the rest
+                raise SamplingParamsError("structured_outputs.json is nested too deeply.", "structured_outputs") \
+                    from None
         if not isinstance(schema, (dict, bool)):
             raise SamplingParamsError("structured_outputs.json must be a JSON schema object, got "
                                       f"{type(schema).__name__}", "structured_outputs")
+        # jsonschema's meta-schema check and xgrammar recurse over the schema: bound it
+        # (the same limit as request bodies), so a deep schema is a 400, not a RecursionError
+        from llmserve.entrypoints.openai.common.limits import check_json_depth
+
+        check_json_depth(schema, "structured_outputs")
         return "json", json.dumps(schema, sort_keys=True), any_ws
     if params.json_object:
         return "json_object", "", any_ws

@@ -61,3 +61,51 @@ def test_chat_message_role_must_be_known_or_a_plain_name(app_and_engine, message
     ok = [{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant", "ipython")]
     r = client.post("/tokenize", json={"model": "m", "messages": ok + [{"role": "assistant", "content": None}]})
     assert r.status_code == 200, r.text
+
+
+def _nested_schema(levels):
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("levels", [40, 450])
+def test_deep_json_is_a_400_naming_the_field_on_every_route(app_and_engine, levels):  # noqa: F811
+    import json
+
+    client, engine = app_and_engine()
+    deep, deep_list = _nested_schema(levels), json.loads("[" * 2 * levels + "]" * 2 * levels)
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    cases = [("/v1/chat/completions", {**CHAT, "response_format": rf}, "response_format"),
+             ("/v1/chat/completions", {**CHAT, "tools": [tool]}, "tools"),
+             ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"x": deep_list}}, "chat_template_kwargs"),
+             ("/v1/completions", {"model": "m", "prompt": "hi", "response_format": rf}, "response_format"),
+             ("/v1/responses", {**BASE, "text": {"format": {"type": "json_schema", "name": "x", "schema": deep}}},
+              "text"),
+             ("/invocations", {**CHAT, "extra": deep_list}, "extra"),
+             ("/tokenize", {"model": "m", "prompt": "hi", "tools": [tool]}, "tools")]
+    for path, body, param in cases:
+        _error(client.post(path, content=json.dumps(body), headers={"content-type": "application/json"}), param)
+    # a schema as JSON text is parsed by the server: bounded where it is parsed
+    err = _error(client.post("/v1/chat/completions", json={**CHAT, "structured_outputs": {
+        "json": json.dumps(deep)}}), "structured_outputs")
+    assert "nested too deeply" in err["message"]
+    assert engine.prompts == []
+    # a real schema nested well within the bound (and brackets inside strings) still runs
+    engine.outputs = [_output('{"a": "x"}', "stop")]
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested_schema(20)}}
+    r = client.post("/v1/chat/completions", json={**CHAT, "response_format": ok, "messages": [
+        {"role": "user", "content": "[[[{{{" * 100 + '\\"]]]'}]})
+    assert r.status_code == 200, r.text
+
+
+def test_body_depth_ignores_strings_and_escapes():
+    from llmserve.entrypoints.openai.json_depth import body_too_deep
+
+    assert body_too_deep(b'{"a": "' + b"[" * 500 + b'"}', 8) is None
+    assert body_too_deep(b'{"a": "\\"' + b"[" * 500 + b'"}', 8) is None  # an escaped quote does not end it
+    assert body_too_deep(b'{"k\\"ey": 1, "b": ' + b"[" * 9 + b"]" * 9 + b"}", 8) == "b"
+    assert body_too_deep(b"[" * 9 + b"]" * 9, 8) == ""
+    assert body_too_deep(b'{"a": ' + b"[" * 7 + b"]" * 7 + b"}", 8) is None

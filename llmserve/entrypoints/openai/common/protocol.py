@@ -270,7 +270,8 @@ def check_max_logprobs(value: Optional[int], param: str) -> None:
 # a custom role must be a plain name (CUSTOM_ROLE_PATTERN), so "" and text that would
 # write template markup ("user<|im_end|>...") are refused.
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-ChatRole = Union[Literal[OPENAI_ROLES], Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")]]
+CUSTOM_ROLE_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,31}$"
+ChatRole = Union[Literal[OPENAI_ROLES], Annotated[str, Field(pattern=CUSTOM_ROLE_PATTERN)]]
 # Roles whose message may have no content: an assistant turn of tool calls only, and
 # tool/function results (vLLM renders a missing content as empty).
 _CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "tool", "function"})

@@ -1,0 +1,116 @@
+"""The one depth guard over request bodies: JSON nested deeper than ``MAX_JSON_DEPTH``
+levels is a 400 naming the top-level field it is under, before any route parses or
+recurses over it (issue 26: a ``response_format`` or tool schema nested ~450 levels, or
+deep JSON to ``/invocations``, was a 500 RecursionError from jsonschema, ``_hoist_defs``
+or Jinja).
+
+The depth is measured on the raw bytes (no parse, no recursion; C-speed passes): escapes
+are dropped, quotes toggle "inside a string", and the running sum of ``[{`` (+1) and
+``]}`` (-1) outside strings is the nesting depth. Schemas given as
+JSON *text* (``structured_outputs.json``) are bounded where they are parsed
+(``structured_output/grammar.py``), with the same limit.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+from starlette.datastructures import Headers
+
+from llmserve.entrypoints.openai.common.errors import make_error
+from llmserve.entrypoints.openai.common.limits import MAX_JSON_DEPTH
+
+# the bytes the depth depends on: quotes, brackets and the colons that end a key
+_KEPT = b'"[]{}:'
+_DROP = bytes(b for b in range(256) if b not in _KEPT)
+# byte -> +1 for an opening bracket, -1 for a closing one, 0 otherwise
+_BRACKETS = np.zeros(256, dtype=np.int8)
+_BRACKETS[[ord("["), ord("{")]] = 1
+_BRACKETS[[ord("]"), ord("}")]] = -1
+
+
+def body_too_deep(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Optional[str]:
+    """For a JSON body nested deeper than ``max_depth`` levels (the body's own object is
+    level 1): the top-level field the deep part is under ("" when it is not under one,
+    e.g. a top-level array); None when the body is within the bound. Invalid JSON is
+    measured the same way (the parser then reports it). C-speed passes only: escapes
+    dropped (``\\\\`` then ``\\"``), everything but quotes, brackets and colons
+    deleted, then numpy on what is left."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:  # cheap: cannot be that deep
+        return None
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    raw = np.frombuffer(unescaped.translate(None, _DROP), dtype=np.uint8)
+    quotes = raw == ord('"')
+    in_string = np.logical_xor.accumulate(quotes)  # a closing quote counts as inside
+    depth = np.cumsum(np.where(in_string, 0, _BRACKETS[raw]), dtype=np.int32)
+    past = np.flatnonzero(depth > max_depth)
+    if past.size == 0:
+        return None
+    pos = int(past[0])
+    colons = np.flatnonzero((raw[:pos] == ord(":")) & ~in_string[:pos] & (depth[:pos] == 1))
+    if colons.size == 0:
+        return ""
+    key_end = int(np.count_nonzero(quotes[:colons[-1]])) - 1  # the key's closing quote, counted
+    return _nth_string(unescaped, key_end)
+
+
+def _nth_string(unescaped: bytes, closing: int) -> str:
+    """The text between quote number ``closing - 1`` and ``closing`` (0-based) of the
+    unescaped body: a key, for the error message (its escapes dropped, cut to 128)."""
+    at = np.flatnonzero(np.frombuffer(unescaped, dtype=np.uint8) == ord('"'))
+    if closing < 1 or closing >= at.size:
+        return ""
+    return unescaped[at[closing - 1] + 1:at[closing]].decode("utf-8", "replace")[:128]
+
+
+def _is_json(headers: Headers) -> bool:
+    """JSON bodies and bodies without a content type (``/invocations`` clients); never
+    uploads (multipart audio) or forms."""
+    ctype = headers.get("content-type", "").lower()
+    return not ctype or "json" in ctype
+
+
+class JsonDepthMiddleware:
+    """Pure ASGI middleware: reads a JSON request body whole, answers 400 (OpenAI's error
+    body, ``param`` the top-level field, code 400) when it nests more than ``max_depth``
+    levels, else replays the body to the app unchanged (later messages, such as the
+    client's disconnect, pass through). The body size is bounded before this runs
+    (``BodyLimitMiddleware``, outside it)."""
+
+    def __init__(self, app: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+        self.app = app
+        self.max_depth = max_depth
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH") \
+                or not _is_json(Headers(scope=scope)):
+            return await self.app(scope, receive, send)
+        chunks, message = [], {"type": "http.request", "body": b"", "more_body": True}
+        while message["type"] == "http.request" and message.get("more_body", False):
+            message = await receive()
+            chunks.append(message.get("body", b""))
+        if message["type"] != "http.request":  # the client left mid-body: let the app see it
+            return await self.app(scope, _replay([message], receive), send)
+        body = b"".join(chunks)
+        field = body_too_deep(body, self.max_depth)
+        if field is not None:
+            return await _refuse(send, field, self.max_depth)
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
+                       send)
+
+
+def _replay(messages: list[dict], receive: Any) -> Any:
+    async def replayed() -> dict:
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+async def _refuse(send: Any, field: str, max_depth: int) -> None:
+    where = f"`{field}`" if field else "The request body"
+    err = make_error(f"{where} is nested too deeply: at most {max_depth} levels of JSON arrays and objects "
+                     "are accepted in a request body.", 400, field or None)
+    body = err.model_dump_json().encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
