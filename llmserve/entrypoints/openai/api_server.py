@@ -31,6 +31,8 @@ from fastapi.middleware.cors import CORSMiddleware
 import llmserve
 from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.gc_utils import freeze_gc_heap
+from llmserve.entrypoints.anthropic.api_router import ANTHROPIC_ERROR_SHAPE, register_anthropic_api_routers
+from llmserve.entrypoints.ollama.api_router import OLLAMA_ERROR_SHAPE, register_ollama_api_routers
 from llmserve.entrypoints.launcher import serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
@@ -44,6 +46,7 @@ from llmserve.entrypoints.openai.infill.api_router import register_infill_api_ro
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from llmserve.entrypoints.openai.error_shapes import ErrorShape, ErrorShapeMiddleware
+from llmserve.entrypoints.openai.json_depth import JsonDepthMiddleware
 from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_frontend_routes, configure_handlers,
                                                   fastapi_kwargs, uvicorn_kwargs)
 from llmserve.entrypoints.openai.openapi import install_openapi
@@ -95,11 +98,13 @@ API_ROUTER_REGISTRARS = (
     register_sagemaker_api_routers,
     register_score_api_routers,
     register_speech_to_text_api_routers,
+    register_anthropic_api_routers,
+    register_ollama_api_routers,
 )
 
 # The error bodies of the front doors that speak another API than OpenAI's (each
 # ErrorShape names its paths); every other path answers OpenAI's body.
-ERROR_SHAPES: tuple[ErrorShape, ...] = ()
+ERROR_SHAPES: tuple[ErrorShape, ...] = (ANTHROPIC_ERROR_SHAPE, OLLAMA_ERROR_SHAPE)
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
@@ -110,6 +115,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     for register in API_ROUTER_REGISTRARS:
         register(app)
     add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
+    app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
     install_exception_handlers(app)
     install_method_not_allowed_handler(app)  # 405: Allow lists every method of the path
