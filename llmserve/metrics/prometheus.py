@@ -144,6 +144,17 @@ class PrometheusStatLogger:
         self.counter_deadline = counter("request_deadline_exceeded",
                                         "Requests aborted at the deadline their X-Request-Timeout set.")
 
+        def server_gauge(name: str, doc: str) -> Any:
+            # One API server's own count: several (multiprocess mode) add up.
+            return child(Gauge(PREFIX + name, doc, labels, registry=r, multiprocess_mode="livesum"))
+
+        self.gauge_admission_receiving = server_gauge(
+            "admission_receiving_requests", "Requests whose body is still arriving (not yet seen by admission control).")
+        self.gauge_admission_waiting = server_gauge(
+            "admission_waiting_requests", "Requests admitted and not yet running in the engine (rendering or queued).")
+        self.gauge_admission_in_flight = server_gauge(
+            "admission_in_flight_requests", "Requests admitted whose response has not ended.")
+
     def _engine_view(self, engine_idx: int) -> "PrometheusStatLogger":
         """The same metrics under ``engine="<engine_idx>"`` (a data-parallel rank), made once."""
         view = self._engine_views.get(engine_idx)
@@ -217,6 +228,13 @@ class PrometheusStatLogger:
         """Count one request refused by admission control; ``reason`` is one of
         :data:`REJECTION_REASONS`."""
         self.counter_rejected[reason].inc()
+
+    def set_admission_queue(self, receiving: int, waiting: int, in_flight: int) -> None:
+        """The admission queue now (from the AdmissionController, on each change): bodies
+        arriving, admitted requests waiting, admitted requests in flight."""
+        self.gauge_admission_receiving.set(receiving)
+        self.gauge_admission_waiting.set(waiting)
+        self.gauge_admission_in_flight.set(in_flight)
 
     def record_deadline_exceeded(self) -> None:
         """Count one request aborted at its deadline."""

@@ -4,6 +4,7 @@ sleeps), and the middleware/routes over a scripted engine (429 body, Retry-After
 /health stall, rejection metrics)."""
 import argparse
 import asyncio
+import random
 import time
 from types import SimpleNamespace
 
@@ -117,38 +118,83 @@ def test_nothing_waiting_is_always_admitted_even_when_the_cache_is_full():
     assert c.admit() is None
 
 
-def test_predicted_queue_delay_bounds_the_wait_once_the_drain_rate_is_measured():
+def _finished(seconds: float, n: int = 1) -> IterationStats:
+    return IterationStats(finished_requests=[FinishedRequestStats("length", seconds, 10, 16, inference_time=seconds)
+                                             for _ in range(n)])
+
+
+def test_predicted_queue_delay_bounds_the_wait_from_the_time_in_the_batch():
     clock = Clock()
     c = AdmissionController(AdmissionConfig(64, 10.0, 1.0), block_size=16, max_num_seqs=4, clock=clock)
-    c.record(_stats(running=4), None)
-    c.in_flight = 4  # a full batch running: a new request would wait
-    # Nothing finished yet: no rate to predict from, only the count bound applies.
-    assert [c.admit() for _ in range(5)] == [None] * 5
-    clock.t += 10.0
-    for _ in range(30):  # 3 requests finish per second
-        c.drain.record()
-    c.in_flight = 4 + 2  # two waiting: the third would start in about 1 s: admitted
-    assert c.admit() is None
-    rej = c.admit()  # the fourth: 4 / 3 per s = 1.3 s > 1 s
+    c.record(_stats(running=4), _finished(2.0, n=4))  # 2 s in the batch: 4 slots drain 2 per second
+    assert c.drain_rate() == pytest.approx(2.0)
+    c.in_flight = 4  # a full batch: the next waits about 0.5 s, the one after 1 s
+    assert c.admit() is None and c.admit() is None
+    rej = c.admit()  # the third waiting: 3 / 2 per s = 1.5 s > 1 s
     assert (rej.reason, rej.status) == ("queue_delay", 429) and "--max-queue-delay 1" in rej.message
     assert rej.retry_after >= 1
-    c.record(_stats(running=4), None)
-    c.in_flight = 3  # a free slot and nobody waiting: admitted whatever the rate
+    c.in_flight = 3  # a free slot: admitted whatever the rate
     assert c.admit() is None
+    c.in_flight = 2
+    c.record(_stats(running=2, waiting=3), None)  # n > 1 requests: the engine's own queue counts
+    assert c.admit().reason == "queue_delay"
     off = AdmissionController(AdmissionConfig(64, 10.0, 0.0), max_num_seqs=4, clock=clock)
-    off.record(_stats(running=4), None)
-    off.drain.record()
     off.in_flight = 40
     assert off.admit() is None  # 0: only the count bound
-    pooling = AdmissionController(AdmissionConfig(64, 10.0, 1.0), max_num_seqs=4, clock=clock)
-    pooling.drain.record()
-    pooling.in_flight = 32  # in flight but never "running" between steps (pooling): not refused for delay
-    assert pooling.admit() is None
     unbounded = AdmissionController(AdmissionConfig(-1, 10.0, 1.0), max_num_seqs=4, clock=clock)
-    unbounded.record(_stats(running=4), None)
-    unbounded.drain.record()
     unbounded.in_flight = 400
     assert unbounded.admit() is None  # -1 stays vLLM's unbounded queue
+    encoder = AdmissionController(AdmissionConfig(64, 10.0, 1.0), max_num_seqs=4, clock=clock, uses_kv_cache=False)
+    encoder.in_flight = 32  # pooling finishes within the step that runs it: no delay refusal
+    assert encoder.admit() is None
+
+
+def test_a_cold_burst_is_bounded_before_any_request_has_finished():
+    c = AdmissionController(AdmissionConfig(256, 10.0, 1.0), max_num_seqs=128, clock=Clock())
+    results = [c.admit() for _ in range(400)]  # the engine has not stepped yet
+    assert results[:128] == [None] * 128  # the free slots of the batch
+    assert all(r.reason == "queue_delay" and r.retry_after == 1 for r in results[128:])  # not 256 admitted
+    assert "no request has finished yet" in results[-1].message
+
+
+def test_a_full_batch_that_flickers_between_steps_still_bounds_the_delay():
+    c = AdmissionController(AdmissionConfig(256, 10.0, 1.0), max_num_seqs=128, clock=Clock())
+    c.record(_stats(running=128), _finished(4.0))  # 32 per second
+    c.in_flight = 128 + 40
+    c.record(_stats(running=127), _finished(4.0))  # one finished; the next step refills the batch
+    assert c.admit().reason == "queue_delay"  # 41 ahead / 32 per s > 1 s, whatever the snapshot says
+
+
+def test_simulated_overload_keeps_every_admitted_wait_near_the_bound():
+    """A closed loop of 256 clients (a refused one retries after Retry-After) against a
+    128-slot batch whose requests take 1-3 s, stepped every 0.1 s on a fake clock; the
+    stats arrive after each step's finishes (the batch looks short of full until the next
+    step refills it). Every admitted request starts within the bound (1 s), the cold
+    start included."""
+    rnd = random.Random(0)
+    clock = Clock()
+    c = AdmissionController(AdmissionConfig(256, 100.0, 1.0), max_num_seqs=128, clock=clock)
+    queue, running, waits, idle_until = [], [], [], [0.0] * 256
+    for _ in range(400):
+        clock.t += 0.1
+        for i in range(256):
+            if idle_until[i] <= clock.t:
+                rej = c.admit()
+                idle_until[i] = float("inf") if rej is None else clock.t + rej.retry_after
+                if rej is None:
+                    queue.append(clock.t)
+        done = [(end, took) for end, took in running if end <= clock.t]
+        running = [(end, took) for end, took in running if end > clock.t]
+        c.record(_stats(running=len(running), waiting=len(queue)),
+                 IterationStats(finished_requests=[_finished(took).finished_requests[0] for _, took in done]))
+        for _ in done:
+            c.release()
+            idle_until[idle_until.index(float("inf"))] = clock.t  # one waiting client goes again
+        while queue and len(running) < 128:
+            waits.append(clock.t - queue.pop(0))
+            took = 1.0 + 2.0 * rnd.random()
+            running.append((clock.t + took, took))
+    assert len(waits) > 1000 and max(waits) <= 1.0 + 0.1  # the bound, plus one step
 
 
 def test_retry_after_follows_the_measured_drain_rate():

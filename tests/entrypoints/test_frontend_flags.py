@@ -110,11 +110,14 @@ def test_uvicorn_kwargs_of_ssl_uds_and_h11(tmp_path):
     kw = uvicorn_kwargs(_args())
     assert kw.pop("timeout_keep_alive") == 5.0 and kw.pop("http").__name__ == "HeaderTimeoutH11Protocol"
     assert kw == {}
-    assert uvicorn_kwargs(_args("--timeout-request-headers", "0", "--timeout-keep-alive", "2")) == {
-        "timeout_keep_alive": 2.0}
+    assert uvicorn_kwargs(_args("--timeout-request-headers", "0", "--timeout-keep-alive", "2",
+                                "--max-connections-per-client", "0")) == {"timeout_keep_alive": 2.0}
+    # the per-address connection bound alone also needs the protocol
+    assert uvicorn_kwargs(_args("--timeout-request-headers", "0"))["http"].__name__ == "HeaderTimeoutH11Protocol"
     kw = uvicorn_kwargs(_args("--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-ca-certs", "ca.pem",
                               "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED)), "--uds", str(tmp_path / "s.sock"),
-                              "--h11-max-incomplete-event-size", "1000", "--timeout-request-headers", "0"))
+                              "--h11-max-incomplete-event-size", "1000", "--timeout-request-headers", "0",
+                              "--max-connections-per-client", "0"))
     assert kw == {"ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
                   "ssl_cert_reqs": int(ssl.CERT_REQUIRED), "uds": str(tmp_path / "s.sock"), "http": "h11",
                   "h11_max_incomplete_event_size": 1000, "timeout_keep_alive": 5.0}

@@ -3,14 +3,24 @@ whose waiting queue is unbounded: a burst there only makes every request slower)
 
 Each POST to a generation or pooling route (vLLM's load-aware routes,
 :data:`~llmserve.entrypoints.openai.server_load.TRACKED_PATHS`) passes
-:class:`AdmissionMiddleware` before its body is parsed or its prompt rendered. The
-:class:`AdmissionController` admits it unless
+:class:`AdmissionMiddleware` once its whole body has arrived (the outer
+:class:`~llmserve.entrypoints.openai.http_edges.BodyLimitMiddleware` receives it within a
+deadline first, so a client that never finishes its body holds no waiting slot), before
+the body is parsed or its prompt rendered. The :class:`AdmissionController` admits it
+unless
 
 - ``queue_full`` (429): the requests waiting (admitted, not running in the engine) reach
   ``--max-waiting-requests``;
-- ``queue_delay`` (429): the running batch is full, and the new request's predicted wait (its place
-  in the queue over the measured drain rate) exceeds ``--max-queue-delay``: the count
-  bound alone let a waiting request wait about one request lifetime;
+- ``queue_delay`` (429): the new request would wait for a batch slot (the admitted
+  requests fill ``max_num_seqs``, or the engine has a queue) and its predicted wait (its
+  place in the queue over the predicted drain rate) exceeds ``--max-queue-delay``. The
+  drain rate of a full batch is ``max_num_seqs`` over the time a request spends in it
+  (Little's law; an average of finished requests' inference time). Until a request has
+  finished (a cold start) nothing says when a slot frees, and a cold batch frees none
+  before its shortest request ends: a new request is then admitted only into a free
+  slot, so a cold burst is bounded by the batch, not by ``--max-waiting-requests``. Our own count of admitted
+  requests decides "full", not the engine's running count, which dips below full between
+  steps whenever a request finishes;
 - ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
   waiting requests will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
@@ -25,6 +35,11 @@ batch of engine outputs (each carries the scheduler's stats) marks progress. ``/
 answers 503 once the engine has made no progress for ``--engine-stall-timeout`` seconds
 while work is in flight; ``/ready`` answers 503 while the server starts, drains, is over
 its admission limit, or the engine is dead or stalled.
+
+``/metrics`` shows the admission queue: ``vllm:admission_receiving_requests`` (bodies
+still arriving: not yet counted by admission), ``vllm:admission_waiting_requests``
+(admitted, not running) and ``vllm:admission_in_flight_requests`` (admitted, response not
+ended).
 """
 from __future__ import annotations
 
@@ -143,6 +158,8 @@ class AdmissionController:
         self.in_flight = 0  # admitted requests whose response has not ended
         self.stats = SchedulerStats()  # the latest, from the engine
         self.blocks_per_request = _DEFAULT_BLOCKS_PER_REQUEST
+        self.service_s: Optional[float] = None  # mean seconds a finished request spent in the batch
+        self.receiving = 0  # request bodies still arriving (BodyLimitMiddleware): not yet admitted
         self.last_progress = clock()  # last engine output, or when work began after idling
 
     # ---- stat logger (called by AsyncLLM's output handler after each batch) -----------
@@ -154,11 +171,23 @@ class AdmissionController:
         if scheduler_stats is not None:
             self.last_progress = self.clock()
             self.stats = scheduler_stats
+            self._report()
         if iteration_stats is not None:
             for fin in iteration_stats.finished_requests:
                 tokens = fin.num_prompt_tokens + fin.num_generation_tokens
                 blocks = max(1, -(-tokens // self.block_size))
                 self.blocks_per_request += _EWMA_WEIGHT * (blocks - self.blocks_per_request)
+                self._record_service(fin)
+
+    def _record_service(self, fin: Any) -> None:
+        """The time ``fin`` spent in the batch (scheduled -> last token) joins the average."""
+        seconds = fin.inference_time or max(0.0, fin.e2e_latency - fin.queued_time)
+        if seconds <= 0:
+            return  # never scheduled (aborted in the queue): says nothing about the batch
+        if self.service_s is None:
+            self.service_s = seconds
+        else:
+            self.service_s += _EWMA_WEIGHT * (seconds - self.service_s)
 
     def log(self) -> None:
         """Stat-logger hook (nothing to log)."""
@@ -189,16 +218,14 @@ class AdmissionController:
                              f"The server is overloaded: {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}). Retry later.")
         bound = self.config.max_queue_delay
-        if limit >= 0 and bound > 0 and self.stats.num_running_reqs >= self.max_num_seqs:
-            # Only while the running batch is full: a new request then waits for a slot, its
-            # place in the queue over the drain rate. (Pooling requests finish within the
-            # step that runs them, so they never fill the batch and this never refuses them.)
-            rate = self.drain.rate()
-            if rate > 0 and (waiting + 1) / rate > bound:
-                return Rejection("queue_delay", 429, self.drain.retry_after(waiting),
-                                 f"The server is overloaded: a new request would wait about "
-                                 f"{(waiting + 1) / rate:.1f} s to start (--max-queue-delay {bound:g}). "
-                                 "Retry later.")
+        delay = self.predicted_delay()
+        if limit >= 0 and bound > 0 and delay > bound:
+            # Retry once the excess has drained: the request would then wait about the bound.
+            retry = int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(delay - bound)))) if math.isfinite(delay) else 1
+            wait = (f"would wait about {delay:.1f} s to start" if math.isfinite(delay) else
+                    "would wait for a slot, and no request has finished yet to predict how long")
+            return Rejection("queue_delay", 429, retry, f"The server is overloaded: a new request {wait} "
+                                                        f"(--max-queue-delay {bound:g}). Retry later.")
         total = self.stats.num_total_blocks
         need = self.stats.num_used_blocks + (waiting + 1) * self.blocks_per_request
         if limit >= 0 and self.uses_kv_cache and waiting > 0 and total > 0 and need > total:
@@ -206,6 +233,33 @@ class AdmissionController:
                              f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
                              f"{waiting} waiting requests. Retry later.")
         return None
+
+    def drain_rate(self) -> float:
+        """Requests per second a full batch is predicted to finish: ``max_num_seqs`` over
+        the average time in the batch, or the measured finish rate when that is higher
+        (stats off: no times); 0.0 until a request has finished (a cold start)."""
+        little = self.max_num_seqs / max(self.service_s, 1e-3) if self.service_s is not None else 0.0
+        return max(little, self.drain.rate())
+
+    def predicted_delay(self) -> float:
+        """Seconds a request admitted now would wait for a batch slot (0: one is free).
+        The requests ahead of it: admitted ones beyond ``max_num_seqs`` or the engine's
+        own queue (requests with n > 1 fill several slots), whichever is more. An encoder
+        (pooling: each finishes within the step that runs it) never waits long: 0."""
+        ahead = max(self.in_flight - self.max_num_seqs, self.stats.num_waiting_reqs)
+        if not self.uses_kv_cache or (ahead <= 0 and self.in_flight < self.max_num_seqs):
+            return 0.0
+        rate = self.drain_rate()
+        return (max(ahead, 0) + 1) / rate if rate > 0 else math.inf
+
+    def body_receiving(self, delta: int) -> None:
+        """A request body began (+1) or stopped (-1) arriving (BodyLimitMiddleware)."""
+        self.receiving += delta
+        self._report()
+
+    def _report(self) -> None:
+        if self.stat_logger is not None and hasattr(self.stat_logger, "set_admission_queue"):
+            self.stat_logger.set_admission_queue(self.receiving, self.num_waiting, self.in_flight)
 
     def admit(self) -> Optional[Rejection]:
         """Admit a request (None) or return why not; a refusal is counted in /metrics.
@@ -218,12 +272,14 @@ class AdmissionController:
         if not self._engine_busy():
             self.last_progress = self.clock()  # the stall clock starts with the work
         self.in_flight += 1
+        self._report()
         return None
 
     def release(self) -> None:
         """An admitted request's response ended (any way): it counts toward the drain rate."""
         self.in_flight -= 1
         self.drain.record()
+        self._report()
 
     def deadline_exceeded(self) -> None:
         """A request was aborted at its deadline (counted in /metrics)."""
@@ -243,7 +299,8 @@ class AdmissionController:
 
 class AdmissionMiddleware:
     """Pure ASGI middleware: admission and the ``X-Request-Timeout`` deadline for POSTs
-    to :data:`TRACKED_PATHS`, before the body is read. A refusal answers 429/503 with
+    to :data:`TRACKED_PATHS`, once the body has arrived (BodyLimitMiddleware, outside
+    this one, receives it whole first) and before it is parsed. A refusal answers 429/503 with
     ``Retry-After``; a bad header 400; otherwise the deadline is set for the handler and
     the request is released when its response (streamed or not) ends. The controller is
     ``state.admission`` (set by ``init_app_state``); without one requests pass."""

@@ -26,8 +26,10 @@ from llmserve.entrypoints.openai.chat_completion.tool_args import configure_tool
 from llmserve import envs
 from llmserve.entrypoints.openai.common.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from llmserve.entrypoints.openai.common.usage import UsageOptions
-from llmserve.entrypoints.openai.http_edges import (BodyLimitMiddleware, EdgeGuardMiddleware,
-                                                    h11_protocol_with_header_timeout)
+from llmserve.entrypoints.openai.http_edges import (BODY_RATE_GRACE_S, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                                                    DEFAULT_MAX_REQUEST_BODIES_PER_CLIENT,
+                                                    DEFAULT_MIN_REQUEST_BODY_RATE, BodyLimitMiddleware,
+                                                    EdgeGuardMiddleware, h11_protocol_with_header_timeout)
 from llmserve.entrypoints.openai.logprobs import TokenFormatter
 from llmserve.entrypoints.openai.server_load import register_server_load_api_routers
 from llmserve.entrypoints.openai.tokenize.tokenizer_info import register_tokenizer_info_api_router
@@ -116,13 +118,25 @@ def add_http_edge_args(group: argparse._ArgumentGroup) -> None:
                        help="Seconds a connection may take to send a request's headers (from connecting, or "
                             "from its first byte after a response) before it gets 408 and is closed (0: never).")
     group.add_argument("--timeout-request-body", type=float, default=30.0,
-                       help="Seconds the server waits for the next part of an unfinished request body before "
-                            "answering 408 (0: forever).")
+                       help="Seconds from a request's headers to the last byte of its body: a body not complete "
+                            "by then gets 408 and the connection is closed (a deadline for the whole body, not "
+                            "for each read; 0: none).")
+    group.add_argument("--min-request-body-rate", type=float, default=DEFAULT_MIN_REQUEST_BODY_RATE,
+                       help="Bytes per second a request body must average once its first "
+                            f"{BODY_RATE_GRACE_S:g} s have passed, else 408 and the connection is closed (Apache "
+                            "mod_reqtimeout's MinRate; 0: no floor).")
+    group.add_argument("--max-request-bodies-per-client", type=int, default=DEFAULT_MAX_REQUEST_BODIES_PER_CLIENT,
+                       help="Unfinished request bodies one client address may have at once; one more cuts that "
+                            "address's longest-unfinished body with 429 (0: no bound).")
+    group.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                       help="Open connections one client address may hold; one more gets 429 with Retry-After and "
+                            "is closed (nginx's limit_conn; 0: no bound).")
 
 
 def check_http_edge_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for a negative limit or timeout."""
-    for name in ("max_request_body_bytes", "max_audio_file_bytes", "timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
+    for name in ("max_request_body_bytes", "max_audio_file_bytes", "timeout_keep_alive", "timeout_request_headers", "timeout_request_body",
+                 "min_request_body_rate", "max_request_bodies_per_client", "max_connections_per_client"):
         value = getattr(args, name, 0)
         if value is not None and value < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
@@ -134,6 +148,9 @@ def add_edge_middleware(app: FastAPI, args: argparse.Namespace) -> None:
     app.add_middleware(BodyLimitMiddleware,
                        max_body_bytes=int(getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)),
                        body_timeout_s=float(getattr(args, "timeout_request_body", 0.0) or 0.0),
+                       min_body_rate=float(getattr(args, "min_request_body_rate", 0.0) or 0.0),
+                       max_bodies_per_client=int(getattr(args, "max_request_bodies_per_client", 0) or 0),
+                       state=app.state,  # its admission controller counts the bodies being received
                        # An audio upload may reach --max-audio-file-bytes (+ 1 MiB of form fields).
                        path_limits={"/v1/audio/": int(getattr(args, "max_audio_file_bytes", 0) or 0) + (1 << 20)})
     app.add_middleware(EdgeGuardMiddleware)
@@ -142,9 +159,12 @@ def add_edge_middleware(app: FastAPI, args: argparse.Namespace) -> None:
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``uvicorn.Config`` arguments of the flags (only those that were set)."""
     kwargs: dict[str, Any] = {"timeout_keep_alive": getattr(args, "timeout_keep_alive", 5)}
-    if getattr(args, "timeout_request_headers", 0):
-        # uvicorn's h11 protocol plus a header deadline (httptools, when installed, would not have it)
-        kwargs["http"] = h11_protocol_with_header_timeout(args.timeout_request_headers)
+    per_client = int(getattr(args, "max_connections_per_client", 0) or 0)
+    if getattr(args, "timeout_request_headers", 0) or per_client:
+        # uvicorn's h11 protocol plus a header deadline and a per-address connection bound
+        # (httptools, when installed, would have neither)
+        kwargs["http"] = h11_protocol_with_header_timeout(float(getattr(args, "timeout_request_headers", 0) or 0),
+                                                          per_client)
     if getattr(args, "uds", None):
         kwargs["uds"] = args.uds
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):

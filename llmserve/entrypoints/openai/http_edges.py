@@ -2,24 +2,37 @@
 JSON answer (the OpenAI error body, with the X-Request-Id) for every way a request can
 end badly.
 
-- :class:`BodyLimitMiddleware`: ``--max-request-body-bytes`` (413 before the body is
-  read when Content-Length says so, else as soon as the streamed bytes pass it) and
-  ``--timeout-request-body`` (408 when the client stops sending its body). Starlette's
-  own ``RequestBodyLimitMiddleware`` answers in plain text and only once the route reads
-  the body; this one answers in JSON before any route runs.
+- :class:`BodyLimitMiddleware`: reads every request body whole before any route (or
+  admission control) sees the request, then replays it: ``--max-request-body-bytes`` (413
+  before the body is read when Content-Length says so, else as soon as the streamed bytes
+  pass it); ``--timeout-request-body`` (408 unless the whole body has arrived that many
+  seconds after the headers: a deadline for the body, not for each read, so a one-byte
+  drip cannot hold a connection); ``--min-request-body-rate`` (408 for a body slower than
+  that many bytes per second after a short grace); ``--max-request-bodies-per-client``
+  (unfinished bodies one client address may have; past it, the longest-unfinished one is
+  cut with 429). Starlette's own ``RequestBodyLimitMiddleware`` answers in plain text and
+  only once the route reads the body; this one answers in JSON before any route runs.
 - :class:`EdgeGuardMiddleware`: whatever escapes the app (an error, the cancellation of
   a request cut by the end of a graceful shutdown, a client that went away) ends as a
   JSON response when none was started, without uvicorn's plain-text 500 and traceback.
 - :func:`h11_protocol_with_header_timeout`: uvicorn's h11 protocol that closes, with a
   JSON 408, a connection whose request headers are not complete within
-  ``--timeout-request-headers`` (uvicorn only times out idle keep-alive connections).
+  ``--timeout-request-headers`` (uvicorn only times out idle keep-alive connections), and
+  refuses, with a JSON 429, a connection beyond ``--max-connections-per-client`` open
+  connections from one client address.
+
+These limits follow Apache's mod_reqtimeout (``RequestReadTimeout body=20,MinRate=500``)
+and nginx's ``limit_conn`` (connections per address); vLLM leaves them to a proxy.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 import uuid
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -42,11 +55,27 @@ class RequestBodyTooLarge(HTTPException):
 
 
 class RequestBodyTimeout(HTTPException):
-    """408: the client sent no part of its body for ``--timeout-request-body`` seconds."""
+    """408: the whole body did not arrive within ``--timeout-request-body`` seconds."""
 
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"The request body was not received: no data for {timeout_s:g} s "
+        super().__init__(408, f"The request body was not received within {timeout_s:g} s of its headers "
                               f"(--timeout-request-body).", headers=dict(_CLOSE))
+
+
+# Seconds a body may send nothing before --min-request-body-rate applies (a slow start,
+# a lost first segment); the whole-body deadline still bounds it.
+BODY_RATE_GRACE_S = 2.0
+DEFAULT_MIN_REQUEST_BODY_RATE = 500.0  # bytes/s: Apache mod_reqtimeout's default MinRate
+DEFAULT_MAX_REQUEST_BODIES_PER_CLIENT = 64  # unfinished bodies of one client address
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 512  # open connections of one client address
+
+
+class _BodyCut(Exception):
+    """A body the middleware stops reading: the answer's status, message and headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
 
 
 async def send_error(send: Any, status: int, message: str, *, param: Optional[str] = None,
@@ -59,55 +88,176 @@ async def send_error(send: Any, status: int, message: str, *, param: Optional[st
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyLimitMiddleware:
-    """Pure ASGI middleware bounding the request body.
+@dataclass(eq=False)
+class _Body:
+    """One request body being received: when it began, bytes so far, and a future a
+    newer body of the same client sets to cut this one (the per-client limit)."""
 
-    max_body_bytes: the most body bytes (0: no limit). A Content-Length above it gets a
-    413 at once (the body is never read); a chunked body is counted as it streams in and
-    the read that passes the limit raises :class:`RequestBodyTooLarge` (FastAPI answers
-    it through the app's HTTPException handler, so with the OpenAI body).
-    body_timeout_s: the longest wait for the next part of an unfinished body (0: none);
-    past it, :class:`RequestBodyTimeout` (408).
+    started: float
+    received: int = 0
+    cut: Optional[asyncio.Future] = field(default=None)
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware that receives each request body whole, within bounds, before
+    the app sees the request, then replays the received messages to it (so admission
+    control counts a request only once its body has arrived: an unfinished body holds no
+    waiting slot). Requests without a body (no Content-Length, no Transfer-Encoding) pass
+    as they are.
+
+    max_body_bytes: the most body bytes (0: no limit); a Content-Length above it gets a
+      413 at once (the body is never read), a streamed body the 413 when it passes it.
+    body_timeout_s: seconds from the headers to the body's last byte (0: no deadline);
+      past it, 408.
+    min_body_rate: bytes per second the body must average once ``BODY_RATE_GRACE_S``
+      has passed (0: no floor); below it, 408.
+    max_bodies_per_client: unfinished bodies one client address may have (0: no bound);
+      a new one past it cuts that address's longest-unfinished body with 429 (an honest
+      client's body arrives in milliseconds, so it is the drips that are cut, even when
+      every client shares one address behind a proxy).
+    path_limits: path prefix -> its own body limit (the audio uploads).
+    state: the app state; its ``admission`` controller (when set) counts the bodies
+      being received, for /metrics.
+    Every refusal is the OpenAI error body with ``Connection: close`` (the rest of the
+    body is never read).
     """
 
     def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = 0.0,
-                 path_limits: Optional[dict[str, int]] = None) -> None:
+                 path_limits: Optional[dict[str, int]] = None, min_body_rate: float = 0.0,
+                 max_bodies_per_client: int = 0, state: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.min_body_rate = min_body_rate
+        self.max_bodies_per_client = max_bodies_per_client
         # Path prefix -> its own limit (the audio uploads: --max-audio-file-bytes + form).
         self.path_limits = path_limits or {}
+        self.state = state
+        self.clock = clock
+        # Client address -> its unfinished bodies, oldest first (dicts keep insertion order).
+        self.receiving: dict[str, dict[_Body, None]] = collections.defaultdict(dict)
+
+    def _limit(self, scope: dict) -> int:
+        limit = self.max_body_bytes
+        if limit and self.path_limits:
+            path = scope.get("path", "")
+            limit = next((max(limit, v) for p, v in self.path_limits.items() if path.startswith(p)), limit)
+        return limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit, timeout = self.max_body_bytes, self.body_timeout_s
-        if limit and self.path_limits:
-            path = scope.get("path", "")
-            limit = next((max(limit, v) for p, v in self.path_limits.items() if path.startswith(p)), limit)
-        length = Headers(scope=scope).get("content-length")
+        limit = self._limit(scope)
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
         if limit and length is not None and length.isdigit() and int(length) > limit:
             return await send_error(send, 413, str(RequestBodyTooLarge(limit).detail), headers=_CLOSE)
-        received, done = 0, False
+        if (length is None or length == "0") and "transfer-encoding" not in headers:
+            return await self.app(scope, receive, send)  # no body to wait for
+        try:
+            messages = await self._receive_body(scope, receive, limit)
+        except _BodyCut as cut:
+            return await send_error(send, cut.status, cut.message, headers=cut.headers)
+        if messages is None:
+            return  # the client went away before its body ended: nobody to answer
+        await self.app(scope, _replay(messages, receive), send)
 
-        async def bounded_receive() -> dict:
-            nonlocal received, done
-            if done:  # body complete: later receives wait for the disconnect, unbounded
-                return await receive()
-            try:
-                message = await (asyncio.wait_for(receive(), timeout) if timeout else receive())
-            except asyncio.TimeoutError:
-                raise RequestBodyTimeout(timeout) from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if limit and received > limit:
-                    raise RequestBodyTooLarge(limit)
-                done = not message.get("more_body", False)
-            else:
-                done = True
-            return message
+    async def _receive_body(self, scope: dict, receive: Any, limit: int) -> Optional[list[dict]]:
+        """The body's messages, once the last has arrived; None when the client
+        disconnected first. Raises _BodyCut for a body over a bound."""
+        client = (scope.get("client") or ("", 0))[0] or ""
+        body = _Body(self.clock())
+        self._register(client, body)
+        try:
+            messages: list[dict] = []
+            while True:
+                message = await self._next(receive, body)
+                if message["type"] != "http.request":
+                    return None
+                body.received += len(message.get("body", b""))
+                if limit and body.received > limit:
+                    raise _BodyCut(413, str(RequestBodyTooLarge(limit).detail), dict(_CLOSE))
+                messages.append(message)
+                if not message.get("more_body", False):
+                    return messages
+        finally:
+            self._unregister(client, body)
 
-        await self.app(scope, bounded_receive, send)
+    async def _next(self, receive: Any, body: _Body) -> dict:
+        """The next message, or _BodyCut at the deadline, the rate floor or a cut."""
+        wait = self._wait_s(body)
+        if body.cut is None and wait is None:
+            return await receive()
+        task = asyncio.ensure_future(receive())
+        waiters = {task} if body.cut is None else {task, body.cut}
+        done, _ = await asyncio.wait(waiters, timeout=None if wait is None else max(wait, 0.0),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        if body.cut is not None and body.cut.done():
+            raise body.cut.result()
+        raise self._too_slow(body)
+
+    def _wait_s(self, body: _Body) -> Optional[float]:
+        """Seconds until the body's deadline or its rate floor, whichever is first."""
+        ends = []
+        if self.body_timeout_s:
+            ends.append(body.started + self.body_timeout_s)
+        if self.min_body_rate:
+            ends.append(body.started + BODY_RATE_GRACE_S + body.received / self.min_body_rate)
+        return min(ends) - self.clock() if ends else None
+
+    def _too_slow(self, body: _Body) -> _BodyCut:
+        elapsed = self.clock() - body.started
+        rate_end = (BODY_RATE_GRACE_S + body.received / self.min_body_rate) if self.min_body_rate else None
+        if self.body_timeout_s and (rate_end is None or self.body_timeout_s <= rate_end):
+            return _BodyCut(408, str(RequestBodyTimeout(self.body_timeout_s).detail), dict(_CLOSE))
+        return _BodyCut(408, f"The request body arrived slower than {self.min_body_rate:g} bytes/s "
+                             f"(--min-request-body-rate): {body.received} bytes in {elapsed:.1f} s.", dict(_CLOSE))
+
+    def _register(self, client: str, body: _Body) -> None:
+        bodies = self.receiving[client]
+        bodies[body] = None
+        limit = self.max_bodies_per_client
+        if limit:
+            body.cut = asyncio.get_running_loop().create_future()
+            if len(bodies) > limit:
+                oldest = next(iter(bodies))  # the longest-unfinished: never this new one
+                if oldest.cut is not None and not oldest.cut.done():
+                    oldest.cut.set_result(_BodyCut(
+                        429, f"Too many unfinished request bodies from this client address (more than {limit}, "
+                             f"--max-request-bodies-per-client); the slowest was cut.",
+                        {**_CLOSE, "Retry-After": "1"}))
+                bodies.pop(oldest, None)  # cut: no longer counts against the new ones
+        self._report(+1)
+
+    def _unregister(self, client: str, body: _Body) -> None:
+        bodies = self.receiving.get(client)
+        if bodies is not None:
+            bodies.pop(body, None)  # already gone when it was cut for a newer one
+            if not bodies:
+                del self.receiving[client]
+        self._report(-1)
+
+    def _report(self, delta: int) -> None:
+        controller = getattr(self.state, "admission", None) if self.state is not None else None
+        if controller is not None:
+            controller.body_receiving(delta)
+
+
+def _replay(messages: list[dict], receive: Any) -> Any:
+    """A ``receive`` that returns the buffered body messages, then the real ones (the
+    disconnect a streaming route waits for)."""
+    pending = collections.deque(messages)
+
+    async def replay() -> dict:
+        if pending:
+            return pending.popleft()
+        return await receive()
+
+    return replay
 
 
 class EdgeGuardMiddleware:
@@ -158,30 +308,48 @@ class EdgeGuardMiddleware:
             await send_error(send, status, body.error.message, param=body.error.param)
 
 
-def _timeout_response(timeout_s: float) -> bytes:
-    body = make_error(f"The request headers were not received within {timeout_s:g} s "
-                      f"(--timeout-request-headers).", 408).model_dump_json().encode()
-    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"x-request-id: {uuid.uuid4().hex}\r\nconnection: close\r\n\r\n")
+def _raw_error(status: int, reason: str, message: str, extra: str = "") -> bytes:
+    """A whole HTTP/1.1 error response (the OpenAI body) that closes the connection."""
+    body = make_error(message, status).model_dump_json().encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"x-request-id: {uuid.uuid4().hex}\r\n{extra}connection: close\r\n\r\n")
     return head.encode() + body
 
 
-def h11_protocol_with_header_timeout(header_timeout_s: float) -> type:
+def _timeout_response(timeout_s: float) -> bytes:
+    return _raw_error(408, "Request Timeout", f"The request headers were not received within {timeout_s:g} s "
+                                              f"(--timeout-request-headers).")
+
+
+def _too_many_connections_response(limit: int) -> bytes:
+    return _raw_error(429, "Too Many Requests", f"Too many open connections from this client address (at most "
+                                                f"{limit}, --max-connections-per-client). Retry later.",
+                      "retry-after: 1\r\n")
+
+
+def h11_protocol_with_header_timeout(header_timeout_s: float, max_connections_per_client: int = 0) -> type:
     """uvicorn's H11Protocol whose connections must complete each request's headers
     within ``header_timeout_s`` seconds of connecting (or of the previous response), else
     they get a JSON 408 and are closed: a client that connects and sends nothing, or
-    half a header block, does not hold a connection forever. Idle keep-alive connections
-    keep uvicorn's own ``timeout_keep_alive``."""
+    half a header block, does not hold a connection forever (0: no header deadline).
+    Idle keep-alive connections keep uvicorn's own ``timeout_keep_alive``.
+    ``max_connections_per_client``: open connections one client address may hold (0: no
+    bound, nginx's ``limit_conn``); one more gets a JSON 429 with ``Retry-After`` and is
+    closed. The counts live in this class (one per server), not in a module global."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    open_by_client: collections.Counter = collections.Counter()
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer: Optional[asyncio.TimerHandle] = None
+        _client_key: Optional[str] = None  # the address this connection counts against
+        open_connections = open_by_client  # client address -> open connections (for tests)
 
         def _waiting_for_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
         def _arm(self) -> None:
-            if self._header_timer is None:
+            if self._header_timer is None and header_timeout_s:
                 self._header_timer = self.loop.call_later(header_timeout_s, self._on_header_timeout)
 
         def _disarm(self) -> None:
@@ -197,9 +365,19 @@ def h11_protocol_with_header_timeout(header_timeout_s: float) -> type:
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if max_connections_per_client:
+                key = (self.client or ("", 0))[0] or ""
+                if open_by_client[key] >= max_connections_per_client:
+                    transport.write(_too_many_connections_response(max_connections_per_client))
+                    transport.close()
+                    return
+                self._client_key = key
+                open_by_client[key] += 1
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._client_key is None and max_connections_per_client:
+                return  # refused at connect: its bytes are never parsed
             super().data_received(data)
             if self._waiting_for_headers():
                 self._arm()  # part of the next request's headers: its clock runs
@@ -212,6 +390,11 @@ def h11_protocol_with_header_timeout(header_timeout_s: float) -> type:
 
         def connection_lost(self, exc: Optional[Exception]) -> None:
             self._disarm()
+            if self._client_key is not None:
+                open_by_client[self._client_key] -= 1
+                if open_by_client[self._client_key] <= 0:
+                    del open_by_client[self._client_key]
+                self._client_key = None
             super().connection_lost(exc)
 
     return HeaderTimeoutH11Protocol
