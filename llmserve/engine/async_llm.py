@@ -377,7 +377,10 @@ class AsyncLLM(EngineClient):
                 finished = out.finished
                 yield out
         except (asyncio.CancelledError, GeneratorExit):
-            if collector is not None:
+            # A caller that went away while add_request was still sending (its only await,
+            # after the request was registered) has no collector yet, but its request may
+            # already be queued in the engine: abort it too, so it is never prefilled.
+            if collector is not None or not streaming:
                 await self.abort(request_id, internal=True)
             raise
         except EngineDeadError:
