@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llmserve.config import (CacheConfig, CompilationMode, ModelConfig, ObservabilityConfig, ParallelConfig,
                              RestartConfig, SchedulerConfig, VllmConfig, resolve_dtype)
+from llmserve.engine_defaults import DEFAULT_KV_CACHE_BYTES, UsageContext, default_batching, parse_bytes
 
 if TYPE_CHECKING:
-    from llmserve.engine_args import EngineArgs, UsageContext
+    from llmserve.engine_args import EngineArgs
     from llmserve.model_loader import ResolvedModel
 
 logger = logging.getLogger(__name__)
@@ -190,15 +191,13 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
 
 
 def _cache_config(args: "EngineArgs", encoder_decoder: bool = False) -> CacheConfig:
-    from llmserve.engine_args import _DEFAULT_KV_CACHE_BYTES, parse_bytes
-
     if args.kv_cache_memory is not None and args.kv_cache_memory_bytes is not None:
         raise ValueError("kv_cache_memory and kv_cache_memory_bytes both set; give one")
     kv_bytes = parse_bytes(args.kv_cache_memory)
     if kv_bytes is None:
         kv_bytes = args.kv_cache_memory_bytes
     return CacheConfig(block_size=args.block_size,
-                       kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _default_kv_cache_bytes(_DEFAULT_KV_CACHE_BYTES),
+                       kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _default_kv_cache_bytes(DEFAULT_KV_CACHE_BYTES),
                        # An encoder-decoder's decoder KV depends on the audio, not only on the
                        # tokens, so prefix blocks cannot be shared (vLLM turns it off too).
                        enable_prefix_caching=args.enable_prefix_caching and not encoder_decoder,
@@ -209,8 +208,6 @@ def _cache_config(args: "EngineArgs", encoder_decoder: bool = False) -> CacheCon
 
 def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageContext",
                       max_model_len: int, pooling: bool = False) -> SchedulerConfig:
-    from llmserve.engine_args import default_batching
-
     default_mnbt, default_seqs = default_batching(device, usage_context)
     mnbt = args.max_num_batched_tokens
     if mnbt is None and pooling:
@@ -218,7 +215,6 @@ def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageCont
         # model has no streams, and 32 one-sentence requests (~2,700 tokens at 8-128 words)
         # split over two steps cost more CPU per sentence than one step (see the pooling
         # gather in engine/core.py): pooling takes the offline budget on the server too.
-        from llmserve.engine_args import UsageContext
         mnbt = max(default_batching(device, UsageContext.LLM_CLASS)[0], max_model_len)
     elif mnbt is None:
         mnbt = default_mnbt if args.enable_chunked_prefill and not pooling else max(default_mnbt, max_model_len)

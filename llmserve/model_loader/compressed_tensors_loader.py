@@ -144,8 +144,7 @@ def save_rtn_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32,
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from llmserve.benchmarks.hf_backend import load_hf_model
-    from llmserve.benchmarks.hf_backend import resolve_model_files
+    from llmserve.model_loader.hf_reference import load_hf_model, resolve_model_files
     from llmserve.tokenizer import get_tokenizer
 
     hf = load_hf_model(src, "float32") if not os.path.isdir(src) else AutoModelForCausalLM.from_pretrained(src)

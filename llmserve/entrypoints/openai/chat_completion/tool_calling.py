@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage, DeltaToolCall, ToolCall
+from llmserve.parsing_types import DeltaMessage, DeltaToolCall, ToolCall
 from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 from llmserve.structured_output.grammar import json_schema_error
 
