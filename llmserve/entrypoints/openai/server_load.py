@@ -12,11 +12,12 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse
 
-# vLLM's @load_aware_call routes, plus this server's Responses and SageMaker routes.
+# vLLM's @load_aware_call routes, plus this server's Responses, SageMaker and Anthropic
+# Messages routes.
 TRACKED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions",
     "/v1/audio/translations", "/pooling", "/classify", "/v1/classify", "/score", "/v1/score", "/rerank",
-    "/v1/rerank", "/v2/rerank", "/invocations",
+    "/v1/rerank", "/v2/rerank", "/invocations", "/v1/messages",
 })
 
 router = APIRouter()

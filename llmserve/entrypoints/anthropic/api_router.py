@@ -1,0 +1,43 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: thin routes over
+AnthropicServingMessages. Claude Code's ``?beta=true`` query and the ``anthropic-version``
+/ ``anthropic-beta`` headers are tolerated (nothing they switch on changes what a local
+model can do); errors take Anthropic's body through the ErrorShape registered in
+``api_server.ERROR_SHAPES`` (:data:`ANTHROPIC_ERROR_SHAPE`)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import Response
+
+from llmserve.entrypoints.anthropic.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+    anthropic_error_body,
+)
+from llmserve.entrypoints.anthropic.serving import AnthropicServingMessages
+from llmserve.entrypoints.openai.error_shapes import ErrorShape
+from llmserve.entrypoints.openai.server_utils import request_id_of, result_response, with_cancellation
+
+MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+ANTHROPIC_ERROR_SHAPE = ErrorShape(prefixes=("/v1/messages",), shape=anthropic_error_body)
+
+router = APIRouter()
+
+
+def messages(raw_request: Request) -> AnthropicServingMessages:
+    return AnthropicServingMessages(raw_request.app.state.openai_serving_chat)
+
+
+@router.post("/v1/messages")
+async def create_message(request: AnthropicMessagesRequest, raw_request: Request) -> Response:
+    return result_response(await with_cancellation(
+        raw_request, messages(raw_request).create_message(request, request_id_of(raw_request))))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: AnthropicCountTokensRequest, raw_request: Request) -> Response:
+    return result_response(await with_cancellation(raw_request, messages(raw_request).count_tokens(request)))
+
+
+def register_anthropic_api_routers(app: FastAPI) -> None:
+    """Mount /v1/messages and /v1/messages/count_tokens."""
+    app.include_router(router)

@@ -1,0 +1,223 @@
+"""Anthropic Messages request -> the common chat request (``ChatCompletionRequest``).
+
+Only the mapping lives here; templates, tool-call and reasoning parsing, structured
+outputs and sampling are the chat path's. Rules (Anthropic's documented meaning):
+
+- ``system`` (a string or text blocks) and ``role: "system"`` messages inside
+  ``messages`` (Claude Code sends one) become system messages, in place.
+- Text blocks become the message's text (joined with newlines); ``tool_use`` blocks of an
+  assistant message become its ``tool_calls``; ``tool_result`` blocks of a user message
+  become ``tool`` messages (``tool_call_id``) before that message's remaining text.
+- ``thinking`` / ``redacted_thinking`` blocks sent back in assistant turns are dropped
+  (templates leave earlier turns' reasoning out of the prompt too).
+- ``image`` and ``document`` blocks are a 400 naming the block (no vision model runs);
+  so is any block type this server does not know.
+- ``tools``: client tools (``input_schema``) become function tools; server tools
+  (``web_search_*``, ``bash_*``, ...) are a 400 naming them.
+- ``tool_choice``: ``auto`` -> "auto", ``any`` -> "required", ``tool`` -> the named
+  function, ``none`` -> "none"; ``disable_parallel_tool_use`` -> ``parallel_tool_calls``.
+  Tools without a ``tool_choice`` on a server without auto tool parsing
+  (``--enable-auto-tool-choice --tool-call-parser``) are shown to the template and the
+  answer is text (Anthropic's default ``auto`` lets the model answer without a tool);
+  an explicit ``auto`` there is a 400 naming ``tool_choice``.
+- ``thinking``: ``enabled``/``adaptive``/``between_tools`` ->
+  ``chat_template_kwargs.enable_thinking`` true, ``disabled`` -> false (the reasoning parser splits the output; without one the
+  template's switch is all it does). ``budget_tokens`` is not enforced.
+- ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> a JSON-schema
+  ``response_format`` (structured outputs); ``output_config.effort`` is ignored (no
+  effort switch on a local model).
+- ``stop_sequences`` -> ``stop``; ``temperature``, ``top_p``, ``top_k`` as they are
+  (Anthropic's SDK 2.x no longer has them as arguments; they still travel in the body).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.common.protocol import StreamOptions
+from llmserve.sampling_params import SamplingParamsError
+
+_DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+_MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+_THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
+
+
+def _block_text(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise SamplingParamsError(f"{where}.text: a text block needs a string `text`.", where)
+    return text
+
+
+def _refuse_block(kind: Any, where: str) -> SamplingParamsError:
+    if kind in _MEDIA_BLOCKS:
+        return SamplingParamsError(f"{where}: {kind} blocks are not supported: this server runs a text-only model "
+                                   "(send the content as text).", where)
+    return SamplingParamsError(f"{where}: content blocks of type {kind!r} are not supported here (supported: "
+                               "text, tool_use, tool_result, thinking).", where)
+
+
+def system_text(system: Any, where: str = "system") -> str:
+    """The text of ``system`` (a string, or text blocks joined with newlines)."""
+    if isinstance(system, str):
+        return system
+    texts = []
+    for j, block in enumerate(system):
+        if block.get("type") != "text":
+            raise _refuse_block(block.get("type"), f"{where}.{j}")
+        texts.append(_block_text(block, f"{where}.{j}"))
+    return "\n".join(texts)
+
+
+def _tool_result_text(block: dict[str, Any], where: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = system_text(content, f"{where}.content")
+    else:
+        raise SamplingParamsError(f"{where}.content must be a string or a list of text blocks.", where)
+    return f"Error: {text}" if block.get("is_error") is True else text
+
+
+def _tool_use_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+    name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
+    if not isinstance(name, str) or not isinstance(call_id, str):
+        raise SamplingParamsError(f"{where}: a tool_use block needs a string `id` and `name`.", where)
+    if not isinstance(args, dict):
+        raise SamplingParamsError(f"{where}.input must be an object.", where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages (tool results first, as their own
+    ``tool`` messages)."""
+    where = f"messages.{i}.content"
+    if role == "system":
+        return [{"role": "system", "content": system_text(content, where)}]
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind, at = block.get("type"), f"{where}.{j}"
+        if kind == "text":
+            texts.append(_block_text(block, at))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use_call(block, at))
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise SamplingParamsError(f"{at}: a tool_result block needs a string `tool_use_id`.", at)
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": _tool_result_text(block, at)})
+        elif kind not in _DROPPED_BLOCKS:
+            raise _refuse_block(kind, at)
+    out = list(results)
+    if texts or calls or not results:
+        msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def chat_messages(request: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
+    """``system`` + ``messages`` as the chat request's messages. Raises
+    SamplingParamsError naming the block (``messages.<i>.content.<j>``)."""
+    out: list[dict[str, Any]] = []
+    if request.system is not None:
+        text = system_text(request.system)
+        if text:
+            out.append({"role": "system", "content": text})
+    for i, msg in enumerate(request.messages):
+        out.extend(_message_to_chat(i, msg.role, msg.content))
+    return out
+
+
+def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, Any]]]:
+    """The client tools as OpenAI function tools. Raises SamplingParamsError naming
+    ``tools.<i>`` for a server tool or a missing ``input_schema``."""
+    if not request.tools:
+        return None
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if tool.type not in (None, "custom"):
+            raise SamplingParamsError(f"tools.{i}: the server tool {tool.type!r} ({tool.name!r}) is not available "
+                                      "on this server; only client tools (with `input_schema`) are.", f"tools.{i}")
+        if tool.input_schema is None:
+            raise SamplingParamsError(f"tools.{i}.input_schema: a client tool needs an `input_schema`.",
+                                      f"tools.{i}.input_schema")
+        fn = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            fn["description"] = tool.description
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def chat_tool_choice(choice: Optional[dict[str, Any]], has_tools: bool,
+                     auto_tools: bool) -> tuple[Optional[Any], Optional[bool]]:
+    """``(tool_choice, parallel_tool_calls)`` of the chat request. auto_tools: whether
+    the server parses tool calls on its own (``--enable-auto-tool-choice``)."""
+    if choice is None:
+        return (("auto" if auto_tools else "none") if has_tools else None), None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") is True else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str):
+            raise SamplingParamsError("tool_choice.name: a tool choice of type 'tool' needs the tool's `name`.",
+                                      "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}, parallel
+    raise SamplingParamsError(f"tool_choice.type must be one of 'auto', 'any', 'tool', 'none', got {kind!r}.",
+                              "tool_choice.type")
+
+
+def thinking_kwargs(thinking: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The chat template's ``enable_thinking`` for ``thinking`` (None: not given)."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in _THINKING_TYPES:
+        raise SamplingParamsError(f"thinking.type must be one of {sorted(_THINKING_TYPES)}, got {kind!r}.",
+                                  "thinking.type")
+    return {"enable_thinking": _THINKING_TYPES[kind]}
+
+
+def response_format(output_config: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The chat ``response_format`` of ``output_config.format`` (None: free text)."""
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise SamplingParamsError('output_config.format must be {"type": "json_schema", "schema": {...}}.',
+                                  "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
+                    max_tokens: Optional[int] = None) -> ChatCompletionRequest:
+    """The common chat request of a messages (or count_tokens) request. max_tokens: the
+    (clamped) output budget. A stream asks for usage on every chunk (Anthropic's
+    ``message_start`` carries the input tokens). Raises SamplingParamsError naming the
+    Anthropic field."""
+    tools = chat_tools(request)
+    choice, parallel = chat_tool_choice(request.tool_choice, bool(tools), auto_tools)
+    fields: dict[str, Any] = dict(model=request.model, messages=chat_messages(request), tools=tools,
+                                  tool_choice=choice, chat_template_kwargs=thinking_kwargs(request.thinking))
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    if isinstance(request, AnthropicMessagesRequest):
+        fields.update(max_tokens=max_tokens if max_tokens is not None else request.max_tokens,
+                      stop=request.stop_sequences, temperature=request.temperature, top_p=request.top_p,
+                      top_k=request.top_k, stream=bool(request.stream),
+                      response_format=response_format(request.output_config))
+        if request.stream:
+            fields["stream_options"] = StreamOptions(include_usage=True, continuous_usage_stats=True)
+    return ChatCompletionRequest(**fields)

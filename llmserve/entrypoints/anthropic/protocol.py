@@ -1,0 +1,152 @@
+"""Protocol of Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
+
+Field names and shapes are Anthropic's (https://docs.anthropic.com/en/api/messages). The
+request models check types and ranges (a 400 naming the field, in Anthropic's error body
+through :func:`anthropic_error_body`); the meaning of each content block is mapped in
+``conversion.py``. Unknown fields are accepted and ignored with a warning logged once
+per field name (the server's one policy, ``OpenAIRequestModel``): Claude Code sends
+``context_management``, ``output_config`` and more that change nothing a local model
+can do. ``cache_control`` is accepted on every block and tool (the prefix cache reuses
+any shared prefix by itself).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRING_CHARS, \
+    MAX_STOP_STRINGS
+from llmserve.entrypoints.openai.common.protocol import Int64, OpenAIBaseModel, OpenAIRequestModel, random_uuid
+
+# Block lists: at most MAX_CONTENT_PARTS blocks in one message or in ``system``.
+Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
+StopSequence = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+
+
+class AnthropicMessageParam(OpenAIBaseModel):
+    """One input message. ``role`` "system" is not in Anthropic's documented set, but
+    Claude Code sends it inside ``messages``; it becomes a system message."""
+
+    role: Literal["user", "assistant", "system"]
+    content: Union[str, Blocks]
+
+
+class AnthropicToolParam(OpenAIBaseModel):
+    """A client tool: ``name``, ``description``, ``input_schema`` (a JSON schema of the
+    ``input`` object). ``type`` is absent or "custom" for client tools; Anthropic's
+    server tools (``web_search_...``, ``bash_...``) are refused in ``conversion.py``."""
+
+    name: str
+    description: Optional[str] = None
+    input_schema: Optional[dict[str, Any]] = None
+    type: Optional[str] = None
+
+
+class AnthropicCountTokensRequest(OpenAIRequestModel):
+    """``POST /v1/messages/count_tokens``: the prompt part of a messages request."""
+
+    model: str
+    messages: list[AnthropicMessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: Optional[Union[str, Blocks]] = None
+    tools: Optional[list[AnthropicToolParam]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    """``POST /v1/messages``. ``max_tokens`` (tokens, required, >= 1) is clamped to the
+    room the prompt leaves in the context (llama.cpp's rule; Claude Code asks for 32000
+    whatever the model). ``temperature`` is in [0, 1] (Anthropic's range)."""
+
+    max_tokens: Int64 = Field(ge=1)
+    stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_STRINGS)]] = None
+    stream: Optional[bool] = False
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[Int64] = Field(default=None, ge=0)
+    metadata: Optional[dict[str, Any]] = None  # user_id: nothing for a local server to do with it
+    output_config: Optional[dict[str, Any]] = None  # format: structured outputs; effort: ignored
+
+
+# ----------------------------------------------------------------------------- responses
+class TextBlock(OpenAIBaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ThinkingBlock(OpenAIBaseModel):
+    """The model's reasoning (``--reasoning-parser``). ``signature`` is empty: no
+    signature can be verified across servers, and clients send it back unread."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+class ToolUseBlock(OpenAIBaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = Union[TextBlock, ThinkingBlock, ToolUseBlock]
+
+
+class AnthropicUsage(OpenAIBaseModel):
+    """Token counts. Anthropic's ``input_tokens`` leaves out the prompt tokens read from
+    the cache (``cache_read_input_tokens``: the prefix-cache hits); nothing is written
+    to a cache on request (``cache_creation_input_tokens`` is 0)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class AnthropicMessagesResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"msg_{random_uuid()}")
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[ContentBlock]
+    stop_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None
+    usage: AnthropicUsage
+
+
+class AnthropicCountTokensResponse(OpenAIBaseModel):
+    input_tokens: int
+
+
+# ----------------------------------------------------------------------------- errors
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status (other 4xx: invalid_request_error,
+    5xx: api_error)."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error_body(status: int, info: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic's error body ``{"type": "error", "error": {"type", "message"}}`` of an
+    OpenAI error object (the ErrorShape of ``/v1/messages``). Anthropic's body has no
+    ``param``, so the message names the field when it does not already."""
+    message = str(info.get("message") or "")
+    param = info.get("param")
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}

@@ -1,0 +1,137 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API) over
+the chat path (``OpenAIServingChat.create_chat_completion(wire=False)``): the request is
+mapped to the common chat request (``conversion.py``), the chat path's objects to
+Anthropic's message or stream events (``streaming.py``). vLLM's equivalent is
+``entrypoints/anthropic/serving_messages.py``.
+
+``max_tokens`` above the room the prompt leaves in the context is clamped to that room
+(llama.cpp's rule: Claude Code asks for 32000 tokens whatever the model), not a 400. The
+prompt is counted for that only when a cheap bound (its UTF-8 bytes; a byte-level
+tokenizer's token never holds less than one byte) says it might not fit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncGenerator, Optional, Union
+
+from llmserve.entrypoints.anthropic.conversion import to_chat_request
+from llmserve.entrypoints.anthropic.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicCountTokensResponse,
+    AnthropicMessagesRequest,
+    AnthropicMessagesResponse,
+    ContentBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolUseBlock,
+)
+from llmserve.entrypoints.anthropic.streaming import MessageStreamWriter, message_events, stop_reason_of, usage_of
+from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+from llmserve.entrypoints.openai.common.protocol import random_uuid
+
+logger = logging.getLogger("llmserve.entrypoints.anthropic")
+
+# Template text around each message and the generation prompt, in bytes, for the bound
+# that decides whether a prompt must be counted before max_tokens is clamped.
+TEMPLATE_BYTES_PER_MESSAGE = 64
+TEMPLATE_BYTES_BASE = 1024
+
+
+def _handler(chat: Any, request: ChatCompletionRequest) -> Any:
+    """The chat handler that serves ``request`` (one model's, with --extra-model)."""
+    pick = getattr(chat, "handler_for", None)
+    return pick(request) if callable(pick) else chat
+
+
+def prompt_bytes_bound(request: ChatCompletionRequest) -> int:
+    """An upper bound of the rendered prompt's length in bytes (so in tokens)."""
+    text = json.dumps([m.model_dump(exclude_none=True) for m in request.messages], ensure_ascii=False)
+    tools = json.dumps(request.tools, ensure_ascii=False) if request.tools else ""
+    return (len(text.encode()) + len(tools.encode()) + TEMPLATE_BYTES_BASE
+            + TEMPLATE_BYTES_PER_MESSAGE * len(request.messages))
+
+
+class AnthropicServingMessages:
+    """Handler of the Messages API routes; ``chat``: the server's chat handler
+    (``app.state.openai_serving_chat``, a per-model router with --extra-model)."""
+
+    def __init__(self, chat: Any) -> None:
+        self.chat = chat
+
+    def _auto_tools(self, request: ChatCompletionRequest) -> bool:
+        handler = _handler(self.chat, request)
+        return bool(handler.enable_auto_tools and handler.tool_parser_cls is not None)
+
+    def _chat_request(self, request: Any, max_tokens: Optional[int] = None) -> ChatCompletionRequest:
+        probe = to_chat_request(request, auto_tools=False, max_tokens=max_tokens)  # routing needs only `model`
+        if request.tools and request.tool_choice is None and self._auto_tools(probe):
+            return to_chat_request(request, auto_tools=True, max_tokens=max_tokens)
+        return probe
+
+    async def _prompt_tokens(self, request: ChatCompletionRequest) -> int:
+        """The token count of the request's rendered prompt (tools included)."""
+        handler = _handler(self.chat, request)
+        handler._check_model(request)  # a 404 for an unknown model, before any rendering
+        return len((await handler.render(request, request.tools)).token_ids)
+
+    async def _clamped(self, request: AnthropicMessagesRequest) -> ChatCompletionRequest:
+        """The chat request with ``max_tokens`` clamped to the room the prompt leaves
+        (at least 1: a prompt that fills the context is the engine's 400)."""
+        chat_request = self._chat_request(request)
+        max_len = _handler(self.chat, chat_request).max_model_len
+        if request.max_tokens + prompt_bytes_bound(chat_request) <= max_len:
+            return chat_request
+        room = max_len - await self._prompt_tokens(chat_request)
+        if request.max_tokens <= room:
+            return chat_request
+        return self._chat_request(request, max_tokens=max(1, room))
+
+    async def create_message(self, request: AnthropicMessagesRequest, request_id: Optional[str] = None,
+                             ) -> Union[AnthropicMessagesResponse, AsyncGenerator[str, None]]:
+        """Serve one messages request: the message, or (``stream``) an async generator
+        of SSE events. Errors before the stream starts are raised (SamplingParamsError
+        naming the field, ModelNotFoundError, EngineDeadError), as the chat path raises
+        them."""
+        chat_request = await self._clamped(request)
+        result = await self.chat.create_chat_completion(chat_request, request_id, wire=False)
+        message_id = f"msg_{random_uuid()}"
+        if chat_request.stream:
+            writer = MessageStreamWriter(message_id, request.model, request.stop_sequences)
+            return message_events(result, writer)
+        return message_of(result, message_id, request)
+
+    async def count_tokens(self, request: AnthropicCountTokensRequest) -> AnthropicCountTokensResponse:
+        """``input_tokens``: the prompt's tokens as ``/v1/messages`` would render it."""
+        chat_request = self._chat_request(request)
+        chat_request.check()  # tools and tool_choice, as the messages request checks them
+        return AnthropicCountTokensResponse(input_tokens=await self._prompt_tokens(chat_request))
+
+
+def _tool_block(call: Any) -> ContentBlock:
+    """A tool call as a tool_use block (arguments that are not a JSON object, e.g. cut
+    by max_tokens, stay visible as text)."""
+    try:
+        args = json.loads(call.function.arguments or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        return TextBlock(text=call.function.arguments)
+    return ToolUseBlock(id=call.id, name=call.function.name, input=args)
+
+
+def message_of(response: ChatCompletionResponse, message_id: str,
+               request: AnthropicMessagesRequest) -> AnthropicMessagesResponse:
+    """The Anthropic message of the chat path's response (its first and only choice)."""
+    choice = response.choices[0]
+    message = choice.message
+    content: list[ContentBlock] = []
+    if message.reasoning:
+        content.append(ThinkingBlock(thinking=message.reasoning))
+    if message.content:
+        content.append(TextBlock(text=message.content))
+    content += [_tool_block(call) for call in message.tool_calls]
+    called = any(isinstance(b, ToolUseBlock) for b in content)
+    reason, sequence = stop_reason_of(choice.finish_reason, choice.stop_reason, request.stop_sequences, called)
+    return AnthropicMessagesResponse(id=message_id, model=request.model, content=content, stop_reason=reason,
+                                     stop_sequence=sequence, usage=usage_of(response.usage))

@@ -1,0 +1,159 @@
+"""The chat path's stream objects -> Anthropic's Messages stream events.
+
+Anthropic's sequence (https://docs.anthropic.com/en/api/messages-streaming):
+``message_start`` (the message with empty content and the input usage), then per content
+block ``content_block_start``, ``content_block_delta``s (``thinking_delta``,
+``text_delta`` or ``input_json_delta``) and ``content_block_stop``, with one ``ping``
+after the first block starts; then ``message_delta`` (``stop_reason``,
+``stop_sequence``, the final usage) and ``message_stop``. An error after the stream
+started is an ``error`` event (Anthropic's error body), and the stream ends there.
+
+Each SSE event is ``event: <type>`` + ``data: <json>``. ``message_start`` waits for the
+engine's first output (already there when the stream starts), so that its usage carries
+the prefix-cache hits.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncGenerator, Optional
+
+from llmserve.entrypoints.anthropic.protocol import AnthropicUsage, anthropic_error_body
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+
+
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    """One Anthropic SSE event."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+def usage_of(usage: Any) -> AnthropicUsage:
+    """Anthropic's usage of the chat path's UsageInfo (None: all zeros)."""
+    if usage is None:
+        return AnthropicUsage()
+    details = usage.prompt_tokens_details
+    cached = int(details.cached_tokens or 0) if details is not None else 0
+    return AnthropicUsage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens or 0,
+                          cache_read_input_tokens=cached)
+
+
+def stop_reason_of(finish_reason: Optional[str], matched: Any, stop_sequences: Optional[list[str]],
+                   tool_called: bool) -> tuple[str, Optional[str]]:
+    """``(stop_reason, stop_sequence)`` of a finished choice: ``tool_use`` when it
+    called a tool, ``max_tokens`` when cut by the budget, ``stop_sequence`` (and which)
+    when one of the request's stop sequences ended it, else ``end_turn``."""
+    if tool_called and finish_reason in ("stop", "tool_calls"):
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "stop" and isinstance(matched, str) and matched in (stop_sequences or ()):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+class MessageStreamWriter:
+    """Turns one request's ChatCompletionStreamResponse objects into Anthropic events.
+
+    message_id / model: the message's ``id`` and ``model``; stop_sequences: the
+    request's (to tell a stop sequence from the end of the turn)."""
+
+    def __init__(self, message_id: str, model: str, stop_sequences: Optional[list[str]]):
+        self.message_id, self.model, self.stop_sequences = message_id, model, stop_sequences
+        self.started = False
+        self.pinged = False
+        self.index = -1  # the open block's index (-1: none open)
+        self.block: Optional[tuple[str, Optional[int]]] = None  # ("text"|"thinking"|"tool_use", tool index)
+        self.tool_called = False
+        self.finish: Optional[str] = None
+        self.matched: Any = None
+
+    def _start(self, usage: Any) -> list[str]:
+        if self.started:
+            return []
+        self.started = True
+        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": usage_of(usage).model_dump()}
+        return [sse_event("message_start", {"message": message})]
+
+    def _close(self) -> list[str]:
+        if self.block is None:
+            return []
+        self.block = None
+        return [sse_event("content_block_stop", {"index": self.index})]
+
+    def _open(self, key: tuple[str, Optional[int]], block: dict[str, Any]) -> list[str]:
+        if self.block == key:
+            return []
+        events = self._close()
+        self.block, self.index = key, self.index + 1
+        events.append(sse_event("content_block_start", {"index": self.index, "content_block": block}))
+        if not self.pinged:
+            self.pinged = True
+            events.append(sse_event("ping", {}))
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse_event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _tool_events(self, call: Any) -> list[str]:
+        events = []
+        if call.id is not None or (call.function is not None and call.function.name):
+            name = call.function.name if call.function is not None else ""
+            self.tool_called = True
+            events += self._open(("tool_use", call.index),
+                                 {"type": "tool_use", "id": call.id or f"toolu_{self.message_id}_{call.index}",
+                                  "name": name or "", "input": {}})
+        args = call.function.arguments if call.function is not None else None
+        if args and self.block == ("tool_use", call.index):
+            events.append(self._delta({"type": "input_json_delta", "partial_json": args}))
+        return events
+
+    def chunk_events(self, chunk: Any) -> list[str]:
+        """The events of one chunk (the first non-empty one also starts the message)."""
+        if not chunk.choices:  # the last object: the usage
+            return self._start(chunk.usage) + self.finish_events(chunk.usage)
+        choice = chunk.choices[0]
+        delta = choice.delta
+        if delta.role is not None and not (delta.content or delta.reasoning or delta.tool_calls):
+            return []  # the opening role chunk: message_start waits for the first output's usage
+        events = self._start(chunk.usage)
+        if delta.reasoning:
+            events += self._open(("thinking", None), {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            events += self._open(("text", None), {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for call in delta.tool_calls or ():
+            events += self._tool_events(call)
+        if choice.finish_reason is not None:
+            self.finish, self.matched = choice.finish_reason, choice.stop_reason
+        return events
+
+    def finish_events(self, usage: Any) -> list[str]:
+        """``content_block_stop`` of the open block, ``message_delta``, ``message_stop``."""
+        events = self._close()
+        if not self.pinged:
+            self.pinged = True
+            events.append(sse_event("ping", {}))
+        reason, sequence = stop_reason_of(self.finish, self.matched, self.stop_sequences, self.tool_called)
+        final = usage_of(usage).model_dump()
+        events.append(sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                  "usage": final}))
+        events.append(sse_event("message_stop", {}))
+        return events
+
+
+async def message_events(chunks: AsyncGenerator[Any, None], writer: MessageStreamWriter,
+                         ) -> AsyncGenerator[str, None]:
+    """The stream of one request as Anthropic SSE events; an error raised by ``chunks``
+    after the start becomes an ``error`` event."""
+    try:
+        async for chunk in chunks:
+            for event in writer.chunk_events(chunk):
+                yield event
+    except Exception as e:  # the stream already started: report it in-band (Anthropic's error event)
+        status, body = error_response_from_exception(e)
+        error = anthropic_error_body(status, body.error.model_dump())
+        yield sse_event("error", {"error": error["error"]})
+    finally:
+        await chunks.aclose()
