@@ -10,9 +10,11 @@ Ollama's body ``{"error": "<message>"}`` through :data:`OLLAMA_ERROR_SHAPE` (reg
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import llmserve
@@ -25,6 +27,7 @@ from llmserve.entrypoints.openai.server_utils import request_id_of, with_cancell
 from llmserve.sampling_params import SamplingParamsError
 
 router = APIRouter()
+T = TypeVar("T", bound=BaseModel)
 NDJSON = "application/x-ndjson"
 UNSUPPORTED = {"/api/pull": "POST", "/api/push": "POST", "/api/create": "POST", "/api/copy": "POST",
                "/api/delete": "DELETE", "/api/blobs/{digest}": "POST"}
@@ -36,6 +39,16 @@ def ollama_error_body(status: int, error: dict[str, Any]) -> dict[str, Any]:
 
 
 OLLAMA_ERROR_SHAPE = ErrorShape(prefixes=("/api/",), shape=ollama_error_body)
+
+
+async def _body(raw_request: Request, model: type[T]) -> T:
+    """The request body as ``model``, whatever its Content-Type: Ollama reads JSON from
+    any body (its documented ``curl -d '{...}'`` sends a form content type). Invalid
+    JSON or fields are a 400 naming them (the validation handler's message)."""
+    try:
+        return model.model_validate_json(await raw_request.body() or b"{}")
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 def _respond(result: Any, headers: dict[str, str] | None = None) -> Response:
@@ -63,7 +76,8 @@ async def ps(raw_request: Request) -> JSONResponse:
 
 
 @router.post("/api/show")
-async def show(request: OllamaShowRequest, raw_request: Request) -> JSONResponse:
+async def show(raw_request: Request) -> JSONResponse:
+    request = await _body(raw_request, OllamaShowRequest)
     model = request.model or request.name
     if not model:
         raise SamplingParamsError("model is required.", "model")
@@ -71,25 +85,29 @@ async def show(request: OllamaShowRequest, raw_request: Request) -> JSONResponse
 
 
 @router.post("/api/chat")
-async def chat(request: OllamaChatRequest, raw_request: Request) -> Response:
+async def chat(raw_request: Request) -> Response:
+    request = await _body(raw_request, OllamaChatRequest)
     result = await with_cancellation(raw_request, serve_chat(raw_request.app.state, request,
                                                              request_id_of(raw_request)))
     return _respond(*(result if result is not None else (None,)))
 
 
 @router.post("/api/generate")
-async def generate(request: OllamaGenerateRequest, raw_request: Request) -> Response:
+async def generate(raw_request: Request) -> Response:
+    request = await _body(raw_request, OllamaGenerateRequest)
     return _respond(await with_cancellation(raw_request, serve_generate(raw_request.app.state, request,
                                                                         request_id_of(raw_request))))
 
 
 @router.post("/api/embed")
-async def embed(request: OllamaEmbedRequest, raw_request: Request) -> Response:
+async def embed(raw_request: Request) -> Response:
+    request = await _body(raw_request, OllamaEmbedRequest)
     return _respond(await with_cancellation(raw_request, serve_embed(raw_request.app.state, request)))
 
 
 @router.post("/api/embeddings")
-async def embeddings(request: OllamaEmbeddingsRequest, raw_request: Request) -> Response:
+async def embeddings(raw_request: Request) -> Response:
+    request = await _body(raw_request, OllamaEmbeddingsRequest)
     return _respond(await with_cancellation(raw_request, serve_embeddings(raw_request.app.state, request)))
 
 

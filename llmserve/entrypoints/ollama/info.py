@@ -44,7 +44,11 @@ def state_of(state: Any, name: str) -> Any:
 
 
 def _weights_path(config: Any) -> str:
-    return getattr(config, "gguf_file", None) or config.model_path
+    """The GGUF file (``gguf_file`` may be a name inside ``model_path``), else the directory."""
+    gguf, path = getattr(config, "gguf_file", None), config.model_path
+    if gguf and not os.path.isfile(path):
+        return os.path.join(path, gguf) if not os.path.isabs(gguf) else gguf
+    return path
 
 
 def size_bytes(config: Any) -> int:

@@ -35,7 +35,7 @@ def created_at() -> str:
 
 def ndjson(obj: dict[str, Any]) -> bytes:
     """One NDJSON line."""
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
 class StreamError(RuntimeError):

@@ -1,0 +1,152 @@
+"""Ollama's API on the OpenAI server's port (issue 27, item 3), through the real clients:
+the ``ollama`` Python client (list, show, ps, chat, generate, streaming, a tool call and
+its round trip, embed) and langchain-ollama's ``ChatOllama``, unchanged but for the API
+key header, against the shared ``server`` (SmolLM2, float32: greedy text is
+batch-invariant, so the Ollama answers equal the OpenAI routes' answers), plus a pooling
+server on all-MiniLM-L6-v2 for the embedding routes. Bad input answers Ollama's error
+body ``{"error": "<message>"}`` with 400/401/404/501."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import ollama
+import pytest
+
+from e2e_utils import MODEL, RemoteServer
+
+EMB = "all-MiniLM-L6-v2"
+GREEDY = {"temperature": 0, "num_predict": 3}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _client(srv: RemoteServer, **headers: str) -> ollama.Client:
+    auth = {"Authorization": f"Bearer {srv.api_key}"}
+    return ollama.Client(host=srv.url_root, headers={**auth, **headers}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def emb_server():
+    srv = RemoteServer(["--model", EMB, "--dtype", "float32", "--max-model-len", "128",
+                        "--kv-cache-memory", "64MiB"])
+    yield srv
+    srv.stop()
+
+
+def _error(r: httpx.Response, status: int, *words: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str), body
+    for w in words:
+        assert w in body["error"], body
+    return body["error"]
+
+
+# ----------------------------------------------------------------------------- models
+def test_list_show_ps_version(server):
+    client = _client(server)
+    names = [m.model for m in client.list().models]
+    assert names == [MODEL]
+    context = server.http.get("/v1/models").json()["data"][0]["max_model_len"]
+    shown = client.show(MODEL)
+    assert {"completion", "tools"} <= set(shown.capabilities) and "embedding" not in shown.capabilities
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == context
+    assert "im_start" in shown.template and shown.details.family == "llama"
+    assert client.show(f"{MODEL}:latest").template == shown.template  # Ollama's default tag
+    ps = client.ps().models
+    assert [m.model for m in ps] == [MODEL] and ps[0].context_length == context and ps[0].size > 0
+    assert httpx.get(server.url_for("api/version")).json()["version"]
+
+
+# ----------------------------------------------------------------------------- generation
+def test_chat_whole_and_streamed_match_openai(server):
+    client = _client(server)
+    resp = client.chat(MODEL, messages=ASK, options=GREEDY)
+    assert resp.done and resp.done_reason == "length" and resp.eval_count == 3
+    assert resp.prompt_eval_count > 0 and resp.total_duration >= resp.eval_duration > 0
+    want = server.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0)
+    assert resp.message.content == want.choices[0].message.content
+    parts = list(client.chat(MODEL, messages=ASK, options=GREEDY, stream=True, keep_alive="5m"))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].eval_count == 3
+    assert "".join(p.message.content for p in parts) == resp.message.content
+
+
+def test_generate_templated_raw_and_format(server):
+    client = _client(server)
+    templated = client.generate(MODEL, prompt="What is the weather in Paris?", options=GREEDY)
+    chat = client.chat(MODEL, messages=ASK, options=GREEDY)
+    assert templated.response == chat.message.content  # one user turn through the template
+    parts = list(client.generate(MODEL, prompt="Once upon a time", raw=True, options=GREEDY, stream=True))
+    want = server.client().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0)
+    assert "".join(p.response for p in parts) == want.choices[0].text and parts[-1].eval_count == 3
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    out = client.generate(MODEL, prompt="Give a number as JSON.", format=schema,
+                          options={"temperature": 0, "num_predict": 12})
+    assert isinstance(json.loads(out.response)["n"], int)
+
+
+def test_tool_call_and_round_trip(server):
+    client = _client(server)
+    resp = client.chat(MODEL, messages=ASK, tools=TOOLS, options={"temperature": 0, "num_predict": 40})
+    (call,) = resp.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(call.function.arguments["city"], str)
+    messages = [*ASK, resp.message, {"role": "tool", "tool_name": "get_weather", "content": "Sunny, 21 C"}]
+    r = server.post("/api/chat", {"model": MODEL, "messages": [m if isinstance(m, dict) else m.model_dump(
+        exclude_none=True) for m in messages], "tools": TOOLS, "options": GREEDY, "stream": False})
+    assert r.status_code == 200 and r.headers["x-llmserve-tool-choice"] == "none", r.text
+    assert r.json()["message"]["content"] and not r.json()["message"].get("tool_calls")
+
+
+def test_langchain_chat_ollama(server):
+    from langchain_ollama import ChatOllama
+
+    llm = ChatOllama(model=MODEL, base_url=server.url_root, temperature=0, num_predict=3,
+                     client_kwargs={"headers": {"Authorization": f"Bearer {server.api_key}"}})
+    whole = llm.invoke("What is the weather in Paris?")
+    assert whole.content and whole.usage_metadata["output_tokens"] == 3
+    assert "".join(c.content for c in llm.stream("What is the weather in Paris?")) == whole.content
+    called = llm.bind_tools(TOOLS).bind(options={"temperature": 0, "num_predict": 40}).invoke(
+        "What is the weather in Paris?")
+    assert called.tool_calls[0]["name"] == "get_weather" and "city" in called.tool_calls[0]["args"]
+
+
+# ----------------------------------------------------------------------------- embeddings
+def test_embed_and_embeddings(emb_server, server):
+    client = _client(emb_server)
+    texts = ["The cat sat on the mat.", "Stock markets fell today."]
+    out = client.embed(EMB, input=texts)
+    want = emb_server.client().embeddings.create(model=EMB, input=texts, encoding_format="float")
+    assert len(out.embeddings) == 2 and out.prompt_eval_count == want.usage.prompt_tokens
+    np.testing.assert_allclose(out.embeddings, [d.embedding for d in want.data], atol=1e-6)
+    old = client.embeddings(EMB, prompt=texts[0]).embedding
+    np.testing.assert_allclose(old, out.embeddings[0], atol=1e-6)
+    assert "embedding" in client.show(EMB).capabilities
+    with pytest.raises(ollama.ResponseError) as e:  # a chat model does not pool
+        _client(server).embed(MODEL, input="x")
+    assert e.value.status_code == 400 and "model" in e.value.error
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_errors_in_ollama_shape(server):
+    with pytest.raises(ollama.ResponseError) as e:
+        _client(server).chat("no-such-model", messages=ASK)
+    assert e.value.status_code == 404 and "no-such-model" in e.value.error
+    post = server.post
+    _error(post("/api/chat", {"model": MODEL, "messages": ASK, "options": {"temperature": "hot"}}), 400,
+           "options.temperature")
+    _error(post("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "images": ["AA=="]}]}),
+           400, "images")
+    _error(post("/api/generate", {"model": MODEL, "prompt": "x", "format": "yaml"}), 400, "format")
+    _error(post("/api/generate", {"model": MODEL, "prompt": "def f(", "suffix": "  return 1"}), 400, "suffix")
+    _error(post("/api/chat", {"model": MODEL, "messages": ASK, "think": True}), 400, "think")
+    _error(post("/api/chat", {"model": MODEL, "messages": "hi"}), 400, "messages")
+    _error(server.http.post("/api/generate", content=b"{not json"), 400, "JSON")
+    _error(post("/api/pull", {"model": "llama3"}), 501, "/api/pull")
+    _error(httpx.post(server.url_for("api/chat"), json={"model": MODEL, "messages": ASK}), 401)
+    loaded = post("/api/generate", {"model": MODEL}).json()  # Ollama's "load the model" request
+    assert loaded["done"] and loaded["done_reason"] == "load"
