@@ -32,6 +32,7 @@ import llmserve
 from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.gc_utils import freeze_gc_heap
 from llmserve.entrypoints.anthropic.api_router import ANTHROPIC_ERROR_SHAPE, register_anthropic_api_routers
+from llmserve.entrypoints.ollama.api_router import OLLAMA_ERROR_SHAPE, register_ollama_api_routers
 from llmserve.entrypoints.launcher import serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
@@ -98,11 +99,12 @@ API_ROUTER_REGISTRARS = (
     register_score_api_routers,
     register_speech_to_text_api_routers,
     register_anthropic_api_routers,
+    register_ollama_api_routers,
 )
 
 # The error bodies of the front doors that speak another API than OpenAI's (each
 # ErrorShape names its paths); every other path answers OpenAI's body.
-ERROR_SHAPES: tuple[ErrorShape, ...] = (ANTHROPIC_ERROR_SHAPE,)
+ERROR_SHAPES: tuple[ErrorShape, ...] = (ANTHROPIC_ERROR_SHAPE, OLLAMA_ERROR_SHAPE)
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
