@@ -19,7 +19,9 @@ TEXTS = ["Hello my name is", "Second text"]
 
 @pytest.fixture(scope="module")
 def emb_server():
-    srv = RemoteServer(["--model", MODEL, "--dtype", "float32", "--max-model-len", "128"])
+    # one test renders messages with a request chat_template (refused without the flag)
+    srv = RemoteServer(["--model", MODEL, "--dtype", "float32", "--max-model-len", "128",
+                        "--trust-request-chat-template", "--request-chat-template-workers", "1"])
     yield srv
     srv.stop()
 

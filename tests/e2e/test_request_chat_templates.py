@@ -82,6 +82,9 @@ def test_trusted_request_templates_render_the_same_prompt(trusted, tiny_model_di
                          "low|Name a colour.")):  # an explicit template variable wins, as in vLLM
         ids = prompt_ids(trusted, chat_template=effort, **extra)
         assert trusted.post("/detokenize", {"model": "tiny", "tokens": ids}).json()["prompt"] == text
+        chunks = trusted.stream_chunks(CHAT, {"model": "tiny", "messages": MSGS, "max_tokens": 1, "stream": True,
+                                              "return_token_ids": True, "chat_template": effort, **extra})
+        assert chunks[0]["prompt_token_ids"] == ids  # streamed too
 
 
 def _sample_rss(pid: int, stop: threading.Event, peak: list[int]) -> None:

@@ -68,23 +68,7 @@ def test_openai_fields_this_server_cannot_honour_are_400(server, field, stream):
         assert server.post(CHAT, {"model": MODEL, **BASES[CHAT], "max_tokens": 1, **ok}).status_code == 200
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_reasoning_effort_reaches_the_chat_template(server, stream):
-    template = "{{ reasoning_effort }}|{% for m in messages %}{{ m.content }}{% endfor %}"
-    body = {"model": MODEL, **BASES[CHAT], "max_tokens": 1, "chat_template": template, "return_token_ids": True,
-            "stream": stream}
 
-    def prompt_text(extra):
-        if stream:
-            ids = server.stream_chunks(CHAT, {**body, **extra})[0]["prompt_token_ids"]
-        else:
-            r = server.post(CHAT, {**body, **extra})
-            assert r.status_code == 200, r.text
-            ids = r.json()["prompt_token_ids"]
-        return server.post("/detokenize", {"model": MODEL, "tokens": ids}).json()["prompt"]
-
-    assert prompt_text({"reasoning_effort": "high"}) == "high|Name a colour."
-    assert prompt_text({}) == "|Name a colour."
-    # an explicit template variable wins, as in vLLM
-    assert prompt_text({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}) == \
-        "low|Name a colour."
+# test_reasoning_effort_reaches_the_chat_template needs a request chat_template, which the
+# shared server refuses (no --trust-request-chat-template): it is in
+# tests/e2e/test_request_chat_templates.py, on a server with that flag.

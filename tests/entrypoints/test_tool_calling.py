@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from llmserve.entrypoints.openai.api_server import build_app, init_app_state
+from llmserve.entrypoints.openai.api_server import build_app, init_app_state, shutdown_app_state
 from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import RequestOutputKind
@@ -66,16 +66,25 @@ def think_tokenizer(smol_tokenizer):
     return tok
 
 
+# the flags of an app whose requests send their own chat_template (refused without them)
+TRUSTED = ("--trust-request-chat-template", "--request-chat-template-workers", "1")
+
+
 @pytest.fixture
 def app(smol_tokenizer, think_tokenizer):
+    states = []
+
     def make(*flags, tokenizer=None):
         args = make_arg_parser(argparse.ArgumentParser()).parse_args(list(flags))
         validate_parsed_serve_args(args)
         engine = ScriptedEngine(tokenizer or smol_tokenizer)
         application = build_app(args)
         asyncio.run(init_app_state(engine, application.state, args))
+        states.append(application.state)
         return TestClient(application), engine
-    return make
+    yield make
+    for state in states:  # the renderer pools (and request-template workers)
+        shutdown_app_state(state)
 
 
 def post(client, body):
@@ -151,7 +160,7 @@ def test_c25_named_choice_whole_and_streamed(app):
 
 
 def test_c25_none_and_no_tools(app):
-    client, engine = app()
+    client, engine = app(*TRUSTED)
     engine.text = "9 minus 5 is 4."
     r = post(client, {**W1, "tool_choice": "none", "chat_template": TOOL_TEMPLATE})  # W4
     msg = r.json()["choices"][0]["message"]
@@ -236,7 +245,7 @@ def test_auto_hermes_with_qwen3_reasoning(app, think_tokenizer):
 
 def test_reasoning_ended_in_the_prompt_makes_all_output_content(app, think_tokenizer):
     template = "{% for m in messages %}{{ m.content }}{% endfor %}<think>\n\n</think>\n\n"
-    client, engine = app("--reasoning-parser", "qwen3", tokenizer=think_tokenizer)
+    client, engine = app("--reasoning-parser", "qwen3", *TRUSTED, tokenizer=think_tokenizer)
     engine.text = "plain answer</think>"
     body = {**W1, "tools": None, "tool_choice": None, "chat_template": template,
             "chat_template_kwargs": {"enable_thinking": False}}
@@ -288,7 +297,7 @@ LLAMA_LIKE = ("{% for m in messages %}{% if m.role == 'assistant' and m.tool_cal
 
 @pytest.mark.parametrize("template", [None, TOOL_TEMPLATE, LLAMA_LIKE], ids=["smollm2", "tool-aware", "llama-like"])
 def test_c48_tool_call_history(app, smol_tokenizer, template):
-    client, engine = app()
+    client, engine = app(*(TRUSTED if template else ()))
     engine.text = "17C"
     extra = {"chat_template": template} if template else {}
     ids = {}
