@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -178,3 +179,26 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
     _wait_for(lambda: _status(srv, "ready") == 200, what="/ready 200 after the burst")
     assert _status(srv, "health") == 200
     assert srv.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4}).status_code == 200
+
+
+def test_unfinished_bodies_hold_no_waiting_slot(adm_server):
+    """Twice the waiting bound of clients that send their headers and part of a body, then
+    nothing (issue 26, point 1): admission counts none of them, so a real request is
+    served; /metrics shows them as bodies arriving."""
+    srv = adm_server
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer %s\r\ncontent-length: 100000\r\n\r\n" % srv.api_key.encode())
+    socks = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head + b" " * 8000)  # JSON whitespace: 8000 bytes keep it above the rate floor for 18 s
+            socks.append(s)
+        _wait_for(lambda: _metric(srv, "vllm:admission_receiving_requests") == 4, what="4 bodies arriving")
+        assert _metric(srv, "vllm:admission_in_flight_requests") == 0
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        for s in socks:
+            s.close()
+    _wait_for(lambda: _metric(srv, "vllm:admission_receiving_requests") == 0, what="the bodies gone")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 
 import pytest
@@ -20,6 +21,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 from e2e_utils import RemoteServer
 
 BODY_LIMIT = 1_000_000
+CONNECTIONS_PER_CLIENT = 8
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,8 @@ def edge_server(tiny_model_dir):
     srv = RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
                         "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                         "--max-request-body-bytes", str(BODY_LIMIT), "--timeout-request-headers", "1",
-                        "--timeout-request-body", "1", "--timeout-keep-alive", "1"], api_key=None)
+                        "--timeout-request-body", "1", "--timeout-keep-alive", "1",
+                        "--max-connections-per-client", str(CONNECTIONS_PER_CLIENT)], api_key=None)
     yield srv
     srv.stop()
 
@@ -81,6 +84,43 @@ def test_body_that_never_finishes_gets_408(edge_server):
         raw = _read_all(s)
     err = _assert_error(raw, 408)
     assert "--timeout-request-body" in err["message"] and _parse(raw)[1]["x-request-id"] == "slow-body"
+
+
+def test_a_drip_is_cut_by_the_whole_body_deadline_while_it_drips(edge_server):
+    """One byte every 0.25 s: each read is quick, the whole body never is (issue 26, point 1)."""
+    sent = 0
+    with _connect(edge_server) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 1000\r\n\r\n")
+        try:
+            while sent < 40 and not select.select([s], [], [], 0.25)[0]:  # until the server answers
+                s.sendall(b" ")
+                sent += 1
+        except OSError:  # it answered and closed between two bytes
+            pass
+        raw = _read_all(s)
+    assert sent < 40  # cut while still dripping (40 bytes span 10 s, the deadline is 1 s)
+    err = _assert_error(raw, 408)
+    assert "--timeout-request-body" in err["message"] and _parse(raw)[1]["connection"] == "close"
+
+
+def test_open_connections_per_client_address_are_bounded(edge_server):
+    """More connections than --max-connections-per-client from one address: the extra ones
+    get a JSON 429 with Retry-After at once; the others are served (here: each gets the
+    header deadline's 408, since it sends nothing)."""
+    socks = [_connect(edge_server) for _ in range(CONNECTIONS_PER_CLIENT + 4)]
+    try:
+        answers = [_read_all(s) for s in socks]  # every one ends: refused now, or at the header deadline
+    finally:
+        for s in socks:
+            s.close()
+    codes = [_parse(raw)[0] for raw in answers]
+    assert codes.count(429) >= 4 and 1 <= codes.count(408) <= CONNECTIONS_PER_CLIENT, codes
+    refused = answers[codes.index(429)]
+    err = _assert_error(refused, 429)
+    assert "--max-connections-per-client" in err["message"] and _parse(refused)[1]["retry-after"] == "1"
+    r = edge_server.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200  # closed connections free the bound
 
 
 def test_idle_keep_alive_connection_is_closed(edge_server):
