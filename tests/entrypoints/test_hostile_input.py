@@ -109,3 +109,21 @@ def test_body_depth_ignores_strings_and_escapes():
     assert body_too_deep(b'{"k\\"ey": 1, "b": ' + b"[" * 9 + b"]" * 9 + b"}", 8) == "b"
     assert body_too_deep(b"[" * 9 + b"]" * 9, 8) == ""
     assert body_too_deep(b'{"a": ' + b"[" * 7 + b"]" * 7 + b"}", 8) is None
+
+
+@pytest.mark.parametrize("path,field,item,limit", [
+    ("/v1/completions", "prompt", "hello", "MAX_PROMPTS_PER_REQUEST"),
+    ("/v1/completions", "prompt", [1, 2, 3], "MAX_PROMPTS_PER_REQUEST"),
+    ("/v1/completions", "prompt", 7, "MAX_PROMPT_TOKEN_IDS"),
+    ("/v1/chat/completions", "messages", {"role": "user", "content": "x"}, "MAX_MESSAGES")])
+def test_over_long_lists_are_refused_before_their_items_are_validated(app_and_engine, path, field, item, limit):  # noqa: F811,E501
+    from llmserve.entrypoints.openai.common import limits
+
+    client, engine = app_and_engine()
+    n = getattr(limits, limit) + 1 if limit == "MAX_PROMPT_TOKEN_IDS" else 100_000
+    body = {**CHAT, field: [item] * n} if path.endswith("chat/completions") else {"model": "m", field: [item] * n}
+    err = _error(client.post(path, json=body), field)
+    # one problem, the length, read off the raw list: no per-item (per-union-member) errors,
+    # which pydantic reports only after validating all n items
+    assert err["message"] == f"{field}: Value error, List should have at most {getattr(limits, limit)} items, not {n}"
+    assert engine.prompts == []

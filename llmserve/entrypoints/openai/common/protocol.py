@@ -75,6 +75,27 @@ def _is_bool_annotation(annotation: Any) -> bool:
     return False
 
 
+def _list_limits(field: Any) -> tuple[Optional[int], Optional[int]]:
+    """(int-list limit, other-list limit) of a field's list types (see list_limits)."""
+    ints: list[int] = []
+    others: list[int] = []
+    members = [(field.annotation, field.metadata)]
+    while members:
+        ann, meta = members.pop()
+        origin = typing.get_origin(ann)
+        if origin is Annotated:
+            base, *extra = typing.get_args(ann)
+            members.append((base, [*meta, *(m for x in extra for m in getattr(x, "metadata", [x]))]))
+        elif origin in (Union, types.UnionType):
+            members += [(a, meta) for a in typing.get_args(ann)]
+        elif origin is list:
+            limit = min((m.max_length for m in meta if isinstance(getattr(m, "max_length", None), int)), default=None)
+            item = typing.get_args(ann)[0] if typing.get_args(ann) else Any
+            item = typing.get_args(item)[0] if typing.get_origin(item) is Annotated else item
+            (ints if item is int else others).append(limit if limit is not None else 1 << 62)
+    return (max(ints) if ints else None, max(others) if others else None)
+
+
 @functools.lru_cache(maxsize=1024)
 def _warn_ignored_field(model: str, name: str) -> None:
     """Log an ignored request field once per (model, field name); the cache bounds it."""
@@ -103,6 +124,29 @@ class OpenAIRequestModel(OpenAIBaseModel):
     def _strict_bool(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and not isinstance(value, bool) and info.field_name in cls.bool_fields():
             raise ValueError(f"must be a JSON boolean (true or false), got {type(value).__name__}")
+        return value
+
+    @classmethod
+    def list_limits(cls) -> dict[str, tuple[Optional[int], Optional[int]]]:
+        """Field name -> (most items of a list of ints, most items of any other list), from
+        the fields' ``max_length`` (a union such as ``prompt`` has one of each: token ids,
+        and a list of prompts). Computed once per class."""
+        limits = cls.__dict__.get("_list_limits_cache")
+        if limits is None:
+            limits = {n: lim for n, f in cls.model_fields.items() if (lim := _list_limits(f)) != (None, None)}
+            setattr(cls, "_list_limits_cache", limits)
+        return limits
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _early_list_length(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic checks max_length only after validating every item (each union member
+        # in turn): 100k prompts held the event loop ~2.5 s and left ~35 MiB behind before
+        # the 400; the raw list's length is checked here first
+        if isinstance(value, list) and (limits := cls.list_limits().get(info.field_name)) is not None:
+            limit = limits[0] if value and type(value[0]) is int else limits[1]
+            if limit is not None and len(value) > limit:
+                raise ValueError(f"List should have at most {limit} items, not {len(value)}")
         return value
 
     @model_validator(mode="after")
