@@ -5,7 +5,8 @@ Anthropic's message or stream events (``streaming.py``). vLLM's equivalent is
 ``entrypoints/anthropic/serving_messages.py``.
 
 ``max_tokens`` above the room the prompt leaves in the context is clamped to that room
-(llama.cpp's rule: Claude Code asks for 32000 tokens whatever the model), not a 400. The
+(llama.cpp's rule: Claude Code asks for 32000 tokens whatever the model), not a 400; an
+answer cut there stops with ``model_context_window_exceeded`` (Anthropic's reason). The
 prompt is counted for that only when a cheap bound (its UTF-8 bytes; a byte-level
 tokenizer's token never holds less than one byte) says it might not fit.
 """
@@ -75,17 +76,18 @@ class AnthropicServingMessages:
         handler._check_model(request)  # a 404 for an unknown model, before any rendering
         return len((await handler.render(request, request.tools)).token_ids)
 
-    async def _clamped(self, request: AnthropicMessagesRequest) -> ChatCompletionRequest:
+    async def _clamped(self, request: AnthropicMessagesRequest) -> tuple[ChatCompletionRequest, bool]:
         """The chat request with ``max_tokens`` clamped to the room the prompt leaves
-        (at least 1: a prompt that fills the context is the engine's 400)."""
+        (at least 1: a prompt that fills the context is the engine's 400), and whether
+        it was clamped."""
         chat_request = self._chat_request(request)
         max_len = _handler(self.chat, chat_request).max_model_len
         if request.max_tokens + prompt_bytes_bound(chat_request) <= max_len:
-            return chat_request
+            return chat_request, False
         room = max_len - await self._prompt_tokens(chat_request)
         if request.max_tokens <= room:
-            return chat_request
-        return self._chat_request(request, max_tokens=max(1, room))
+            return chat_request, False
+        return self._chat_request(request, max_tokens=max(1, room)), True
 
     async def create_message(self, request: AnthropicMessagesRequest, request_id: Optional[str] = None,
                              ) -> Union[AnthropicMessagesResponse, AsyncGenerator[str, None]]:
@@ -93,13 +95,13 @@ class AnthropicServingMessages:
         of SSE events. Errors before the stream starts are raised (SamplingParamsError
         naming the field, ModelNotFoundError, EngineDeadError), as the chat path raises
         them."""
-        chat_request = await self._clamped(request)
+        chat_request, clamped = await self._clamped(request)
         result = await self.chat.create_chat_completion(chat_request, request_id, wire=False)
         message_id = f"msg_{random_uuid()}"
         if chat_request.stream:
-            writer = MessageStreamWriter(message_id, request.model, request.stop_sequences)
+            writer = MessageStreamWriter(message_id, request.model, request.stop_sequences, clamped)
             return message_events(result, writer)
-        return message_of(result, message_id, request)
+        return message_of(result, message_id, request, clamped)
 
     async def count_tokens(self, request: AnthropicCountTokensRequest) -> AnthropicCountTokensResponse:
         """``input_tokens``: the prompt's tokens as ``/v1/messages`` would render it."""
@@ -120,9 +122,10 @@ def _tool_block(call: Any) -> ContentBlock:
     return ToolUseBlock(id=call.id, name=call.function.name, input=args)
 
 
-def message_of(response: ChatCompletionResponse, message_id: str,
-               request: AnthropicMessagesRequest) -> AnthropicMessagesResponse:
-    """The Anthropic message of the chat path's response (its first and only choice)."""
+def message_of(response: ChatCompletionResponse, message_id: str, request: AnthropicMessagesRequest,
+               clamped: bool = False) -> AnthropicMessagesResponse:
+    """The Anthropic message of the chat path's response (its first and only choice);
+    clamped: ``max_tokens`` was clamped to the context."""
     choice = response.choices[0]
     message = choice.message
     content: list[ContentBlock] = []
@@ -132,6 +135,7 @@ def message_of(response: ChatCompletionResponse, message_id: str,
         content.append(TextBlock(text=message.content))
     content += [_tool_block(call) for call in message.tool_calls]
     called = any(isinstance(b, ToolUseBlock) for b in content)
-    reason, sequence = stop_reason_of(choice.finish_reason, choice.stop_reason, request.stop_sequences, called)
+    reason, sequence = stop_reason_of(choice.finish_reason, choice.stop_reason, request.stop_sequences, called,
+                                      clamped)
     return AnthropicMessagesResponse(id=message_id, model=request.model, content=content, stop_reason=reason,
                                      stop_sequence=sequence, usage=usage_of(response.usage))

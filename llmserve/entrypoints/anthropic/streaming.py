@@ -37,14 +37,15 @@ def usage_of(usage: Any) -> AnthropicUsage:
 
 
 def stop_reason_of(finish_reason: Optional[str], matched: Any, stop_sequences: Optional[list[str]],
-                   tool_called: bool) -> tuple[str, Optional[str]]:
+                   tool_called: bool, clamped: bool = False) -> tuple[str, Optional[str]]:
     """``(stop_reason, stop_sequence)`` of a finished choice: ``tool_use`` when it
-    called a tool, ``max_tokens`` when cut by the budget, ``stop_sequence`` (and which)
-    when one of the request's stop sequences ended it, else ``end_turn``."""
+    called a tool, ``max_tokens`` when cut by the budget (``model_context_window_exceeded``
+    when the budget was clamped to the context: ``clamped``), ``stop_sequence`` (and
+    which) when one of the request's stop sequences ended it, else ``end_turn``."""
     if tool_called and finish_reason in ("stop", "tool_calls"):
         return "tool_use", None
     if finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
     if finish_reason == "stop" and isinstance(matched, str) and matched in (stop_sequences or ()):
         return "stop_sequence", matched
     return "end_turn", None
@@ -54,10 +55,12 @@ class MessageStreamWriter:
     """Turns one request's ChatCompletionStreamResponse objects into Anthropic events.
 
     message_id / model: the message's ``id`` and ``model``; stop_sequences: the
-    request's (to tell a stop sequence from the end of the turn)."""
+    request's (to tell a stop sequence from the end of the turn); clamped: whether
+    ``max_tokens`` was clamped to the room in the context."""
 
-    def __init__(self, message_id: str, model: str, stop_sequences: Optional[list[str]]):
+    def __init__(self, message_id: str, model: str, stop_sequences: Optional[list[str]], clamped: bool = False):
         self.message_id, self.model, self.stop_sequences = message_id, model, stop_sequences
+        self.clamped = clamped
         self.started = False
         self.pinged = False
         self.index = -1  # the open block's index (-1: none open)
@@ -135,7 +138,8 @@ class MessageStreamWriter:
         if not self.pinged:
             self.pinged = True
             events.append(sse_event("ping", {}))
-        reason, sequence = stop_reason_of(self.finish, self.matched, self.stop_sequences, self.tool_called)
+        reason, sequence = stop_reason_of(self.finish, self.matched, self.stop_sequences, self.tool_called,
+                                          self.clamped)
         final = usage_of(usage).model_dump()
         events.append(sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                   "usage": final}))

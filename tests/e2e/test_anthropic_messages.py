@@ -1,0 +1,161 @@
+"""Anthropic's Messages API (``/v1/messages``) against the shared ``server``, through the
+official ``anthropic`` SDK (its types parse every answer) and raw HTTP where the wire
+itself is the point (the exact stream event sequence, the error bodies).
+
+Greedy decoding (``temperature`` 0, sent in the body: SDK 2.x has no argument for it) on
+the float32 server is batch-invariant, so a streamed answer equals the same request's
+whole answer, and a stop sequence taken from an answer cuts that answer there.
+"""
+import json
+
+import anthropic
+import pytest
+from pydantic import TypeAdapter
+
+from e2e_utils import API_KEY, MODEL
+
+GREEDY = {"temperature": 0}
+HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
+WEATHER = {"name": "get_weather", "description": "The weather of a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+           "cache_control": {"type": "ephemeral"}}
+EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    # x-api-key, as the SDK sends it; the timeout lets a non-streamed request ask for a
+    # huge max_tokens (the SDK refuses one it expects to run over 10 minutes otherwise)
+    return anthropic.Anthropic(base_url=server.url_root, api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def sse_events(server, body: dict) -> list[tuple[str, dict]]:
+    """The (event, data) pairs of a streamed /v1/messages answer."""
+    events, kind = [], None
+    with server.http.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((kind, json.loads(line[len("data: "):])))
+    return events
+
+
+def test_claude_code_shaped_request_clamps_max_tokens_and_reports_cache_hits(client):
+    # What Claude Code sends (?beta=true, beta flags, system blocks with cache_control,
+    # a system message inside messages, thinking / context_management / output_config /
+    # metadata) with a max_tokens far above the context: clamped, not a 400.
+    kwargs = dict(
+        model=MODEL, max_tokens=100_000, betas=["claude-code-20250219", "context-management-2025-06-27"],
+        system=[{"type": "text", "text": "You are a helpful assistant."},
+                {"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": HELLO[0]["content"],
+                                                "cache_control": {"type": "ephemeral"}}]},
+                  {"role": "system", "content": "Be friendly."}],
+        metadata={"user_id": "u-1"}, thinking={"type": "adaptive"}, output_config={"effort": "high"},
+        extra_body={**GREEDY, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]}})
+    first = client.beta.messages.create(**kwargs)
+    second = client.beta.messages.create(**kwargs)
+    assert first.content[0].type == "text" and first.content[0].text.strip()
+    assert first.stop_reason == "end_turn" and first.model == MODEL
+    assert second.content[0].text == first.content[0].text
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens > 0  # the whole prompt was cached by the first
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt
+    assert second.usage.output_tokens == first.usage.output_tokens > 0
+
+
+def test_stream_equals_create_and_events_follow_anthropics_sequence(client, server):
+    body = dict(model=MODEL, max_tokens=12, messages=HELLO, **GREEDY)
+    whole = client.messages.create(model=MODEL, max_tokens=12, messages=HELLO, extra_body=GREEDY)
+    with client.messages.stream(model=MODEL, max_tokens=12, messages=HELLO, extra_body=GREEDY) as stream:
+        texts = [event.delta.text for event in stream
+                 if event.type == "content_block_delta" and event.delta.type == "text_delta"]
+        final = stream.get_final_message()
+    assert "".join(texts) == final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    events = sse_events(server, body)
+    kinds = [k for k, _ in events]
+    n = len(kinds)
+    assert kinds[:3] == ["message_start", "content_block_start", "ping"]
+    assert kinds[3:n - 3] == ["content_block_delta"] * (n - 6)
+    assert kinds[n - 3:] == ["content_block_stop", "message_delta", "message_stop"]
+    for kind, data in events:
+        assert data["type"] == kind
+        if kind != "ping":
+            EVENT.validate_python(data)  # the SDK's own event types, validated
+    assert events[-2][1]["delta"]["stop_reason"] == whole.stop_reason
+
+
+def test_tool_round_trip_and_count_tokens(client, server):
+    forced = dict(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = client.messages.create(model=MODEL, max_tokens=48, messages=ask, extra_body=GREEDY, **forced)
+    assert call.stop_reason == "tool_use"
+    use = call.content[-1]
+    assert use.type == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    # the same call streamed: input_json_delta fragments that join to the same input
+    events = sse_events(server, dict(model=MODEL, max_tokens=48, messages=ask, **GREEDY, **forced))
+    start = next(d for k, d in events if k == "content_block_start")
+    assert start["content_block"]["type"] == "tool_use" and start["content_block"]["name"] == "get_weather"
+    fragments = [d["delta"]["partial_json"] for k, d in events
+                 if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert json.loads("".join(fragments)) == use.input
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    # the result goes back; the model answers in text
+    turn = ask + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in call.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": [{"type": "text", "text": "Sunny, 22 C"}]}]}]
+    answer = client.messages.create(model=MODEL, max_tokens=16, messages=turn, tools=[WEATHER],
+                                    extra_body=GREEDY)
+    assert answer.content and answer.content[0].type == "text" and answer.content[0].text.strip()
+    counted = client.messages.count_tokens(model=MODEL, messages=turn, tools=[WEATHER])
+    assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+
+
+def test_stop_sequences_end_the_answer_where_they_match(client):
+    whole = client.messages.create(model=MODEL, max_tokens=12, messages=HELLO, extra_body=GREEDY).content[0].text
+    words = whole.split()
+    assert len(words) >= 3, whole
+    stop = words[2]
+    cut = client.messages.create(model=MODEL, max_tokens=12, messages=HELLO, stop_sequences=[stop],
+                                 extra_body=GREEDY)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == whole[:whole.index(stop)]
+
+
+BAD = [  # (body fields, status, Anthropic error type, what the message must name)
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+     400, "invalid_request_error", "messages.0.content.0"),
+    ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
+    ({"temperature": 1.5}, 400, "invalid_request_error", "temperature"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error",
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "auto"}}, 400, "invalid_request_error", "tool_choice"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "invalid_request_error", "tools.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error",
+     "messages.0.content.0"),
+    ({"model": "no-such-model"}, 404, "not_found_error", "no-such-model"),
+]
+
+
+@pytest.mark.parametrize("fields,status,kind,named", BAD, ids=[b[3] + "-" + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_answers_in_anthropics_error_shape(server, fields, status, kind, named):
+    body = {"model": MODEL, "max_tokens": 8, "messages": HELLO, **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = server.http.post("/v1/messages", json=body)
+    assert r.status_code == status
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+    assert named in r.json()["error"]["message"]
+
+
+def test_auth_and_count_tokens_errors_take_anthropics_shape(server, client):
+    bad_key = anthropic.Anthropic(base_url=server.url_root, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad_key.messages.count_tokens(model=MODEL, messages=HELLO)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [{"type": "document"}]}])
+    assert e.value.body["type"] == "error" and "messages.0.content.0" in e.value.body["error"]["message"]
