@@ -45,7 +45,17 @@ def test_c26_j3_json_object(server):
     assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
+@pytest.mark.parametrize("rf", [{"type": "json_object", "value": SCHEMA}, {"type": "json", "value": SCHEMA}])
+def test_tgi_response_format_shapes_enforce_the_schema(server, rf):
+    """TGI's shapes (what the Hugging Face client sends): the schema in ``value`` is
+    enforced, not dropped to "any JSON object"."""
+    r = server.post("/v1/chat/completions", {**J1, "response_format": rf})
+    assert r.status_code == 200, r.text
+    _person(r.json()["choices"][0]["message"]["content"])
+
+
 @pytest.mark.parametrize("rf", [
+    {"type": "json_object", "value": "not a schema"},
     {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "nonsense"}, "strict": True}},  # J4
     {"type": "bogus"},  # J5
     {"type": "json_schema"},  # no schema object

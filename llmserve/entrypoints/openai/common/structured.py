@@ -6,6 +6,9 @@ completions.
 ``response_format``:
   ``{"type": "text"}``: no constraint.
   ``{"type": "json_object"}``: the output is a JSON object.
+  ``{"type": "json_object", "value": {schema}}`` and ``{"type": "json", "value": {schema}}``:
+    Text Generation Inference's shapes (the Hugging Face client sends them): the schema in
+    ``value`` (or ``schema``) is enforced, never dropped.
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``:
     the output validates against ``schema``. The engine always compiles schemas in
     xgrammar's strict mode, so ``strict: true`` schemas (the official client's
@@ -47,15 +50,26 @@ class ResponseFormat(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "json"]
     json_schema: Optional[JsonSchemaResponseFormat] = None
+
+    def tgi_schema(self) -> Optional[Any]:
+        """The schema of TGI's ``{"type": "json_object" | "json", "value": schema}`` (or
+        ``"schema"``), or None."""
+        extra = self.model_extra or {}
+        return extra.get("value", extra.get("schema"))
 
 
 def _from_response_format(rf: ResponseFormat) -> Optional[StructuredOutputsParams]:
     if rf.type == "text":
         return None
-    if rf.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
+    if rf.type in ("json_object", "json"):
+        schema = rf.tgi_schema()
+        if schema is None:
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise SamplingParamsError("response_format.value must be a JSON schema object.", "response_format")
+        return StructuredOutputsParams(json=schema)
     if rf.json_schema is None:
         raise SamplingParamsError("response_format of type 'json_schema' needs a 'json_schema' object "
                                   "with a 'schema'.", "response_format")
