@@ -21,8 +21,9 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
   answer is text (Anthropic's default ``auto`` lets the model answer without a tool);
   an explicit ``auto`` there is a 400 naming ``tool_choice``.
 - ``thinking``: ``enabled``/``adaptive``/``between_tools`` ->
-  ``chat_template_kwargs.enable_thinking`` true, ``disabled`` -> false (the reasoning parser splits the output; without one the
-  template's switch is all it does). ``budget_tokens`` is not enforced.
+  ``chat_template_kwargs.enable_thinking`` true, ``disabled`` -> false (the reasoning
+  parser splits the output; without one the template's switch is all it does).
+  ``budget_tokens`` is not enforced.
 - ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> a JSON-schema
   ``response_format`` (structured outputs); ``output_config.effort`` is ignored (no
   effort switch on a local model).
