@@ -150,3 +150,5 @@ def test_errors_in_ollama_shape(server):
     _error(httpx.post(server.url_for("api/chat"), json={"model": MODEL, "messages": ASK}), 401)
     loaded = post("/api/generate", {"model": MODEL}).json()  # Ollama's "load the model" request
     assert loaded["done"] and loaded["done_reason"] == "load"
+    unloaded = post("/api/chat", {"model": MODEL, "messages": [], "keep_alive": 0}).json()
+    assert unloaded["done"] and unloaded["done_reason"] == "unload"

@@ -186,7 +186,7 @@ async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[st
     name = served_name(state, req.model)
     wire = OllamaWire(name, chat=True)
     if not req.messages:
-        return wire.loaded(), {}
+        return wire.loaded(req.keep_alive), {}
     chat = handler(state, "openai_serving_chat", name)
     common, choice = chat_request(req, name, chat)
     stats = RunStats()
@@ -200,7 +200,7 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     name = served_name(state, req.model)
     wire = OllamaWire(name, chat=False)
     if not req.prompt and req.suffix is None:
-        return wire.loaded()
+        return wire.loaded(req.keep_alive)
     chat = handler(state, "openai_serving_chat", name)
     common = generate_request(req, name, chat)
     stats = RunStats()

@@ -164,10 +164,12 @@ class OllamaWire:
         """The last object: ``done: true`` with the statistics."""
         return {**self.partial(content, thinking, tool_calls, done=True), **stats.final_fields()}
 
-    def loaded(self) -> dict[str, Any]:
+    def loaded(self, keep_alive: Any = None) -> dict[str, Any]:
         """Ollama's answer to a request with nothing to generate (an empty prompt or no
-        messages, which Ollama clients send to load a model): ``done_reason: "load"``."""
-        return {**self.partial(""), "done": True, "done_reason": "load"}
+        messages, which Ollama clients send to load a model): ``done_reason: "load"``, or
+        "unload" with ``keep_alive`` 0 (the model stays loaded here all the same)."""
+        unload = keep_alive in (0, "0") or (isinstance(keep_alive, str) and keep_alive.strip("0") in ("s", "m", "h"))
+        return {**self.partial(""), "done": True, "done_reason": "unload" if unload else "load"}
 
     async def lines(self, chunks: AsyncGenerator[Any, None], stats: RunStats) -> AsyncGenerator[bytes, None]:
         """The NDJSON stream; an error after the start is a last ``{"error"}`` line."""

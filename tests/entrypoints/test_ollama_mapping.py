@@ -1,0 +1,102 @@
+"""Ollama's front door without a server: ``options`` / ``format`` -> the common request's
+fields, messages -> the common messages, the common stream objects -> NDJSON lines (tool
+calls assembled from their fragments, an error after the start as a last ``{"error"}``
+line). The real server and clients are tests/e2e/test_ollama_api.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmserve.entrypoints.ollama.options import sampling_fields, structured_fields
+from llmserve.entrypoints.ollama.protocol import OllamaMessage
+from llmserve.entrypoints.ollama.serving import openai_message
+from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats
+from llmserve.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponseStreamChoice,
+                                                                  ChatCompletionStreamResponse, DeltaFunctionCall,
+                                                                  DeltaMessage, DeltaToolCall)
+from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.sampling_params import SamplingParamsError
+
+
+def test_options_map_to_sampling_fields():
+    got = sampling_fields({"temperature": 0.2, "top_k": 40, "num_predict": -1, "repeat_penalty": 1.1,
+                           "stop": ["\n"], "num_ctx": 8192, "num_thread": 4, "mirostat": 0, "new_knob": 1})
+    assert got == {"temperature": 0.2, "top_k": 40, "max_tokens": None, "repetition_penalty": 1.1, "stop": ["\n"]}
+    assert sampling_fields({"num_predict": 5, "seed": 3.0}) == {"max_tokens": 5, "seed": 3}
+    for bad, param in (({"mirostat": 2}, "options.mirostat"), ({"temperature": "hot"}, "options.temperature"),
+                       ({"top_k": 1.5}, "options.top_k"), ({"num_predict": -3}, "options.num_predict"),
+                       ({"stop": [1]}, "options.stop"), ({"seed": True}, "options.seed")):
+        with pytest.raises(SamplingParamsError) as e:
+            sampling_fields(bad)
+        assert e.value.param == param
+
+
+def test_format_maps_to_structured_outputs():
+    assert structured_fields(None) == structured_fields("") == {}
+    assert structured_fields("json") == {"structured_outputs": {"json_object": True}}
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    assert structured_fields(schema) == {"structured_outputs": {"json": schema}}
+    with pytest.raises(SamplingParamsError) as e:
+        structured_fields("yaml")
+    assert e.value.param == "format"
+
+
+def test_messages_map_to_common_messages():
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    out = openai_message(OllamaMessage(role="assistant", content="", tool_calls=[call]), 1)
+    assert out["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    tool = openai_message(OllamaMessage(role="tool", content="Sunny", tool_name="get_weather"), 2)
+    assert tool["name"] == "get_weather" and tool["tool_call_id"]
+    for bad in (OllamaMessage(role="user", content="x", images=["AA=="]), OllamaMessage(role="robot")):
+        with pytest.raises(SamplingParamsError):
+            openai_message(bad, 0)
+
+
+def _chunk(delta: DeltaMessage, finish=None) -> ChatCompletionStreamResponse:
+    return ChatCompletionStreamResponse(id="c", created=0, model="m", choices=[
+        ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)])
+
+
+async def _gen(items, fail: bool = False):
+    for item in items:
+        yield item
+    if fail:
+        raise ValueError("the engine said no")
+
+
+async def _lines(items, fail: bool = False) -> list[dict]:
+    return [json.loads(line) async for line in OllamaWire("m", chat=True).lines(_gen(items, fail), RunStats())]
+
+
+async def test_stream_lines_with_tool_call_fragments():
+    frags = [DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunctionCall(name="get_weather")),
+             DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='{"city": ')),
+             DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='"Paris"}'))]
+    items = [_chunk(DeltaMessage(role="assistant", content="")), _chunk(DeltaMessage(content="Let me see.")),
+             *[_chunk(DeltaMessage(tool_calls=[f])) for f in frags], _chunk(DeltaMessage(), "tool_calls"),
+             ChatCompletionStreamResponse(id="c", created=0, model="m", choices=[],
+                                          usage=UsageInfo(prompt_tokens=7, completion_tokens=9, total_tokens=16))]
+    lines = await _lines(items)
+    assert [ln["done"] for ln in lines] == [False, False, True]
+    assert lines[0]["message"] == {"role": "assistant", "content": "Let me see."}
+    assert lines[1]["message"]["tool_calls"] == [
+        {"id": "call_1", "function": {"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    last = lines[-1]
+    assert last["done_reason"] == "stop" and last["prompt_eval_count"] == 7 and last["eval_count"] == 9
+    assert last["total_duration"] >= last["prompt_eval_duration"] >= 0 and last["load_duration"] == 0
+
+
+async def test_error_after_start_is_an_ndjson_error_line():
+    lines = await _lines([_chunk(DeltaMessage(content="Hi"))], fail=True)
+    assert lines[0]["message"]["content"] == "Hi"
+    assert lines[-1] == {"error": "the engine said no"}
+
+
+async def test_cut_off_tool_call_is_an_error_not_text():
+    items = [_chunk(DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="c", function=DeltaFunctionCall(
+        name="f", arguments='{"city": "Par'))])), _chunk(DeltaMessage(), "length")]
+    with pytest.raises(ValueError, match="cut off"):
+        await OllamaWire("m", chat=True).whole(_gen(items), RunStats())
+    assert "cut off" in (await _lines(items))[-1]["error"]
+
