@@ -3,6 +3,8 @@
 * InprocClient: the EngineCore in this process; ``get_output`` runs one step.
 * SyncMPClient: EngineCoreProc in a child process, blocking calls (used by LLMEngine).
 * AsyncMPClient: same, asyncio calls (used by AsyncLLM).
+* DPAsyncMPClient: the AsyncMPClient of one data-parallel rank (external load balancing);
+  ``DPLBAsyncMPClient`` (``dp_client.py``) balances over several ranks' AsyncMPClients.
 
 ``EngineCoreClient.make_client`` (LLMEngine) and ``make_async_mp_client`` (AsyncLLM) pick
 one. The process plumbing (spawn, sockets, death monitor, cleanup) is in
@@ -27,6 +29,7 @@ import zmq.asyncio
 from llmserve.config import EngineConfig
 from llmserve.engine import core_process
 from llmserve.engine.core_process import MPResources, monitor_engine_process, spawn_engine_process
+from llmserve.engine.dp_client import DPLBAsyncMPClient, rank_config
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import (
     EngineCoreOutputs,
@@ -86,13 +89,10 @@ class EngineCoreClient:
         if client_addresses:
             _check_client_addresses(client_addresses, pc.data_parallel_size if internal_lb else None)
         if pc is not None and pc.data_parallel_external_lb:
-            from llmserve.engine.dp_client import DPAsyncMPClient
-
             return DPAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses, client_index)
         if internal_lb:
-            from llmserve.engine.dp_client import DPLBAsyncMPClient
-
-            return DPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_index, client_addresses)
+            return DPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_index, client_addresses,
+                                     rank_client=AsyncMPClient)
         return AsyncMPClient(vllm_config, executor_class, log_stats, client_addresses, client_index)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
@@ -480,3 +480,32 @@ async def _async_reader(client_ref, sock, decoder, out_queue: asyncio.Queue) -> 
         out_queue.put_nowait(outs)
         if outs.dead is not None:
             return
+
+
+class DPAsyncMPClient(AsyncMPClient):
+    """The client of ONE data-parallel rank, for external load balancing (vLLM's
+    ``DPAsyncMPClient`` under ``--data-parallel-external-lb``): each API server owns rank
+    ``data_parallel_rank`` of ``data_parallel_size`` and a load balancer in front spreads
+    the requests. An ``AsyncMPClient`` whose outputs carry ``engine_index = rank`` (so
+    stats and ``/metrics`` are labelled ``engine="<rank>"``); the engine gets
+    ``cores / data_parallel_size_local`` threads (the ranks on this host share it).
+    ``data_parallel_rank`` on a request must be this rank or None (ValueError)."""
+
+    def __init__(self, vllm_config: Any, executor_class: Optional[type] = None, log_stats: bool = False,
+                 client_addresses: Optional[dict[str, str]] = None, client_index: int = 0) -> None:
+        pc = vllm_config.parallel_config
+        self.data_parallel_rank = pc.data_parallel_rank or 0
+        cfg = rank_config(vllm_config, pc.data_parallel_size_local or 1)
+        super().__init__(cfg, executor_class, log_stats, client_addresses, client_index)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        outs = await super().get_output_async()
+        outs.engine_index = self.data_parallel_rank
+        return outs
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        pinned = request.data_parallel_rank
+        if pinned is not None and pinned != self.data_parallel_rank:
+            raise ValueError(f"data_parallel_rank={pinned}: this server owns rank {self.data_parallel_rank} "
+                             "only (--data-parallel-external-lb)")
+        await super().add_request_async(request)

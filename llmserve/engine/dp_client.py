@@ -2,7 +2,9 @@
 ``vllm/v1/engine/core_client.py``).
 
 ``DPAsyncMPClient`` (``--data-parallel-external-lb``) is the client of the one rank this
-API server owns; a load balancer in front spreads requests over the servers.
+API server owns; a load balancer in front spreads requests over the servers. It is an
+``AsyncMPClient`` subclass, so it lives beside its base in ``core_client.py`` (as in
+vLLM); this module imports nothing of ``core_client``.
 
 ``DPLBAsyncMPClient`` starts ``data_parallel_size`` EngineCore processes (one
 ``AsyncMPClient`` each: own sockets, own death monitor) and balances requests over them:
@@ -29,9 +31,8 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from llmserve.engine.core_client import AsyncMPClient
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, StreamingInputChunk
 
@@ -49,35 +50,6 @@ def rank_config(config: Any, dp_size: int) -> Any:
     return dataclasses.replace(config, num_threads=max(1, cores // dp_size))
 
 
-class DPAsyncMPClient(AsyncMPClient):
-    """The client of ONE data-parallel rank, for external load balancing (vLLM's
-    ``DPAsyncMPClient`` under ``--data-parallel-external-lb``): each API server owns rank
-    ``data_parallel_rank`` of ``data_parallel_size`` and a load balancer in front spreads
-    the requests. An ``AsyncMPClient`` whose outputs carry ``engine_index = rank`` (so
-    stats and ``/metrics`` are labelled ``engine="<rank>"``); the engine gets
-    ``cores / data_parallel_size_local`` threads (the ranks on this host share it).
-    ``data_parallel_rank`` on a request must be this rank or None (ValueError)."""
-
-    def __init__(self, vllm_config: Any, executor_class: Optional[type] = None, log_stats: bool = False,
-                 client_addresses: Optional[dict[str, str]] = None, client_index: int = 0) -> None:
-        pc = vllm_config.parallel_config
-        self.data_parallel_rank = pc.data_parallel_rank or 0
-        cfg = rank_config(vllm_config, pc.data_parallel_size_local or 1)
-        super().__init__(cfg, executor_class, log_stats, client_addresses, client_index)
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        outs = await super().get_output_async()
-        outs.engine_index = self.data_parallel_rank
-        return outs
-
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        pinned = request.data_parallel_rank
-        if pinned is not None and pinned != self.data_parallel_rank:
-            raise ValueError(f"data_parallel_rank={pinned}: this server owns rank {self.data_parallel_rank} "
-                             "only (--data-parallel-external-lb)")
-        await super().add_request_async(request)
-
-
 class DPLBAsyncMPClient:
     """asyncio client of ``data_parallel_size_local`` engine processes with internal load
     balancing; same surface as ``AsyncMPClient``. Raises RuntimeError if a rank fails to
@@ -87,10 +59,15 @@ class DPLBAsyncMPClient:
     attached mode, API server ``client_index`` of several (``--api-server-count``): the
     launcher started the N engines, this client binds its own address pair per rank, never
     starts or stops an engine, and balances by the engines' reported counts (which include
-    the other API servers' requests) plus what it sent since (no coordinator)."""
+    the other API servers' requests) plus what it sent since (no coordinator).
+
+    ``rank_client``: the class of one rank's client, ``AsyncMPClient`` (passed in by
+    ``EngineCoreClient.make_async_mp_client``, so this module does not import
+    ``core_client``, which picks this class: no import circle)."""
 
     def __init__(self, vllm_config: Any, executor_class: Optional[type] = None, log_stats: bool = False,
-                 client_index: int = 0, client_addresses: Optional[dict[str, list[str]]] = None) -> None:
+                 client_index: int = 0, client_addresses: Optional[dict[str, list[str]]] = None, *,
+                 rank_client: Callable[..., Any]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         pc = vllm_config.parallel_config
@@ -101,7 +78,7 @@ class DPLBAsyncMPClient:
         cfg = rank_config(vllm_config, self.dp_size)
         # The ranks load their models at the same time (or, attached, say READY).
         with ThreadPoolExecutor(self.dp_size) as pool:
-            futs = [pool.submit(AsyncMPClient, cfg, executor_class, log_stats, self._rank_addresses(r), client_index)
+            futs = [pool.submit(rank_client, cfg, executor_class, log_stats, self._rank_addresses(r), client_index)
                     for r in range(self.dp_size)]
         self.cores: list = []
         errors = []
