@@ -424,11 +424,13 @@ class AdmissionConfig:
       request's wait stays near two request lifetimes instead of growing without limit.
     engine_stall_timeout: seconds without engine progress, while requests are in flight,
       after which ``/health`` answers 503 (0: never).
-    max_queue_delay: while the engine's running batch is full, seconds a new request may
-      be predicted to wait before the engine starts it (its place in the queue over the
-      measured drain rate); past it, 429
-      ``queue_delay`` (0: no such bound). Applies only while ``max_waiting_requests`` is
-      a bound (not -1) and once a request has finished (the rate is measured). The
+    max_queue_delay: seconds a new request that would wait for a batch slot (the admitted
+      requests fill ``max_num_seqs``) may be predicted to wait before the engine starts it
+      (its place in the queue over the drain rate: ``max_num_seqs`` over the time finished
+      requests spent in the batch); past it, 429 ``queue_delay`` (0: no such bound).
+      Applies only while ``max_waiting_requests`` is a bound (not -1); before any request
+      has finished (a cold start) a request that would wait is refused, so a cold burst
+      gets the free batch slots, not the whole waiting bound. The
       server's default (``--max-queue-delay`` unset) is 1 s, about one time-to-first-token
       of an unloaded CPU server: an accepted request then waits at most about as long as
       its prefill, so under overload its TTFT stays within ~2x of an unloaded server's,
