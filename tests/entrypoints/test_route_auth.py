@@ -140,6 +140,7 @@ def test_openapi_shows_the_server_limits(smol_tokenizer):
                                                 "description": limits["max_request_body_bytes"]["description"]}
     assert limits["timeout_request_body"]["value"] == 7.0 and limits["timeout_request_body"]["unit"] == "seconds"
     assert limits["max_waiting_requests"]["value"] == 9
+    assert limits["max_queue_delay"]["value"] == 1.0  # the default, as the admission controller applies it
     assert limits["max_model_len"]["value"] == 64  # the served context, from the app state
     assert limits["max_prompt_chars"]["value"] >= 64 and limits["max_prompts_per_request"]["value"] == 1024
     assert limits["max_request_timeout"]["unit"] == "seconds"
@@ -151,3 +152,15 @@ def test_openapi_shows_the_server_limits(smol_tokenizer):
     header = next(p for p in chat["parameters"] if p["name"] == "X-Request-Timeout")
     assert header["in"] == "header" and header["schema"]["maximum"] == 86400
     assert "parameters" not in doc["paths"]["/tokenize"]["post"]  # not a deadline route
+
+
+def test_deep_json_to_invocations_is_a_400(client):
+    """A body nested ~450 levels deep to /invocations was a 500 (RecursionError); the one
+    depth guard (json_depth.JsonDepthMiddleware) answers it, after authentication."""
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    deep = '{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + "[" * 450 + "]" * 450 + "}"
+    assert client.post("/invocations", content=deep, headers={"Content-Type": "application/json"}).status_code == 401
+    for body in (deep, "[" * 5000 + "]" * 5000, '{"prompt": ' + '{"a": ' * 2000 + "1" + "}" * 2000 + "}"):
+        r = client.post("/invocations", content=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text[:300]
+        assert "nested too deeply" in r.json()["error"]["message"], r.text[:300]

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from llmserve.engine_defaults import parse_bytes
 from llmserve.entrypoints.openai.common import limits as L
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse
 from llmserve.entrypoints.openai.deadline import MAX_REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_HEADER
@@ -47,8 +48,14 @@ FLAG_LIMITS: tuple[tuple[str, str, str], ...] = (
     ("max_request_body_bytes", "bytes", "largest request body (larger: 413)"),
     ("max_audio_file_bytes", "bytes", "largest audio file of /v1/audio/* (larger: 400 naming `file`)"),
     ("timeout_request_headers", "seconds", "time to send a request's headers (then 408, connection closed)"),
-    ("timeout_request_body", "seconds", "longest pause while a request body is sent (then 408)"),
+    ("timeout_request_body", "seconds", "from the headers to the body's last byte (then 408, connection closed)"),
+    ("min_request_body_rate", "bytes/second", "average rate a request body must keep (then 408, connection closed)"),
+    ("max_request_bodies_per_client", "requests", "unfinished request bodies per client address (then 429)"),
+    ("max_connections_per_client", "connections", "open connections per client address (then 429, closed)"),
     ("timeout_keep_alive", "seconds", "idle keep-alive connection lifetime"),
+    ("request_chat_template_timeout", "seconds",
+     "render time of a request's own chat_template (with --trust-request-chat-template)"),
+    ("request_chat_template_memory", "bytes", "memory of a request chat_template's render"),
     ("max_waiting_requests", "requests", "requests waiting for the engine before new ones get 429 (-1: unbounded)"),
     ("max_queue_delay", "seconds", "predicted queue wait above which a new request gets 429"),
     ("max_model_len", "tokens", "context length: prompt plus output"),
@@ -74,10 +81,17 @@ def server_limits(app: FastAPI, args: Any = None) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for attr, unit, what in FLAG_LIMITS:
         value = getattr(args, attr, None) if args is not None else None
+        if isinstance(value, str) and unit == "bytes":  # a size flag ("512MiB")
+            value = parse_bytes(value)
         if value is not None:
             out[attr] = {"value": value, "unit": unit, "description": what, "flag": "--" + attr.replace("_", "-")}
     for name, (value, unit, what) in FIXED_LIMITS.items():
         out[name] = {"value": value, "unit": unit, "description": what}
+    admission = getattr(getattr(app.state, "admission", None), "config", None)
+    for attr, unit, what in FLAG_LIMITS:  # the admission bounds as applied (a default computed from the engine)
+        if attr not in out and getattr(admission, attr, None) is not None:
+            out[attr] = {"value": getattr(admission, attr), "unit": unit, "description": what,
+                         "flag": "--" + attr.replace("_", "-")}
     models = getattr(app.state, "openai_serving_models", None)
     if getattr(models, "max_model_len", None):
         out["max_model_len"] = {"value": models.max_model_len, "unit": "tokens",
@@ -90,12 +104,15 @@ def server_limits(app: FastAPI, args: Any = None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _fmt(value: Any) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
 def _limits_text(limits: dict[str, dict[str, Any]]) -> str:
     lines = ["Limits of this server (also in `x-llmserve-limits`; 0 means none):"]
     for name, lim in limits.items():
         flag = f" (`{lim['flag']}`)" if "flag" in lim else ""
-        lines.append(f"- {name}: {lim['value']:g} {lim['unit']}{flag}, {lim['description']}"
-                     if isinstance(lim["value"], (int, float)) else f"- {name}: {lim['value']}{flag}")
+        lines.append(f"- {name}: {_fmt(lim['value'])} {lim['unit']}{flag}, {lim['description']}")
     return "\n".join(lines)
 
 
@@ -105,7 +122,7 @@ def _error(description: str) -> dict[str, Any]:
 
 def _limit(limits: dict[str, dict[str, Any]], name: str) -> str:
     value = limits.get(name, {}).get("value")
-    return f" ({value:g} {limits[name]['unit']} here)" if isinstance(value, (int, float)) and value else ""
+    return f" ({_fmt(value)} {limits[name]['unit']} here)" if isinstance(value, (int, float)) and value else ""
 
 
 def _timeout_header() -> dict[str, Any]:
