@@ -125,6 +125,15 @@ def test_stop_sequences_end_the_answer_where_they_match(client):
     assert cut.content[0].text == whole[:whole.index(stop)]
 
 
+def test_output_config_format_is_enforced(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    reply = client.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(reply.content[0].text)["answer"] in ("yes", "no")
+
+
 BAD = [  # (body fields, status, Anthropic error type, what the message must name)
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
