@@ -144,8 +144,8 @@ def save_rtn_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32,
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from llmserve.model_loader.hf_reference import load_hf_model, resolve_model_files
-    from llmserve.tokenizer import get_tokenizer
+    # Not llmserve.tokenizer: it imports the model loader, which imports this module.
+    from llmserve.model_loader.hf_reference import load_hf_model, load_hf_tokenizer
 
     hf = load_hf_model(src, "float32") if not os.path.isdir(src) else AutoModelForCausalLM.from_pretrained(src)
     state = hf.state_dict()
@@ -178,8 +178,7 @@ def save_rtn_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32,
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     if save_tokenizer:
-        path, gguf = resolve_model_files(src)
-        get_tokenizer(path, gguf).save_pretrained(dst)
+        load_hf_tokenizer(src).save_pretrained(dst)
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from llmserve.model_loader.resolve import resolve_model
 
-__all__ = ["resolve_model_files", "load_hf_config", "load_hf_model"]
+__all__ = ["resolve_model_files", "load_hf_config", "load_hf_model", "load_hf_tokenizer"]
 
 
 def resolve_model_files(model: str) -> tuple[str, Optional[str]]:
@@ -43,6 +43,18 @@ def load_hf_config(model: str) -> Any:
 
     path, gguf = resolve_model_files(model)
     return AutoConfig.from_pretrained(path, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(path)
+
+
+def load_hf_tokenizer(model: str) -> Any:
+    """The transformers tokenizer of ``model`` (``AutoTokenizer``, local files only; rebuilt
+    from the GGUF metadata for a GGUF model), uncached: for one-off tools such as the
+    compressed-tensors writer (the server's cached loading is ``llmserve.tokenizer``).
+    Raises ValueError for a model it cannot find."""
+    from transformers import AutoTokenizer
+
+    path, gguf = resolve_model_files(model)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
 
 
 def _torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
