@@ -287,6 +287,18 @@ def check_vllm_compat_args(args: argparse.Namespace) -> None:
         args.disable_log_requests = False
 
 
+def _serve_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The option strings of the serve flags: ``parser``'s own, plus its ``serve``
+    subcommand's when ``parser`` is the top-level ``llmserve`` parser. Read from the parser
+    given rather than by building ``cli_args.make_arg_parser()`` here: cli_args imports
+    this module (no import circle)."""
+    known = dict(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and "serve" in action.choices:
+            known.update(action.choices["serve"]._option_string_actions)
+    return known
+
+
 def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``--config FILE`` (vLLM's): the YAML mapping's flags are put before the command
     line's, so flags given there win. ``key: true`` -> ``--key``; ``key: false`` ->
@@ -308,9 +320,7 @@ def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list
             parser.error(f"--config: cannot read {path!r}: {e}")
         if not isinstance(config, dict):
             parser.error(f"--config: {path!r} must hold a mapping of flag names to values")
-        from llmserve.entrypoints.openai.cli_args import make_arg_parser
-
-        known = make_arg_parser()._option_string_actions  # the serve flags (parser may be the top level)
+        known = _serve_flags(parser)
         extra: list[str] = []
         for key, value in config.items():
             flag = "--" + str(key).replace("_", "-")
