@@ -82,6 +82,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ttft = sorted(stats["ttft"])
     return {"concurrency": args.concurrency, "duration_s": args.duration,
             "status": dict(stats["status"]), "refusals_without_retry_after": stats["no_retry_after"],
+            "refusals_not_429": sum(n for code, n in stats["status"].items() if code not in (200, 429)),
             "timeouts": stats["timeouts"], "other_errors": stats["errors"][:5], "n_errors": len(stats["errors"]),
             "ttft_median_s": statistics.median(ttft) if ttft else None,
             "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))] if ttft else None}
@@ -105,6 +106,7 @@ async def run_ab(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_ratio": med["overload"] / med["baseline"], "load_avg": load,
             "timeouts": sum(r["timeouts"] for v in rounds.values() for r in v),
             "refusals_without_retry_after": sum(r["refusals_without_retry_after"] for v in rounds.values() for r in v),
+            "refusals_not_429": sum(r["refusals_not_429"] for v in rounds.values() for r in v),
             "other_errors": sum(r["n_errors"] for v in rounds.values() for r in v)}
 
 

@@ -191,11 +191,14 @@ class BodyLimitMiddleware:
             return await receive()
         task = asyncio.ensure_future(receive())
         waiters = {task} if body.cut is None else {task, body.cut}
-        done, _ = await asyncio.wait(waiters, timeout=None if wait is None else max(wait, 0.0),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=None if wait is None else max(wait, 0.0),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():  # cut, timed out, or this request cancelled (shutdown)
+                task.cancel()
         if task in done:
             return task.result()
-        task.cancel()
         if body.cut is not None and body.cut.done():
             raise body.cut.result()
         raise self._too_slow(body)
