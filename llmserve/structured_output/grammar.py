@@ -39,7 +39,7 @@ def grammar_key(params: StructuredOutputsParams, any_whitespace: bool = True) ->
                                       f"{type(schema).__name__}", "structured_outputs")
         # jsonschema's meta-schema check and xgrammar recurse over the schema: bound it
         # (the same limit as request bodies), so a deep schema is a 400, not a RecursionError
-        from llmserve.entrypoints.openai.common.limits import check_json_depth
+        from llmserve.json_limits import check_json_depth
 
         check_json_depth(schema, "structured_outputs")
         return "json", json.dumps(schema, sort_keys=True), any_ws

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.json_limits import MAX_JSON_DEPTH, check_json_depth, json_too_deep  # noqa: F401  (re-exports)
 
 # The request body, in bytes (``--max-request-body-bytes``; 0 turns the limit off).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
@@ -41,11 +42,8 @@ MAX_PROMPTS_PER_REQUEST = 1024
 # ``messages``: messages per request, and content parts per message.
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024
-# JSON nesting: levels of arrays/objects in a request body (the body itself is level 1)
-# and in a JSON schema given as text. Real requests nest < 20 levels; the recursive
-# checks over user JSON (jsonschema's meta-schema check, _hoist_defs, Jinja, xgrammar)
-# hit Python's recursion limit near 200 levels, which was a 500 (RecursionError).
-MAX_JSON_DEPTH = 64
+# JSON nesting (MAX_JSON_DEPTH, json_too_deep, check_json_depth): in llmserve/json_limits.py,
+# which the engine's structured-output code shares; re-exported here.
 # A prompt of up to this many characters is always tokenized (so an over-long prompt is
 # told its exact token count); beyond it and beyond ``PromptCharLimit.limit`` it is
 # refused without tokenizing.
@@ -177,30 +175,3 @@ def message_texts(messages: Iterable[Any]) -> list[str]:
                 if isinstance(part, dict):
                     out.extend(v.strip() for k in ("text", "refusal") if isinstance(v := part.get(k), str))
     return out
-
-
-def json_too_deep(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Optional[str]:
-    """The path (``a.0.b``, "" for the root) of the first array/object of the parsed JSON
-    ``value`` nested deeper than ``max_depth`` levels (the root is level 1), or None.
-    Iterative, so it never recurses itself; stops at the first level past the bound."""
-    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
-    while stack:
-        node, depth, path = stack.pop()
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for key, child in items:
-            if isinstance(child, (dict, list)):
-                where = f"{path}.{key}" if path else str(key)
-                if depth + 1 > max_depth:
-                    return where
-                stack.append((child, depth + 1, where))
-    return None
-
-
-def check_json_depth(value: Any, param: str, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Raise SamplingParamsError (400 naming ``param``) when ``value`` nests more than
-    ``max_depth`` levels (see :func:`json_too_deep`)."""
-    where = json_too_deep(value, max_depth)
-    if where is not None:
-        raise SamplingParamsError(
-            f"`{param}` is nested too deeply (at {(where or 'its root')[:120]}): at most {max_depth} levels of "
-            "JSON arrays and objects are accepted.", param)
