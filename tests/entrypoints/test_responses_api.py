@@ -158,7 +158,6 @@ def test_store_evicts_oldest_first():
     ({"input": [{"type": "image_generation_call"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice"),  # no auto flags

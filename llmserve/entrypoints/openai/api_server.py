@@ -238,7 +238,8 @@ async def init_generate_state(engine_client: Any, state: Any, args: argparse.Nam
                                                               log_requests=log_requests)
     state.openai_serving_responses = OpenAIServingResponses(
         engine_client, models, renderer, log_requests=log_requests,
-        store_max_entries=getattr(args, "responses_store_max_entries", None) or DEFAULT_STORE_MAX_ENTRIES)
+        store_max_entries=getattr(args, "responses_store_max_entries", None) or DEFAULT_STORE_MAX_ENTRIES,
+        unsupported_tools=getattr(args, "responses_unsupported_tools", None) or "drop")
     configure_handlers(state, args)
 
 

@@ -132,10 +132,15 @@ def _adds_bos(tokenizer: Any) -> tuple[Optional[int], bool]:
     return bos, bool(ids) and ids[0] == bos and tokenizer.encode("a", add_special_tokens=False)[:1] != [bos]
 
 
-@functools.lru_cache(maxsize=8)
 def find_fim_tokens(tokenizer: Any, gguf_path: Optional[str] = None) -> Optional[FimTokens]:
     """The model's FIM tokens (GGUF metadata first, then the vocabulary by name), or
-    None when it lacks a prefix, suffix or middle token. Cached per (tokenizer, path)."""
+    None when it lacks a prefix, suffix or middle token. Cached per (tokenizer, path,
+    vocabulary size), so a tokenizer given new tokens is looked at again."""
+    return _find_fim_tokens(tokenizer, gguf_path, len(tokenizer))
+
+
+@functools.lru_cache(maxsize=8)
+def _find_fim_tokens(tokenizer: Any, gguf_path: Optional[str], vocab_size: int) -> Optional[FimTokens]:
     found = {**_vocab_ids(tokenizer), **_gguf_ids(gguf_path)}
     if not all(role in found for role in ("prefix", "suffix", "middle")):
         return None

@@ -1,12 +1,17 @@
-"""``/v1/responses`` routes: create (``POST``), retrieve (``GET``), delete (``DELETE``)
-and cancel (``POST .../cancel``), thin over OpenAIServingResponses."""
+"""``/v1/responses`` routes: create (``POST``), retrieve (``GET``, and with
+``?stream=true[&starting_after=N]`` the stored events again), the input items (``GET
+.../input_items``), delete (``DELETE``) and cancel (``POST .../cancel``), thin over
+OpenAIServingResponses."""
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI, Request
+from typing import Optional
+
+from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import Response
 
 from llmserve.entrypoints.openai.responses.protocol import DeletedResponse, ResponsesRequest, ResponsesResponse
-from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
+from llmserve.entrypoints.openai.responses.listing import DEFAULT_LIMIT, ResponseItemList
+from llmserve.entrypoints.openai.responses.serving import DROPPED_TOOLS_HEADER, OpenAIServingResponses
 from llmserve.entrypoints.openai.server_utils import json_response, request_id_of, result_response, \
     with_cancellation
 
@@ -19,13 +24,25 @@ def responses(raw_request: Request) -> OpenAIServingResponses:
 
 @router.post("/v1/responses")
 async def create_responses(request: ResponsesRequest, raw_request: Request) -> Response:
-    return result_response(await with_cancellation(
-        raw_request, responses(raw_request).create_responses(request, request_id_of(raw_request))))
+    handler = responses(raw_request)
+    response = result_response(await with_cancellation(
+        raw_request, handler.create_responses(request, request_id_of(raw_request))))
+    dropped = handler.dropped_tools(request)
+    if dropped:  # --responses-unsupported-tools drop: say which tools the model never saw
+        response.headers[DROPPED_TOOLS_HEADER] = ",".join(dropped)[:4096]
+    return response
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponsesResponse)
-async def retrieve_responses(response_id: str, raw_request: Request) -> Response:
-    return json_response(responses(raw_request).retrieve_responses(response_id))
+async def retrieve_responses(response_id: str, raw_request: Request, stream: bool = False,
+                             starting_after: Optional[int] = None) -> Response:
+    return result_response(responses(raw_request).retrieve_responses(response_id, stream, starting_after))
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=ResponseItemList)
+async def list_input_items(response_id: str, raw_request: Request, after: Optional[str] = None,
+                           limit: int = Query(DEFAULT_LIMIT), order: str = "desc") -> Response:
+    return json_response(responses(raw_request).list_input_items(response_id, after, limit, order))
 
 
 @router.delete("/v1/responses/{response_id}", response_model=DeletedResponse)

@@ -40,17 +40,46 @@ class ChatToolsView:
     skip_special_tokens: bool = True
 
 
-def to_chat_tools(tools: Optional[list[Any]]) -> Optional[list[dict[str, Any]]]:
+# ``--responses-unsupported-tools``: what a tool the server cannot run becomes
+UNSUPPORTED_TOOLS_DROP = "drop"
+UNSUPPORTED_TOOLS_REJECT = "reject"
+UNSUPPORTED_TOOLS_POLICIES = (UNSUPPORTED_TOOLS_DROP, UNSUPPORTED_TOOLS_REJECT)
+
+
+def tool_label(tool: Any) -> str:
+    """How a tool is named in warnings, errors and the dropped-tools header: its type,
+    plus its name where it has one (``web_search``, ``namespace:multi_agent_v1``,
+    ``custom:apply_patch``, ``mcp:<server_label>``)."""
+    if not isinstance(tool, dict):
+        return type(tool).__name__
+    kind = str(tool.get("type"))
+    name = tool.get("name") or tool.get("server_label")
+    return f"{kind}:{name}" if isinstance(name, str) and name else kind
+
+
+def unsupported_tools(tools: Optional[list[Any]]) -> list[str]:
+    """Labels (:func:`tool_label`) of the tools that are not function tools: hosted
+    tools (``web_search``, ``image_generation``, ``file_search``, ``code_interpreter``,
+    ``mcp``...), ``local_shell``, ``namespace`` groups and ``custom`` (free-form) tools.
+    The server runs none of them and a function-calling model cannot call them."""
+    return [tool_label(t) for t in tools or () if not (isinstance(t, dict) and t.get("type") == "function")]
+
+
+def to_chat_tools(tools: Optional[list[Any]], policy: str = UNSUPPORTED_TOOLS_REJECT,
+                  ) -> Optional[list[dict[str, Any]]]:
     """Function tools in chat's form (``{"type": "function", "function": {...}}``).
-    Raises SamplingParamsError (``tools``) for another tool type (web_search, mcp, ...)."""
+    Another tool type is left out with ``policy`` "drop" (the caller reports it), else
+    raises SamplingParamsError (``tools``) naming it."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise SamplingParamsError(f"tools[{i}]: only tools of type 'function' are supported, got {kind!r}.",
-                                      "tools")
+            if policy == UNSUPPORTED_TOOLS_DROP:
+                continue
+            raise SamplingParamsError(
+                f"tools[{i}]: tools of type {tool_label(tool)!r} cannot run on this server (only 'function' tools "
+                "can); leave it out, or start the server with --responses-unsupported-tools drop.", "tools")
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out

@@ -37,6 +37,16 @@ INCLUDE_VALUES = frozenset({
     "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
     "web_search_call.action.sources", "web_search_call.results"})
 MAX_METADATA_ENTRIES = 16  # OpenAI's limit on ``metadata``
+# OpenAI fields whose request this server cannot honour and whose absence would change
+# the answer (README "Request fields"): each is a 400 naming it, never dropped.
+REFUSED_FIELDS = {
+    "conversation": "Conversations (the Conversations API's stored items) are not kept by this server: send the "
+                    "earlier turns in `input`, or continue with `previous_response_id`.",
+    "prompt": "Stored prompt templates (`prompt.id`, `prompt.variables`) are not kept by this server: send the "
+              "prompt's text in `instructions` and `input`.",
+    "max_tool_calls": "This server runs no built-in tools and does not cap the model's function calls: leave out "
+                      "`max_tool_calls`.",
+}
 
 
 class ResponseTextFormat(OpenAIBaseModel):
@@ -65,7 +75,11 @@ class ResponsesRequest(OpenAIRequestModel):
     (``{"role", "content"}`` with a string or ``input_text``/``output_text`` parts),
     ``function_call`` and ``function_call_output`` items, and ``reasoning`` items (not
     shown to the template, as vLLM). ``tools``: function tools ``{"type": "function",
-    "name", "description", "parameters", "strict"}``. Checks that need no model are
+    "name", "description", "parameters", "strict"}``; other tool types (``web_search``,
+    ``namespace``, ``custom``...) are dropped or refused by
+    ``--responses-unsupported-tools``. ``conversation``, ``prompt`` and
+    ``max_tool_calls`` are a 400 (REFUSED_FIELDS); any field OpenAI's API does not
+    have is ignored with a warning (README "Request fields"). Checks that need no model are
     :meth:`check`; the rest (tools, input items, context length) raise
     SamplingParamsError naming the field when the request is built.
     """
@@ -101,9 +115,17 @@ class ResponsesRequest(OpenAIRequestModel):
     ignore_eos: bool = False
     priority: Int64 = 0
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # OpenAI fields this server refuses (REFUSED_FIELDS): declared so they are never an
+    # ignored unknown field
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+    max_tool_calls: Optional[Any] = None
 
     def check(self) -> None:
         """Checks that need no model. Raises SamplingParamsError naming the field."""
+        for name, why in REFUSED_FIELDS.items():
+            if getattr(self, name) is not None:
+                raise SamplingParamsError(f"`{name}` is not supported by this server. {why}", name)
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise SamplingParamsError(f"max_output_tokens must be at least 1, got {self.max_output_tokens}.",
                                       "max_output_tokens")

@@ -22,6 +22,7 @@ naming the field); a stream that fails later ends with an ``error`` event and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, AsyncGenerator, Optional, Union
 
@@ -36,12 +37,16 @@ from llmserve.entrypoints.openai.common.serving import GenerateBaseServing, aclo
 from llmserve.entrypoints.openai.common.structured import JsonSchemaResponseFormat, ResponseFormat, \
     structured_outputs_params
 from llmserve.entrypoints.openai.responses.input_items import (
+    UNSUPPORTED_TOOLS_DROP,
+    UNSUPPORTED_TOOLS_POLICIES,
     ChatToolsView,
     input_messages,
     output_messages,
     to_chat_tool_choice,
     to_chat_tools,
+    unsupported_tools,
 )
+from llmserve.entrypoints.openai.responses.listing import ResponseItemList, page, stored_input_items
 from llmserve.entrypoints.openai.responses.protocol import (
     DeletedResponse,
     IncompleteDetails,
@@ -55,7 +60,7 @@ from llmserve.entrypoints.openai.responses.protocol import (
 )
 from llmserve.entrypoints.openai.responses.store import ResponsesStore, StoredResponse
 from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
-from llmserve.entrypoints.openai.responses.streaming import OutputBuilder, response_logprobs
+from llmserve.entrypoints.openai.responses.streaming import EventLog, OutputBuilder, response_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -65,6 +70,17 @@ logger = logging.getLogger("llmserve.entrypoints.openai")
 # engine / renderer field -> Responses field, for the ``param`` of a 400
 PARAM_NAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens",
                "structured_outputs": "text.format", "response_format": "text.format", "logprobs": "top_logprobs"}
+
+
+@functools.lru_cache(maxsize=256)
+def _warn_dropped_tool(label: str) -> None:
+    """Log a dropped tool once per label (Codex sends the same tools every turn)."""
+    logger.warning("Responses: the tool %r cannot run on this server (only function tools can); it is left out "
+                   "of the prompt (--responses-unsupported-tools drop; the response header %s names it).",
+                   label, DROPPED_TOOLS_HEADER)
+
+
+DROPPED_TOOLS_HEADER = "x-llmserve-dropped-tools"
 
 
 def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
@@ -81,6 +97,7 @@ class ResponsesJob:
         self.request, self.response, self.prompt, self.params = request, response, prompt, params
         self.parsing, self.gen_kwargs, self.messages = parsing, gen_kwargs, messages
         self.want_logprobs = request.include_output_logprobs
+        self.input_items: list[dict[str, Any]] = []
 
 
 class OpenAIServingResponses(GenerateBaseServing):
@@ -93,8 +110,13 @@ class OpenAIServingResponses(GenerateBaseServing):
     reasoning_parser_cls: Any = None
     exclude_tools_when_tool_choice_none = False
 
-    def __init__(self, *args: Any, store_max_entries: int = 1000, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, store_max_entries: int = 1000, unsupported_tools: str = UNSUPPORTED_TOOLS_DROP,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if unsupported_tools not in UNSUPPORTED_TOOLS_POLICIES:
+            raise ValueError(f"responses_unsupported_tools must be one of {UNSUPPORTED_TOOLS_POLICIES}, "
+                             f"got {unsupported_tools!r}")
+        self.unsupported_tools = unsupported_tools
         self.store = ResponsesStore(store_max_entries)
         self._background: set[asyncio.Task] = set()
 
@@ -122,7 +144,10 @@ class OpenAIServingResponses(GenerateBaseServing):
         if request.previous_response_id is not None:
             history = list(self.store.get(request.previous_response_id, "previous_response_id").messages)
         new_messages = input_messages(request.input)
-        view = ChatToolsView(to_chat_tools(request.tools), to_chat_tool_choice(request.tool_choice),
+        for label in self.dropped_tools(request):
+            _warn_dropped_tool(label)
+        view = ChatToolsView(to_chat_tools(request.tools, self.unsupported_tools),
+                             to_chat_tool_choice(request.tool_choice),
                              request.parallel_tool_calls, chat_template_kwargs=request.chat_template_kwargs)
         check_tools(view)
         plan = ToolPlan.of(view, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
@@ -136,8 +161,16 @@ class OpenAIServingResponses(GenerateBaseServing):
         params.structured_outputs, text_echo = self._text_format(request)
         make_parser, gen_kwargs = setup_output_parsing(self, view, plan, params, prompt.token_ids)
         response = self._skeleton(request, model_name, request_id, params, text_echo)
-        return ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
-                            history + new_messages)
+        job = ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
+                           history + new_messages)
+        job.input_items = stored_input_items(request.input) if response.store else []
+        return job
+
+    def dropped_tools(self, request: ResponsesRequest) -> list[str]:
+        """Labels of the request's tools this server leaves out (``--responses-unsupported-
+        tools drop``; [] with ``reject``, where they are a 400): for the warning and the
+        ``x-llmserve-dropped-tools`` header."""
+        return unsupported_tools(request.tools) if self.unsupported_tools == UNSUPPORTED_TOOLS_DROP else []
 
     async def _render(self, request: ResponsesRequest, system: list[dict[str, Any]],
                       conversation: list[dict[str, Any]], tools: Any) -> RenderedPrompt:
@@ -188,7 +221,8 @@ class OpenAIServingResponses(GenerateBaseServing):
             previous_response_id=request.previous_response_id, reasoning=request.reasoning,
             store=request.store is not False, background=bool(request.background), temperature=params.temperature,
             top_p=params.top_p, text={"format": text_echo}, tool_choice=request.tool_choice or "auto",
-            tools=list(request.tools or []), truncation=request.truncation or "disabled", user=request.user,
+            tools=[t for t in request.tools or [] if not isinstance(t, dict) or t.get("type") == "function"],
+            truncation=request.truncation or "disabled", user=request.user,
             metadata=request.metadata, top_logprobs=request.top_logprobs)
 
     def _start(self, job: ResponsesJob) -> list[Any]:
@@ -216,7 +250,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         if request.background:
             self._check_input(job)
             job.response.status = "queued"
-            entry = StoredResponse(job.response.model_copy(deep=True))
+            entry = StoredResponse(job.response.model_copy(deep=True), input_items=job.input_items)
             entry.task = asyncio.get_running_loop().create_task(self._run_background(job, entry))
             self._background.add(entry.task)
             entry.task.add_done_callback(self._background.discard)
@@ -294,10 +328,11 @@ class OpenAIServingResponses(GenerateBaseServing):
     def _store(self, job: ResponsesJob, response: ResponsesResponse) -> None:
         if not response.store:
             return
-        entry = StoredResponse(response, job.messages + output_messages(response.output))
+        entry = StoredResponse(response, job.messages + output_messages(response.output),
+                               input_items=job.input_items)
         try:
             old = self.store.get(response.id)
-            entry.task = old.task
+            entry.task, entry.events = old.task, old.events
         except LookupError:
             pass
         self.store.put(entry)
@@ -307,12 +342,20 @@ class OpenAIServingResponses(GenerateBaseServing):
         builder = OutputBuilder(stream=True)
         response = job.response
         num_tokens, cached, finish, ended = 0, 0, None, False
+        log = EventLog() if response.store else None  # replayed by GET ...?stream=true
+
+        def sent(events: list[str]) -> str:
+            if log is not None:
+                log.extend(events)
+            return "".join(events)
+
         if response.store:
-            self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages)))
+            self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages),
+                                          input_items=job.input_items, events=log))
         try:
             head = response.model_dump(mode="json")  # dumped once for both opening events
-            yield "".join(builder.event("response.created", response=head)
-                          + builder.event("response.in_progress", response=head))
+            yield sent(builder.event("response.created", response=head)
+                       + builder.event("response.in_progress", response=head))
             logprobs, parsed = None, job.parsing.active
             async for _, res in merged:
                 cached = res.num_cached_tokens
@@ -332,28 +375,30 @@ class OpenAIServingResponses(GenerateBaseServing):
                 else:
                     continue
                 if events:  # one write per engine step, as chat's one chunk
-                    yield "".join(events)
+                    yield sent(events)
             status, details = self._status(finish)
-            yield "".join(builder.finish("incomplete" if status == "incomplete" else "completed"))
+            yield sent(builder.finish("incomplete" if status == "incomplete" else "completed"))
             response = response.model_copy(update={
                 "status": status, "incomplete_details": details, "output": builder.items,
                 "usage": self._usage(job, num_tokens, cached, builder.items)})
             self._store(job, response)
             ended = True
             for event in builder.response_event(f"response.{status}", response):
-                yield event
+                yield sent([event])
         except Exception as e:  # the stream already started: report in-band
             _, body = error_response_from_exception(e)
             for event in builder.event("error", code=str(body.error.code), message=body.error.message,
                                        param=body.error.param):
-                yield event
+                yield sent([event])
             failed = response.model_copy(update={"status": "failed", "output": builder.items, "error": ResponseError(
                 code="server_error" if body.error.code >= 500 else "invalid_request", message=body.error.message)})
             self._store(job, failed)
             ended = True
             for event in builder.response_event("response.failed", failed):
-                yield event
+                yield sent([event])
         finally:
+            if log is not None:
+                log.close()
             if not ended and response.id in self.store:  # the client went away: its request was aborted
                 self.store.get(response.id).response.status = "cancelled"
             await merged.aclose()
@@ -380,9 +425,33 @@ class OpenAIServingResponses(GenerateBaseServing):
             await aclose_all(gens)
 
     # ---- retrieve / delete / cancel ----------------------------------------------------
-    def retrieve_responses(self, response_id: str) -> ResponsesResponse:
-        """``GET /v1/responses/{id}``. Raises ResponseNotFoundError (404)."""
-        return self.store.get(response_id).response
+    def retrieve_responses(self, response_id: str, stream: bool = False, starting_after: Optional[int] = None,
+                           ) -> Union[ResponsesResponse, AsyncGenerator[str, None]]:
+        """``GET /v1/responses/{id}``: the response object, or with ``stream`` its SSE
+        events again (those after sequence number ``starting_after``; a response still
+        running goes on streaming live). Only a response created with ``stream: true`` has
+        events to replay (OpenAI streams back only responses that were streamed): any
+        other is a 400 naming ``stream``. Raises ResponseNotFoundError (404),
+        SamplingParamsError (400 naming ``stream`` or ``starting_after``)."""
+        entry = self.store.get(response_id)
+        if starting_after is not None and not stream:
+            raise SamplingParamsError("starting_after is only used with stream=true.", "starting_after")
+        if not stream:
+            return entry.response
+        if entry.events is None:
+            raise SamplingParamsError(
+                f"Response '{response_id}' was not created with stream: true, so it has no events to stream; "
+                "GET it without stream=true.", "stream")
+        if starting_after is not None and starting_after < -1:
+            raise SamplingParamsError(f"starting_after must be a sequence number >= 0, got {starting_after}.",
+                                      "starting_after")
+        return entry.events.follow(-1 if starting_after is None else starting_after)
+
+    def list_input_items(self, response_id: str, after: Optional[str] = None, limit: int = 20,
+                         order: str = "desc") -> ResponseItemList:
+        """``GET /v1/responses/{id}/input_items`` (listing.py). Raises
+        ResponseNotFoundError (404), SamplingParamsError (400 naming the query field)."""
+        return page(self.store.get(response_id).input_items, after, limit, order)
 
     def delete_responses(self, response_id: str) -> DeletedResponse:
         """``DELETE /v1/responses/{id}`` (a running background response is cancelled).

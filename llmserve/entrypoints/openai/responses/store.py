@@ -35,11 +35,16 @@ class ResponseNotFoundError(NotFoundError):
 @dataclass
 class StoredResponse:
     """One stored response; ``messages``: its conversation as chat messages (set when it
-    finishes); ``task``: the background task that runs it (None otherwise)."""
+    finishes); ``task``: the background task that runs it (None otherwise);
+    ``input_items``: its request's input as listed by ``GET .../input_items``;
+    ``events``: the SSE events of a response created with ``stream: true`` (an
+    ``EventLog``, replayed by ``GET /v1/responses/{id}?stream=true``; None otherwise)."""
 
     response: ResponsesResponse
     messages: list[dict[str, Any]] = field(default_factory=list)
     task: Optional[asyncio.Task] = None
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    events: Any = None
 
 
 class ResponsesStore:
@@ -95,6 +100,12 @@ def add_responses_args(group: Any) -> None:
     group.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_STORE_MAX_ENTRIES,
                        help="Most /v1/responses responses kept in memory for GET, previous_response_id and "
                             "background runs; the oldest is evicted first.")
+    group.add_argument("--responses-unsupported-tools", choices=("drop", "reject"), default="drop",
+                       help="What /v1/responses does with tools it cannot run (web_search, image_generation, "
+                            "file_search, local_shell, mcp, namespace and custom tools: only function tools reach "
+                            "the model): drop them with a warning in the log and the x-llmserve-dropped-tools "
+                            "response header naming them (the default: Codex CLI sends web_search and namespace "
+                            "tools every turn), or reject the request with a 400 naming them.")
 
 
 def check_responses_args(args: Any) -> None:

@@ -24,8 +24,9 @@ by the same code from the whole parsed output, so streamed and whole outputs agr
 """
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Optional
+from typing import Any, AsyncGenerator, Optional
 
 from llmserve.entrypoints.openai.responses.protocol import (
     FunctionCallItem,
@@ -36,6 +37,44 @@ from llmserve.entrypoints.openai.responses.protocol import (
     ReasoningText,
     ResponsesResponse,
 )
+
+
+class EventLog:
+    """The SSE events of one streamed, stored response, in order (event i carries
+    ``sequence_number`` i), for ``GET /v1/responses/{id}?stream=true``: :meth:`follow`
+    replays them from a point and, while the response still runs, waits for the next."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def extend(self, events: list[str]) -> None:
+        """Append the events just sent (each one whole SSE event)."""
+        if events:
+            self.events.extend(events)
+            self._wake()
+
+    def close(self) -> None:
+        """No more events (the response finished, failed or was cancelled)."""
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, starting_after: int = -1) -> AsyncGenerator[str, None]:
+        """The events after sequence number ``starting_after``, then the new ones as
+        they come, until the log is closed."""
+        i = starting_after + 1
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await self._changed.wait()
 
 
 def sse_event(event_type: str, payload: dict[str, Any]) -> str:

@@ -1,0 +1,89 @@
+"""Units of the FIM layout and token discovery, and of the Responses doors' policies
+(unsupported tools, the event log that GET ?stream=true replays)."""
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+from test_app import _output, app_and_engine  # noqa: F401  (the fixture)
+
+from llmserve.entrypoints.openai.infill.fim import FimTokens, find_fim_tokens, format_infill
+from llmserve.entrypoints.openai.responses.streaming import EventLog
+
+BASE = {"model": "m", "input": "hi", "max_output_tokens": 2, "store": False}
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<reponame>"], ("prefix", "middle", "suffix")),
+    (["▁<PRE>", "▁<MID>", "▁<SUF>"], ("prefix", "middle", "suffix")),  # CodeLlama's HF names
+    (["<|fim_prefix|>", "<|fim_suffix|>"], None),  # no middle token: no FIM
+])
+def test_fim_tokens_found_by_name(smol_tokenizer, names, expected):
+    tok = copy.deepcopy(smol_tokenizer)
+    assert find_fim_tokens(tok) is None  # SmolLM2 has none
+    tok.add_special_tokens({"additional_special_tokens": names})
+    found = find_fim_tokens(tok)
+    if expected is None:
+        assert found is None
+    else:
+        assert [getattr(found, r) for r in expected] == tok.convert_tokens_to_ids(names[:3])
+        assert found.sep is None and found.add_bos is False
+
+
+def test_fim_tokens_from_gguf_metadata(smol_tokenizer, tmp_path):
+    import gguf
+
+    path = str(tmp_path / "fim.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in [("fim_pre", 7), ("fim_suf", 8), ("fim_mid", 9), ("fim_sep", 10)]:
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    found = find_fim_tokens(smol_tokenizer, path)
+    # the metadata's ids; the repo token it leaves out is found by name (SmolLM2 has StarCoder's <reponame>)
+    assert (found.prefix, found.suffix, found.middle, found.sep) == (7, 8, 9, 10)
+    assert found.repo == smol_tokenizer.convert_tokens_to_ids("<reponame>")
+
+
+def test_format_infill_budgets_and_spm():
+    t = FimTokens(prefix=-1, suffix=-2, middle=-3, bos=-9, add_bos=True)
+    prefix, suffix, extra = list(range(2000)), list(range(1000, 1700)), [5] * 10
+    ids = format_infill(t, prefix, suffix, extra, [42], n_ctx=4096)
+    # llama-server: the last 1536 prefix tokens, the first 512 - 3 suffix tokens, all extra
+    assert ids == extra + [-9, -1] + prefix[-1536:] + [42] + [-2] + suffix[:509] + [-3]
+    assert format_infill(t, [1], [2], extra, [], n_ctx=2048)[:4] == [5, 5, -9, -1]  # room for 2048 - 2048 + 2
+    assert format_infill(t, [1], [2], [], [], n_ctx=4096, spm=True) == [-9, -2, 2, -1, 1, -3]
+
+
+def test_unsupported_tools_reject_policy(app_and_engine):  # noqa: F811
+    client, engine = app_and_engine("--responses-unsupported-tools", "reject")
+    engine.outputs = [_output("x", "stop")]
+    r = client.post("/v1/responses", json={**BASE, "tools": [{"type": "image_generation"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "image_generation" in r.json()["error"]["message"] and engine.prompts == []
+    client, engine = app_and_engine()  # the default drops it and says so
+    engine.outputs = [_output("x", "stop")]
+    r = client.post("/v1/responses", json={**BASE, "tools": [{"type": "image_generation"}, {"type": "local_shell"}]})
+    assert r.status_code == 200 and r.headers["x-llmserve-dropped-tools"] == "image_generation,local_shell"
+
+
+def test_event_log_replays_then_follows():
+    async def run():
+        log = EventLog()
+        log.extend(["e0", "e1"])
+        got = []
+
+        async def reader():
+            async for e in log.follow(0):
+                got.append(e)
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)
+        log.extend(["e2"])
+        await asyncio.sleep(0)
+        log.close()
+        await asyncio.wait_for(task, 5)
+        return got
+    assert asyncio.run(run()) == ["e1", "e2"]
