@@ -10,16 +10,17 @@ import argparse
 import asyncio
 import os
 import statistics
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 
 def compare_endpoints(args: argparse.Namespace, base_url: str, model: str, tokenizer: Any,
-                      sampled: list[tuple[list[int], int]]) -> dict[str, Any]:
+                      sampled: list[tuple[list[int], int]],
+                      benchmark: Callable[..., Awaitable[dict[str, Any]]]) -> dict[str, Any]:
     """Run the rounds; returns ``{"rounds": [...], "median_output_throughput": {A: x, B: y},
     "output_throughput_ratio": x / y, "loadavg": [...]}``. Both endpoints get the same
-    decoded text prompts and output lengths."""
-    from llmserve.benchmarks.serve import benchmark
-
+    decoded text prompts and output lengths. ``benchmark``: ``serve.benchmark`` (one run
+    of the requests on one endpoint), passed in by ``serve``, which imports this module
+    (no import circle)."""
     endpoints = [args.endpoint, args.compare_endpoint]
     rounds: list[dict[str, Any]] = []
     for r in range(args.compare_rounds):

@@ -417,7 +417,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_endpoint:
         from llmserve.benchmarks.endpoint_compare import compare_endpoints
 
-        return compare_endpoints(args, base_url, model, tokenizer, sampled)
+        return compare_endpoints(args, base_url, model, tokenizer, sampled, benchmark)
     body = structured_body(args.structured_output_schema)
     if body and args.structured_output_compare:
         result = _compare_rounds(args, api_url, model, requests, chat, body)

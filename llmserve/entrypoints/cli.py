@@ -42,13 +42,14 @@ def _run_serve(args: argparse.Namespace) -> None:
         from llmserve.engine.core_process import prestart_engine_process
         prestart_engine_process()  # its imports overlap the server's (~2 s of start-up)
     from llmserve.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from llmserve.entrypoints.openai.api_server import run_server
     from llmserve.entrypoints.openai.multi_api_server import run_api_servers
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
-        code = run_api_servers(args)
+        code = run_api_servers(args, run_server)
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         print(f"llmserve serve: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -299,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
-        code = run_api_servers(args)
+        code = run_api_servers(args, run_server)
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if code:

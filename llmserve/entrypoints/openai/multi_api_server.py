@@ -46,7 +46,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
+
 from llmserve.proc_utils import exit_when_parent_dies
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
@@ -57,11 +58,15 @@ API_SERVER_INDEX_HEADER = "X-API-Server-Index"
 _CHILD_EXIT_MARGIN_S = 15.0
 
 
-def run_api_servers(args: argparse.Namespace) -> int:
-    """Serve with ``args.api_server_count`` API servers (this process alone when 1).
-    Returns the exit code (0, or 1 when the engine died)."""
-    from llmserve.entrypoints.openai.api_server import run_server
+RunServer = Callable[..., Awaitable[int]]
+"""``api_server.run_server``: passed in by the callers (``api_server.main``, ``llmserve
+serve``), so this launcher never imports the API server module it launches (no import
+circle; the child processes import it in this file's ``__main__`` block)."""
 
+
+def run_api_servers(args: argparse.Namespace, run_server: RunServer) -> int:
+    """Serve with ``args.api_server_count`` API servers (this process alone when 1, with
+    ``run_server``). Returns the exit code (0, or 1 when the engine died)."""
     if getattr(args, "api_server_count", 1) > 1:
         return run_multi_api_server(args)
     return asyncio.run(run_server(args))
@@ -117,7 +122,6 @@ class _Launcher:
     def __init__(self, args: argparse.Namespace) -> None:
         from llmserve.engine.core_process import MPResources, spawn_engine_process
         from llmserve.engine_args import AsyncEngineArgs, UsageContext
-        from llmserve.executor import Executor
 
         args.restart_engine_on_failure = args.restart_engine_on_failure or False
         config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
@@ -138,8 +142,10 @@ class _Launcher:
         self.engines = []
         for r in range(num_engines):
             res = MPResources()
+            # No executor class: the engine process picks it from the config
+            # (Executor.get_class), so the launcher imports no executor or worker code.
             res.proc = spawn_engine_process(self.engine_config, self.inputs[r], self.outputs[r],
-                                            Executor.get_class(config), not args.disable_log_stats)
+                                            None, not args.disable_log_stats)
             self.engines.append(res)
         self.stop = threading.Event()
         self.engine_died = False
@@ -276,11 +282,9 @@ class ApiServerIndexMiddleware:
         return await self.app(scope, receive, send_with_index)
 
 
-def _api_server_main() -> None:
+def _api_server_main(run_server: RunServer) -> None:
     """One API server: ``python -m llmserve.entrypoints.openai.multi_api_server``, its
     (args, client config, socket fd, launcher pid) pickled on stdin."""
-    from llmserve.entrypoints.openai.api_server import run_server
-
     args, client, fd, launcher_pid = pickle.loads(sys.stdin.buffer.read())
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s %(asctime)s [api-server {client['client_index']}] %(name)s: %(message)s")
@@ -291,4 +295,8 @@ def _api_server_main() -> None:
 
 
 if __name__ == "__main__":
-    _api_server_main()
+    # Run as a script this file is ``__main__``, not the module api_server imports, so
+    # importing api_server here makes no circle.
+    from llmserve.entrypoints.openai.api_server import run_server as _run_server
+
+    _api_server_main(_run_server)
