@@ -87,3 +87,17 @@ def test_event_log_replays_then_follows():
         await asyncio.wait_for(task, 5)
         return got
     assert asyncio.run(run()) == ["e1", "e2"]
+
+
+def test_audio_form_fields_follow_the_one_policy():
+    from llmserve.entrypoints.openai.speech_to_text.protocol import parse_form
+    from llmserve.sampling_params import SamplingParamsError
+
+    upload = object()
+    request, got = parse_form([("file", upload), ("model", "w"), ("colour", "red"), ("chunking_strategy", "auto")])
+    assert got is upload and request.model == "w"  # unknown fields are ignored (logged), as on JSON routes
+    for key, value, param in [("include[]", "logprobs", "include"), ("known_speaker_names[]", "a", "known_speaker_names"),
+                              ("chunking_strategy", '{"type": "server_vad"}', "chunking_strategy")]:
+        with pytest.raises(SamplingParamsError) as e:
+            parse_form([("file", upload), (key, value)])
+        assert e.value.param == param

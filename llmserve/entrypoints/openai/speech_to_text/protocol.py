@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, Field, ValidationError
 
-from llmserve.entrypoints.openai.common.protocol import random_uuid
+from llmserve.entrypoints.openai.common.protocol import _warn_ignored_field, random_uuid
 from llmserve.sampling_params import SamplingParamsError
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
@@ -51,10 +51,34 @@ _LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities",
                 "timestamp_granularities": "timestamp_granularities"}
 
 
+# OpenAI audio fields this server cannot honour and whose absence would change the answer
+# (README "Request fields"): a 400 naming them. Any other unknown field is ignored with a
+# warning, as on every endpoint.
+REFUSED_FIELDS = {
+    "include": "Token logprobs of transcriptions (`include[]=logprobs`) are not supported by this server.",
+    "known_speaker_names": "Speaker diarization is not supported by this server.",
+    "known_speaker_references": "Speaker diarization is not supported by this server.",
+}
+
+
+def _unknown_field(key: str, value: Any) -> None:
+    """A form field TranscriptionRequest lacks: a 400 naming it when it is in
+    REFUSED_FIELDS (or ``chunking_strategy`` other than "auto": this server's windows
+    are its own), else ignored with a warning logged once per name."""
+    name = key[:-2] if key.endswith("[]") else key
+    if name in REFUSED_FIELDS:
+        raise SamplingParamsError(f"`{name}`: {REFUSED_FIELDS[name]}", name)
+    if name == "chunking_strategy" and value != "auto":
+        raise SamplingParamsError("`chunking_strategy`: only \"auto\" is supported (this server cuts the audio into "
+                                  "its own 30-second windows).", name)
+    if name != "chunking_strategy":
+        _warn_ignored_field("TranscriptionRequest", name[:64])
+
+
 def parse_form(items: list[tuple[str, Any]]) -> tuple[TranscriptionRequest, Any]:
     """(form field, value) pairs -> (request, the ``file`` upload). Raises
-    SamplingParamsError naming the field for a missing file, an unknown field or a bad
-    value."""
+    SamplingParamsError naming the field for a missing file, a refused field
+    (REFUSED_FIELDS) or a bad value; other unknown fields are ignored with a warning."""
     data: dict[str, Any] = {}
     upload = None
     known = set(TranscriptionRequest.model_fields)
@@ -68,7 +92,7 @@ def parse_form(items: list[tuple[str, Any]]) -> tuple[TranscriptionRequest, Any]
                 raise SamplingParamsError(f"`{key}` must be a text field", key)
             data[key] = value
         else:
-            raise SamplingParamsError(f"Unknown field `{key}`", key)
+            _unknown_field(key, value)
     if upload is None or isinstance(upload, str):
         raise SamplingParamsError("`file` is required: the audio file to transcribe (multipart upload)", "file")
     for key in ("language", "to_language", "prompt"):  # empty means "not given" (curl -F language=)
