@@ -107,7 +107,8 @@ def test_accepted_edge_values():
 
 
 def test_completion_request_checks_and_echo_prompt_logprobs():
-    for kw, param in (({"suffix": "x"}, "suffix"), ({"logprobs": 25}, "logprobs"), ({"best_of": 3}, "best_of")):
+    # (``suffix`` is checked by the handler against the model's FIM tokens: tests/e2e/test_fim_infill.py)
+    for kw, param in (({"logprobs": 25}, "logprobs"), ({"best_of": 3}, "best_of")):
         with pytest.raises(SamplingParamsError) as e:
             CompletionRequest(prompt="a", **kw).check()
         assert e.value.param == param

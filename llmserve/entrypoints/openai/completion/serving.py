@@ -9,6 +9,11 @@ left in the context; a given ``max_tokens`` is checked by the engine.
 
 Every prompt is validated by the engine before any response starts: one bad prompt
 fails the request with a 400 and leaves nothing running.
+
+A non-empty ``suffix`` is fill-in-the-middle: each prompt becomes llama-server's
+``/infill`` prompt for ``input_prefix`` = the prompt (``infill/fim.py``), the model's FIM
+pad/repo/sep tokens end it, and ``echo`` echoes the prompt as sent; a model without FIM
+tokens is a 400 naming ``suffix``.
 """
 from __future__ import annotations
 
