@@ -164,3 +164,24 @@ def test_deep_json_to_invocations_is_a_400(client):
         r = client.post("/invocations", content=body, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text[:300]
         assert "nested too deeply" in r.json()["error"]["message"], r.text[:300]
+
+
+def test_openapi_documents_each_front_doors_own_error_body(client):
+    """Anthropic's and Ollama's routes answer their own error bodies (ErrorShapeMiddleware):
+    the document says so, and a real 400 there matches the documented schema."""
+    import jsonschema
+
+    doc = client.get("/openapi.json").json()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/messages", {"model": "m", "max_tokens": "x", "messages": []}),
+                       ("/api/chat", {"model": "m", "messages": "x"})):
+        responses = doc["paths"][path]["post"]["responses"]
+        schema = responses["400"]["content"]["application/json"]["schema"]
+        assert "$ref" not in schema and "OpenAI" not in responses["400"]["description"]
+        r = client.post(path, json=body, headers=auth)
+        assert r.status_code == 400, r.text
+        jsonschema.validate(r.json(), schema)
+        with pytest.raises(jsonschema.ValidationError):  # the OpenAI body would not match
+            jsonschema.validate({"error": {"message": "m", "type": "t", "param": None, "code": 400}}, schema)
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]["content"]["application/json"]
+    assert chat["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}

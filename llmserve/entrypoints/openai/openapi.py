@@ -7,7 +7,9 @@ document 413 (the body limit) and 408 (the body timeout), and a ``default`` resp
 with the same body covers the other errors any route can give (401 with an API key,
 404 for an unknown model, 429/503 under load or while the engine is down). The
 streaming routes document ``text/event-stream`` next to JSON, ``/metrics`` the
-Prometheus text format, ``/health`` its JSON body.
+Prometheus text format, ``/health`` its JSON body. The operations of another API's front
+door (an ErrorShape of the app's ErrorShapeMiddleware: Anthropic's ``/v1/messages``,
+Ollama's ``/api/``) document that API's error body instead of OpenAI's.
 
 The server's limits (:func:`server_limits`: body size, body and header timeouts, the
 prompt and list limits, the admission bounds, the ``X-Request-Timeout`` header's range)
@@ -28,6 +30,7 @@ from llmserve.engine_defaults import parse_bytes
 from llmserve.entrypoints.openai.common import limits as L
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse
 from llmserve.entrypoints.openai.deadline import MAX_REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_HEADER
+from llmserve.entrypoints.openai.error_shapes import ErrorShapeMiddleware
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
@@ -155,6 +158,34 @@ def _fix_operation(path: str, method: str, op: dict[str, Any],
         ok["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/HealthResponse"}}}
 
 
+def _schema_of(value: Any) -> dict[str, Any]:
+    """A JSON Schema that a body shaped like the sample ``value`` satisfies: the same keys
+    (all required) and value types; a null sample value is left unconstrained."""
+    if isinstance(value, dict):
+        return {"type": "object", "required": sorted(value),
+                "properties": {k: _schema_of(v) for k, v in value.items()}}
+    kinds = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"))
+    return next(({"type": name} for kind, name in kinds if isinstance(value, kind)), {})
+
+
+def error_shapes_of(app: FastAPI) -> tuple[Any, ...]:
+    """The ErrorShapes the app's ErrorShapeMiddleware applies (its own configuration)."""
+    return next((tuple(m.kwargs.get("shapes", ())) for m in app.user_middleware if m.cls is ErrorShapeMiddleware), ())
+
+
+def _reshape_errors(op: dict[str, Any], shape: Any) -> None:
+    """Document an operation of another API's front door (Anthropic, Ollama) with that API's
+    error body: ErrorShapeMiddleware rewrites every JSON error there. Its schema is read off
+    the body the shape makes of a sample OpenAI error."""
+    sample = shape.shape(400, {"message": "m", "type": "invalid_request_error", "param": None, "code": 400})
+    schema = _schema_of(sample)
+    for status, response in op.get("responses", {}).items():
+        if status == "default" or status[:1] in ("4", "5"):
+            response["content"] = {"application/json": {"schema": schema}}
+            text = response.get("description", "").replace("the OpenAI error body names `param`", "this API's error body")
+            response["description"] = text.replace("the OpenAI error body", "this API's error body")
+
+
 def build_openapi(app: FastAPI, args: Any = None) -> dict[str, Any]:
     """The document of ``app`` (see the module docstring); ``args``: the parsed serve
     flags, whose limits it documents."""
@@ -170,10 +201,14 @@ def build_openapi(app: FastAPI, args: Any = None) -> dict[str, Any]:
         components[model.__name__] = defs
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+    shapes = error_shapes_of(app)
     for path, item in schema.get("paths", {}).items():
+        shape = next((sh for sh in shapes if sh.covers(path)), None)
         for method, op in item.items():
             if isinstance(op, dict):
                 _fix_operation(path, method, op, limits)
+                if shape is not None:
+                    _reshape_errors(op, shape)
     return schema
 
 
