@@ -229,7 +229,7 @@ class _Worker:
             send()
             return self.conn.recv()
         except (EOFError, OSError):
-            self._reap()
+            self.reap()
             return None
 
     def kill(self) -> None:
@@ -239,7 +239,8 @@ class _Worker:
         except OSError:
             pass
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Kill, close the connection and wait for the process (a thread's job: it blocks)."""
         self.kill()
         self.conn.close()
         self.proc.wait()
@@ -251,11 +252,16 @@ class TemplateSandbox:
     tokenizer: the API server's tokenizer (pickled to each worker). prompt_limit: the
     renderer's ``PromptCharLimit`` (None: rendered text is not bounded by length). Workers
     start at once, in background threads; the pool is not tied to one event loop.
+    Raises ValueError when the tokenizer cannot be pickled.
     """
 
     def __init__(self, tokenizer: Any, prompt_limit: Any, config: RequestTemplateConfig) -> None:
         self.config = config
-        self._payload = pickle.dumps((tokenizer, prompt_limit))
+        try:
+            self._payload = pickle.dumps((tokenizer, prompt_limit))
+        except Exception as e:  # a tokenizer class that pickle cannot copy
+            raise ValueError(f"--trust-request-chat-template: this tokenizer cannot be copied to the template "
+                             f"workers ({type(e).__name__}: {e})") from e
         self._threads = ThreadPoolExecutor(2 * config.num_workers + 1, thread_name_prefix="llmserve-template")
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
@@ -270,17 +276,21 @@ class TemplateSandbox:
         """Start a worker in a thread; it joins the pool when ready (retried after a
         failed start, which is logged)."""
         def start() -> None:
+            worker, ok = None, False
             try:
                 worker = _Worker(self.config.memory_bytes)
                 with self._lock:
-                    self._workers.add(worker)
-                ok = worker.start(self._payload)
+                    if not self._closed:  # else shutdown has run: this worker is not to be
+                        self._workers.add(worker)
+                ok = not self._closed and worker.start(self._payload)
             except OSError:
-                ok, worker = False, None
+                pass
             if ok:
                 self._release(worker)
                 return
             self._forget(worker)
+            if worker is not None:
+                worker.reap()
             if self._closed:  # killed by shutdown while starting
                 return
             import logging
