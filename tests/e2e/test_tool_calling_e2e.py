@@ -168,3 +168,20 @@ def test_c25_none_and_missing_tools(server):
     for stream in (False, True):
         r = server.post("/v1/chat/completions", {"model": MODEL, **W1, "tools": dangling, "stream": stream})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "subtract"}}])
+def test_forced_call_cut_by_max_tokens_is_an_error_not_content(server, choice):
+    """A forced call that max_tokens cuts is neither grammar text as content nor a call
+    whose arguments are not JSON: a 400 naming the budget field (vLLM fails the request),
+    and in a stream an error event after the fragments."""
+    body = {"model": MODEL, **W1, "tool_choice": choice, "max_tokens": 6}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = server.post("/v1/chat/completions", {**body, "max_completion_tokens": 6, "max_tokens": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    _, events = server.sse_events("/v1/chat/completions", {**body, "stream": True})
+    payloads = [json.loads(e) for e in events if e != "[DONE]"]
+    assert "error" in payloads[-1] and payloads[-1]["error"]["param"] == "max_tokens"
+    assert not any(c["choices"] and c["choices"][0].get("finish_reason") for c in payloads[:-1])
+    server.assert_healthy()

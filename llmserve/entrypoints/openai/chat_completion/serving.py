@@ -123,7 +123,7 @@ class OpenAIServingChat(GenerateBaseServing):
             names["structured_outputs"] = "tools"
         firsts = await self.start_generation(gens, names)
         merged = merge_started(firsts, gens)
-        parsing = OutputParsing(plan, make_parser)
+        parsing = OutputParsing(plan, make_parser, max_param)
         # the other front doors always report the prefix-cache hits (Anthropic's cache_read_input_tokens)
         usage_options = self.usage_options if wire else dataclasses.replace(self.usage_options,
                                                                             enable_prompt_tokens_details=True)
@@ -176,7 +176,7 @@ class OpenAIServingChat(GenerateBaseServing):
                                   content=echo + ("" if zero_output else out.text))
             finish_reason = "length" if zero_output else out.finish_reason
             if parsing is not None and parsing.active and not zero_output:
-                parsed = parsing.make_parser().parse(out.text)
+                parsed = parsing.parse_whole(out.text, out.finish_reason)
                 content = echo + (parsed.content or "")
                 message = ChatMessage(role=message.role, content=content or None, reasoning=parsed.reasoning,
                                       tool_calls=parsed.tool_calls)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from llmserve.parsing_types import DeltaMessage, DeltaToolCall, ToolCall
 from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 from llmserve.structured_output.grammar import json_schema_error
+from llmserve.tool_parsers.abstract_tool_parser import canonical_arguments
 
 # OpenAI's rule for function names.
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -258,15 +259,58 @@ class ChoiceOutputParser:
         return DeltaMessage(content=dm.content, tool_calls=calls or None)
 
 
+class ForcedToolCallCutError(SamplingParamsError):
+    """A forced tool call (``tool_choice`` "required" or a named function) that the token
+    budget cut before the call was complete: the request fails (as in vLLM) rather than
+    hand a client grammar text as content or a call whose arguments are not JSON. HTTP
+    400 naming ``max_tokens`` (or ``max_completion_tokens``); in a stream, an error event."""
+
+    def __init__(self, param: str = "max_tokens") -> None:
+        super().__init__(f"tool_choice forces a tool call, but {param} ended the output before the call was "
+                         f"complete: raise {param} (the call's JSON must fit in it).", param)
+
+
+def forced_call_complete(parser: "ChoiceOutputParser") -> bool:
+    """Whether the content so far holds at least one call and every call is complete
+    JSON (for a forced choice: what a cut output must have to count as a valid call)."""
+    tool_parser = parser.tool_parser
+    scan = tool_parser.scan(parser.content, final=True)
+    return bool(scan.calls) and all(c.complete and canonical_arguments(c) is not None for c in scan.calls)
+
+
 class OutputParsing:
     """The output parsing of one request: ``make_parser`` (None: outputs pass as
     content) builds each choice's ChoiceOutputParser; streamed choices keep theirs."""
 
-    def __init__(self, plan: ToolPlan, make_parser: Optional[Any]) -> None:
+    def __init__(self, plan: ToolPlan, make_parser: Optional[Any], max_tokens_param: str = "max_tokens") -> None:
         self.plan = plan
         self.make_parser = make_parser
         self.active = make_parser is not None
+        self.max_tokens_param = max_tokens_param  # named in ForcedToolCallCutError
         self._streams: dict[int, ChoiceOutputParser] = {}
+
+    def check_forced(self, parser: "ChoiceOutputParser", finish_reason: Optional[str]) -> None:
+        """Raise ForcedToolCallCutError when a forced choice ended by ``length`` without a
+        complete call."""
+        if self.plan.mode in ("required", "named") and finish_reason == "length" and parser.tool_parser is not None \
+                and not forced_call_complete(parser):
+            raise ForcedToolCallCutError(self.max_tokens_param)
+
+    def parse_whole(self, text: str, finish_reason: Optional[str]) -> ParsedOutput:
+        """A whole choice's parts (``make_parser().parse``), checked as ``check_forced``."""
+        parser = self.make_parser()
+        parsed = parser.parse(text)
+        parser.content = self._content_of(parser, text)
+        self.check_forced(parser, finish_reason)
+        return parsed
+
+    @staticmethod
+    def _content_of(parser: "ChoiceOutputParser", text: str) -> str:
+        """The content part of a whole ``text`` (after any reasoning), which the tool parser scans."""
+        if parser.reasoning_parser is None:
+            return text
+        _, content = parser.reasoning_parser.extract_reasoning(text, parser.request)
+        return content or ""
 
     def finish_reason(self, finish_reason: Optional[str], tools_called: bool) -> Optional[str]:
         """``tool_calls`` when an ``auto`` or ``required`` choice stopped after calling
@@ -284,6 +328,7 @@ class OutputParsing:
             parser = self._streams[index] = self.make_parser()
         delta = parser.feed(text)
         if finish is not None:
+            self.check_forced(parser, finish)
             delta = join_deltas(delta, parser.flush())
             finish = self.finish_reason(finish, parser.tools_streamed)
         return delta, finish

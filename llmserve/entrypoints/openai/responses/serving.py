@@ -161,7 +161,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         params.structured_outputs, text_echo = self._text_format(request)
         make_parser, gen_kwargs = setup_output_parsing(self, view, plan, params, prompt.token_ids)
         response = self._skeleton(request, model_name, request_id, params, text_echo)
-        job = ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser), gen_kwargs,
+        job = ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser, "max_output_tokens"), gen_kwargs,
                            history + new_messages)
         job.input_items = stored_input_items(request.input) if response.store else []
         return job
@@ -287,7 +287,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         # vLLM: the output_text part carries the logprobs of every generated token
         logprobs = self._logprobs(job, out.token_ids, out.logprobs) if job.want_logprobs else None
         if job.parsing.active:
-            parsed = job.parsing.make_parser().parse(out.text)
+            parsed = job.parsing.parse_whole(out.text, out.finish_reason)
             from llmserve.entrypoints.openai.chat_completion.protocol import DeltaMessage
 
             builder.add(DeltaMessage(reasoning=parsed.reasoning, content=parsed.content), logprobs)
