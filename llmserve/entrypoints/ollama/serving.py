@@ -173,7 +173,7 @@ async def completion_chunks(events: AsyncGenerator[str, None]) -> AsyncGenerator
 
 
 def _room_left(completion: Any, prompt: str) -> Optional[int]:
-    """The tokens left in the context after ``prompt``, capped by the model's default
+    """The tokens left in the context after ``prompt`` (with the suffix of a FIM request), capped by the model's default
     budget (what the chat path leaves to the engine); None when nothing is left (the
     engine then reports the prompt as too long)."""
     room = completion.max_model_len - len(completion.tokenizer.encode(prompt))
@@ -207,7 +207,7 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     if isinstance(common, CompletionRequest):
         completion = handler(state, "openai_serving_completion", name)
         if common.max_tokens is None:  # Ollama's default is no limit, not the legacy 16
-            common.max_tokens = _room_left(completion, common.prompt)
+            common.max_tokens = _room_left(completion, common.prompt + (common.suffix or ""))
         chunks = completion_chunks(await completion.create_completion(common, request_id))
     else:
         chunks = await chat.create_chat_completion(common, request_id, wire=False)
