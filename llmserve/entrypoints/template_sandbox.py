@@ -21,15 +21,20 @@ most 100,000), so the prompt is the one the API server would render itself. A wo
   request's ``X-Request-Timeout`` (408, param ``X-Request-Timeout``; the time spent
   waiting for a free worker counts against it too), or when the client disconnects (the
   handler is cancelled);
-- returns at most the prompt character bound of the context (``PromptCharLimit``; 4x that
-  for a request that asks for truncation), so a huge rendered prompt never reaches the
-  API server's memory.
+- answers in JSON (the API server unpickles nothing a worker writes), with at most the
+  prompt character bound of the context (``PromptCharLimit``; 4x that for a request
+  that asks for truncation), so a huge rendered prompt never reaches the API server's
+  memory (and the API server reads no answer longer than that).
+
+The workers bound resources; they are not a security boundary beyond jinja2's sandbox
+(no seccomp, same user). Without the flag nothing of this runs.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import json
 import os
 import pickle
 import socket
@@ -191,22 +196,29 @@ def _worker_main(fd: int, memory_bytes: int) -> None:
     tokenizer, prompt_limit = pickle.loads(conn.recv_bytes())
     _exit_with_parent()
     _limit_memory(memory_bytes)
-    conn.send(("ready",))
+    _answer(conn, ("ready",))
     while True:
         try:
             request = conn.recv()
         except (EOFError, OSError):  # the API server closed the connection or exited
             return
-        conn.send(_render_request(tokenizer, prompt_limit, request))
+        _answer(conn, _render_request(tokenizer, prompt_limit, request))
+
+
+def _answer(conn: Any, message: tuple) -> None:
+    # JSON, not pickle: the API server must not unpickle what a process running a
+    # client's template wrote
+    conn.send_bytes(json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 class _Worker:
     """One worker process and its connection. ``start``/``call`` block (run them in a
     thread); ``kill`` may be called from any thread and makes a blocked ``call`` return None."""
 
-    def __init__(self, memory_bytes: int) -> None:
+    def __init__(self, memory_bytes: int, max_answer_bytes: int) -> None:
         from multiprocessing.connection import Connection
 
+        self.max_answer_bytes = max_answer_bytes
         ours, theirs = socket.socketpair()
         # its own session: a Ctrl-C at the terminal is the API server's to handle, not the worker's
         self.proc = subprocess.Popen(
@@ -227,10 +239,13 @@ class _Worker:
     def _exchange(self, send: Any) -> Optional[tuple]:
         try:
             send()
-            return self.conn.recv()
-        except (EOFError, OSError):
-            self.reap()
-            return None
+            answer = json.loads(self.conn.recv_bytes(self.max_answer_bytes).decode("utf-8", "surrogatepass"))
+            if isinstance(answer, list) and answer and all(isinstance(v, (str, int, type(None))) for v in answer):
+                return tuple(answer)
+        except (EOFError, OSError, ValueError, RecursionError):  # gone, or an answer past the size cap
+            pass
+        self.reap()  # no answer, or not one a worker writes
+        return None
 
     def kill(self) -> None:
         self.killed = True
@@ -264,6 +279,9 @@ class TemplateSandbox:
                              f"workers ({type(e).__name__}: {e})") from e
         self._threads = ThreadPoolExecutor(2 * config.num_workers + 1, thread_name_prefix="llmserve-template")
         self._lock = threading.Lock()
+        # the longest rendered text a worker returns, as JSON (6 bytes for an escaped character)
+        limit = getattr(prompt_limit, "limit", None)
+        self._max_answer_bytes = (6 * TRUNCATING_CHARS_FACTOR * limit if limit else 256 * _MiB) + _MiB
         self._idle: list[_Worker] = []
         self._workers: set[_Worker] = set()  # every live worker, idle or busy
         self._waiters: collections.deque = collections.deque()  # (loop, future) awaiting a worker
@@ -278,7 +296,7 @@ class TemplateSandbox:
         def start() -> None:
             worker, ok = None, False
             try:
-                worker = _Worker(self.config.memory_bytes)
+                worker = _Worker(self.config.memory_bytes, self._max_answer_bytes)
                 with self._lock:
                     if not self._closed:  # else shutdown has run: this worker is not to be
                         self._workers.add(worker)
