@@ -185,3 +185,16 @@ def test_openapi_documents_each_front_doors_own_error_body(client):
             jsonschema.validate({"error": {"message": "m", "type": "t", "param": None, "code": 400}}, schema)
     chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]["content"]["application/json"]
     assert chat["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def test_a_websocket_without_the_key_is_closed_before_it_is_accepted(client):
+    from starlette.websockets import WebSocketDisconnect
+
+    with pytest.raises(WebSocketDisconnect) as refused:
+        with client.websocket_connect("/v1/realtime"):
+            pass
+    assert refused.value.code == 1008  # policy violation: the auth middleware's answer
+    with pytest.raises(WebSocketDisconnect) as unrouted:
+        with client.websocket_connect("/v1/realtime", headers={"x-api-key": KEY}):
+            pass
+    assert unrouted.value.code != 1008  # with the key it reaches the router (no such route)
