@@ -127,3 +127,34 @@ def test_over_long_lists_are_refused_before_their_items_are_validated(app_and_en
     # which pydantic reports only after validating all n items
     assert err["message"] == f"{field}: Value error, List should have at most {getattr(limits, limit)} items, not {n}"
     assert engine.prompts == []
+
+
+def test_a_render_queued_for_a_client_that_left_never_runs():
+    """The renderer's queue: a cancelled handler's queued render is dropped, not run
+    (asyncio cancels the pool's pending future), so it never reaches the engine."""
+    import asyncio
+    import threading
+
+    from llmserve.entrypoints.renderer import AsyncRenderer
+
+    ran, release = [], threading.Event()
+
+    class _Renderer:
+        def render_prompt(self, prompt, **kw):
+            if prompt == "slow":
+                release.wait(10)
+            ran.append(prompt)
+
+    async def main():
+        pool = AsyncRenderer(_Renderer(), num_workers=1)
+        first = asyncio.ensure_future(pool.render_prompts(["slow"]))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(pool.render_prompts(["gone"]))
+        await asyncio.sleep(0.05)
+        queued.cancel()  # what with_cancellation does when the client disconnects
+        await asyncio.gather(queued, return_exceptions=True)
+        release.set()
+        await first
+        pool.shutdown()
+    asyncio.run(main())
+    assert ran == ["slow"]
