@@ -47,7 +47,7 @@ def body_too_deep(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Optional[str]
     unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     raw = np.frombuffer(unescaped.translate(None, _DROP), dtype=np.uint8)
     quotes = raw == ord('"')
-    in_string = np.logical_xor.accumulate(quotes)  # a closing quote counts as inside
+    in_string = np.logical_xor.accumulate(quotes)  # True from an opening quote to before its closing one
     depth = np.cumsum(np.where(in_string, 0, _BRACKETS[raw]), dtype=np.int32)
     past = np.flatnonzero(depth > max_depth)
     if past.size == 0:
