@@ -101,3 +101,11 @@ def test_audio_form_fields_follow_the_one_policy():
         with pytest.raises(SamplingParamsError) as e:
             parse_form([("file", upload), (key, value)])
         assert e.value.param == param
+
+
+def test_event_log_bounds_its_memory():
+    log = EventLog(max_events=3)
+    log.extend(["a", "b"])
+    assert log.replayable and log.events == ["a", "b"]
+    log.extend(["c", "d"])  # past the bound: nothing is kept, and a replay is refused by the handler
+    assert not log.replayable and log.events == [] and log.done

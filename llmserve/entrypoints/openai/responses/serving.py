@@ -22,6 +22,7 @@ naming the field); a stream that fails later ends with an ``error`` event and
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 from typing import Any, AsyncGenerator, Optional, Union
@@ -60,7 +61,8 @@ from llmserve.entrypoints.openai.responses.protocol import (
 )
 from llmserve.entrypoints.openai.responses.store import ResponsesStore, StoredResponse
 from llmserve.entrypoints.openai.logprobs import build_chat_logprobs
-from llmserve.entrypoints.openai.responses.streaming import EventLog, OutputBuilder, response_logprobs
+from llmserve.entrypoints.openai.responses.streaming import MAX_LOGGED_EVENTS, EventLog, OutputBuilder, \
+    response_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -81,6 +83,7 @@ def _warn_dropped_tool(label: str) -> None:
 
 
 DROPPED_TOOLS_HEADER = "x-llmserve-dropped-tools"
+MAX_EVENT_LOGS = 64  # streamed responses whose events GET ...?stream=true can replay
 
 
 def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
@@ -117,6 +120,7 @@ class OpenAIServingResponses(GenerateBaseServing):
             raise ValueError(f"responses_unsupported_tools must be one of {UNSUPPORTED_TOOLS_POLICIES}, "
                              f"got {unsupported_tools!r}")
         self.unsupported_tools = unsupported_tools
+        self._event_logs: collections.deque = collections.deque()  # the newest MAX_EVENT_LOGS logs
         self.store = ResponsesStore(store_max_entries)
         self._background: set[asyncio.Task] = set()
 
@@ -165,6 +169,15 @@ class OpenAIServingResponses(GenerateBaseServing):
                            history + new_messages)
         job.input_items = stored_input_items(request.input) if response.store else []
         return job
+
+    def _new_event_log(self) -> EventLog:
+        """A log for a streamed, stored response; the oldest of more than MAX_EVENT_LOGS
+        is dropped (its response stays stored, only its events go)."""
+        log = EventLog()
+        self._event_logs.append(log)
+        while len(self._event_logs) > MAX_EVENT_LOGS:
+            self._event_logs.popleft().drop()
+        return log
 
     def dropped_tools(self, request: ResponsesRequest) -> list[str]:
         """Labels of the request's tools this server leaves out (``--responses-unsupported-
@@ -342,7 +355,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         builder = OutputBuilder(stream=True)
         response = job.response
         num_tokens, cached, finish, ended = 0, 0, None, False
-        log = EventLog() if response.store else None  # replayed by GET ...?stream=true
+        log = self._new_event_log() if response.store else None  # replayed by GET ...?stream=true
 
         def sent(events: list[str]) -> str:
             if log is not None:
@@ -442,6 +455,11 @@ class OpenAIServingResponses(GenerateBaseServing):
             raise SamplingParamsError(
                 f"Response '{response_id}' was not created with stream: true, so it has no events to stream; "
                 "GET it without stream=true.", "stream")
+        if not entry.events.replayable:
+            raise SamplingParamsError(
+                f"The events of response '{response_id}' are no longer kept (this server keeps those of the last "
+                f"{MAX_EVENT_LOGS} streamed responses, up to {MAX_LOGGED_EVENTS} events each); GET it without "
+                "stream=true.", "stream")
         if starting_after is not None and starting_after < -1:
             raise SamplingParamsError(f"starting_after must be a sequence number >= 0, got {starting_after}.",
                                       "starting_after")

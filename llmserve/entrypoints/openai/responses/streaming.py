@@ -39,21 +39,36 @@ from llmserve.entrypoints.openai.responses.protocol import (
 )
 
 
+MAX_LOGGED_EVENTS = 16384  # events kept per streamed response (about one per token)
+
+
 class EventLog:
     """The SSE events of one streamed, stored response, in order (event i carries
     ``sequence_number`` i), for ``GET /v1/responses/{id}?stream=true``: :meth:`follow`
-    replays them from a point and, while the response still runs, waits for the next."""
+    replays them from a point and, while the response still runs, waits for the next.
+    A log past ``max_events``, or dropped by its owner (:meth:`drop`), keeps nothing and
+    is no longer ``replayable`` (memory stays bounded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_events: int = MAX_LOGGED_EVENTS) -> None:
         self.events: list[str] = []
         self.done = False
+        self.replayable = True
+        self.max_events = max_events
         self._changed = asyncio.Event()
 
     def extend(self, events: list[str]) -> None:
         """Append the events just sent (each one whole SSE event)."""
-        if events:
+        if events and self.replayable:
             self.events.extend(events)
+            if len(self.events) > self.max_events:
+                self.drop()
             self._wake()
+
+    def drop(self) -> None:
+        """Forget the events (a follower still reading stops at once)."""
+        self.replayable = False
+        self.events = []
+        self.close()
 
     def close(self) -> None:
         """No more events (the response finished, failed or was cancelled)."""
@@ -72,7 +87,7 @@ class EventLog:
             while i < len(self.events):
                 yield self.events[i]
                 i += 1
-            if self.done:
+            if self.done or not self.replayable:
                 return
             await self._changed.wait()
 
