@@ -18,9 +18,9 @@ unless
   (Little's law; an average of finished requests' inference time). Until a request has
   finished (a cold start) nothing says when a slot frees, and a cold batch frees none
   before its shortest request ends: a new request is then admitted only into a free
-  slot, so a cold burst is bounded by the batch, not by ``--max-waiting-requests``. Our own count of admitted
-  requests decides "full", not the engine's running count, which dips below full between
-  steps whenever a request finishes;
+  slot, so a cold burst is bounded by the batch, not by ``--max-waiting-requests``. Our
+  own count of admitted requests decides "full", not the engine's running count, which
+  dips below full between steps whenever a request finishes;
 - ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
   waiting requests will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
