@@ -28,6 +28,7 @@ import typing
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
+from pydantic_core import PydanticCustomError
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from llmserve.entrypoints.openai.common.structured import ResponseFormat, structured_outputs_params
@@ -146,7 +147,8 @@ class OpenAIRequestModel(OpenAIBaseModel):
         if isinstance(value, list) and (limits := cls.list_limits().get(info.field_name)) is not None:
             limit = limits[0] if value and type(value[0]) is int else limits[1]
             if limit is not None and len(value) > limit:
-                raise ValueError(f"List should have at most {limit} items, not {len(value)}")
+                raise PydanticCustomError("too_long", "List should have at most {max_length} items, not {actual_length}",
+                                          {"max_length": limit, "actual_length": len(value)})
         return value
 
     @model_validator(mode="after")
