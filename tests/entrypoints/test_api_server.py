@@ -33,6 +33,9 @@ FAMILIES = {
     "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"},
     "register_speech_to_text_api_routers": {"/v1/audio/transcriptions", "/v1/audio/translations"},
     "register_sagemaker_api_routers": {"/invocations", "/ping"},
+    "register_anthropic_api_routers": {"/v1/messages", "/v1/messages/count_tokens"},
+    "register_ollama_api_routers": {"/api/chat", "/api/embed", "/api/embeddings", "/api/generate", "/api/ps",
+                                    "/api/show", "/api/tags", "/api/version"},
 }
 
 
