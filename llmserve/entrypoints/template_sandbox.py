@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -286,6 +287,7 @@ class TemplateSandbox:
         self._workers: set[_Worker] = set()  # every live worker, idle or busy
         self._waiters: collections.deque = collections.deque()  # (loop, future) awaiting a worker
         self._closed = False
+        _LIVE.add(self)
         for _ in range(config.num_workers):
             self._spawn()
 
@@ -467,6 +469,21 @@ class TemplateSandbox:
             except subprocess.TimeoutExpired:
                 pass
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+_LIVE: "weakref.WeakSet[TemplateSandbox]" = weakref.WeakSet()
+
+
+def _shutdown_all() -> None:
+    for sandbox in list(_LIVE):
+        sandbox.shutdown()
+
+
+# At interpreter exit, before the non-daemon threads are joined (concurrent.futures uses the
+# same hook): a pool thread blocked on a worker's answer would otherwise hold the exit for as
+# long as that worker renders.
+if hasattr(threading, "_register_atexit") and __name__ != "__main__":
+    threading._register_atexit(_shutdown_all)
 
 
 if __name__ == "__main__":  # a worker: python -m llmserve.entrypoints.template_sandbox FD MEMORY_BYTES
