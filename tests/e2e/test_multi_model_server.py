@@ -99,6 +99,10 @@ def test_models_metrics_and_tokenizers_of_both(duo):
                      if s.name.endswith("_total")}
     assert set(prompt_tokens) == {CHAT, EMB} and all(v > 0 for v in prompt_tokens.values())
     assert duo.http.get("/health").status_code == 200
+    # admission runs per engine (its gauges count both) and the server reports ready
+    assert duo.http.get("/ready").status_code == 200, duo.http.get("/ready").text
+    in_flight = {s.labels.get("model_name") for s in families["vllm:admission_in_flight_requests"].samples}
+    assert {CHAT, EMB} <= in_flight
 
 
 def test_routing_errors_name_the_model(duo):

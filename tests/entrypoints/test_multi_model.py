@@ -103,3 +103,26 @@ def test_speech_model_is_not_routed_text_requests():
 def test_registry_refuses_duplicate_names():
     with pytest.raises(ValueError, match="served_model_name"):
         ModelRegistry([_served("m", ("generate",), 8), _served("m", ("embed",), 8)])
+
+
+def test_routed_admission_admits_by_the_serving_engine():
+    """With several models, each request passes the controller of the engine that serves
+    it: a full chat engine refuses chats, not embeddings; /ready follows the main model."""
+    from llmserve.config import AdmissionConfig
+    from llmserve.entrypoints.openai.admission import AdmissionController
+    from llmserve.entrypoints.openai.routed_admission import ModelRoutedAdmission, model_of_body
+
+    reg = ModelRegistry([_served("chat", ("generate",), 2048), _served("emb", ("encode", "embed"), 512)])
+    chat_c, emb_c = (AdmissionController(AdmissionConfig(max_waiting_requests=0, engine_stall_timeout=0.0,
+                                                         max_queue_delay=0.0), max_num_seqs=1) for _ in range(2))
+    routed = ModelRoutedAdmission(reg, [chat_c, emb_c])
+    assert model_of_body(b'{"messages": [{"model": "x"}], "model": "emb"}') == "emb"
+    assert model_of_body(b"not json") is None and model_of_body(b'{"model": 3}') is None
+    assert routed.controller_for("/v1/embeddings", b'{"model": "emb", "input": "a"}') is emb_c
+    assert routed.controller_for("/v1/embeddings", b'{"input": "a"}') is emb_c  # no model: the first that can
+    assert routed.controller_for("/v1/chat/completions", b'{"model": "chat"}') is chat_c
+    assert routed.controller_for("/v1/chat/completions", b'{"model": "nope"}') is chat_c  # the handler 404s
+    assert chat_c.admit() is None and chat_c.admit() is not None  # the chat engine is full
+    assert routed.controller_for("/v1/embeddings", b'{"model": "emb"}').admit() is None
+    routed.is_draining = lambda: True
+    assert chat_c.is_draining() and emb_c.is_draining() and routed.check().reason == "draining"

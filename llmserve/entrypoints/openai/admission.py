@@ -322,6 +322,9 @@ class AdmissionMiddleware:
         except ValueError as e:
             status, body = error_response_from_exception(e)
             return await json_response(body, status)(scope, receive, send)
+        if hasattr(controller, "controller_for"):  # several models: the serving engine's controller
+            body, receive = await _buffered_body(receive)
+            controller = controller.controller_for(path, body)
         rejection = controller.admit()
         if rejection is not None:
             response = json_response(make_error(rejection.message, rejection.status), rejection.status)
@@ -334,6 +337,21 @@ class AdmissionMiddleware:
         finally:
             reset_deadline(token)
             controller.release()
+
+
+async def _buffered_body(receive: Any) -> tuple[bytes, Any]:
+    """The request body (already buffered by BodyLimitMiddleware, so this does not wait
+    on the client) and a ``receive`` that replays it to the app."""
+    messages, more = [], True
+    while more:
+        message = await receive()
+        messages.append(message)
+        more = message["type"] == "http.request" and message.get("more_body", False)
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+
+    async def replay() -> dict:
+        return messages.pop(0) if messages else await receive()
+    return body, replay
 
 
 def engine_stalled_error(state: Any) -> Optional[ErrorResponse]:

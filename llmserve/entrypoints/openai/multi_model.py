@@ -34,6 +34,7 @@ from prometheus_client.metrics_core import Metric
 
 from llmserve.engine_args import AsyncEngineArgs
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, ModelNotFoundError, OpenAIServingModels
+from llmserve.entrypoints.openai.routed_admission import ModelRoutedAdmission
 from llmserve.sampling_params import SamplingParamsError
 
 # EngineArgs fields that describe a model, not the engine's resources: an extra model
@@ -325,4 +326,5 @@ async def init_multi_model_state(
     state.openai_serving_models = registry.serving_models()
     state.openai_serving_render = main.openai_serving_render  # /tokenizer_info: the main model's template
     state.stat_logger = MergedStatLoggers([m.state.stat_logger for m in served])
+    state.admission = ModelRoutedAdmission(registry, [m.state.admission for m in served])
     return group
