@@ -181,6 +181,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
             detail = (err.get("ctx") or {}).get("error")
             parts.append(f"Invalid JSON in the request body: {detail or msg}")
             continue
+        named = (err.get("ctx") or {}).get("param")
+        if not loc and named:  # a model-level check that names its field (NEVER_IGNORED_FIELDS)
+            param = param or named
+            parts.append(msg)
+            continue
         if not loc:
             parts.append(f"The request body must be a JSON object with the request fields ({msg}).")
             continue

@@ -97,6 +97,16 @@ def _list_limits(field: Any) -> tuple[Optional[int], Optional[int]]:
     return (max(ints) if ints else None, max(others) if others else None)
 
 
+# Fields that would change the answer where a route does not take them: refused (400 naming
+# them) instead of ignored, like every unknown field is (README "Request fields"). A request
+# chat template runs only where the route takes one and the server trusts it.
+NEVER_IGNORED_FIELDS = {
+    "chat_template": "This route takes no request `chat_template` (a request template is accepted only on "
+                     "/v1/chat/completions, /tokenize and /v1/embeddings with messages, and only with "
+                     "--trust-request-chat-template).",
+}
+
+
 @functools.lru_cache(maxsize=1024)
 def _warn_ignored_field(model: str, name: str) -> None:
     """Log an ignored request field once per (model, field name); the cache bounds it."""
@@ -154,6 +164,8 @@ class OpenAIRequestModel(OpenAIBaseModel):
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> "OpenAIRequestModel":
         for name in (self.model_extra or {}):
+            if name in NEVER_IGNORED_FIELDS:
+                raise PydanticCustomError("field_not_accepted", NEVER_IGNORED_FIELDS[name], {"param": name})
             _warn_ignored_field(type(self).__name__, name)
         return self
 
