@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from llmserve.entrypoints.openai.common.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRING_CHARS, \
     MAX_STOP_STRINGS
@@ -42,6 +42,14 @@ class AnthropicToolParam(OpenAIBaseModel):
     input_schema: Optional[dict[str, Any]] = None
     type: Optional[str] = None
 
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # Anthropic: a tool's input is always an object
+        if schema is not None and schema.get("type", "object") != "object":
+            raise ValueError('input_schema must describe an object ("type": "object")')
+        return schema
+
 
 class AnthropicCountTokensRequest(OpenAIRequestModel):
     """``POST /v1/messages/count_tokens``: the prompt part of a messages request."""
@@ -59,7 +67,8 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     room the prompt leaves in the context (llama.cpp's rule; Claude Code asks for 32000
     whatever the model). ``temperature`` is in [0, 1] (Anthropic's range)."""
 
-    max_tokens: Int64 = Field(ge=1)
+    # Annotated alone: Int64's own bounds would override a Field(ge=1) given beside it
+    max_tokens: Annotated[int, Field(ge=1, le=2**63 - 1)]
     stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_STRINGS)]] = None
     stream: Optional[bool] = False
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
