@@ -147,6 +147,10 @@ BAD = [  # (body fields, status, Anthropic error type, what the message must nam
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "invalid_request_error",
      "messages.0.content.0"),
     ({"model": "no-such-model"}, 404, "not_found_error", "no-such-model"),
+    ({"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, 400, "invalid_request_error",
+     "tools.0.input_schema"),
+    ({"chat_template": "{{ 'x' }}"}, 400, "invalid_request_error", "chat_template"),
 ]
 
 
