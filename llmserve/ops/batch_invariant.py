@@ -34,7 +34,9 @@ import torch.nn.functional as F
 
 from llmserve.ops import onednn_linear
 
-MIN_INVARIANT_ROWS = 4
+# Rows of every GEMM inside min_gemm_rows: one AMX tile's height, and past the M < 4 classes of
+# AVX512 CPUs without AMX (see linear)
+MIN_INVARIANT_ROWS = 16
 
 _min_rows: contextvars.ContextVar[int] = contextvars.ContextVar("llmserve_min_gemm_rows", default=1)
 
@@ -57,13 +59,25 @@ def unpadded() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` ([M, in] x [out, in] -> [M, out]), or oneDNN's linear when ``weight``
     was packed by :mod:`llmserve.ops.onednn_linear` (``weight.is_mkldnn``); inside
-    :func:`min_gemm_rows` a 2-D input with fewer rows is padded with zero rows (dropped
-    from the result)."""
+    :func:`min_gemm_rows` a 2-D input runs as GEMMs of exactly that many rows (the last
+    block padded with zero rows, dropped from the result).
+
+    Why fixed blocks and not just padding small GEMMs: on AMX CPUs (Sapphire Rapids, torch
+    2.13) a row's result depends on M in more classes than "M < 4 / M >= 4": measured at
+    SmolLM2 shapes, float32 576x1536 gives one result for M = 16..33, another for 63..129
+    and the first again from 255; bfloat16 49152x576 one for M <= 32 and 511+, another for
+    33..257. Within a GEMM of a fixed M, a row's result did not depend on its position or
+    on the other rows (blocks of 4, 8, 16, every shape, both dtypes), so fixed blocks make
+    every row invariant on both CPU families."""
     m = _min_rows.get()
-    if m > 1 and x.dim() == 2 and x.shape[0] < m:
-        padded = torch.cat([x, x.new_zeros(m - x.shape[0], x.shape[1])])
-        return _gemm(padded, weight, bias)[:x.shape[0]]
-    return _gemm(x, weight, bias)
+    if m <= 1 or x.dim() != 2:
+        return _gemm(x, weight, bias)
+    rows = x.shape[0]
+    if rows % m:
+        x = torch.cat([x, x.new_zeros(m - rows % m, x.shape[1])])
+    if x.shape[0] == m:
+        return _gemm(x, weight, bias)[:rows]
+    return torch.cat([_gemm(block, weight, bias) for block in x.split(m)])[:rows]
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

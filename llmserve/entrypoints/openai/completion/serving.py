@@ -107,8 +107,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
             if fim is not None:  # the FIM stop tokens end the middle, as in llama.cpp
                 p.params.stop_token_ids = list(p.params.stop_token_ids or []) + fim.stop_token_ids
             p.zero_output = max_tokens == 0
-            if request.echo:  # the prompt as sent (not the FIM layout around it)
-                text = item if isinstance(item, str) else p.text
+            if request.echo:  # what the model saw; with FIM the prompt as sent (not the layout around it)
+                text = item if fim is not None and isinstance(item, str) else p.text
                 p.echo_text = text if text is not None else self.tokenizer.decode(p.ids, skip_special_tokens=False)
         return model_name, prompts
 
