@@ -5,16 +5,16 @@ measured with torch 2.13 (oneDNN / MKL) at SmolLM2 shapes, float32 gives one res
 M=1, another at M=2..3 and a third for every M >= 4 (tested up to 512); bfloat16 differs
 between M=1 and M >= 2 for the K=1536 down projection. So a seeded request's logits
 changed with the number of tokens in its step (alone vs batched, decode vs prefill
-chunk). Padding a GEMM to at least ``MIN_INVARIANT_ROWS`` rows puts every row in the
-M >= 4 class. The paged C++ attention already treats each query token alone over its
+chunk). Running every GEMM as blocks of exactly ``MIN_INVARIANT_ROWS`` rows (the last one
+padded) gives every row one class on these CPUs and on AMX ones (see :func:`linear`). The paged C++ attention already treats each query token alone over its
 cached context, so with padded GEMMs a row's hidden states no longer depend on the batch.
 
 The runner pads every step (``min_gemm_rows``) while ``ModelConfig.batch_invariant`` is on
 (``--batch-invariant``, off by default), so greedy tokens are the same alone, batched,
 chunked or after a prefix-cache hit (issue 10.6); with it off, only steps holding a seeded
-request are padded (issue 18). Padding only touches steps of 1-3 tokens (decodes of 1-3
-requests), but there it is not free: measured at SmolLM2 GEMM shapes, one thread, a loaded
-machine, padding 1 row to 4 cost +7..18% GEMM time in bfloat16 and ~2x in float32 (oneDNN's
+request are padded (issue 18). It is not free: small steps are padded to 16 rows and long
+ones run as several 16-row GEMMs; measured at SmolLM2 GEMM shapes, one thread, a loaded
+machine, padding 1 row to 4 (the earlier block size) cost +7..18% GEMM time in bfloat16 and ~2x in float32 (oneDNN's
 M=1 GEMV is fast), hence opt-in. ``llmserve bench seed-repro --greedy --ab-rounds K``
 measures it end to end. vLLM offers batch invariance only as
 an opt-in on some GPUs (``VLLM_BATCH_INVARIANT``). Verified here (torch 2.13, AVX512-BF16):
