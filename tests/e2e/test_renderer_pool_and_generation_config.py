@@ -45,6 +45,7 @@ async def _chats(server, n: int) -> list[httpx.Response]:
         return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(n)))
 
 
+@pytest.mark.slow  # tests/entrypoints/test_api_server.py::test_async_renderer_renders_off_the_event_loop covers it in process; `make test-all`
 def test_health_answers_fast_while_64_slow_chat_templates_render(tiny_server):
     """The renders (and tokenization) run in the renderer's 4 threads, so the event loop
     keeps serving /health: median latency under 50 ms over the polls started during the

@@ -154,6 +154,7 @@ def test_two_api_servers_over_two_dp_engines(tiny_model_dir):
         srv.stop()
 
 
+@pytest.mark.slow  # a dead DP rank: test_data_parallel_server.py (fails fast) and test_shutdown.py (exit code) cover it; `make test-all`
 def test_two_api_servers_over_two_dp_engines_exit_when_an_engine_dies(tiny_model_dir):
     """SIGKILL of one of the two DP engines: both API servers and the launcher exit with
     code 1, the other engine stops, the socket dir is removed."""

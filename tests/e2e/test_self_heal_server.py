@@ -68,6 +68,7 @@ def _restarts(server: RemoteServer) -> float:
     return float(m.group(1))
 
 
+@pytest.mark.slow  # tests/engine/test_self_heal.py::test_sigkill_during_streams_resumes_identically covers it in process; `make test-all`
 def test_sigkill_under_streams_heals_with_identical_text():
     server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
     try:
