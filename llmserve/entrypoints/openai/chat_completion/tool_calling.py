@@ -211,6 +211,7 @@ class ChoiceOutputParser:
         if self.reasoning_parser is not None:
             reasoning, content = self.reasoning_parser.extract_reasoning(text, self.request)
             reasoning = reasoning if self.include_reasoning else None
+        self.content = content or ""  # what the tool parser scans (OutputParsing.check_forced)
         if self.tool_parser is None or content is None:
             return ParsedOutput(reasoning, content)
         info = self.tool_parser.extract_tool_calls(content, self.request)
@@ -299,18 +300,9 @@ class OutputParsing:
     def parse_whole(self, text: str, finish_reason: Optional[str]) -> ParsedOutput:
         """A whole choice's parts (``make_parser().parse``), checked as ``check_forced``."""
         parser = self.make_parser()
-        parsed = parser.parse(text)
-        parser.content = self._content_of(parser, text)
+        parsed = parser.parse(text)  # keeps the content part on the parser: split once
         self.check_forced(parser, finish_reason)
         return parsed
-
-    @staticmethod
-    def _content_of(parser: "ChoiceOutputParser", text: str) -> str:
-        """The content part of a whole ``text`` (after any reasoning), which the tool parser scans."""
-        if parser.reasoning_parser is None:
-            return text
-        _, content = parser.reasoning_parser.extract_reasoning(text, parser.request)
-        return content or ""
 
     def finish_reason(self, finish_reason: Optional[str], tools_called: bool) -> Optional[str]:
         """``tool_calls`` when an ``auto`` or ``required`` choice stopped after calling
