@@ -126,8 +126,15 @@ def test_hostile_templates_are_stopped_and_others_served(trusted, name):
 
 
 def _workers(srv) -> set[int]:
-    return {c.pid for c in psutil.Process(srv.proc.pid).children()
-            if "llmserve.entrypoints.template_sandbox" in " ".join(c.cmdline())}
+    """The server's live template workers (a killed one may linger as a zombie until reaped)."""
+    pids = set()
+    for c in psutil.Process(srv.proc.pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "llmserve.entrypoints.template_sandbox" in " ".join(c.cmdline()):
+                pids.add(c.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # ended between the listing and the look
+            continue
+    return pids
 
 
 def test_a_client_disconnect_kills_the_render(trusted):
