@@ -202,6 +202,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     max_num_encoder_input_tokens: int = 3000
+    tenant_fair_share: bool = True  # weighted fair queueing between tenants (core/fair_share.py)
 
     def __post_init__(self) -> None:
         _positive("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)

@@ -184,6 +184,7 @@ class EngineArgs:
     max_num_partial_prefills: int = field(default=1, metadata=_help("Concurrent partial prefills; " + _NOT_YET + " (1 only)."))
     max_long_partial_prefills: int = field(default=1, metadata=_help("Concurrent long partial prefills; " + _NOT_YET + " (1 only)."))
     scheduling_policy: str = field(default="fcfs", metadata=_help("fcfs or priority."))
+    tenant_fair_share: bool = field(default=True, metadata=_help("Share the engine between tenants (API keys of --api-keys-file) by weighted fair queueing over tokens: a waiting request of the tenant furthest below its share goes first and the one furthest over it is preempted first; within a --scheduling-policy priority class (beyond vLLM). --no-tenant-fair-share: one first-come queue."))
     async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass; " + _NOT_YET + " (False only)."))
     # ---- parallel
     tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size: worker processes (or Ray actors) that each hold a share of the attention heads, MLP columns and vocabulary (Llama family; at most the number of KV heads)."))

@@ -228,7 +228,8 @@ def _scheduler_config(args: "EngineArgs", device: str, usage_context: "UsageCont
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         policy=args.scheduling_policy, long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills)
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        tenant_fair_share=args.tenant_fair_share)
 
 
 def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> VllmConfig:

@@ -110,6 +110,10 @@ class Request:
         self.encoder_inputs = encoder_inputs
         self.num_encoder_tokens = encoder_inputs.num_encoder_tokens if encoder_inputs is not None else 0
         self.encoder_scheduled = False
+        # The caller's tenant and its weight (engine.messages.EngineCoreRequest), for the
+        # scheduler's fair share; None: the default tenant.
+        self.tenant: Optional[str] = None
+        self.tenant_weight = 1.0
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
         if self.log_stats:

@@ -14,10 +14,12 @@ from collections import deque
 from typing import Iterable, Optional
 
 from llmserve.config import CacheConfig, SchedulerConfig
+from llmserve.core.fair_share import FairShare
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.outputs import EngineCoreEventType, EngineCoreOutput, ModelRunnerOutput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from llmserve.core.timeline import record_preempted, record_scheduled
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.sampling_params import SamplingParams
 
@@ -50,6 +52,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.needs_kv = needs_kv
         self._priority = scheduler_config.policy == "priority"
+        # Tenants' weighted fair share of admissions and preemptions (core/fair_share.py).
+        self.fair_share = FairShare() if getattr(scheduler_config, "tenant_fair_share", True) else None
         self.num_preemptions_total = 0
         self._step_preemptions = 0
         # Outputs produced outside a step (a closed streaming session), sent with the next.
@@ -74,6 +78,8 @@ class Scheduler:
                 f"The request needs up to {min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)} "
                 f"tokens of KV cache but the cache holds only {max_blocks * self.block_size} tokens.")
         self.requests[request.request_id] = request
+        if self.fair_share is not None:
+            self.fair_share.add(request)
         if request.structured_output_request is not None:
             self._num_structured += 1
             if not request.structured_output_request.is_ready():
@@ -108,6 +114,8 @@ class Scheduler:
         if req.structured_output_request is not None:
             self._num_structured -= 1
         self.kv_cache_manager.free(req)
+        if self.fair_share is not None and req.request_id in self.requests:
+            self.fair_share.remove(req)
         self.finished_req_ids.add(req.request_id)
         self.requests.pop(req.request_id, None)
 
@@ -212,6 +220,9 @@ class Scheduler:
 
     # ---- scheduling --------------------------------------------------------
     def _pick_victim(self) -> Request:
+        victim = self.fair_share.victim(self.running, self._priority) if self.fair_share else None
+        if victim is not None:
+            return victim
         if self._priority:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
@@ -222,12 +233,15 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.record_event(EngineCoreEventType.PREEMPTED)
+        record_preempted(req)
         self.num_preemptions_total += 1
         self._step_preemptions += 1
         self.waiting.appendleft(req)
 
     def _next_waiting(self) -> Request:
+        fair = self.fair_share.pick(self.waiting, self._priority) if self.fair_share else None
+        if fair is not None:
+            return fair
         if self._priority:
             return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
         return self.waiting[0]
@@ -237,6 +251,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: dict[str, int] = {}
+        admitted: dict[str, int] = {}  # left the waiting queue: id -> prefix-cache hit tokens
         preempted: set[str] = set()
         self._step_preemptions = 0
         if self.waiting_for_fsm:
@@ -293,7 +308,7 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 req.status = RequestStatus.RUNNING
-                req.record_event(EngineCoreEventType.SCHEDULED)
+                admitted[req.request_id] = num_hit
                 self.running.append(req)
                 scheduled[req.request_id] = n
                 budget -= n
@@ -304,7 +319,10 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(
                     req, req.num_computed_tokens, n,
                     self.kv_cache_manager.get_block_ids(req.request_id)))
+        record_scheduled(out.scheduled, admitted)  # the timeline's prefill events (core/timeline.py)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
+        if self.fair_share is not None:
+            self.fair_share.charge((s.request, s.num_scheduled_tokens) for s in out.scheduled)
         if self._num_structured:
             out.grammar_bitmask, out.structured_output_request_ids = \
                 self.structured_output_manager.grammar_bitmask(out.scheduled)

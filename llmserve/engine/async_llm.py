@@ -28,6 +28,7 @@ from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine.protocol import EngineClient
 from llmserve.engine.self_heal import CoreHolder, EngineHealer
 from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
+from llmserve.engine.tenant_context import tenant_fields
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.metrics.stats import IterationStats
 from llmserve.outputs import PoolingRequestOutput, RequestOutput
@@ -253,10 +254,14 @@ class AsyncLLM(EngineClient):
                           params: Optional[SamplingParams] = None, arrival_time: Optional[float] = None,
                           priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None,
                           resumable: bool = False, reasoning_ended: Optional[bool] = None,
-                          data_parallel_rank: Optional[int] = None, **kwargs: Any) -> RequestOutputCollector:
+                          data_parallel_rank: Optional[int] = None, *, tenant: Any = None,
+                          **kwargs: Any) -> RequestOutputCollector:
         """Add a request; returns its collector at once. ``prompt`` may be a prepared
         ``EngineCoreRequest`` (its own request id wins over ``request_id``, with a
         warning). ``data_parallel_rank`` pins the request to that DP engine (vLLM).
+        ``tenant`` (llmserve extension): the caller's tenant (a name, or an object with
+        ``.name``/``.weight``) for the engine's fair share; None: the current one of
+        engine/tenant_context.py (set by the server per HTTP request), else the default.
         Raises ValueError / EngineDeadError."""
         if self.errored:
             raise self.dead_error
@@ -277,8 +282,11 @@ class AsyncLLM(EngineClient):
         collector = RequestOutputCollector(params.output_kind)
         headers = dict(trace_headers) if trace_headers else None
         reqs = register_incarnations(self.output_processor, reqs, parent, collector)
+        tenant_name, tenant_weight = tenant_fields(tenant)
         for req in reqs:
             req.resumable = resumable or req.resumable
+            if tenant_name is not None:
+                req.tenant, req.tenant_weight = tenant_name, tenant_weight
             if headers is not None:
                 req.trace_headers = headers
             if reasoning_ended is not None:
@@ -343,7 +351,8 @@ class AsyncLLM(EngineClient):
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int = 0, *,
                        trace_headers: Optional[Mapping[str, str]] = None, reasoning_ended: Optional[bool] = None,
                        reasoning_parser_kwargs: Optional[dict[str, Any]] = None,
-                       data_parallel_rank: Optional[int] = None, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+                       data_parallel_rank: Optional[int] = None, tenant: Any = None,
+                       **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs of one request (output kind per sampling_params).
 
         ``prompt``: text, token ids, a prompt dict, an ``EngineCoreRequest``, or an async
@@ -354,7 +363,8 @@ class AsyncLLM(EngineClient):
         request's grammar applies at once when True; see StructuredOutputManager);
         reasoning_parser_kwargs is accepted for vLLM compatibility; with streaming input they raise
         NotImplementedError, as in vLLM. ``data_parallel_rank`` pins the request to one DP
-        engine. Closing or cancelling the generator aborts the request in the engine.
+        engine. ``tenant`` (llmserve extension, see ``add_request``): whose share of the
+        engine it uses. Closing or cancelling the generator aborts the request in the engine.
         """
         streaming = is_streaming_prompt(prompt)
         if streaming and (reasoning_ended is not None or reasoning_parser_kwargs is not None):
@@ -368,7 +378,7 @@ class AsyncLLM(EngineClient):
             else:
                 collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
                                                    trace_headers=trace_headers, reasoning_ended=reasoning_ended,
-                                                   data_parallel_rank=data_parallel_rank)
+                                                   data_parallel_rank=data_parallel_rank, tenant=tenant)
                 if isinstance(prompt, EngineCoreRequest):
                     request_id = prompt.request_id
             finished = False
@@ -398,7 +408,7 @@ class AsyncLLM(EngineClient):
 
     async def encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str,
                      lora_request: Any = None, trace_headers: Optional[Mapping[str, str]] = None,
-                     priority: int = 0, **kwargs: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
+                     priority: int = 0, *, tenant: Any = None, **kwargs: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Pool one prompt (vLLM's ``AsyncLLM.encode``): yields its one
         PoolingRequestOutput. Raises ValueError (SamplingParamsError) for bad input or a
         model that does not pool; cancelling aborts the request in the engine."""
@@ -406,7 +416,8 @@ class AsyncLLM(EngineClient):
             raise ValueError("encode() does not take streaming input")
         if lora_request is not None:
             raise ValueError("LoRA is not supported by this engine yet")
-        async for out in self.generate(prompt, pooling_params, request_id, priority, trace_headers=trace_headers):
+        async for out in self.generate(prompt, pooling_params, request_id, priority, trace_headers=trace_headers,
+                                       tenant=tenant):
             yield out
 
     async def get_supported_tasks(self) -> tuple[str, ...]:

@@ -96,6 +96,7 @@ class EngineCore:
                           req.eos_token_id, req.arrival_time, req.priority, resumable=req.resumable,
                           trace_headers=req.trace_headers, log_stats=self.log_stats,
                           pooling_params=req.pooling_params, encoder_inputs=req.encoder_inputs)
+        request.tenant, request.tenant_weight = req.tenant, req.tenant_weight
         for tok in req.output_token_ids:  # resumed after an engine restart: as if preempted
             request.append_output_token_ids(tok)
         if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:

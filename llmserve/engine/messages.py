@@ -85,6 +85,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     encoder_inputs: Optional[EncoderInputs] = None
     data_parallel_rank: Optional[int] = None  # pins the DP engine (DPLBAsyncMPClient)
     client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go there
+    tenant: Optional[str] = None  # the caller's tenant name (API key), for the fair share (core/fair_share.py)
+    tenant_weight: float = 1.0  # that tenant's weight in the fair share
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
