@@ -72,6 +72,7 @@ from llmserve.entrypoints.openai.tokenize.api_router import register_tokenize_ap
 from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
 from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
 from llmserve.entrypoints.renderer import AsyncRenderer, Renderer
+from llmserve.entrypoints.web.webui import register_webui_routes
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
 
@@ -115,6 +116,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     for register in API_ROUTER_REGISTRARS:
         register(app)
     add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
+    register_webui_routes(app, args)  # the built-in page at / and /live (--no-webui: off)
     app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
     install_exception_handlers(app)

@@ -15,6 +15,7 @@ from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_
 from llmserve.entrypoints.openai.responses.store import add_responses_args, check_responses_args
 from llmserve.entrypoints.openai.multi_model import parse_extra_model
 from llmserve.entrypoints.template_sandbox import add_request_template_args, check_request_template_args
+from llmserve.entrypoints.web.webui import add_webui_args
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 _UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -93,6 +94,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     add_request_template_args(server)
     add_http_edge_args(server)
     add_responses_args(server)
+    add_webui_args(server)
     AsyncEngineArgs.add_cli_args(parser)
     add_tool_calling_args(parser)  # after the engine's: --reasoning-parser may be an engine field
     # every other `vllm serve` flag: a no-op or refused with its reason, never "unrecognized"

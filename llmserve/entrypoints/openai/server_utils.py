@@ -19,18 +19,20 @@ from starlette.responses import Response, StreamingResponse
 
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+from llmserve.entrypoints.web.webui import WEBUI_PUBLIC_PATHS
 
 REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
 # The routes that answer without an API key (exact paths, after --root-path): the probes
 # (liveness, readiness, SageMaker's /ping), the version (also Ollama's /api/version), the
 # static API documents, and, as in vLLM, /metrics and /load, which Prometheus scrapers and
 # load balancers poll without credentials and which carry counts only, never a prompt, an
-# output or a stored object. Every other path (the engine routes, the stored responses,
+# output or a stored object; and the built-in page's files (``/``, ``/live``, ``/webui/...``:
+# the page asks for the key and sends it to the data routes). Every other path (the engine routes, the stored responses,
 # /invocations, /tokenizer_info, any route added later, an unknown path) needs the key.
 PUBLIC_PATHS = frozenset({
     "/health", "/ready", "/ping", "/version", "/api/version", "/metrics", "/load",
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
-})
+}) | WEBUI_PUBLIC_PATHS
 
 
 def json_response(model: Any, status_code: int = 200) -> Response:
@@ -144,8 +146,7 @@ class AuthenticationMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        # the path as the router matches it (starlette's own helper: the same --root-path rule)
-        if get_route_path(scope) in PUBLIC_PATHS or self._authorized(scope):
+        if _public(scope) or self._authorized(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "Invalid or missing API key."})
@@ -154,6 +155,13 @@ class AuthenticationMiddleware:
         response = json_response(body, 401)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
+
+
+def _public(scope: dict) -> bool:
+    """Whether the request's path (as the router matches it: starlette's own helper, the
+    same --root-path rule) is on PUBLIC_PATHS; the page's files only to GET or HEAD them."""
+    path = get_route_path(scope)
+    return path in PUBLIC_PATHS and (path not in WEBUI_PUBLIC_PATHS or scope.get("method") in ("GET", "HEAD"))
 
 
 def _digest(key: str) -> bytes:
