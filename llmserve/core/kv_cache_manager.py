@@ -261,4 +261,25 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
+    def fork(self, parent: Request, child: Request) -> Optional[tuple[int, int]]:
+        """Give ``child`` (a beam forked from ``parent`` after its computed tokens) the
+        parent's blocks by reference; the last, partial block (still to be written by
+        both) is copied instead: returns the (src, dst) block ids to copy, or None when
+        there is no partial block, or no free block for the copy (then the child keeps
+        only the full blocks and recomputes the partial one's tokens: the caller sets its
+        ``num_computed_tokens`` from ``child_computed_tokens``)."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        n_full = min(parent.num_computed_tokens // self.block_size, len(blocks))
+        shared = blocks[:n_full]
+        self.pool.touch(shared)
+        mine = list(shared)
+        copy = None
+        if parent.num_computed_tokens % self.block_size and len(blocks) > n_full and self.pool.get_num_free_blocks():
+            dst = self.pool.get_new_blocks(1)[0]
+            mine.append(dst)
+            copy = (blocks[n_full].block_id, dst.block_id)
+        self.req_to_blocks[child.request_id] = mine
+        self.num_cached_block[child.request_id] = min(self.num_cached_block.get(parent.request_id, 0), n_full)
+        return copy
+
         return self.pool.reset_prefix_cache()

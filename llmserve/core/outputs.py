@@ -68,6 +68,19 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_token_ids: tokens sampled this step (empty while a prompt is being prefilled);
     finish_reason: set when the request finished; stop_reason: the stop token id that
     ended it (or None); num_cached_tokens: prompt tokens served from the prefix cache;
+class BeamSequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One finished beam of a beam-search request (core/beam_search.py): its generated
+    token_ids (EOS included when it ended on one), the raw logprob of each, their sum
+    cum_logprob and the length-penalised score it was ranked by."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    score: float
+    finish_reason: FinishReason
+    stop_reason: Union[int, str, None] = None
+
+
     events: QUEUED/SCHEDULED/PREEMPTED events since the last output (only when the engine
     logs stats)."""
 
@@ -88,6 +101,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+    # A beam-search request's result, best first (sent once, when the search ends).
+    beam_sequences: Optional[list[BeamSequenceOutput]] = None
 @dataclass
 class ModelRunnerOutput:
     """What the model runner returns for one step: per request id, the sampled token

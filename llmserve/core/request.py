@@ -114,6 +114,10 @@ class Request:
         # scheduler's fair share; None: the default tenant.
         self.tenant: Optional[str] = None
         self.tenant_weight = 1.0
+        # Beam search (core/beam_search.py): the request's BeamSearchParams as sent; on
+        # each beam (a Request of its own), the BeamGroup it belongs to.
+        self.beam_search_params = None
+        self.beam_group = None
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
         if self.log_stats:

@@ -36,3 +36,6 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     grammar_bitmask: Optional[Any] = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # KV blocks to copy (src, dst) before the forward: copy-on-write of a partial block
+    # that beams forked from one parent share (core/beam_search.py).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

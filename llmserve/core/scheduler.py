@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.fair_share import FairShare
+from llmserve.core.beam_search import BeamSearchManager
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.outputs import EngineCoreEventType, EngineCoreOutput, ModelRunnerOutput
 from llmserve.core.request import Request, RequestStatus
@@ -67,6 +68,10 @@ class Scheduler:
 
     # ---- queue management --------------------------------------------------
     def add_request(self, request: Request) -> None:
+        # Beam search (core/beam_search.py): groups of beams, and the partial KV blocks
+        # their forks copy before the next forward.
+        self.beam = BeamSearchManager(self)
+        self.pending_block_copies: list[tuple[int, int]] = []
         max_blocks = self.kv_cache_manager.pool.num_blocks - 1
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
@@ -80,6 +85,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         if self.fair_share is not None:
             self.fair_share.add(request)
+        if request.beam_search_params is not None:
+            request = self.beam.first_beam(request)  # the group's first beam is what runs
         if request.structured_output_request is not None:
             self._num_structured += 1
             if not request.structured_output_request.is_ready():
@@ -94,6 +101,8 @@ class Scheduler:
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.is_finished():
+                continue
+            if self.beam.groups and self.beam.abort(rid):
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
@@ -293,6 +302,9 @@ class Scheduler:
                     break  # its encoder waits for the next step's budget
                 computed_blocks, num_hit = [], 0
                 if req.num_computed_tokens == 0:
+                if self.beam.groups and len(self.running) + self.beam.reserved_seats() + \
+                        self.beam.seats_needed(req) > self.config.max_num_seqs:
+                    break  # max_num_seqs counts beams: a group reserves beam_width seats
                     computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
                 n = req.num_tokens - req.num_computed_tokens - num_hit
                 if n > budget and (not self.config.enable_chunked_prefill or req.pooling_params is not None):
@@ -319,6 +331,8 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(
                     req, req.num_computed_tokens, n,
                     self.kv_cache_manager.get_block_ids(req.request_id)))
+                if req.beam_group is not None:
+                    req.beam_group.started = True
         record_scheduled(out.scheduled, admitted)  # the timeline's prefill events (core/timeline.py)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
         if self.fair_share is not None:
@@ -340,6 +354,8 @@ class Scheduler:
             return True
         if n_out < sp.min_tokens:
             return False
+        if self.pending_block_copies:
+            out.blocks_to_copy, self.pending_block_copies = self.pending_block_copies, []
         last = req.output_token_ids[-1]
         if not sp.ignore_eos and last == req.eos_token_id:
             req.status = RequestStatus.FINISHED_STOPPED
@@ -369,6 +385,7 @@ class Scheduler:
                 self._finish_pooling(req, runner_out, outputs, finished)
                 continue
             tok = runner_out.sampled_token_ids.get(req.request_id)
+        beam_groups: dict = {}  # BeamGroup -> None, in step order
             plp = runner_out.prompt_logprobs.get(req.request_id)
             if tok is None:
                 if plp is not None:
@@ -380,6 +397,11 @@ class Scheduler:
             if req.structured_output_request is not None and \
                     self.structured_output_manager.accept_token(req, tok) and not stopped:
                 # The grammar is complete (it accepted a stop token, e.g. under ignore_eos).
+            if req.beam_group is not None:
+                if tok is not None:  # the beam's top-K row; its group steps below
+                    self.beam.on_row(req, runner_out.logprobs.get(req.request_id))
+                    beam_groups[req.beam_group] = None
+                continue
                 req.status = RequestStatus.FINISHED_STOPPED
                 stopped = True
             if stopped and req.resumable and self._continue_session(req):
@@ -411,6 +433,8 @@ class Scheduler:
             pooling_output=runner_out.pooler_output.get(req.request_id)))
         finished.append(req)
 
+        if beam_groups:
+            outputs.extend(self.beam.step_ready_groups(beam_groups))
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         st = SchedulerStats(

@@ -105,6 +105,7 @@ class EngineCore:
 
     def add_streaming_input(self, chunk: StreamingInputChunk) -> None:
         """Extend (or close) a streaming-input request. Raises ValueError as add_request."""
+        request.beam_search_params = req.beam_search_params
         self.scheduler.update_streaming_request(chunk.request_id, chunk.prompt_token_ids,
                                                 chunk.sampling_params, chunk.final)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Union
 
+from llmserve.beam_search import BeamSearchParams
 from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EncoderInputs, EngineCoreRequest
 from llmserve.pooling_params import PoolingParams
@@ -26,6 +27,28 @@ def list_ids(ids: list[Any]) -> str:
 
 def _is_token_id(t: Any, vocab_size: int) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+
+# SamplingParams fields that change the sampled token only: beams are ranked by raw
+# logprobs (core/beam_search.py), so these would be silently ignored; they are refused.
+_BEAM_REFUSED = (("stop", None), ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
+                 ("structured_outputs", None), ("prompt_logprobs", None), ("min_tokens", 0),
+                 ("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0))
+
+
+def check_beam_search(params: SamplingParams, beam: BeamSearchParams, max_num_seqs: Optional[int]) -> None:
+    """Refuse what a beam search cannot honour, as SamplingParamsError naming the field:
+    ``n`` (the beam width) above max_num_seqs (every beam is a running sequence), and the
+    fields in ``_BEAM_REFUSED`` (stop strings, logit_bias, allowed_token_ids, bad_words,
+    structured outputs, prompt_logprobs, min_tokens, penalties)."""
+    if max_num_seqs is not None and beam.beam_width > max_num_seqs:
+        raise SamplingParamsError(
+            f"Beam search with n (beam_width) = {beam.beam_width} needs that many running sequences, "
+            f"more than max_num_seqs = {max_num_seqs}.", "n")
+    for name, default in _BEAM_REFUSED:
+        value = getattr(params, name)
+        if value not in (default, [], {}, ""):
+            raise SamplingParamsError(f"{name} is not supported with beam search (use_beam_search).", name)
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: Optional[int], max_model_len: int,
@@ -88,6 +111,7 @@ class InputProcessor:
         self.kv_sharing_fast_prefill = bool(cache_config and cache_config.kv_sharing_fast_prefill)
         self.vocab_size = model_config.vocab_size
         self.priority_enabled = scheduler_config is None or getattr(scheduler_config, "policy", None) == "priority"
+        self.max_num_seqs: Optional[int] = getattr(scheduler_config, "max_num_seqs", None)
         # Whisper's decoder prompt is its special tokens, written out: no BOS/EOS added.
         self.encoder_decoder = model_config.is_encoder_decoder
 
@@ -115,6 +139,7 @@ class InputProcessor:
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: Optional[float] = None, priority: int = 0,
+                       beam_search_params: Optional[BeamSearchParams] = None,
                        ) -> tuple[EngineCoreRequest, Optional[str]]:
         """Validate and build the EngineCoreRequest, with a copy of ``params`` whose
         derived fields are filled: max_tokens (never None), all_stop_token_ids,
@@ -127,6 +152,8 @@ class InputProcessor:
         prompt_logprobs with kv_sharing_fast_prefill); ``allowed_token_ids``,
         ``logit_bias``, ``bad_words`` for ids outside the vocabulary or bad text;
         ``structured_outputs`` for a schema, regex, choice or grammar that cannot compile.
+        ``beam_search_params``: a beam search in the engine (``check_beam_search`` says
+        what it refuses).
         """
         if "generate" not in self.model_config.supported_tasks:
             raise SamplingParamsError(
@@ -159,10 +186,13 @@ class InputProcessor:
         if params.structured_outputs is not None:
             # A constraint that cannot compile is a 400 now, not a failure in the engine.
             validate_structured_outputs(params.structured_outputs)
+        if beam_search_params is not None:
+            check_beam_search(params, beam_search_params, self.max_num_seqs)
         req = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                                 eos_token_id=self.eos_token_id,
                                 arrival_time=arrival_time if arrival_time is not None else time.time(),
-                                priority=priority, encoder_inputs=encoder_inputs)
+                                priority=priority, encoder_inputs=encoder_inputs,
+                                beam_search_params=beam_search_params)
         return req, text
 
     def _encoder_inputs(self, prompt: PromptType) -> Optional[EncoderInputs]:

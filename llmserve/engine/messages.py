@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 import msgspec
 
-from llmserve.core.outputs import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, FinishReason,
-                                   LogprobsLists)
+from llmserve.core.outputs import (BeamSequenceOutput, EngineCoreEvent, EngineCoreEventType, EngineCoreOutput,
+                                   FinishReason, LogprobsLists)
+from llmserve.beam_search import BeamSearchParams
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -88,6 +89,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     tenant: Optional[str] = None  # the caller's tenant name (API key), for the fair share (core/fair_share.py)
     tenant_weight: float = 1.0  # that tenant's weight in the fair share
 
+    beam_search_params: Optional[BeamSearchParams] = None  # beam search in the engine (core/beam_search.py)
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A later input chunk of a streaming-input (resumable) request.
@@ -166,4 +168,4 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
 
 #: Every struct that crosses the process boundary (the round-trip test walks this).
 WIRE_TYPES = (EngineCoreRequest, EncoderInputs, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
-              EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent)
+              EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent,

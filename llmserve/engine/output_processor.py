@@ -326,6 +326,9 @@ class OutputProcessor:
                         iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
                         iteration_stats.time_to_first_tokens_iter.append(now - st.arrival_time)
                 elif iteration_stats is not None and st.last_token_time is not None:
+            if eco.beam_sequences is not None:
+                self._beam_output(st, eco, result, now, iteration_stats)
+                continue
                     iteration_stats.inter_token_latencies_iter.append(now - st.last_token_time)
                 st.last_token_time = now
                 if iteration_stats is not None:
@@ -379,6 +382,29 @@ class OutputProcessor:
                      stopped_by_str: bool) -> Optional[RequestOutput]:
         p = st.params
         kind = p.output_kind
+    def _beam_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
+                     now: float, iteration_stats: Optional[IterationStats]) -> None:
+        """A beam search's one output: every returned beam as a CompletionOutput."""
+        from llmserve.engine.beam_output import beam_completions
+
+        self._forget(st, str(FinishReason(eco.finish_reason)), now)
+        outs = beam_completions(eco.beam_sequences, st.params, self.tokenizer,
+                                st.engine_request.beam_search_params if st.engine_request else None)
+        ntok = sum(len(c.token_ids) for c in outs)
+        metrics = RequestMetrics(arrival_time=st.arrival_time, first_token_time=now, last_token_time=now,
+                                 finished_time=time.time(), num_generation_tokens=ntok)
+        out = RequestOutput(request_id=st.external_req_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+                            prompt_logprobs=None, outputs=outs, finished=True, metrics=metrics,
+                            num_cached_tokens=eco.num_cached_tokens)
+        if st.collector is not None:
+            st.collector.put(out)
+        else:
+            result.request_outputs.append(out)
+        if iteration_stats is not None:
+            iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
+            iteration_stats.num_generation_tokens += ntok
+            iteration_stats.finished_requests.append(st.finished_stats(str(FinishReason(eco.finish_reason)), now))
+
         finished = finish is not None
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None

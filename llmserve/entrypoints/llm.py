@@ -1,6 +1,7 @@
 """The offline API (vLLM's ``LLM``): batch generation and chat on one engine."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import warnings
@@ -8,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from llmserve.beam_search import BeamSearchOutput, BeamSearchParams
 from llmserve.engine.input_processor import PromptType
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine_args import (EngineArgs, UsageContext, check_kwargs, log_non_default_args,
@@ -47,6 +49,13 @@ def _normalize_kwargs(kwargs: dict[str, Any]) -> None:
             "'examples/offline_inference/data_parallel.py'.")
 
 
+@functools.cache
+def _warn_renderer_workers(n: int) -> None:
+    """Logged once per process (and value), however many LLMs are built."""
+    logger.warning("renderer_num_workers=%d has no effect on the offline LLM: it renders prompts on the "
+                   "calling thread; it applies to the server's async path.", n)
+
+
 class LLM(PoolingMixin):
     """An LLM for offline inference (vLLM's ``LLM``). Generating models: ``generate``,
     ``chat``; pooling models (``runner="pooling"``): ``encode``, ``embed``, ``score``.
@@ -72,18 +81,14 @@ class LLM(PoolingMixin):
         kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs(**kwargs)
         if engine_args.renderer_num_workers > 1:
-            logger.warning("renderer_num_workers=%d has no effect on the offline LLM: it renders "
-                           "prompts on the calling thread; it applies to the server's async path.",
-                           engine_args.renderer_num_workers)
+            _warn_renderer_workers(engine_args.renderer_num_workers)
         self._init_engine(engine_args, multiprocess)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: Optional[bool] = None) -> "LLM":
-        """An LLM over an engine built from ``engine_args`` (vLLM's
-        ``LLM.from_engine_args``), through ``create_engine_config()``."""
-        llm = cls.__new__(cls)
-        llm._init_engine(engine_args, multiprocess_mode)
-        return llm
+        """``cls(**vars(engine_args))``, as vLLM's ``LLM.from_engine_args``: every
+        ``__init__`` guard applies (the data-parallel refusal, the renderer warning)."""
+        return cls(**vars(engine_args), multiprocess_mode=multiprocess_mode)
 
     def _init_engine(self, engine_args: EngineArgs, multiprocess: Optional[bool]) -> None:
         log_non_default_args(engine_args)
@@ -146,6 +151,48 @@ class LLM(PoolingMixin):
         ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority)
         return self._run_engine(ids, use_tqdm)
 
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: Union[bool, Callable[..., tqdm]] = False,
+                    concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``), in the engine: the
+        beams of all prompts advance together, one forward step per token, sharing the
+        prompt's KV blocks (core/beam_search.py). Ranking follows transformers'
+        ``generate(num_beams=beam_width, length_penalty=..., early_stopping=...)``.
+
+        prompts: strings, {"prompt": ...} / {"prompt_token_ids": [...]} dicts, a list of
+        token ids, or chat conversations (lists of {"role", "content"} messages, rendered
+        through the chat template). concurrency_limit: at most this many prompts in the
+        engine at once (None: all). Returns one BeamSearchOutput per prompt, in order,
+        each with ``beam_width`` sequences, best first. Raises ValueError for bad params
+        (beam_width above max_num_seqs) or prompts.
+        """
+        self._check_generate("beam_search")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by LLM.beam_search yet.")
+        prompts = [self._beam_prompt(p) for p in self._beam_prompt_list(prompts)]
+        limit = concurrency_limit or len(prompts) or 1
+        sp = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos,
+                            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        outs: list[RequestOutput] = []
+        for lo in range(0, len(prompts), limit):
+            ids = self._add_requests(prompts[lo:lo + limit], [sp] * len(prompts[lo:lo + limit]), None,
+                                     beam_search_params=params)
+            outs += self._run_engine(ids, use_tqdm)
+        from llmserve.engine.beam_output import to_beam_search_output
+
+        return [to_beam_search_output(o, self.get_tokenizer()) for o in outs]
+
+    @staticmethod
+    def _beam_prompt_list(prompts) -> list:
+        if prompts and isinstance(prompts, list) and isinstance(prompts[0], dict) and "role" in prompts[0]:
+            return [prompts]  # one conversation
+        return LLM._prompt_list(prompts)
+
+    def _beam_prompt(self, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # a conversation
+            return Renderer(self.get_tokenizer()).render_chat(prompt).to_engine_prompt()
+        return prompt
+
     def _check_generate(self, method: str) -> None:
         if "generate" not in self.llm_engine.get_supported_tasks():
             raise ValueError(f"LLM.{method}() is only supported for generative models. Try passing "
@@ -158,7 +205,9 @@ class LLM(PoolingMixin):
     def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
                 priority: Optional[list[int]] = None) -> list[str]:
         """Add prompts to the engine without running it (vLLM's ``LLM.enqueue``); returns
-        their request ids. ``wait_for_completion()`` runs the engine and returns them."""
+        their request ids. ``wait_for_completion()`` runs the engine and returns them.
+        Raises ValueError for a pooling model, as ``generate``."""
+        self._check_generate("enqueue")
         prompts = self._prompt_list(prompts)
         ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority)
         self._enqueued += ids
@@ -168,7 +217,9 @@ class LLM(PoolingMixin):
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[str]:
         """``enqueue`` for conversations, rendered through the chat template like ``chat``
-        (vLLM's ``LLM.enqueue_chat``); returns the request ids."""
+        (vLLM's ``LLM.enqueue_chat``); returns the request ids. Raises ValueError for a
+        pooling model, as ``chat``."""
+        self._check_generate("enqueue_chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(
             c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
@@ -185,7 +236,7 @@ class LLM(PoolingMixin):
         return outputs
 
     def _add_requests(self, prompts: list, params: list[SamplingParams],
-                      priority: Optional[list[int]]) -> list[str]:
+                      priority: Optional[list[int]], beam_search_params: Optional[BeamSearchParams] = None) -> list[str]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
         engine = self.llm_engine
@@ -195,7 +246,8 @@ class LLM(PoolingMixin):
                 sp = sp.clone()
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._counter))
-                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0,
+                                   beam_search_params=beam_search_params)
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)

@@ -34,7 +34,10 @@ class EncoderCache:
         """The cross K/V of each of ``reqs`` (in order), running the encoder once for
         those without one (one batched call per feature shape). Raises ValueError for a
         request without encoder input."""
-        new = [r for r in reqs if r.request_id not in self._cross]
+        # Beams of one request (core/beam_search.py) share its encoder output.
+        keys = [getattr(r, "encoder_cache_key", None) or r.request_id for r in reqs]
+        new = [r for r, k in zip(reqs, keys) if k not in self._cross]
+        new = list({getattr(r, "encoder_cache_key", None) or r.request_id: r for r in new}.values())
         by_shape: dict[tuple, list[Any]] = {}
         for r in new:
             if r.encoder_inputs is None:
@@ -44,8 +47,8 @@ class EncoderCache:
         for group in by_shape.values():
             feats = torch.stack([encoder_input_tensor(r.encoder_inputs, self.device) for r in group])
             for r, kv in zip(group, model.encode(feats)):
-                self._cross[r.request_id] = kv
-        return [self._cross[r.request_id] for r in reqs]
+                self._cross[getattr(r, "encoder_cache_key", None) or r.request_id] = kv
+        return [self._cross[k] for k in keys]
 
     def free(self, req_ids) -> None:
         """Drop the outputs of finished requests."""

@@ -309,6 +309,8 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         # Decodes (1 query token) first, then prompt chunks.
         sched = sorted(so.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy)
         bs = self.block_size
         B = len(sched)
         T = so.total_num_scheduled_tokens
@@ -332,6 +334,14 @@ class ModelRunner:
             c, n = s.num_computed_tokens, s.num_scheduled_tokens
             toks = req.all_token_ids
             input_ids[t:t + n] = toks[c:c + n] if n > 1 else toks[c]
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked beams' partial blocks: K and V of block src -> dst in
+        every layer (core/beam_search.py)."""
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+
             positions[t:t + n] = np.arange(c, c + n)
             block_tables[i, :len(s.block_ids)] = s.block_ids
             query_lens.append(n)

@@ -38,7 +38,15 @@ def _output():
     # pooling_output: one element, so the dict comparison below can truth-test it
     # (tests/pooling/test_pooling_engine.py round-trips a whole vector).
     return m.EngineCoreOutput("r1", [7, 8], _lp(), _lp(), FinishReason.STOP, 5, 3, [_event()],
-                              torch.tensor([0.25]))
+                              torch.tensor([0.25]), beam_sequences=[_beam_seq()])
+
+
+def _beam_seq():
+    return m.BeamSequenceOutput([5, 6, 2], [-0.5, -1.25, -0.125], -1.875, -0.625, FinishReason.STOP, 2)
+
+
+def _beam_params():
+    return m.BeamSearchParams(4, 32, True, 0.5, 0.8, True, "never")
 
 
 def _enc():
@@ -51,7 +59,7 @@ SAMPLES = {
                                                      {"traceparent": "00-abc-def-01"},
                                                      PoolingParams(normalize=False, dimensions=8, task="embed"),
                                                      True, [4, 5], _enc(), data_parallel_rank=1,
-                                                     client_index=2),
+                                                     client_index=2, beam_search_params=_beam_params()),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(
@@ -65,6 +73,8 @@ SAMPLES = {
     m.UtilityRequest: lambda: m.UtilityRequest(5, "get_stats", [1, "x"], 1),
     m.LogprobsLists: _lp,
     EngineCoreEvent: _event,
+    m.BeamSearchParams: lambda: _beam_params(),
+    m.BeamSequenceOutput: _beam_seq,
 }
 
 
