@@ -297,14 +297,14 @@ class Scheduler:
             encoder_budget = self.config.max_num_encoder_input_tokens
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self._next_waiting()
+                if self.beam.groups and len(self.running) + self.beam.reserved_seats() + \
+                        self.beam.seats_needed(req) > self.config.max_num_seqs:
+                    break  # max_num_seqs counts beams: a group reserves beam_width seats
                 enc = req.num_encoder_tokens if not req.encoder_scheduled else 0
                 if enc and enc > encoder_budget and encoder_budget < self.config.max_num_encoder_input_tokens:
                     break  # its encoder waits for the next step's budget
                 computed_blocks, num_hit = [], 0
                 if req.num_computed_tokens == 0:
-                if self.beam.groups and len(self.running) + self.beam.reserved_seats() + \
-                        self.beam.seats_needed(req) > self.config.max_num_seqs:
-                    break  # max_num_seqs counts beams: a group reserves beam_width seats
                     computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
                 n = req.num_tokens - req.num_computed_tokens - num_hit
                 if n > budget and (not self.config.enable_chunked_prefill or req.pooling_params is not None):
