@@ -257,10 +257,6 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
-
-    def reset_prefix_cache(self) -> bool:
     def fork(self, parent: Request, child: Request) -> Optional[tuple[int, int]]:
         """Give ``child`` (a beam forked from ``parent`` after its computed tokens) the
         parent's blocks by reference; the last, partial block (still to be written by
@@ -282,4 +278,8 @@ class KVCacheManager:
         self.num_cached_block[child.request_id] = min(self.num_cached_block.get(parent.request_id, 0), n_full)
         return copy
 
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -62,12 +62,6 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
         return cls(event_type, time.monotonic() if timestamp is None else timestamp)
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """News about one request from one step (vLLM's ``EngineCoreOutput``).
-
-    new_token_ids: tokens sampled this step (empty while a prompt is being prefilled);
-    finish_reason: set when the request finished; stop_reason: the stop token id that
-    ended it (or None); num_cached_tokens: prompt tokens served from the prefix cache;
 class BeamSequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One finished beam of a beam-search request (core/beam_search.py): its generated
     token_ids (EOS included when it ended on one), the raw logprob of each, their sum
@@ -81,6 +75,12 @@ class BeamSequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc
     stop_reason: Union[int, str, None] = None
 
 
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """News about one request from one step (vLLM's ``EngineCoreOutput``).
+
+    new_token_ids: tokens sampled this step (empty while a prompt is being prefilled);
+    finish_reason: set when the request finished; stop_reason: the stop token id that
+    ended it (or None); num_cached_tokens: prompt tokens served from the prefix cache;
     events: QUEUED/SCHEDULED/PREEMPTED events since the last output (only when the engine
     logs stats)."""
 
@@ -95,14 +95,14 @@ class BeamSequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc
     # The pooled vector (a float32 torch.Tensor, carried by serial.py's tensor ext) of a
     # pooling request; None for generation.
     pooling_output: Any = None
+    # A beam-search request's result, best first (sent once, when the search ends).
+    beam_sequences: Optional[list[BeamSequenceOutput]] = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-    # A beam-search request's result, best first (sent once, when the search ends).
-    beam_sequences: Optional[list[BeamSequenceOutput]] = None
 @dataclass
 class ModelRunnerOutput:
     """What the model runner returns for one step: per request id, the sampled token

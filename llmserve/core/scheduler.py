@@ -65,13 +65,13 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         self.waiting_for_fsm: list[Request] = []
         self._num_structured = 0
-
-    # ---- queue management --------------------------------------------------
-    def add_request(self, request: Request) -> None:
         # Beam search (core/beam_search.py): groups of beams, and the partial KV blocks
         # their forks copy before the next forward.
         self.beam = BeamSearchManager(self)
         self.pending_block_copies: list[tuple[int, int]] = []
+
+    # ---- queue management --------------------------------------------------
+    def add_request(self, request: Request) -> None:
         max_blocks = self.kv_cache_manager.pool.num_blocks - 1
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
@@ -82,11 +82,11 @@ class Scheduler:
             raise ValueError(
                 f"The request needs up to {min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)} "
                 f"tokens of KV cache but the cache holds only {max_blocks * self.block_size} tokens.")
+        if request.beam_search_params is not None:
+            request = self.beam.first_beam(request)  # the group's first beam is what runs
         self.requests[request.request_id] = request
         if self.fair_share is not None:
             self.fair_share.add(request)
-        if request.beam_search_params is not None:
-            request = self.beam.first_beam(request)  # the group's first beam is what runs
         if request.structured_output_request is not None:
             self._num_structured += 1
             if not request.structured_output_request.is_ready():
@@ -99,10 +99,10 @@ class Scheduler:
         """Finish (e.g. abort) requests: their blocks are freed at once."""
         done = []
         for rid in request_ids:
+            if self.beam.groups and self.beam.abort(rid):
+                continue
             req = self.requests.get(rid)
             if req is None or req.is_finished():
-                continue
-            if self.beam.groups and self.beam.abort(rid):
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
@@ -322,6 +322,8 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 admitted[req.request_id] = num_hit
                 self.running.append(req)
+                if req.beam_group is not None:
+                    req.beam_group.started = True
                 scheduled[req.request_id] = n
                 budget -= n
 
@@ -331,8 +333,6 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(
                     req, req.num_computed_tokens, n,
                     self.kv_cache_manager.get_block_ids(req.request_id)))
-                if req.beam_group is not None:
-                    req.beam_group.started = True
         record_scheduled(out.scheduled, admitted)  # the timeline's prefill events (core/timeline.py)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
         if self.fair_share is not None:
@@ -343,6 +343,8 @@ class Scheduler:
         out.finished_req_ids = self.finished_req_ids
         out.preempted_req_ids = preempted
         self.finished_req_ids = set()
+        if self.pending_block_copies:
+            out.blocks_to_copy, self.pending_block_copies = self.pending_block_copies, []
         return out
 
     # ---- results -----------------------------------------------------------
@@ -354,8 +356,6 @@ class Scheduler:
             return True
         if n_out < sp.min_tokens:
             return False
-        if self.pending_block_copies:
-            out.blocks_to_copy, self.pending_block_copies = self.pending_block_copies, []
         last = req.output_token_ids[-1]
         if not sp.ignore_eos and last == req.eos_token_id:
             req.status = RequestStatus.FINISHED_STOPPED
@@ -374,6 +374,7 @@ class Scheduler:
         outputs = self.take_pending_outputs() if self._pending_outputs else []
         finished: list[Request] = []
         parked: list[Request] = []
+        beam_groups: dict = {}  # BeamGroup -> None, in step order
         for s in sched_out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:
@@ -385,7 +386,11 @@ class Scheduler:
                 self._finish_pooling(req, runner_out, outputs, finished)
                 continue
             tok = runner_out.sampled_token_ids.get(req.request_id)
-        beam_groups: dict = {}  # BeamGroup -> None, in step order
+            if req.beam_group is not None:
+                if tok is not None:  # the beam's top-K row; its group steps below
+                    self.beam.on_row(req, runner_out.logprobs.get(req.request_id))
+                    beam_groups[req.beam_group] = None
+                continue
             plp = runner_out.prompt_logprobs.get(req.request_id)
             if tok is None:
                 if plp is not None:
@@ -397,11 +402,6 @@ class Scheduler:
             if req.structured_output_request is not None and \
                     self.structured_output_manager.accept_token(req, tok) and not stopped:
                 # The grammar is complete (it accepted a stop token, e.g. under ignore_eos).
-            if req.beam_group is not None:
-                if tok is not None:  # the beam's top-K row; its group steps below
-                    self.beam.on_row(req, runner_out.logprobs.get(req.request_id))
-                    beam_groups[req.beam_group] = None
-                continue
                 req.status = RequestStatus.FINISHED_STOPPED
                 stopped = True
             if stopped and req.resumable and self._continue_session(req):
@@ -421,6 +421,8 @@ class Scheduler:
             self.running.remove(req)
             if req.status == RequestStatus.WAITING_FOR_FSM:
                 self.waiting_for_fsm.append(req)
+        if beam_groups:
+            outputs.extend(self.beam.step_ready_groups(beam_groups))
         return outputs
 
     def _finish_pooling(self, req: Request, runner_out: ModelRunnerOutput, outputs: list[EngineCoreOutput],
@@ -433,8 +435,6 @@ class Scheduler:
             pooling_output=runner_out.pooler_output.get(req.request_id)))
         finished.append(req)
 
-        if beam_groups:
-            outputs.extend(self.beam.step_ready_groups(beam_groups))
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         st = SchedulerStats(

@@ -97,6 +97,7 @@ class EngineCore:
                           trace_headers=req.trace_headers, log_stats=self.log_stats,
                           pooling_params=req.pooling_params, encoder_inputs=req.encoder_inputs)
         request.tenant, request.tenant_weight = req.tenant, req.tenant_weight
+        request.beam_search_params = req.beam_search_params
         for tok in req.output_token_ids:  # resumed after an engine restart: as if preempted
             request.append_output_token_ids(tok)
         if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:
@@ -105,7 +106,6 @@ class EngineCore:
 
     def add_streaming_input(self, chunk: StreamingInputChunk) -> None:
         """Extend (or close) a streaming-input request. Raises ValueError as add_request."""
-        request.beam_search_params = req.beam_search_params
         self.scheduler.update_streaming_request(chunk.request_id, chunk.prompt_token_ids,
                                                 chunk.sampling_params, chunk.final)
 

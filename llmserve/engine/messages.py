@@ -88,8 +88,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0  # the API server that sent it (--api-server-count): its outputs go there
     tenant: Optional[str] = None  # the caller's tenant name (API key), for the fair share (core/fair_share.py)
     tenant_weight: float = 1.0  # that tenant's weight in the fair share
-
     beam_search_params: Optional[BeamSearchParams] = None  # beam search in the engine (core/beam_search.py)
+
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A later input chunk of a streaming-input (resumable) request.
@@ -169,3 +169,4 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
 #: Every struct that crosses the process boundary (the round-trip test walks this).
 WIRE_TYPES = (EngineCoreRequest, EncoderInputs, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
               EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent,
+              BeamSearchParams, BeamSequenceOutput)

@@ -312,6 +312,9 @@ class OutputProcessor:
             if st.detokenizer is None:
                 self._pooling_output(st, eco, result, now, iteration_stats)
                 continue
+            if eco.beam_sequences is not None:
+                self._beam_output(st, eco, result, now, iteration_stats)
+                continue
             p = st.params
             finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else None
             stop_reason = eco.stop_reason
@@ -326,9 +329,6 @@ class OutputProcessor:
                         iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
                         iteration_stats.time_to_first_tokens_iter.append(now - st.arrival_time)
                 elif iteration_stats is not None and st.last_token_time is not None:
-            if eco.beam_sequences is not None:
-                self._beam_output(st, eco, result, now, iteration_stats)
-                continue
                     iteration_stats.inter_token_latencies_iter.append(now - st.last_token_time)
                 st.last_token_time = now
                 if iteration_stats is not None:
@@ -363,25 +363,6 @@ class OutputProcessor:
                     iteration_stats.finished_requests.append(st.finished_stats(str(finish), now))
         return result
 
-    def _pooling_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
-                        now: float, iteration_stats: Optional[IterationStats]) -> None:
-        """A pooling request's one output: the pooled vector, as PoolingRequestOutput."""
-        self._forget(st)
-        out = PoolingRequestOutput(st.external_req_id, PoolingOutput(eco.pooling_output), st.prompt_token_ids,
-                                   True, eco.num_cached_tokens)
-        if st.collector is not None:
-            st.collector.put(out)
-        else:
-            result.request_outputs.append(out)
-        if iteration_stats is not None:
-            iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
-            finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else FinishReason.STOP
-            iteration_stats.finished_requests.append(st.finished_stats(str(finish), now))
-
-    def _make_output(self, st: RequestState, finish: Optional[FinishReason], stop_reason,
-                     stopped_by_str: bool) -> Optional[RequestOutput]:
-        p = st.params
-        kind = p.output_kind
     def _beam_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
                      now: float, iteration_stats: Optional[IterationStats]) -> None:
         """A beam search's one output: every returned beam as a CompletionOutput."""
@@ -405,6 +386,25 @@ class OutputProcessor:
             iteration_stats.num_generation_tokens += ntok
             iteration_stats.finished_requests.append(st.finished_stats(str(FinishReason(eco.finish_reason)), now))
 
+    def _pooling_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
+                        now: float, iteration_stats: Optional[IterationStats]) -> None:
+        """A pooling request's one output: the pooled vector, as PoolingRequestOutput."""
+        self._forget(st)
+        out = PoolingRequestOutput(st.external_req_id, PoolingOutput(eco.pooling_output), st.prompt_token_ids,
+                                   True, eco.num_cached_tokens)
+        if st.collector is not None:
+            st.collector.put(out)
+        else:
+            result.request_outputs.append(out)
+        if iteration_stats is not None:
+            iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
+            finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else FinishReason.STOP
+            iteration_stats.finished_requests.append(st.finished_stats(str(finish), now))
+
+    def _make_output(self, st: RequestState, finish: Optional[FinishReason], stop_reason,
+                     stopped_by_str: bool) -> Optional[RequestOutput]:
+        p = st.params
+        kind = p.output_kind
         finished = finish is not None
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None

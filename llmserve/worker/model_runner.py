@@ -285,6 +285,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: prepare inputs, forward, logits, head (sample / prompt logprobs)."""
         self.remove_requests(so.finished_req_ids)
+        if so.blocks_to_copy:
+            self._copy_blocks(so.blocks_to_copy)
         if self.pooler is not None:
             from llmserve.worker.pooler import execute_pooling
             return execute_pooling(self, so)
@@ -306,11 +308,17 @@ class ModelRunner:
         self._sample(logits, inputs.plan, out)
         return out
 
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked beams' partial blocks: K and V of block src -> dst in
+        every layer (core/beam_search.py)."""
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         # Decodes (1 query token) first, then prompt chunks.
         sched = sorted(so.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
-        if so.blocks_to_copy:
-            self._copy_blocks(so.blocks_to_copy)
         bs = self.block_size
         B = len(sched)
         T = so.total_num_scheduled_tokens
@@ -334,14 +342,6 @@ class ModelRunner:
             c, n = s.num_computed_tokens, s.num_scheduled_tokens
             toks = req.all_token_ids
             input_ids[t:t + n] = toks[c:c + n] if n > 1 else toks[c]
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write of forked beams' partial blocks: K and V of block src -> dst in
-        every layer (core/beam_search.py)."""
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
-
             positions[t:t + n] = np.arange(c, c + n)
             block_tables[i, :len(s.block_ids)] = s.block_ids
             query_lens.append(n)
