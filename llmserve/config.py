@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from llmserve.lora.config import LoRAConfig
 from llmserve.structured_output.config import StructuredOutputsConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
@@ -353,10 +354,43 @@ class KVTransferConfig:
         return self.kv_connector is not None and self.kv_role in _KV_ROLES
 
 
+DETAILED_TRACE_MODULES = ("model", "worker", "all")
+
+
 @dataclass(frozen=True)
 class ObservabilityConfig:
+    """Stats, request timelines and traces (vLLM's ``ObservabilityConfig``).
+
+    request_timelines: keep each request's timeline for ``GET /v1/requests`` (needs
+    log_stats; engine/request_timeline.py); max_finished_request_timelines: finished
+    requests kept (a ring, oldest dropped). otlp_traces_endpoint: OTLP endpoint that
+    gets one span per request (llmserve/tracing.py); collect_detailed_traces: modules
+    ("model", "worker", "all") whose timings the spans also carry (vLLM's flag)."""
+
     log_stats: bool = True
     log_requests: bool = False
+    request_timelines: bool = True
+    max_finished_request_timelines: int = 1000
+    otlp_traces_endpoint: Optional[str] = None
+    collect_detailed_traces: Optional[tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.max_finished_request_timelines < 1:
+            raise ValueError("max_finished_request_timelines must be >= 1, got "
+                             f"{self.max_finished_request_timelines}")
+        bad = [m for m in self.collect_detailed_traces or () if m not in DETAILED_TRACE_MODULES]
+        if bad:
+            raise ValueError(f"collect_detailed_traces: unknown module(s) {bad}; choose from {DETAILED_TRACE_MODULES}")
+        if self.collect_detailed_traces and not self.otlp_traces_endpoint:
+            raise ValueError("collect_detailed_traces is only used with otlp_traces_endpoint, which is not set")
+
+    @property
+    def collect_model_forward_time(self) -> bool:
+        return bool({"model", "all"} & set(self.collect_detailed_traces or ()))
+
+    @property
+    def collect_model_execute_time(self) -> bool:
+        return bool({"worker", "all"} & set(self.collect_detailed_traces or ()))
 
 
 @dataclass(frozen=True)
@@ -407,6 +441,7 @@ class VllmConfig:
     enforce_eager: bool = True
     shutdown_timeout: float = 0.0
     restart_config: RestartConfig = field(default_factory=RestartConfig)
+    lora_config: Optional[LoRAConfig] = None  # set by enable_lora (llmserve/lora)
 
 
 # The first name of the config; kept so existing imports keep working.

@@ -251,11 +251,37 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         scheduler_config=_scheduler_config(args, device, usage_context, model_config.max_model_len,
                                            model_config.runner == "pooling"),
         parallel_config=parallel_config,
-        observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
+        observability_config=_observability_config(args),
         compilation_config=args.compilation_config, kv_transfer_config=args.kv_transfer_config,
         structured_outputs_config=args.structured_outputs_config,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout,
-        restart_config=_restart_config(args, usage_context))
+        restart_config=_restart_config(args, usage_context), lora_config=_lora_config(args, model_config))
+
+
+def _lora_config(args: "EngineArgs", model_config: ModelConfig) -> Optional["LoRAConfig"]:
+    """LoRAConfig when ``enable_lora`` (ValueError naming the field otherwise bad)."""
+    from llmserve.lora.config import LoRAConfig
+
+    if not args.enable_lora:
+        return None
+    model_type = getattr(model_config.hf_config, "model_type", None)
+    if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"enable_lora: LoRA adapters run on the Llama family (Llama, Mistral, Qwen2, Qwen3), "
+                         f"not {model_type!r}")
+    return LoRAConfig(max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+                      max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype)
+
+
+def _observability_config(args: "EngineArgs") -> ObservabilityConfig:
+    """Stats, timelines and traces; ``collect_detailed_traces`` is vLLM's comma list."""
+    detailed = getattr(args, "collect_detailed_traces", None) or ()
+    detailed = [m.strip() for item in ([detailed] if isinstance(detailed, str) else detailed)
+                for m in item.split(",") if m.strip()]
+    return ObservabilityConfig(log_stats=not args.disable_log_stats,
+                               request_timelines=getattr(args, "request_timelines", True),
+                               max_finished_request_timelines=getattr(args, "max_finished_request_timelines", 1000),
+                               otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                               collect_detailed_traces=tuple(detailed) if detailed else None)
 
 
 def _parallel_config(args: "EngineArgs") -> ParallelConfig:

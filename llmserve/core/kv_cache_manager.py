@@ -186,7 +186,11 @@ class KVCacheManager:
         while len(hashes) < n_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else _NONE_HASH
-            hashes.append(hash_block_tokens(parent, toks[i * bs:(i + 1) * bs]))
+            # The first block carries the adapter (vLLM's LoRA extra key): the chain then
+            # keeps two adapters' KV of the same prompt apart.
+            lora = getattr(request, "lora_request", None) if i == 0 else None
+            extra = (lora.lora_int_id, lora.lora_name) if lora is not None else ()
+            hashes.append(hash_block_tokens(parent, toks[i * bs:(i + 1) * bs], extra))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

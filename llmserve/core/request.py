@@ -114,6 +114,8 @@ class Request:
         # scheduler's fair share; None: the default tenant.
         self.tenant: Optional[str] = None
         self.tenant_weight = 1.0
+        # The adapter it runs with (llmserve.lora.LoRARequest), None: the base model.
+        self.lora_request = None
         # Beam search (core/beam_search.py): the request's BeamSearchParams as sent; on
         # each beam (a Request of its own), the BeamGroup it belongs to.
         self.beam_search_params = None

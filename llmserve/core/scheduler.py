@@ -17,10 +17,11 @@ from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.fair_share import FairShare
 from llmserve.core.beam_search import BeamSearchManager
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.outputs import EngineCoreEventType, EngineCoreOutput, ModelRunnerOutput
+from llmserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from llmserve.core.timeline import record_preempted, record_scheduled
+from llmserve.lora import scheduling as lora_sched
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.sampling_params import SamplingParams
 
@@ -41,8 +42,10 @@ class Scheduler:
     encoder model) allocates and caches no KV blocks at all."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 needs_kv: bool = True, structured_output_manager=None) -> None:
+                 needs_kv: bool = True, structured_output_manager=None, lora_config=None) -> None:
         self.config = scheduler_config
+        # Distinct adapters one step may hold (llmserve/lora/scheduling.py); 0: LoRA off.
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
@@ -295,8 +298,14 @@ class Scheduler:
 
         if not preempted:
             encoder_budget = self.config.max_num_encoder_input_tokens
+            lora_active = lora_sched.active_lora_ids(self.running) if self.max_loras else None
+            lora_skipped: list[Request] = []  # their adapter would exceed max_loras: next step
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self._next_waiting()
+                if lora_active is not None and not lora_sched.admits(req, lora_active, self.max_loras):
+                    self.waiting.remove(req)
+                    lora_skipped.append(req)
+                    continue
                 if self.beam.groups and len(self.running) + self.beam.reserved_seats() + \
                         self.beam.seats_needed(req) > self.config.max_num_seqs:
                     break  # max_num_seqs counts beams: a group reserves beam_width seats
@@ -326,6 +335,7 @@ class Scheduler:
                     req.beam_group.started = True
                 scheduled[req.request_id] = n
                 budget -= n
+            self.waiting.extendleft(reversed(lora_skipped))
 
         for req in self.running:
             n = scheduled.get(req.request_id)
@@ -334,6 +344,7 @@ class Scheduler:
                     req, req.num_computed_tokens, n,
                     self.kv_cache_manager.get_block_ids(req.request_id)))
         record_scheduled(out.scheduled, admitted)  # the timeline's prefill events (core/timeline.py)
+        self._last_batch_size = len(out.scheduled)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
         if self.fair_share is not None:
             self.fair_share.charge((s.request, s.num_scheduled_tokens) for s in out.scheduled)
@@ -393,9 +404,10 @@ class Scheduler:
                 continue
             plp = runner_out.prompt_logprobs.get(req.request_id)
             if tok is None:
-                if plp is not None:
+                if plp is not None or req.events:  # a prefill chunk's events go out at once (live view)
                     outputs.append(EngineCoreOutput(req.request_id, [], None, plp,
-                                                    num_cached_tokens=max(req.num_cached_tokens, 0)))
+                                                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                                                    events=req.take_events()))
                 continue
             req.append_output_token_ids(tok)
             stopped = self._check_stop(req)
@@ -446,6 +458,11 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self._step_preemptions,
+            num_scheduled_reqs=getattr(self, "_last_batch_size", 0),
         )
+        if self.max_loras:
+            st.max_lora = self.max_loras
+            st.running_lora_adapters = lora_sched.adapter_counts(self.running)
+            st.waiting_lora_adapters = lora_sched.adapter_counts(self.waiting)
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
         return st

@@ -79,7 +79,15 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    needs_kv=not config.model_config.is_encoder_only,
-                                   structured_output_manager=self.structured_output_manager)
+                                   structured_output_manager=self.structured_output_manager,
+                                   lora_config=config.lora_config)
+        self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora
+        if config.lora_config is not None:
+            from llmserve.lora.registry import LoRARegistry
+            from llmserve.lora.scheduling import active_lora_ids
+
+            self.lora_registry = LoRARegistry(config.lora_config, self.model_executor,
+                                              lambda: active_lora_ids(self.scheduler.requests.values()))
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency for %d-token "
                     "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs, max_len,
                     (num_blocks - 1) * bs / max_len)
@@ -97,6 +105,11 @@ class EngineCore:
                           trace_headers=req.trace_headers, log_stats=self.log_stats,
                           pooling_params=req.pooling_params, encoder_inputs=req.encoder_inputs)
         request.tenant, request.tenant_weight = req.tenant, req.tenant_weight
+        if req.lora_request is not None:  # loaded now unless EngineCoreProc loaded it off the loop
+            registry = self._lora()
+            if not registry.is_ready(req.lora_request):
+                registry.add(req.lora_request)
+            request.lora_request = req.lora_request
         request.beam_search_params = req.beam_search_params
         for tok in req.output_token_ids:  # resumed after an engine restart: as if preempted
             request.append_output_token_ids(tok)
@@ -128,6 +141,8 @@ class EngineCore:
         so = sched.schedule()
         ro = self.model_executor.execute_model(so)
         outs = sched.update_from_output(so, ro)
+        if self.lora_registry is not None:
+            self.lora_registry.release_idle()  # adapters removed while in use, now idle
         return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(), timestamp=time.monotonic())
 
     # ---- utility calls ---------------------------------------------------
@@ -142,6 +157,32 @@ class EngineCore:
                 "kv_cache_usage": kv.usage, "num_preemptions": s.num_preemptions_total,
                 "num_blocks": self.num_blocks, "pid": os.getpid()}
 
+    # ---- LoRA (vLLM's EngineCore utilities) ----------------------------------
+    def _lora(self):
+        if self.lora_registry is None:
+            from llmserve.lora.errors import LoRAAdapterError
+
+            raise LoRAAdapterError("LoRA is not enabled: start the engine with enable_lora=True "
+                                   "(--enable-lora)", "enable_lora")
+        return self.lora_registry
+
+    def add_lora(self, lora_request: Any, weights: Any = None) -> bool:
+        """Load an adapter (``LoRARequest`` or its wire form). False: already loaded.
+        Raises LoRAAdapterError naming the field at fault."""
+        from llmserve.lora.request import as_lora_request
+
+        return self._lora().add(as_lora_request(lora_request), weights)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter once its requests finish; False when it is not loaded."""
+        return self._lora().remove(int(lora_id))
+
+    def list_loras(self) -> set[int]:
+        return self._lora().list()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora().pin(int(lora_id))
+
     def call_utility(self, method: str, args: list[Any]) -> Any:
         if method not in _UTILITY_METHODS:
             raise ValueError(f"unknown utility method {method!r}")
@@ -152,7 +193,7 @@ class EngineCore:
         self.model_executor.shutdown()
 
 
-_UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping"}
+_UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping", "add_lora", "remove_lora", "list_loras", "pin_lora"}
 EngineCore.ping = lambda self: "pong"  # type: ignore[attr-defined]
 
 
@@ -307,9 +348,61 @@ class EngineCoreProc:
             logger.info("KV cache resident (%.1f GiB) %.1f s after start-up",
                         runner.kv_cache_nbytes() / 2**30, time.monotonic() - self._started)
 
+    def _load_lora_first(self, rtype, payload) -> bool:
+        """An ``add_lora`` call, or a request whose adapter is not loaded: read the files
+        in a thread (llmserve/lora/async_loader.py); True when it went there."""
+        registry = self.core.lora_registry
+        if registry is None:
+            return False
+        from llmserve.lora.async_loader import read_in_thread
+        from llmserve.lora.request import as_lora_request
+
+        if rtype == EngineCoreRequestType.ADD and payload.lora_request is not None \
+                and not registry.is_ready(payload.lora_request):
+            read_in_thread(registry, payload.lora_request, "request", payload, self.input_queue)
+            return True
+        if rtype == EngineCoreRequestType.UTILITY and payload.method == "add_lora" and payload.args:
+            try:
+                lora = as_lora_request(payload.args[0])
+            except ValueError:
+                return False  # the utility call reports it
+            read_in_thread(registry, lora, "utility", payload, self.input_queue)
+            return True
+        return False
+
+    def _lora_ready(self, item) -> None:
+        """Swap in an adapter read off the loop, then answer its utility call or add
+        its request (a failed read: the call fails, the request is refused)."""
+        from llmserve.lora.errors import LoRAAdapterError, failure_text
+
+        error = item.error
+        result = None
+        if error is None:
+            try:
+                result = self.core.add_lora(item.lora_request, item.weights)
+            except Exception as e:  # noqa: BLE001 - reported to the caller, the engine goes on
+                error = e
+        if item.kind == "utility":
+            call = item.payload
+            msg = None if error is None else (failure_text(error) if isinstance(error, LoRAAdapterError)
+                                              else f"{type(error).__name__}: {error}")
+            outs = EngineCoreOutputs(utility_output=UtilityOutput(call.call_id, result=result, failure_message=msg))
+            self.output_queue.put(outs if self._router is None else (call.client_index, outs))
+        elif error is not None:
+            logger.warning("Rejected request %s: %s", item.payload.request_id, error)
+            self.output_queue.put(EngineCoreOutputs(rejected=[EngineCoreRejection(item.payload.request_id,
+                                                                                  str(error))]))
+        else:
+            self._handle((EngineCoreRequestType.ADD, item.payload))
+
     def _handle(self, item) -> bool:
         """Apply one input message; True means shut down."""
         rtype, payload = item
+        if rtype == "lora_ready":  # llmserve.lora.async_loader.LORA_READY
+            self._lora_ready(payload)
+            return False
+        if self._load_lora_first(rtype, payload):
+            return False
         if rtype == EngineCoreRequestType.ADD or rtype == EngineCoreRequestType.STREAMING_INPUT:
             try:
                 if rtype == EngineCoreRequestType.ADD:
@@ -332,7 +425,10 @@ class EngineCoreProc:
             try:
                 res = UtilityOutput(payload.call_id, result=self.core.call_utility(payload.method, payload.args))
             except Exception as e:  # a bad utility call must not kill the engine
-                res = UtilityOutput(payload.call_id, failure_message=f"{type(e).__name__}: {e}")
+                from llmserve.lora.errors import LoRAAdapterError, failure_text
+
+                res = UtilityOutput(payload.call_id, failure_message=failure_text(e) if isinstance(
+                    e, LoRAAdapterError) else f"{type(e).__name__}: {e}")
             outs = EngineCoreOutputs(utility_output=res)
             self.output_queue.put(outs if self._router is None else (payload.client_index, outs))
         elif rtype == EngineCoreRequestType.SHUTDOWN:

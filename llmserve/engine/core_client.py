@@ -98,6 +98,57 @@ class EngineCoreClient:
     def shutdown(self, timeout: Optional[float] = None) -> None:
         pass
 
+    # ---- LoRA utilities (vLLM's EngineCoreClient): LoRAAdapterError / LoRANotFoundError
+    # for what the engine refuses, naming the field.
+    def _lora_call(self, method: str, *args: Any) -> Any:
+        from llmserve.lora.errors import reraise_lora_error
+
+        try:
+            return self.call_utility(method, *args)
+        except RuntimeError as e:
+            reraise_lora_error(e)
+            raise
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter (``LoRARequest``); False when it was loaded already."""
+        return self._lora_call("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (once its requests finish); False when it is not loaded."""
+        return self._lora_call("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        from llmserve.lora.errors import lora_ids
+
+        return lora_ids(self._lora_call("list_loras"))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep an adapter loaded past the max_cpu_loras LRU."""
+        return self._lora_call("pin_lora", lora_id)
+
+    async def _lora_call_async(self, method: str, *args: Any) -> Any:
+        from llmserve.lora.errors import reraise_lora_error
+
+        try:
+            return await self.call_utility_async(method, *args)
+        except RuntimeError as e:
+            reraise_lora_error(e)
+            raise
+
+    async def add_lora_async(self, lora_request: Any) -> bool:
+        return await self._lora_call_async("add_lora", lora_request)
+
+    async def remove_lora_async(self, lora_id: int) -> bool:
+        return await self._lora_call_async("remove_lora", lora_id)
+
+    async def list_loras_async(self) -> set[int]:
+        from llmserve.lora.errors import lora_ids
+
+        return lora_ids(await self._lora_call_async("list_loras"))
+
+    async def pin_lora_async(self, lora_id: int) -> bool:
+        return await self._lora_call_async("pin_lora", lora_id)
+
 
 def _check_client_addresses(client_addresses: dict, dp_size: Optional[int]) -> None:
     """ValueError unless each address is a string (one engine), or, with internal-LB data

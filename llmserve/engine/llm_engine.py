@@ -13,6 +13,7 @@ from llmserve.beam_search import BeamSearchParams
 from llmserve.config import EngineConfig
 from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.lora.request import check_lora_request
 from llmserve.engine.output_processor import OutputProcessor, register_incarnations
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine_args import EngineArgs, UsageContext
@@ -121,11 +122,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                     arrival_time: Optional[float] = None, priority: int = 0,
-                    beam_search_params: Optional[BeamSearchParams] = None) -> None:
+                    beam_search_params: Optional[BeamSearchParams] = None, lora_request: Any = None) -> None:
         """Queue a request: SamplingParams generate (n > 1: its children), PoolingParams
         pool (its one output is a PoolingRequestOutput); with ``beam_search_params`` a
         beam search in the engine (its one output holds every beam). Raises ValueError
         for bad input, a live id or a task the model lacks."""
+        lora = check_lora_request(lora_request, self.vllm_config.lora_config)  # the adapter (llmserve/lora)
         arrival_time = arrival_time or time.time()
         parent = None
         if isinstance(params, PoolingParams):
@@ -138,6 +140,7 @@ class LLMEngine:
             reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time,
                                                         priority) for i, cid in enumerate(parent.child_ids)]
         for req in register_incarnations(self.output_processor, reqs, parent):
+            req.lora_request = lora
             self.engine_core.add_request(req)
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
@@ -172,6 +175,20 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    # ---- LoRA adapters (vLLM's LLMEngine utilities; llmserve/lora) --------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter; False when already loaded. Raises LoRAAdapterError."""
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine_core.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.engine_core.pin_lora(lora_id)
 
     def get_stats(self) -> dict:
         return self.engine_core.get_stats()

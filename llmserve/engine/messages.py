@@ -21,6 +21,7 @@ import msgspec
 from llmserve.core.outputs import (BeamSequenceOutput, EngineCoreEvent, EngineCoreEventType, EngineCoreOutput,
                                    FinishReason, LogprobsLists)
 from llmserve.beam_search import BeamSearchParams
+from llmserve.lora.request import LoRARequest
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams
@@ -89,6 +90,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     tenant: Optional[str] = None  # the caller's tenant name (API key), for the fair share (core/fair_share.py)
     tenant_weight: float = 1.0  # that tenant's weight in the fair share
     beam_search_params: Optional[BeamSearchParams] = None  # beam search in the engine (core/beam_search.py)
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with (llmserve/lora)
 
 
 class StreamingInputChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -169,4 +171,4 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
 #: Every struct that crosses the process boundary (the round-trip test walks this).
 WIRE_TYPES = (EngineCoreRequest, EncoderInputs, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
               EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent,
-              BeamSearchParams, BeamSequenceOutput)
+              BeamSearchParams, BeamSequenceOutput, LoRARequest)

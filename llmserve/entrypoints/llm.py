@@ -134,21 +134,23 @@ class LLM(PoolingMixin):
         return list(prompts)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
-                 use_tqdm: Union[bool, Callable[..., tqdm]] = True,
+                 use_tqdm: Union[bool, Callable[..., tqdm]] = True, lora_request: Any = None,
                  priority: Optional[list[int]] = None) -> list[RequestOutput]:
         """Generate completions for prompts, returned in input order.
 
         prompts: a string, a list of strings, a list of token ids ({"prompt_token_ids":
         [...]}) or a list of such dicts. sampling_params: one for all prompts, or one per
         prompt; None: ``get_default_sampling_params()``. use_tqdm: show a progress bar; a
-        callable builds it (e.g. ``functools.partial(tqdm, leave=False)``), as vLLM. Each
-        request's output is FINAL_ONLY.
+        callable builds it (e.g. ``functools.partial(tqdm, leave=False)``), as vLLM.
+        lora_request: a ``LoRARequest`` for all prompts or one (or None) per prompt (needs
+        ``enable_lora``). Each request's output is FINAL_ONLY.
 
         Raises ValueError for bad prompts/params (nothing is left running then).
         """
         self._check_generate("generate")
         prompts = self._prompt_list(prompts)
-        ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority)
+        ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority,
+                                 lora_request=lora_request)
         return self._run_engine(ids, use_tqdm)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
@@ -236,9 +238,12 @@ class LLM(PoolingMixin):
         return outputs
 
     def _add_requests(self, prompts: list, params: list[SamplingParams],
-                      priority: Optional[list[int]], beam_search_params: Optional[BeamSearchParams] = None) -> list[str]:
+                      priority: Optional[list[int]], beam_search_params: Optional[BeamSearchParams] = None,
+                      lora_request: Any = None) -> list[str]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
+        if isinstance(lora_request, (list, tuple)) and len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request: got {len(lora_request)} for {len(prompts)} prompts")
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -246,8 +251,9 @@ class LLM(PoolingMixin):
                 sp = sp.clone()
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._counter))
+                lora = lora_request[i] if isinstance(lora_request, (list, tuple)) else lora_request
                 engine.add_request(rid, p, sp, priority=priority[i] if priority else 0,
-                                   beam_search_params=beam_search_params)
+                                   beam_search_params=beam_search_params, lora_request=lora)
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)
@@ -277,7 +283,8 @@ class LLM(PoolingMixin):
         return results  # type: ignore[return-value]
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: Union[bool, Callable[..., tqdm]] = True, chat_template: Optional[str] = None,
+             use_tqdm: Union[bool, Callable[..., tqdm]] = True, lora_request: Any = None,
+             chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
@@ -295,7 +302,7 @@ class LLM(PoolingMixin):
             c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
             tools=tools).to_engine_prompt() for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -55,15 +55,14 @@ class PoolingMixin:
         or one per prompt; pooling_task: "encode" (default) or "embed"."""
         task = pooling_task or "encode"
         self._check_pooling(task)
-        if lora_request is not None:
-            raise ValueError("LoRA is not supported by this engine yet")
         prompts = self._prompt_list(prompts)
         params = self._pooling_params_for(pooling_params, len(prompts), task, truncate_prompt_tokens)
         # Submitted shortest first (as sentence-transformers' encode sorts): each engine step
         # then holds prompts of about one length, so the encoder's attention runs few, full
         # buckets. Results are batch invariant, so the order changes no vector.
         order = sorted(range(len(prompts)), key=lambda i: _prompt_size(prompts[i]))
-        ids = self._add_requests([prompts[i] for i in order], [params[i] for i in order], None)
+        loras = [lora_request[i] for i in order] if isinstance(lora_request, (list, tuple)) else lora_request
+        ids = self._add_requests([prompts[i] for i in order], [params[i] for i in order], None, lora_request=loras)
         outs = self._run_engine(ids, use_tqdm)
         results: list = [None] * len(prompts)
         for j, i in enumerate(order):

@@ -75,6 +75,18 @@ class Executor:
     def remove_requests(self, req_ids) -> None:
         raise NotImplementedError
 
+    # ---- LoRA adapters (llmserve/lora): workers in other processes read the files
+    # themselves, in add_lora (collective_rpc); the in-process executor reads off the loop.
+    def read_lora(self, lora_request: Any) -> Any:
+        """The adapter's weights read in this process, or None when the workers read it."""
+        return None
+
+    def add_lora(self, lora_request: Any, weights: Any = None) -> bool:
+        return all(self.collective_rpc("add_lora", (lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return all(self.collective_rpc("remove_lora", (lora_id,)))
+
     def check_health(self) -> None:
         """Raise if a worker is unhealthy (the in-process worker always is healthy)."""
 

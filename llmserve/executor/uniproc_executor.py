@@ -31,5 +31,14 @@ class UniProcExecutor(Executor):
     def remove_requests(self, req_ids) -> None:
         self.model_runner.remove_requests(req_ids)
 
+    def read_lora(self, lora_request: Any) -> Any:
+        return self.model_runner.lora_model_manager().read(lora_request)
+
+    def add_lora(self, lora_request: Any, weights: Any = None) -> bool:
+        return self.model_runner.lora_model_manager().add(lora_request, weights)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.lora_model_manager().remove(lora_id)
+
     def shutdown(self) -> None:
         self.model_runner = None

@@ -20,6 +20,12 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # tokens found in the cache this step
     num_preemptions: int = 0
+    num_scheduled_reqs: int = 0  # requests in the last step's batch (the live view's batch size)
+    # LoRA (vLLM's vllm:lora_requests_info labels): adapter name -> running / waiting
+    # requests, and max_loras; empty and 0 without enable_lora.
+    running_lora_adapters: dict = field(default_factory=dict)
+    waiting_lora_adapters: dict = field(default_factory=dict)
+    max_lora: int = 0
 
 
 @dataclass

@@ -98,6 +98,9 @@ def _shard_attention(attn: nn.Module, tp: TPGroup) -> None:
         qkv.bias = nn.Parameter(torch.cat([qkv.bias[r] for r in (q_rows, k_rows, v_rows)]), requires_grad=False)
     o = attn.o_proj
     attn.o_proj = RowParallelLinear(o.weight[:, q_rows], o.bias, tp)
+    # The rows / input columns kept, for LoRA adapters' B / A (llmserve/lora/layers.py).
+    qkv.lora_out_index = torch.cat([torch.arange(r.start, r.stop) for r in (q_rows, k_rows, v_rows)])
+    attn.o_proj.lora_in_index = torch.arange(q_rows.start, q_rows.stop)
     old = attn.attn
     attn.num_heads, attn.num_kv_heads = kv_count * group, kv_count
     attn.q_size, attn.kv_size = attn.num_heads * hd, kv_count * hd
@@ -115,6 +118,7 @@ def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
         gu.bias = nn.Parameter(gu.bias[rows].contiguous(), requires_grad=False)
     d = mlp.down_proj
     mlp.down_proj = RowParallelLinear(d.weight[:, start:start + count], d.bias, tp)
+    gu.lora_out_index, mlp.down_proj.lora_in_index = rows, torch.arange(start, start + count)
     mlp.intermediate_size = count
 
 

@@ -88,6 +88,12 @@ def _libc_madvise():
         return None
 
 
+def _lora_id(req) -> int:
+    """The request's adapter id (0: the base model)."""
+    lora = getattr(req, "lora_request", None)
+    return lora.lora_int_id if lora is not None else 0
+
+
 def _madvise(addr: int, length: int, advice: int) -> bool:
     """libc madvise; False when it fails or there is no libc."""
     fn = _libc_madvise()
@@ -121,6 +127,7 @@ class ModelRunner:
         self.dtype = _DTYPES[mc.dtype]
         self.block_size = config.cache_config.block_size
         self.model: Optional[torch.nn.Module] = None
+        self.lora_manager = None  # llmserve.lora.worker_manager.LoRAModelManager with enable_lora
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.pooler = None
@@ -146,8 +153,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.manual_seed(self.model_config.seed)
         self.model = get_model(self.model_config, pack_weights=pack_weights)
+        if pack_weights:  # one worker; tensor-parallel workers wrap their shards (Worker.load_model)
+            self.init_lora()
         logger.info("Loaded %s (%s) in %.1f s", self.model_config.model, self.model_config.dtype,
                     time.perf_counter() - t0)
+
+    def init_lora(self) -> None:
+        """With ``enable_lora``, wrap the model's linears for adapters (llmserve/lora)."""
+        if self.config.lora_config is not None:
+            from llmserve.lora.worker_manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config, self.dtype, self.device)
+
+    def lora_model_manager(self):
+        """The LoRA manager; LoRAAdapterError (``enable_lora``) when LoRA is off."""
+        if self.lora_manager is None:
+            from llmserve.lora.errors import LoRAAdapterError
+
+            raise LoRAAdapterError("LoRA is not enabled (enable_lora)", "enable_lora")
+        return self.lora_manager
 
     def kv_cache_bytes_per_block(self) -> int:
         mc = self.model_config
@@ -299,6 +323,8 @@ class ModelRunner:
             getattr(s.request.sampling_params, "seed", None) is not None for s in so.scheduled)
         with min_gemm_rows(MIN_INVARIANT_ROWS if invariant else 1):
             hidden = self._forward(inputs)
+            if self.lora_manager is not None:
+                self.lora_manager.end_step()
             if not inputs.logit_rows:
                 return out
             logits = self._compute_logits(hidden, inputs.logit_rows)
@@ -319,6 +345,8 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         # Decodes (1 query token) first, then prompt chunks.
         sched = sorted(so.scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+        if self.lora_manager is not None:  # one adapter's rows side by side (lora_ops segments)
+            sched = sorted(sched, key=lambda s: (s.num_scheduled_tokens != 1, _lora_id(s.request)))
         bs = self.block_size
         B = len(sched)
         T = so.total_num_scheduled_tokens
@@ -364,6 +392,8 @@ class ModelRunner:
             t += n
 
         self._note_kv_use(block_tables)
+        if self.lora_manager is not None:
+            self.lora_manager.begin_step([_lora_id(s.request) for s in sched], query_lens)
         slot_mapping = self._slot_mapping(positions, block_tables, query_lens, bs)
         dev = self.device
         md = AttentionMetadata(

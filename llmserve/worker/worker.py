@@ -61,6 +61,7 @@ class Worker:
             shard_llama(runner.model, self.tp)
             runner.num_kv_heads = runner.model.tp_num_kv_heads
             pack_model(runner.model)  # the shards, not the whole weights (CPU only)
+            runner.init_lora()  # LoRA wrappers around the shards (llmserve/lora/layers.py)
             import gc
 
             gc.collect()  # the unsharded weights go now, not at the next collection
@@ -80,6 +81,12 @@ class Worker:
 
     def remove_requests(self, req_ids) -> None:
         self.model_runner.remove_requests(req_ids)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        return self.model_runner.lora_model_manager().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.lora_model_manager().remove(lora_id)
 
     def ping(self) -> str:
         return "pong"
