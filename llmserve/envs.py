@@ -22,6 +22,8 @@ ENV_VARS: dict[str, tuple[Optional[str], str]] = {
                                    "KV cache size in GiB when --kv-cache-memory is not given (default 4)"),
     "LLMSERVE_HTTP_TIMEOUT_KEEP_ALIVE": ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
                                          "default of --timeout-keep-alive, in seconds (5)"),
+    "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": ("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                                             "1/true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter"),
     "LLMSERVE_CPU_OPS": (None, "0: use the pure-torch paths instead of the C++ CPU kernels"),
     "LLMSERVE_ONEDNN_LINEAR": (None, "0: keep dense weights and F.linear instead of oneDNN-packed linears"),
     "LLMSERVE_PACKED_WEIGHTS": (None, "0: dequantize GGUF Q4_0/Q4_1/Q8_0 weights only (no packed small-step GEMMs)"),

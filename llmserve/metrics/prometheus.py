@@ -137,6 +137,7 @@ class PrometheusStatLogger:
                          ["block_size", "enable_prefix_caching"], registry=r, multiprocess_mode="mostrecent")
             info.labels(block_size=str(cache.block_size),
                         enable_prefix_caching=str(cache.enable_prefix_caching)).set(1)
+        self.gauge_lora_info = self._lora_info_gauge(engine_config)
         # Beyond vLLM (admission control, deadlines), under the same prefix and labels.
         rejected = Counter(PREFIX + "request_rejected", "Requests refused by admission control, by reason.",
                            labels + ["reason"], registry=r)
@@ -154,6 +155,31 @@ class PrometheusStatLogger:
             "admission_waiting_requests", "Requests admitted and not yet running in the engine (rendering or queued).")
         self.gauge_admission_in_flight = server_gauge(
             "admission_in_flight_requests", "Requests admitted whose response has not ended.")
+
+    def _lora_info_gauge(self, engine_config: Any) -> Optional[Gauge]:
+        """vLLM's ``vllm:lora_requests_info`` (with ``--enable-lora`` only): one sample
+        whose labels name the adapters running and waiting (comma-separated) and
+        ``max_lora``; its value is the time of the last update (Unix seconds)."""
+        lora = getattr(engine_config, "lora_config", None)
+        if lora is None:
+            return None
+        self.max_lora = str(lora.max_loras)
+        return Gauge(PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry,
+                     multiprocess_mode="mostrecent")
+
+    def _record_lora(self, scheduler_stats: SchedulerStats) -> None:
+        """Update ``vllm:lora_requests_info`` from the scheduler's adapter sets (names ->
+        request counts). Only the latest label set is kept (vLLM keeps every set it has
+        seen, one series per combination): a scrape shows what runs now, and the series
+        count stays 1."""
+        names = [",".join(sorted(str(n) for n in (getattr(scheduler_stats, key, None) or ())))
+                 for key in ("waiting_lora_adapters", "running_lora_adapters")]
+        labels = (self.max_lora, *names)
+        if labels != getattr(self, "_lora_labels", None):
+            self.gauge_lora_info.clear()
+            self._lora_labels = labels
+        self.gauge_lora_info.labels(*labels).set_to_current_time()
 
     def _engine_view(self, engine_idx: int) -> "PrometheusStatLogger":
         """The same metrics under ``engine="<engine_idx>"`` (a data-parallel rank), made once."""
@@ -190,6 +216,8 @@ class PrometheusStatLogger:
                 self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             if scheduler_stats.prefix_cache_hits:
                 self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+            if self.gauge_lora_info is not None:
+                self._record_lora(scheduler_stats)
         if iteration_stats is None:
             return
         if iteration_stats.num_prompt_tokens:

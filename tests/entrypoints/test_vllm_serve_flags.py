@@ -21,7 +21,7 @@ SAMPLE = {"--uvicorn-log-level": "debug", "--chat-template-content-format": "str
           "--distributed-executor-backend": "mp", "--kv-cache-dtype": "auto", "--generation-config": "vllm",
           "--override-generation-config": "{}", "--compilation-config": "0", "--allowed-origins": "*",
           "--allowed-methods": "*", "--allowed-headers": "*", "--quantization": "gguf", "--worker-cls": "auto",
-          "--kv-transfer-config": "{}"}
+          "--kv-transfer-config": "{}", "--lora-modules": "adapter=/tmp/adapter", "--lora-dtype": "float32"}
 
 
 def _argv(vf, value=None):
@@ -58,7 +58,9 @@ def test_table_is_current_and_classifies_every_flag():
     kinds = {r.flag: r.kind for r in rows}
     assert kinds["--enable-prompt-tokens-details"] == HONOURED
     assert kinds["--enable-request-id-headers"] == NOOP
-    assert kinds["--enable-lora"] == REFUSED
+    for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+                 "--lora-dtype"):  # issue 28
+        assert kinds[flag] == HONOURED, flag
     counts = {k: sum(1 for r in rows if r.kind == k) for k in (HONOURED, NOOP, REFUSED)}
     assert sum(counts.values()) == 182 and min(counts.values()) > 0
     # the policy table names no flag that vLLM does not have (no stale entries)
@@ -89,14 +91,14 @@ def test_refused_flags_accept_vllms_default_and_noops_pass():
     assert args.tensor_parallel_size == 1
 
 
-def test_enable_lora_error_names_the_flag_and_why(capsys):
+def test_refused_lora_bias_error_names_the_flag_and_why(capsys):
     from llmserve.entrypoints.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--enable-lora"])
+        main(["serve", "--enable-lora", "--enable-lora-bias"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--enable-lora is not supported by this engine: LoRA adapters are not supported" in err
+    assert "--enable-lora-bias is not supported by this engine: LoRA bias weights are not applied" in err
 
 
 def test_short_aliases_reach_the_engine_fields():

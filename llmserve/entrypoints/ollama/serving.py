@@ -43,8 +43,8 @@ ROLES = ("system", "user", "assistant", "tool")
 
 def served_name(state: Any, name: str) -> str:
     """The served model ``name`` refers to: itself, or without Ollama's default tag
-    ``:latest``. Raises ModelNotFoundError (404)."""
-    names = state.openai_serving_models.model_names
+    ``:latest``; a LoRA adapter's name too. Raises ModelNotFoundError (404)."""
+    names = state.openai_serving_models.model_names + state.openai_serving_models.lora_names
     if name in names:
         return name
     base, _, tag = name.rpartition(":")

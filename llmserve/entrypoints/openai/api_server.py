@@ -52,6 +52,8 @@ from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_front
 from llmserve.entrypoints.openai.openapi import install_openapi
 from llmserve.entrypoints.openai.method_not_allowed import install_method_not_allowed_handler
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
+from llmserve.entrypoints.openai.models.lora import start_lora_adapters
+from llmserve.entrypoints.openai.models.lora_router import register_lora_api_routers
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.multi_api_server import run_api_servers
 from llmserve.entrypoints.openai.multi_model import build_extra_engine_clients, init_multi_model_state
@@ -116,6 +118,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     for register in API_ROUTER_REGISTRARS:
         register(app)
     add_frontend_routes(app, args)  # /load, /tokenizer_info, --middleware
+    register_lora_api_routers(app, args)  # /v1/load_lora_adapter... when run-time updating is allowed
     register_webui_routes(app, args)  # the built-in page at / and /live (--no-webui: off)
     app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
@@ -209,6 +212,8 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
     model_config = engine_client.model_config
     names = list(model_config.served_model_name or getattr(args, "served_model_name", None) or [args.model])
     models = OpenAIServingModels([BaseModelPath(n, model_config.model) for n in names], model_config.max_model_len)
+    state.lora_adapters = await start_lora_adapters(engine_client, names, getattr(args, "lora_modules", None))
+    models.lora = [state.lora_adapters] if state.lora_adapters is not None else []
     log_requests = not getattr(args, "disable_log_requests", True)
     renderer = Renderer(engine_client.tokenizer, getattr(args, "chat_template", None),
                         PromptCharLimit.for_tokenizer(engine_client.tokenizer, model_config.max_model_len))

@@ -13,6 +13,7 @@ from llmserve.entrypoints.openai.vllm_compat_args import (add_vllm_aliases, add_
 from llmserve import envs
 from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_edge_args
 from llmserve.entrypoints.openai.responses.store import add_responses_args, check_responses_args
+from llmserve.entrypoints.openai.models.lora_router import add_lora_serving_args
 from llmserve.entrypoints.openai.multi_model import parse_extra_model
 from llmserve.entrypoints.template_sandbox import add_request_template_args, check_request_template_args
 from llmserve.entrypoints.web.webui import add_webui_args
@@ -91,6 +92,7 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
                              "server's resource flags (--kv-cache-memory, batching, --dtype), not its model flags. "
                              "Repeatable.")
     add_vllm_frontend_args(server)
+    add_lora_serving_args(server)
     add_request_template_args(server)
     add_http_edge_args(server)
     add_responses_args(server)

@@ -116,6 +116,7 @@ def per_model_args(args: argparse.Namespace, engine_args: AsyncEngineArgs) -> ar
     out = argparse.Namespace(**vars(args))
     for name in MODEL_FIELDS:
         setattr(out, name, getattr(engine_args, name))
+    out.lora_modules = None  # --lora-modules are the main model's adapters
     return out
 
 
@@ -184,12 +185,16 @@ class ModelRegistry:
         that can when the named model cannot do ``task``."""
         if not name:
             return next((m for m in self.models if task is None or task in m.capabilities), self.models[0])
-        model = self.by_name.get(name)
+        model = self.by_name.get(name) or self._adapter_owner(name)
         if model is None:
-            raise ModelNotFoundError(name, self.model_names)
+            raise ModelNotFoundError(name, self.model_names + self.serving_models().lora_names)
         if task is not None and task not in model.capabilities:
             raise SamplingParamsError(self._cannot_message(name, model, task, flag), "model")
         return model
+
+    def _adapter_owner(self, name: str) -> Optional[ServedModel]:
+        """The model whose engine serves the LoRA adapter ``name`` (loaded at any time)."""
+        return next((m for m in self.models if m.state.openai_serving_models.lora_request(name) is not None), None)
 
     def _cannot_message(self, name: str, model: ServedModel, task: str, flag: Optional[str]) -> str:
         able = [m.names[0] for m in self.models if task in m.capabilities]
@@ -204,7 +209,8 @@ class ModelRegistry:
         """Every served name, for ``GET /v1/models`` (each card with its own context)."""
         paths = [BaseModelPath(p.name, p.model_path, m.state.openai_serving_models.max_model_len)
                  for m in self.models for p in m.state.openai_serving_models.base_model_paths]
-        return OpenAIServingModels(paths, self.models[0].state.openai_serving_models.max_model_len)
+        return OpenAIServingModels(paths, self.models[0].state.openai_serving_models.max_model_len,
+                                   [a for m in self.models for a in m.state.openai_serving_models.lora])
 
 
 class ModelRoutedHandler:
@@ -325,6 +331,7 @@ async def init_multi_model_state(
     state.engine_client = group
     state.openai_serving_models = registry.serving_models()
     state.openai_serving_render = main.openai_serving_render  # /tokenizer_info: the main model's template
+    state.lora_adapters = main.lora_adapters  # /v1/load_lora_adapter loads into the main model's engine
     state.stat_logger = MergedStatLoggers([m.state.stat_logger for m in served])
     state.admission = ModelRoutedAdmission(registry, [m.state.admission for m in served])
     return group

@@ -57,7 +57,6 @@ def read_vllm_flags(path: str = FLAGS_FILE) -> list[VllmFlag]:
 
 
 _NO_MM = "no multimodal model runs on this engine"
-_NO_LORA = "only used with --enable-lora, which is refused"
 _NO_DP = "multi-node data parallel (hybrid load balancing, other DP backends) is not implemented"
 _NO_EPLB = "only used with --enable-eplb, which is refused"
 _NO_HUB = "nothing is downloaded: models load from local paths, the HF cache or packages"
@@ -69,7 +68,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # serve subcommand
     "--headless": (REFUSED, "multi-node data parallel is not implemented", ()),
     # frontend
-    "--lora-modules": (REFUSED, "LoRA adapters are not supported (the models have no LoRA layers)", ()),
     "--enable-ssl-refresh": (REFUSED, "certificates are loaded once at start; restart to load new ones", ()),
     "--disable-frontend-multiprocessing": (NOOP, "the engine always runs in its own process "
                                                  "(LLMSERVE_ENABLE_MULTIPROCESSING=0 is for the offline LLM)", ()),
@@ -146,17 +144,11 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--mm-encoder-tp-mode": (NOOP, _NO_MM, ()),
     "--skip-mm-profiling": (NOOP, _NO_MM, ()),
     "--video-pruning-rate": (NOOP, _NO_MM, ()),
-    # LoRAConfig
-    "--enable-lora": (REFUSED, "LoRA adapters are not supported (the models have no LoRA layers); "
-                               "serve a checkpoint with the adapter merged", ()),
-    "--enable-lora-bias": (NOOP, _NO_LORA, ()),
-    "--max-loras": (NOOP, _NO_LORA, ()),
-    "--max-lora-rank": (NOOP, _NO_LORA, ()),
-    "--lora-extra-vocab-size": (NOOP, _NO_LORA, ()),
-    "--lora-dtype": (NOOP, _NO_LORA, ()),
-    "--max-cpu-loras": (NOOP, _NO_LORA, ()),
-    "--fully-sharded-loras": (NOOP, _NO_LORA, ()),
-    "--default-mm-loras": (NOOP, _NO_LORA, ()),
+    # LoRAConfig (--enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras, --lora-dtype: engine fields)
+    "--enable-lora-bias": (REFUSED, "LoRA bias weights are not applied (adapters with lora_bias are refused)", ()),
+    "--lora-extra-vocab-size": (NOOP, "adapters add no vocabulary (vLLM dropped it too)", ()),
+    "--fully-sharded-loras": (NOOP, "under tensor parallel each adapter is sharded as its base layer", ()),
+    "--default-mm-loras": (NOOP, _NO_MM, ()),
     # ObservabilityConfig
     "--show-hidden-metrics-for-version": (NOOP, "no metric is hidden as deprecated yet", ()),
     "--otlp-traces-endpoint": (REFUSED, "OpenTelemetry tracing is not implemented", ()),

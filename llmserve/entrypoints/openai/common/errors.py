@@ -13,6 +13,7 @@ from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
 from llmserve.entrypoints.openai.deadline import RequestDeadlineExceeded
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
+from llmserve.lora.errors import LoRANotFoundError
 from llmserve.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
@@ -57,7 +58,7 @@ def make_error(message: str, status_code: int = 400, param: Optional[str] = None
 def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map an exception to (HTTP status, error body).
 
-    ModelNotFoundError, NotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
+    ModelNotFoundError, NotFoundError, LoRANotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
     the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
     never a 5xx, which the official clients retry twice); EngineDeadError -> 503;
     EngineGenerateError and anything else -> 500 (unexpected errors are logged with
@@ -65,7 +66,7 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     """
     if isinstance(exc, ModelNotFoundError):
         return 404, make_error(str(exc), 404, "model")
-    if isinstance(exc, NotFoundError):
+    if isinstance(exc, (NotFoundError, LoRANotFoundError)):
         return 404, make_error(str(exc.args[0]), 404, exc.param)
     if isinstance(exc, RequestDeadlineExceeded):
         return 408, make_error(str(exc), 408, exc.param)

@@ -14,6 +14,7 @@ from pydantic import Field
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
+from llmserve.entrypoints.openai.models.lora import lora_call
 from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline,
                                                   with_deadline)
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
@@ -100,7 +101,7 @@ class PoolingBaseServing(BaseServing):
         if self.log_requests:
             self._log(request_id, prompts, params)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        gens = [self.engine_client.encode(p.to_engine_prompt(), params, rid, priority=priority)
+        gens = [lora_call(self.engine_client.encode, p.to_engine_prompt(), params, rid, priority=priority)
                 for rid, p in zip(ids, prompts)]
         deadline = current_deadline()
         if deadline is not None:  # X-Request-Timeout: past it, abort and answer 408

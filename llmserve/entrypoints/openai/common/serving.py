@@ -22,6 +22,7 @@ from llmserve.engine.input_processor import truncate_prompt
 from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.deadline import current_deadline, with_deadline
 from llmserve.entrypoints.openai.logprobs import TokenFormatter, TokenIdFormatter
+from llmserve.entrypoints.openai.models.lora import lora_call, select_lora
 from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -68,6 +69,8 @@ class BaseServing:
       log_requests: log each request's id, prompt length and sampling params.
     """
 
+    supports_lora = True  # False: an adapter named in `model` is a 400 (never the base model)
+
     def __init__(self, engine_client: Any, models: OpenAIServingModels, *, log_requests: bool = False):
         self.engine_client = engine_client
         self.models = models
@@ -77,8 +80,11 @@ class BaseServing:
 
     def _check_model(self, request: Any) -> str:
         """The served name to report for ``request.model`` (None: the default model).
-        Raises ModelNotFoundError (404) for a name this server does not serve."""
-        return self.models.resolve(getattr(request, "model", None))
+        Raises ModelNotFoundError (404) for a name this server does not serve. A LoRA
+        adapter's name picks it for this request's engine calls (``models/lora.py``)."""
+        name = self.models.resolve(getattr(request, "model", None))
+        select_lora(self.models, name, self.supports_lora)
+        return name
 
     @staticmethod
     def create_error_response(error: Union[str, BaseException], status_code: int = 400,
@@ -155,8 +161,8 @@ class GenerateBaseServing(BaseServing):
             logger.info("Received request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id,
                         prompt.text[:self.max_log_len] if prompt.text is not None else None,
                         prompt.token_ids[:self.max_log_len], params)
-        gen = self.engine_client.generate(prompt.to_engine_prompt(), params, request_id, priority=priority,
-                                          **kwargs)
+        gen = lora_call(self.engine_client.generate, prompt.to_engine_prompt(), params, request_id,
+                        priority=priority, **kwargs)
         deadline = current_deadline()
         if deadline is None:
             return gen

@@ -24,3 +24,21 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's): the adapter's served name and its
+    PEFT directory or GGUF LoRA file; ``load_inplace``: replace an adapter already loaded
+    under that name (new requests use the new weights; running ones finish on the old)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """Body of ``POST /v1/unload_lora_adapter`` (vLLM's); ``lora_int_id`` is accepted
+    for vLLM's clients and, when given, must be the adapter's id."""
+
+    lora_name: str
+    lora_int_id: Optional[int] = None

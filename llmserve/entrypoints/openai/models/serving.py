@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from llmserve.entrypoints.openai.models.protocol import ModelCard, ModelList
+
+if TYPE_CHECKING:  # lora.py imports common.errors, which imports this module
+    from llmserve.entrypoints.openai.models.lora import LoRAAdapters
 
 
 @dataclass(frozen=True)
@@ -33,14 +36,31 @@ class OpenAIServingModels:
 
     ``base_model_paths``: every ``--served-model-name`` (the first is the default used when
     a request leaves ``model`` out). ``max_model_len``: context limit in tokens.
+    ``lora``: the LoRA adapters served by name next to the base model (``--enable-lora``;
+    on a multi-model server, every model's), see ``models/lora.py``.
     """
 
-    def __init__(self, base_model_paths: Sequence[BaseModelPath], max_model_len: int):
+    def __init__(self, base_model_paths: Sequence[BaseModelPath], max_model_len: int,
+                 lora: Sequence["LoRAAdapters"] = ()):
         if not base_model_paths:
             raise ValueError("served_model_name: at least one model name is required")
         self.base_model_paths = list(base_model_paths)
         self.max_model_len = max_model_len
         self.created = int(time.time())
+        self.lora = list(lora)
+
+    def lora_request(self, model_name: Optional[str]) -> Optional[Any]:
+        """The LoRARequest of the adapter served as ``model_name`` (None: not an adapter)."""
+        return next((r for a in self.lora if (r := a.get(model_name)) is not None), None)
+
+    def adapters_of(self, model_name: Optional[str]) -> Optional["LoRAAdapters"]:
+        """The adapter table serving ``model_name`` (None: not an adapter)."""
+        return next((a for a in self.lora if a.get(model_name) is not None), None)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The served adapter names (they change with /v1/load_lora_adapter)."""
+        return [n for a in self.lora for n in a.lora_requests]
 
     @property
     def model_names(self) -> list[str]:
@@ -57,9 +77,9 @@ class OpenAIServingModels:
         """
         if not model_name:
             return self.base_model_paths[0].name
-        if self.is_base_model(model_name):
+        if self.is_base_model(model_name) or self.lora_request(model_name) is not None:
             return model_name
-        raise ModelNotFoundError(model_name, self.model_names)
+        raise ModelNotFoundError(model_name, self.model_names + self.lora_names)
 
     def _card(self, p: BaseModelPath) -> ModelCard:
         return ModelCard(id=p.name, created=self.created, root=p.model_path,
@@ -67,11 +87,15 @@ class OpenAIServingModels:
 
     def show_available_models(self) -> ModelList:
         """The body of ``GET /v1/models``."""
-        return ModelList(data=[self._card(p) for p in self.base_model_paths])
+        adapters = [c for a in self.lora for c in a.cards(self.created, self.max_model_len)]
+        return ModelList(data=[self._card(p) for p in self.base_model_paths] + adapters)
 
     def show_model(self, model_id: str) -> ModelCard:
         """The body of ``GET /v1/models/{model_id}``. Raises ModelNotFoundError (404)."""
         for p in self.base_model_paths:
             if p.name == model_id:
                 return self._card(p)
-        raise ModelNotFoundError(model_id, self.model_names)
+        for card in self.show_available_models().data:
+            if card.id == model_id:
+                return card
+        raise ModelNotFoundError(model_id, self.model_names + self.lora_names)

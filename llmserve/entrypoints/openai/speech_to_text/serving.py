@@ -98,6 +98,8 @@ class OpenAIServingSpeechToText(BaseServing):
     ``max_audio_file_bytes``, ``language`` for a language Whisper does not know (or any
     but English on an English-only checkpoint), ``timestamp_granularities`` for "word"."""
 
+    supports_lora = False  # the Whisper runner has no LoRA layers
+
     request_id_prefix = "trsc"
 
     def __init__(self, engine_client: Any, models: Any, *, log_requests: bool = False,
