@@ -156,3 +156,29 @@ class EngineExitWatch:
 def engine_exit_watch():
     """``EngineExitWatch(proc)``: see its docstring."""
     return EngineExitWatch
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapter(hf_model, path: str, r: int, seed: int, targets=LORA_TARGETS, alpha: int = 16,
+                      use_rslora: bool = False):
+    """Save a random rank-``r`` PEFT LoRA of ``hf_model`` to ``path`` (peft's own
+    ``get_peft_model`` + ``save_pretrained``); return the PeftModel on a copy of the base
+    (eval). A and B both random (``init_lora_weights=False``), so it moves the logits."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                     use_rslora=use_rslora)
+    pm = get_peft_model(copy.deepcopy(hf_model), cfg)
+    pm.save_pretrained(path)
+    return pm.eval()
+
+
+@pytest.fixture(scope="session")
+def make_lora_adapter_fn():
+    """``make_lora_adapter(hf_model, path, r, seed, targets=..., alpha=16, use_rslora=False)``."""
+    return make_lora_adapter

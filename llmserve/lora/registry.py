@@ -3,8 +3,8 @@
 requests still use the adapter.
 
 Up to ``max_cpu_loras`` adapters stay loaded; loading one more unloads the least recently
-used adapter that is neither pinned nor used by a request (LoRAAdapterError naming
-``max_cpu_loras`` when every one is). The weights live in the workers (the executor's
+used adapter that is neither pinned nor used by a request (when every one is, the bound
+is exceeded until their requests finish). The weights live in the workers (the executor's
 ``read_lora`` / ``add_lora`` / ``remove_lora``); ``read`` may run in a thread (it touches no
 engine state), ``add`` runs between steps."""
 from __future__ import annotations
@@ -54,16 +54,17 @@ class LoRARegistry:
         logger.info("LoRA adapter %r (id %d) loaded from %s", request.lora_name, lid, request.lora_path)
         return True
 
-    def _make_room(self) -> None:
-        if len(self.loaded) < self.config.cpu_capacity:
+    def _make_room(self, room: int = 1) -> None:
+        """Unload least recently used idle adapters until ``room`` more fit in
+        max_cpu_loras. Adapters that requests use (or that are pinned) stay: the bound is
+        then exceeded until they finish (``release_idle`` trims it), rather than a
+        request being refused for a full cache."""
+        excess = len(self.loaded) + room - self.config.cpu_capacity
+        if excess <= 0:
             return
         busy = self.in_use()
-        for lid in self.loaded:
-            if lid not in self.pinned and lid not in busy:
-                self._unload(lid)
-                return
-        raise LoRAAdapterError(f"max_cpu_loras ({self.config.cpu_capacity}) adapters are loaded and each is "
-                               "pinned or in use; unload one first", "max_cpu_loras")
+        for lid in [i for i in self.loaded if i not in self.pinned and i not in busy][:excess]:
+            self._unload(lid)
 
     def _unload(self, lid: int) -> None:
         self.loaded.pop(lid, None)
@@ -82,11 +83,14 @@ class LoRARegistry:
         return True
 
     def release_idle(self) -> None:
-        """Unload the removed adapters whose requests have all finished (after a step)."""
+        """Unload the removed adapters whose requests have all finished, and idle ones
+        past max_cpu_loras (after a step)."""
         if self.removing:
             busy = self.in_use()
             for lid in [i for i in self.removing if i not in busy]:
                 self._unload(lid)
+        if len(self.loaded) > self.config.cpu_capacity:
+            self._make_room(0)
 
     def list(self) -> set[int]:
         return {i for i in self.loaded if i not in self.removing}

@@ -1,0 +1,161 @@
+"""LoRA adapters on our Llama-family models vs transformers + peft (float32): PEFT
+adapters of rank 8 and 16 mixed with base rows in one step (the batched gather path and
+the segmented one), the same adapter merged into the base weights, and a GGUF LoRA
+written in llama.cpp's ``convert_lora_to_gguf.py`` layout; and each refused adapter's
+typed error naming its field."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from llmserve.lora.config import LoRAConfig
+from llmserve.lora.errors import LoRAAdapterError
+from llmserve.lora.models import write_gguf_lora
+from llmserve.lora.request import LoRARequest
+from llmserve.lora.worker_manager import LoRAModelManager
+from llmserve.model_loader import get_model, load_hf_config, resolve_model
+
+# Llama in make test; the other architectures in make test-all (same code, ~4 s each here).
+ARCHS = ["llama"] + [pytest.param(a, marks=pytest.mark.slow) for a in ("mistral", "qwen2", "qwen3")]
+ATOL = 1e-4
+
+
+def our_model(path: str, model_config_fn, max_loras: int = 4):
+    resolved = resolve_model(path)
+    model = get_model(model_config_fn(resolved, load_hf_config(resolved), "float32"))
+    mgr = LoRAModelManager(model, LoRAConfig(max_loras=max_loras, max_lora_rank=16), torch.float32,
+                           torch.device("cpu"))
+    return model, mgr
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def lora_step(runner, mgr, chunks):
+    """One step of ``(request_id, tokens, lora_id)`` chunks (lora_id 0: the base model)."""
+    mgr.begin_step([c[2] for c in chunks], [len(c[1]) for c in chunks])
+    try:
+        return runner.step([(c[0], c[1]) for c in chunks])
+    finally:
+        mgr.end_step()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_lora(request, tmp_path_factory, save_tiny_model_fn, make_lora_adapter_fn):
+    """(arch, base dir, hf base, {lora_id: (adapter dir, PeftModel)}) with a rank-8 (id 1)
+    and a rank-16 (id 2) adapter on all seven projections."""
+    root = tmp_path_factory.mktemp(f"lora_{request.param}")
+    base = str(root / "base")
+    hf = save_tiny_model_fn(request.param, base)
+    adapters = {}
+    for lid, r in ((1, 8), (2, 16)):
+        path = str(root / f"r{r}")
+        adapters[lid] = (path, make_lora_adapter_fn(hf, path, r, seed=lid))
+    return request.param, base, hf, adapters
+
+
+def check_mixed_steps(runner, mgr, refs, seqs, owners):
+    """Prefill all of ``seqs`` in one step, then decode them together; every logit row
+    equals the reference of its request's model."""
+    done = {rid: 0 for rid in seqs}
+    firsts = {rid: len(s) - 3 for rid, s in seqs.items()}
+
+    def check(out):
+        for rid, logits in out.items():
+            n = logits.shape[0]
+            torch.testing.assert_close(logits, refs[rid][done[rid]:done[rid] + n], atol=ATOL, rtol=1e-4,
+                                       msg=lambda m: f"{rid}: {m}")
+            done[rid] += n
+
+    check(lora_step(runner, mgr, [(rid, seqs[rid][:firsts[rid]], owners[rid]) for rid in seqs]))
+    while any(done[r] < len(seqs[r]) for r in seqs):
+        check(lora_step(runner, mgr, [(r, seqs[r][done[r]:done[r] + 1], owners[r]) for r in seqs
+                                      if done[r] < len(seqs[r])]))
+
+
+def test_peft_adapters_mixed_with_base_match_peft(tiny_lora, model_config_fn, step_runner_cls, tokens_fn):
+    """Rank 8 and rank 16 adapters and the base model in the same steps (three adapter
+    segments: the gathered bmm path; prompts of different lengths: padded slots), then one
+    adapter alone (the segmented path): logits within 1e-4 of peft's."""
+    arch, base, hf, adapters = tiny_lora
+    model, mgr = our_model(base, model_config_fn)
+    for lid, (path, _) in adapters.items():
+        assert mgr.add(LoRARequest(f"a{lid}", lid, path))
+    seqs = {"a": tokens_fn(17, 1), "b": tokens_fn(11, 2), "c": tokens_fn(9, 3), "d": tokens_fn(14, 4)}
+    owners = {"a": 1, "b": 2, "c": 0, "d": 1}
+    models = {0: hf, 1: adapters[1][1], 2: adapters[2][1]}
+    refs = {rid: hf_logits(models[owners[rid]], s) for rid, s in seqs.items()}
+    assert not torch.allclose(refs["a"], hf_logits(hf, seqs["a"]), atol=1e-2)  # the adapter matters
+    check_mixed_steps(step_runner_cls(model), mgr, refs, seqs, owners)
+    alone = {"e": tokens_fn(12, 5)}
+    check_mixed_steps(step_runner_cls(model), mgr, {"e": hf_logits(models[2], alone["e"])}, alone, {"e": 2})
+
+
+def test_merged_adapter_and_gguf_lora_match_peft(tiny_lora, model_config_fn, step_runner_cls, tokens_fn,
+                                                 tmp_path):
+    """The rank-16 adapter merged into the base weights (peft's merge_and_unload) gives
+    peft's logits; the same adapter as a GGUF LoRA (llama.cpp's layout, q/k rows permuted
+    for Llama/Mistral) gives the PEFT directory's logits."""
+    arch, base, hf, adapters = tiny_lora
+    path, pm = adapters[2]
+    tokens = tokens_fn(13, 7)
+    ref = hf_logits(pm, tokens)
+    merged = str(tmp_path / "merged")
+    copy.deepcopy(pm).merge_and_unload().save_pretrained(merged)
+    model, _ = our_model(merged, model_config_fn)
+    torch.testing.assert_close(step_runner_cls(model).step([("m", tokens)])["m"], ref, atol=ATOL, rtol=1e-4)
+
+    gguf_path = write_gguf_lora(path, str(tmp_path / "adapter.gguf"), hf.config)
+    model, mgr = our_model(base, model_config_fn)
+    mgr.add(LoRARequest("peft", 1, path))
+    mgr.add(LoRARequest("gguf", 2, gguf_path))
+    out = lora_step(step_runner_cls(model), mgr, [("p", tokens, 1), ("g", tokens, 2)])
+    torch.testing.assert_close(out["g"], out["p"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["g"], ref, atol=ATOL, rtol=1e-4)
+
+
+def test_refused_adapters_name_their_field(tiny_lora, model_config_fn, make_lora_adapter_fn, save_tiny_model_fn,
+                                           tmp_path):
+    arch, base, hf, adapters = tiny_lora
+    if arch != "llama":
+        return  # the refusals do not depend on the architecture; checked once
+    model, mgr = our_model(base, model_config_fn)
+    path16 = adapters[2][0]
+
+    def refused(path, param, max_rank=16):
+        m = LoRAModelManager.__new__(LoRAModelManager)
+        m.__dict__.update(mgr.__dict__)
+        m.config = LoRAConfig(max_loras=4, max_lora_rank=max_rank)
+        with pytest.raises(LoRAAdapterError) as e:
+            m.read(LoRARequest("x", 9, path))
+        assert e.value.param == param, (e.value, e.value.param)
+        return str(e.value)
+
+    assert "greater than max_lora_rank 8" in refused(path16, "r", max_rank=8)
+    assert "does not exist" in refused(str(tmp_path / "missing"), "lora_path")
+    bad_cfg = tmp_path / "modules_to_save"
+    bad_cfg.mkdir()
+    cfg = json.load(open(os.path.join(path16, "adapter_config.json")))
+    json.dump({**cfg, "modules_to_save": ["lm_head"]}, open(bad_cfg / "adapter_config.json", "w"))
+    assert "modules_to_save" in refused(str(bad_cfg), "modules_to_save")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    json.dump(cfg, open(corrupt / "adapter_config.json", "w"))
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 10)
+    assert "cannot read" in refused(str(corrupt), "lora_path")
+    (corrupt / "adapter_config.json").write_text("{not json")
+    assert "not valid JSON" in refused(str(corrupt), "lora_path")
+    embed = tmp_path / "embed"
+    make_lora_adapter_fn(hf, str(embed), 8, seed=3, targets=["q_proj", "embed_tokens"])
+    assert "embed_tokens" in refused(str(embed), "target_modules")
+    # An adapter of a wider model: its shapes do not match this base.
+    other_hf = save_tiny_model_fn("qwen3", str(tmp_path / "other"))
+    other = tmp_path / "other_lora"
+    make_lora_adapter_fn(other_hf, str(other), 8, seed=4)
+    assert "do not match the base model" in refused(str(other), "target_modules")
