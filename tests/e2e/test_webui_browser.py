@@ -1,0 +1,131 @@
+"""Issue 33's browser test: headless Chromium (Debian's ``chromium`` package, driven by
+Playwright for Python through the system binary: no browser download) against the real
+server of the default model (the session ``server``: float32, with an API key).
+
+The playground asks for the key, lists the model, streams an answer that appears while it
+is generated, shows its token counts and tok/s, keeps the conversation across a reload,
+and stops a stream with Stop. The live view, while 8 streams run, shows 8 running rows
+whose token counts grow from one refresh to the next, then the 8 finished requests with
+their timelines drawn as bars.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+
+from e2e_utils import API_KEY, MODEL
+
+CHROMIUM = "/usr/bin/chromium"
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (.ci/run does, as root)", allow_module_level=True)
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright (the test extra) is not installed")
+expect = playwright_api.expect
+expect.set_options(timeout=60_000)  # a loaded 2-core machine; each wait ends as soon as it holds
+
+# The network is closed here: nothing in the background may try to reach it.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+N_STREAMS = 8
+STREAM_TOKENS = 32  # about 2 s at 8 rows on an idle 2-core machine: two refreshes of the live view
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """One Chromium with a fresh profile for the module (the key, once entered, stays in
+    its localStorage, as in a user's browser)."""
+    with playwright_api.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM, headless=True,
+            args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 800})
+        context.set_default_timeout(60_000)
+        yield context
+        context.close()
+
+
+def _errors(page) -> list[str]:
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return errors
+
+
+def test_playground_streams_an_answer(server, browser):
+    page = browser.new_page()
+    errors = _errors(page)
+    page.goto(server.url_for("/"))
+    expect(page.locator("#key-dialog")).to_be_visible()  # /v1/models answered 401: the page asks
+    page.fill("#key-input", API_KEY)
+    page.click("#key-ok")
+    expect(page.locator("#model option")).to_have_text([MODEL])
+    page.fill("#max_tokens", "16")
+    page.fill("#temperature", "0")
+    page.fill("#prompt", "Name three colors.")
+    page.press("#prompt", "Enter")
+    # the answer appears while it is streamed (the message is still pending), then finishes
+    expect(page.locator(".msg.assistant.pending .md")).not_to_be_empty()
+    expect(page.locator("#stop")).to_be_visible()
+    done = page.locator(".msg.assistant:not(.pending)")
+    expect(done.locator(".stats")).to_contain_text("tok/s")
+    stats = done.locator(".stats").inner_text()
+    assert "prompt" in stats and "generated tokens" in stats, stats
+    answer = done.locator(".md").inner_text()
+    assert answer.strip(), stats
+    page.reload()  # the conversation is kept in the browser
+    expect(page.locator(".msg.assistant .md")).to_have_text(answer)
+    # Stop aborts the fetch: the answer ends early, marked stopped
+    page.fill("#max_tokens", "400")
+    page.fill("#prompt", "Count from 1 to 300, one number per line.")
+    page.press("#prompt", "Enter")
+    expect(page.locator(".msg.assistant.pending .md")).not_to_be_empty()
+    page.click("#stop")
+    expect(page.locator(".msg.assistant").last.locator(".stats")).to_contain_text("stopped")
+    expect(page.locator("#send")).to_be_visible()
+    assert not errors, errors
+    page.close()
+
+
+def _stream(server, i: int, ids: list[str]) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell story {i} about a lighthouse."}],
+            "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url_for("v1/chat/completions"), json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and not ids[i]:
+                ids[i] = line.split('"id":"', 1)[1].split('"', 1)[0]
+
+
+def _generated(page) -> list[int]:
+    return [int(t) for t in page.locator("#active tr[data-state=running] .c-gen").all_inner_texts()]
+
+
+def test_live_view_shows_eight_streams_then_their_timelines(server, browser):
+    page = browser.new_page()
+    errors = _errors(page)
+    page.goto(server.url_for("/live"))
+    expect(page.locator("#updated")).to_contain_text("updated")
+    ids = [""] * N_STREAMS
+    threads = [threading.Thread(target=_stream, args=(server, i, ids)) for i in range(N_STREAMS)]
+    for t in threads:
+        t.start()
+    try:
+        running = page.locator("#active tr[data-state=running]")
+        expect(running).to_have_count(N_STREAMS)
+        first = sum(_generated(page))
+        # a later refresh (at least one a second) shows more tokens, while all 8 still run
+        page.wait_for_timeout(1100)
+        expect(running).to_have_count(N_STREAMS)
+        assert sum(_generated(page)) > first
+    finally:
+        for t in threads:
+            t.join()
+    assert all(ids), ids
+    for rid in ids:  # each finished request, with its timeline as bars (decode at least)
+        row = page.locator(f'#finished .tl-row[data-id="{rid}"]')
+        expect(row.locator(".bar .seg.decode")).to_have_count(1)
+        expect(row.locator(".bar .tick")).not_to_have_count(0)  # each scheduling
+    expect(page.locator("#active tr[data-state]")).to_have_count(0)
+    assert page.locator("#s-gen").inner_text() != "–"
+    assert not errors, errors
+    page.close()
