@@ -58,6 +58,7 @@ from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, Deadli
                                                   reset_deadline, set_deadline)
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
 DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
@@ -155,6 +156,7 @@ class AdmissionController:
         self.clock = clock
         self.drain = DrainRate(clock=clock)
         self.is_draining: Callable[[], bool] = lambda: False
+        self.fair_share = False  # the engine shares itself between tenants (see check)
         self.in_flight = 0  # admitted requests whose response has not ended
         self.stats = SchedulerStats()  # the latest, from the engine
         self.blocks_per_request = _DEFAULT_BLOCKS_PER_REQUEST
@@ -204,9 +206,13 @@ class AdmissionController:
     def _engine_busy(self) -> bool:
         return self.in_flight > 0 or self.stats.num_running_reqs > 0 or self.stats.num_waiting_reqs > 0
 
-    def check(self) -> Optional[Rejection]:
-        """The rejection a new request would get now, or None (admitted). Changes nothing."""
-        waiting = self.num_waiting
+    def check(self, tenant_in_flight: Optional[int] = None) -> Optional[Rejection]:
+        """The rejection a new request would get now, or None (admitted). Changes nothing.
+        ``tenant_in_flight``: requests of the new request's tenant in flight, when the
+        engine shares itself fairly between tenants (core/fair_share.py): then only those
+        can be ahead of it, not another tenant's queue (a flooder's backlog refuses the
+        flooder, not a quiet tenant)."""
+        waiting = self.num_waiting if tenant_in_flight is None else min(self.num_waiting, tenant_in_flight)
         if self.is_draining():
             return Rejection("draining", 503, self.drain.retry_after(self.in_flight),
                              "The server is shutting down and takes no new requests.")
@@ -218,7 +224,7 @@ class AdmissionController:
                              f"The server is overloaded: {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}). Retry later.")
         bound = self.config.max_queue_delay
-        delay = self.predicted_delay()
+        delay = self.predicted_delay(tenant_in_flight)
         if limit >= 0 and bound > 0 and delay > bound:
             # Retry once the excess has drained: the request would then wait about the bound.
             retry = int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(delay - bound)))) if math.isfinite(delay) else 1
@@ -241,12 +247,14 @@ class AdmissionController:
         little = self.max_num_seqs / max(self.service_s, 1e-3) if self.service_s is not None else 0.0
         return max(little, self.drain.rate())
 
-    def predicted_delay(self) -> float:
+    def predicted_delay(self, tenant_in_flight: Optional[int] = None) -> float:
         """Seconds a request admitted now would wait for a batch slot (0: one is free).
         The requests ahead of it: admitted ones beyond ``max_num_seqs`` or the engine's
         own queue (requests with n > 1 fill several slots), whichever is more. An encoder
         (pooling: each finishes within the step that runs it) never waits long: 0."""
         ahead = max(self.in_flight - self.max_num_seqs, self.stats.num_waiting_reqs)
+        if tenant_in_flight is not None:
+            ahead = min(ahead, tenant_in_flight)
         if not self.uses_kv_cache or (ahead <= 0 and self.in_flight < self.max_num_seqs):
             return 0.0
         rate = self.drain_rate()
@@ -261,10 +269,11 @@ class AdmissionController:
         if self.stat_logger is not None and hasattr(self.stat_logger, "set_admission_queue"):
             self.stat_logger.set_admission_queue(self.receiving, self.num_waiting, self.in_flight)
 
-    def admit(self) -> Optional[Rejection]:
+    def admit(self, tenant_in_flight: Optional[int] = None) -> Optional[Rejection]:
         """Admit a request (None) or return why not; a refusal is counted in /metrics.
-        An admitted request must be ``release()``d when its response ends."""
-        rejection = self.check()
+        An admitted request must be ``release()``d when its response ends.
+        ``tenant_in_flight``: see :meth:`check`."""
+        rejection = self.check(tenant_in_flight)
         if rejection is not None:
             if self.stat_logger is not None:
                 self.stat_logger.record_rejection(rejection.reason)
@@ -325,7 +334,7 @@ class AdmissionMiddleware:
         if hasattr(controller, "controller_for"):  # several models: the serving engine's controller
             body, receive = await _buffered_body(receive)
             controller = controller.controller_for(path, body)
-        rejection = controller.admit()
+        rejection = controller.admit(_tenant_in_flight(scope, controller))
         if rejection is not None:
             response = json_response(make_error(rejection.message, rejection.status), rejection.status)
             response.headers["Retry-After"] = str(rejection.retry_after)
@@ -337,6 +346,13 @@ class AdmissionMiddleware:
         finally:
             reset_deadline(token)
             controller.release()
+
+
+def _tenant_in_flight(scope: dict, controller: Any) -> Optional[int]:
+    """Requests in flight of the scope's tenant before this one (TenantQuotaMiddleware
+    counts them) when the engine shares itself fairly between tenants, else None."""
+    count = (scope.get("state") or {}).get(TENANT_IN_FLIGHT_KEY)
+    return count() - 1 if count is not None and getattr(controller, "fair_share", False) else None
 
 
 async def _buffered_body(receive: Any) -> tuple[bytes, Any]:
@@ -396,6 +412,8 @@ def make_admission_controller(engine_client: Any, args: Any, stat_logger: Any = 
     encoder = bool(getattr(getattr(config, "model_config", None), "is_encoder_only", False))
     controller = AdmissionController(admission_config_from_args(args, max_num_seqs), block_size=block_size,
                                      max_num_seqs=max_num_seqs, stat_logger=stat_logger, uses_kv_cache=not encoder)
+    # the engine's fair share between tenants (core/fair_share.py): see check()
+    controller.fair_share = bool(getattr(getattr(config, "scheduler_config", None), "tenant_fair_share", False))
     loggers = getattr(engine_client, "stat_loggers", None)
     if loggers is not None:  # one controller per engine client: a rebuilt app state replaces it
         loggers[:] = [sl for sl in loggers if not isinstance(sl, AdmissionController)] + [controller]

@@ -57,6 +57,8 @@ from llmserve.entrypoints.openai.models.lora_router import register_lora_api_rou
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.multi_api_server import run_api_servers
 from llmserve.entrypoints.openai.multi_model import build_extra_engine_clients, init_multi_model_state
+from llmserve.entrypoints.openai.request_timelines.api_router import register_request_timeline_api_routers
+from llmserve.entrypoints.openai.request_timelines.labels import RequestLabelsMiddleware
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
 from llmserve.entrypoints.openai.responses.store import DEFAULT_STORE_MAX_ENTRIES
@@ -74,6 +76,8 @@ from llmserve.entrypoints.openai.tokenize.api_router import register_tokenize_ap
 from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
 from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
 from llmserve.entrypoints.renderer import AsyncRenderer, Renderer
+from llmserve.entrypoints.openai.tenants import make_keyring
+from llmserve.entrypoints.openai.tenant_quotas import TenantQuotaMiddleware
 from llmserve.entrypoints.web.webui import register_webui_routes
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
@@ -103,6 +107,7 @@ API_ROUTER_REGISTRARS = (
     register_speech_to_text_api_routers,
     register_anthropic_api_routers,
     register_ollama_api_routers,
+    register_request_timeline_api_routers,
 )
 
 # The error bodies of the front doors that speak another API than OpenAI's (each
@@ -122,14 +127,15 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     register_webui_routes(app, args)  # the built-in page at / and /live (--no-webui: off)
     app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
+    app.add_middleware(TenantQuotaMiddleware, state=app.state)  # a tenant over its quota: 429 before admission
     install_exception_handlers(app)
     install_method_not_allowed_handler(app)  # 405: Allow lists every method of the path
     add_edge_middleware(app, args)  # body limit, JSON for whatever escapes; inside X-Request-Id
     install_openapi(app, args)  # 400 not 422, the error body, /health's JSON, the limits
+    app.add_middleware(RequestLabelsMiddleware)  # tenant, ids, traceparent for timelines (inside auth)
     app.add_middleware(RequestIdMiddleware)
-    if getattr(args, "api_key", None):
-        keys = args.api_key if isinstance(args.api_key, list) else [args.api_key]
-        app.add_middleware(AuthenticationMiddleware, api_keys=keys)
+    if getattr(args, "api_key", None) or getattr(args, "api_keys_file", None):
+        app.add_middleware(AuthenticationMiddleware, keyring=make_keyring(args))
     app.add_middleware(ErrorShapeMiddleware, shapes=ERROR_SHAPES)  # outside auth: 401s reshaped too
     app.add_middleware(
         CORSMiddleware,

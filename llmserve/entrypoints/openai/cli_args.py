@@ -15,6 +15,7 @@ from llmserve.entrypoints.openai.frontend import add_http_edge_args, check_http_
 from llmserve.entrypoints.openai.responses.store import add_responses_args, check_responses_args
 from llmserve.entrypoints.openai.models.lora_router import add_lora_serving_args
 from llmserve.entrypoints.openai.multi_model import parse_extra_model
+from llmserve.entrypoints.openai.tenants import load_keys_file
 from llmserve.entrypoints.template_sandbox import add_request_template_args, check_request_template_args
 from llmserve.entrypoints.web.webui import add_webui_args
 
@@ -34,6 +35,15 @@ def _json_list(value: str) -> list[str]:
             raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
         return parsed
     return [v.strip() for v in value.split(",") if v.strip()]
+
+
+class _ApiKeysAction(argparse.Action):
+    """``--api-key A B --api-key C``: all three keys (a flag given replaces the
+    environment's default key, each later one adds to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, (current if isinstance(current, list) else []) + list(values))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,10 +72,18 @@ def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argpars
     server = parser.add_argument_group("server")
     server.add_argument("--host", type=str, default=None, help="Host to bind (default: all interfaces).")
     server.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    server.add_argument("--api-key", type=str, nargs="+", default=envs.get(API_KEY_ENV),
+    server.add_argument("--api-key", type=str, nargs="+", action=_ApiKeysAction, default=envs.get(API_KEY_ENV),
                         help=f"Require one of these keys, as 'Authorization: Bearer <key>' (vLLM) or 'x-api-key: "
                              f"<key>' (Anthropic), on every route but the probes, /version, /metrics, /load and the "
-                             f"API docs (default: ${API_KEY_ENV} or $VLLM_API_KEY when set).")
+                             f"API docs (default: ${API_KEY_ENV} or $VLLM_API_KEY when set). Repeatable; these keys "
+                             f"are the 'default' tenant (named tenants: --api-keys-file).")
+    server.add_argument("--api-keys-file", type=str, default=None, metavar="PATH",
+                        help="API keys of named tenants (beyond vLLM): a JSON list of {\"key\", \"tenant\", "
+                             "\"weight\", \"max_concurrent_requests\", \"max_tokens_per_second\", \"burst_tokens\", "
+                             "\"allowed_models\"} (only key is required). Each tenant gets its weighted fair share "
+                             "of the engine (--no-tenant-fair-share: off), its own quotas (429 + Retry-After) and "
+                             "sees only its own stored responses. Re-read on SIGHUP; the tenant name, never the "
+                             "key, is logged and labels /metrics.")
     server.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS allowed origins.")
     server.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS allowed methods.")
     server.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS allowed headers.")
@@ -119,6 +137,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.api_key = keys if len(keys) > 1 else (keys[0] if keys else None)
     if args.api_key is not None and args.api_key == "":
         args.api_key = None
+    if getattr(args, "api_keys_file", None):
+        load_keys_file(args.api_keys_file)  # a bad file stops the start (ValueError / OSError)
     check_vllm_compat_args(args)
     check_request_template_args(args)
     validate_tool_calling_args(args)

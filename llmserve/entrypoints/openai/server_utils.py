@@ -5,8 +5,6 @@ turn every error into the OpenAI error body (through ``error_response_from_excep
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import uuid
 from typing import Any, Awaitable, Optional
 
@@ -18,7 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.tenant_context import reset_current_tenant, set_current_tenant
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+from llmserve.entrypoints.openai.tenants import KeyRing, set_tenant
 from llmserve.entrypoints.web.webui import WEBUI_PUBLIC_PATHS
 
 REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
@@ -124,29 +124,37 @@ class AuthenticationMiddleware:
     ``/invocations`` open). Keys are compared in constant time (SHA-256 digests, so not
     even the length leaks). CORS preflight (OPTIONS) passes. A bad or missing key gets
     401 with the OpenAI error body and ``WWW-Authenticate: Bearer``; a websocket is closed
-    with code 1008 (policy violation) before it is accepted."""
+    with code 1008 (policy violation) before it is accepted.
 
-    def __init__(self, app: Any, api_keys: list[str]):
+    Each key names a tenant (``keyring``: a :class:`~llmserve.entrypoints.openai.tenants.KeyRing`
+    of ``--api-key`` and ``--api-keys-file``; plain ``api_keys`` are the default tenant):
+    an authenticated request's tenant is ``request.state.tenant`` and the current tenant
+    of engine/tenant_context.py for the engine's fair share."""
+
+    def __init__(self, app: Any, api_keys: list[str] = (), keyring: Any = None):
         self.app = app
-        self.digests = [_digest(k) for k in api_keys]
+        self.keyring = keyring if keyring is not None else KeyRing(api_keys)
 
-    def _authorized(self, scope: dict) -> bool:
+    def _tenant(self, scope: dict) -> Any:
         headers = Headers(scope=scope)
         scheme, _, token = headers.get("authorization", "").partition(" ")
         given = [token.strip()] if scheme.lower() == "bearer" else []
         if "x-api-key" in headers:
             given.append(headers["x-api-key"].strip())
-        ok = False
-        for candidate in given:  # no early exit: the time does not depend on which key matched
-            digest = _digest(candidate)
-            for key in self.digests:
-                ok |= hmac.compare_digest(digest, key)
-        return ok
+        return self.keyring.match(given)  # constant time in which key matched
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        if _public(scope) or self._authorized(scope):
+        tenant = self._tenant(scope)
+        if tenant is not None:
+            set_tenant(scope, tenant)
+            token = set_current_tenant(tenant)
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                reset_current_tenant(token)
+        if _public(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "Invalid or missing API key."})
@@ -162,10 +170,6 @@ def _public(scope: dict) -> bool:
     same --root-path rule) is on PUBLIC_PATHS; the page's files only to GET or HEAD them."""
     path = get_route_path(scope)
     return path in PUBLIC_PATHS and (path not in WEBUI_PUBLIC_PATHS or scope.get("method") in ("GET", "HEAD"))
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 # A validation error lists at most this many problems, each cut to MAX_PART_CHARS: one

@@ -6,11 +6,21 @@ with a single unnamed ``--api-key``, belong to the one :data:`DEFAULT_TENANT`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import hashlib
+import hmac
+import json
+import logging
+import signal
+import threading
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Optional
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT_NAME = "default"
 TENANT_SCOPE_KEY = "tenant"  # the key in the ASGI scope's "state" dict (= request.state.tenant)
+# scope["state"] key of a callable: the tenant's requests in flight (tenant_quotas.py), read by admission
+TENANT_IN_FLIGHT_KEY = "llmserve.tenant_in_flight"
 
 
 @dataclass(frozen=True)
@@ -64,3 +74,104 @@ def tenant_name_of(request: Any) -> str:
 def set_tenant(scope: dict, tenant: Tenant) -> None:
     """Record the authenticated tenant in the ASGI scope (read back as request.state.tenant)."""
     scope.setdefault("state", {})[TENANT_SCOPE_KEY] = tenant
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+_ENTRY_FIELDS = {f.name for f in fields(Tenant)} - {"name"}
+
+
+def _tenant_from_entry(entry: Any, where: str) -> tuple[str, Tenant]:
+    """``(key, Tenant)`` of one keys-file entry; ValueError naming the entry otherwise."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
+        raise ValueError(f"{where}: each entry needs a non-empty string 'key'")
+    unknown = set(entry) - _ENTRY_FIELDS - {"key", "tenant"}
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)} (known: key, tenant, {', '.join(sorted(_ENTRY_FIELDS))})")
+    kwargs = {k: v for k, v in entry.items() if k in _ENTRY_FIELDS}
+    if kwargs.get("allowed_models") is not None:
+        kwargs["allowed_models"] = tuple(kwargs["allowed_models"])
+    try:
+        return entry["key"], Tenant(name=entry.get("tenant", DEFAULT_TENANT_NAME), **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def load_keys_file(path: str) -> dict[bytes, Tenant]:
+    """Parse a keys file: a JSON list of ``{"key", "tenant", "weight",
+    "max_concurrent_requests", "max_tokens_per_second", "burst_tokens",
+    "allowed_models"}`` objects (only ``key`` is required; ``tenant`` defaults to
+    "default"). Several keys may name one tenant, with the same limits. Returns SHA-256
+    digest of the key -> Tenant. Raises ValueError (naming the file and entry) or OSError."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            entries = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--api-keys-file {path}: not JSON ({e})") from e
+    if not isinstance(entries, list):
+        raise ValueError(f"--api-keys-file {path}: expected a JSON list of key entries")
+    out: dict[bytes, Tenant] = {}
+    by_name: dict[str, Tenant] = {}
+    for i, entry in enumerate(entries):
+        key, tenant = _tenant_from_entry(entry, f"--api-keys-file {path} entry {i}")
+        if by_name.setdefault(tenant.name, tenant) != tenant:
+            raise ValueError(f"--api-keys-file {path} entry {i}: tenant {tenant.name!r} has other limits "
+                             f"in an earlier entry; give each tenant's keys the same limits")
+        out[_digest(key)] = tenant
+    return out
+
+
+class KeyRing:
+    """The API keys and their tenants: the ``--api-key`` keys (the default tenant) and
+    the entries of ``--api-keys-file``, re-read by :meth:`reload` (on SIGHUP). A reload
+    swaps the whole table at once, so a request sees the old keys or the new ones; a bad
+    file keeps the old table (logged). Keys are kept as SHA-256 digests only."""
+
+    def __init__(self, api_keys: Iterable[str] = (), keys_file: Optional[str] = None):
+        self.static = {_digest(k): DEFAULT_TENANT for k in api_keys if k}
+        self.keys_file = keys_file
+        self.table = dict(self.static)
+        if keys_file:
+            self.table.update(load_keys_file(keys_file))  # at start a bad file is an error
+
+    def reload(self) -> bool:
+        """Re-read the keys file; True when the new table is in use."""
+        if not self.keys_file:
+            return False
+        try:
+            table = {**self.static, **load_keys_file(self.keys_file)}
+        except (OSError, ValueError) as e:
+            logger.error("Keeping the old API keys: reloading %s failed: %s", self.keys_file, e)
+            return False
+        self.table = table
+        logger.info("Reloaded %s: %d keys, tenants %s", self.keys_file, len(table), sorted(self.tenant_names()))
+        return True
+
+    def tenant_names(self) -> set[str]:
+        """The tenant names the keys can authenticate as (bounded: a label set)."""
+        return {t.name for t in self.table.values()}
+
+    def match(self, given: Iterable[str]) -> Optional[Tenant]:
+        """The tenant of the first matching key among ``given``, or None. Constant time
+        in which key matched: every candidate is compared with every digest (no early
+        exit) with ``hmac.compare_digest``, and digests hide the key lengths."""
+        found: Optional[Tenant] = None
+        table = self.table  # one snapshot: a reload mid-check changes nothing here
+        for candidate in given:
+            digest = _digest(candidate)
+            for key, tenant in table.items():
+                if hmac.compare_digest(digest, key) and found is None:
+                    found = tenant
+        return found
+
+
+def make_keyring(args: Any) -> KeyRing:
+    """The KeyRing of the serve flags (``--api-key``, ``--api-keys-file``); with a keys
+    file, SIGHUP re-reads it (main thread only: signal handlers cannot be set elsewhere)."""
+    keys = args.api_key if isinstance(args.api_key, list) else [args.api_key] if args.api_key else []
+    ring = KeyRing(keys, getattr(args, "api_keys_file", None))
+    if ring.keys_file and threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: ring.reload())
+    return ring

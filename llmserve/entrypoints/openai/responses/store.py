@@ -11,6 +11,12 @@ Ids are made here (:meth:`ResponsesStore.new_response_id`), never from anything 
 sends: a client's ``X-Request-Id`` is echoed and logged, but two requests with the same
 header get two distinct responses, and nobody can guess (and so read, continue or
 overwrite) another client's stored response.
+
+Tenants (issue 34): each entry belongs to the tenant that stored it (the current tenant
+of engine/tenant_context.py, set per HTTP request by the API-key middleware and inherited
+by the background task of a ``background: true`` response); every lookup (``get``,
+``pop``, ``in``) sees only the calling tenant's entries, so another tenant's id answers
+404 exactly as an unknown one. Without API keys everything is the default tenant's.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from llmserve.engine.tenant_context import tenant_fields
 from llmserve.entrypoints.openai.common.errors import NotFoundError
 from llmserve.entrypoints.openai.responses.protocol import ResponsesResponse
 
@@ -45,6 +52,11 @@ class StoredResponse:
     task: Optional[asyncio.Task] = None
     input_items: list[dict[str, Any]] = field(default_factory=list)
     events: Any = None
+    tenant: Optional[str] = None  # who stored it (set by ResponsesStore.put)
+
+
+def _caller() -> str:
+    return tenant_fields()[0] or "default"
 
 
 class ResponsesStore:
@@ -60,7 +72,8 @@ class ResponsesStore:
         return len(self._entries)
 
     def __contains__(self, response_id: object) -> bool:
-        return response_id in self._entries
+        entry = self._entries.get(response_id)  # type: ignore[call-overload]
+        return entry is not None and entry.tenant == _caller()
 
     def new_response_id(self) -> str:
         """A fresh id, ``resp_`` and 48 hex digits (192 random bits from ``secrets``, as
@@ -72,7 +85,12 @@ class ResponsesStore:
 
     def put(self, entry: StoredResponse) -> None:
         """Store (or replace) ``entry`` under its response id, evicting the oldest
-        entries beyond the bound (an evicted background task keeps running unstored)."""
+        entries beyond the bound (an evicted background task keeps running unstored).
+        The entry belongs to the calling tenant; another tenant's entry is never replaced."""
+        entry.tenant = entry.tenant or _caller()
+        old = self._entries.get(entry.response.id)
+        if old is not None and old.tenant != entry.tenant:
+            raise ResponseNotFoundError(entry.response.id)
         self._entries[entry.response.id] = entry
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -80,16 +98,14 @@ class ResponsesStore:
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
         """The entry; raises ResponseNotFoundError (404, naming ``param``)."""
         entry = self._entries.get(response_id)
-        if entry is None:
+        if entry is None or entry.tenant != _caller():
             raise ResponseNotFoundError(response_id, param)
         return entry
 
     def pop(self, response_id: str) -> StoredResponse:
         """Remove and return the entry; raises ResponseNotFoundError (404)."""
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            raise ResponseNotFoundError(response_id)
-        return entry
+        self.get(response_id)  # 404 unless the caller's
+        return self._entries.pop(response_id)
 
 
 DEFAULT_STORE_MAX_ENTRIES = 1000

@@ -1,0 +1,201 @@
+"""Per-tenant quotas at the door (issue 34): before a generation request is parsed or
+rendered, its tenant (``--api-keys-file``) must be under its own limits, else 429 with
+``Retry-After`` from that tenant's own drain rate and the OpenAI error body naming the
+limit; other tenants are not affected, and the refused request never reaches the global
+admission queue (so a flooder's overload is answered to the flooder).
+
+- ``max_concurrent_requests``: requests of the tenant in flight (admitted, response not
+  ended). Retry-After: the time for one of them to end at the rate the tenant's requests
+  ended over the last 30 s (admission.py's DrainRate).
+- ``max_tokens_per_second``: a token bucket of ``burst_tokens`` (default: one second's
+  worth). A request costs, as OpenAI's rate limiter counts it, the tokens it may use:
+  its ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (256 when
+  absent) plus its body's bytes / 4 (a prompt estimate before any rendering). A request
+  is admitted while the bucket is above zero and may take it into debt; Retry-After is
+  the time to refill the debt at the tenant's rate.
+- ``allowed_models``: another model answers 404, as if it did not exist.
+
+``/metrics``: ``vllm:tenant_requests_total{tenant,outcome}`` (admitted or the refusal's
+reason) and ``vllm:tenant_in_flight_requests{tenant}``; names come only from the keys
+file and "default", so the label set is bounded.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from starlette.datastructures import Headers
+
+from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
+from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
+from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, Tenant, tenant_of
+
+DEFAULT_OUTPUT_ESTIMATE = 256  # tokens counted for a request that sets no output limit
+BYTES_PER_TOKEN = 4  # prompt estimate before rendering (~4 bytes of English per token)
+_MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "num_predict")
+
+
+@dataclass
+class _TenantState:
+    in_flight: int = 0
+    level: Optional[float] = None  # token bucket (None: full, set on first use)
+    stamp: float = 0.0
+    drain: DrainRate = field(default_factory=DrainRate)
+
+
+def request_cost(body: bytes) -> int:
+    """Tokens a request may use (see the module docstring): output limit + bytes / 4."""
+    limit = None
+    try:
+        parsed = json.loads(body) if body else {}
+        if isinstance(parsed, dict):
+            limit = next((parsed[k] for k in _MAX_TOKEN_FIELDS if isinstance(parsed.get(k), int)), None)
+    except (ValueError, UnicodeDecodeError):
+        pass  # the route answers the bad body with its own 400
+    return (limit if limit is not None and limit > 0 else DEFAULT_OUTPUT_ESTIMATE) + len(body) // BYTES_PER_TOKEN
+
+
+def _model_of(body: bytes) -> Optional[str]:
+    try:
+        parsed = json.loads(body) if body else {}
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return parsed.get("model") if isinstance(parsed, dict) and isinstance(parsed.get("model"), str) else None
+
+
+class TenantQuotas:
+    """The tenants' quota state (per tenant name, kept across key reloads, so a reload
+    never resets a tenant's count of requests in flight). ``clock``: monotonic seconds."""
+
+    def __init__(self, registry: Any = None, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.states: dict[str, _TenantState] = {}
+        self._metrics = _TenantMetrics(registry) if registry is not None else None
+
+    def state(self, name: str) -> _TenantState:
+        if name not in self.states:
+            self.states[name] = _TenantState(drain=DrainRate(clock=self.clock))
+        return self.states[name]
+
+    def _refill(self, tenant: Tenant, st: _TenantState) -> float:
+        rate = tenant.max_tokens_per_second
+        burst = float(tenant.burst_tokens or max(rate, 1.0))
+        now = self.clock()
+        st.level = burst if st.level is None else min(burst, st.level + (now - st.stamp) * rate)
+        st.stamp = now
+        return st.level
+
+    def check(self, tenant: Tenant, cost: int) -> Optional[tuple[str, int, str]]:
+        """``(reason, retry_after_s, message)`` when ``tenant`` is over a limit, else None
+        (then the request is admitted: call :meth:`release` when its response ends)."""
+        st = self.state(tenant.name)
+        limit = tenant.max_concurrent_requests
+        if limit is not None and st.in_flight >= limit:
+            return ("tenant_max_concurrent_requests", st.drain.retry_after(st.in_flight - limit + 1),
+                    f"Tenant {tenant.name!r} has {st.in_flight} requests in flight, its limit "
+                    f"(max_concurrent_requests {limit}). Retry later.")
+        if tenant.max_tokens_per_second is not None:
+            level = self._refill(tenant, st)
+            if level <= 0:
+                wait = (1.0 - level) / tenant.max_tokens_per_second
+                return ("tenant_max_tokens_per_second", int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait)))),
+                        f"Tenant {tenant.name!r} is over its token rate (max_tokens_per_second "
+                        f"{tenant.max_tokens_per_second:g}). Retry later.")
+            st.level -= cost
+        st.in_flight += 1
+        self._count(tenant.name, "admitted", st)
+        return None
+
+    def release(self, tenant: Tenant) -> None:
+        """An admitted request's response ended: it counts toward the tenant's drain rate."""
+        st = self.state(tenant.name)
+        st.in_flight -= 1
+        st.drain.record()
+        self._count(tenant.name, None, st)
+
+    def refused(self, tenant: Tenant, reason: str) -> None:
+        self._count(tenant.name, reason, self.state(tenant.name))
+
+    def _count(self, name: str, outcome: Optional[str], st: _TenantState) -> None:
+        if self._metrics is not None:
+            self._metrics.update(name, outcome, st.in_flight)
+
+
+class _TenantMetrics:
+    """The per-tenant Prometheus families, in the server's /metrics registry."""
+
+    def __init__(self, registry: Any):
+        from prometheus_client import Counter, Gauge
+        self.requests = _family(registry, "vllm:tenant_requests", lambda: Counter(
+            "vllm:tenant_requests", "Generation requests by tenant and outcome (admitted, or the tenant "
+            "quota that refused it).", ["tenant", "outcome"], registry=registry))
+        self.in_flight = _family(registry, "vllm:tenant_in_flight_requests", lambda: Gauge(
+            "vllm:tenant_in_flight_requests", "Requests of the tenant in flight.", ["tenant"],
+            registry=registry, multiprocess_mode="livesum"))
+
+    def update(self, name: str, outcome: Optional[str], in_flight: int) -> None:
+        if outcome is not None:
+            self.requests.labels(tenant=name, outcome=outcome).inc()
+        self.in_flight.labels(tenant=name).set(in_flight)
+
+
+def _family(registry: Any, name: str, make: Callable[[], Any]) -> Any:
+    """The metric family ``name`` of ``registry``, made once (an app state rebuilt on the
+    same stat logger reuses it: prometheus_client refuses a duplicate)."""
+    existing = getattr(registry, "_names_to_collectors", {}).get(name)
+    return existing if existing is not None else make()
+
+
+class TenantQuotaMiddleware:
+    """Pure ASGI middleware (inside authentication, outside admission control): the
+    quotas of the module docstring for POSTs to :data:`TRACKED_PATHS`. ``state``: the
+    app state; its ``tenant_quotas`` (a TenantQuotas) is made on first use, in the
+    registry of ``state.stat_logger`` when there is one."""
+
+    def __init__(self, app: Any, state: Any):
+        self.app = app
+        self.state = state
+
+    def _quotas(self) -> TenantQuotas:
+        quotas = getattr(self.state, "tenant_quotas", None)
+        if quotas is None:
+            logger = getattr(self.state, "stat_logger", None)
+            quotas = self.state.tenant_quotas = TenantQuotas(getattr(logger, "registry", None))
+        return quotas
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or _route_path(scope) not in TRACKED_PATHS:
+            return await self.app(scope, receive, send)
+        tenant = tenant_of(scope)
+        quotas = self._quotas()
+        st = quotas.state(tenant.name)
+        scope.setdefault("state", {})[TENANT_IN_FLIGHT_KEY] = lambda: st.in_flight
+        limited = tenant.max_concurrent_requests or tenant.max_tokens_per_second or tenant.allowed_models
+        body = b""
+        if limited:
+            body, receive = await _buffered_body(receive)
+        if tenant.allowed_models is not None and _model_of(body) not in (None, *tenant.allowed_models):
+            status, error = error_response_from_exception(ModelNotFoundError(_model_of(body), tenant.allowed_models))
+            return await json_response(error, status)(scope, receive, send)
+        refusal = quotas.check(tenant, request_cost(body))
+        if refusal is not None:
+            reason, retry, message = refusal
+            quotas.refused(tenant, reason)
+            response = json_response(make_error(message, 429, err_type="RateLimitError", param=reason), 429)
+            response.headers["Retry-After"] = str(retry)
+            return await response(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            quotas.release(tenant)
+
+
+def _route_path(scope: dict) -> str:
+    root = scope.get("root_path", "") or ""
+    return scope["path"][len(root):] if root and scope["path"].startswith(root) else scope["path"]

@@ -1,0 +1,234 @@
+"""Tenants over the built app (a scripted engine, the real SmolLM2 tokenizer; issue 34):
+named keys from --api-keys-file reach the engine as the request's tenant, SIGHUP reloads
+the keys with requests in flight (none dropped), per-tenant quotas answer 429 +
+Retry-After naming the limit to that tenant only, allowed_models, bounded /metrics
+labels, timing-safe key matching, and every route that returns stored data is scoped to
+its tenant (another tenant gets the same 404 as an unknown id)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+from types import SimpleNamespace
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+import pytest
+from fastapi.routing import iter_route_contexts
+
+from llmserve.engine.tenant_context import tenant_fields
+from llmserve.entrypoints.openai import tenants as tenants_mod
+from llmserve.entrypoints.openai.api_server import build_app, init_app_state
+from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from llmserve.entrypoints.openai.tenant_quotas import TenantQuotas, request_cost
+from llmserve.entrypoints.openai.tenants import KeyRing, Tenant
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+KEYS = [
+    {"key": "key-a", "tenant": "alice", "weight": 3},
+    {"key": "key-a2", "tenant": "alice", "weight": 3},
+    {"key": "key-b", "tenant": "bob", "max_concurrent_requests": 1},
+    {"key": "key-c", "tenant": "carol", "allowed_models": ["other"]},
+]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def _auth(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+class _Engine:
+    """Engine stub: records the tenant each request reached the engine with; a request
+    waits for ``gate`` (when set) before answering "ok"."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(max_model_len=64, vocab_size=49152, served_model_name=("m",), model="m")
+        self.generation_config_defaults = {}
+        self.errored = False
+        self.tenants = []
+        self.gate = None
+        self.started = 0
+
+    async def check_health(self):
+        return None
+
+    async def abort(self, request_id, *args, **kwargs):
+        return None
+
+    async def generate(self, prompt, params, request_id, priority=0, **kwargs):
+        self.tenants.append(tenant_fields())
+        self.started += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        yield RequestOutput(request_id, None, [1], None, [CompletionOutput(0, "ok", [5], None, None, "stop")], True)
+
+
+def _app(tokenizer, tmp_path, entries=KEYS):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(entries))
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--api-keys-file", str(path)])
+    validate_parsed_serve_args(args)
+    app = build_app(args)
+    engine = _Engine(tokenizer)
+    registry = CollectorRegistry()  # the /metrics registry (a real engine's PrometheusStatLogger has one)
+    stat_logger = SimpleNamespace(registry=registry, render=lambda: generate_latest(registry),
+                                  record_rejection=lambda reason: None, content_type="text/plain")
+    asyncio.run(init_app_state(engine, app.state, args, stat_logger=stat_logger))
+    return app, engine, path
+
+
+def _client(app):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30)
+
+
+def test_named_keys_reach_the_engine_as_the_tenant_and_label_metrics(smol_tokenizer, tmp_path):
+    app, engine, _ = _app(smol_tokenizer, tmp_path)
+
+    async def run():
+        async with _client(app) as c:
+            for key in ("key-a", "key-a2", "key-b"):
+                assert (await c.post("/v1/chat/completions", json=CHAT, headers=_auth(key))).status_code == 200
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-z"))).status_code == 401
+            return (await c.get("/metrics")).text
+    metrics = asyncio.run(run())
+    assert engine.tenants == [("alice", 3.0), ("alice", 3.0), ("bob", 1.0)]
+    assert re.search(r'vllm:tenant_requests_total\{outcome="admitted",tenant="alice"\} 2\.0', metrics)
+    assert 'tenant="bob"' in metrics and "key-a" not in metrics and "key-b" not in metrics
+
+
+def test_quota_429_names_the_limit_for_that_tenant_only_and_allowed_models(smol_tokenizer, tmp_path):
+    app, engine, _ = _app(smol_tokenizer, tmp_path)
+    engine.gate = asyncio.Event()
+
+    async def run():
+        async with _client(app) as c:
+            first = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-b")))
+            while engine.started < 1:
+                await asyncio.sleep(0.01)
+            over = await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-b"))
+            other = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-a")))
+            while engine.started < 2:  # alice is admitted while bob is at his limit
+                await asyncio.sleep(0.01)
+            engine.gate.set()
+            wrong_model = await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-c"))
+            return over, (await first).status_code, (await other).status_code, wrong_model
+    over, first, other, wrong_model = asyncio.run(run())
+    assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1
+    err = over.json()["error"]
+    assert err["param"] == "tenant_max_concurrent_requests" and "max_concurrent_requests 1" in err["message"]
+    assert err["type"] == "RateLimitError" and err["code"] == 429
+    assert first == other == 200
+    assert wrong_model.status_code == 404 and wrong_model.json()["error"]["param"] == "model"
+
+
+def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
+    now = [0.0]
+    quotas = TenantQuotas(clock=lambda: now[0])
+    t = Tenant("t", max_tokens_per_second=100.0, burst_tokens=100)
+    other = Tenant("u", max_tokens_per_second=100.0)
+    assert quotas.check(t, 350) is None  # a full bucket admits, into debt (100 - 350 = -250)
+    reason, retry, message = quotas.check(t, 10)
+    assert reason == "tenant_max_tokens_per_second" and retry == 3 and "max_tokens_per_second 100" in message
+    assert quotas.check(other, 10) is None  # another tenant's bucket is its own
+    now[0] = 2.6  # refilled 260 tokens: back above zero
+    assert quotas.check(t, 10) is None
+    body = json.dumps({"max_tokens": 50, "prompt": "x" * 400}).encode()
+    assert request_cost(body) == 50 + len(body) // 4  # its output limit + a prompt estimate
+    assert request_cost(b'{"prompt": "hi"}') == 256 + 4
+
+
+def test_key_match_is_constant_time_in_which_key_matched(monkeypatch):
+    ring = KeyRing(["k0", "k1", "k2"])
+    calls = []
+    real = tenants_mod.hmac.compare_digest
+    monkeypatch.setattr(tenants_mod.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    for given in (["k0"], ["k2"], ["nope"], ["k0", "nope"]):
+        calls.clear()
+        found = ring.match(given)
+        assert len(calls) == 3 * len(given)  # every key compared, whichever (if any) matched
+        assert (found is None) == (given == ["nope"])
+
+
+def test_sighup_reload_under_load_drops_no_request(smol_tokenizer, tmp_path):
+    app, engine, path = _app(smol_tokenizer, tmp_path)
+    engine.gate = asyncio.Event()
+
+    async def run():
+        async with _client(app) as c:
+            inflight = [asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-a")))
+                        for _ in range(6)]
+            while engine.started < 6:
+                await asyncio.sleep(0.01)
+            path.write_text(json.dumps([{"key": "key-new", "tenant": "alice"}, {"key": "key-b", "tenant": "bob"}]))
+            os.kill(os.getpid(), signal.SIGHUP)
+            await asyncio.sleep(0.05)  # the handler runs in the main thread between bytecodes
+            old = await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-a"))
+            engine.gate.set()
+            new = await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-new"))
+            return [(await f).status_code for f in inflight], old.status_code, new.status_code
+    done, old, new = asyncio.run(run())
+    assert done == [200] * 6  # admitted before the reload: all answered
+    assert old == 401 and new == 200
+    path.write_text("not json")  # a bad file keeps the keys in use
+    os.kill(os.getpid(), signal.SIGHUP)
+    assert asyncio.run(_status(app, "key-new")) == 200
+
+
+async def _status(app, key):
+    async with _client(app) as c:
+        return (await c.post("/v1/chat/completions", json=CHAT, headers=_auth(key))).status_code
+
+
+# Routes with an id in the path that return stored per-request data, and how this test
+# checks each; a new such route must be added here (and scoped), or the test fails.
+NOT_STORED_DATA = {"/v1/models/{model_id:path}",  # the served models: the same for everyone
+                   "/api/blobs/{digest}"}  # Ollama's model upload: refused (400), nothing stored
+
+
+def test_every_stored_data_route_is_scoped_to_its_tenant(smol_tokenizer, tmp_path):
+    app, engine, _ = _app(smol_tokenizer, tmp_path)
+    routes = {c.path for c in iter_route_contexts(app.routes) if "{" in c.path} - NOT_STORED_DATA
+
+    async def run():
+        async with _client(app) as c:
+            a, b = _auth("key-a"), _auth("key-b")
+            made = (await c.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 3},
+                                 headers=a)).json()
+            rid = made["id"]
+            bg = (await c.post("/v1/responses", json={"model": "m", "input": "hi", "background": True,
+                                                      "max_output_tokens": 3}, headers=a)).json()["id"]
+            checks = {
+                "/v1/responses/{response_id}": ("GET", f"/v1/responses/{rid}", None),
+                "/v1/responses/{response_id}/input_items": ("GET", f"/v1/responses/{rid}/input_items", None),
+                "/v1/responses/{response_id}/cancel": ("POST", f"/v1/responses/{bg}/cancel", None),
+            }
+            seen = {}
+            for route, (method, url, body) in checks.items():
+                seen[route] = ((await c.request(method, url, headers=b)).status_code,
+                               (await c.request(method, url, headers=a)).status_code)
+            follow = {"model": "m", "input": "more", "previous_response_id": rid, "max_output_tokens": 3}
+            seen["previous_response_id"] = ((await c.post("/v1/responses", json=follow, headers=b)).status_code,
+                                            (await c.post("/v1/responses", json=follow, headers=a)).status_code)
+            unknown = await c.get("/v1/responses/resp_" + "0" * 48, headers=b)
+            other = await c.get(f"/v1/responses/{rid}", headers=b)
+            deleted = ((await c.delete(f"/v1/responses/{rid}", headers=b)).status_code,
+                       (await c.delete(f"/v1/responses/{rid}", headers=a)).status_code)
+            seen["/v1/responses/{response_id}" + " DELETE"] = deleted
+            timeline = "/v1/requests/{request_id}/timeline"
+            if timeline in routes:  # issue 33's route: another tenant's request id is a 404
+                await c.post("/v1/chat/completions", json=CHAT, headers={**a, "X-Request-Id": "mine"})
+                seen[timeline] = ((await c.get("/v1/requests/mine/timeline", headers=b)).status_code, None)
+            return seen, unknown, other
+    seen, unknown, other = asyncio.run(run())
+    assert routes <= set(seen), f"stored-data routes without an isolation check: {routes - set(seen)}"
+    for route, (as_other, as_owner) in seen.items():
+        assert as_other == 404, (route, as_other)
+        assert as_owner in (200, None), (route, as_owner)
+    # another tenant's id answers exactly as an unknown one (nothing says it exists)
+    assert other.json()["error"] == {**unknown.json()["error"], "message": other.json()["error"]["message"]}
+    assert other.json()["error"]["message"].replace(other.url.path.split("/")[-1], "ID") == \
+        unknown.json()["error"]["message"].replace(unknown.url.path.split("/")[-1], "ID")
