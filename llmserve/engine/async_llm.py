@@ -25,7 +25,10 @@ from llmserve.engine.llm_engine import start_engine_and_frontend
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector, register_incarnations
 from llmserve.engine.parallel_sampling import ParentRequest
+from llmserve.lora.request import check_lora_request
+from llmserve.engine.request_timeline import current_request_labels, make_request_timelines
 from llmserve.engine.protocol import EngineClient
+from llmserve.engine.request_kwargs import refuse_unhonoured
 from llmserve.engine.self_heal import CoreHolder, EngineHealer
 from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
 from llmserve.engine.tenant_context import tenant_fields
@@ -160,6 +163,11 @@ class AsyncLLM(EngineClient):
         self.stat_loggers = list(stat_loggers or [])
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
+        # Per-request timelines (GET /v1/requests) and their OpenTelemetry spans.
+        self.request_timelines = make_request_timelines(vllm_config, log_stats)
+        if self.request_timelines is not None:
+            self.output_processor.timelines = self.request_timelines
+            self.stat_loggers.append(self.request_timelines)
         # A restart swaps the client inside the holder (see self_heal.py).
         self._core = CoreHolder(engine_core)
         restart = vllm_config.restart_config
@@ -255,21 +263,29 @@ class AsyncLLM(EngineClient):
                           priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None,
                           resumable: bool = False, reasoning_ended: Optional[bool] = None,
                           data_parallel_rank: Optional[int] = None, *, tenant: Any = None,
-                          **kwargs: Any) -> RequestOutputCollector:
+                          lora_request: Any = None, tokenization_kwargs: Optional[dict[str, Any]] = None,
+                          prompt_text: Optional[str] = None) -> RequestOutputCollector:
         """Add a request; returns its collector at once. ``prompt`` may be a prepared
         ``EngineCoreRequest`` (its own request id wins over ``request_id``, with a
         warning). ``data_parallel_rank`` pins the request to that DP engine (vLLM).
         ``tenant`` (llmserve extension): the caller's tenant (a name, or an object with
         ``.name``/``.weight``) for the engine's fair share; None: the current one of
         engine/tenant_context.py (set by the server per HTTP request), else the default.
+        vLLM's keyword arguments only (another is a TypeError); ``tokenization_kwargs`` and
+        ``prompt_text`` raise NotImplementedError when given (``request_kwargs.py``).
         Raises ValueError / EngineDeadError."""
+        refuse_unhonoured("AsyncLLM.add_request", tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text)
         if self.errored:
             raise self.dead_error
+        lora = check_lora_request(lora_request, self.vllm_config.lora_config)  # the adapter (llmserve/lora)
         if data_parallel_rank is not None:
             dp = self.vllm_config.parallel_config.data_parallel_size
             if not isinstance(data_parallel_rank, int) or not 0 <= data_parallel_rank < dp:
                 raise ValueError(f"data_parallel_rank={data_parallel_rank!r} is out of range [0, {dp})")
         self._run_output_handler()
+        labels = current_request_labels.get()  # set per HTTP request by the server (request_timeline.py)
+        if arrival_time is None and labels is not None:
+            arrival_time = labels.arrival_time
         if isinstance(prompt, EngineCoreRequest):
             reqs, parent, params = self._prepared_request(request_id, prompt, params)
             request_id = prompt.request_id
@@ -280,10 +296,14 @@ class AsyncLLM(EngineClient):
             arrival_time = arrival_time or time.time()
             reqs, parent = self._process_inputs(request_id, prompt, params, arrival_time, priority)
         collector = RequestOutputCollector(params.output_kind)
+        if not trace_headers and labels is not None:  # the HTTP request's traceparent
+            trace_headers = labels.trace_headers
         headers = dict(trace_headers) if trace_headers else None
         reqs = register_incarnations(self.output_processor, reqs, parent, collector)
         tenant_name, tenant_weight = tenant_fields(tenant)
         for req in reqs:
+            if lora is not None:
+                req.lora_request = lora
             req.resumable = resumable or req.resumable
             if tenant_name is not None:
                 req.tenant, req.tenant_weight = tenant_name, tenant_weight
@@ -295,8 +315,8 @@ class AsyncLLM(EngineClient):
                 req.data_parallel_rank = data_parallel_rank
         await self._send_requests(reqs)
         if self.log_requests:
-            logger.info("Added request %s: %d prompt tokens, params=%s, trace_headers=%s", request_id,
-                        len(reqs[0].prompt_token_ids), params, headers)
+            logger.info("Added request %s: %d prompt tokens, params=%s, trace_headers=%s, tenant=%s", request_id,
+                        len(reqs[0].prompt_token_ids), params, headers, tenant_name or "default")
         return collector
 
     async def _send_requests(self, reqs: list[EngineCoreRequest]) -> None:
@@ -348,11 +368,31 @@ class AsyncLLM(EngineClient):
             raise SamplingParamsError("n > 1 needs a prompt, not a prepared EngineCoreRequest", "n")
         return [(request, None)], None, request.sampling_params
 
+    async def beam_search(self, prompt: Any, request_id: str, params: Any, lora_request: Any = None,
+                          sampling_params: Optional[SamplingParams] = None, priority: int = 0, *,
+                          trace_headers: Optional[Mapping[str, str]] = None, tenant: Any = None,
+                          ) -> AsyncGenerator[RequestOutput, None]:
+        """Beam search in the engine (vLLM's ``EngineClient.beam_search``): yields one
+        final RequestOutput holding ``params.beam_width`` CompletionOutputs, best first.
+        params: a ``BeamSearchParams``; sampling_params: the request's (its detokenize,
+        skip_special_tokens, logprobs, max_tokens; default: greedy with params.max_tokens).
+        Raises SamplingParamsError for what the search cannot honour
+        (``input_processor.check_beam_search``)."""
+        sp = sampling_params or SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
+                                               ignore_eos=params.ignore_eos, logprobs=0)
+        req, _ = self.input_processor.process_inputs(request_id, prompt, sp, priority=priority,
+                                                     beam_search_params=params)
+        async for out in self.generate(req, req.sampling_params, request_id, priority, lora_request=lora_request,
+                                       trace_headers=trace_headers, tenant=tenant):
+            yield out
+
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, priority: int = 0, *,
                        trace_headers: Optional[Mapping[str, str]] = None, reasoning_ended: Optional[bool] = None,
                        reasoning_parser_kwargs: Optional[dict[str, Any]] = None,
                        data_parallel_rank: Optional[int] = None, tenant: Any = None,
-                       **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+                       lora_request: Any = None, prompt_text: Optional[str] = None,
+                       tokenization_kwargs: Optional[dict[str, Any]] = None,
+                       session_id: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs of one request (output kind per sampling_params).
 
         ``prompt``: text, token ids, a prompt dict, an ``EngineCoreRequest``, or an async
@@ -364,9 +404,17 @@ class AsyncLLM(EngineClient):
         reasoning_parser_kwargs is accepted for vLLM compatibility; with streaming input they raise
         NotImplementedError, as in vLLM. ``data_parallel_rank`` pins the request to one DP
         engine. ``tenant`` (llmserve extension, see ``add_request``): whose share of the
-        engine it uses. Closing or cancelling the generator aborts the request in the engine.
+        engine it uses. ``lora_request``: the adapter it runs with (llmserve/lora). vLLM's
+        keyword arguments only: another is a TypeError; ``prompt_text``,
+        ``tokenization_kwargs`` and ``session_id`` raise NotImplementedError when given, as
+        does a ``lora_request`` with streaming input. Closing or cancelling the generator
+        aborts the request in the engine.
         """
+        refuse_unhonoured("AsyncLLM.generate", prompt_text=prompt_text, tokenization_kwargs=tokenization_kwargs,
+                          session_id=session_id)
         streaming = is_streaming_prompt(prompt)
+        if streaming and lora_request is not None:
+            raise NotImplementedError("lora_request is not supported with streaming input")
         if streaming and (reasoning_ended is not None or reasoning_parser_kwargs is not None):
             raise NotImplementedError("reasoning_ended and reasoning_parser_kwargs are not supported "
                                       "with streaming input")
@@ -378,7 +426,8 @@ class AsyncLLM(EngineClient):
             else:
                 collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
                                                    trace_headers=trace_headers, reasoning_ended=reasoning_ended,
-                                                   data_parallel_rank=data_parallel_rank, tenant=tenant)
+                                                   data_parallel_rank=data_parallel_rank, tenant=tenant,
+                                                   lora_request=lora_request)
                 if isinstance(prompt, EngineCoreRequest):
                     request_id = prompt.request_id
             finished = False
@@ -408,16 +457,22 @@ class AsyncLLM(EngineClient):
 
     async def encode(self, prompt: Any, pooling_params: PoolingParams, request_id: str,
                      lora_request: Any = None, trace_headers: Optional[Mapping[str, str]] = None,
-                     priority: int = 0, *, tenant: Any = None, **kwargs: Any) -> AsyncGenerator[PoolingRequestOutput, None]:
-        """Pool one prompt (vLLM's ``AsyncLLM.encode``): yields its one
-        PoolingRequestOutput. Raises ValueError (SamplingParamsError) for bad input or a
+                     priority: int = 0, truncate_prompt_tokens: Optional[int] = None,
+                     tokenization_kwargs: Optional[dict[str, Any]] = None, *,
+                     tenant: Any = None) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt (vLLM's ``AsyncLLM.encode`` and its keyword arguments; another
+        is a TypeError): yields its one PoolingRequestOutput. ``truncate_prompt_tokens``
+        sets the params' own when given; ``tokenization_kwargs`` raises
+        NotImplementedError. Raises ValueError (SamplingParamsError) for bad input or a
         model that does not pool; cancelling aborts the request in the engine."""
+        refuse_unhonoured("AsyncLLM.encode", tokenization_kwargs=tokenization_kwargs)
         if is_streaming_prompt(prompt):
             raise ValueError("encode() does not take streaming input")
-        if lora_request is not None:
-            raise ValueError("LoRA is not supported by this engine yet")
+        if truncate_prompt_tokens is not None:
+            pooling_params = pooling_params.clone()
+            pooling_params.truncate_prompt_tokens = truncate_prompt_tokens
         async for out in self.generate(prompt, pooling_params, request_id, priority, trace_headers=trace_headers,
-                                       tenant=tenant):
+                                       tenant=tenant, lora_request=lora_request):
             yield out
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
@@ -492,6 +547,34 @@ class AsyncLLM(EngineClient):
     # ---- utilities -----------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    # ---- LoRA adapters (vLLM's AsyncLLM utilities; llmserve/lora) --------------
+    async def _lora_utility(self, method: str, *args: Any) -> Any:
+        from llmserve.lora.errors import reraise_lora_error
+
+        try:
+            return await self.engine_core.call_utility_async(method, *args)
+        except RuntimeError as e:
+            reraise_lora_error(e)  # LoRAAdapterError / LoRANotFoundError naming the field
+            raise
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter (read off the engine's step loop); False when it was loaded
+        already. Raises LoRAAdapterError naming the field at fault."""
+        check_lora_request(lora_request, self.vllm_config.lora_config)
+        return await self._lora_utility("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter once its requests finish; False when it is not loaded."""
+        return await self._lora_utility("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        from llmserve.lora.errors import lora_ids
+
+        return lora_ids(await self._lora_utility("list_loras"))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._lora_utility("pin_lora", lora_id)
 
     async def get_engine_stats(self) -> dict:
         """Engine-side counters: num_running_reqs, num_waiting_reqs, num_used_blocks..."""

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "engine-split": "AsyncLLM over the process split vs an in-process engine, same workload.",
     "embed": "Embeddings: offline LLM.embed vs sentence-transformers, and a server at N clients.",
     "seed-repro": "Seeded requests alone, batched, preempted, prefix-cached, chunked: same text.",
+    "tenants": "Tenants: a flooder vs a quiet tenant and weights 1:3, FIFO vs fair share, same run.",
 }
 
 

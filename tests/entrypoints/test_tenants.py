@@ -141,6 +141,20 @@ def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
     assert request_cost(b'{"prompt": "hi"}') == 256 + 4
 
 
+def test_api_key_repeatable_and_keys_file_checked_at_start(tmp_path):
+    parse = make_arg_parser(argparse.ArgumentParser()).parse_args
+    args = parse(["--api-key", "a", "b", "--api-key", "c"])
+    validate_parsed_serve_args(args)
+    assert args.api_key == ["a", "b", "c"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"key": "x", "tenant": "t", "weight": 0}]))
+    with pytest.raises(ValueError, match="weight must be > 0"):
+        validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+    bad.write_text(json.dumps([{"key": "x", "tenant": "t", "rate": 3}]))
+    with pytest.raises(ValueError, match="unknown fields"):
+        validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+
+
 def test_key_match_is_constant_time_in_which_key_matched(monkeypatch):
     ring = KeyRing(["k0", "k1", "k2"])
     calls = []

@@ -1,0 +1,261 @@
+"""Tenants' fair share, measured (issue 34): ``llmserve bench tenants``.
+
+Starts ``llmserve serve`` twice on the same model and flags, FIFO first
+(``--no-tenant-fair-share``, tenants named but without quotas: today's behaviour) then
+fair (the default fair share, the flooder limited to ``2 * max_num_seqs`` requests in
+flight), and runs the same phases against each (``--duration`` seconds each):
+
+1. ``baseline``: the flooder sends exactly the server's capacity (``max_num_seqs``
+   closed-loop streams, no queue) and the quiet tenant 1 request/s (open loop).
+2. ``flood``: the flooder sends open-loop (Poisson) arrivals at ``--flood-factor`` times
+   the capacity measured in phase 1 (requests/s), the quiet tenant the same 1/s. On the
+   fair server the keys file is rewritten and the server sent SIGHUP every 5 s.
+3. ``weights``: tenants of weight 1 and 3 each keep ``2 * max_num_seqs`` streams busy
+   (both saturate); their output tokens (completed requests' usage) are compared.
+
+Reports per phase the quiet tenant's TTFT (median, p99), the status counts per tenant,
+refusals without ``Retry-After``, timeouts and errors, total output tokens/s, the
+weight phase's token shares, and the ratios the issue asks for (quiet p99 flood /
+baseline for each server; fair / FIFO output tok/s in the flood phase). The machine's
+load average is recorded (a shared machine moves these numbers).
+
+    llmserve bench tenants --duration 60 --max-num-seqs 8 --max-tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import aiohttp
+
+TENANTS = ("flooder", "quiet", "light", "heavy")
+WEIGHTS = {"light": 1, "heavy": 3}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--duration", type=float, default=60.0, help="Seconds of each phase.")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="The servers' batch size (the capacity).")
+    parser.add_argument("--max-tokens", type=int, default=32, help="Output tokens per request (ignore_eos).")
+    parser.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
+    parser.add_argument("--flood-factor", type=float, default=10.0, help="Flood arrivals / measured capacity.")
+    parser.add_argument("--quiet-rate", type=float, default=1.0, help="Quiet tenant's requests per second.")
+    parser.add_argument("--timeout", type=float, default=300.0, help="Client timeout per request (s).")
+    parser.add_argument("--only", choices=("fifo", "fair"), default=None, help="Run one server only.")
+    parser.add_argument("--phases", default="baseline,flood,weights")
+    parser.add_argument("--server-args", default="", help="Extra `llmserve serve` flags (one string).")
+    parser.add_argument("--output-json", default=None)
+
+
+def _keys(fair: bool, max_num_seqs: int, extra: int = 0) -> list[dict]:
+    flooder: dict[str, Any] = {"key": "k-flooder", "tenant": "flooder"}
+    if fair:
+        flooder["max_concurrent_requests"] = 2 * max_num_seqs
+    keys = [flooder, {"key": "k-quiet", "tenant": "quiet"}]
+    keys += [{"key": f"k-{t}", "tenant": t, "weight": w} for t, w in WEIGHTS.items()]
+    keys += [{"key": f"k-spare{i}", "tenant": "quiet"} for i in range(extra)]  # the reload's change
+    return keys
+
+
+def _start_server(args: argparse.Namespace, fair: bool, keys_path: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tempfile.NamedTemporaryFile(prefix=f"llmserve-bench-tenants-{'fair' if fair else 'fifo'}-",
+                                      suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "llmserve.entrypoints.openai.api_server", "--model", args.model,
+           "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+           "--max-num-seqs", str(args.max_num_seqs), "--api-keys-file", keys_path,
+           "--tenant-fair-share" if fair else "--no-tenant-fair-share", *args.server_args.split()]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+    while proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server exited with {proc.returncode}; log: {log.name}")
+
+
+class _Stats:
+    """Per-tenant outcomes of one phase."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.ttft: dict[str, list[float]] = collections.defaultdict(list)
+        self.tokens: collections.Counter = collections.Counter()
+        self.no_retry_after = collections.Counter()
+        self.timeouts = collections.Counter()
+        self.errors: list = []
+
+
+async def _one(session: aiohttp.ClientSession, args: argparse.Namespace, url: str, tenant: str,
+               st: _Stats, end: float) -> float:
+    """One streamed completion of ``tenant``; returns its Retry-After (0 when served)."""
+    body = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer k-{tenant}"},
+                                timeout=aiohttp.ClientTimeout(total=args.timeout)) as resp:
+            st.status[tenant][resp.status] += 1
+            if resp.status != 200:
+                retry = resp.headers.get("Retry-After")
+                if retry is None and resp.status in (429, 503):
+                    st.no_retry_after[tenant] += 1
+                elif resp.status not in (429, 503):
+                    st.errors.append((tenant, resp.status, (await resp.text())[:200]))
+                await resp.read()
+                return float(retry or 1)
+            first = None
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+                    first = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage and time.monotonic() <= end:
+                    st.tokens[tenant] += usage["completion_tokens"]
+            if first is not None:
+                st.ttft[tenant].append(first)
+            return 0.0
+    except asyncio.TimeoutError:
+        st.timeouts[tenant] += 1
+    except aiohttp.ClientError as e:
+        st.errors.append((tenant, "client", str(e)[:200]))
+    return 1.0
+
+
+async def _closed_loop(session, args, url, tenant, st, end) -> None:
+    while time.monotonic() < end:
+        wait = await _one(session, args, url, tenant, st, end)
+        if wait:
+            await asyncio.sleep(min(wait, max(0.0, end - time.monotonic())))
+
+
+async def _open_loop(session, args, url, tenant, st, end, rate: float, poisson: bool) -> None:
+    rng = random.Random(0)
+    tasks = []
+    while time.monotonic() < end:
+        tasks.append(asyncio.ensure_future(_one(session, args, url, tenant, st, end)))
+        await asyncio.sleep(rng.expovariate(rate) if poisson else 1.0 / rate)
+    await asyncio.gather(*tasks)
+
+
+async def _reloader(keys_path: str, pid: int, args: argparse.Namespace, end: float) -> int:
+    """Rewrite the keys file and SIGHUP the server every 5 s; returns the reload count."""
+    n = 0
+    while time.monotonic() + 5 < end:
+        await asyncio.sleep(5)
+        n += 1
+        with open(keys_path, "w") as f:
+            json.dump(_keys(True, args.max_num_seqs, extra=n % 3), f)
+        os.kill(pid, signal.SIGHUP)
+    return n
+
+
+def _pct(xs: list[float], q: float) -> Optional[float]:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
+
+
+def _summary(st: _Stats, duration: float, t0: float) -> dict:
+    q = st.ttft.get("quiet", [])
+    return {"status": {t: dict(c) for t, c in st.status.items()},
+            "quiet_ttft_median_s": statistics.median(q) if q else None, "quiet_ttft_p99_s": _pct(q, 0.99),
+            "quiet_n": len(q), "output_tokens": dict(st.tokens),
+            "output_tok_s": sum(st.tokens.values()) / max(time.monotonic() - t0, duration),
+            "refusals_without_retry_after": dict(st.no_retry_after), "timeouts": dict(st.timeouts),
+            "errors": st.errors[:5], "n_errors": len(st.errors), "load_avg": os.getloadavg()[0]}
+
+
+async def _phase(name: str, args: argparse.Namespace, url: str, capacity: float,
+                 reload: Optional[tuple[str, int]]) -> dict:
+    st, t0 = _Stats(), time.monotonic()
+    end = t0 + args.duration
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        jobs = []
+        if name == "weights":
+            jobs += [_closed_loop(s, args, url, t, st, end) for t in WEIGHTS for _ in range(2 * args.max_num_seqs)]
+        else:
+            jobs.append(_open_loop(s, args, url, "quiet", st, end, args.quiet_rate, poisson=False))
+            if name == "baseline":
+                jobs += [_closed_loop(s, args, url, "flooder", st, end) for _ in range(args.max_num_seqs)]
+            else:
+                jobs.append(_open_loop(s, args, url, "flooder", st, end, args.flood_factor * capacity, poisson=True))
+        reloads = asyncio.ensure_future(_reloader(*reload, args, end)) if reload and name == "flood" else None
+        await asyncio.gather(*jobs)
+    out = _summary(st, args.duration, t0)
+    out["flooder_req_s"] = st.status["flooder"][200] / args.duration if "flooder" in st.status else None
+    if reloads is not None:
+        out["keys_reloads"] = await reloads
+    if name == "weights":
+        total = sum(st.tokens[t] for t in WEIGHTS) or 1
+        out["shares"] = {t: st.tokens[t] / total for t in WEIGHTS}
+        out["heavy_to_light"] = st.tokens["heavy"] / max(st.tokens["light"], 1)
+    return out
+
+
+async def _run_server(args: argparse.Namespace, fair: bool) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(_keys(fair, args.max_num_seqs), f)
+    proc, url = _start_server(args, fair, f.name)
+    res: dict = {}
+    try:
+        capacity = args.max_num_seqs / 4.0
+        for name in args.phases.split(","):
+            res[name] = await _phase(name, args, url, capacity, (f.name, proc.pid) if fair else None)
+            if name == "baseline":
+                capacity = res[name]["flooder_req_s"] + args.quiet_rate * (res[name]["quiet_n"] > 0)
+                res["capacity_req_s"] = capacity
+            await asyncio.sleep(5)  # the queue drains: each phase starts alike
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return res
+
+
+def _ratios(res: dict) -> dict:
+    out = {}
+    for kind in ("fifo", "fair"):
+        r = res.get(kind, {})
+        if "baseline" in r and "flood" in r and r["baseline"]["quiet_ttft_p99_s"] and r["flood"]["quiet_ttft_p99_s"]:
+            out[f"{kind}_quiet_p99_flood_over_baseline"] = r["flood"]["quiet_ttft_p99_s"] / r["baseline"]["quiet_ttft_p99_s"]
+    if "flood" in res.get("fifo", {}) and "flood" in res.get("fair", {}):
+        out["flood_output_tok_s_fair_over_fifo"] = res["fair"]["flood"]["output_tok_s"] / max(
+            res["fifo"]["flood"]["output_tok_s"], 1e-9)
+    return out
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the servers and phases; prints and returns the results."""
+    res: dict = {"load_avg_start": os.getloadavg()[0], "cpus": os.cpu_count(), "args": vars(args).copy()}
+    res["args"].pop("dispatch", None)
+    for kind in ("fifo", "fair"):
+        if args.only in (None, kind):
+            res[kind] = asyncio.run(_run_server(args, fair=kind == "fair"))
+    res.update(_ratios(res))
+    res["load_avg_end"] = os.getloadavg()[0]
+    print(json.dumps(res, indent=1, default=str))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return res
