@@ -27,6 +27,7 @@ from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
     DeltaMessage,
 )
+from llmserve.entrypoints.openai.common.beam import beam_search_request
 from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
@@ -116,6 +117,9 @@ class OpenAIServingChat(GenerateBaseServing):
         zero_output = requested == 0
         request_id = self.new_request_id(request_id)
         created = int(time.time())
+        beam = beam_search_request(request, params, self.model_config.max_model_len)
+        if beam is not None:
+            gen_kwargs["beam_search_params"] = beam
         gens = [self.generate(prompt, self.engine_params(params), request_id, request.priority, **gen_kwargs)]
         max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         names = {"prompt": "messages", "max_tokens": max_param}

@@ -255,6 +255,10 @@ class SamplingRequest(OpenAIRequestModel):
     return_tokens_as_token_ids: Optional[bool] = None
     truncate_prompt_tokens: Optional[Int64] = None
     truncation_side: Optional[Literal["left", "right"]] = None
+    # vLLM's beam search (common/beam.py): n beams, transformers' length_penalty / early_stopping
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
 
     def check_common(self) -> None:
         """Checks that do not need the prompt. Raises SamplingParamsError (param set)."""

@@ -16,6 +16,7 @@ import asyncio
 import logging
 from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Optional, Sequence, TypeVar, Union
 
+from llmserve.entrypoints.openai.common.beam import beam_sampling_params
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uuid
 from llmserve.engine.input_processor import truncate_prompt
@@ -161,8 +162,13 @@ class GenerateBaseServing(BaseServing):
             logger.info("Received request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id,
                         prompt.text[:self.max_log_len] if prompt.text is not None else None,
                         prompt.token_ids[:self.max_log_len], params)
-        gen = lora_call(self.engine_client.generate, prompt.to_engine_prompt(), params, request_id,
-                        priority=priority, **kwargs)
+        beam = kwargs.pop("beam_search_params", None)
+        if beam is not None:  # use_beam_search (common/beam.py): the engine's beam search
+            gen = lora_call(self.engine_client.beam_search, prompt.to_engine_prompt(), request_id, beam,
+                            sampling_params=beam_sampling_params(params), priority=priority)
+        else:
+            gen = lora_call(self.engine_client.generate, prompt.to_engine_prompt(), params, request_id,
+                            priority=priority, **kwargs)
         deadline = current_deadline()
         if deadline is None:
             return gen

@@ -22,6 +22,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 
 from llmserve.entrypoints.openai.common.protocol import CompletionLogProbs
 from llmserve.entrypoints.openai.common.usage import sum_cached_tokens
+from llmserve.entrypoints.openai.common.beam import beam_search_request
 from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
@@ -132,7 +133,9 @@ class OpenAIServingCompletion(GenerateBaseServing):
         model_name, prompts = await self._prepare(request)
         request_id = self.new_request_id(request_id)
         created = int(time.time())
-        gens = [self.generate(p.rendered, self.engine_params(p.params), f"{request_id}-{i}", request.priority)
+        max_len = self.model_config.max_model_len
+        gens = [self.generate(p.rendered, self.engine_params(p.params), f"{request_id}-{i}", request.priority,
+                              beam_search_params=beam_search_request(request, p.params, max_len))
                 for i, p in enumerate(prompts)]
         firsts = await self.start_generation(gens)
         merged = merge_started(firsts, gens)
