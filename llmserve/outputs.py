@@ -92,13 +92,17 @@ class RequestOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (seconds, time.time()/monotonic as noted) of one request."""
+    """Timestamps (unix seconds, time.time()) of one request, vLLM's ``RequestMetrics``
+    names. first_scheduled_time / time_in_queue (seconds from the engine's queueing to
+    its first scheduling) are known when the front end keeps timelines (else None)."""
 
     arrival_time: float
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_generation_tokens: int = 0
+    first_scheduled_time: Optional[float] = None
+    time_in_queue: Optional[float] = None
 
 
 @dataclass

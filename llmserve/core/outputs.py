@@ -48,14 +48,20 @@ class EngineCoreEventType(enum.IntEnum):
     PREEMPTED = 3
 
 
-class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A timestamped request event. timestamp: ``time.monotonic()`` seconds in the engine
     process (CLOCK_MONOTONIC is system-wide on Linux, so the front end on the same host
     can subtract its own monotonic times; only differences between events of one
-    request are used)."""
+    request are used). For the request timeline (core/timeline.py): a SCHEDULED event
+    carries the prompt tokens of that scheduling (``num_tokens``, one prefill chunk) and
+    those found in the prefix cache (``cached_tokens``); a PREEMPTED event its
+    ``reason``."""
 
     type: EngineCoreEventType
     timestamp: float
+    num_tokens: int = 0
+    cached_tokens: int = 0
+    reason: Optional[str] = None
 
     @classmethod
     def new_event(cls, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> "EngineCoreEvent":

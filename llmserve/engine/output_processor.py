@@ -14,6 +14,7 @@ from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishRe
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, EngineCoreRequest, LogprobsLists
 from llmserve.engine.parallel_sampling import ParentRequest
+from llmserve.engine.request_timeline import RequestTimelines, TimelineRecord
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 from llmserve.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                               RequestOutput)
@@ -108,6 +109,8 @@ class RequestState:
     # The EngineCoreRequest as first sent, kept so that an engine restart can resume it
     # (``self_heal.resume_request``); a reference, no copy.
     engine_request: Optional[EngineCoreRequest] = None
+    # Its TimelineRecord (engine/request_timeline.py) when the front end keeps timelines.
+    timeline: Optional[TimelineRecord] = None
 
     def record_events(self, events: list[EngineCoreEvent]) -> None:
         for ev in events:
@@ -158,6 +161,8 @@ class OutputProcessor:
         self.external_to_internal: dict[str, str] = {}
         self._incarnations = itertools.count()
         self.decoded = _DecodedTokens(tokenizer)
+        # Per-request timelines for GET /v1/requests (set by AsyncLLM; None: not kept).
+        self.timelines: Optional[RequestTimelines] = None
 
     def engine_request_id(self, request_id: str) -> str:
         """A fresh engine-side id for a new incarnation of ``request_id`` (the caller's id)."""
@@ -197,6 +202,7 @@ class OutputProcessor:
                 request_id=request_id, external_req_id=external_req_id, parent=None, prompt=prompt,
                 prompt_token_ids=prompt_token_ids, params=params, detokenizer=None, collector=collector,
                 arrival_time=arrival_time)
+            self._start_timeline(self.states[request_id], external_req_id)
             return
         self.states[request_id] = RequestState(
             request_id=request_id, external_req_id=external_req_id, parent=parent, prompt=prompt, prompt_token_ids=prompt_token_ids,
@@ -207,11 +213,19 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         if parent is not None:
             self.parents[parent.request_id] = parent
+        self._start_timeline(self.states[request_id], external_req_id)
 
-    def _forget(self, st: RequestState) -> None:
+    def _start_timeline(self, st: RequestState, external_req_id: str) -> None:
+        if self.timelines is not None:
+            st.timeline = self.timelines.start(external_req_id, st.arrival_time, len(st.prompt_token_ids), st.params,
+                                               st.parent.request_id if st.parent is not None else None)
+
+    def _forget(self, st: RequestState, reason: str = "abort", now: Optional[float] = None) -> None:
         self.states.pop(st.request_id, None)
         if self.external_to_internal.get(st.external_req_id) == st.request_id:
             del self.external_to_internal[st.external_req_id]
+        if st.timeline is not None:
+            self.timelines.finish(st.timeline, reason, now)
 
     def abort_requests(self, request_ids: list[str],
                        iteration_stats: Optional[IterationStats] = None) -> list[str]:
@@ -254,7 +268,7 @@ class OutputProcessor:
             st = self.states.get(rej.request_id)
             if st is None:
                 continue  # aborted already
-            self._forget(st)
+            self._forget(st, "error")
             if st.parent is not None:
                 self.parents.pop(st.parent.request_id, None)
             exc = ValueError(rej.message)
@@ -276,7 +290,7 @@ class OutputProcessor:
     def fail_request(self, st: RequestState, exc: BaseException) -> None:
         """End the live request ``st`` with ``exc`` (raised in its consumer) and forget it;
         without a collector (LLMEngine) the error is raised here."""
-        self._forget(st)
+        self._forget(st, "error")
         if st.parent is not None:
             self.parents.pop(st.parent.request_id, None)
         if st.collector is None:
@@ -321,6 +335,11 @@ class OutputProcessor:
             if eco.events is not None:
                 st.record_events(eco.events)
             st.num_cached_tokens = eco.num_cached_tokens
+            if st.timeline is not None:
+                self.timelines.observe(st.timeline, eco.events, len(eco.new_token_ids), eco.num_cached_tokens,
+                                       timestamp)
+            if not eco.new_token_ids and finish is None and eco.new_prompt_logprobs is None:
+                continue  # only events (a prefill chunk ran): nothing new for the caller
             if eco.new_token_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
@@ -356,7 +375,7 @@ class OutputProcessor:
                 else:
                     result.request_outputs.append(out)
             if finish is not None:
-                self._forget(st)
+                self._forget(st, str(finish), now)
                 if st.parent is not None and len(st.parent.finished) == st.parent.n:
                     self.parents.pop(st.parent.request_id, None)
                 if iteration_stats is not None:
@@ -389,7 +408,7 @@ class OutputProcessor:
     def _pooling_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
                         now: float, iteration_stats: Optional[IterationStats]) -> None:
         """A pooling request's one output: the pooled vector, as PoolingRequestOutput."""
-        self._forget(st)
+        self._forget(st, "stop", now)
         out = PoolingRequestOutput(st.external_req_id, PoolingOutput(eco.pooling_output), st.prompt_token_ids,
                                    True, eco.num_cached_tokens)
         if st.collector is not None:
@@ -451,6 +470,10 @@ class OutputProcessor:
                                  last_token_time=st.last_token_time,
                                  finished_time=time.time() if finished else None,
                                  num_generation_tokens=len(toks))
+        tl = st.timeline
+        if tl is not None and tl.scheduled_time is not None:
+            metrics.first_scheduled_time = tl.scheduled_time
+            metrics.time_in_queue = tl.scheduled_time - tl.queued_time if tl.queued_time is not None else None
         return RequestOutput(request_id=request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                              prompt_logprobs=prompt_lps, outputs=outs, finished=finished,
                              metrics=metrics, num_cached_tokens=st.num_cached_tokens)

@@ -31,7 +31,7 @@ def _lp():
 
 
 def _event():
-    return EngineCoreEvent(EngineCoreEventType.SCHEDULED, 123.25)
+    return EngineCoreEvent(EngineCoreEventType.PREEMPTED, 123.25, 16, 4, "kv_cache_full")
 
 
 def _output():
@@ -112,7 +112,7 @@ def test_finish_reason_and_events_decode_typed():
     back = MsgpackDecoder(m.EngineCoreOutputs).decode(MsgpackEncoder().encode(SAMPLES[m.EngineCoreOutputs]()))
     out = back.outputs[0]
     assert out.finish_reason is FinishReason.STOP and str(out.finish_reason) == "stop"
-    assert out.events[0].type is EngineCoreEventType.SCHEDULED
+    assert out.events[0].type is EngineCoreEventType.PREEMPTED and out.events[0].reason == "kv_cache_full"
     assert back.engine_dead and back.dead.during_startup
 
 

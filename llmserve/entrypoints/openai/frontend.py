@@ -91,6 +91,7 @@ def configure_handlers(state: Any, args: argparse.Namespace) -> None:
             continue
         handler.usage_options = usage
         handler.max_log_len = getattr(args, "max_log_len", None)
+        handler.enable_per_request_metrics = bool(getattr(args, "enable_per_request_metrics", False))
         if name == "openai_serving_chat":
             handler.response_role = getattr(args, "response_role", None) or "assistant"
         if name in ("openai_serving_chat", "openai_serving_responses"):  # the same tool/reasoning flags

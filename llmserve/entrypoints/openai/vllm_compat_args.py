@@ -151,8 +151,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--default-mm-loras": (NOOP, _NO_MM, ()),
     # ObservabilityConfig
     "--show-hidden-metrics-for-version": (NOOP, "no metric is hidden as deprecated yet", ()),
-    "--otlp-traces-endpoint": (REFUSED, "OpenTelemetry tracing is not implemented", ()),
-    "--collect-detailed-traces": (NOOP, "only used with --otlp-traces-endpoint, which is refused", ()),
     # SchedulerConfig
     "--cuda-graph-sizes": (NOOP, "no CUDA graphs: the engine runs eagerly", ()),
     "--num-lookahead-slots": (NOOP, "no speculative decoding, so no lookahead slots", ()),
@@ -180,6 +178,10 @@ def add_vllm_frontend_args(group: argparse._ArgumentGroup) -> None:
                             "prefix cache (chat and completions, streamed or not).")
     group.add_argument("--enable-force-include-usage", action=bool_flag, default=False,
                        help="Send usage in every stream, as if stream_options.include_usage were true.")
+    group.add_argument("--enable-per-request-metrics", action=bool_flag, default=False,
+                       help="A request with include_metrics: true gets vLLM's per-request `metrics` object "
+                            "(time_to_first_token_ms, generation_time_ms, queue_time_ms, mean_itl_ms, "
+                            "tokens_per_second) on its response (chat and completions, the last stream chunk).")
     group.add_argument("--enable-server-load-tracking", action=bool_flag, default=False,
                        help="Count in-flight generation/pooling requests; GET /load answers "
                             '{"server_load": N} (0 when off).')

@@ -18,6 +18,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     UsageInfo,
     check_max_logprobs,
     random_uuid,
+    timing_field,
 )
 from llmserve.entrypoints.openai.chat_completion.openai_fields import check_openai_only_fields
 # The parsed-output types live on the low floor shared by the parsers, the engine's
@@ -137,6 +138,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     # vLLM's extras, at the top level in chat: prompt_logprobs, prompt_token_ids
     prompt_logprobs: Optional[PromptLogprobs] = None
     prompt_token_ids: Optional[list[int]] = None
+    metrics: Optional[dict[str, Any]] = timing_field()  # vLLM's include_metrics
+    timings: Optional[dict[str, Any]] = timing_field()  # llama.cpp's timings_per_token
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -158,3 +161,5 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
     prompt_token_ids: Optional[list[int]] = None
+    metrics: Optional[dict[str, Any]] = timing_field()
+    timings: Optional[dict[str, Any]] = timing_field()

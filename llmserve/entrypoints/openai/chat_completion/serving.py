@@ -27,7 +27,6 @@ from llmserve.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from llmserve.entrypoints.openai.common.beam import beam_search_request
 from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
@@ -37,6 +36,8 @@ from llmserve.entrypoints.openai.common.serving import (
     sse_error,
 )
 from llmserve.entrypoints.chat_utils import content_to_text
+from llmserve.entrypoints.openai.common.beam import beam_search_request
+from llmserve.entrypoints.openai.common.request_metrics import ResponseTimings
 from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.logprobs import build_chat_logprobs, build_prompt_logprobs
 from llmserve.entrypoints.openai.chat_completion.tool_calling import (
@@ -197,12 +198,14 @@ class OpenAIServingChat(GenerateBaseServing):
         prompt_logprobs = None
         if request.prompt_logprobs is not None:
             prompt_logprobs = build_prompt_logprobs(fmt, prompt_ids, final.prompt_logprobs, request.prompt_logprobs)
+        timing = ResponseTimings(request, self.enable_per_request_metrics, single=len(final.outputs) == 1)
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
             usage=(usage_options or self.usage_options).usage(prompt_tokens, completion_tokens,
                                                               final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs,
-            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
+            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None,
+            **timing.fields(final, prompt_tokens, completion_tokens))
 
     # ---- streaming -------------------------------------------------------------------
     @staticmethod
@@ -238,6 +241,8 @@ class OpenAIServingChat(GenerateBaseServing):
         include_usage, continuous = usage_options.stream_usage(opts)
         num_tokens = [0] * n
         num_cached = [0]
+        timing = ResponseTimings(request, self.enable_per_request_metrics, single=n == 1)
+        last: list[Optional[RequestOutput]] = [None]
 
         def usage_now() -> Any:
             return usage_options.usage(prompt_tokens, sum(num_tokens), num_cached[0])
@@ -257,6 +262,7 @@ class OpenAIServingChat(GenerateBaseServing):
                     yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo)))
             async for _, res in merged:
                 num_cached[0] = res.num_cached_tokens
+                last[0] = res
                 for out in res.outputs:
                     token_ids = [] if zero_output else out.token_ids
                     text = "" if zero_output else out.text
@@ -275,13 +281,17 @@ class OpenAIServingChat(GenerateBaseServing):
                         delta = delta or DeltaMessage()
                     elif not text and finish is None and logprobs is None and not (return_ids and token_ids):
                         continue
-                    yield chunk(ChatCompletionResponseStreamChoice(
+                    resp = chunk(ChatCompletionResponseStreamChoice(
                         index=out.index, delta=delta, logprobs=logprobs,
                         finish_reason=finish, stop_reason=None if zero_output else out.stop_reason,
                         token_ids=list(token_ids) if return_ids else None))
+                    if finish is not None and timing.active:
+                        resp = resp.model_copy(update=timing.fields(res, prompt_tokens, num_tokens[out.index]))
+                    yield resp
             if include_usage or always_usage:
                 yield ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                   choices=[], usage=usage_now())
+                                                   choices=[], usage=usage_now(),
+                                                   **timing.fields(last[0], prompt_tokens, sum(num_tokens)))
         finally:
             await merged.aclose()
             await aclose_all(gens)

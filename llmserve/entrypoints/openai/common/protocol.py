@@ -56,6 +56,12 @@ MAX_TEMPERATURE = 2.0
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
+def timing_field() -> Any:
+    """A response's ``metrics`` / ``timings`` object (common/request_metrics.py): left
+    out of the JSON unless the request asked for it."""
+    return Field(default=None, exclude_if=lambda v: v is None)
+
+
 def random_uuid() -> str:
     """A random 32-hex-digit id (used in request ids such as ``chatcmpl-<uuid>``)."""
     return uuid.uuid4().hex
@@ -253,6 +259,9 @@ class SamplingRequest(OpenAIRequestModel):
     prompt_logprobs: Optional[Int64] = None
     return_token_ids: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
+    # timing fields on the response (common/request_metrics.py): vLLM's and llama.cpp's opt-ins
+    include_metrics: Optional[bool] = None
+    timings_per_token: Optional[bool] = None
     truncate_prompt_tokens: Optional[Int64] = None
     truncation_side: Optional[Literal["left", "right"]] = None
     # vLLM's beam search (common/beam.py): n beams, transformers' length_penalty / early_stopping

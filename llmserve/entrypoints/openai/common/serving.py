@@ -22,6 +22,7 @@ from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uu
 from llmserve.engine.input_processor import truncate_prompt
 from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.deadline import current_deadline, with_deadline
+from llmserve.entrypoints.openai.request_timelines.labels import add_response_id
 from llmserve.entrypoints.openai.logprobs import TokenFormatter, TokenIdFormatter
 from llmserve.entrypoints.openai.models.lora import lora_call, select_lora
 from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
@@ -106,6 +107,7 @@ class GenerateBaseServing(BaseServing):
 
     request_id_prefix = "cmpl"
     usage_options = UsageOptions()  # --enable-prompt-tokens-details, --enable-force-include-usage
+    enable_per_request_metrics = False  # --enable-per-request-metrics (vLLM's `metrics` on responses)
     max_log_len: Optional[int] = None  # --max-log-len
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, renderer: AsyncRenderer, *,
@@ -149,15 +151,18 @@ class GenerateBaseServing(BaseServing):
         return f"{self.request_id_prefix}-{base or random_uuid()}"
 
     def generate(self, prompt: RenderedPrompt, params: SamplingParams, request_id: str,
-                 priority: int = 0, **kwargs: Any) -> AsyncGenerator[Any, None]:
+                 priority: int = 0, response_id: Optional[str] = None, **kwargs: Any) -> AsyncGenerator[Any, None]:
         """One engine request (its async generator of RequestOutput; nothing runs until
         the first ``__anext__``). The engine id is ``request_id`` plus a random suffix,
         so two clients sending the same X-Request-Id at once never collide. kwargs:
         further ``AsyncLLM.generate`` arguments (``reasoning_ended``,
         ``reasoning_parser_kwargs``). Under an ``X-Request-Timeout`` deadline the request
         is aborted when it passes (its last output: finish_reason "abort", tokens so far;
-        see ``deadline.py``)."""
-        request_id = f"{request_id}-{random_uuid()[:8]}"
+        see ``deadline.py``). response_id: the id the client gets (default: ``request_id``),
+        by which ``GET /v1/requests/{id}/timeline`` finds this request."""
+        engine_id = f"{request_id}-{random_uuid()[:8]}"
+        add_response_id(engine_id, response_id or request_id)
+        request_id = engine_id
         if self.log_requests:
             logger.info("Received request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id,
                         prompt.text[:self.max_log_len] if prompt.text is not None else None,

@@ -16,6 +16,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     UsageInfo,
     check_max_logprobs,
     random_uuid,
+    timing_field,
 )
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -87,6 +88,8 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    metrics: Optional[dict[str, Any]] = timing_field()  # vLLM's include_metrics
+    timings: Optional[dict[str, Any]] = timing_field()  # llama.cpp's timings_per_token
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -109,3 +112,5 @@ class CompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+    metrics: Optional[dict[str, Any]] = timing_field()
+    timings: Optional[dict[str, Any]] = timing_field()

@@ -20,9 +20,10 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncGenerator, Optional, Union
 
+from llmserve.entrypoints.openai.common.beam import beam_search_request
+from llmserve.entrypoints.openai.common.request_metrics import ResponseTimings
 from llmserve.entrypoints.openai.common.protocol import CompletionLogProbs
 from llmserve.entrypoints.openai.common.usage import sum_cached_tokens
-from llmserve.entrypoints.openai.common.beam import beam_search_request
 from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
@@ -135,6 +136,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
         created = int(time.time())
         max_len = self.model_config.max_model_len
         gens = [self.generate(p.rendered, self.engine_params(p.params), f"{request_id}-{i}", request.priority,
+                              response_id=request_id,
                               beam_search_params=beam_search_request(request, p.params, max_len))
                 for i, p in enumerate(prompts)]
         firsts = await self.start_generation(gens)
@@ -182,9 +184,11 @@ class OpenAIServingCompletion(GenerateBaseServing):
                     prompt_token_ids=list(p.ids) if request.return_token_ids else None,
                     token_ids=token_ids if request.return_token_ids else None,
                 ))
+        timing = ResponseTimings(request, self.enable_per_request_metrics, single=len(choices) == 1)
         return CompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices,
-            usage=self.usage_options.usage(prompt_tokens, completion_tokens, sum_cached_tokens(finals)))
+            usage=self.usage_options.usage(prompt_tokens, completion_tokens, sum_cached_tokens(finals)),
+            **(timing.fields(finals[0], prompt_tokens, completion_tokens) if timing.active else {}))
 
     def _logprobs(self, request: CompletionRequest, p: _Prompt, prompt_logprobs: Optional[list],
                   token_ids: list[int], sample_logprobs: list, echo_prefix: bool = True) -> CompletionLogProbs:
@@ -213,6 +217,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
         # text offset of the next token in each choice's text (for logprobs.text_offset)
         offsets = [0] * (len(prompts) * n)
         prompt_lps: list[Optional[list]] = [None] * len(prompts)
+        timing = ResponseTimings(request, self.enable_per_request_metrics, single=len(num_tokens) == 1)
         try:
             async for i, res in merged:
                 p = prompts[i]
@@ -254,6 +259,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
                         choices=[CompletionResponseStreamChoice(index=idx, text=text, logprobs=logprobs,
                                                                 finish_reason=finish, stop_reason=stop_reason,
                                                                 **ids_now)])
+                    if finish is not None and timing.active:
+                        chunk = chunk.model_copy(update=timing.fields(res, len(p.ids), num_tokens[idx]))
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 final = CompletionStreamResponse(
