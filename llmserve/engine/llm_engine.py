@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from llmserve.beam_search import BeamSearchParams
 from llmserve.config import EngineConfig
@@ -16,6 +16,7 @@ from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.lora.request import check_lora_request
 from llmserve.engine.output_processor import OutputProcessor, register_incarnations
 from llmserve.engine.parallel_sampling import ParentRequest
+from llmserve.engine.request_kwargs import refuse_unhonoured
 from llmserve.engine_args import EngineArgs, UsageContext
 from llmserve.outputs import RequestOutput
 from llmserve.pooling_params import PoolingParams
@@ -122,11 +123,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                     arrival_time: Optional[float] = None, priority: int = 0,
-                    beam_search_params: Optional[BeamSearchParams] = None, lora_request: Any = None) -> None:
+                    beam_search_params: Optional[BeamSearchParams] = None, lora_request: Any = None, *,
+                    tokenization_kwargs: Optional[dict[str, Any]] = None,
+                    trace_headers: Optional[Mapping[str, str]] = None, prompt_text: Optional[str] = None) -> None:
         """Queue a request: SamplingParams generate (n > 1: its children), PoolingParams
         pool (its one output is a PoolingRequestOutput); with ``beam_search_params`` a
-        beam search in the engine (its one output holds every beam). Raises ValueError
-        for bad input, a live id or a task the model lacks."""
+        beam search in the engine (its one output holds every beam). vLLM's keyword
+        arguments (``trace_headers`` kept on the request; ``tokenization_kwargs`` and
+        ``prompt_text`` raise NotImplementedError when given). Raises ValueError for bad
+        input, a live id or a task the model lacks."""
+        refuse_unhonoured("LLMEngine.add_request", tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text)
         lora = check_lora_request(lora_request, self.vllm_config.lora_config)  # the adapter (llmserve/lora)
         arrival_time = arrival_time or time.time()
         parent = None
@@ -141,6 +147,8 @@ class LLMEngine:
                                                         priority) for i, cid in enumerate(parent.child_ids)]
         for req in register_incarnations(self.output_processor, reqs, parent):
             req.lora_request = lora
+            if trace_headers:
+                req.trace_headers = dict(trace_headers)
             self.engine_core.add_request(req)
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:

@@ -46,9 +46,10 @@ class EngineClient(ABC):
     @abstractmethod
     def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str, *,
                  priority: int = 0, trace_headers: Optional[Mapping[str, str]] = None,
-                 **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+                 lora_request: Any = None) -> AsyncGenerator[RequestOutput, None]:
         """Yield the RequestOutputs of one request. ``prompt``: text, token ids, a prompt
-        dict, or an async generator of input chunks (streaming input)."""
+        dict, or an async generator of input chunks (streaming input). Implementations
+        take exactly vLLM's keyword arguments (``AsyncLLM.generate``), never a catch-all."""
 
     @abstractmethod
     async def abort(self, request_id: str | Iterable[str]) -> None:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from llmserve.beam_search import BeamSearchOutput, BeamSearchParams
 from llmserve.engine.input_processor import PromptType
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request_kwargs import refuse_unhonoured
 from llmserve.engine_args import (EngineArgs, UsageContext, check_kwargs, log_non_default_args,
                                   make_compilation_config, make_kv_transfer_config, make_worker_cls)
 from llmserve.entrypoints.llm_pooling import PoolingMixin
@@ -135,7 +136,8 @@ class LLM(PoolingMixin):
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
                  use_tqdm: Union[bool, Callable[..., tqdm]] = True, lora_request: Any = None,
-                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[list[int]] = None,
+                 tokenization_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Generate completions for prompts, returned in input order.
 
         prompts: a string, a list of strings, a list of token ids ({"prompt_token_ids":
@@ -143,10 +145,12 @@ class LLM(PoolingMixin):
         prompt; None: ``get_default_sampling_params()``. use_tqdm: show a progress bar; a
         callable builds it (e.g. ``functools.partial(tqdm, leave=False)``), as vLLM.
         lora_request: a ``LoRARequest`` for all prompts or one (or None) per prompt (needs
-        ``enable_lora``). Each request's output is FINAL_ONLY.
+        ``enable_lora``). Each request's output is FINAL_ONLY. vLLM's keyword arguments
+        only; ``tokenization_kwargs`` raises NotImplementedError when given.
 
         Raises ValueError for bad prompts/params (nothing is left running then).
         """
+        refuse_unhonoured("LLM.generate", tokenization_kwargs=tokenization_kwargs)
         self._check_generate("generate")
         prompts = self._prompt_list(prompts)
         ids = self._add_requests(prompts, self._params_for(sampling_params, len(prompts)), priority,
@@ -284,17 +288,23 @@ class LLM(PoolingMixin):
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: Union[bool, Callable[..., tqdm]] = True, lora_request: Any = None,
-             chat_template: Optional[str] = None,
+             chat_template: Optional[str] = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict] = None, tools: Optional[list] = None,
+             mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a
         list of conversations, through the model's chat template (or ``chat_template``).
 
         Rendered by the same Renderer as the OpenAI server's chat handler and /tokenize,
         so the same messages give the same prompt token ids. Raises ValueError
         (SamplingParamsError) for unsupported content parts or roles, a template error,
-        or both add_generation_prompt and continue_final_message.
+        or both add_generation_prompt and continue_final_message. vLLM's keyword
+        arguments: ``chat_template_content_format`` "auto" or "string" (text parts joined,
+        as the server's flag), "openai" and ``mm_processor_kwargs`` raise NotImplementedError.
         """
+        if chat_template_content_format not in ("auto", "string"):
+            refuse_unhonoured("LLM.chat", chat_template_content_format=chat_template_content_format)
+        refuse_unhonoured("LLM.chat", mm_processor_kwargs=mm_processor_kwargs)
         self._check_generate("chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         renderer = Renderer(self.get_tokenizer())

@@ -3,11 +3,12 @@ kept apart from generation. Mixed into ``LLM``; uses its ``_prompt_list``,
 ``_add_requests`` and ``_run_engine`` (progress bar, abort on error)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from llmserve.engine.request_kwargs import refuse_unhonoured
 from llmserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
 from llmserve.pooling_params import PoolingParams
 
@@ -49,10 +50,13 @@ class PoolingMixin:
     def encode(self, prompts, pooling_params: PoolingParamsArg = None, *,
                truncate_prompt_tokens: Optional[int] = None,
                use_tqdm: Union[bool, Callable[..., tqdm]] = True, lora_request=None,
-               pooling_task: Optional[str] = None) -> list[PoolingRequestOutput]:
+               pooling_task: Optional[str] = None,
+               tokenization_kwargs: Optional[dict[str, Any]] = None) -> list[PoolingRequestOutput]:
         """Pool each prompt (string, token ids, prompt dict, or a list of them); outputs
         in input order, ``outputs.data`` a float32 tensor. pooling_params: one for all
-        or one per prompt; pooling_task: "encode" (default) or "embed"."""
+        or one per prompt; pooling_task: "encode" (default) or "embed". vLLM's keyword
+        arguments; ``tokenization_kwargs`` raises NotImplementedError when given."""
+        refuse_unhonoured("LLM.encode", tokenization_kwargs=tokenization_kwargs)
         task = pooling_task or "encode"
         self._check_pooling(task)
         prompts = self._prompt_list(prompts)
@@ -71,12 +75,13 @@ class PoolingMixin:
 
     def embed(self, prompts, *, truncate_prompt_tokens: Optional[int] = None,
               use_tqdm: Union[bool, Callable[..., tqdm]] = True, pooling_params: PoolingParamsArg = None,
-              lora_request=None) -> list[EmbeddingRequestOutput]:
+              lora_request=None, tokenization_kwargs: Optional[dict[str, Any]] = None) -> list[EmbeddingRequestOutput]:
         """Embeddings of the prompts, in input order (``outputs.embedding``: list of floats,
         normalised unless ``pooling_params.normalize=False``)."""
         self._check_pooling("embed")
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")
+                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
+                           tokenization_kwargs=tokenization_kwargs)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def score(self, data_1, data_2, /, *, truncate_prompt_tokens: Optional[int] = None,
