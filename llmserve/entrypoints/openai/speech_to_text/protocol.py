@@ -45,6 +45,10 @@ class TranscriptionRequest(BaseModel):
     presence_penalty: Optional[float] = None
     max_completion_tokens: Optional[int] = None
     to_language: Optional[str] = None
+    # Beam search in the engine (core/beam_search.py): faster-whisper's / OpenAI Whisper's
+    # beam_size; default 1 (greedy, as vLLM decodes); > 1 needs temperature 0.
+    beam_size: int = Field(1, ge=1)
+    length_penalty: float = 1.0
 
 
 _LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities",

@@ -20,6 +20,7 @@ from typing import Any, AsyncGenerator, Optional
 
 import numpy as np
 
+from llmserve.beam_search import BeamSearchParams
 from llmserve.entrypoints.openai.common.serving import SSE_DONE, BaseServing, sse, sse_error
 from llmserve.entrypoints.openai.speech_to_text.protocol import (
     DeltaMessage, StreamUsage, TranscriptionRequest, TranscriptionResponse, TranscriptionResponseStreamChoice,
@@ -199,7 +200,8 @@ class OpenAIServingSpeechToText(BaseServing):
             first = await gen.__anext__()  # a rejected request is a 400 before the stream starts
             return _prepend(first, gen)
         params = self._params(request, n_prompt, RequestOutputKind.FINAL_ONLY)
-        results = await asyncio.gather(*(self._run_chunk(f"{rid}-{i}", prompt, params, c, i)
+        beam = beam_params_of(request, params)
+        results = await asyncio.gather(*(self._run_chunk(f"{rid}-{i}", prompt, params, c, i, beam)
                                          for i, c in enumerate(chunks)))
         offset = 0.0
         for r, c in zip(results, chunks):
@@ -243,10 +245,9 @@ class OpenAIServingSpeechToText(BaseServing):
         return ids[final.outputs[0].token_ids[0]]
 
     async def _run_chunk(self, rid: str, prompt: list[int], params: SamplingParams, chunk: np.ndarray,
-                         index: int) -> Transcript:
+                         index: int, beam: Optional[BeamSearchParams] = None) -> Transcript:
         final = None
-        async for out in self.engine_client.generate(
-                {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, rid):
+        async for out in _generate(self.engine_client, prompt, params, chunk, rid, beam):
             final = out
         o = final.outputs[0]
         return Transcript(o.text, list(o.token_ids), 0.0, 0.0, len(final.prompt_token_ids or ()))
@@ -272,7 +273,8 @@ class OpenAIServingSpeechToText(BaseServing):
         parts: list[str] = []
         started = False
         try:
-            async for out, _last in _chunk_outputs(self.engine_client, rid, prompt, params, chunks):
+            async for out, _last in _chunk_outputs(self.engine_client, rid, prompt, params, chunks,
+                                                    beam_params_of(request, params)):
                 o = out.outputs[0]
                 n_out += len(o.token_ids)
                 if out.finished:
@@ -298,7 +300,8 @@ class OpenAIServingSpeechToText(BaseServing):
         finish, stop = None, None
         started = False
         try:
-            async for out, last in _chunk_outputs(self.engine_client, rid, prompt, params, chunks):
+            async for out, last in _chunk_outputs(self.engine_client, rid, prompt, params, chunks,
+                                                    beam_params_of(request, params)):
                 o = out.outputs[0]
                 n_out += len(o.token_ids)
                 if out.finished:
@@ -324,12 +327,34 @@ class OpenAIServingSpeechToText(BaseServing):
         yield SSE_DONE
 
 
+def beam_params_of(request: TranscriptionRequest, params: SamplingParams) -> Optional[BeamSearchParams]:
+    """``beam_size`` > 1: the engine's beam search (faster-whisper's beam_size, scored as
+    transformers' with ``length_penalty``); a 400 naming ``beam_size`` with temperature > 0
+    (faster-whisper searches beams at temperature 0 only)."""
+    if request.beam_size <= 1:
+        return None
+    if request.temperature > 0:
+        raise SamplingParamsError("beam_size > 1 needs temperature 0 (beam search is deterministic).", "beam_size")
+    return BeamSearchParams(beam_width=request.beam_size, max_tokens=params.max_tokens,
+                            length_penalty=request.length_penalty)
+
+
+def _generate(engine_client: Any, prompt: list[int], params: SamplingParams, chunk: np.ndarray, rid: str,
+              beam: Optional[BeamSearchParams]) -> AsyncGenerator[Any, None]:
+    """One audio chunk's engine request: greedy/sampled, or the beam search (its best
+    beam first: one final output)."""
+    inputs = {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}
+    if beam is None:
+        return engine_client.generate(inputs, params, rid)
+    return engine_client.beam_search(inputs, rid, beam, sampling_params=params)
+
+
 async def _chunk_outputs(engine_client: Any, rid: str, prompt: list[int], params: SamplingParams,
-                         chunks: list[np.ndarray]) -> AsyncGenerator[tuple[Any, bool], None]:
+                         chunks: list[np.ndarray], beam: Optional[BeamSearchParams] = None,
+                         ) -> AsyncGenerator[tuple[Any, bool], None]:
     """Each engine output of each audio chunk in order, with whether it is the very last."""
     for i, chunk in enumerate(chunks):
-        gen = engine_client.generate(
-            {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (chunk, SAMPLE_RATE)}}, params, f"{rid}-{i}")
+        gen = _generate(engine_client, prompt, params, chunk, f"{rid}-{i}", beam)
         async for out in gen:
             yield out, out.finished and i == len(chunks) - 1
 
