@@ -24,12 +24,14 @@ nothing of llmserve: models, attention and the sampler import it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -128,6 +130,32 @@ def get_cpu_ops() -> Optional[Any]:
     built = _load_built(build_dir)
     if built is not None:
         return built
+    with build_lock(build_dir):
+        return _load_built(build_dir) or _build(build_dir)
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str) -> Iterator[None]:
+    """One builder per build directory, by an ``flock`` the kernel drops when its holder dies.
+
+    torch's own lock (``FileBaton``: a ``lock`` file that exists while a build runs) is never
+    removed when the builder is killed, and every later start then waits on it forever (seen:
+    an engine killed by a test timeout during its first build hung all later starts). Under
+    this flock any such file is left over from a dead builder, so it is removed first."""
+    with open(os.path.join(build_dir, "build.flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                logger.warning("removing a stale kernel build lock left by a killed build: %s", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(build_dir: str) -> Optional[Any]:
+    """Compile the kernels into ``build_dir`` and import them; None (logged) when that fails."""
     try:
         from torch.utils.cpp_extension import load
         module = load(

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from llmserve import envs
-from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature
+from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature, build_lock
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,10 @@ def get_quant_ops() -> Optional[Any]:
         return None
     try:
         from torch.utils.cpp_extension import load
-        return load(name="llmserve_quant_ops", sources=[os.path.join(CSRC_DIR, _SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
+        with build_lock(_build_dir()):
+            return load(name="llmserve_quant_ops", sources=[os.path.join(CSRC_DIR, _SOURCE)],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                        extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
     except Exception as e:  # no compiler: the bfloat16 GEMMs still work
         logger.warning("packed-weight kernels unavailable (%s: %s)", type(e).__name__,
                        str(e).splitlines()[0] if str(e) else "")
