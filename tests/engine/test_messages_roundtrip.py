@@ -38,7 +38,7 @@ def _output():
     # pooling_output: one element, so the dict comparison below can truth-test it
     # (tests/pooling/test_pooling_engine.py round-trips a whole vector).
     return m.EngineCoreOutput("r1", [7, 8], _lp(), _lp(), FinishReason.STOP, 5, 3, [_event()],
-                              torch.tensor([0.25]), beam_sequences=[_beam_seq()])
+                              torch.tensor([0.25]), beam_sequences=[_beam_seq()], model_execute_time=0.5)
 
 
 def _beam_seq():
@@ -59,7 +59,8 @@ SAMPLES = {
                                                      {"traceparent": "00-abc-def-01"},
                                                      PoolingParams(normalize=False, dimensions=8, task="embed"),
                                                      True, [4, 5], _enc(), data_parallel_rank=1,
-                                                     client_index=2, beam_search_params=_beam_params()),
+                                                     client_index=2, beam_search_params=_beam_params(),
+                                                     tenant="alice", tenant_weight=3.0),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(
