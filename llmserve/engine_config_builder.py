@@ -274,13 +274,18 @@ def _lora_config(args: "EngineArgs", model_config: ModelConfig) -> Optional["LoR
 
 def _observability_config(args: "EngineArgs") -> ObservabilityConfig:
     """Stats, timelines and traces; ``collect_detailed_traces`` is vLLM's comma list."""
+    endpoint = getattr(args, "otlp_traces_endpoint", None)
+    if endpoint:
+        from llmserve.tracing import check_otel_installed
+
+        check_otel_installed(endpoint)  # a clear error before any engine starts
     detailed = getattr(args, "collect_detailed_traces", None) or ()
     detailed = [m.strip() for item in ([detailed] if isinstance(detailed, str) else detailed)
                 for m in item.split(",") if m.strip()]
     return ObservabilityConfig(log_stats=not args.disable_log_stats,
                                request_timelines=getattr(args, "request_timelines", True),
                                max_finished_request_timelines=getattr(args, "max_finished_request_timelines", 1000),
-                               otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                               otlp_traces_endpoint=endpoint,
                                collect_detailed_traces=tuple(detailed) if detailed else None)
 
 

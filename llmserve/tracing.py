@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SpanAttributes", "init_tracer", "otlp_protocol", "RequestSpanExporter", "OTEL_INSTALL_HINT"]
+__all__ = ["SpanAttributes", "check_otel_installed", "init_tracer", "otlp_protocol", "RequestSpanExporter", "OTEL_INSTALL_HINT"]
 
 OTEL_INSTALL_HINT = ("--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporters: "
                      "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "
@@ -60,6 +60,21 @@ def otlp_protocol(endpoint: str) -> str:
     if proto:
         return proto
     return "http/protobuf" if urlparse(endpoint).path.rstrip("/").endswith("/v1/traces") else "grpc"
+
+
+def check_otel_installed(otlp_traces_endpoint: str) -> None:
+    """Raise ValueError (naming the packages to install) unless the OpenTelemetry SDK and
+    the OTLP exporter of the endpoint's protocol import; called when the config is built,
+    before any engine starts."""
+    module = ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter" if otlp_protocol(otlp_traces_endpoint) == "grpc"
+              else "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    try:
+        import importlib
+
+        importlib.import_module("opentelemetry.sdk.trace")
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{OTEL_INSTALL_HINT} ({e})") from e
 
 
 def init_tracer(instrumenting_module_name: str, otlp_traces_endpoint: str) -> Any:
@@ -135,8 +150,11 @@ def span_attributes(rec: Any, model: Optional[str]) -> dict[str, Any]:
 class RequestSpanExporter:
     """A ``RequestTimelines.on_finish`` hook: one span per finished request, from its
     arrival to its finish, with its timeline's events as span events.
-    ``detailed``: ``--collect-detailed-traces`` modules (the model forward/execute times
-    they name are the request's engine time here: first scheduled to last token)."""
+    ``detailed``: ``--collect-detailed-traces`` modules: "model" adds
+    ``time_in_model_forward``, "worker" ``time_in_model_execute`` ("all" both). Both are
+    the wall time of the engine's ``execute_model`` (input preparation, forward, sampling)
+    summed over the steps the request was in; this runner does not time its forward pass
+    apart from the rest of the step."""
 
     def __init__(self, tracer: Any, model: Optional[str], detailed: tuple[str, ...] = ()) -> None:
         from opentelemetry.trace import SpanKind
@@ -163,10 +181,10 @@ class RequestSpanExporter:
         span.end(end_time=_ns(rec.finish_time))
 
     def _add_detailed(self, attrs: dict, rec: Any) -> None:
-        inference = attrs.get(SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE)
-        if inference is None:
+        seconds = rec.model_execute_time
+        if not seconds:
             return
         if self.detailed & {"model", "all"}:
-            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = inference
+            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_FORWARD] = seconds
         if self.detailed & {"worker", "all"}:
-            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_EXECUTE] = inference
+            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_EXECUTE] = seconds

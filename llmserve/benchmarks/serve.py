@@ -273,6 +273,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "--compare-rounds rounds each, and report both medians and the output-throughput "
                              "ratio (--endpoint / --compare-endpoint).")
     parser.add_argument("--compare-rounds", type=int, default=2, help="Rounds per endpoint with --compare-endpoint.")
+    parser.add_argument("--compare-url-rounds", type=int, default=0,
+                        help="With --compare-url: this many rounds per server, alternating, and the medians and "
+                             "ratios of throughput, TPOT, TTFT (0: one run each; llmserve/benchmarks/server_compare.py).")
     parser.add_argument("--model", type=str, default=None, help="Model name (default: the server's first model).")
     parser.add_argument("--tokenizer", type=str, default=None,
                         help="Tokenizer for the random dataset (default: the model, else SmolLM2-135M-Instruct).")
@@ -414,6 +417,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Benchmarking {model} at {api_url}: {len(requests)} requests, input ~{args.random_input_len}, "
           f"output ~{args.random_output_len}, concurrency {args.max_concurrency or 'inf'}, "
           f"rate {args.request_rate}")
+    if args.compare_url and args.compare_url_rounds:  # alternating rounds on two servers
+        from llmserve.benchmarks.server_compare import compare_servers
+
+        other = args.compare_url.rstrip("/")
+        return compare_servers(args, [api_url, other + args.endpoint], [model, _server_model(other, args.api_key)],
+                               requests, chat, benchmark)
     if args.compare_endpoint:
         from llmserve.benchmarks.endpoint_compare import compare_endpoints
 

@@ -101,6 +101,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # The pooled vector (a float32 torch.Tensor, carried by serial.py's tensor ext) of a
     # pooling request; None for generation.
     pooling_output: Any = None
+    # --collect-detailed-traces: on the last output, the seconds of execute_model of the
+    # steps the request was in (core/timeline.py record_execute_time).
+    model_execute_time: float = 0.0
     # A beam-search request's result, best first (sent once, when the search ends).
     beam_sequences: Optional[list[BeamSequenceOutput]] = None
 

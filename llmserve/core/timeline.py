@@ -20,7 +20,7 @@ from typing import Iterable, Mapping
 
 from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType
 
-__all__ = ["PREEMPTED_KV_CACHE_FULL", "record_scheduled", "record_preempted"]
+__all__ = ["PREEMPTED_KV_CACHE_FULL", "record_scheduled", "record_preempted", "record_execute_time"]
 
 #: The reason of a preemption by recompute: no free KV block for a running request.
 PREEMPTED_KV_CACHE_FULL = "kv_cache_full"
@@ -51,3 +51,18 @@ def record_preempted(req, reason: str = PREEMPTED_KV_CACHE_FULL) -> None:
     """Record that ``req`` was preempted (its KV freed, to be recomputed) and why."""
     if req.log_stats:
         req.events.append(EngineCoreEvent(EngineCoreEventType.PREEMPTED, time.monotonic(), reason=reason))
+
+
+def record_execute_time(scheduled: Iterable, outputs: Iterable, seconds: float) -> None:
+    """``--collect-detailed-traces``: add one step's ``execute_model`` wall time
+    (``seconds``: input preparation, forward pass and sampling of the whole batch) to
+    each request in the step, and put each finishing request's total on its output
+    (``EngineCoreOutput.model_execute_time``) for its trace span."""
+    reqs = {}
+    for s in scheduled:
+        req = s.request
+        req.model_execute_time = getattr(req, "model_execute_time", 0.0) + seconds
+        reqs[req.request_id] = req
+    for out in outputs:
+        if out.finish_reason is not None and out.request_id in reqs:
+            out.model_execute_time = reqs[out.request_id].model_execute_time

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import zmq
 
 from llmserve.config import EngineConfig
+from llmserve.core.timeline import record_execute_time
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.client_router import ClientRouter
@@ -57,6 +58,8 @@ class EngineCore:
                  log_stats: bool = False) -> None:
         self.config = config
         self.log_stats = log_stats
+        # --collect-detailed-traces: time each step's execute_model for the requests' spans
+        self._time_execute = log_stats and bool(config.observability_config.collect_detailed_traces)
         if executor_class is None:
             executor_class = Executor.get_class(config)
         self.model_executor = executor_class(config)
@@ -139,8 +142,12 @@ class EngineCore:
             return EngineCoreOutputs(outputs=sched.take_pending_outputs(), scheduler_stats=sched.make_stats(),
                                      timestamp=time.monotonic())
         so = sched.schedule()
+        t0 = time.perf_counter() if self._time_execute else 0.0
         ro = self.model_executor.execute_model(so)
+        dt = time.perf_counter() - t0 if t0 else 0.0
         outs = sched.update_from_output(so, ro)
+        if t0:
+            record_execute_time(so.scheduled, outs, dt)
         if self.lora_registry is not None:
             self.lora_registry.release_idle()  # adapters removed while in use, now idle
         return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(), timestamp=time.monotonic())

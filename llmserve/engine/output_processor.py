@@ -337,7 +337,7 @@ class OutputProcessor:
             st.num_cached_tokens = eco.num_cached_tokens
             if st.timeline is not None:
                 self.timelines.observe(st.timeline, eco.events, len(eco.new_token_ids), eco.num_cached_tokens,
-                                       timestamp)
+                                       timestamp, eco.model_execute_time)
             if not eco.new_token_ids and finish is None and eco.new_prompt_logprobs is None:
                 continue  # only events (a prefill chunk ran): nothing new for the caller
             if eco.new_token_ids:

@@ -15,6 +15,7 @@ the W3C trace headers); the engine never imports the HTTP layer.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from contextvars import ContextVar
@@ -25,6 +26,8 @@ from llmserve.core.outputs import EngineCoreEventType
 
 __all__ = ["RequestLabels", "current_request_labels", "TimelineRecord", "RequestTimelines", "make_request_timelines",
            "DEFAULT_MAX_FINISHED"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_FINISHED = 1000
 DEFAULT_TENANT_NAME = "default"
@@ -79,6 +82,7 @@ class TimelineRecord:
     last_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     finish_reason: Optional[str] = None
+    model_execute_time: float = 0.0  # --collect-detailed-traces: engine execute_model seconds
 
     @property
     def state(self) -> str:
@@ -150,12 +154,15 @@ class RequestTimelines:
         return rec
 
     def observe(self, rec: TimelineRecord, events: Optional[list], num_new_tokens: int, num_cached_tokens: int,
-                timestamp: Optional[float]) -> None:
+                timestamp: Optional[float], execute_time: float = 0.0) -> None:
         """One engine output: its events, its new tokens (``timestamp``: the engine step's
-        ``time.monotonic()``, or None for the front end's own outputs)."""
+        ``time.monotonic()``, or None for the front end's own outputs), and on the last
+        one the engine's execute_model seconds (``--collect-detailed-traces``)."""
         if events:
             self._add_events(rec, events)
         rec.cached_tokens = num_cached_tokens
+        if execute_time:
+            rec.model_execute_time = execute_time
         if num_new_tokens:
             t = timestamp + self._mono_to_unix if timestamp else time.time()
             if rec.first_token_time is None:
@@ -192,7 +199,10 @@ class RequestTimelines:
         while len(self.finished) > self.max_finished:
             self._drop(self.finished.popitem(last=False)[1])
         for hook in self.on_finish:
-            hook(rec)
+            try:
+                hook(rec)
+            except Exception:  # a trace export must never take the output handler down
+                logger.exception("request timeline hook %r failed", hook)
 
     def _drop(self, rec: TimelineRecord) -> None:
         for key in (rec.request_id, *rec.aliases):
