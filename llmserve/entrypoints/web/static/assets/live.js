@@ -1,10 +1,11 @@
-// The live view: polls /v1/requests once a second (the engine's queued, running and
+// The live view: polls /v1/requests once a second (?refresh=MS to change it; the engine's queued, running and
 // recently finished requests, as the API scopes them to this page's key), shows the
 // active ones in a table, the finished ones with their timelines as bars (from
 // /v1/requests/{id}/timeline), and charts of the engine over the last minutes (uPlot).
 "use strict";
 
-const POLL_MS = 1000;
+// once a second, or as often as ?refresh=MS asks (100 ms at the most often)
+const POLL_MS = Math.max(100, Number(new URLSearchParams(location.search).get("refresh")) || 1000);
 const HISTORY_S = 300; // the charts' window: the last five minutes
 const MAX_FINISHED = 12;
 
