@@ -10,6 +10,7 @@ their timelines drawn as bars.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -83,6 +84,64 @@ def test_playground_streams_an_answer(server, browser):
     page.click("#stop")
     expect(page.locator(".msg.assistant").last.locator(".stats")).to_contain_text("stopped")
     expect(page.locator("#send")).to_be_visible()
+    assert not errors, errors
+    page.close()
+
+
+# A stream as the server sends it when a reasoning and a tool parser are set (SmolLM2 has
+# neither), with raw HTML in the content that must not reach the page as HTML.
+RICH_STREAM = [
+    {"delta": {"role": "assistant", "content": ""}},
+    {"delta": {"reasoning": "Let me think.", "reasoning_content": "Let me think."}},
+    {"delta": {"content": "**bold** <img src=x onerror=\"window.pwned=1\"> and\n```python\nprint(1)\n```\n"}},
+    {"delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "{\"city\":"}}]}},
+    {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": " \"Paris\"}"}}]}},
+    {"delta": {}, "finish_reason": "tool_calls"},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_playground_renders_reasoning_tool_calls_and_sanitized_markdown(server, browser):
+    """The page's side of a stream with reasoning, tool-call fragments and markdown with raw
+    HTML (the stream is played back through Playwright's request routing; the request the
+    page sent is checked: its settings, system prompt, tools and usage option)."""
+    chunks = [{"id": "chatcmpl-x", "object": "chat.completion.chunk", "choices": [{"index": 0, **c}]}
+              for c in RICH_STREAM] + [{"id": "chatcmpl-x", "choices": [],
+                                        "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}]
+    sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    sent = []
+
+    def play(route):
+        sent.append(route.request.post_data_json)
+        route.fulfill(status=200, body=sse, headers={"Content-Type": "text/event-stream"})
+
+    page = browser.new_page()
+    errors = _errors(page)
+    page.route("**/v1/chat/completions", play)
+    page.goto(server.url_for("/"))
+    expect(page.locator("#model option")).to_have_text([MODEL])  # the key is kept from the first test
+    page.click("#new-chat")
+    page.fill("#system", "Be brief.")
+    page.fill("#tools", json.dumps(TOOLS))
+    page.fill("#max_tokens", "33")
+    page.fill("#prompt", "Weather in Paris?")
+    page.press("#prompt", "Enter")
+    msg = page.locator(".msg.assistant:not(.pending)").last
+    expect(msg.locator(".stats")).to_contain_text("7 generated tokens")
+    expect(msg.locator(".stats")).to_contain_text("tool_calls")
+    expect(msg.locator(".reasoning summary")).to_have_text("Reasoning")
+    expect(msg.locator(".reasoning-text")).to_have_text("Let me think.")  # once, not under both names
+    expect(msg.locator(".md strong")).to_have_text("bold")
+    expect(msg.locator(".md pre code")).to_have_text("print(1)\n")
+    assert msg.locator(".md img[onerror]").count() == 0  # DOMPurify removed the handler
+    expect(msg.locator(".tool-call .tool-name")).to_contain_text("get_weather")
+    assert json.loads(msg.locator(".tool-call pre").inner_text()) == {"city": "Paris"}
+    body = sent[-1]
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert body["messages"][-1] == {"role": "user", "content": "Weather in Paris?"}
+    assert body["tools"] == TOOLS and body["max_tokens"] == 33 and body["model"] == MODEL
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert not errors, errors
     page.close()
 
