@@ -234,7 +234,9 @@ async def _run_server(args: argparse.Namespace, fair: bool) -> dict:
         for name in args.phases.split(","):
             res[name] = await _phase(name, args, url, capacity, (f.name, proc.pid) if fair else None)
             if name == "baseline":
-                capacity = res[name]["flooder_req_s"] + args.quiet_rate * (res[name]["quiet_n"] > 0)
+                capacity = (res[name]["flooder_req_s"] or 0.0) + args.quiet_rate * (res[name]["quiet_n"] > 0)
+                if capacity <= 0:
+                    raise RuntimeError(f"no request finished in the baseline phase: {res[name]}")
                 res["capacity_req_s"] = capacity
             await asyncio.sleep(5)  # the queue drains: each phase starts alike
     finally:

@@ -317,3 +317,31 @@ def test_shutdown_is_prompt_and_engine_exits_by_itself(where, engine_exit_watch)
             elapsed = time.monotonic() - t0
     watch.assert_exited_by_itself()
     assert elapsed < 3.5, elapsed  # the old bug waited the full 5 s; a loaded machine needs slack
+
+
+def test_tenant_reaches_the_engine_request_from_kwarg_or_context(engine, loop, monkeypatch):
+    """Issue 34: ``generate(..., tenant=)`` or the current tenant (set per HTTP request by
+    the server's key middleware) goes to the engine on EngineCoreRequest.tenant/tenant_weight."""
+    from types import SimpleNamespace
+
+    from llmserve.engine.tenant_context import reset_current_tenant, set_current_tenant
+    sent = []
+    real = engine.engine_core.add_request_async
+
+    async def spy(req):
+        sent.append((req.tenant, req.tenant_weight))
+        return await real(req)
+    monkeypatch.setattr(engine.engine_core, "add_request_async", spy)
+    sp = SamplingParams(temperature=0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def run():
+        await _collect(engine, "Hi", sp, "t-none")
+        async for _ in engine.generate("Hi", sp, "t-kw", tenant="alice"):
+            pass
+        token = set_current_tenant(SimpleNamespace(name="bob", weight=3.0))
+        try:
+            await _collect(engine, "Hi", sp, "t-ctx")
+        finally:
+            reset_current_tenant(token)
+    loop.run_until_complete(run())
+    assert sent == [(None, 1.0), ("alice", 1.0), ("bob", 3.0)]
