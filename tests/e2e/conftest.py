@@ -53,8 +53,22 @@ def tiny_model_dir(tmp_path_factory, save_tiny_model_fn):
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir):
+    # Also trusts request chat templates (a long render bound, so only the request's timeout or
+    # a disconnect stops one): test_request_chat_templates.py shares it (one server start, ~10 s).
     srv = RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
                         "--kv-cache-memory", "64MiB", "--renderer-num-workers", "4",
-                        "--chat-template", os.path.join(tiny_model_dir, "slow_template.jinja")])
+                        "--chat-template", os.path.join(tiny_model_dir, "slow_template.jinja"),
+                        "--trust-request-chat-template", "--request-chat-template-timeout", "60"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def minilm_server():
+    """all-MiniLM-L6-v2 (the packaged embedding model), float32, 128-token context, trusting
+    request chat templates with one template worker: the embeddings and Ollama-door tests share it."""
+    srv = RemoteServer(["--model", "all-MiniLM-L6-v2", "--dtype", "float32", "--max-model-len", "128",
+                        "--kv-cache-memory", "64MiB", "--trust-request-chat-template",
+                        "--request-chat-template-workers", "1"])
     yield srv
     srv.stop()

@@ -10,20 +10,15 @@ import sys
 import numpy as np
 import pytest
 
-from e2e_utils import RemoteServer
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pooling"))
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["Hello my name is", "Second text"]
 
 
 @pytest.fixture(scope="module")
-def emb_server():
-    # one test renders messages with a request chat_template (refused without the flag)
-    srv = RemoteServer(["--model", MODEL, "--dtype", "float32", "--max-model-len", "128",
-                        "--trust-request-chat-template", "--request-chat-template-workers", "1"])
-    yield srv
-    srv.stop()
+def emb_server(minilm_server):
+    # one test renders messages with a request chat_template (the shared server trusts them)
+    return minilm_server
 
 
 def _ok(r):

@@ -30,11 +30,8 @@ def _client(srv: RemoteServer, **headers: str) -> ollama.Client:
 
 
 @pytest.fixture(scope="module")
-def emb_server():
-    srv = RemoteServer(["--model", EMB, "--dtype", "float32", "--max-model-len", "128",
-                        "--kv-cache-memory", "64MiB"])
-    yield srv
-    srv.stop()
+def emb_server(minilm_server):
+    return minilm_server
 
 
 def _error(r: httpx.Response, status: int, *words: str) -> str:

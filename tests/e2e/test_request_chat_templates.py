@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from e2e_utils import MODEL, RemoteServer
+from e2e_utils import MODEL
 from llmserve.entrypoints.renderer import Renderer
 
 CHAT = "/v1/chat/completions"
@@ -47,14 +47,10 @@ def test_request_templates_are_refused_by_default(server):
 
 
 @pytest.fixture(scope="module")
-def trusted(tiny_model_dir):
+def trusted(tiny_server):
     """A tiny random Llama (SmolLM2's tokenizer) trusting request templates; a long render
     bound, so that only the request's timeout or a disconnect can stop a render here."""
-    srv = RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
-                        "--kv-cache-memory", "64MiB", "--trust-request-chat-template",
-                        "--request-chat-template-timeout", "60"])
-    yield srv
-    srv.stop()
+    return tiny_server
 
 
 def prompt_ids(srv, **extra) -> list[int]:
