@@ -14,9 +14,10 @@ flight), and runs the same phases against each (``--duration`` seconds each):
    (together twice the batch: both saturate); their output tokens streamed within the
    phase are compared.
 
-Both servers get ``--max-queue-delay 30`` (unless ``--server-args`` sets it): the global
+Both servers get ``--max-queue-delay 300`` (unless ``--server-args`` sets it): the global
 queue-delay bound (1 s) would otherwise refuse even a first-in-line request on a slow CPU,
-and this measures the scheduling, not that bound.
+and this measures the scheduling, not that bound. Before the phases, ``max_num_seqs``
+requests warm the server up (admission control knows its service time from then on).
 
 Reports per phase the quiet tenant's TTFT (median, p99), the status counts per tenant,
 refusals without ``Retry-After``, timeouts and errors, total output tokens/s, the
@@ -86,7 +87,7 @@ def _start_server(args: argparse.Namespace, fair: bool, keys_path: str) -> tuple
            "--max-num-seqs", str(args.max_num_seqs), "--api-keys-file", keys_path,
            "--tenant-fair-share" if fair else "--no-tenant-fair-share", *args.server_args.split()]
     if "--max-queue-delay" not in args.server_args:
-        cmd += ["--max-queue-delay", "30"]
+        cmd += ["--max-queue-delay", "300"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -230,6 +231,9 @@ async def _run_server(args: argparse.Namespace, fair: bool) -> dict:
     proc, url = _start_server(args, fair, f.name)
     res: dict = {}
     try:
+        warm = _Stats()
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*(_one(s, args, url, "quiet", warm, time.monotonic()) for _ in range(args.max_num_seqs)))
         capacity = args.max_num_seqs / 4.0
         for name in args.phases.split(","):
             res[name] = await _phase(name, args, url, capacity, (f.name, proc.pid) if fair else None)
