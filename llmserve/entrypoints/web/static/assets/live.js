@@ -8,6 +8,7 @@
 const POLL_MS = Math.max(100, Number(new URLSearchParams(location.search).get("refresh")) || 1000);
 const HISTORY_S = 300; // the charts' window: the last five minutes
 const MAX_FINISHED = 12;
+const TIMELINES_OFF = "This server keeps no request timelines (started with --no-request-timelines or --disable-log-stats).";
 
 const history = { t: [], running: [], waiting: [], kv: [], batch: [], gen: [], prompt: [] };
 const timelines = new Map(); // request id -> timeline (a finished request's never changes)
@@ -166,6 +167,7 @@ async function poll() {
     const resp = await api("v1/requests");
     if (!resp.ok) throw new Error(await errorText(resp));
     const body = await resp.json();
+    if (!body.engine || body.engine.time === undefined) throw new Error(TIMELINES_OFF);
     const now = body.engine.time;
     record(body.engine);
     renderActive(body.data, now);

@@ -276,7 +276,19 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
 }
 
+// An answer still streaming when the page was closed ends there.
+function endInterrupted() {
+  for (const chat of state.chats) {
+    for (const m of chat.messages) {
+      if (!m.pending) continue;
+      m.pending = false;
+      m.stats = Object.assign({}, m.stats, { finish_reason: "interrupted" });
+    }
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  endInterrupted();
   bindSettings();
   renderAll();
   loadModels();
