@@ -7,8 +7,9 @@ On the 20 espeak-ng clips of tests/data/audio (scripts/make_test_audio.py):
   ``--concurrency`` uploads at once through ``/v1/audio/transcriptions`` vs faster-whisper
   transcribing the clips one after another; medians over ``--rounds``, with the load average.
 
-faster-whisper settings (stated, since its defaults differ): ``beam_size=1`` (its default is
-5; llmserve decodes greedily, as vLLM), ``temperature=0.0`` alone (no fallback),
+faster-whisper settings (stated, since its defaults differ): ``beam_size`` as ``--beam-size``
+on both sides (default 1: llmserve decodes greedily unless asked, as vLLM; 5 is
+faster-whisper's default, llmserve's engine beam search then), ``temperature=0.0`` alone (no fallback),
 ``without_timestamps=True`` (llmserve's json format prompts ``<|notimestamps|>``),
 ``language="en"``, ``condition_on_previous_text=False``, no VAD; its default
 ``suppress_tokens=[-1]`` / ``suppress_blank=True`` are kept (llmserve suppresses nothing,
@@ -78,17 +79,18 @@ def ct2_dir(model: str, tmp: str) -> str:
     return out
 
 
-def faster_whisper_round(fw, files: list[str]) -> tuple[list[str], float]:
+def faster_whisper_round(fw, files: list[str], beam_size: int = 1) -> tuple[list[str], float]:
     t0 = time.perf_counter()
     texts = []
     for f in files:
-        segs, _ = fw.transcribe(f, language="en", beam_size=1, temperature=0.0, without_timestamps=True,
+        segs, _ = fw.transcribe(f, language="en", beam_size=beam_size, temperature=0.0, without_timestamps=True,
                                 condition_on_previous_text=False, vad_filter=False)
         texts.append("".join(s.text for s in segs).strip())
     return texts, time.perf_counter() - t0
 
 
-async def llmserve_round(port: int, model: str, files: list[str], concurrency: int) -> tuple[list[str], float]:
+async def llmserve_round(port: int, model: str, files: list[str], concurrency: int,
+                         beam_size: int = 1) -> tuple[list[str], float]:
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -96,7 +98,8 @@ async def llmserve_round(port: int, model: str, files: list[str], concurrency: i
         async def one(f: str) -> str:
             async with sem:
                 with open(f, "rb") as fh:
-                    r = await client.post("/v1/audio/transcriptions", data={"model": model, "language": "en"},
+                    r = await client.post("/v1/audio/transcriptions",
+                                          data={"model": model, "language": "en", "beam_size": str(beam_size)},
                                           files={"file": (os.path.basename(f), fh.read())})
                 r.raise_for_status()
                 return r.json()["text"]
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--clips", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="faster-whisper cpu_threads (0: all)")
+    ap.add_argument("--beam-size", type=int, default=1,
+                    help="both sides' beam_size (5: faster-whisper's and OpenAI Whisper's default)")
     args = ap.parse_args()
     with open(os.path.join(AUDIO, "sentences.json")) as f:
         meta = json.load(f)[:args.clips]
@@ -149,9 +154,10 @@ def main() -> None:
             ours_t, fw_t, ours_texts, fw_texts = [], [], [], []
             for r in range(args.rounds):
                 load = os.getloadavg()[0]
-                ours_texts, dt = asyncio.run(llmserve_round(port, args.model, files, args.concurrency))
+                ours_texts, dt = asyncio.run(llmserve_round(port, args.model, files, args.concurrency,
+                                                            args.beam_size))
                 ours_t.append(dt)
-                fw_texts, dt2 = faster_whisper_round(fw, files)
+                fw_texts, dt2 = faster_whisper_round(fw, files, args.beam_size)
                 fw_t.append(dt2)
                 print(flush=True, *[f"round {r}: llmserve {len(files) / dt:.3f} clips/s ({args.concurrency} concurrent), "
                       f"faster-whisper {len(files) / dt2:.3f} clips/s (sequential), load avg {load:.1f}"])
@@ -166,7 +172,7 @@ def main() -> None:
     ours_rate = len(files) / statistics.median(ours_t)
     fw_rate = len(files) / statistics.median(fw_t)
     print(json.dumps({
-        "model": args.model, "clips": len(files), "rounds": args.rounds,
+        "model": args.model, "clips": len(files), "rounds": args.rounds, "beam_size": args.beam_size,
         "wer_llmserve": round(sum(e for e, _ in edits) / sum(n for _, n in edits), 4),
         "wer_faster_whisper": round(sum(e for e, _ in fw_edits) / sum(n for _, n in fw_edits), 4),
         "identical_text": f"{same}/{len(files)}",

@@ -117,15 +117,24 @@ class WhisperDecoderLayer(nn.Module):
     def _cross(self, h: torch.Tensor, md: AttentionMetadata,
                cross: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Each request's query rows over its own encoder K/V (no mask: all frames). One
-        call per request: stacking the requests' K/V would copy them every layer."""
+        call per encoder output: stacking the requests' K/V would copy them every layer;
+        the beams of one request (core/beam_search.py) share theirs, so their rows go in
+        one call (beam 5: 5x fewer calls over the 1500 frames)."""
         ea = self.encoder_attn
         q = ea.heads(ea.q_proj(h))  # [heads, T, head_dim]
         out = torch.empty_like(q)
         starts = md.query_starts()
+        groups: dict[int, list[int]] = {}
         for i in range(md.num_reqs):
-            s0, s1 = starts[i], starts[i + 1]
-            k, v = cross[i]
-            out[:, s0:s1] = F.scaled_dot_product_attention(q[:, s0:s1], k, v, scale=ea.scale)
+            groups.setdefault(id(cross[i][0]), []).append(i)
+        for reqs in groups.values():
+            k, v = cross[reqs[0]]
+            if len(reqs) == 1:
+                s0, s1 = starts[reqs[0]], starts[reqs[0] + 1]
+                out[:, s0:s1] = F.scaled_dot_product_attention(q[:, s0:s1], k, v, scale=ea.scale)
+                continue
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in reqs]).to(q.device)
+            out[:, rows] = F.scaled_dot_product_attention(q[:, rows], k, v, scale=ea.scale)
         return ea.out_proj(out.transpose(0, 1).flatten(1))
 
 

@@ -1,0 +1,158 @@
+"""Beam search in the engine (issue 29) against transformers' ``generate(num_beams=k)``,
+float32: the beams (token ids and order) and their cumulative logprobs (1e-4), on a tiny
+random Llama whose EOS is made likely (so beams end, and length_penalty and
+early_stopping matter) and on SmolLM2 (real EOS at the end of a chat answer); beam rows
+beside ordinary requests, under preemption, and KV blocks shared by the forks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.beam_search import BeamSearchParams
+
+EOS = 2  # SmolLM2's tokenizer's EOS (<|im_end|>), which serves the tiny checkpoints too
+
+
+def hf_beams(hf, prompt: list[int], k: int, max_new: int, lp: float, es, eos: int = EOS):
+    """transformers' beams: generated ids (up to and with EOS) and cumulative logprobs."""
+    with torch.no_grad():
+        g = hf.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k, max_new_tokens=max_new,
+                        do_sample=False, length_penalty=lp, early_stopping=es, eos_token_id=eos, pad_token_id=eos,
+                        output_scores=True, return_dict_in_generate=True)
+    seqs = []
+    for row, score in zip(g.sequences[:, len(prompt):].tolist(), g.sequences_scores.tolist()):
+        row = row[:row.index(eos) + 1] if eos in row else row
+        seqs.append((row, score * len(row) ** lp))
+    return seqs
+
+
+def assert_same_beams(out, ref, prompt_len: int, what: str) -> None:
+    got = [s.tokens[prompt_len:] for s in out.sequences]
+    assert got == [r for r, _ in ref], what
+    for s, (_, cum) in zip(out.sequences, ref):
+        assert abs(s.cum_logprob - cum) < 1e-4, what
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, save_tiny_model_fn):
+    """(LLM, transformers model, prompts) on a tiny Llama whose LM-head row for EOS points
+    along the mean final hidden state, scaled to 0.95 of the mean top logit: EOS is then the
+    second candidate at most steps (greedy: rank 1 at 28 of 30 steps), so beams end."""
+    path = str(tmp_path_factory.mktemp("beam_tiny"))
+    hf = save_tiny_model_fn("llama", path, seed=3)
+    prompts = [[(37 * i + 11 * j) % 49000 + 5 for j in range(9 + 7 * i)] for i in range(3)]
+    with torch.no_grad():
+        hs = torch.cat([hf.model(torch.tensor([p])).last_hidden_state[0] for p in prompts])
+        m = hs.mean(0)
+        hf.lm_head.weight[EOS] = m / m.dot(m) * hf.lm_head(hs).max(-1).values.mean() * 0.95
+    hf.save_pretrained(path)
+    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              kv_cache_memory="64MiB", block_size=16, max_num_seqs=16)
+    yield llm, hf, prompts
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("k,lp,es", [(2, 0.3, False), (4, 0.6, True),
+                                     pytest.param(8, 2.0, "never", marks=pytest.mark.slow)])
+def test_tiny_beams_equal_transformers(tiny, k, lp, es):
+    llm, hf, prompts = tiny
+    params = BeamSearchParams(beam_width=k, max_tokens=10, length_penalty=lp, early_stopping=es,
+                              include_stop_str_in_output=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    ended = 0
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref = hf_beams(hf, p, k, 10, lp, es)
+        ended += sum(r[-1] == EOS for r, _ in ref)
+        assert_same_beams(out, ref, len(p), f"k={k} prompt {i}")
+    assert ended, "no beam ended on EOS: the test would not cover EOS handling"
+
+
+def test_eos_dropped_unless_include_stop_str(tiny):
+    llm, _, prompts = tiny
+    with_eos = llm.beam_search({"prompt_token_ids": prompts[0]},
+                               BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.0,
+                                                include_stop_str_in_output=True))[0]
+    without = llm.beam_search({"prompt_token_ids": prompts[0]},
+                              BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.0))[0]
+    assert any(s.finish_reason == "stop" for s in with_eos.sequences)
+    for a, b in zip(with_eos.sequences, without.sequences):
+        assert b.tokens == (a.tokens[:-1] if a.finish_reason == "stop" else a.tokens)
+        assert len(b.logprobs) == len(b.tokens) - len(prompts[0])
+        assert a.cum_logprob == b.cum_logprob
+
+
+def test_mixed_batch_preemption_and_shared_blocks(tmp_path_factory, save_tiny_model_fn):
+    """Beam requests beside a greedy one in an engine whose cache (11 blocks) cannot hold
+    them all: preemptions happen and every answer equals the one it gets alone; alone,
+    a 4-beam request's forks share the prompt's full blocks (peak <= 3 shared + 2 own
+    per beam = 11, against 4 x 5 = 20 unshared) and every block is freed at the end."""
+    path = str(tmp_path_factory.mktemp("beam_mixed"))
+    save_tiny_model_fn("qwen2", path, seed=5)
+    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              num_gpu_blocks_override=12, block_size=16, max_num_seqs=12, max_model_len=160)
+    try:
+        prompts = [[(29 * i + 13 * j) % 49000 + 5 for j in range(50 + i)] for i in range(3)]
+        bp = BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        eng = llm.llm_engine
+        sched = eng.engine_core.engine_core.scheduler
+
+        def run(reqs):
+            for rid, p, beam in reqs:
+                eng.add_request(rid, {"prompt_token_ids": p}, sp.clone(), beam_search_params=beam)
+            done, peak = {}, 0
+            while eng.has_unfinished_requests():
+                done.update((o.request_id, [list(c.token_ids) for c in o.outputs]) for o in eng.step() if o.finished)
+                peak = max(peak, sched.kv_cache_manager.num_used_blocks)
+            return done, peak
+
+        alone, peak = run([("b0", prompts[0], bp)])
+        assert peak <= 3 + 4 + 4, peak  # 66 tokens: 3 shared full blocks, 2 own per beam
+        alone.update(run([("b1", prompts[1], bp)])[0])
+        alone.update(run([("g", prompts[2], None)])[0])
+        assert len(alone["b0"]) == 4 and len(alone["g"]) == 1
+        before = sched.num_preemptions_total
+        mixed, _ = run([("b0", prompts[0], bp), ("g", prompts[2], None), ("b1", prompts[1], bp)])
+        assert sched.num_preemptions_total > before, "the cache was meant to force preemption"
+        assert mixed == alone
+        assert sched.kv_cache_manager.num_used_blocks == 0 and not sched.beam.groups
+    finally:
+        llm.shutdown()
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    from llmserve.core.kv_cache_manager import KVCacheManager
+    from llmserve.core.request import Request
+
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    parent = Request("p", list(range(10)), SamplingParams(max_tokens=4), None)
+    kv.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    child = Request("c", list(range(10)), SamplingParams(max_tokens=4), None)
+    copy = kv.fork(parent, child)
+    pb, cb = kv.req_to_blocks["p"], kv.req_to_blocks["c"]
+    assert cb[:2] == pb[:2] and all(b.ref_cnt == 2 for b in pb[:2])
+    assert copy == (pb[2].block_id, cb[2].block_id) and cb[2] is not pb[2]
+    kv.free(child)
+    assert all(b.ref_cnt == 1 for b in pb) and kv.num_used_blocks == 3
+
+
+def test_beam_width_over_max_num_seqs_names_n(tiny):
+    llm, _, prompts = tiny
+    with pytest.raises(ValueError, match="max_num_seqs") as e:
+        llm.beam_search({"prompt_token_ids": prompts[0]}, BeamSearchParams(beam_width=17, max_tokens=4))
+    assert e.value.param == "n"
+    with pytest.raises(ValueError) as e:
+        BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+    assert e.value.param == "early_stopping"
+
+
+def test_chat_conversation_prompt(tiny):
+    llm, _, _ = tiny
+    conv = [{"role": "user", "content": "Hi"}]
+    ids = llm.apply_chat_template(conv)
+    a = llm.beam_search(conv, BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    b = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert a.sequences[0].tokens[:len(ids)] == ids and a.sequences[0].text
