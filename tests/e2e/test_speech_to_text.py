@@ -57,6 +57,14 @@ def test_every_response_format(srv):
     assert tr.text == js.text  # English audio: the translation is the transcript
 
 
+def test_beam_size_5_reads_as_faster_whisper(srv):
+    """The engine's beam search (issue 29): faster-whisper's beam-5 text on the same
+    weights (greedy reads "She tells each helm by Masey Shor.")."""
+    c = srv.client()
+    js = c.audio.transcriptions.create(model=STT, file=("clip05.flac", clip(5)), extra_body={"beam_size": 5})
+    assert js.text == "She fell seashell by the sea shore."
+
+
 def test_stream_matches_json(srv):
     """The default stream is OpenAI's (transcript.text.delta ... transcript.text.done), which the
     official SDK parses into its own event types; vLLM's chunk shape is kept behind
@@ -102,6 +110,8 @@ def test_other_formats_decode_to_the_same_text(srv):
     ({"model": STT, "timestamp_granularities[]": "word"}, {"file": ("c.flac", b"0")}, "timestamp_granularities"),
     ({"model": STT}, None, "file"),  # not multipart
     ({"model": STT, "include[]": "logprobs"}, {"file": ("c.flac", b"0")}, "include"),  # refused (unknown: ignored)
+    ({"model": STT, "beam_size": "5", "temperature": "0.4"}, {"file": ("c.flac", b"0")}, "beam_size"),
+    ({"model": STT, "beam_size": "0"}, {"file": ("c.flac", b"0")}, "beam_size"),
 ])
 def test_bad_requests_are_400_naming_the_field(srv, fields, files, param):
     r = srv.post("/v1/audio/transcriptions", data=fields, **({"files": files} if files else {}))

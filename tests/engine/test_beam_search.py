@@ -16,13 +16,15 @@ EOS = 2  # SmolLM2's tokenizer's EOS (<|im_end|>), which serves the tiny checkpo
 
 def hf_beams(hf, prompt: list[int], k: int, max_new: int, lp: float, es, eos: int = EOS):
     """transformers' beams: generated ids (up to and with EOS) and cumulative logprobs."""
+    stops = eos if isinstance(eos, list) else [eos]
     with torch.no_grad():
         g = hf.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k, max_new_tokens=max_new,
-                        do_sample=False, length_penalty=lp, early_stopping=es, eos_token_id=eos, pad_token_id=eos,
+                        do_sample=False, length_penalty=lp, early_stopping=es, eos_token_id=eos, pad_token_id=stops[0],
                         output_scores=True, return_dict_in_generate=True)
     seqs = []
     for row, score in zip(g.sequences[:, len(prompt):].tolist(), g.sequences_scores.tolist()):
-        row = row[:row.index(eos) + 1] if eos in row else row
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        row = row[:end + 1] if end is not None else row
         seqs.append((row, score * len(row) ** lp))
     return seqs
 
@@ -156,3 +158,15 @@ def test_chat_conversation_prompt(tiny):
     b = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(beam_width=2, max_tokens=4))[0]
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
     assert a.sequences[0].tokens[:len(ids)] == ids and a.sequences[0].text
+
+
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+def test_smollm2_beams_equal_transformers(llm_fp32, hf_model, k):
+    """SmolLM2 (float32, the GGUF weights in transformers too): a chat answer's beams end
+    on <|im_end|> and equal transformers' with the same stop ids."""
+    stop = sorted({llm_fp32.get_tokenizer().eos_token_id} | set(llm_fp32.model_config.extra_eos_token_ids))
+    ids = llm_fp32.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out = llm_fp32.beam_search({"prompt_token_ids": ids},
+                               BeamSearchParams(beam_width=k, max_tokens=20, include_stop_str_in_output=True))[0]
+    ref = hf_beams(hf_model, ids, k, 20, 1.0, False, eos=stop)
+    assert_same_beams(out, ref, len(ids), f"SmolLM2 k={k}")
