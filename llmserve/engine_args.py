@@ -203,7 +203,7 @@ class EngineArgs:
     max_loras: int = field(default=1, metadata=_help("Most distinct LoRA adapters in one batch (the base model's rows do not count)."))
     max_lora_rank: int = field(default=16, metadata=_help("Largest LoRA rank accepted (one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."))
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Most LoRA adapters kept loaded (default: max_loras); the least recently used idle one is unloaded past it."))
-    lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's), float32, bfloat16 or float16."))
+    lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's on GPU; float32 on CPU, where the small LoRA GEMMs run ~3x faster than in bfloat16), float32, bfloat16 or float16."))
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
     kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV transfer (disaggregated prefill) as a JSON dict; connectors are " + _NOT_YET + ".", str))

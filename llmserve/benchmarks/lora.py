@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> dict:
     from llmserve.lora.request import LoRARequest
 
     llm = LLM(args.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
-              kv_cache_memory="1GiB", dtype=args.dtype, multiprocess_mode=not args.in_process)
+              kv_cache_memory="1GiB", dtype=args.dtype, multiprocess_mode=not args.in_process,
+              num_threads=args.num_threads)
     cfg = llm.llm_engine.model_config.hf_config
     tmp = tempfile.mkdtemp(prefix="lora_bench_")
     loras = [LoRARequest(f"a{i}", i, write_random_adapter(cfg, os.path.join(tmp, f"a{i}"), args.rank, seed=i))
@@ -105,6 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--in-process", action="store_true", help="engine in this process (profiling)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     print(json.dumps(run(p.parse_args(argv)), indent=1))
 
 

@@ -76,11 +76,7 @@ class LinearWithLoRA(nn.Module):
         m = self.ctx.mapping
         if m is None or not any(self.slot_used[s] for s in m.slots):
             return y
-        if self.a_stack.dtype == y.dtype:
-            return add_lora(y, x, self.a_stack, self.b_stack, m)
-        d = add_lora(y.new_zeros(y.shape, dtype=self.a_stack.dtype), x.to(self.a_stack.dtype),
-                     self.a_stack, self.b_stack, m)
-        return y.add_(d.to(y.dtype))
+        return add_lora(y, x, self.a_stack, self.b_stack, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._delta_into(self.base.forward(x), x)

@@ -27,6 +27,16 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def lora_weights_dtype(lora_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The adapters' dtype: ``lora_dtype``, or for "auto" the model's - except float32 for a
+    16-bit model on the CPU, where the deltas' small GEMMs run ~3x faster in float32
+    (SmolLM2's gate/up at 1 token, rank 16: ~117 us bfloat16 vs ~37 us float32 with the
+    casts, 1 thread here; oneDNN's bfloat16 path has a large fixed cost at these sizes)."""
+    if lora_dtype != "auto":
+        return _DTYPES[lora_dtype]
+    return torch.float32 if device.type == "cpu" else model_dtype
+
+
 class LoRAModelManager:
     """Owns the wrapped model's LoRA state. ``model``: a loaded (and, under tensor
     parallel, sharded) Llama-family model; ``model_dtype``: its dtype (``lora_dtype``
@@ -34,7 +44,7 @@ class LoRAModelManager:
 
     def __init__(self, model: nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
-        self.dtype = model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
+        self.dtype = lora_weights_dtype(config.lora_dtype, model_dtype, device)
         self.device = device
         self.num_layers = len(model.model.layers)
         self.shapes = target_shapes(model.config)

@@ -85,8 +85,11 @@ class LoRAMapping:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
              mapping: LoRAMapping) -> torch.Tensor:
-    """``y += delta`` in place (y ``[T, out]``, x ``[T, in]``, both in the weights' dtype)
-    by the mapping's path; returns y."""
+    """``y += delta`` in place (y ``[T, out]``, x ``[T, in]``) by the mapping's path;
+    returns y. Weights of another dtype than y (float32 adapters on a bfloat16 model)
+    compute in theirs and add into y's."""
+    if x.dtype != a_stack.dtype:
+        x = x.to(a_stack.dtype)
     if mapping.use_bgmv:
         return bgmv(y, x, a_stack, b_stack, mapping)
     return sgmv(y, x, a_stack, b_stack, mapping.segments)
@@ -95,8 +98,12 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: t
 def sgmv(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
          segments: Sequence[tuple[int, int, int]]) -> torch.Tensor:
     """Segmented: for each ``(slot, start, end)``, ``y[start:end] += x[start:end] @ a @ b``."""
-    for slot, start, end in segments:
-        y[start:end].addmm_(torch.mm(x[start:end], a_stack[slot]), b_stack[slot])
+    if y.dtype == a_stack.dtype:
+        for slot, start, end in segments:
+            y[start:end].addmm_(torch.mm(x[start:end], a_stack[slot]), b_stack[slot])
+        return y
+    for slot, start, end in segments:  # in-place add casts the delta to y's dtype
+        y[start:end].add_(torch.mm(torch.mm(x[start:end], a_stack[slot]), b_stack[slot]))
     return y
 
 
@@ -109,7 +116,7 @@ def bgmv(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch
     d = torch.bmm(torch.bmm(xg, a_stack[:n]), b_stack[:n]).view(n * m, -1)
     if mapping.valid is not None:
         d = d.index_select(0, mapping.valid)
-    return y.index_add_(0, mapping.scatter_idx, d)
+    return y.index_add_(0, mapping.scatter_idx, d if d.dtype == y.dtype else d.to(y.dtype))
 
 
 def segments_of(row_slots: Sequence[int], row_lens: Sequence[int]) -> list[tuple[int, int, int]]:
