@@ -214,14 +214,14 @@ class LoRAAdapters:
         """``add_lora``; whatever the engine refuses is a 400 (vLLM's), the field its
         typed error names (``LoRAAdapterError.param``) or ``lora_path``."""
         try:
-            ok = await self.engine_client.add_lora(lora)
+            # False: the engine has this id already (another API server of --api-server-count
+            # loaded the same --lora-modules entry under the same id first): fine.
+            await self.engine_client.add_lora(lora)
         except EngineDeadError:
             raise
         except Exception as e:
             raise SamplingParamsError(f"Cannot load the LoRA adapter '{lora.lora_name}': {e}",
                                       getattr(e, "param", None) or "lora_path") from e
-        if ok is False:
-            raise SamplingParamsError(f"The engine did not load the LoRA adapter '{lora.lora_name}'.", "lora_path")
 
     async def unload(self, request: UnloadLoRAAdapterRequest) -> str:
         """Stop serving an adapter (vLLM's ``unload_lora_adapter``); the engine drops it
