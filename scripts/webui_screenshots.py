@@ -45,13 +45,13 @@ def playground(context, args: argparse.Namespace) -> None:
     page.click("#key-ok")
     expect(page.locator("#model option")).not_to_have_count(0)
     page.fill("#system", "You are a concise assistant. Answer in markdown.")
-    page.fill("#max_tokens", "160")
+    page.fill("#max_tokens", "96")
     page.fill("#temperature", "0")
-    for prompt in ("Write a Python function that reverses a string, and explain it in one sentence.",
+    for prompt in ("Write a Python function that reverses a string.",
                    "Give three tips for writing clear code, as a list."):
         page.fill("#prompt", prompt)
         page.press("#prompt", "Enter")
-        expect(page.locator("#send")).to_be_visible(timeout=300_000)
+        expect(page.locator("#send")).to_be_visible(timeout=600_000)
     page.screenshot(path=f"{args.out}/webui-playground.png")
 
 
@@ -60,7 +60,7 @@ def live(context, args: argparse.Namespace) -> None:
     page.goto(args.url + "/live")
     for t in wave(args, [24, 40, 32, 56, 28, 48]):  # finished ones, with their timelines
         t.join()
-    threads = wave(args, [160, 120, 200, 140, 180, 100, 150, 130, 170, 110])
+    threads = wave(args, [96, 64, 128, 80, 112, 72, 90, 70, 100, 60])
     expect(page.locator("#active tr[data-state=running]")).not_to_have_count(0)
     page.wait_for_timeout(args.running_s * 1000)
     page.screenshot(path=f"{args.out}/webui-live.png", full_page=True)
