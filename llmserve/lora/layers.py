@@ -49,6 +49,8 @@ class LinearWithLoRA(nn.Module):
         self.a_stack = torch.zeros(num_slots, in_local, width, dtype=dtype, device=device)
         self.b_stack = torch.zeros(num_slots, width, out_local, dtype=dtype, device=device)
         self.slot_used = [False] * num_slots
+        # Per-slot views of the stacks (written in place: they stay current).
+        self.a_slots, self.b_slots = list(self.a_stack.unbind(0)), list(self.b_stack.unbind(0))
 
     def set_slot(self, slot: int, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Write one adapter's ``(A [r, in], B [out_i, r])`` per slice (None: not targeted)
@@ -76,7 +78,7 @@ class LinearWithLoRA(nn.Module):
         m = self.ctx.mapping
         if m is None or not any(self.slot_used[s] for s in m.slots):
             return y
-        return add_lora(y, x, self.a_stack, self.b_stack, m)
+        return add_lora(y, x, self.a_stack, self.b_stack, m, self.a_slots, self.b_slots)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._delta_into(self.base.forward(x), x)
