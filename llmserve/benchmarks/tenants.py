@@ -64,6 +64,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phases", default="baseline,flood,weights")
     parser.add_argument("--server-args", default="", help="Extra `llmserve serve` flags (one string).")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--engine-steps", type=int, default=0,
+                        help="Instead of servers: each phase for this many steps of an in-process engine "
+                             "(the scheduler's fair share alone, no HTTP quotas).")
+    parser.add_argument("--quiet-every", type=int, default=4, help="--engine-steps: a quiet request every N steps.")
 
 
 def _keys(fair: bool, max_num_seqs: int, extra: int = 0) -> list[dict]:
@@ -265,13 +269,106 @@ def main(args: argparse.Namespace) -> dict:
     """Run the servers and phases; prints and returns the results."""
     res: dict = {"load_avg_start": os.getloadavg()[0], "cpus": os.cpu_count(), "args": vars(args).copy()}
     res["args"].pop("dispatch", None)
+    if args.engine_steps:
+        res.update(engine_main(args))
     for kind in ("fifo", "fair"):
-        if args.only in (None, kind):
+        if args.only in (None, kind) and not args.engine_steps:
             res[kind] = asyncio.run(_run_server(args, fair=kind == "fair"))
-    res.update(_ratios(res))
+    if not args.engine_steps:
+        res.update(_ratios(res))
     res["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(res, indent=1, default=str))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=1, default=str)
+    return res
+
+
+# ---- --engine-steps: the same questions asked of an in-process engine (no HTTP) -----------
+def _engine(args: argparse.Namespace, fair: bool) -> Any:
+    from llmserve import LLM
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, tenant_fair_share=fair, multiprocess_mode=False,
+              kv_cache_memory="256MiB", max_model_len=512, disable_log_stats=True)
+    return llm.llm_engine
+
+
+class _EngineDriver:
+    """Keeps each tenant at its number of outstanding requests; counts tokens per tenant
+    and the quiet tenant's time to first token (seconds and engine steps)."""
+
+    def __init__(self, eng: Any, args: argparse.Namespace):
+        from llmserve import RequestOutputKind, SamplingParams
+        self.eng, self.args, self.n = eng, args, 0
+        self.sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
+                                 output_kind=RequestOutputKind.DELTA)
+        self.tenant_of: dict[str, str] = {}
+        self.started: dict[str, tuple[float, int]] = {}
+        self.outstanding: collections.Counter = collections.Counter()
+        self.tokens: collections.Counter = collections.Counter()
+        self.ttft: list[float] = []
+        self.ttft_steps: list[int] = []
+
+    def add(self, tenant: str, weight: float, step: int) -> None:
+        from llmserve.engine.tenant_context import reset_current_tenant, set_current_tenant
+        self.n += 1
+        rid = f"{tenant}-{self.n}"
+        token = set_current_tenant(argparse.Namespace(name=tenant, weight=weight))
+        try:
+            self.eng.add_request(rid, self.args.prompt, self.sp)
+        finally:
+            reset_current_tenant(token)
+        self.tenant_of[rid], self.started[rid] = tenant, (time.perf_counter(), step)
+        self.outstanding[tenant] += 1
+
+    def step(self, step: int) -> None:
+        for out in self.eng.step():
+            tenant = self.tenant_of[out.request_id]
+            new = len(out.outputs[0].token_ids)
+            if new and out.request_id in self.started and tenant == "quiet":
+                t0, s0 = self.started.pop(out.request_id)
+                self.ttft.append(time.perf_counter() - t0)
+                self.ttft_steps.append(step - s0)
+            self.tokens[tenant] += new
+            if out.finished:
+                self.outstanding[tenant] -= 1
+
+
+def _engine_phase(eng: Any, args: argparse.Namespace, name: str) -> dict:
+    drv, steps = _EngineDriver(eng, args), args.engine_steps
+    depth = {"baseline": {"flooder": args.max_num_seqs}, "flood": {"flooder": 10 * args.max_num_seqs},
+             "weights": {t: args.max_num_seqs for t in WEIGHTS}}[name]
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for tenant, want in depth.items():
+            while drv.outstanding[tenant] < want:
+                drv.add(tenant, WEIGHTS.get(tenant, 1), step)
+        if name != "weights" and step % args.quiet_every == 0:
+            drv.add("quiet", 1, step)
+        drv.step(step)
+    wall = time.perf_counter() - t0
+    while eng.has_unfinished_requests():  # drain: the next phase starts empty
+        eng.step()
+    out = {"steps": steps, "wall_s": wall, "tokens": dict(drv.tokens),
+           "output_tok_s": sum(drv.tokens.values()) / wall, "quiet_n": len(drv.ttft),
+           "quiet_ttft_p99_s": _pct(drv.ttft, 0.99), "quiet_ttft_median_s": _pct(drv.ttft, 0.5),
+           "quiet_ttft_p99_steps": _pct(drv.ttft_steps, 0.99), "load_avg": os.getloadavg()[0]}
+    if name == "weights":
+        total = sum(drv.tokens[t] for t in WEIGHTS) or 1
+        out["heavy_share"] = drv.tokens["heavy"] / total
+    return out
+
+
+def engine_main(args: argparse.Namespace) -> dict:
+    """``--engine-steps N``: each phase for N steps of an in-process engine, FIFO then fair."""
+    res: dict = {"load_avg_start": os.getloadavg()[0]}
+    for kind in ("fifo", "fair"):
+        eng = _engine(args, fair=kind == "fair")
+        res[kind] = {name: _engine_phase(eng, args, name) for name in args.phases.split(",")}
+        del eng
+    for kind in ("fifo", "fair"):
+        r = res[kind]
+        if "baseline" in r and "flood" in r and r["baseline"]["quiet_ttft_p99_s"]:
+            res[f"{kind}_quiet_p99_flood_over_baseline"] = r["flood"]["quiet_ttft_p99_s"] / r["baseline"]["quiet_ttft_p99_s"]
+    if "flood" in res["fifo"]:
+        res["flood_output_tok_s_fair_over_fifo"] = res["fair"]["flood"]["output_tok_s"] / res["fifo"]["flood"]["output_tok_s"]
     return res

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from llmserve.beam_search import BeamSearchParams
 from llmserve.config import EngineConfig
+from llmserve.engine.tenant_context import tenant_fields
 from llmserve.engine.core_client import EngineCoreClient
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.lora.request import check_lora_request
@@ -145,8 +146,11 @@ class LLMEngine:
             parent = ParentRequest(request_id, params)
             reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time,
                                                         priority) for i, cid in enumerate(parent.child_ids)]
+        tenant, weight = tenant_fields()  # the current tenant (engine/tenant_context.py), if any
         for req in register_incarnations(self.output_processor, reqs, parent):
             req.lora_request = lora
+            if tenant is not None:
+                req.tenant, req.tenant_weight = tenant, weight
             if trace_headers:
                 req.trace_headers = dict(trace_headers)
             self.engine_core.add_request(req)
