@@ -39,6 +39,9 @@ class LinearWithLoRA(nn.Module):
                  rank: int, dtype: torch.dtype, ctx: LoRAStepContext, device: torch.device) -> None:
         super().__init__()
         self.base = base
+        # Plain attributes for the hot path: nn.Module.__getattr__ (submodules) costs ~1 us
+        # a lookup, ~500 a step with adapters on all four linears of 30 layers.
+        self.__dict__["_base_forward"] = base.forward
         self.slices, self.in_full, self.rank, self.ctx = slices, in_full, rank, ctx
         self.out_full = sum(size for _, size in slices)
         self.out_index: Optional[torch.Tensor] = getattr(base, "lora_out_index", None)
@@ -81,7 +84,7 @@ class LinearWithLoRA(nn.Module):
         return add_lora(y, x, self.a_stack, self.b_stack, m, self.a_slots, self.b_slots)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._delta_into(self.base.forward(x), x)
+        return self._delta_into(self._base_forward(x), x)
 
 
 class RowParallelLinearWithLoRA(LinearWithLoRA):
