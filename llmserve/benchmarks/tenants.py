@@ -289,7 +289,7 @@ def _engine(args: argparse.Namespace, fair: bool) -> Any:
     from llmserve import LLM
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, tenant_fair_share=fair, multiprocess_mode=False,
               kv_cache_memory="256MiB", max_model_len=512, disable_log_stats=True)
-    return llm.llm_engine
+    return llm  # the LLM, not only its engine: its finalizer shuts the engine down
 
 
 class _EngineDriver:
@@ -362,9 +362,9 @@ def engine_main(args: argparse.Namespace) -> dict:
     """``--engine-steps N``: each phase for N steps of an in-process engine, FIFO then fair."""
     res: dict = {"load_avg_start": os.getloadavg()[0]}
     for kind in ("fifo", "fair"):
-        eng = _engine(args, fair=kind == "fair")
-        res[kind] = {name: _engine_phase(eng, args, name) for name in args.phases.split(",")}
-        del eng
+        llm = _engine(args, fair=kind == "fair")
+        res[kind] = {name: _engine_phase(llm.llm_engine, args, name) for name in args.phases.split(",")}
+        del llm
     for kind in ("fifo", "fair"):
         r = res[kind]
         if "baseline" in r and "flood" in r and r["baseline"]["quiet_ttft_p99_s"]:
