@@ -35,6 +35,7 @@ def test_completions_and_chat_equal_offline(server, llm_fp32):
     assert got == [tok.decode(s.tokens[len(ids):], skip_special_tokens=True) for s in ref.sequences]
 
 
+@pytest.mark.slow
 def test_stream_sends_the_final_beams(server):
     body = {"model": server.model_id(), "prompt": "The capital of France is", "max_tokens": 10, "n": 3,
             "use_beam_search": True}

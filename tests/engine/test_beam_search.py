@@ -160,7 +160,8 @@ def test_chat_conversation_prompt(tiny):
     assert a.sequences[0].tokens[:len(ids)] == ids and a.sequences[0].text
 
 
-@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2, 4, 8])
 def test_smollm2_beams_equal_transformers(llm_fp32, hf_model, k):
     """SmolLM2 (float32, the GGUF weights in transformers too): a chat answer's beams end
     on <|im_end|> and equal transformers' with the same stop ids."""
