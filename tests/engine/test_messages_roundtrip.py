@@ -49,6 +49,10 @@ def _beam_params():
     return m.BeamSearchParams(4, 32, True, 0.5, 0.8, True, "never")
 
 
+def _lora():
+    return m.LoRARequest("sql", 3, "/adapters/sql", "/local/sql", 4096, "base-model", {"a": 1}, True)
+
+
 def _enc():
     return m.EncoderInputs(b"\x00\x00\x80?" * 6, (2, 3), "float32", 1)
 
@@ -60,7 +64,7 @@ SAMPLES = {
                                                      PoolingParams(normalize=False, dimensions=8, task="embed"),
                                                      True, [4, 5], _enc(), data_parallel_rank=1,
                                                      client_index=2, beam_search_params=_beam_params(),
-                                                     tenant="alice", tenant_weight=3.0),
+                                                     tenant="alice", tenant_weight=3.0, lora_request=_lora()),
     m.StreamingInputChunk: lambda: m.StreamingInputChunk("r1", [9, 10], _params(), True),
     m.EngineCoreOutput: _output,
     m.EngineCoreOutputs: lambda: m.EngineCoreOutputs(
@@ -76,6 +80,7 @@ SAMPLES = {
     EngineCoreEvent: _event,
     m.BeamSearchParams: lambda: _beam_params(),
     m.BeamSequenceOutput: _beam_seq,
+    m.LoRARequest: _lora,
 }
 
 
