@@ -11,6 +11,7 @@ loaded one after another with ``POST /v1/load_lora_adapter`` (timed) and unloade
 Per stream: the median gap between its chunks over the whole stream, and the largest gap
 that overlaps a load call; their ratio says whether the loads paused the streams. A
 control window of the same length after them gives the ratio with no load.
+Last, each adapter is loaded once more with no stream running (``idle_load_ms``).
 Prints JSON: load latency (median, max, ms), the worst ratios (during loads, control).
 """
 from __future__ import annotations
@@ -112,6 +113,19 @@ def one_round(client: httpx.Client, model: str, adapters: list[str], args: argpa
             * 1000}
 
 
+def _idle_loads(client: httpx.Client, adapters: list[str]) -> list[float]:
+    """Load (then unload) each adapter with nothing else running: ms per load."""
+    out = []
+    for i, path in enumerate(adapters):
+        t0 = time.perf_counter()
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": f"idle-{i}", "lora_path": path})
+        out.append((time.perf_counter() - t0) * 1000)
+        if r.status_code != 200:
+            raise RuntimeError(f"load failed: {r.status_code} {r.text}")
+        client.post("/v1/unload_lora_adapter", json={"lora_name": f"idle-{i}"})
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from llmserve.benchmarks.lora import write_random_adapter
     from llmserve.engine_args import EngineArgs
@@ -130,12 +144,14 @@ def run(args: argparse.Namespace) -> dict:
             for _ in range(args.repeats):
                 rounds.append(one_round(client, model, adapters, args))
                 print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)  # each round as it ends
+            idle = _idle_loads(client, adapters)
         finally:
             proc.terminate()
             proc.wait(60)
     loads = [x for r in rounds for x in r["load_ms"]]
     return {"model": args.model, "rank": args.rank, "streams": args.streams, "loads_per_round": args.loads,
             "repeats": args.repeats, "load_ms_median": statistics.median(loads), "load_ms_max": max(loads),
+            "idle_load_ms": idle, "idle_load_ms_median": statistics.median(idle),
             "gap_ratio_during_loads_max_per_round": [r["max_ratio"] for r in rounds],
             "gap_ratio_control_max_per_round": [r["control_max_ratio"] for r in rounds],
             "median_itl_ms_per_round": [r["median_itl_ms"] for r in rounds]}
