@@ -36,6 +36,7 @@ FAMILIES = {
     "register_anthropic_api_routers": {"/v1/messages", "/v1/messages/count_tokens"},
     "register_ollama_api_routers": {"/api/chat", "/api/embed", "/api/embeddings", "/api/generate", "/api/ps",
                                     "/api/show", "/api/tags", "/api/version"},
+    "register_request_timeline_api_routers": {"/v1/requests", "/v1/requests/{request_id}/timeline"},
 }
 
 
