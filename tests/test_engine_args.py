@@ -209,7 +209,7 @@ def test_llm_from_engine_args_enqueue_and_tqdm_callable(tiny_dir):
                              kv_cache_memory="16MiB", max_model_len=128, max_num_batched_tokens=128)
     llm = LLM.from_engine_args(engine_args, multiprocess_mode=False)
     try:
-        assert llm.engine_args is engine_args
+        assert llm.engine_args == engine_args  # cls(**vars(engine_args)), as vLLM
         sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         ref = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [8, 9]], sp, use_tqdm=False)]
         bars = []
@@ -234,3 +234,17 @@ def test_llm_from_engine_args_enqueue_and_tqdm_callable(tiny_dir):
         assert llm.wait_for_completion(use_tqdm=False) == []
     finally:
         llm.shutdown()
+
+
+def test_llm_from_engine_args_applies_the_init_guards(caplog):
+    """from_engine_args goes through LLM.__init__ (issue 29): the data-parallel refusal
+    applies before any engine starts; the renderer warning is logged once per process."""
+    from llmserve.entrypoints import llm as llm_mod
+
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        LLM.from_engine_args(EngineArgs(model="SmolLM2-135M-Instruct", data_parallel_size=2))
+    with caplog.at_level(logging.WARNING, logger="llmserve.entrypoints.llm"):
+        llm_mod._warn_renderer_workers(7)
+        caplog.clear()
+        llm_mod._warn_renderer_workers(7)
+    assert "renderer_num_workers=7" not in caplog.text
