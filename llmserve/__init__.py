@@ -23,11 +23,12 @@ _LAZY = {
     "StreamingInput": "llmserve.engine.streaming_input",
     "TextPrompt": "llmserve.inputs",
     "TokensPrompt": "llmserve.inputs",
+    "BeamSearchParams": "llmserve.beam_search",
 }
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "PoolingParams",
-           "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt", "TokensPrompt", "__version__"]
+           "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt", "TokensPrompt", "BeamSearchParams", "__version__"]
 
 
 def __getattr__(name):
