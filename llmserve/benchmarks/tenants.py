@@ -349,6 +349,7 @@ def _engine_phase(eng: Any, args: argparse.Namespace, name: str) -> dict:
     while eng.has_unfinished_requests():  # drain: the next phase starts empty
         eng.step()
     out = {"steps": steps, "wall_s": wall, "tokens": dict(drv.tokens),
+           "quiet_sent": sum(1 for t in drv.tenant_of.values() if t == "quiet"),
            "output_tok_s": sum(drv.tokens.values()) / wall, "quiet_n": len(drv.ttft),
            "quiet_ttft_p99_s": _pct(drv.ttft, 0.99), "quiet_ttft_median_s": _pct(drv.ttft, 0.5),
            "quiet_ttft_p99_steps": _pct(drv.ttft_steps, 0.99), "load_avg": os.getloadavg()[0]}
@@ -367,7 +368,7 @@ def engine_main(args: argparse.Namespace) -> dict:
         del llm
     for kind in ("fifo", "fair"):
         r = res[kind]
-        if "baseline" in r and "flood" in r and r["baseline"]["quiet_ttft_p99_s"]:
+        if "baseline" in r and "flood" in r and r["baseline"]["quiet_ttft_p99_s"] and r["flood"]["quiet_ttft_p99_s"]:
             res[f"{kind}_quiet_p99_flood_over_baseline"] = r["flood"]["quiet_ttft_p99_s"] / r["baseline"]["quiet_ttft_p99_s"]
     if "flood" in res["fifo"]:
         res["flood_output_tok_s_fair_over_fifo"] = res["fair"]["flood"]["output_tok_s"] / res["fifo"]["flood"]["output_tok_s"]
