@@ -29,11 +29,11 @@ def hf_beams(hf, prompt: list[int], k: int, max_new: int, lp: float, es, eos: in
     return seqs
 
 
-def assert_same_beams(out, ref, prompt_len: int, what: str) -> None:
+def assert_same_beams(out, ref, prompt_len: int, what: str, tol: float = 1e-4) -> None:
     got = [s.tokens[prompt_len:] for s in out.sequences]
     assert got == [r for r, _ in ref], what
     for s, (_, cum) in zip(out.sequences, ref):
-        assert abs(s.cum_logprob - cum) < 1e-4, what
+        assert abs(s.cum_logprob - cum) < tol, what
 
 
 @pytest.fixture(scope="module")
@@ -170,4 +170,6 @@ def test_smollm2_beams_equal_transformers(llm_fp32, hf_model, k):
     out = llm_fp32.beam_search({"prompt_token_ids": ids},
                                BeamSearchParams(beam_width=k, max_tokens=20, include_stop_str_in_output=True))[0]
     ref = hf_beams(hf_model, ids, k, 20, 1.0, False, eos=stop)
-    assert_same_beams(out, ref, len(ids), f"SmolLM2 k={k}")
+    # 2e-4: 20 tokens' float32 logits of two GEMM libraries (measured: 1.26e-4 at k=8 on a
+    # cum of -10.23, ~6e-6 per token; the beam arithmetic itself is float64 here)
+    assert_same_beams(out, ref, len(ids), f"SmolLM2 k={k}", tol=2e-4)
