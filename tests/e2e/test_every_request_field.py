@@ -31,6 +31,10 @@ NO_EFFECT = {
                            "tests/entrypoints/test_tool_calling.py); this test's requests call no tools",
     "include_reasoning": "only with --reasoning-parser, which SmolLM2 cannot use (no think tokens); "
                          "tests/entrypoints/test_tool_calling.py",
+    "length_penalty": "ranks beams that end at different lengths (use_beam_search): this test's 8-token "
+                      "answers end together; tests/engine/test_beam_search.py checks it against transformers",
+    "early_stopping": "decides when a beam search stops once hypotheses ended (use_beam_search); "
+                      "tests/engine/test_beam_search.py checks True/False/\"never\" against transformers",
 }
 CHAT_ONLY_NO_EFFECT = {"parallel_tool_calls", "include_reasoning"}
 # Chat fields whose effect needs a request chat_template, which the shared server refuses
@@ -43,6 +47,7 @@ Value = Union[Any, Callable[[dict], Any]]
 COMMON: dict[str, tuple[Value, Value]] = {
     "model": ({}, "no-such-model"),
     "n": ({}, 2),
+    "use_beam_search": ({"n": 2}, True),
     "max_tokens": ({}, 2),
     "temperature": ({"seed": 1}, 1.5),
     "top_p": (SAMPLED, 0.05),
