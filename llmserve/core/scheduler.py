@@ -335,6 +335,8 @@ class Scheduler:
                     req.beam_group.started = True
                 scheduled[req.request_id] = n
                 budget -= n
+                if self.fair_share is not None:  # charged now, so this step's next pick sees it
+                    self.fair_share.charge(((req, n),))
             self.waiting.extendleft(reversed(lora_skipped))
 
         for req in self.running:
@@ -347,7 +349,8 @@ class Scheduler:
         self._last_batch_size = len(out.scheduled)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
         if self.fair_share is not None:
-            self.fair_share.charge((s.request, s.num_scheduled_tokens) for s in out.scheduled)
+            self.fair_share.charge((s.request, s.num_scheduled_tokens) for s in out.scheduled
+                                   if s.request.request_id not in admitted)  # admitted: charged above
         if self._num_structured:
             out.grammar_bitmask, out.structured_output_request_ids = \
                 self.structured_output_manager.grammar_bitmask(out.scheduled)

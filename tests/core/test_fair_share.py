@@ -60,6 +60,15 @@ def test_weights_1_to_3_get_token_shares_within_10_percent():
     assert s.fair_share.tokens == tokens  # the policy counted the same tokens
 
 
+def test_admissions_within_one_step_follow_the_weights():
+    s = _sched(max_seqs=4)
+    for i in range(4):
+        s.add_request(_req(f"light{i}", "light", weight=1.0, arrival=float(i)))
+        s.add_request(_req(f"heavy{i}", "heavy", weight=3.0, arrival=float(i)))
+    so, _ = run_step(s)  # each admission is charged at once: the next pick of the step sees it
+    assert Counter(x.request.tenant for x in so.scheduled) == {"heavy": 3, "light": 1}
+
+
 def test_single_tenant_order_is_fifo_as_without_fair_share():
     def order(fair):
         s = _sched(fair=fair, max_seqs=2)
