@@ -33,6 +33,8 @@ NO_EFFECT = {
                          "tests/entrypoints/test_tool_calling.py",
     "length_penalty": "ranks beams that end at different lengths (use_beam_search): this test's 8-token "
                       "answers end together; tests/engine/test_beam_search.py checks it against transformers",
+    "include_metrics": "vLLM's double opt-in: only with --enable-per-request-metrics, which the shared server "
+                       "does not set; tests/e2e/test_request_timelines.py checks it on a server with the flag",
     "early_stopping": "decides when a beam search stops once hypotheses ended (use_beam_search); "
                       "tests/engine/test_beam_search.py checks True/False/\"never\" against transformers",
 }
@@ -73,6 +75,7 @@ COMMON: dict[str, tuple[Value, Value]] = {
     "priority": ({}, 1),
     "prompt_logprobs": ({}, 0),
     "return_token_ids": ({}, True),
+    "timings_per_token": ({}, True),  # llama.cpp's timings object on the response
     "truncate_prompt_tokens": ({}, 2),
     "truncation_side": ({"truncate_prompt_tokens": 2}, "right"),
 }
