@@ -50,6 +50,7 @@ def external_lb_pair(tiny_model_dir):
             s.stop()
 
 
+@pytest.mark.slow  # two servers (~26 s); DP ranks per engine client: tests/engine/test_data_parallel.py; `make test-all`
 def test_external_lb_each_server_owns_its_rank(external_lb_pair):
     for rank, srv in enumerate(external_lb_pair):
         kids = [p for p in psutil.Process(srv.proc.pid).children()
@@ -114,6 +115,7 @@ def test_two_api_servers_share_the_engine_and_metrics(two_api_servers):
     assert sock_dirs and not any(os.path.exists(d) for d in sock_dirs)
 
 
+@pytest.mark.slow  # ~22 s; its halves run in make test: test_two_api_servers_share_the_engine_and_metrics, test_data_parallel_server.py
 def test_two_api_servers_over_two_dp_engines(tiny_model_dir):
     """--api-server-count 2 --data-parallel-size 2: the launcher starts both engines, each
     API server balances over both (attached DPLBAsyncMPClient); SIGTERM stops everything."""

@@ -182,6 +182,7 @@ def test_engine_death_fails_requests_and_exits_nonzero():
         server.stop()
 
 
+@pytest.mark.slow  # the same exit path as test_engine_death_fails_requests_and_exits_nonzero, with no request; `make test-all`
 def test_engine_death_while_idle_exits_nonzero(tiny_model_dir):
     """No request in flight: the death is still noticed (/health turns 503 or the port
     closes) and the server exits non-zero by itself. No request, so the tiny model (which

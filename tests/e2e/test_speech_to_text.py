@@ -119,6 +119,7 @@ def test_bad_requests_are_400_naming_the_field(srv, fields, files, param):
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.slow  # ~13 s; two models under load at once: test_multi_model_server.py (chat + embeddings); `make test-all`
 def test_chat_and_transcription_at_once(srv):
     ref = srv.client().audio.transcriptions.create(model=STT, file=("c.flac", clip(3))).text
 

@@ -37,6 +37,7 @@ class _Core:
     def __init__(self, proc):
         self.scheduler, self.proc, self.prefilled = make_scheduler(), proc, []
         self.model_runner = type("Runner", (), {"prefault_kv": staticmethod(lambda: False)})()
+        self.lora_registry = None  # no --enable-lora: requests go straight to the scheduler
 
     def add_request(self, req):
         self.scheduler.add_request(req)

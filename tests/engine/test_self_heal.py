@@ -146,6 +146,7 @@ def test_sigkill_during_streams_resumes_identically(engine, loop):
     assert not engine.errored and engine.output_processor.states == {}
 
 
+@pytest.mark.slow  # ~15 s (the stall timeout runs out); stall detection: test_admission_server.py; `make test-all`
 def test_sigstop_is_detected_and_healed(engine, loop):
     """A stopped engine (SIGSTOP) sends nothing while requests wait: after the stall
     timeout it is killed and restarted, and the streams complete as if undisturbed."""

@@ -94,6 +94,7 @@ def test_tp2_mp_equals_tp1_and_workers_stop(tiny_path, prompts, tp1_tokens):
     assert not any(_alive(p) for p in pids)
 
 
+@pytest.mark.slow  # ~11 s (a Ray cluster starts); TP=2 over processes stays in make test; `make test-all`
 def test_tp2_ray_equals_tp1_and_actors_stop(tiny_path, prompts, tp1_tokens):
     ray = pytest.importorskip("ray", reason="the ray extra is not installed (make installs it)")
     from llmserve import LLM, SamplingParams
