@@ -3,8 +3,10 @@ API servers of ``--api-server-count``)."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+from typing import Optional
 
 
 def _exit_when_orphaned(parent_pid: int, poll_s: float) -> None:
@@ -23,3 +25,16 @@ def exit_when_parent_dies(parent_pid: int, poll_s: float = 1.0) -> threading.Thr
                          name="llmserve-parent-watch")
     t.start()
     return t
+
+
+def same_code_command(module: str, env: Optional[dict] = None) -> tuple[list[str], dict]:
+    """``python -P -m module`` and an environment whose PYTHONPATH starts at the folder this
+    llmserve was imported from, so a child process runs the parent's code. Without it ``-m``
+    puts the working directory first on sys.path, and a ``llmserve/`` folder there (an old
+    checkout) replaced the engine's code under an up-to-date front end (seen in a user trial:
+    a start-up hung on a stale kernel-build lock of the old code, and beam search answered
+    wrong). ``-P`` (Python 3.11) keeps the working directory off sys.path."""
+    env = dict(os.environ if env is None else env)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding llmserve/
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-P", "-m", module], env

@@ -23,7 +23,7 @@ import zmq
 
 from llmserve.engine.messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequestType
 from llmserve.engine.serial import MsgpackEncoder
-from llmserve import envs
+from llmserve import envs, proc_utils
 
 STARTUP_TIMEOUT_S = float(envs.get("LLMSERVE_ENGINE_STARTUP_TIMEOUT", "600"))
 # How long shutdown waits for the engine to exit by itself after SHUTDOWN (default).
@@ -102,8 +102,8 @@ _prestarted: Optional[tuple[subprocess.Popen, dict]] = None
 
 
 def _start_interpreter(env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "llmserve.engine.core"], stdin=subprocess.PIPE,
-                            close_fds=True, env=env)
+    cmd, env = proc_utils.same_code_command("llmserve.engine.core", env)
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True, env=env)
 
 
 def prestart_engine_process() -> None:

@@ -21,6 +21,7 @@ import time
 from multiprocessing.connection import Listener
 from typing import Any, Optional
 
+from llmserve import proc_utils
 from llmserve.executor.abstract import Executor
 
 # Seconds to wait for the workers to connect / for the model load calls.
@@ -66,8 +67,8 @@ class MultiprocExecutor(Executor):
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
         try:
             for rank in range(self.world_size):
-                p = subprocess.Popen([sys.executable, "-m", "llmserve.worker.worker_proc"],
-                                     stdin=subprocess.PIPE, close_fds=True)
+                cmd, env = proc_utils.same_code_command("llmserve.worker.worker_proc")
+                p = subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True, env=env)
                 p.stdin.write(pickle.dumps((self.vllm_config, rank, self.world_size, dist_init, address,
                                             authkey, os.getpid())))
                 p.stdin.close()
