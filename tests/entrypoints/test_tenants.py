@@ -153,6 +153,14 @@ def test_api_key_repeatable_and_keys_file_checked_at_start(tmp_path):
     bad.write_text(json.dumps([{"key": "x", "tenant": "t", "rate": 3}]))
     with pytest.raises(ValueError, match="unknown fields"):
         validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+    # One key naming two tenants (or listed twice) is refused: which one wins is not the order of lines.
+    bad.write_text(json.dumps([{"key": "x", "tenant": "t"}, {"key": "y", "tenant": "u"}, {"key": "x", "tenant": "u"}]))
+    with pytest.raises(ValueError, match="entry 2: the same key as entry 0"):
+        validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+    # An entry without a tenant belongs to the default tenant (README).
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([{"key": "x"}, {"key": "y", "tenant": "u"}]))
+    assert sorted(KeyRing([], str(good)).tenant_names()) == ["default", "u"]
 
 
 def test_key_match_is_constant_time_in_which_key_matched(monkeypatch):

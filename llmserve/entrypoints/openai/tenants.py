@@ -103,8 +103,10 @@ def load_keys_file(path: str) -> dict[bytes, Tenant]:
     """Parse a keys file: a JSON list of ``{"key", "tenant", "weight",
     "max_concurrent_requests", "max_tokens_per_second", "burst_tokens",
     "allowed_models"}`` objects (only ``key`` is required; ``tenant`` defaults to
-    "default"). Several keys may name one tenant, with the same limits. Returns SHA-256
-    digest of the key -> Tenant. Raises ValueError (naming the file and entry) or OSError."""
+    "default"). Several keys may name one tenant, with the same limits; one key may appear
+    only once (twice would leave which tenant it names to the order of the file). Returns
+    SHA-256 digest of the key -> Tenant. Raises ValueError (naming the file and entry) or
+    OSError."""
     with open(path, encoding="utf-8") as f:
         try:
             entries = json.load(f)
@@ -114,12 +116,18 @@ def load_keys_file(path: str) -> dict[bytes, Tenant]:
         raise ValueError(f"--api-keys-file {path}: expected a JSON list of key entries")
     out: dict[bytes, Tenant] = {}
     by_name: dict[str, Tenant] = {}
+    first_entry: dict[bytes, int] = {}
     for i, entry in enumerate(entries):
         key, tenant = _tenant_from_entry(entry, f"--api-keys-file {path} entry {i}")
         if by_name.setdefault(tenant.name, tenant) != tenant:
             raise ValueError(f"--api-keys-file {path} entry {i}: tenant {tenant.name!r} has other limits "
                              f"in an earlier entry; give each tenant's keys the same limits")
-        out[_digest(key)] = tenant
+        digest = _digest(key)
+        if digest in first_entry:
+            raise ValueError(f"--api-keys-file {path} entry {i}: the same key as entry {first_entry[digest]}; "
+                             f"each key may appear once (it names one tenant)")
+        first_entry[digest] = i
+        out[digest] = tenant
     return out
 
 
