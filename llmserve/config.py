@@ -321,9 +321,10 @@ _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """vLLM's ``KVTransferConfig`` (disaggregated prefill): which connector moves KV
-    between instances and this instance's role. Validated as vLLM does; no connector is
-    implemented yet, so EngineArgs refuses one with a clear error."""
+    """vLLM's ``KVTransferConfig``: which connector moves KV between this engine and an
+    external store or instance (llmserve/kv_transfer: SharedStorageConnector,
+    OffloadingConnector, or a registered third-party one), this instance's role and the
+    connector's extra config. Validated as vLLM does."""
 
     kv_connector: Optional[str] = None
     engine_id: Optional[str] = None

@@ -7,8 +7,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from llmserve.config import (CacheConfig, CompilationMode, ModelConfig, ObservabilityConfig, ParallelConfig,
-                             RestartConfig, SchedulerConfig, VllmConfig, resolve_dtype)
+from llmserve.config import (CacheConfig, CompilationMode, KVTransferConfig, ModelConfig, ObservabilityConfig,
+                             ParallelConfig, RestartConfig, SchedulerConfig, VllmConfig, resolve_dtype)
 from llmserve.engine_defaults import DEFAULT_KV_CACHE_BYTES, UsageContext, default_batching, parse_bytes
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ _SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_long_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; use 1"),
     "async_scheduling": (lambda v: not v, "scheduling does not overlap the forward pass"),
     "load_format": (lambda v: v in ("auto", "safetensors", "gguf"), "use 'auto', 'safetensors' or 'gguf'"),
-    "kv_transfer_config": (lambda v: v is None or v.kv_connector is None, "no KV connector is implemented"),
     "worker_cls": (_is_default_worker, "the engine runs llmserve.worker.model_runner.ModelRunner; use 'auto'"),
 }
 
@@ -252,10 +251,38 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
                                            model_config.runner == "pooling"),
         parallel_config=parallel_config,
         observability_config=_observability_config(args),
-        compilation_config=args.compilation_config, kv_transfer_config=args.kv_transfer_config,
+        compilation_config=args.compilation_config, kv_transfer_config=_kv_transfer_config(args, model_config),
         structured_outputs_config=args.structured_outputs_config,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout,
         restart_config=_restart_config(args, usage_context), lora_config=_lora_config(args, model_config))
+
+
+def _kv_transfer_config(args: "EngineArgs", model_config: ModelConfig) -> Optional[KVTransferConfig]:
+    """``kv_transfer_config``, or vLLM's ``--kv-offloading-size`` / ``--kv-offloading-backend
+    native`` form of it (an ``OffloadingConnector``). Raises ValueError naming the field: an
+    unknown connector (listing the known ones), both forms at once, or an engine the disk
+    tier cannot serve (no prefix caching, tensor parallel, pooling or encoder models)."""
+    ktc = args.kv_transfer_config
+    if args.kv_offloading_size is not None:
+        if args.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend={args.kv_offloading_backend!r} is not supported by this "
+                             "engine yet (use 'native')")
+        if ktc is not None and ktc.kv_connector is not None:
+            raise ValueError("kv_offloading_size and kv_transfer_config.kv_connector cannot both be set")
+        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"kv_offloading_size": args.kv_offloading_size})
+    if ktc is None or ktc.kv_connector is None:
+        return ktc
+    from llmserve.kv_transfer import KVConnectorFactory
+
+    KVConnectorFactory.get_connector_class(ktc).check_config(ktc)
+    why = ("enable_prefix_caching is off (the KV tier extends the prefix cache)" if not args.enable_prefix_caching
+           else "tensor_parallel_size > 1" if args.tensor_parallel_size > 1
+           else "a pooling model" if model_config.runner == "pooling"
+           else "an encoder model" if model_config.is_encoder_only or model_config.is_encoder_decoder else None)
+    if why:
+        raise ValueError(f"kv_transfer_config: the {ktc.kv_connector} connector cannot run with {why}")
+    return ktc
 
 
 def _lora_config(args: "EngineArgs", model_config: ModelConfig) -> Optional["LoRAConfig"]:

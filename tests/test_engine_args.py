@@ -84,7 +84,8 @@ def test_kv_transfer_config_dict_and_invalid_as_vllm(tiny_dir, caplog):
     with pytest.raises(ValueError, match="Invalid 'kv_transfer_config' provided: "):
         LLM("x", kv_transfer_config={"kv_role": "leader"})
     _args(tiny_dir, kv_transfer_config={"kv_role": "kv_both"}).create_engine_config()  # no connector: fine
-    with pytest.raises(ValueError, match="kv_transfer_config=.*not supported by this engine yet"):
+    with pytest.raises(ValueError, match="unknown kv_connector 'NixlConnector'; known connectors: .*"
+                                         "SharedStorageConnector"):
         _args(tiny_dir, kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"}
               ).create_engine_config()
 

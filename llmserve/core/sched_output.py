@@ -39,3 +39,6 @@ class SchedulerOutput:
     # KV blocks to copy (src, dst) before the forward: copy-on-write of a partial block
     # that beams forked from one parent share (core/beam_search.py).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The KV connector's loads and saves for this step (llmserve/kv_transfer:
+    # KVConnectorBase_V1.build_connector_meta); None without kv_transfer_config.
+    kv_connector_metadata: Optional[Any] = None

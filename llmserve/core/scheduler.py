@@ -42,8 +42,11 @@ class Scheduler:
     encoder model) allocates and caches no KV blocks at all."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 needs_kv: bool = True, structured_output_manager=None, lora_config=None) -> None:
+                 needs_kv: bool = True, structured_output_manager=None, lora_config=None,
+                 kv_connector=None) -> None:
         self.config = scheduler_config
+        # The scheduler side of a KV connector (llmserve/kv_transfer); None: off.
+        self.connector = kv_connector
         # Distinct adapters one step may hold (llmserve/lora/scheduling.py); 0: LoRA off.
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.max_model_len = scheduler_config.max_model_len
@@ -125,6 +128,8 @@ class Scheduler:
     def _free_request(self, req: Request) -> None:
         if req.structured_output_request is not None:
             self._num_structured -= 1
+        if self.connector is not None:
+            self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(req.request_id))
         self.kv_cache_manager.free(req)
         if self.fair_share is not None and req.request_id in self.requests:
             self.fair_share.remove(req)
@@ -312,24 +317,30 @@ class Scheduler:
                 enc = req.num_encoder_tokens if not req.encoder_scheduled else 0
                 if enc and enc > encoder_budget and encoder_budget < self.config.max_num_encoder_input_tokens:
                     break  # its encoder waits for the next step's budget
-                computed_blocks, num_hit = [], 0
+                computed_blocks, num_hit, num_ext = [], 0, 0
                 if req.num_computed_tokens == 0:
                     computed_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
-                n = req.num_tokens - req.num_computed_tokens - num_hit
+                    if self.connector is not None:  # tokens an external KV tier holds past the RAM hit
+                        num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)[0]
+                n = req.num_tokens - req.num_computed_tokens - num_hit - num_ext
                 if n > budget and (not self.config.enable_chunked_prefill or req.pooling_params is not None):
                     break
                 n = min(n, budget)
-                if self.needs_kv and self.kv_cache_manager.allocate_slots(req, n, computed_blocks) is None:
+                new_blocks = self.kv_cache_manager.allocate_slots(req, num_ext + n, computed_blocks) \
+                    if self.needs_kv else []
+                if new_blocks is None:
                     break
+                if self.connector is not None:  # the first num_ext tokens' blocks are loaded, not computed
+                    self.connector.update_state_after_alloc(req, [b.block_id for b in new_blocks], num_ext)
                 self.waiting.remove(req)
                 if enc:
                     encoder_budget -= enc
                     req.encoder_scheduled = True
-                req.num_computed_tokens += num_hit
+                req.num_computed_tokens += num_hit + num_ext
                 if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
+                    req.num_cached_tokens = num_hit + num_ext
                 req.status = RequestStatus.RUNNING
-                admitted[req.request_id] = num_hit
+                admitted[req.request_id] = num_hit + num_ext
                 self.running.append(req)
                 if req.beam_group is not None:
                     req.beam_group.started = True
@@ -359,6 +370,8 @@ class Scheduler:
         self.finished_req_ids = set()
         if self.pending_block_copies:
             out.blocks_to_copy, self.pending_block_copies = self.pending_block_copies, []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     # ---- results -----------------------------------------------------------
@@ -467,5 +480,7 @@ class Scheduler:
             st.max_lora = self.max_loras
             st.running_lora_adapters = lora_sched.adapter_counts(self.running)
             st.waiting_lora_adapters = lora_sched.adapter_counts(self.waiting)
+        if self.connector is not None:
+            st.kv_connector_stats = self.connector.get_stats()
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
         return st

@@ -45,6 +45,16 @@ POOLING_GATHER_MIN_S = 0.01
 logger = logging.getLogger(__name__)
 
 
+def _scheduler_connector(config: EngineConfig):
+    """The scheduler side of the configured KV connector (llmserve/kv_transfer), or None."""
+    ktc = config.kv_transfer_config
+    if ktc is None or not ktc.is_kv_transfer_instance:
+        return None
+    from llmserve.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+    return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+
+
 class EngineCore:
     """The inner loop of the engine, in whatever process it lives.
 
@@ -83,7 +93,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    needs_kv=not config.model_config.is_encoder_only,
                                    structured_output_manager=self.structured_output_manager,
-                                   lora_config=config.lora_config)
+                                   lora_config=config.lora_config,
+                                   kv_connector=_scheduler_connector(config))
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora
         if config.lora_config is not None:
             from llmserve.lora.registry import LoRARegistry

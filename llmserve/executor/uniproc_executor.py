@@ -41,4 +41,6 @@ class UniProcExecutor(Executor):
         return self.model_runner.lora_model_manager().remove(lora_id)
 
     def shutdown(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
         self.model_runner = None

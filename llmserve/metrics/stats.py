@@ -26,6 +26,9 @@ class SchedulerStats:
     running_lora_adapters: dict = field(default_factory=dict)
     waiting_lora_adapters: dict = field(default_factory=dict)
     max_lora: int = 0
+    # KV connector (llmserve/kv_transfer) counters since the last stats: prompt tokens looked
+    # up ("queries"), found in the external tier ("hits"), bytes loaded; None: no connector.
+    kv_connector_stats: Optional[dict] = None
 
 
 @dataclass

@@ -142,6 +142,8 @@ class ModelRunner:
         self.eos_token_id: Optional[int] = None
         # KV heads held here: all of them, or this rank's share under tensor parallel.
         self.num_kv_heads = mc.num_kv_heads
+        # The worker side of a KV connector (llmserve/kv_transfer), built with the KV cache.
+        self.kv_connector = None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
@@ -220,6 +222,23 @@ class ModelRunner:
         else:
             buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(buf.unbind(0))
+        self._init_kv_connector()
+
+    def _init_kv_connector(self) -> None:
+        """Build the worker side of ``kv_transfer_config``'s connector over the KV cache."""
+        ktc = self.config.kv_transfer_config
+        if ktc is not None and ktc.is_kv_transfer_instance:
+            from llmserve.kv_transfer import KVConnectorFactory, KVConnectorRole
+
+            self.kv_connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER)
+            self.kv_connector.register_kv_caches(self.kv_caches)
+
+    def shutdown(self) -> None:
+        """Flush and stop the KV connector (its pending block writes)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
+
 
     # How far (bytes of all layers' K and V) the idle prefault runs ahead of use.
     KV_PREFAULT_HEADROOM_BYTES = 32 << 20
@@ -318,11 +337,18 @@ class ModelRunner:
         if not so.scheduled:
             return out
         inputs = self._prepare_inputs(so)
+        kvc = self.kv_connector
+        if kvc is not None:  # external KV into this step's blocks before the forward
+            kvc.bind_connector_metadata(so.kv_connector_metadata)
+            kvc.start_load_kv()
         # Logits must not depend on the batch (greedy: issue 10.6, seeded: issue 18): pad GEMMs.
         invariant = self.model_config.batch_invariant or any(
             getattr(s.request.sampling_params, "seed", None) is not None for s in so.scheduled)
         with min_gemm_rows(MIN_INVARIANT_ROWS if invariant else 1):
             hidden = self._forward(inputs)
+            if kvc is not None:  # this step's full prompt blocks out to the connector
+                kvc.wait_for_save()
+                kvc.clear_connector_metadata()
             if self.lora_manager is not None:
                 self.lora_manager.end_step()
             if not inputs.logit_rows:

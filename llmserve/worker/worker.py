@@ -94,6 +94,8 @@ class Worker:
     def shutdown(self) -> None:
         from llmserve.distributed.parallel_state import destroy_tp_group
 
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
         self.model_runner = None
         destroy_tp_group()
 

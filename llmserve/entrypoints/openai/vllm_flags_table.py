@@ -33,7 +33,6 @@ OWN_FLAG_KINDS = {
     "--pipeline-parallel-size": REFUSED,
     "--data-parallel-address": NOOP,
     "--data-parallel-rpc-port": NOOP,
-    "--kv-transfer-config": REFUSED,
 }
 
 

@@ -1,0 +1,244 @@
+"""The on-disk KV block store behind ``SharedStorageConnector`` / ``OffloadingConnector``.
+
+One file per full KV block, named by the block's prefix-cache hash (the chain hash of
+``core/kv_cache_manager.py``: it identifies the whole prefix up to and including the
+block), in a folder named after the *layout key* (model identity, dtype, quantization,
+block size, layer/head shapes), so another model or dtype never even looks at them. Each
+file: a fixed header (magic, version, the full 32-byte key digest, the block hash, the
+payload length, the payload's CRC-32) then the payload (the block's K and V of every
+layer). A file whose header or checksum does not match is never loaded: ``read_block``
+returns None and removes it (so the block is written again later).
+
+Writes go to a temporary file in the same folder, then ``os.replace`` (atomic on POSIX):
+a crash leaves either the old state or a whole file, and a torn temporary file is never
+read (it does not end in ``.kv``). ``BlockWriter`` writes on its own thread, off the
+engine's step loop, and keeps the folder under a byte bound by evicting the least
+recently used files (a load bumps a file's mtime, so the order survives restarts).
+
+No torch here: payloads are bytes-like objects (the worker's connector turns tensors into
+them). The same format serves vLLM's two names for this (``SharedStorageConnector``:
+``kv_connector_extra_config.shared_storage_path``; ``OffloadingConnector`` /
+``--kv-offloading-backend native --kv-offloading-size``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"LLMSKV\x00\x01"
+VERSION = 1
+# magic, version, key digest, block hash, payload bytes, crc32 of the payload
+_HEADER = struct.Struct("<8sI32sQQI")
+HEADER_SIZE = _HEADER.size
+SUFFIX = ".kv"
+
+
+def layout_key(fields: dict[str, Any]) -> bytes:
+    """sha256 digest (32 bytes) of the layout fields (JSON, sorted keys): model identity,
+    dtype, quantization, block_size, per-layer shapes. Two engines share blocks only when
+    every field is equal."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).digest()
+
+
+def block_dir(root: str, key: bytes) -> str:
+    """The folder of one layout key under ``root`` (created if missing)."""
+    path = os.path.join(root, key.hex()[:16])
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def block_path(folder: str, block_hash: int) -> str:
+    return os.path.join(folder, f"{block_hash:016x}{SUFFIX}")
+
+
+def encode_header(key: bytes, block_hash: int, payload: Any) -> bytes:
+    """The header for ``payload`` (bytes-like): its length and CRC-32."""
+    mv = memoryview(payload).cast("B")
+    return _HEADER.pack(MAGIC, VERSION, key, block_hash, mv.nbytes, zlib.crc32(mv))
+
+
+def read_block(folder: str, key: bytes, block_hash: int, expected_nbytes: Optional[int] = None) -> Optional[bytes]:
+    """The payload of block ``block_hash``, or None when it is missing or invalid (torn,
+    corrupted, another layout key or hash, unexpected length). An invalid file is logged
+    and removed; a valid one gets its mtime bumped (LRU order for ``BlockWriter``)."""
+    path = block_path(folder, block_hash)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    why = _invalid(data, key, block_hash, expected_nbytes)
+    if why is not None:
+        logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
+        _unlink(path)
+        return None
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+    return data[HEADER_SIZE:]
+
+
+def _invalid(data: bytes, key: bytes, block_hash: int, expected_nbytes: Optional[int]) -> Optional[str]:
+    """Why ``data`` (a whole file) may not be loaded, or None when it may."""
+    if len(data) < HEADER_SIZE:
+        return "shorter than its header"
+    magic, version, fkey, fhash, nbytes, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        return "not a KV block file of this version"
+    if fkey != key:
+        return "written by another model, dtype or layout"
+    if fhash != block_hash:
+        return "holds another block"
+    if len(data) - HEADER_SIZE != nbytes or (expected_nbytes is not None and nbytes != expected_nbytes):
+        return "truncated or of the wrong size"
+    if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != crc:
+        return "checksum mismatch"
+    return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+@dataclass
+class WriterStats:
+    """Cumulative counters of a BlockWriter: blocks and bytes written, blocks skipped
+    (already on disk), blocks evicted, write errors (OSError: disk full, read-only...)."""
+
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    blocks_present: int = 0
+    blocks_evicted: int = 0
+    write_errors: int = 0
+
+
+class BlockWriter:
+    """Writes blocks on a daemon thread, bounded to ``max_bytes`` (None: no bound) with LRU
+    eviction by mtime. ``put`` never blocks the caller on I/O; ``flush`` waits until the
+    queue is written; ``close`` flushes and stops the thread.
+
+    A write that raises OSError (a full disk) is logged once per writer and counted; the
+    files already written stay and keep being served.
+    """
+
+    def __init__(self, folder: str, key: bytes, max_bytes: Optional[int]) -> None:
+        self.folder = folder
+        self.key = key
+        self.max_bytes = max_bytes
+        self.stats = WriterStats()
+        self._lru: OrderedDict[str, tuple[float, int]] = OrderedDict()  # name -> (mtime, bytes)
+        self._total = 0
+        self._warned = False
+        self._scan()
+        self._queue: "queue.Queue[Optional[tuple[int, Any]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
+        self._thread.start()
+
+    def _scan(self) -> None:
+        """Index the files already in the folder (a previous run's), oldest first; remove
+        leftover temporary files of a crashed write."""
+        found = []
+        for entry in os.scandir(self.folder):
+            if entry.name.endswith(".tmp"):
+                _unlink(entry.path)
+            elif entry.name.endswith(SUFFIX):
+                st = entry.stat()
+                found.append((st.st_mtime, entry.name, st.st_size))
+        for mtime, name, size in sorted(found):
+            self._lru[name] = (mtime, size)
+            self._total += size
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def put(self, block_hash: int, payload: Any) -> None:
+        """Queue one block (``payload``: a bytes-like object the caller no longer changes)."""
+        self._queue.put((block_hash, payload))
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:  # never let one block stop the writer
+                logger.exception("KV tier: writing a block failed")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: int, payload: Any) -> None:
+        path = block_path(self.folder, block_hash)
+        name = os.path.basename(path)
+        if os.path.exists(path):
+            self.stats.blocks_present += 1
+            return
+        header = encode_header(self.key, block_hash, payload)
+        size = len(header) + memoryview(payload).nbytes
+        if self.max_bytes is not None and (size > self.max_bytes or not self._make_room(size)):
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink(tmp)
+            self.stats.write_errors += 1
+            if not self._warned:
+                self._warned = True
+                logger.error("KV tier: cannot write to %s (%s); serving the blocks already there, "
+                             "new blocks are not kept (logged once)", self.folder, e)
+            return
+        self._lru[name] = (time.time(), size)
+        self._total += size
+        self.stats.blocks_stored += 1
+        self.stats.bytes_stored += size
+
+    def _make_room(self, size: int) -> bool:
+        """Evict least recently used files until ``size`` more bytes fit. A file whose mtime
+        moved since it was indexed (a load touched it) goes to the back instead."""
+        checked = 0
+        while self._total + size > self.max_bytes and self._lru:
+            name, (mtime, nbytes) = next(iter(self._lru.items()))
+            path = os.path.join(self.folder, name)
+            try:
+                now = os.stat(path).st_mtime
+            except OSError:
+                now = None
+            if now is not None and now > mtime and checked < len(self._lru):
+                checked += 1
+                self._lru.move_to_end(name)
+                self._lru[name] = (now, nbytes)
+                continue
+            del self._lru[name]
+            self._total -= nbytes
+            _unlink(path)
+            self.stats.blocks_evicted += 1
+        return self._total + size <= self.max_bytes

@@ -1,0 +1,192 @@
+"""The disk KV tier (SharedStorageConnector / OffloadingConnector, llmserve/kv_transfer):
+greedy output with the tier equals without (and transformers'); an engine restarted over
+the same path loads the prompt's blocks from disk (cached_tokens) and answers the same;
+truncated, corrupted, other-model files are skipped; a failing disk keeps serving; the
+LRU bound; both connectors and vLLM's --kv-offloading-size form work offline."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.kv_transfer import KVConnectorFactory
+from llmserve.kv_transfer import disk_store
+from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, encode_header, layout_key, read_block
+from llmserve.kv_transfer.shared_storage import SharedStorageConnector
+
+PROMPT = [int(t) for t in torch.randint(5, 250, (100,), generator=torch.Generator().manual_seed(1))]
+FULL_BLOCKS = (len(PROMPT) - 1) // 16  # 6 blocks of 16 tokens: 96 tokens a restart can load
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, save_tiny_model_fn):
+    path = tmp_path_factory.mktemp("kv_tier_model")
+    hf = save_tiny_model_fn("llama", str(path))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
+    return str(path), out[0, len(PROMPT):].tolist()
+
+
+def _llm(model: str, **kw) -> LLM:
+    return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+               kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64, **kw)
+
+
+def _tier(path) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+def _run(llm: LLM, prompt=PROMPT):
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def _connector(llm: LLM):
+    """The worker side of the in-process engine's connector."""
+    return llm.llm_engine.engine_core.engine_core.model_runner.kv_connector
+
+
+def _files(path) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".kv"))
+
+
+def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path):
+    model, hf_tokens = tiny
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    assert _run(llm) == (hf_tokens, 0)  # chunked prefill (64-token steps) saves each chunk's blocks
+    llm.shutdown()  # flushes the writer
+    files = _files(tmp_path)
+    assert len(files) == FULL_BLOCKS
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path))  # a restart: the RAM prefix cache is empty
+    assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)
+    # the chain is loaded up to the first bad file: block 2 torn, block 4 corrupted
+    llm.reset_prefix_cache()
+    by_order = _chain_files(tmp_path)
+    with open(by_order[2], "r+b") as f:
+        f.truncate(os.path.getsize(by_order[2]) - 7)
+    with open(by_order[4], "r+b") as f:
+        f.seek(disk_store.HEADER_SIZE + 5)
+        f.write(b"\xff\xfe")
+    assert _run(llm) == (hf_tokens, 2 * 16)
+    _connector(llm).flush()  # the torn file was removed and written again by the recompute
+    assert os.path.getsize(by_order[2]) == os.path.getsize(by_order[0])
+    llm.shutdown()
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    assert _run(llm) == (hf_tokens, 4 * 16)  # block 4 was still corrupt: removed at this lookup
+    llm.shutdown()
+
+
+def _chain_files(path) -> list[str]:
+    """The tier's files of PROMPT in chain order (block 0 first)."""
+    from llmserve.core.kv_cache_manager import hash_block_tokens
+
+    hashes, parent = [], 0
+    for i in range(FULL_BLOCKS):
+        parent = hash_block_tokens(parent, PROMPT[i * 16:(i + 1) * 16])
+        hashes.append(parent)
+    by_name = {os.path.basename(p): p for p in _files(path)}
+    return [by_name[f"{h:016x}.kv"] for h in hashes]
+
+
+def test_failing_disk_keeps_serving_and_logs_once(tiny, tmp_path, monkeypatch, caplog):
+    model, hf_tokens = tiny
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    assert _run(llm) == (hf_tokens, 0)
+    _connector(llm).flush()
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(disk_store.os, "replace", full)
+    other = [t + 1 for t in PROMPT]
+    with caplog.at_level(logging.ERROR, logger="llmserve.kv_transfer.disk_store"):
+        first = _run(llm, other)
+        _run(llm, [t + 2 for t in PROMPT])
+        _connector(llm).flush()
+    assert sum("cannot write" in r.message for r in caplog.records) == 1
+    names = [f for _, _, fs in os.walk(tmp_path) for f in fs]
+    assert len(_files(tmp_path)) == FULL_BLOCKS and not [f for f in names if f.endswith(".tmp")]
+    assert _connector(llm).writer.stats.write_errors == 2 * FULL_BLOCKS
+    monkeypatch.undo()
+    llm.reset_prefix_cache()
+    assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)  # what the tier had is still served
+    assert _run(llm, other) == first
+    llm.shutdown()
+    assert len(_files(tmp_path)) == 2 * FULL_BLOCKS  # the disk works again: new blocks are kept
+
+
+def test_offloading_connector_and_vllm_flags_offline(tiny, tmp_path, monkeypatch):
+    model, hf_tokens = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    llm = _llm(model, kv_offloading_size=0.001, kv_offloading_backend="native")  # vLLM's form
+    assert llm.llm_engine.vllm_config.kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert _run(llm) == (hf_tokens, 0)
+    llm.shutdown()
+    llm = _llm(model, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                          "kv_connector_extra_config": {"kv_offloading_size": 0.001}})
+    assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)
+    llm.shutdown()
+    assert _files(os.path.join(tmp_path, "llmserve", "kv_offload"))
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        _llm(model, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="kv_offloading_backend='lmcache'"):
+        _llm(model, kv_offloading_size=1, kv_offloading_backend="lmcache")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        _llm(model, kv_transfer_config=_tier(tmp_path), enable_prefix_caching=False)
+
+
+def test_other_model_or_dtype_file_is_never_loaded(tmp_path, caplog):
+    key, other = layout_key({"model": "a", "dtype": "float32"}), layout_key({"model": "a", "dtype": "bfloat16"})
+    assert key != other and block_dir(str(tmp_path), key) != block_dir(str(tmp_path), other)
+    folder = block_dir(str(tmp_path), key)
+    payload = bytes(range(256)) * 4
+    for k, h in ((key, 1), (other, 2)):
+        with open(os.path.join(folder, f"{h:016x}.kv"), "wb") as f:
+            f.write(encode_header(k, h, payload) + payload)
+    assert read_block(folder, key, 1, len(payload)) == payload
+    with caplog.at_level(logging.WARNING):
+        assert read_block(folder, key, 2, len(payload)) is None  # another layout's header
+    assert "another model" in caplog.text and not os.path.exists(os.path.join(folder, f"{2:016x}.kv"))
+    assert read_block(folder, key, 1, len(payload) + 1) is None  # the wrong size for this layout
+
+
+def test_writer_lru_bound_keeps_recently_loaded_blocks(tmp_path):
+    key = layout_key({"model": "lru"})
+    folder = block_dir(str(tmp_path), key)
+    payload = b"x" * 1000
+    size = disk_store.HEADER_SIZE + len(payload)
+    w = BlockWriter(folder, key, max_bytes=3 * size)
+    for h in (1, 2, 3):
+        w.put(h, payload)
+    w.flush()
+    os.utime(os.path.join(folder, f"{1:016x}.kv"), (1e10, 1e10))  # block 1 loaded since: most recent
+    w.put(4, payload)
+    w.flush()
+    assert sorted(os.listdir(folder)) == [f"{h:016x}.kv" for h in (1, 3, 4)]
+    assert w.total_bytes == 3 * size and w.stats.blocks_evicted == 1
+    w.close()
+    w = BlockWriter(folder, key, max_bytes=3 * size)  # a restart finds them again
+    assert w.total_bytes == 3 * size
+    w.close()
+
+
+class _Recorder(SharedStorageConnector):
+    """A third-party connector (here: the disk tier under another name)."""
+
+
+def test_registry_lists_known_connectors_and_takes_third_party_ones():
+    assert {"SharedStorageConnector", "OffloadingConnector"} <= set(KVConnectorFactory.known_connectors())
+    KVConnectorFactory.register_connector("TestRecorderConnector", __name__, "_Recorder")
+    try:
+        cfg = type("C", (), {"kv_connector": "TestRecorderConnector", "kv_connector_module_path": None})
+        assert KVConnectorFactory.get_connector_class(cfg) is _Recorder
+        with pytest.raises(ValueError, match="already registered"):
+            KVConnectorFactory.register_connector("TestRecorderConnector", __name__, "_Recorder")
+        cfg.kv_connector, cfg.kv_connector_module_path = "_Recorder", __name__
+        assert KVConnectorFactory.get_connector_class(cfg) is _Recorder
+    finally:
+        KVConnectorFactory._registry.pop("TestRecorderConnector", None)
