@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from llmserve.lora.config import LoRAConfig
+from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.structured_output.config import StructuredOutputsConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
@@ -47,6 +48,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
 
 
 @dataclass(frozen=True)
@@ -443,6 +445,7 @@ class VllmConfig:
     shutdown_timeout: float = 0.0
     restart_config: RestartConfig = field(default_factory=RestartConfig)
     lora_config: Optional[LoRAConfig] = None  # set by enable_lora (llmserve/lora)
+    speculative_config: Optional[SpeculativeConfig] = None  # n-gram drafts (llmserve/spec_decode)
 
 
 # The first name of the config; kept so existing imports keep working.

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union, get_args, get_origin
 
+from llmserve.spec_decode.config import SpeculativeConfig, make_speculative_config
 from llmserve.structured_output.config import (StructuredOutputsConfig, make_structured_outputs_config,
                                                with_reasoning_parser)
 from llmserve.config import (AdmissionConfig, CacheConfig, CompilationConfig, CompilationMode, KVTransferConfig,
@@ -206,6 +207,7 @@ class EngineArgs:
     lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's on GPU; float32 on CPU, where the small LoRA GEMMs run ~3x faster than in bfloat16), float32, bfloat16 or float16."))
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
+    speculative_config: Optional[SpeculativeConfig] = field(default=None, metadata=_help("Speculative decoding as a JSON dict (vLLM's SpeculativeConfig): n-gram drafts from the request's own prompt and output, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; the draft length adapts per request to the measured acceptance. Draft models are " + _NOT_YET + ".", str))
     kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV connector as a JSON dict (vLLM's KVTransferConfig): kv_connector SharedStorageConnector (prompt KV blocks kept on disk under kv_connector_extra_config.shared_storage_path, reused across requests and restarts) or OffloadingConnector, kv_role kv_both / kv_producer (save only) / kv_consumer (load only); third-party connectors: kv_connector_module_path. Disaggregated prefill is " + _NOT_YET + ".", str))
     kv_offloading_size: Optional[float] = field(default=None, metadata=_help("GiB of KV blocks the offloading tier keeps (vLLM's --kv-offloading-size): with --kv-offloading-backend native, full prompt blocks are kept on local disk ($XDG_CACHE_HOME/llmserve/kv_offload, least recently used evicted past the size) and loaded instead of recomputed, after a restart too (OffloadingConnector)."))
     kv_offloading_backend: str = field(default="native", metadata=_help("KV offloading backend with --kv-offloading-size: native (this engine's disk tier); lmcache is " + _NOT_YET + "."))
@@ -232,6 +234,7 @@ class EngineArgs:
             self.served_model_name = [self.served_model_name]
         self.compilation_config = make_compilation_config(self.compilation_config)
         self.kv_transfer_config = make_kv_transfer_config(self.kv_transfer_config)
+        self.speculative_config = make_speculative_config(self.speculative_config)
         self.structured_outputs_config = with_reasoning_parser(
             make_structured_outputs_config(self.structured_outputs_config), self.reasoning_parser)
         self.worker_cls = make_worker_cls(self.worker_cls)

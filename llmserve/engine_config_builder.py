@@ -254,7 +254,8 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         compilation_config=args.compilation_config, kv_transfer_config=_kv_transfer_config(args, model_config),
         structured_outputs_config=args.structured_outputs_config,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout,
-        restart_config=_restart_config(args, usage_context), lora_config=_lora_config(args, model_config))
+        restart_config=_restart_config(args, usage_context), lora_config=_lora_config(args, model_config),
+        speculative_config=args.speculative_config)
 
 
 def _kv_transfer_config(args: "EngineArgs", model_config: ModelConfig) -> Optional[KVTransferConfig]:

@@ -287,3 +287,15 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first ``ceil(num_tokens / block_size)``
+        (speculative decoding: blocks that only held rejected draft tokens). They hold no
+        cached prefix (only blocks of computed tokens are cached), so they are freed as
+        reusable first."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_blocks(list(reversed(extra)))

@@ -124,3 +124,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: dict[str, Any] = field(default_factory=dict)  # request id -> pooled tensor
+    # Requests that verified drafts (speculative decoding): every token emitted this step,
+    # accepted drafts then the bonus/correction token (``sampled_token_ids`` holds the
+    # first); ``logprobs`` then has one position per emitted token.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

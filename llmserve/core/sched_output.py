@@ -13,12 +13,15 @@ if TYPE_CHECKING:
 @dataclass
 class ScheduledRequest:
     """One request in a step: its tokens [num_computed_tokens, + num_scheduled_tokens)
-    are run; block_ids cover them."""
+    are run; block_ids cover them. spec_token_ids: draft tokens (speculative decoding,
+    llmserve/spec_decode) run after the request's one real token: num_scheduled_tokens is
+    then 1 + len(spec_token_ids)."""
 
     request: "Request"
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -43,10 +43,15 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  needs_kv: bool = True, structured_output_manager=None, lora_config=None,
-                 kv_connector=None) -> None:
+                 speculative_config=None, kv_connector=None) -> None:
         self.config = scheduler_config
         # The scheduler side of a KV connector (llmserve/kv_transfer); None: off.
         self.connector = kv_connector
+        # n-gram speculative decoding (llmserve/spec_decode/scheduling.py); None: off.
+        self.spec = None
+        if speculative_config is not None:
+            from llmserve.spec_decode.scheduling import SpecDecodeScheduler
+            self.spec = SpecDecodeScheduler(speculative_config, scheduler_config.max_model_len)
         # Distinct adapters one step may hold (llmserve/lora/scheduling.py); 0: LoRA off.
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.max_model_len = scheduler_config.max_model_len
@@ -277,6 +282,7 @@ class Scheduler:
         if self._priority:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
+        drafts: dict[str, list[int]] = {}  # speculative decoding: request id -> draft tokens
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = req.num_tokens - req.num_computed_tokens
@@ -284,9 +290,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if self.spec is not None and n == 1:
+                draft = self.spec.propose(req, budget - 1, len(self.running))
+                if draft:
+                    drafts[req.request_id] = draft
+                    n += len(draft)
             while True:
                 if self.kv_cache_manager.allocate_slots(req, n) is not None:
                     break
+                if drafts.pop(req.request_id, None):  # drop the drafts before preempting anyone
+                    n = 1
+                    continue
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
@@ -355,7 +369,7 @@ class Scheduler:
             if n:
                 out.scheduled.append(ScheduledRequest(
                     req, req.num_computed_tokens, n,
-                    self.kv_cache_manager.get_block_ids(req.request_id)))
+                    self.kv_cache_manager.get_block_ids(req.request_id), drafts.get(req.request_id, [])))
         record_scheduled(out.scheduled, admitted)  # the timeline's prefill events (core/timeline.py)
         self._last_batch_size = len(out.scheduled)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
@@ -406,6 +420,13 @@ class Scheduler:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if s.spec_token_ids:  # verified drafts: tokens appended, KV rolled back there
+                eco, stopped = self.spec.update(self, s, runner_out)
+                if eco is not None:
+                    outputs.append(eco)
+                if stopped:
+                    finished.append(req)
+                continue
             req.num_computed_tokens += s.num_scheduled_tokens
             if self.needs_kv:
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
@@ -480,6 +501,8 @@ class Scheduler:
             st.max_lora = self.max_loras
             st.running_lora_adapters = lora_sched.adapter_counts(self.running)
             st.waiting_lora_adapters = lora_sched.adapter_counts(self.waiting)
+        if self.spec is not None:
+            st.spec_decoding_stats = self.spec.take_stats()
         if self.connector is not None:
             st.kv_connector_stats = self.connector.get_stats()
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0

@@ -94,6 +94,7 @@ class EngineCore:
                                    needs_kv=not config.model_config.is_encoder_only,
                                    structured_output_manager=self.structured_output_manager,
                                    lora_config=config.lora_config,
+                                   speculative_config=getattr(config, "speculative_config", None),
                                    kv_connector=_scheduler_connector(config))
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora
         if config.lora_config is not None:

@@ -37,6 +37,7 @@ class IncrementalDetokenizer:
         # Characters withheld from streamed deltas so a partial stop string is never sent.
         self.stop_buffer_length = 0 if self.include_stop or not self.stop else max(len(s) for s in self.stop) - 1
         self._sent = 0
+        self.num_dropped = 0  # tokens of the last update dropped after a stop string
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -45,7 +46,19 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> Optional[str]:
         """Add tokens; returns the stop string matched in the new text, if any (the text
         is then truncated). stop_terminated: the last token is an EOS/stop token whose text
-        is not part of the output (unless include_stop_str_in_output)."""
+        is not part of the output (unless include_stop_str_in_output). Several tokens at
+        once (speculative decoding) are checked one by one, so a stop string ends the
+        output at the token that completed it, as when they come one per step; the tokens
+        after it are dropped (``num_dropped`` says how many)."""
+        self.num_dropped = 0
+        if len(new_token_ids) > 1 and self.stop and self.detokenize:
+            last = len(new_token_ids) - 1
+            for i, tok in enumerate(new_token_ids):
+                stop = self.update([tok], stop_terminated and i == last)
+                if stop is not None:
+                    self.num_dropped = last - i
+                    return stop
+            return None
         self.token_ids.extend(new_token_ids)
         if not self.detokenize:
             return None

@@ -362,8 +362,10 @@ class OutputProcessor:
                 finish, stop_reason = FinishReason.STOP, stop_str
             if st.logprobs is not None and eco.new_logprobs is not None:
                 new = self._to_logprob_dicts(eco.new_logprobs, p.logprobs if p.logprobs >= 0 else 1 << 30)
+                if st.detokenizer.num_dropped:  # tokens past a stop string (speculative decoding)
+                    del new[len(new) - st.detokenizer.num_dropped:]
                 st.logprobs.extend(new)
-                for lists in eco.new_logprobs.logprobs:
+                for lists in eco.new_logprobs.logprobs[:len(new)]:
                     st.cumulative_logprob += lists[0]
             if st.prompt_logprobs is not None and eco.new_prompt_logprobs is not None:
                 k = p.prompt_logprobs if p.prompt_logprobs >= 0 else 1 << 30

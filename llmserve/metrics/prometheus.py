@@ -91,6 +91,12 @@ class PrometheusStatLogger:
         self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.counter_prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.counter_prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # Speculative decoding (vLLM's vllm:spec_decode_* counters).
+        self.counter_spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.counter_spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.counter_spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_pos_family = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", labels + ["position"], registry=r)
         self.counter_engine_restarts = counter("engine_restarts", "Engine processes restarted after a crash or a "
                                                "stall (--restart-engine-on-failure).")
         self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -218,6 +224,8 @@ class PrometheusStatLogger:
                 self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             if self.gauge_lora_info is not None:
                 self._record_lora(scheduler_stats)
+            if getattr(scheduler_stats, "spec_decoding_stats", None) is not None:
+                self._record_spec(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:
             return
         if iteration_stats.num_prompt_tokens:
@@ -251,6 +259,14 @@ class PrometheusStatLogger:
                 self.hist_params_max_tokens.observe(fin.max_tokens_param)
             if fin.num_generation_tokens > 1:
                 self.hist_req_tpot.observe(fin.mean_tpot)
+
+    def _record_spec(self, st: Any) -> None:
+        """Add one SpecDecodingStats to the vllm:spec_decode_* counters."""
+        self.counter_spec_drafts.inc(st.num_drafts)
+        self.counter_spec_draft_tokens.inc(st.num_draft_tokens)
+        self.counter_spec_accepted.inc(st.num_accepted_tokens)
+        for pos, n in enumerate(st.num_accepted_tokens_per_pos):
+            self._spec_pos_family.labels(position=str(pos), **self._lv).inc(n)
 
     def record_rejection(self, reason: str) -> None:
         """Count one request refused by admission control; ``reason`` is one of

@@ -9,6 +9,30 @@ from typing import Optional
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counts since the last stats (vLLM's ``SpecDecodingStats``):
+    num_drafts: verifications (one per request per step with drafts); num_draft_tokens:
+    draft tokens verified; num_accepted_tokens: of them accepted; num_accepted_tokens_per_pos:
+    accepted at each draft position (0-based, length num_spec_tokens)."""
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list = field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < self.num_spec_tokens:
+            per_pos.extend([0] * (self.num_spec_tokens - len(per_pos)))
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
+
+
+@dataclass
 class SchedulerStats:
     """Snapshot of the scheduler after one step: request counts and KV usage (0..1)."""
 
@@ -29,6 +53,8 @@ class SchedulerStats:
     # KV connector (llmserve/kv_transfer) counters since the last stats: prompt tokens looked
     # up ("queries"), found in the external tier ("hits"), bytes loaded; None: no connector.
     kv_connector_stats: Optional[dict] = None
+    # Speculative decoding (llmserve/spec_decode): counts since the last stats, or None.
+    spec_decoding_stats: Optional[SpecDecodingStats] = None
 
 
 @dataclass

@@ -60,6 +60,9 @@ class _Planned:
     plp_start: int
     plp_count: int
     sample_row: int
+    # Speculative decoding: the draft tokens verified this step; their logit rows follow
+    # sample_row (sample/rejection_sampler.py).
+    draft: Optional[list] = None
 
 
 @dataclass
@@ -239,7 +242,6 @@ class ModelRunner:
             self.kv_connector.shutdown()
             self.kv_connector = None
 
-
     # How far (bytes of all layers' K and V) the idle prefault runs ahead of use.
     KV_PREFAULT_HEADROOM_BYTES = 32 << 20
 
@@ -395,7 +397,11 @@ class ModelRunner:
             req = s.request
             c, n = s.num_computed_tokens, s.num_scheduled_tokens
             toks = req.all_token_ids
-            input_ids[t:t + n] = toks[c:c + n] if n > 1 else toks[c]
+            if s.spec_token_ids:  # the real token, then the drafts
+                input_ids[t] = toks[c]
+                input_ids[t + 1:t + n] = s.spec_token_ids
+            else:
+                input_ids[t:t + n] = toks[c:c + n] if n > 1 else toks[c]
             positions[t:t + n] = np.arange(c, c + n)
             block_tables[i, :len(s.block_ids)] = s.block_ids
             query_lens.append(n)
@@ -411,10 +417,13 @@ class ModelRunner:
                     st.prompt_lp_next = hi
                     plan_plp = (lo, hi)
             sample_row = -1
-            if c + n >= req.num_tokens:
+            if s.spec_token_ids:  # logits at the real token and at every draft
+                sample_row = len(logit_rows)
+                logit_rows.extend(range(t, t + n))
+            elif c + n >= req.num_tokens:
                 sample_row = len(logit_rows)
                 logit_rows.append(t + n - 1)
-            plan.append(_Planned(req, st, plan_plp, plp_start, plp_count, sample_row))
+            plan.append(_Planned(req, st, plan_plp, plp_start, plp_count, sample_row, s.spec_token_ids or None))
             t += n
 
         self._note_kv_use(block_tables)
@@ -482,6 +491,8 @@ class ModelRunner:
         sample = [p for p in plan if p.sample_row >= 0]
         if not sample:
             return
+        if any(p.draft for p in sample):
+            return self._sample_with_drafts(logits, sample, out)
         rows = [p.sample_row for p in sample]
         if rows == list(range(rows[0], rows[0] + len(rows))):
             sample_logits = logits[rows[0]:rows[0] + len(rows)]
@@ -501,6 +512,24 @@ class ModelRunner:
             if k is not None and lpt is not None:
                 k = len(ids_l[j]) - 1 if k == -1 else k
                 out.logprobs[rid] = LogprobsLists([ids_l[j][:k + 1]], [lps_l[j][:k + 1]], [ranks_l[j]])
+
+    def _sample_with_drafts(self, logits: torch.Tensor, sample: list[_Planned], out: ModelRunnerOutput) -> None:
+        """A step where some request verifies drafts: every request's emitted tokens and
+        their logprobs (sample/rejection_sampler.py)."""
+        from llmserve.sample.rejection_sampler import sample_and_verify
+
+        entries = [(p.st.sampling, p.draft or [], p.sample_row) for p in sample]
+        emitted, lps = sample_and_verify(self.sampler, logits, entries, self.model_config.vocab_size)
+        for j, p in enumerate(sample):
+            rid = p.req.request_id
+            out.sampled_token_ids[rid] = emitted[j][0]
+            if p.draft:
+                out.spec_token_ids[rid] = emitted[j]
+            k = p.req.sampling_params.logprobs
+            if k is not None and lps is not None:
+                ids, vals, ranks = lps[j]
+                k = len(ids[0]) - 1 if k == -1 else k
+                out.logprobs[rid] = LogprobsLists([r[:k + 1] for r in ids], [r[:k + 1] for r in vals], ranks)
 
     @staticmethod
     def _slot_mapping(positions: np.ndarray, block_tables: np.ndarray, query_lens: list[int],

@@ -153,12 +153,11 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--show-hidden-metrics-for-version": (NOOP, "no metric is hidden as deprecated yet", ()),
     # SchedulerConfig
     "--cuda-graph-sizes": (NOOP, "no CUDA graphs: the engine runs eagerly", ()),
-    "--num-lookahead-slots": (NOOP, "no speculative decoding, so no lookahead slots", ()),
+    "--num-lookahead-slots": (NOOP, "the scheduler allocates the KV slots of each step's drafts itself", ()),
     "--disable-chunked-mm-input": (NOOP, _NO_MM, ()),
     "--scheduler-cls": (REFUSED, "the engine runs its own scheduler", ()),
     "--disable-hybrid-kv-cache-manager": (NOOP, "one KV cache group (no hybrid-attention model)", ()),
     # VllmConfig
-    "--speculative-config": (REFUSED, "speculative decoding is not implemented", ()),
     "--kv-events-config": (REFUSED, "KV cache events are not published", ()),
     "--additional-config": (NOOP, "no platform plugin reads it", ()),
     # AsyncEngineArgs
