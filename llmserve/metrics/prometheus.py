@@ -91,6 +91,13 @@ class PrometheusStatLogger:
         self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.counter_prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.counter_prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # KV connector tier (llmserve/kv_transfer): vLLM's external_prefix_cache_* names (tokens).
+        self.counter_external_queries = counter("external_prefix_cache_queries",
+                                                "Prompt tokens looked up in the KV connector's tier (disk).")
+        self.counter_external_hits = counter("external_prefix_cache_hits",
+                                             "Prompt tokens loaded from the KV connector's tier (disk).")
+        self.counter_external_bytes = counter("kv_connector_bytes_loaded",
+                                              "Bytes of KV blocks loaded from the KV connector's tier.")
         # Speculative decoding (vLLM's vllm:spec_decode_* counters).
         self.counter_spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.counter_spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -205,6 +212,12 @@ class PrometheusStatLogger:
             self._engine_views[engine_idx] = view
         return view
 
+    def _record_connector(self, st: dict) -> None:
+        for counter, key in ((self.counter_external_queries, "queries"), (self.counter_external_hits, "hits"),
+                             (self.counter_external_bytes, "bytes_loaded")):
+            if st.get(key):
+                counter.inc(st[key])
+
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
                *args: Any, engine_idx: int = 0, **kwargs: Any) -> None:
         """Update the metrics from one batch of stats (either may be None); ``engine_idx``:
@@ -224,6 +237,8 @@ class PrometheusStatLogger:
                 self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             if self.gauge_lora_info is not None:
                 self._record_lora(scheduler_stats)
+            if scheduler_stats.kv_connector_stats:
+                self._record_connector(scheduler_stats.kv_connector_stats)
             if getattr(scheduler_stats, "spec_decoding_stats", None) is not None:
                 self._record_spec(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:

@@ -16,6 +16,8 @@ from llmserve.kv_transfer import KVConnectorFactory
 from llmserve.kv_transfer import disk_store
 from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, encode_header, layout_key, read_block
 from llmserve.kv_transfer.shared_storage import SharedStorageConnector
+from llmserve.metrics.prometheus import PrometheusStatLogger
+from llmserve.metrics.stats import SchedulerStats
 
 PROMPT = [int(t) for t in torch.randint(5, 250, (100,), generator=torch.Generator().manual_seed(1))]
 FULL_BLOCKS = (len(PROMPT) - 1) // 16  # 6 blocks of 16 tokens: 96 tokens a restart can load
@@ -63,7 +65,15 @@ def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path
     files = _files(tmp_path)
     assert len(files) == FULL_BLOCKS
     llm = _llm(model, kv_transfer_config=_tier(tmp_path))  # a restart: the RAM prefix cache is empty
+    stats = _spy_stats(llm)
     assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)
+    prom = PrometheusStatLogger(llm.llm_engine.vllm_config)
+    for st in stats:
+        prom.record(SchedulerStats(kv_connector_stats=st), None)
+    value = lambda name: prom.registry.get_sample_value(name, {"model_name": prom.model_name, "engine": "0"})
+    assert value("vllm:external_prefix_cache_hits_total") == FULL_BLOCKS * 16
+    assert value("vllm:external_prefix_cache_queries_total") == len(PROMPT)
+    assert value("vllm:kv_connector_bytes_loaded_total") == FULL_BLOCKS * _connector(llm).block_nbytes
     # the chain is loaded up to the first bad file: block 2 torn, block 4 corrupted
     llm.reset_prefix_cache()
     by_order = _chain_files(tmp_path)
@@ -79,6 +89,14 @@ def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path
     llm = _llm(model, kv_transfer_config=_tier(tmp_path))
     assert _run(llm) == (hf_tokens, 4 * 16)  # block 4 was still corrupt: removed at this lookup
     llm.shutdown()
+
+
+def _spy_stats(llm: LLM) -> list[dict]:
+    """The scheduler-side connector's per-step stats, as the engine's stat loggers get them."""
+    conn, seen = llm.llm_engine.engine_core.engine_core.scheduler.connector, []
+    take = conn.get_stats
+    conn.get_stats = lambda: seen.append(take()) or seen[-1]
+    return seen
 
 
 def _chain_files(path) -> list[str]:

@@ -1,0 +1,125 @@
+"""The disk KV tier (issue 32, llmserve/kv_transfer): time to first token of a long prompt
+computed cold, found in the RAM prefix cache, and loaded from disk by an engine started
+again over the same tier; then a replay of a prefix set larger than the RAM cache, with
+and without the tier.
+
+    python -m llmserve.benchmarks.kv_tier --prompt-len 4000 --reps 3
+    python -m llmserve.benchmarks.kv_tier --replay-prompts 12 --replay-len 1000 \\
+        --replay-kv-cache 64MiB
+
+Each TTFT is one ``LLM.generate`` of ``max_tokens=1`` (the prefill and one sampled token),
+in-process; cold prompts are distinct (no shared block), so each one prefills fully.
+Prints one JSON line: medians (seconds) of ``--reps`` prompts per phase, the ratios the
+issue asks for, cached tokens seen, the bytes written, and ``uptime``'s load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def _llm(args: argparse.Namespace, tier: str | None, **kw):
+    from llmserve import LLM
+
+    extra = {} if tier is None else {"kv_transfer_config": {
+        "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": tier}}}
+    return LLM(args.model, dtype=args.dtype, multiprocess_mode=False, max_model_len=args.max_model_len,
+               **extra, **kw)
+
+
+def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
+    """Seconds of a max_tokens=1 request, and its cached prompt tokens."""
+    from llmserve import SamplingParams
+
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1),
+                       use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.num_cached_tokens
+
+
+def _phase(llm, prompts: list[list[int]]) -> dict:
+    runs = [_ttft(llm, p) for p in prompts]
+    return {"ttft_s": round(statistics.median(t for t, _ in runs), 4), "cached_tokens": [c for _, c in runs]}
+
+
+def _flush(llm) -> None:
+    """Wait for the in-process engine's tier writer."""
+    llm.llm_engine.engine_core.engine_core.model_runner.kv_connector.flush()
+
+
+def _tier_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def persistence(args: argparse.Namespace, tier: str) -> dict:
+    """Cold, warm (RAM) and after-restart (disk) TTFT of ``--reps`` distinct long prompts."""
+    prompts = _prompts(args.reps, args.prompt_len, args.seed)
+    llm = _llm(args, tier)
+    _ttft(llm, _prompts(1, 64, args.seed + 1)[0])  # warm the kernels
+    cold = _phase(llm, prompts)
+    t0 = time.perf_counter()
+    _flush(llm)  # the cold prompts' blocks written (the writer thread shares the cores)
+    flush_s = time.perf_counter() - t0
+    warm = _phase(llm, prompts)
+    llm.shutdown()  # flushes the tier
+    written = _tier_bytes(tier)
+    llm = _llm(args, tier)  # a new engine: its RAM prefix cache is empty
+    _ttft(llm, _prompts(1, 64, args.seed + 2)[0])
+    disk = _phase(llm, prompts)
+    llm.shutdown()
+    return {"prompt_len": args.prompt_len, "cold": cold, "warm_ram": warm, "restart_disk": disk,
+            "disk_over_warm": round(disk["ttft_s"] / warm["ttft_s"], 3),
+            "disk_over_cold": round(disk["ttft_s"] / cold["ttft_s"], 3), "tier_bytes": written,
+            "writes_pending_after_cold_s": round(flush_s, 3)}
+
+
+def replay(args: argparse.Namespace, tier: str | None) -> dict:
+    """A prefix set larger than the RAM KV cache, run twice: the second pass's hit rate
+    (cached / prompt tokens) and median TTFT."""
+    prompts = _prompts(args.replay_prompts, args.replay_len, args.seed + 10)
+    llm = _llm(args, tier, kv_cache_memory=args.replay_kv_cache)
+    for p in prompts:
+        _ttft(llm, p)
+    runs = [_ttft(llm, p) for p in prompts]
+    llm.shutdown()
+    return {"hit_rate": round(sum(c for _, c in runs) / (len(prompts) * args.replay_len), 3),
+            "ttft_s": round(statistics.median(t for t, _ in runs), 4)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--prompt-len", type=int, default=4000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replay-prompts", type=int, default=0, help="0: no replay phase")
+    p.add_argument("--replay-len", type=int, default=1000)
+    p.add_argument("--replay-kv-cache", default="64MiB")
+    args = p.parse_args(argv)
+    result: dict = {"uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    with tempfile.TemporaryDirectory(prefix="kv_tier_") as tier:
+        result["persistence"] = persistence(args, tier)
+    if args.replay_prompts:
+        with tempfile.TemporaryDirectory(prefix="kv_tier_replay_") as tier:
+            result["replay_with_tier"] = replay(args, tier)
+        result["replay_without_tier"] = replay(args, None)
+    result["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
