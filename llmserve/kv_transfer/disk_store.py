@@ -69,44 +69,59 @@ def encode_header(key: bytes, block_hash: int, payload: Any) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, key, block_hash, mv.nbytes, zlib.crc32(mv))
 
 
-def read_block(folder: str, key: bytes, block_hash: int, expected_nbytes: Optional[int] = None) -> Optional[bytes]:
-    """The payload of block ``block_hash``, or None when it is missing or invalid (torn,
-    corrupted, another layout key or hash, unexpected length). An invalid file is logged
-    and removed; a valid one gets its mtime bumped (LRU order for ``BlockWriter``)."""
+def read_block(folder: str, key: bytes, block_hash: int, out: memoryview) -> bool:
+    """Read block ``block_hash``'s payload into ``out`` (a writable buffer of exactly the
+    payload size this layout has); True when it is there and valid. A missing file is
+    False; an invalid one (torn, corrupted, another layout key or hash, the wrong size) is
+    logged, removed and False (``out`` then holds garbage). A valid file gets its mtime
+    bumped (LRU order for ``BlockWriter``)."""
     path = block_path(folder, block_hash)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        with open(path, "rb", buffering=0) as f:
+            header = f.read(HEADER_SIZE)
+            why = _invalid_header(header, key, block_hash, out.nbytes)
+            if why is None and (f.readinto(out) != out.nbytes or f.read(1)):
+                why = "truncated or of the wrong size"
     except OSError:
-        return None
-    why = _invalid(data, key, block_hash, expected_nbytes)
+        return False
+    if why is None and zlib.crc32(out) != _HEADER.unpack_from(header)[5]:
+        why = "checksum mismatch"
     if why is not None:
         logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
         _unlink(path)
-        return None
+        return False
     try:
         os.utime(path)
     except OSError:
         pass
-    return data[HEADER_SIZE:]
+    return True
 
 
-def _invalid(data: bytes, key: bytes, block_hash: int, expected_nbytes: Optional[int]) -> Optional[str]:
-    """Why ``data`` (a whole file) may not be loaded, or None when it may."""
-    if len(data) < HEADER_SIZE:
+def _invalid_header(header: bytes, key: bytes, block_hash: int, nbytes: int) -> Optional[str]:
+    """Why a file starting with ``header`` may not be loaded as a ``nbytes`` payload of
+    block ``block_hash`` under ``key``, or None."""
+    if len(header) < HEADER_SIZE:
         return "shorter than its header"
-    magic, version, fkey, fhash, nbytes, crc = _HEADER.unpack_from(data)
+    magic, version, fkey, fhash, fbytes, _ = _HEADER.unpack_from(header)
     if magic != MAGIC or version != VERSION:
         return "not a KV block file of this version"
     if fkey != key:
         return "written by another model, dtype or layout"
     if fhash != block_hash:
         return "holds another block"
-    if len(data) - HEADER_SIZE != nbytes or (expected_nbytes is not None and nbytes != expected_nbytes):
+    if fbytes != nbytes:
         return "truncated or of the wrong size"
-    if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != crc:
-        return "checksum mismatch"
     return None
+
+
+def count_present(folder: str, block_hashes: list[int]) -> int:
+    """How many of ``block_hashes``, from the first, have a file (not yet verified)."""
+    n = 0
+    for h in block_hashes:
+        if not os.path.exists(block_path(folder, h)):
+            break
+        n += 1
+    return n
 
 
 def _unlink(path: str) -> None:

@@ -29,7 +29,7 @@ import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from llmserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, layout_key, read_block
+from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, count_present, layout_key, read_block
 
 if TYPE_CHECKING:
     from llmserve.core.request import Request
@@ -42,12 +42,49 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 
 
 class SharedStorageConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker: ``loads`` (block id, verified payload bytes) to copy
-    into the cache before the forward; ``saves`` (block id, chain hash) to copy out after."""
+    """One step's work for the worker: ``loads`` (per admitted request: its block ids and
+    one verified buffer holding their payloads back to back, ``[n, num_layers, 2,
+    block_size, num_kv_heads, head_dim]`` in the model dtype) to copy into the cache before
+    the forward; ``saves`` (block id, chain hash) to copy out after it. The buffers are
+    views of the scheduler side's staging arena, valid until the next step is scheduled;
+    pickling (a worker in another process) copies them."""
 
-    def __init__(self, loads: list[tuple[int, bytes]], saves: list[tuple[int, int]]) -> None:
+    def __init__(self, loads: list[tuple[list[int], memoryview]], saves: list[tuple[int, int]]) -> None:
         self.loads = loads
         self.saves = saves
+
+    def __getstate__(self) -> dict:
+        return {"loads": [(ids, bytes(buf)) for ids, buf in self.loads], "saves": self.saves}
+
+    def __setstate__(self, state: dict) -> None:
+        self.loads = [(ids, memoryview(bytearray(buf))) for ids, buf in state["loads"]]
+        self.saves = state["saves"]
+
+
+class _StagingArena:
+    """Reused buffers the scheduler side reads block files into (a fresh buffer per load
+    would fault in its pages every time: ~20 ms per 92 MB measured). ``alloc`` hands out
+    consecutive regions; ``reset`` (once the step's loads are consumed) reuses them. Holds
+    as much memory as the largest step's loads."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self) -> None:
+        self.chunks: list[bytearray] = []
+        self.index = 0
+        self.offset = 0
+
+    def alloc(self, nbytes: int) -> memoryview:
+        while self.index < len(self.chunks) and len(self.chunks[self.index]) - self.offset < nbytes:
+            self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.chunks):
+            self.chunks.append(bytearray(max(nbytes, self.CHUNK)))
+        out = memoryview(self.chunks[self.index])[self.offset:self.offset + nbytes]
+        self.offset += nbytes
+        return out
+
+    def reset(self) -> None:
+        self.index = self.offset = 0
 
 
 def _weights_identity(path: str) -> list:
@@ -102,8 +139,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.folder = block_dir(self.root, self.key)
         # scheduler side: the last lookup (request id, first block, payloads), loads of the
         # step being built, counters since get_stats
-        self._matched: Optional[tuple[str, int, list[bytes]]] = None
-        self._step_loads: list[tuple[int, bytes]] = []
+        self._matched: Optional[tuple[str, int, memoryview]] = None
+        self._step_loads: list[tuple[list[int], memoryview]] = []
+        self._arena = _StagingArena()
         self._stats = {"queries": 0, "hits": 0, "bytes_loaded": 0}
         # worker side
         self.kv_caches: list[Any] = []
@@ -150,14 +188,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
         stop = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         m = self._matched
         if m is None or m[0] != request.request_id or m[1] != start:
-            payloads = []
-            for h in request.block_hashes[start:stop]:
-                p = read_block(self.folder, self.key, h, self.block_nbytes)
-                if p is None:
-                    break
-                payloads.append(p)
-            self._matched = m = (request.request_id, start, payloads)
-        return len(m[2]) * self.block_size, False
+            nb = self.block_nbytes
+            hashes = request.block_hashes[start:max(start, stop)]
+            buf = self._arena.alloc(count_present(self.folder, hashes) * nb)
+            n = 0
+            while n * nb < buf.nbytes and read_block(self.folder, self.key, hashes[n], buf[n * nb:(n + 1) * nb]):
+                n += 1
+            self._matched = m = (request.request_id, start, buf[:n * nb])
+        return m[2].nbytes // self.block_nbytes * self.block_size, False
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         m, self._matched = self._matched, None
@@ -167,8 +205,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         n = num_external_tokens // self.block_size
         if not n or m is None or m[0] != request.request_id:
             return
-        self._step_loads.extend(zip(block_ids[:n], m[2][:n]))
-        self._stats["bytes_loaded"] += sum(len(p) for p in m[2][:n])
+        self._step_loads.append((list(block_ids[:n]), m[2][:n * self.block_nbytes]))
+        self._stats["bytes_loaded"] += n * self.block_nbytes
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> SharedStorageConnectorMetadata:
         """Loads gathered at admission; saves: the full prompt blocks each scheduled
@@ -183,7 +221,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
             for i in range(s.num_computed_tokens // self.block_size, end):
                 saves.append((s.block_ids[i], req.block_hashes[i]))
         meta = SharedStorageConnectorMetadata(self._step_loads, saves)
-        self._step_loads = []
+        # The arena's regions are the workers' until this step runs; the next lookup reuses them.
+        self._step_loads, self._matched = [], None
+        self._arena.reset()
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
@@ -212,17 +252,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, SharedStorageConnectorMetadata) or not meta.loads:
             return
-        import numpy as np
         import torch
 
-        raw = np.empty((len(meta.loads), self.block_nbytes), dtype=np.uint8)
-        for i, (_, payload) in enumerate(meta.loads):
-            raw[i] = np.frombuffer(payload, dtype=np.uint8)
         kv0 = self.kv_caches[0]
-        data = torch.from_numpy(raw).view(kv0.dtype).view(len(meta.loads), len(self.kv_caches), *kv0[:, 0].shape)
-        ids = torch.tensor([bid for bid, _ in meta.loads], device=kv0.device)
-        for layer, kv in enumerate(self.kv_caches):
-            kv[:, ids] = data[:, layer].transpose(0, 1).to(kv.device)
+        for block_ids, buf in meta.loads:
+            data = torch.frombuffer(buf, dtype=torch.uint8).view(kv0.dtype)
+            data = data.view(len(block_ids), len(self.kv_caches), *kv0[:, 0].shape)
+            ids = torch.tensor(block_ids, device=kv0.device)
+            for layer, kv in enumerate(self.kv_caches):
+                kv[:, ids] = data[:, layer].transpose(0, 1).to(kv.device)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
         """Copy layer ``int(layer_name)``'s blocks of this step's save set out of the cache."""

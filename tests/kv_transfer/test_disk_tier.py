@@ -165,11 +165,12 @@ def test_other_model_or_dtype_file_is_never_loaded(tmp_path, caplog):
     for k, h in ((key, 1), (other, 2)):
         with open(os.path.join(folder, f"{h:016x}.kv"), "wb") as f:
             f.write(encode_header(k, h, payload) + payload)
-    assert read_block(folder, key, 1, len(payload)) == payload
+    out = memoryview(bytearray(len(payload)))
+    assert read_block(folder, key, 1, out) and out == payload
     with caplog.at_level(logging.WARNING):
-        assert read_block(folder, key, 2, len(payload)) is None  # another layout's header
+        assert not read_block(folder, key, 2, out)  # another layout's header
     assert "another model" in caplog.text and not os.path.exists(os.path.join(folder, f"{2:016x}.kv"))
-    assert read_block(folder, key, 1, len(payload) + 1) is None  # the wrong size for this layout
+    assert not read_block(folder, key, 1, memoryview(bytearray(len(payload) + 1)))  # the wrong size here
 
 
 def test_writer_lru_bound_keeps_recently_loaded_blocks(tmp_path):
@@ -208,3 +209,14 @@ def test_registry_lists_known_connectors_and_takes_third_party_ones():
         assert KVConnectorFactory.get_connector_class(cfg) is _Recorder
     finally:
         KVConnectorFactory._registry.pop("TestRecorderConnector", None)
+
+
+def test_metadata_pickles_for_a_worker_process():
+    import pickle
+
+    from llmserve.kv_transfer.shared_storage import SharedStorageConnectorMetadata
+
+    buf = memoryview(bytearray(b"abcdefgh"))
+    meta = pickle.loads(pickle.dumps(SharedStorageConnectorMetadata([([3, 4], buf[2:6])], [(5, 99)])))
+    assert [(ids, bytes(b)) for ids, b in meta.loads] == [([3, 4], b"cdef")] and meta.saves == [(5, 99)]
+    assert not meta.loads[0][1].readonly  # torch.frombuffer takes it without a copy or a warning
