@@ -1,6 +1,6 @@
 """Engine configuration (vLLM's ``VllmConfig`` and its parts: ``ModelConfig``,
 ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``, ``CompilationConfig``,
-``KVTransferConfig``...).
+``KVTransferConfig``, ``KVEventsConfig``...).
 
 Each config is a frozen dataclass validated in ``__post_init__`` (ValueError naming the
 field). Nothing changes a config once built; computed values (the number of KV blocks)
@@ -357,6 +357,61 @@ class KVTransferConfig:
         return self.kv_connector is not None and self.kv_role in _KV_ROLES
 
 
+_KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig`` (``--kv-events-config``): publish the prefix cache's
+    block events (BlockStored / BlockRemoved / AllBlocksCleared) in vLLM's wire format,
+    for KV-aware routers (llmserve/distributed/kv_events.py).
+
+    enable_kv_cache_events: make the events at all. publisher: "zmq" (a ZMQ PUB socket)
+    or "null" (nothing made or sent); None: "zmq" when events are enabled, else "null" (as
+    vLLM). endpoint: where the PUB socket binds (a ``*`` or ``::`` host) or connects;
+    replay_endpoint: a ROUTER socket answering a start sequence number with the buffered
+    batches (None: no replay). With data parallel, rank r uses both endpoints with the
+    TCP port + r (vLLM's offset). buffer_steps: batches kept for replay; hwm: the PUB
+    socket's send high-water mark (messages); max_queue_size: batches waiting for the
+    sending thread before the engine step blocks; topic: the first frame of each message.
+    Raises ValueError naming the field."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be a bool, got "
+                             f"{self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in _KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config.publisher must be one of {list(_KV_EVENT_PUBLISHERS)}, "
+                             f"got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or "://" not in value):
+                raise ValueError(f"kv_events_config.{name} must be a ZMQ endpoint like 'tcp://*:5557', "
+                                 f"got {value!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config.topic must be a string, got {self.topic!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """True when events are made and sent somewhere (enabled, publisher not null)."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+
 DETAILED_TRACE_MODULES = ("model", "worker", "all")
 
 
@@ -446,6 +501,7 @@ class VllmConfig:
     restart_config: RestartConfig = field(default_factory=RestartConfig)
     lora_config: Optional[LoRAConfig] = None  # set by enable_lora (llmserve/lora)
     speculative_config: Optional[SpeculativeConfig] = None  # n-gram drafts (llmserve/spec_decode)
+    kv_events_config: Optional[KVEventsConfig] = None  # --kv-events-config (distributed/kv_events.py)
 
 
 # The first name of the config; kept so existing imports keep working.

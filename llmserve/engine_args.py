@@ -22,7 +22,8 @@ from typing import Any, Optional, Union, get_args, get_origin
 from llmserve.spec_decode.config import SpeculativeConfig, make_speculative_config
 from llmserve.structured_output.config import (StructuredOutputsConfig, make_structured_outputs_config,
                                                with_reasoning_parser)
-from llmserve.config import (AdmissionConfig, CacheConfig, CompilationConfig, CompilationMode, KVTransferConfig,
+from llmserve.config import (AdmissionConfig, CacheConfig, CompilationConfig, CompilationMode, KVEventsConfig,
+                             KVTransferConfig,
                              ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig, VllmConfig,
                              resolve_dtype)
 # Who builds the engine, its batching defaults and the KV cache size parser live in
@@ -74,6 +75,24 @@ def make_kv_transfer_config(value: Any) -> Optional[KVTransferConfig]:
         logger.error("Failed to convert 'kv_transfer_config' dict to KVTransferConfig object. "
                      "Dict: %s. Error: %s", raw, e)
         raise ValueError(f"Invalid 'kv_transfer_config' provided: {e}") from e
+
+
+def make_kv_events_config(value: Any) -> Optional[KVEventsConfig]:
+    """A dict (or JSON string, as ``--kv-events-config``) becomes ``KVEventsConfig``.
+    Raises ValueError naming ``kv_events_config`` and the field at fault (bad JSON, not
+    an object, an unknown field with the closest known one, a bad value)."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        value = _json_value("kv_events_config", value)
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_events_config must be a JSON object (dict), got {value!r}")
+    known = [f.name for f in fields(KVEventsConfig)]
+    for key in value:
+        if key not in known:
+            raise ValueError(f"kv_events_config: unknown field {key!r}{_closest(key, known)} "
+                             f"(vLLM's KVEventsConfig fields: {', '.join(known)})")
+    return KVEventsConfig(**value)
 
 
 def make_worker_cls(value: Any) -> Union[str, bytes]:
@@ -211,6 +230,7 @@ class EngineArgs:
     kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV connector as a JSON dict (vLLM's KVTransferConfig): kv_connector SharedStorageConnector (prompt KV blocks kept on disk under kv_connector_extra_config.shared_storage_path, reused across requests and restarts) or OffloadingConnector, kv_role kv_both / kv_producer (save only) / kv_consumer (load only); third-party connectors: kv_connector_module_path. Disaggregated prefill is " + _NOT_YET + ".", str))
     kv_offloading_size: Optional[float] = field(default=None, metadata=_help("GiB of KV blocks the offloading tier keeps (vLLM's --kv-offloading-size): with --kv-offloading-backend native, full prompt blocks are kept on local disk ($XDG_CACHE_HOME/llmserve/kv_offload, least recently used evicted past the size) and loaded instead of recomputed, after a restart too (OffloadingConnector)."))
     kv_offloading_backend: str = field(default="native", metadata=_help("KV offloading backend with --kv-offloading-size: native (this engine's disk tier); lmcache is " + _NOT_YET + "."))
+    kv_events_config: Optional[KVEventsConfig] = field(default=None, metadata=_help("KV cache events as a JSON dict (vLLM's KVEventsConfig): with '{\"enable_kv_cache_events\": true}' the prefix cache's BlockStored / BlockRemoved / AllBlocksCleared batches go out on a ZMQ PUB socket (endpoint, default tcp://*:5557; topic) in vLLM's msgpack format, and replay_endpoint (e.g. tcp://*:5558) answers a subscriber that missed some (buffer_steps batches kept); data-parallel rank r uses the ports + r.", str))
     # ---- structured outputs
     structured_outputs_config: Optional[StructuredOutputsConfig] = field(default=None, metadata=_help("Structured outputs as a JSON dict (vLLM's StructuredOutputsConfig): backend ('auto' or 'xgrammar'), disable_any_whitespace (default true here: no free whitespace in JSON), disable_additional_properties, enable_in_reasoning.", str))
     reasoning_parser: str = field(default="", metadata=_help("Reasoning parser name; a structured-output request's grammar applies once its reasoning ends (the parser's is_reasoning_end)."))
@@ -235,6 +255,7 @@ class EngineArgs:
         self.compilation_config = make_compilation_config(self.compilation_config)
         self.kv_transfer_config = make_kv_transfer_config(self.kv_transfer_config)
         self.speculative_config = make_speculative_config(self.speculative_config)
+        self.kv_events_config = make_kv_events_config(self.kv_events_config)
         self.structured_outputs_config = with_reasoning_parser(
             make_structured_outputs_config(self.structured_outputs_config), self.reasoning_parser)
         self.worker_cls = make_worker_cls(self.worker_cls)

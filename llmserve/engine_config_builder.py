@@ -255,7 +255,7 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
         structured_outputs_config=args.structured_outputs_config,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager, shutdown_timeout=args.shutdown_timeout,
         restart_config=_restart_config(args, usage_context), lora_config=_lora_config(args, model_config),
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config, kv_events_config=args.kv_events_config)
 
 
 def _kv_transfer_config(args: "EngineArgs", model_config: ModelConfig) -> Optional[KVTransferConfig]:

@@ -12,6 +12,7 @@ import pickle
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from llmserve.core.kv_events import MEDIUM_PRIMARY, AllBlocksCleared, BlockRemoved, BlockStored
 from llmserve.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.next_fresh = 1  # blocks next_fresh.. have never been handed out
         self.cached: dict[int, KVCacheBlock] = {}
+        # KV events (core/kv_events.py) made since the engine last drained them; None
+        # when --kv-events-config is off, so nothing is made (vLLM's BlockPool.kv_event_queue).
+        self.events: Optional[list] = None
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_queue) + self.num_blocks - self.next_fresh
@@ -107,6 +111,8 @@ class BlockPool:
             if b.block_hash is not None:
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.events is not None:
+                        self.events.append(BlockRemoved([b.block_hash], MEDIUM_PRIMARY))
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -123,13 +129,15 @@ class BlockPool:
                 if b.block_hash is None:
                     self.free_queue.move_to_end(b.block_id, last=False)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Enter a full block under its hash; True when it was newly cached."""
         if block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; keep that one
+            return False  # an identical block is already cached; keep that one
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes. Only possible when no block is in use."""
@@ -138,6 +146,8 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True
 
     @property
@@ -152,6 +162,8 @@ class KVCacheManager:
       num_blocks: blocks in the cache (block 0 reserved). block_size: tokens per block.
       enable_caching: prefix caching on/off. cache_floor_tokens: KV (tokens) the prefix
       cache may fill before evicting (None: ``PREFIX_CACHE_FLOOR_TOKENS``; see BlockPool).
+      enable_kv_cache_events: record the prefix cache's block events (core/kv_events.py)
+      for ``take_events`` (``--kv-events-config``; only with prefix caching).
     """
 
     # Tokens of KV the prefix cache may fill with fresh memory before it evicts (BlockPool):
@@ -159,11 +171,13 @@ class KVCacheManager:
     PREFIX_CACHE_FLOOR_TOKENS = 16384
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 cache_floor_tokens: Optional[int] = None) -> None:
+                 cache_floor_tokens: Optional[int] = None, enable_kv_cache_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         floor = self.PREFIX_CACHE_FLOOR_TOKENS if cache_floor_tokens is None else cache_floor_tokens
         self.pool = BlockPool(num_blocks, enable_caching, floor // block_size)
+        if enable_kv_cache_events and enable_caching:
+            self.pool.events = []
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         # Counters for prefix-cache hit rate (tokens).
@@ -251,9 +265,34 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = self._update_block_hashes(request)
-        for i in range(start, min(n_full, len(hashes))):
-            self.pool.cache_block(blocks[i], hashes[i])
+        fresh = [i for i in range(start, min(n_full, len(hashes))) if self.pool.cache_block(blocks[i], hashes[i])]
         self.num_cached_block[request.request_id] = min(n_full, len(hashes))
+        if fresh and self.pool.events is not None:
+            self._record_stored(request, hashes, fresh)
+
+    def _record_stored(self, request: Request, hashes: list[int], fresh: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (``fresh``: their
+        indexes in the request), with the parent hash and tokens of that run."""
+        bs, toks = self.block_size, request.all_token_ids
+        lora = getattr(request, "lora_request", None)
+        lora_id = lora.lora_int_id if lora is not None else None
+        first = 0
+        for k in range(1, len(fresh) + 1):
+            if k < len(fresh) and fresh[k] == fresh[k - 1] + 1:
+                continue
+            a, b = fresh[first], fresh[k - 1] + 1
+            self.pool.events.append(BlockStored(hashes[a:b], hashes[a - 1] if a else None,
+                                                list(toks[a * bs:b * bs]), bs, lora_id, MEDIUM_PRIMARY))
+            first = k
+
+    def take_events(self) -> list:
+        """The block events recorded since the last call (empty when events are off);
+        the engine publishes them once per step (vLLM's KVCacheManager.take_events)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its last blocks are evicted first."""

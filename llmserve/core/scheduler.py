@@ -39,11 +39,12 @@ class Scheduler:
 
     Pooling requests (``request.pooling_params``) are scheduled whole (never chunked) and
     finish in the step that runs them, with the pooled vector. ``needs_kv=False`` (an
-    encoder model) allocates and caches no KV blocks at all."""
+    encoder model) allocates and caches no KV blocks at all. ``enable_kv_cache_events``:
+    the KV cache manager records block events (``--kv-events-config``)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  needs_kv: bool = True, structured_output_manager=None, lora_config=None,
-                 speculative_config=None, kv_connector=None) -> None:
+                 speculative_config=None, kv_connector=None, enable_kv_cache_events: bool = False) -> None:
         self.config = scheduler_config
         # The scheduler side of a KV connector (llmserve/kv_transfer); None: off.
         self.connector = kv_connector
@@ -57,7 +58,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching,
+                                               enable_kv_cache_events=enable_kv_cache_events)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import zmq
 
 from llmserve.config import EngineConfig
+from llmserve.core.kv_events import KVEventBatch
 from llmserve.core.timeline import record_execute_time
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler
@@ -43,6 +44,20 @@ POOLING_GATHER_MAX = 0.25
 POOLING_GATHER_MIN_S = 0.01
 
 logger = logging.getLogger(__name__)
+
+
+def _kv_events_on(config: EngineConfig) -> bool:
+    kec = getattr(config, "kv_events_config", None)
+    return kec is not None and kec.publishes
+
+
+def _kv_event_publisher(config: EngineConfig):
+    """The KV event publisher (llmserve/distributed/kv_events.py), or None when off."""
+    if not _kv_events_on(config):
+        return None
+    from llmserve.distributed.kv_events import make_kv_event_publisher
+
+    return make_kv_event_publisher(config)
 
 
 def _scheduler_connector(config: EngineConfig):
@@ -95,7 +110,10 @@ class EngineCore:
                                    structured_output_manager=self.structured_output_manager,
                                    lora_config=config.lora_config,
                                    speculative_config=getattr(config, "speculative_config", None),
-                                   kv_connector=_scheduler_connector(config))
+                                   kv_connector=_scheduler_connector(config),
+                                   enable_kv_cache_events=_kv_events_on(config))
+        # --kv-events-config: each step's block events go to this publisher (None: off).
+        self.kv_event_publisher = _kv_event_publisher(config)
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora
         if config.lora_config is not None:
             from llmserve.lora.registry import LoRARegistry
@@ -151,6 +169,7 @@ class EngineCore:
                 self.structured_output_manager.wait_for_compile(sched.waiting_for_fsm, 0.005)
             self.model_executor.remove_requests(sched.finished_req_ids)
             sched.finished_req_ids = set()
+            self._publish_kv_events()
             return EngineCoreOutputs(outputs=sched.take_pending_outputs(), scheduler_stats=sched.make_stats(),
                                      timestamp=time.monotonic())
         so = sched.schedule()
@@ -162,11 +181,21 @@ class EngineCore:
             record_execute_time(so.scheduled, outs, dt)
         if self.lora_registry is not None:
             self.lora_registry.release_idle()  # adapters removed while in use, now idle
+        self._publish_kv_events()
         return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(), timestamp=time.monotonic())
 
     # ---- utility calls ---------------------------------------------------
+    def _publish_kv_events(self) -> None:
+        """Hand the step's block events (AllBlocksCleared after a reset) to the publisher."""
+        if self.kv_event_publisher is not None:
+            events = self.scheduler.kv_cache_manager.take_events()
+            if events:
+                self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        done = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def get_stats(self) -> dict[str, Any]:
         s = self.scheduler
@@ -210,6 +239,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
 
 _UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping", "add_lora", "remove_lora", "list_loras", "pin_lora"}
@@ -293,6 +324,8 @@ class EngineCoreProc:
             if proc is not None:
                 proc.output_queue.put(None)
                 proc._out_thread.join(timeout=5)
+                if proc.core.kv_event_publisher is not None:  # send the last steps' events
+                    proc.core.kv_event_publisher.shutdown()
         return exit_code
 
     def run_busy_loop(self) -> None:

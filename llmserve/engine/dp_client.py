@@ -50,6 +50,16 @@ def rank_config(config: Any, dp_size: int) -> Any:
     return dataclasses.replace(config, num_threads=max(1, cores // dp_size))
 
 
+def with_data_parallel_rank(config: Any, rank: int) -> Any:
+    """The EngineConfig of DP rank ``rank``'s engine (vLLM sets
+    ``parallel_config.data_parallel_rank`` per engine): what the engine publishes under
+    (its KV events' ``data_parallel_rank`` and ports, distributed/kv_events.py)."""
+    pc = config.parallel_config
+    if pc.data_parallel_rank == rank:
+        return config
+    return dataclasses.replace(config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank))
+
+
 class DPLBAsyncMPClient:
     """asyncio client of ``data_parallel_size_local`` engine processes with internal load
     balancing; same surface as ``AsyncMPClient``. Raises RuntimeError if a rank fails to
@@ -78,8 +88,8 @@ class DPLBAsyncMPClient:
         cfg = rank_config(vllm_config, self.dp_size)
         # The ranks load their models at the same time (or, attached, say READY).
         with ThreadPoolExecutor(self.dp_size) as pool:
-            futs = [pool.submit(rank_client, cfg, executor_class, log_stats, self._rank_addresses(r), client_index)
-                    for r in range(self.dp_size)]
+            futs = [pool.submit(rank_client, with_data_parallel_rank(cfg, r), executor_class, log_stats,
+                                self._rank_addresses(r), client_index) for r in range(self.dp_size)]
         self.cores: list = []
         errors = []
         for f in futs:

@@ -121,6 +121,7 @@ class _Launcher:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from llmserve.engine.core_process import MPResources, spawn_engine_process
+        from llmserve.engine.dp_client import with_data_parallel_rank
         from llmserve.engine_args import AsyncEngineArgs, UsageContext
 
         args.restart_engine_on_failure = args.restart_engine_on_failure or False
@@ -144,8 +145,8 @@ class _Launcher:
             res = MPResources()
             # No executor class: the engine process picks it from the config
             # (Executor.get_class), so the launcher imports no executor or worker code.
-            res.proc = spawn_engine_process(self.engine_config, self.inputs[r], self.outputs[r],
-                                            None, not args.disable_log_stats)
+            cfg = with_data_parallel_rank(self.engine_config, r) if self.internal_lb else self.engine_config
+            res.proc = spawn_engine_process(cfg, self.inputs[r], self.outputs[r], None, not args.disable_log_stats)
             self.engines.append(res)
         self.stop = threading.Event()
         self.engine_died = False

@@ -158,7 +158,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--scheduler-cls": (REFUSED, "the engine runs its own scheduler", ()),
     "--disable-hybrid-kv-cache-manager": (NOOP, "one KV cache group (no hybrid-attention model)", ()),
     # VllmConfig
-    "--kv-events-config": (REFUSED, "KV cache events are not published", ()),
     "--additional-config": (NOOP, "no platform plugin reads it", ()),
     # AsyncEngineArgs
     "--aggregate-engine-logging": (NOOP, "one engine: its stats are logged as they are", ()),

@@ -1,0 +1,114 @@
+"""--kv-events-config (issue 35 item 3): the prefix cache's block events in vLLM's wire
+format. A subscriber written from vLLM's documented schema (tests/kv_event_subscriber.py,
+its own structs) decodes every batch of a run, the blocks it tracks as stored equal the
+engine's prefix cache after evictions and after a reset, a subscriber that starts late
+recovers every batch through the replay socket, and a bad config names its field."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine_args import EngineArgs
+from tests.kv_event_subscriber import AllBlocksCleared, BlockRemoved, BlockStored, Subscriber
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, save_tiny_model_fn):
+    path = str(tmp_path_factory.mktemp("tiny-kv-events"))
+    save_tiny_model_fn("llama", path)
+    return path
+
+
+def _conversations(n_conv: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
+    """Per conversation, its turns' prompts: each turn extends the previous one (a chat)."""
+    rng = random.Random(seed)
+    convs = []
+    for _ in range(n_conv):
+        ids = [rng.randrange(1000, 30000) for _ in range(rng.randrange(20, 60))]
+        prompts = []
+        for _ in range(turns):
+            ids = ids + [rng.randrange(1000, 30000) for _ in range(rng.randrange(10, 30))]
+            prompts.append(list(ids))
+        convs.append(prompts)
+    return convs
+
+
+def test_vllm_schema_subscriber_tracks_the_prefix_cache_and_replays(tiny_path, tmp_path):
+    pub, replay = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay"
+    live = Subscriber(pub, replay, topic="kv")
+    llm = LLM(tiny_path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              block_size=BLOCK, num_gpu_blocks_override=40, max_model_len=256, max_num_seqs=8,
+              kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
+                                "replay_endpoint": replay, "topic": "kv"})
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.pool
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        convs = _conversations(8, 3)
+        for turn in range(3):  # 24 requests; 40 blocks of 16 tokens hold about a third
+            llm.generate([{"prompt_token_ids": c[turn]} for c in convs], params, use_tqdm=False)
+        live.sync()
+        assert live.count(BlockStored) > 0 and live.count(BlockRemoved) > 0  # evictions happened
+        assert {b.data_parallel_rank for b in live.batches.values()} == {0}
+        assert live.tracked_blocks() == set(pool.cached)
+        stored = next(ev for b in live.batches.values() for ev in b.events if isinstance(ev, BlockStored))
+        assert stored.parent_block_hash is None and stored.block_size == BLOCK and stored.medium == "GPU"
+        assert stored.token_ids == convs[0][0][:BLOCK * len(stored.block_hashes)]
+
+        late = Subscriber(pub, replay, topic="kv", live=False)  # joins after the run
+        assert late.replay(0) == live.next_seq
+        assert [late.batches[s] for s in range(late.next_seq)] == [live.batches[s] for s in range(live.next_seq)]
+
+        assert llm.reset_prefix_cache()
+        live.sync()
+        assert isinstance(live.batches[live.next_seq - 1].events[-1], AllBlocksCleared)
+        assert live.tracked_blocks() == set(pool.cached) == set()
+        late.close()
+    finally:
+        live.close()
+        llm.llm_engine.shutdown()
+
+
+def test_kv_events_off_makes_no_events(tiny_path):
+    llm = LLM(tiny_path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              block_size=BLOCK, num_gpu_blocks_override=40, max_model_len=256)
+    core = llm.llm_engine.engine_core.engine_core
+    try:
+        llm.generate([{"prompt_token_ids": list(range(1000, 1050))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert core.kv_event_publisher is None and core.scheduler.kv_cache_manager.pool.events is None
+        assert len(core.scheduler.kv_cache_manager.pool.cached) == 3
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("value, field", [
+    ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "kv_events_config.publisher"),
+    ('{"enable_kv_cache_events": true, "buffer_step": 10}', "kv_events_config: unknown field 'buffer_step'; did you mean 'buffer_steps'"),
+    ('{"enable_kv_cache_events": "yes"}', "kv_events_config.enable_kv_cache_events"),
+    ('{"enable_kv_cache_events": true, "hwm": 0}', "kv_events_config.hwm"),
+    ('{"endpoint": "localhost:5557"}', "kv_events_config.endpoint"),
+    ('{"enable_kv_cache_events": true', "kv_events_config: not valid JSON"),
+    ('[1, 2]', "kv_events_config must be a JSON object"),
+])
+def test_malformed_kv_events_config_names_the_field(value, field):
+    with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(".", r"\.")):
+        EngineArgs(kv_events_config=value)
+
+
+def test_kv_events_config_defaults_follow_vllm():
+    cfg = EngineArgs(kv_events_config='{"enable_kv_cache_events": true}').kv_events_config
+    assert (cfg.publisher, cfg.endpoint, cfg.replay_endpoint, cfg.topic, cfg.buffer_steps, cfg.hwm,
+            cfg.max_queue_size) == ("zmq", "tcp://*:5557", None, "", 10_000, 100_000, 100_000)
+    assert EngineArgs(kv_events_config={}).kv_events_config.publisher == "null"
+
+
+def test_endpoint_offset_by_data_parallel_rank():
+    from llmserve.distributed.kv_events import offset_endpoint_port
+
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint_port("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_dp1"
+    assert offset_endpoint_port(None, 1) is None
