@@ -153,13 +153,15 @@ def decode_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            max_seq_len: int, scale: float,
                            sliding_window: Optional[int] = None,
-                           _cache: Optional[dict] = None) -> torch.Tensor:
+                           _cache: Optional[dict] = None,
+                           logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Batched single-token attention over paged K/V, in pure torch (the reference path).
 
     query: ``[N, num_heads, head_dim]``; kv_cache: one layer's cache; block_tables ``[N, M]``
     and seq_lens ``[N]`` of the N decode requests; max_seq_len: max of seq_lens.
     Gathers each request's blocks (a copy), masks keys past seq_len (and, with a sliding
-    window W, keys at or before ``seq_len - 1 - W``), softmax in float32.
+    window W, keys at or before ``seq_len - 1 - W``), softmax in float32. ``logits_soft_cap``
+    c: scores become ``c * tanh(scores / c)`` before the mask (Gemma 2, see ``soft_cap``).
     Returns ``[N, num_heads, head_dim]`` in the query dtype.
     """
     n, nh, hd = query.shape
@@ -182,20 +184,46 @@ def decode_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor,
     v = kv_cache[1][bt].view(n, nblk * bs, nkv, hd)
     q = query.view(n, nkv, g, hd).to(k.dtype)
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float()  # [n, nkv, g, L]
-    scores.mul_(scale).masked_fill_(mask, float("-inf"))
+    scores.mul_(scale)
+    if logits_soft_cap:
+        scores = soft_cap(scores, logits_soft_cap)
+    scores.masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.transpose(1, 2))  # [n, nkv, g, hd]
     return out.reshape(n, nh, hd).to(query.dtype)
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """Attention logit soft-capping ``cap * tanh(scores / cap)`` (Gemma 2's
+    ``attn_logit_softcapping``, applied to the scaled scores before the mask and softmax as
+    transformers' ``eager_attention_forward``; vLLM's ``logits_soft_cap``)."""
+    return torch.tanh(scores / cap) * cap
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                      scale: float, cap: float) -> torch.Tensor:
+    """Eager attention with soft-capped scores (SDPA has no soft cap). q ``[B, H, q, D]``,
+    k/v ``[B, KV, s, D]``, mask ``[q, s]`` bool (True = attend) or None for causal q == s."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)).float() * scale, cap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+                      scale: float, sliding_window: Optional[int] = None,
+                      logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Attention of one request's chunk over its whole context with SDPA.
 
     query ``[q, num_heads, head_dim]``; key/value ``[s, num_kv_heads, head_dim]`` (s >= q;
     the query tokens are the last q of the s). Query i sees keys ``0 .. s - q + i``.
     A leading batch dimension (``[B, q, ...]`` and ``[B, s, ...]``) runs B such requests
-    of the same lengths in one call.
+    of the same lengths in one call. ``logits_soft_cap``: soft-capped scores (eager
+    attention instead of SDPA).
     Runs in the query dtype, except float16 on CPU (float32 there). Measured here for
     prompt shapes (9/3 heads, head dim 64, 256-1024 tokens), bf16 SDPA with GQA is as fast
     as float32 (the slow bf16 case in DESIGN.md is the decode shape, handled elsewhere).
@@ -219,10 +247,13 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         mask = kpos <= qpos
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
-    # 4-D inputs ([B, heads, L, D]) select torch's flash-attention CPU kernel; 3-D ones
-    # fall back to the much slower math path.
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                         scale=scale, enable_gqa=nkv != nh)
+    if logits_soft_cap:
+        out = _capped_attention(q, k, v, mask, scale, logits_soft_cap)
+    else:
+        # 4-D inputs ([B, heads, L, D]) select torch's flash-attention CPU kernel; 3-D ones
+        # fall back to the much slower math path.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=scale, enable_gqa=nkv != nh)
     out = out.transpose(1, 2).to(query.dtype)
     return out if batched else out[0]
 
@@ -232,12 +263,15 @@ class PagedAttention:
 
     num_heads / num_kv_heads / head_dim: the layer's shape (GQA when num_kv_heads <
     num_heads); scale: softmax scale (``head_dim ** -0.5``); sliding_window: attend only to
-    the last ``sliding_window`` positions (Mistral/Qwen2 windowed layers), None for full.
+    the last ``sliding_window`` positions (Mistral/Qwen2 windowed layers, Gemma 2/3's
+    sliding layers), None for full; logits_soft_cap: ``c * tanh(scores / c)`` on the scaled
+    scores (Gemma 2's ``attn_logit_softcapping``, vLLM's ``logits_soft_cap``), None for none.
     use_kernel: try the C++ decode kernel (falls back to torch if it cannot be built).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: Optional[int] = None, use_kernel: bool = True) -> None:
+                 sliding_window: Optional[int] = None, use_kernel: bool = True,
+                 logits_soft_cap: Optional[float] = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
@@ -247,6 +281,7 @@ class PagedAttention:
         self.scale = scale
         self.sliding_window = sliding_window
         self.use_kernel = use_kernel
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: Optional[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -270,7 +305,8 @@ class PagedAttention:
                 # the same arithmetic whether a prompt runs whole, in chunks or after a
                 # prefix-cache hit.
                 tables, lens = _token_tables(md)
-                op(out, q, kv_cache, tables, lens, t, self.scale, self.sliding_window or 0)
+                op(out, q, kv_cache, tables, lens, t, self.scale, self.sliding_window or 0,
+                   self.logits_soft_cap or 0.0)
                 return out.view(t, self.num_heads * self.head_dim)
         nd = md.num_decodes
         if nd:
@@ -288,16 +324,19 @@ class PagedAttention:
             if not has_cache:
                 raise ValueError("a prefill chunk with earlier context needs a KV cache")
             ki, vi = self._gather_context(kv_cache, md, i, sl)
-            out[s0:s1] = prefill_attention(q[s0:s1], ki, vi, self.scale, self.sliding_window)
+            out[s0:s1] = prefill_attention(q[s0:s1], ki, vi, self.scale, self.sliding_window,
+                                           self.logits_soft_cap)
         for length, reqs in whole.items():
             if len(reqs) == 1:
                 s0, s1 = starts[reqs[0]], starts[reqs[0] + 1]
-                out[s0:s1] = prefill_attention(q[s0:s1], k[s0:s1], v[s0:s1], self.scale, self.sliding_window)
+                out[s0:s1] = prefill_attention(q[s0:s1], k[s0:s1], v[s0:s1], self.scale,
+                                               self.sliding_window, self.logits_soft_cap)
                 continue
             # Prompts of equal length run as one batched SDPA call (fewer, larger kernels).
             sel = [slice(starts[i], starts[i + 1]) for i in reqs]
             res = prefill_attention(torch.stack([q[x] for x in sel]), torch.stack([k[x] for x in sel]),
-                                    torch.stack([v[x] for x in sel]), self.scale, self.sliding_window)
+                                    torch.stack([v[x] for x in sel]), self.scale, self.sliding_window,
+                                    self.logits_soft_cap)
             for j, x in enumerate(sel):
                 out[x] = res[j]
         return out.view(t, self.num_heads * self.head_dim)
@@ -326,7 +365,8 @@ class PagedAttention:
             max_len = max(md.seq_lens_list[:nd])
             md._derived["decode_max_len"] = max_len
         out.copy_(decode_attention_torch(q, kv_cache, md.block_tables, md.seq_lens, max_len,
-                                         self.scale, self.sliding_window, md._derived))
+                                         self.scale, self.sliding_window, md._derived,
+                                         self.logits_soft_cap))
 
 
 def _token_tables(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

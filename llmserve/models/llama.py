@@ -313,12 +313,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype):
+    def __init__(self, config: Any, dtype: torch.dtype, layer_cls: Optional[type] = None):
         super().__init__()
+        layer_cls = layer_cls or LlamaDecoderLayer
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size,
                                                              dtype=dtype), _freeze=True)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
+        self.layers = nn.ModuleList(layer_cls(config, i, dtype)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -339,17 +340,20 @@ class LlamaForCausalLM(nn.Module):
     ``hf_config``: the transformers config; ``dtype``: parameter and activation dtype.
     Parameters start uninitialised: call ``load_weights`` (HF parameter names).
     Raises ValueError for unsupported settings (activation, rope type).
+    Subclasses (Gemma, Phi-3) swap the decoder layer (``decoder_layer_cls``) and the rotary
+    embedding (``make_rotary``).
     """
+
+    decoder_layer_cls: Optional[type] = None  # None: LlamaDecoderLayer
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(hf_config, dtype)
+        self.model = LlamaModel(hf_config, dtype, self.decoder_layer_cls)
         head_dim = (getattr(hf_config, "head_dim", None)
                     or hf_config.hidden_size // hf_config.num_attention_heads)
-        self.rotary_emb = RotaryEmbedding(head_dim, hf_config.max_position_embeddings,
-                                          _rope_parameters(hf_config))
+        self.rotary_emb = self.make_rotary(hf_config, head_dim)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -362,6 +366,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_from_packed = False  # embedding rows come from packed_head (pack_tied_head)
         self.eval()
 
+    def make_rotary(self, hf_config: Any, head_dim: int) -> nn.Module:
+        """The rotary embedding of the config's ``rope_parameters`` (Llama's RoPE)."""
+        return RotaryEmbedding(head_dim, hf_config.max_position_embeddings, _rope_parameters(hf_config))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Optional[list[torch.Tensor]], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids / positions ``[T]`` int64 (flat tokens of all requests, decodes first);
@@ -369,14 +377,19 @@ class LlamaForCausalLM(nn.Module):
         (None to run whole prompts without a cache). Returns hidden states ``[T, hidden]``
         after the final norm, in the model dtype."""
         hidden = self._embed(input_ids)
-        self.rotary_emb.ensure_positions(positions, attn_metadata.max_seq_len - 1)
-        rope = RopeInputs(positions, self.rotary_emb, hidden.dtype)
+        rope = self.rope_inputs(positions, attn_metadata, hidden.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer.forward(hidden, residual, rope,
                                              kv_caches[i] if kv_caches else None, attn_metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def rope_inputs(self, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                    dtype: torch.dtype) -> RopeInputs:
+        """The step's RoPE inputs (tables grown to the step's longest sequence)."""
+        self.rotary_emb.ensure_positions(positions, attn_metadata.max_seq_len - 1)
+        return RopeInputs(positions, self.rotary_emb, dtype)
 
     def pack_tied_head(self) -> None:
         """A tied head's oneDNN copy: +V x H weights (56 MB for SmolLM2 in bfloat16) for a
@@ -454,6 +467,8 @@ class LlamaForCausalLM(nn.Module):
                 if name in params:
                     _copy(params[name].data, tensor, name)
                     loaded.add(name)
+                    if ".qkv_proj." in name or ".gate_up_proj." in name:  # fused in the checkpoint (Phi-3)
+                        loaded.update(f"{name}#{s}" for s in ("q", "k", "v", 0, 1))
         missing = []
         for pname in params:
             if ".qkv_proj." in pname:

@@ -10,6 +10,8 @@ from typing import Any
 from torch import nn
 
 from llmserve.models.bert import BertModel
+from llmserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from llmserve.models.phi3 import Phi3ForCausalLM
 from llmserve.models.whisper import WhisperForConditionalGeneration
 from llmserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
@@ -19,6 +21,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,  # encoder-decoder (audio)
     # Encoders (pooling only): the MLM/pre-training heads are ignored.
     "BertModel": BertModel,

@@ -104,7 +104,8 @@ def _shard_attention(attn: nn.Module, tp: TPGroup) -> None:
     old = attn.attn
     attn.num_heads, attn.num_kv_heads = kv_count * group, kv_count
     attn.q_size, attn.kv_size = attn.num_heads * hd, kv_count * hd
-    attn.attn = PagedAttention(attn.num_heads, hd, kv_count, old.scale, old.sliding_window, old.use_kernel)
+    attn.attn = PagedAttention(attn.num_heads, hd, kv_count, old.scale, old.sliding_window, old.use_kernel,
+                               old.logits_soft_cap)
 
 
 def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:

@@ -103,10 +103,11 @@ def get_cpu_ops() -> Optional[Any]:
     """The compiled ops module, or None when it cannot be built here (logged once) or
     ``LLMSERVE_CPU_OPS=0``. Ops (all write in place, return None):
 
-    - ``paged_decode(out, q, kv_cache, block_tables, seq_lens, n, scale, window)``: out/q
+    - ``paged_decode(out, q, kv_cache, block_tables, seq_lens, n, scale, window, softcap)``: out/q
       ``[N, num_heads, head_dim]`` (model dtype); kv_cache: one layer's ``[2, num_blocks,
       block_size, num_kv_heads, head_dim]``; block_tables ``[>=n, M]`` and seq_lens ``[>=n]``
-      int32; n: decode requests; window: sliding window (0 = none).
+      int32; n: decode requests; window: sliding window (0 = none); softcap: attention
+      logit soft-capping ``c * tanh(s / c)`` on the scaled scores (0 = none; Gemma 2).
     - ``rms_norm(out, x, weight, eps)``: x/out ``[R, H]`` or ``[A, B, H]``, weight ``[H]``.
     - ``fused_add_rms_norm(out, x, residual, weight, eps)``: residual <- x + residual, out <-
       rms_norm(residual); contiguous ``[R, H]``.

@@ -15,13 +15,16 @@ from llmserve.ops.cpu_ops import get_cpu_ops, get_decode_kernel
 NH, NKV, HD, BS, NB = 6, 2, 16, 4, 64
 
 
-def dense_attention(q, k, v, window=None):
-    """q [q, nh, hd] are the last q positions of k/v [s, nkv, hd]; plain softmax(QK^T)V."""
+def dense_attention(q, k, v, window=None, softcap=None):
+    """q [q, nh, hd] are the last q positions of k/v [s, nkv, hd]; plain softmax(QK^T)V
+    (scores soft-capped as ``softcap * tanh(s / softcap)`` when given)."""
     ql, s = q.shape[0], k.shape[0]
     g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1).float()
     v = v.repeat_interleave(g, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(s - ql, s).unsqueeze(1)
     kpos = torch.arange(s).unsqueeze(0)
     allowed = kpos <= qpos
@@ -87,7 +90,7 @@ def test_decode_kernel_matches_torch_path(dtype, window):
     kv.normal_()
     ref = decode_attention_torch(q, kv, md.block_tables, md.seq_lens, max(slens), HD ** -0.5, window)
     out = torch.empty_like(q)
-    op(out, q, kv, md.block_tables, md.seq_lens, n, HD ** -0.5, window or 0)
+    op(out, q, kv, md.block_tables, md.seq_lens, n, HD ** -0.5, window or 0, 0.0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -157,3 +160,30 @@ def test_bf16_chunked_prompt_is_bitwise_equal_to_whole_prompt():
     first = attn(q[:cut], k[:cut], v[:cut], kv2, build_attn_metadata([cut], [cut], [blocks], bs))
     second = attn(q[cut:], k[cut:], v[cut:], kv2, build_attn_metadata([L - cut], [L], [blocks], bs))
     assert torch.equal(torch.cat([first, second]), whole)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_soft_cap_in_every_path(use_kernel, dtype):
+    """Gemma 2's attention soft cap inside attention: decodes, whole prompts (batched and
+    alone), chunks with earlier context, with a window, against the dense reference; bf16
+    with head_dim 64 takes the kernel's AVX512-BF16 path."""
+    global NH, NKV, HD
+    old = NH, NKV, HD
+    NH, NKV, HD = (6, 2, 16) if dtype == torch.float32 else (4, 2, 64)
+    try:
+        qlens, slens = [1, 1, 7, 7, 5, 3], [9, 30, 7, 7, 13, 30]
+        kv, md, q, k, v, fk, fv = random_batch(qlens, slens, dtype, seed=4)
+        q = q * 4  # scores well past the cap of 1.5
+        attn = PagedAttention(NH, HD, NKV, HD ** -0.5, sliding_window=6, use_kernel=use_kernel,
+                              logits_soft_cap=1.5)
+        out = attn(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), kv, md).view(-1, NH, HD)
+        starts = md.query_starts()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        for i in range(len(qlens)):
+            ref = dense_attention(q[starts[i]:starts[i + 1]], fk[i], fv[i], 6, softcap=1.5)
+            torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), ref, atol=tol, rtol=tol)
+            uncapped = dense_attention(q[starts[i]:starts[i + 1]], fk[i], fv[i], 6)
+            assert (uncapped - ref).abs().max() > 0.1 or slens[i] == 1
+    finally:
+        NH, NKV, HD = old

@@ -15,6 +15,14 @@ struct BlockPos {
   inline int64_t off(int64_t p) const { return shift >= 0 ? p & mask : p % bs; }
 };
 
+// Gemma 2's attention logit soft-capping (cap * tanh(s / cap)) on a head's L scaled scores,
+// before the softmax as transformers' eager_attention_forward; cap <= 0 leaves them as they are.
+static inline void soft_cap(float* sc, int64_t L, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < L; ++i) sc[i] = cap * std::tanh(sc[i] * inv);
+}
+
 #if LLMSERVE_AVX512BF16
 // bf16 decode of one request, all KV heads: K.q with the AVX512-BF16 dot-product instruction
 // (bf16 x bf16 products are exact in float32, sums in float32), 16 keys per horizontal-sum
@@ -92,7 +100,7 @@ static inline void unpermute_pairs(const float* acc, __m512* out) {
 template <int NV, typename Prefetch>
 static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BFloat16* kp,
                             const at::BFloat16* vp, const int32_t* table, int64_t start, int64_t len,
-                            int64_t bs, int64_t nkv, int64_t g, float scale, at::BFloat16* orow,
+                            int64_t bs, int64_t nkv, int64_t g, float scale, float cap, at::BFloat16* orow,
                             std::vector<float>& scores, std::vector<float>& accm, std::vector<uint16_t>& pbuf,
                             Prefetch&& prefetch_next) {
   constexpr int64_t hd = NV * 16;
@@ -130,7 +138,10 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
   float denom_small[64];
   std::vector<float> denom_big(nh > 64 ? nh : 0);
   float* denom = nh > 64 ? denom_big.data() : denom_small;
-  for (int64_t h = 0; h < nh; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+  for (int64_t h = 0; h < nh; ++h) {
+    soft_cap(scores.data() + h * L, L, cap);
+    denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+  }
   pbuf.resize(nh * 16 + 2);
   uint16_t* pb = pbuf.data();
   for (int64_t p0 = start; p0 < len; p0 += 16) {
@@ -165,7 +176,8 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
 template <typename scalar_t>
 static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                         const at::Tensor& bt, const at::Tensor& sl, int64_t n,
-                        double scale, int64_t window) {
+                        double scale, int64_t window, double softcap) {
+  const float cap = static_cast<float>(softcap);
   const int64_t nh = q.size(1), hd = q.size(2);
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t bs = kv.size(2), nkv = kv.size(3);
@@ -228,10 +240,10 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
           }
           if (hd == 64)
             decode_one_bf16<4>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
-                               fscale, orow, scores, accm, pbuf, prefetch_next);
+                               fscale, cap, orow, scores, accm, pbuf, prefetch_next);
           else
             decode_one_bf16<8>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
-                               fscale, orow, scores, accm, pbuf, prefetch_next);
+                               fscale, cap, orow, scores, accm, pbuf, prefetch_next);
         }
       });
       return;
@@ -270,7 +282,10 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
         for (int64_t h = 0; h < hq; ++h)
           scores[h * L + (p - start)] = dot(qf.data() + h * hd, row + (h / g) * hd, hd, vec);
       }
-      for (int64_t h = 0; h < hq; ++h) denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+      for (int64_t h = 0; h < hq; ++h) {
+        soft_cap(scores.data() + h * L, L, cap);
+        denom[h] = 1.f / softmax_numerator(scores.data() + h * L, L);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < len; ++p) {
         const scalar_t* row = vp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
@@ -288,7 +303,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 
 
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                  at::Tensor seq_lens, int64_t n, double scale, int64_t window) {
+                  at::Tensor seq_lens, int64_t n, double scale, int64_t window, double softcap) {
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache: contiguous 5-d");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [n, heads, head_dim] with unit inner stride");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, q's shape");
@@ -299,5 +314,5 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor 
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0, "head shapes");
   TORCH_CHECK(n <= q.size(0) && n <= block_tables.size(0) && n <= seq_lens.size(0), "n too large");
   LLMSERVE_DISPATCH(q.scalar_type(), "paged_decode",
-                    decode_impl<scalar_t>(out, q, kv_cache, block_tables, seq_lens, n, scale, window));
+                    decode_impl<scalar_t>(out, q, kv_cache, block_tables, seq_lens, n, scale, window, softcap));
 }

@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                  at::Tensor seq_lens, int64_t n, double scale, int64_t window);
+                  at::Tensor seq_lens, int64_t n, double scale, int64_t window, double softcap);
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void silu_and_mul(at::Tensor out, at::Tensor gate_up);
