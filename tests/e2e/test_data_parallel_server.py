@@ -1,26 +1,87 @@
 """`llmserve serve --data-parallel-size 2` (issue 14): both ranks serve (the official
 client works unchanged), /metrics has one series per rank (engine label), and SIGKILL of
 one rank fails the requests in flight (an error, not a hang), /health stops answering 200
-and the server exits by itself (as vLLM's does when an engine dies), leaving no engine."""
+and the server exits by itself (as vLLM's does when an engine dies), leaving no engine.
+Issue 35: the X-data-parallel-rank header pins a request's rank (400 naming it when bad),
+and each rank publishes its KV events on its own endpoint, stamped with its rank."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import signal
+import time
 
 import httpx
 import psutil
 import pytest
 
 from tests.e2e.e2e_utils import RemoteServer
+from tests.kv_event_subscriber import BlockStored, Subscriber
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_model_dir):
+def kv_event_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("dp-kv-events"))
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model_dir, kv_event_dir):
+    events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{kv_event_dir}/ev",
+              "replay_endpoint": f"ipc://{kv_event_dir}/replay"}
     srv = RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
-                        "--kv-cache-memory", "32MiB", "--data-parallel-size", "2"])
+                        "--kv-cache-memory", "32MiB", "--data-parallel-size", "2",
+                        "--kv-events-config", json.dumps(events)])
     yield srv
     srv.stop()
+
+
+def _finished_by_rank(srv) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for line in srv.http.get("/metrics").text.splitlines():
+        m = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} (\S+)', line)
+        if m:
+            counts[m[1]] = counts.get(m[1], 0.0) + float(m[2])
+    return counts
+
+
+def _wait_finished(srv, want: dict[str, float]) -> dict[str, float]:
+    deadline = time.monotonic() + 10
+    while (got := _finished_by_rank(srv)) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_x_data_parallel_rank_header_pins_the_rank_and_each_rank_publishes_kv_events(dp_server, kv_event_dir):
+    subs = [Subscriber(f"ipc://{kv_event_dir}/ev" + ("_dp1" if r else ""),
+                       f"ipc://{kv_event_dir}/replay" + ("_dp1" if r else "")) for r in (0, 1)]
+    client = dp_server.client(timeout=60)
+    prompt = "the same long prompt " * 12  # several full KV blocks
+    try:
+        before = _finished_by_rank(dp_server)
+        for rank, n in ((1, 3), (0, 1)):
+            headers = {"X-data-parallel-rank": str(rank)}
+            for i in range(n):
+                client.completions.create(model="tiny", prompt=f"{prompt} {i}", max_tokens=2, extra_headers=headers)
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=2, extra_headers=headers)
+            client.responses.create(model="tiny", input=prompt, max_output_tokens=2, extra_headers=headers)
+        want = dict(before)
+        want["1"] = want.get("1", 0.0) + 5  # every pinned request ran on its rank, none elsewhere
+        want["0"] = want.get("0", 0.0) + 3
+        assert _wait_finished(dp_server, want) == want
+        for bad in ("one", "2", "-1"):
+            r = dp_server.post("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                               headers={"X-data-parallel-rank": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "X-data-parallel-rank", r.text
+        for rank, sub in enumerate(subs):
+            sub.sync()
+            assert sub.count(BlockStored) > 0
+            assert {b.data_parallel_rank for b in sub.batches.values()} == {rank}
+    finally:
+        for sub in subs:
+            sub.close()
 
 
 def _engine_pids(srv) -> list[int]:

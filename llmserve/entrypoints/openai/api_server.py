@@ -45,6 +45,7 @@ from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompleti
 from llmserve.entrypoints.openai.infill.api_router import register_infill_api_routers
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
+from llmserve.entrypoints.openai.dp_rank import DataParallelRankMiddleware
 from llmserve.entrypoints.openai.error_shapes import ErrorShape, ErrorShapeMiddleware
 from llmserve.entrypoints.openai.json_depth import JsonDepthMiddleware
 from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_frontend_routes, configure_handlers,
@@ -126,6 +127,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     register_lora_api_routers(app, args)  # /v1/load_lora_adapter... when run-time updating is allowed
     register_webui_routes(app, args)  # the built-in page at / and /live (--no-webui: off)
     app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
+    app.add_middleware(DataParallelRankMiddleware)  # X-data-parallel-rank for the handlers (dp_rank.py)
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
     app.add_middleware(TenantQuotaMiddleware, state=app.state)  # a tenant over its quota: 429 before admission
     install_exception_handlers(app)

@@ -22,6 +22,7 @@ from llmserve.entrypoints.openai.common.protocol import ErrorResponse, random_uu
 from llmserve.engine.input_processor import truncate_prompt
 from llmserve.entrypoints.openai.common.usage import UsageOptions
 from llmserve.entrypoints.openai.deadline import current_deadline, with_deadline
+from llmserve.entrypoints.openai.dp_rank import requested_data_parallel_rank
 from llmserve.entrypoints.openai.request_timelines.labels import add_response_id
 from llmserve.entrypoints.openai.logprobs import TokenFormatter, TokenIdFormatter
 from llmserve.entrypoints.openai.models.lora import lora_call, select_lora
@@ -159,7 +160,9 @@ class GenerateBaseServing(BaseServing):
         ``reasoning_parser_kwargs``). Under an ``X-Request-Timeout`` deadline the request
         is aborted when it passes (its last output: finish_reason "abort", tokens so far;
         see ``deadline.py``). response_id: the id the client gets (default: ``request_id``),
-        by which ``GET /v1/requests/{id}/timeline`` finds this request."""
+        by which ``GET /v1/requests/{id}/timeline`` finds this request. An
+        ``X-data-parallel-rank`` header pins it to that DP engine (not a beam search);
+        a bad one raises SamplingParamsError (400 naming the header)."""
         engine_id = f"{request_id}-{random_uuid()[:8]}"
         add_response_id(engine_id, response_id or request_id)
         request_id = engine_id
@@ -168,6 +171,9 @@ class GenerateBaseServing(BaseServing):
                         prompt.text[:self.max_log_len] if prompt.text is not None else None,
                         prompt.token_ids[:self.max_log_len], params)
         beam = kwargs.pop("beam_search_params", None)
+        rank = requested_data_parallel_rank(self.engine_client)  # X-data-parallel-rank (dp_rank.py)
+        if rank is not None and beam is None:
+            kwargs["data_parallel_rank"] = rank
         if beam is not None:  # use_beam_search (common/beam.py): the engine's beam search
             gen = lora_call(self.engine_client.beam_search, prompt.to_engine_prompt(), request_id, beam,
                             sampling_params=beam_sampling_params(params), priority=priority)
