@@ -37,7 +37,9 @@ def _conversations(n_conv: int, turns: int, seed: int = 0) -> list[list[list[int
     return convs
 
 
-def test_vllm_schema_subscriber_tracks_the_prefix_cache_and_replays(tiny_path, tmp_path):
+@pytest.mark.parametrize("n_conv, turns", [(8, 3), pytest.param(50, 4, marks=pytest.mark.slow)])
+def test_vllm_schema_subscriber_tracks_the_prefix_cache_and_replays(tiny_path, tmp_path, n_conv, turns):
+    """n_conv conversations of ``turns`` turns (make test: 24 requests; slow: 200)."""
     pub, replay = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay"
     live = Subscriber(pub, replay, topic="kv")
     llm = LLM(tiny_path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
@@ -47,10 +49,13 @@ def test_vllm_schema_subscriber_tracks_the_prefix_cache_and_replays(tiny_path, t
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.pool
     try:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-        convs = _conversations(8, 3)
-        for turn in range(3):  # 24 requests; 40 blocks of 16 tokens hold about a third
+        convs = _conversations(n_conv, turns)
+        for turn in range(turns):  # 40 blocks of 16 tokens hold a third of 8 conversations
             llm.generate([{"prompt_token_ids": c[turn]} for c in convs], params, use_tqdm=False)
         live.sync()
+        print(f"{n_conv * turns} requests: {live.next_seq} batches ({live.replayed} replayed), "
+              f"{live.count(BlockStored)} BlockStored, {live.count(BlockRemoved)} BlockRemoved, "
+              f"{len(pool.cached)} blocks cached")
         assert live.count(BlockStored) > 0 and live.count(BlockRemoved) > 0  # evictions happened
         assert {b.data_parallel_rank for b in live.batches.values()} == {0}
         assert live.tracked_blocks() == set(pool.cached)
