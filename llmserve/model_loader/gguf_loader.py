@@ -38,15 +38,27 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per-architecture names (llama.cpp's gguf.constants.MODEL_TENSORS): Gemma's norms around
+# attention and the MLP; Phi-3's fused q/k/v and gate/up ("ffn_up" holds both, gate first).
+_ARCH_BLOCK_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm has no offset); transformers'
+# Gemma2TensorProcessor subtracts it again, and so does the loader here.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> Optional[str]:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for
-    tensors llmserve does not use (e.g. ``rope_freqs.weight``)."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> Optional[str]:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (names of the
+    GGUF ``general.architecture`` ``arch``); None for tensors llmserve does not use (e.g.
+    ``rope_freqs.weight``; Phi-3's ``rope_factors_*`` go to the config instead)."""
     m = _BLOCK_RE.match(name)
     if m:
-        part = _BLOCK_NAMES.get(m.group(2))
+        part = _ARCH_BLOCK_NAMES.get(arch, {}).get(m.group(2)) or _BLOCK_NAMES.get(m.group(2))
         return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     base, _, suffix = name.rpartition(".")
     hf = _GLOBAL_NAMES.get(base)
@@ -179,10 +191,11 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
     kinds = sorted({t.tensor_type.name for t in tensors})
+    check_tensor_types(tensors)
     logger.info("GGUF %s: tensor types %s, dequantized to %s", os.path.basename(gguf_path),
                 ", ".join(kinds), str(dtype).removeprefix("torch."))
     for t in tensors:
-        hf_name = gguf_to_hf_name(t.name)
+        hf_name = gguf_to_hf_name(t.name, arch)
         if hf_name is None:
             logger.debug("skipping GGUF tensor %s", t.name)
             continue
@@ -191,6 +204,8 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
         except NotImplementedError as e:
             raise ValueError(f"cannot dequantize GGUF tensor {t.name} of type "
                              f"{t.tensor_type.name}: {e}") from e
+        if arch in _NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+            w = w - 1.0
         if arch == "llama":
             if ".attn_q." in t.name:
                 w = reverse_permute(w, n_head)
@@ -204,12 +219,45 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
         yield hf_name, torch.from_numpy(w).to(dtype)
 
 
+def check_tensor_types(tensors: list[GGUFTensorInfo]) -> None:
+    """Refuse, before any weight is read, a GGUF file holding a tensor llmserve uses in a
+    type it cannot run (neither packed nor dequantizable by ``gguf.quants``, e.g. Q8_K,
+    the activations' type): ValueError naming the tensor and type and listing the
+    supported types (llama.cpp's ``ggml`` type names)."""
+    supported = set(supported_tensor_types())
+    for t in tensors:
+        if gguf_to_hf_name(t.name) is not None and t.tensor_type.name not in supported:
+            packed = ", ".join(packed_tensor_types())
+            others = ", ".join(sorted(supported - set(packed_tensor_types())))
+            raise ValueError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which llmserve "
+                             f"cannot run; supported: {packed} (packed int8-activation kernels), "
+                             f"{others} (dequantized)")
+
+
+def packed_tensor_types() -> list[str]:
+    """GGUF tensor types whose blocks run packed (``llmserve.models.packed``)."""
+    from gguf import GGMLQuantizationType
+
+    from llmserve.ops.kquant import KQUANT_TYPES
+    from llmserve.ops.quant_ops import PACKED_TYPES
+    return [GGMLQuantizationType(t).name for t in sorted({*PACKED_TYPES, *KQUANT_TYPES})]
+
+
+def supported_tensor_types() -> list[str]:
+    """GGUF tensor types llmserve loads: plain floats and integers, and every quantized
+    type ``gguf.quants`` dequantizes (the packed ones among them)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+    return sorted({*_PLAIN_DTYPES, "BF16", *(GGMLQuantizationType(t).name for t in _type_traits)})
+
+
 def _keep_packed(packed: dict, hf_name: str, t: GGUFTensorInfo, arch: str, n_head: int, n_kv: int) -> None:
     """Store a quantized 2-d tensor's raw blocks (rows un-permuted like the floats)."""
+    from llmserve.ops.kquant import KQUANT_TYPES
     from llmserve.ops.quant_ops import PACKED_TYPES
 
     qtype = int(t.tensor_type)
-    if qtype not in PACKED_TYPES or t.data.ndim != 2:
+    if (qtype not in PACKED_TYPES and qtype not in KQUANT_TYPES) or t.data.ndim != 2:
         return
     raw = t.data
     if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):

@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for the same file changes (names, permutations, dtypes).
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30)
 
 
 def cache_root() -> str:

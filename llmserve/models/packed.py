@@ -2,9 +2,10 @@
 
 After a GGUF model's weights are loaded (dequantized to the model dtype),
 :func:`attach_packed_weights` gives each ``Linear`` whose checkpoint tensors were
-Q4_0 / Q4_1 / Q8_0 blocks a packed copy (fused the way the model fuses them: q/k/v rows
-into ``qkv_proj``, gate/up into ``gate_up_proj``), and the LM head the packed embedding
-when they are tied. ``Linear`` then runs steps of at most ``max_rows`` tokens through
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 or K-quant (Q2_K..Q6_K, issue 30) blocks a packed copy
+(fused the way the model fuses them: q/k/v rows into ``qkv_proj``, gate/up into
+``gate_up_proj``; parts of different types, as Q4_K_M files mix them, run side by side),
+and the LM head the packed embedding when they are tied. ``Linear`` then runs steps of at most ``max_rows`` tokens through
 ``QuantWeight.linear`` (:mod:`llmserve.ops.quant_ops`, int8 activations on VNNI, as
 llama.cpp does); ``max_rows`` is this CPU's (``packed_switch_point``: a table entry, or a
 start-up probe on CPUs the table does not cover). Where the packed kernel takes every step (here), packed
@@ -17,7 +18,7 @@ either, but the switch between the two would).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -27,16 +28,24 @@ logger = logging.getLogger(__name__)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _packed_for(prefix: str, leaf: str, packed: dict) -> Optional[tuple[int, torch.Tensor]]:
-    """The packed weight of Linear ``prefix.leaf`` (fusing its parts), or None when a part
-    is missing or the parts differ in type."""
+def _packed_for(prefix: str, leaf: str, packed: dict) -> Optional[Any]:
+    """The packed weight of Linear ``prefix.leaf`` (fusing its parts: one weight when they
+    share a type, else a ``ConcatQuantWeight`` of one per type run), or None when a part is
+    missing."""
+    from llmserve.ops.kquant import ConcatQuantWeight, quant_weight_from_gguf
+
     parts = _FUSED.get(leaf, (leaf,))
     found = [packed.get(f"{prefix}.{p}.weight" if prefix else f"{p}.weight") for p in parts]
-    if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+    if any(f is None for f in found):
         return None
-    qtype = found[0][0]
-    w = found[0][1] if len(found) == 1 else torch.cat([f[1] for f in found])
-    return qtype, w.contiguous()
+    runs: list[list] = []  # consecutive parts of one type share one weight
+    for f in found:
+        if runs and runs[-1][0] == f[0]:
+            runs[-1][1].append(f[1])
+        else:
+            runs.append([f[0], [f[1]]])
+    weights = [quant_weight_from_gguf(torch.cat(raws).contiguous(), qtype) for qtype, raws in runs]
+    return weights[0] if len(weights) == 1 else ConcatQuantWeight(tuple(weights))
 
 
 def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int] = None,
@@ -50,7 +59,8 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
     weights of packed layers are freed. Returns the number of layers given a packed
     weight (0 when the kernels are unavailable or the probe finds no win)."""
     from llmserve.models.llama import Linear
-    from llmserve.ops.quant_ops import ALL_STEPS, QuantWeight, get_quant_ops, packed_switch_point
+    from llmserve.ops.kquant import quant_weight_from_gguf
+    from llmserve.ops.quant_ops import ALL_STEPS, get_quant_ops, packed_switch_point
 
     if get_quant_ops() is None or not packed:
         return 0
@@ -67,13 +77,17 @@ def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int
             continue
         prefix, _, leaf = name.rpartition(".")
         found = _packed_for(prefix, leaf, packed)
-        if found is not None and found[1].shape[0] == mod.weight.shape[0]:
-            mod.set_packed(QuantWeight.from_gguf(found[1], found[0]), max_rows, drop_dense)
+        if found is not None and found.shape[0] == mod.weight.shape[0]:
+            mod.set_packed(found, max_rows, drop_dense)
+            if name == "lm_head" and hasattr(model, "packed_head"):
+                # compute_logits reads an untied head's weight, not the Linear: without this
+                # a quantized output.weight left [N, 0] logits once its dense copy was dropped
+                model.packed_head = (found, max_rows)
             count += 1
     head = packed.get("lm_head.weight") or packed.get("model.embed_tokens.weight")
     if head is not None and getattr(model, "lm_head", None) is None:
-        model.packed_head = (QuantWeight.from_gguf(head[1], head[0]), max_rows)
+        model.packed_head = (quant_weight_from_gguf(head[1], head[0]), max_rows)
         count += 1
-    logger.info("packed weights: %d layers run %s from their 4/8-bit blocks", count,
+    logger.info("packed weights: %d layers run %s from their GGUF blocks", count,
                 "every step" if max_rows >= ALL_STEPS else f"steps of <= {max_rows} tokens")
     return count

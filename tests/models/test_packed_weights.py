@@ -12,7 +12,8 @@ from llmserve.ops.quant_ops import PACKED_TYPES, QuantWeight, get_quant_ops
 ops = get_quant_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI and a compiler")
 
-NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
+WITH_MIN = (3, 7)  # Q4_1, Q5_1: d and m; the others d only (m = -8d, -16d, -128d)
 
 
 def _blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -20,7 +21,7 @@ def _blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     bb = PACKED_TYPES[qtype]
     raw = rng.integers(0, 256, size=(n, k // 32, bb), dtype=np.uint8)
-    nscale = 2 if qtype == 3 else 1  # Q4_1 has d and m
+    nscale = 2 if qtype in WITH_MIN else 1
     scales = rng.uniform(-0.05, 0.05, size=(n, k // 32, nscale)).astype(np.float16)
     raw[:, :, :2 * nscale] = scales.view(np.uint8).reshape(n, k // 32, 2 * nscale)
     return raw.reshape(n, k // 32 * bb)
@@ -56,10 +57,10 @@ def _d_m(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = raw.shape[0]
     blocks = raw.numpy().reshape(n, -1, PACKED_TYPES[qtype])
     d = torch.from_numpy(blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64))
-    if qtype == 3:
+    if qtype in WITH_MIN:
         m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
     else:
-        m = d * (-8 if qtype == 2 else -128)
+        m = d * {2: -8, 6: -16, 8: -128}[qtype]
     return d, m
 
 

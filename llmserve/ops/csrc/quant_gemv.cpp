@@ -1,12 +1,14 @@
-// Linear layers on GGUF-quantized weights (Q4_0, Q4_1, Q8_0 blocks of 32) with int8
+// Linear layers on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks of 32, and
+// the K-quants Q2_K..Q6_K in their own layout below) with int8
 // activations on AVX512-VNNI, llama.cpp's scheme: each 32-value block of a token's
 // activations is quantized to int8 with its own scale (d_x = max|x| / 127, round to
 // nearest even), then sum w*x = d * d_x * sum(q * q_x) + m * sum(x) per block, the
 // integer dot exact in int32, the block sum of x exact-ish in float32.
 //
-// Weights are repacked once at load (quant_repack) into one layout for all three types,
+// Weights are repacked once at load (quant_repack) into one layout for all these types,
 // w = d * q + m with unsigned codes q and float16 d, m per block (Q4_0: m = -8d; Q4_1:
-// as stored; Q8_0: q = int8 + 128, m = -128d; all exact: w equals gguf.quants' value):
+// as stored; Q5_0: 5-bit q, m = -16d; Q5_1: as stored; Q8_0: q = int8 + 128, m = -128d;
+// 5- and 8-bit codes in the 8-bit tiles; all exact: w equals gguf.quants' value):
 // rows in groups of 16, and per (group, block) the 16 rows' codes interleaved so that a
 // 64-byte vector holds 4 consecutive codes of each of the 16 rows. One VNNI instruction
 // then adds 4 products into each row's own int32 lane against 4 activation codes
@@ -30,16 +32,21 @@ namespace {
 
 constexpr int64_t QK = 32;  // weights per block
 constexpr int64_t RG = 16;  // rows per group (one int32 lane each)
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };  // ggml type ids
 
 int64_t block_bytes(int64_t qt) {
   switch (qt) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
   }
-  TORCH_CHECK(false, "quant: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(false, "quant: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8)");
 }
+
+// Code width in the repacked layout: 5-bit codes (Q5_0, Q5_1) take the 8-bit tiles.
+int qbits(int64_t qt) { return qt == Q4_0 || qt == Q4_1 ? 4 : 8; }
 
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -55,6 +62,17 @@ void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t& d16, uint16
   if (qt == Q8_0) {
     for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);  // int8 + 128
     m = -128.f * d;
+  } else if (qt == Q5_0 || qt == Q5_1) {
+    // d (m) float16, qh: bit i = bit 4 of code i, qs: codes i and i + 16 in one byte.
+    const int off = qt == Q5_1 ? 4 : 2;
+    uint32_t qh;
+    std::memcpy(&qh, b + off, 4);
+    const uint8_t* qs = b + off + 4;
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<uint8_t>((qs[i] & 0x0F) | (((qh >> i) & 1) << 4));
+      q[i + 16] = static_cast<uint8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+    }
+    m = qt == Q5_1 ? h2f(b + 2) : -16.f * d;  // Q5_0: d * (q - 16), exact as d * q - 16 d
   } else {
     const uint8_t* qs = b + (qt == Q4_1 ? 4 : 2);
     for (int i = 0; i < 16; ++i) { q[i] = qs[i] & 0x0F; q[i + 16] = qs[i] >> 4; }
@@ -86,12 +104,14 @@ struct Packed {
   int64_t nb, n, bits;
 };
 
-// Activations as int8 codes in natural order [M, K], per block d_x [M, nb] and sum(x) [M, nb].
+// Activations as int8 codes in natural order [M, K], per block d_x [M, nb] and sum(x) [M, nb];
+// per half block (16 values, the K-quants' sub-block) sum(q_x) hb [M, nb, 2].
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> hb;
   template <typename T>
-  QuantX(const T* x, int64_t M, int64_t nb) : q(M * nb * QK), d(M * nb), s(M * nb) {
+  QuantX(const T* x, int64_t M, int64_t nb) : q(M * nb * QK), d(M * nb), s(M * nb), hb(M * nb * 2) {
     at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) block(x + i * QK, i);
     });
@@ -111,6 +131,11 @@ struct QuantX {
     for (int j = 0; j < QK; ++j) {
       const int v = amax > 0.f ? static_cast<int>(std::nearbyint(xb[j] * 127.f / amax)) : 0;
       q[i * QK + j] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    }
+    for (int h = 0; h < 2; ++h) {
+      int32_t is = 0;
+      for (int j = 16 * h; j < 16 * h + 16; ++j) is += q[i * QK + j];
+      hb[2 * i + h] = is;
     }
   }
 };
@@ -171,12 +196,80 @@ void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* 
   for (int t = 0; t < MT; ++t) store_rows(out + (t0 + t) * N + g * RG, acc[t], valid);
 }
 
+
+// K-quants (Q2_K..Q6_K, super-blocks of 256 = 8 blocks), repacked by llmserve/ops/kquant.py:
+// codes in the tiles above (4-bit for Q2_K, Q3_K, Q4_K; 8-bit for Q5_K, Q6_K), per
+// (group, block) int8 [64] = the 16 rows' scale of each 16-value half (sc0, sc1) then
+// their min multipliers (mn0, mn1), per (group, super-block) float16 [32] = 16 d then 16
+// dmin. w = (d * sc) * (code - z) - dmin * mn in float32 steps, as gguf.quants (z: the
+// type's code offset, 32 for Q6_K, 4 for Q3_K). Per token and half block the integer dot
+// is dot(code, q_x) - z * sum(q_x) (llama.cpp's bsums), scaled by d * sc * d_x, less
+// dmin * mn * d_x * sum(q_x): the sum of w * x over the int8-rounded x, as llama.cpp's
+// ggml_vec_dot_q4_K_q8_K (the mins against the float sum of x, as the Q4_1 path above
+// does, left errors ~3x larger on random Q4_K rows: the offset d * code is ~2x |w|).
+struct KPacked {
+  const uint8_t* codes;  // [groups, nb, tile_bytes]
+  const int8_t* sc;      // [groups, nb, 64]
+  const uint16_t* dd;    // [groups, nb / 8, 32]
+  int64_t nb, n, bits, z;
+};
+
+inline __m512 i8x16_ps(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m512 h16_ps(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int BITS, int MT, typename OutT>
+void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
+  const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
+  const uint8_t* codes = p.codes + g * p.nb * tb;
+  const int8_t* sc = p.sc + g * p.nb * 64;
+  const uint16_t* dd = p.dd + g * (p.nb / 8) * 32;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps(), dmin = d;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    if (b % 8 == 0) {
+      d = h16_ps(dd + (b / 8) * 32);
+      dmin = h16_ps(dd + (b / 8) * 32 + 16);
+    }
+    __m512i v[8];
+    load_tile<BITS>(codes + b * tb, v);
+    const int8_t* s = sc + b * 64;
+    const __m512 d0 = _mm512_mul_ps(d, i8x16_ps(s)), d1 = _mm512_mul_ps(d, i8x16_ps(s + 16));
+    const __m512 m0 = _mm512_mul_ps(dmin, i8x16_ps(s + 32)), m1 = _mm512_mul_ps(dmin, i8x16_ps(s + 48));
+    for (int t = 0; t < MT; ++t) {
+      const int64_t xi = (t0 + t) * p.nb + b;
+      const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
+      // V[0..3]: codes 0..15 (first half), V[4..7]: codes 16..31.
+      __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
+      __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(xw[4]));
+      for (int j = 1; j < 4; ++j) {
+        a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
+        a1 = _mm512_dpbusd_epi32(a1, v[j + 4], _mm512_set1_epi32(xw[j + 4]));
+      }
+      a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi]));
+      a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi + 1]));
+      const __m512 dx = _mm512_set1_ps(xq.d[xi]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d1, dx), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(xq.d[xi] * static_cast<float>(xq.hb[2 * xi])), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(xq.d[xi] * static_cast<float>(xq.hb[2 * xi + 1])), acc[t]);
+    }
+  }
+  const int64_t valid = std::min(RG, p.n - g * RG);
+  for (int t = 0; t < MT; ++t) store_rows(out + (t0 + t) * N + g * RG, acc[t], valid);
+}
+
 // Row groups split over threads; tokens 8 (then 4, 3, 2, 1) at a time, so a tile's codes
 // are loaded once per 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at
 // K=576, stay in L2 while the thread's row groups pass over them: 1.14x -> see
 // benchmarks in the closing note of issue 16).
-template <int BITS, typename OutT>
-void run(const Packed& p, const QuantX& xq, int64_t M, OutT* out) {
+template <int BITS, typename P, typename OutT>
+void run(const P& p, const QuantX& xq, int64_t M, OutT* out) {
   constexpr int64_t kChunk = 256;
   const int64_t groups = (p.n + RG - 1) / RG, N = p.n;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
@@ -197,8 +290,8 @@ void run(const Packed& p, const QuantX& xq, int64_t M, OutT* out) {
   });
 }
 
-template <typename OutT>
-void dispatch(const Packed& p, const at::Tensor& x, OutT* out) {
+template <typename P, typename OutT>
+void dispatch(const P& p, const at::Tensor& x, OutT* out) {
   const int64_t M = x.size(0);
   std::unique_ptr<QuantX> xq;
   if (x.scalar_type() == at::kBFloat16) xq = std::make_unique<QuantX>(x.data_ptr<at::BFloat16>(), M, p.nb);
@@ -206,6 +299,36 @@ void dispatch(const Packed& p, const at::Tensor& x, OutT* out) {
   else xq = std::make_unique<QuantX>(x.data_ptr<float>(), M, p.nb);
   if (p.bits == 4) run<4>(p, *xq, M, out);
   else run<8>(p, *xq, M, out);
+}
+
+KPacked kpacked_of(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& dd, int64_t bits, int64_t z,
+                   int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "kquant: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.dim() == 3 && sc.dim() == 3 && dd.dim() == 3 && codes.scalar_type() == at::kByte &&
+                  sc.scalar_type() == at::kChar && dd.scalar_type() == at::kShort && codes.is_contiguous() &&
+                  sc.is_contiguous() && dd.is_contiguous() && codes.size(2) == tile_bytes(bits) &&
+                  codes.size(1) % 8 == 0 && sc.size(2) == 64 && dd.size(2) == 32 &&
+                  sc.size(0) == codes.size(0) && dd.size(0) == codes.size(0) && sc.size(1) == codes.size(1) &&
+                  dd.size(1) * 8 == codes.size(1) && n > (codes.size(0) - 1) * RG && n <= codes.size(0) * RG,
+              "kquant: codes uint8 [groups, nb, ", tile_bytes(bits), "], sc int8 [groups, nb, 64], dd int16 "
+              "[groups, nb/8, 32] for ", n, " rows, got ", codes.sizes(), ", ", sc.sizes(), " and ", dd.sizes());
+  return KPacked{codes.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(),
+                 reinterpret_cast<const uint16_t*>(dd.data_ptr<int16_t>()), codes.size(1), n, bits, z};
+}
+
+template <typename P>
+at::Tensor linear_of(const P& p, const at::Tensor& x, int64_t n, bool out_float, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.nb * QK, what, ": x ", x.sizes(), " does not fit a weight of ",
+              p.nb * QK, " columns");
+  const auto out_type = out_float ? at::kFloat : x.scalar_type();
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              what, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_type));
+  if (out_type == at::kFloat) dispatch(p, xc, out.data_ptr<float>());
+  else if (out_type == at::kBFloat16) dispatch(p, xc, out.data_ptr<at::BFloat16>());
+  else dispatch(p, xc, out.data_ptr<at::Half>());
+  return out;
 }
 
 Packed packed_of(const at::Tensor& codes, const at::Tensor& dm, int64_t bits, int64_t n) {
@@ -230,7 +353,7 @@ std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
   const int64_t bb = block_bytes(qtype), N = w.size(0);
   TORCH_CHECK(w.size(1) % bb == 0, "quant_repack: row of ", w.size(1), " bytes is not whole blocks of ", bb);
   const int64_t nb = w.size(1) / bb, groups = (N + RG - 1) / RG;
-  const int bits = qtype == Q8_0 ? 8 : 4;
+  const int bits = qbits(qtype);
   const int64_t tb = tile_bytes(bits);
   at::Tensor codes = at::zeros({groups, nb, tb}, w.options());
   at::Tensor dm = at::zeros({groups, nb, 32}, w.options().dtype(at::kShort));
@@ -254,17 +377,41 @@ std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
 // float32, bfloat16 or float16, quantized per block to int8; out in x's dtype (float32
 // sums rounded to nearest even once) or float32 with out_float.
 at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t bits, int64_t n, bool out_float) {
-  const Packed p = packed_of(codes, dm, bits, n);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == p.nb * QK, "quant_linear: x ", x.sizes(), " does not fit a weight of ",
-              p.nb * QK, " columns");
-  const auto out_type = out_float ? at::kFloat : x.scalar_type();
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "quant_linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_type));
-  if (out_type == at::kFloat) dispatch(p, xc, out.data_ptr<float>());
-  else if (out_type == at::kBFloat16) dispatch(p, xc, out.data_ptr<at::BFloat16>());
-  else dispatch(p, xc, out.data_ptr<at::Half>());
+  return linear_of(packed_of(codes, dm, bits, n), x, n, out_float, "quant_linear");
+}
+
+// The same for K-quant weights repacked by llmserve/ops/kquant.py (layout above KPacked).
+at::Tensor kquant_linear(at::Tensor x, at::Tensor codes, at::Tensor sc, at::Tensor dd, int64_t bits, int64_t z,
+                         int64_t n, bool out_float) {
+  return linear_of(kpacked_of(codes, sc, dd, bits, z, n), x, n, out_float, "kquant_linear");
+}
+
+// Rows ids [T] of a K-quant weight, float32 [T, K], exactly gguf.quants' values.
+at::Tensor kquant_rows(at::Tensor codes, at::Tensor sc, at::Tensor dd, int64_t bits, int64_t z, int64_t n,
+                       at::Tensor ids) {
+  const KPacked p = kpacked_of(codes, sc, dd, bits, z, n);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "kquant_rows: ids int64 [T]");
+  at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  const int64_t T = ids.size(0), tb = tile_bytes(p.bits);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "kquant_rows: id ", ip[t], " out of range [0, ", n, ")");
+  at::Tensor out = at::empty({T, p.nb * QK}, codes.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t g = ip[t] / RG, l = ip[t] % RG;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint16_t* dd = p.dd + (g * (p.nb / 8) + b / 8) * 32;
+      const float d = _cvtsh_ss(dd[l]), dmin = _cvtsh_ss(dd[16 + l]);
+      const int8_t* s = p.sc + (g * p.nb + b) * 64;
+      const uint8_t* tile = p.codes + (g * p.nb + b) * tb;
+      for (int64_t k = 0; k < QK; ++k) {
+        const int64_t h = k / 16;
+        const float scale = d * static_cast<float>(s[h * 16 + l]), off = dmin * static_cast<float>(s[32 + h * 16 + l]);
+        const float c = static_cast<float>(static_cast<int64_t>(tile_code(tile, p.bits, l, k)) - p.z);
+        op[t * p.nb * QK + b * QK + k] = scale * c - off;
+      }
+    }
+  }
   return out;
 }
 
@@ -318,4 +465,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "rows ids of a repacked weight -> float32 [T, K]", py::arg("codes"),
         py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("ids"));
   m.def("quant_dequantize", &quant_dequantize, "GGUF rows -> float32 [N, K], exact");
+  m.def("kquant_linear", &kquant_linear, "x [M, K] @ W.T from K-quant codes/sc/dd -> [M, n]", py::arg("x"),
+        py::arg("codes"), py::arg("sc"), py::arg("dd"), py::arg("bits"), py::arg("z"), py::arg("n"),
+        py::arg("out_float") = false);
+  m.def("kquant_rows", &kquant_rows, "rows ids of a K-quant weight -> float32 [T, K]", py::arg("codes"),
+        py::arg("sc"), py::arg("dd"), py::arg("bits"), py::arg("z"), py::arg("n"), py::arg("ids"));
 }
