@@ -5,7 +5,7 @@ and without the tier.
 
     python -m llmserve.benchmarks.kv_tier --prompt-len 4000 --reps 3
     python -m llmserve.benchmarks.kv_tier --replay-prompts 12 --replay-len 1000 \\
-        --replay-kv-cache 64MiB
+        --replay-kv-cache 64MiB     # 12,000 prompt tokens over ~2,800 tokens of RAM KV (bf16)
 
 Each TTFT is one ``LLM.generate`` of ``max_tokens=1`` (the prefill and one sampled token),
 in-process; cold prompts are distinct (no shared block), so each one prefills fully.
@@ -35,8 +35,8 @@ def _llm(args: argparse.Namespace, tier: str | None, **kw):
     extra = {} if tier is None else {"kv_transfer_config": {
         "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": tier}}}
-    return LLM(args.model, dtype=args.dtype, multiprocess_mode=False, max_model_len=args.max_model_len,
-               **extra, **kw)
+    kw.setdefault("max_model_len", args.max_model_len)
+    return LLM(args.model, dtype=args.dtype, multiprocess_mode=False, **extra, **kw)
 
 
 def _ttft(llm, prompt: list[int]) -> tuple[float, int]:
@@ -89,7 +89,7 @@ def replay(args: argparse.Namespace, tier: str | None) -> dict:
     """A prefix set larger than the RAM KV cache, run twice: the second pass's hit rate
     (cached / prompt tokens) and median TTFT."""
     prompts = _prompts(args.replay_prompts, args.replay_len, args.seed + 10)
-    llm = _llm(args, tier, kv_cache_memory=args.replay_kv_cache)
+    llm = _llm(args, tier, kv_cache_memory=args.replay_kv_cache, max_model_len=2 * args.replay_len)
     for p in prompts:
         _ttft(llm, p)
     runs = [_ttft(llm, p) for p in prompts]

@@ -149,6 +149,13 @@ def test_offloading_connector_and_vllm_flags_offline(tiny, tmp_path, monkeypatch
     assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)
     llm.shutdown()
     assert _files(os.path.join(tmp_path, "llmserve", "kv_offload"))
+    consumer = dict(_tier(os.path.join(tmp_path, "llmserve", "kv_offload")), kv_role="kv_consumer")
+    llm = _llm(model, kv_transfer_config=consumer)  # loads, never saves
+    assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)
+    before = _files(tmp_path)
+    _run(llm, [t + 3 for t in PROMPT])
+    llm.shutdown()
+    assert _files(tmp_path) == before
     with pytest.raises(ValueError, match="kv_offloading_size"):
         _llm(model, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
     with pytest.raises(ValueError, match="kv_offloading_backend='lmcache'"):
