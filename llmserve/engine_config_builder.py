@@ -235,6 +235,11 @@ def build_vllm_config(args: "EngineArgs", usage_context: "UsageContext") -> Vllm
     """See ``EngineArgs.create_engine_config``."""
     check_supported(args)
     parallel_config = _parallel_config(args)
+    if args.kv_events_config is not None and args.kv_events_config.publishes:  # ports per DP rank
+        from llmserve.distributed.kv_events import check_rank_endpoints
+
+        check_rank_endpoints(args.kv_events_config.endpoint, args.kv_events_config.replay_endpoint,
+                             parallel_config.data_parallel_size)
     device = _device(args.device)
     model_config = _model_config(args, device)
     if args.tensor_parallel_size > 1:

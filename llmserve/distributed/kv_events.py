@@ -48,6 +48,21 @@ def offset_endpoint_port(endpoint: Optional[str], data_parallel_rank: int) -> Op
     return f"{base}:{int(port) + data_parallel_rank}"
 
 
+def check_rank_endpoints(endpoint: str, replay_endpoint: Optional[str], data_parallel_size: int) -> None:
+    """With ``data_parallel_size`` ranks, rank r uses both endpoints at port + r: raise
+    ValueError naming ``kv_events_config.replay_endpoint`` when a rank's replay socket
+    would take another rank's PUB port (e.g. the defaults 5557/5558 at DP=2)."""
+    if replay_endpoint is None or data_parallel_size < 2:
+        return
+    pubs = {offset_endpoint_port(endpoint, r) for r in range(data_parallel_size)}
+    clash = [offset_endpoint_port(replay_endpoint, r) for r in range(data_parallel_size)
+             if offset_endpoint_port(replay_endpoint, r) in pubs]
+    if clash:
+        raise ValueError(f"kv_events_config.replay_endpoint: with data_parallel_size={data_parallel_size} each rank "
+                         f"r uses port + r, so {clash[0]} would be both a replay and a PUB endpoint; put the "
+                         f"replay port at least {data_parallel_size} away from the endpoint's")
+
+
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard host (``*``, ``::``) or a local ipc/inproc name is bound;
     any other address is connected to (a collector that binds)."""

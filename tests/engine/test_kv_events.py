@@ -117,3 +117,12 @@ def test_endpoint_offset_by_data_parallel_rank():
     assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint_port("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_dp1"
     assert offset_endpoint_port(None, 1) is None
+
+
+def test_replay_port_of_one_rank_may_not_be_the_pub_port_of_another(tiny_path):
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    with pytest.raises(ValueError, match="kv_events_config.replay_endpoint"):
+        EngineArgs(tiny_path, tokenizer="SmolLM2-135M-Instruct", data_parallel_size=2,
+                   kv_events_config=events).create_engine_config()
+    EngineArgs(tiny_path, tokenizer="SmolLM2-135M-Instruct", data_parallel_size=2,
+               kv_events_config=dict(events, replay_endpoint="tcp://*:5567")).create_engine_config()
