@@ -22,6 +22,7 @@ BENCHMARKS = {
     "embed": "Embeddings: offline LLM.embed vs sentence-transformers, and a server at N clients.",
     "seed-repro": "Seeded requests alone, batched, preempted, prefix-cached, chunked: same text.",
     "tenants": "Tenants: a flooder vs a quiet tenant and weights 1:3, FIFO vs fair share, same run.",
+    "spec-decode": "n-gram speculative decoding: TPOT with and without, same run, c=1 (edit/chat workloads).",
 }
 
 
@@ -78,8 +79,11 @@ def make_parser(argv: list[str]) -> argparse.ArgumentParser:
     from llmserve import __version__
 
     parser.add_argument("--version", action="version", version=f"llmserve {__version__}")
-    sub = parser.add_subparsers(dest="subcommand", metavar="{serve,bench}")
+    sub = parser.add_subparsers(dest="subcommand", metavar="{serve,bench,disagg-proxy}")
     _add_serve(sub)
+    from llmserve.entrypoints.disagg_proxy import add_parser as add_disagg_proxy
+
+    add_disagg_proxy(sub)
     chosen = None
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         chosen = argv[1]

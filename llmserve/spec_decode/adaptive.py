@@ -12,14 +12,17 @@ a back-off of 4, 8, ... 64 steps, then tries again from the prior.
 and, when a draft was rejected, one failure (positions after the first rejection are not
 observed), with weight ``DECAY`` per step on the past.
 
-``c`` was measured on this project's 2-core CPU (SmolLM2-135M Q4_1, one request, 300-token
-context, ``llmserve.benchmarks.spec_decode --cost``): a step of 1 + k tokens cost
-1.0, 1.09, 1.17, 1.26, 1.36, 1.45 of a 1-token step for k = 0..5, i.e. ~0.09 per token;
-``VERIFY_COST_PER_TOKEN`` is set a little above that so that marginal drafts are skipped.
+``c`` on this project's 2-core AVX512 CPU (SmolLM2-135M Q4_1, one request): the packed
+4-bit linear (``quant_linear``, 576x1536, the fastest of 7 passes over 40 weights) took
+7.2, 8.7, 10.5, 12.5, 16.3, 18.7, 22.9 us at 1, 2, 3, 4, 5, 6, 8 rows, i.e. +0.2..0.35 of
+a one-row pass per extra row; whole steps measured by ``llmserve bench spec-decode --cost``
+(forced, always-rejected drafts) were too noisy on the shared machine (load 5-7) to do
+better than ~0.15-0.3 per token. ``VERIFY_COST_PER_TOKEN`` takes the upper end, so that
+marginal drafts are skipped; re-measure on another CPU with ``--cost``.
 """
 from __future__ import annotations
 
-VERIFY_COST_PER_TOKEN = 0.1
+VERIFY_COST_PER_TOKEN = 0.3
 DECAY = 0.7
 PRIOR_ALPHA = 0.5
 MAX_BACKOFF = 64

@@ -149,3 +149,35 @@ def test_max_tokens_and_max_model_len_are_exact(reference, spec_llm):
     a = ref_llm.generate([long], sp, use_tqdm=False)[0]
     b = spec_llm.generate([long], sp, use_tqdm=False)[0]
     assert _summary([b]) == _summary([a]) and len(a.prompt_token_ids) + len(a.outputs[0].token_ids) == 256
+
+
+def test_spec_decode_metrics_reach_prometheus(spec_llm):
+    """The engine's per-step SpecDecodingStats cross the process boundary (msgspec) and
+    become vLLM's vllm:spec_decode_* counters."""
+    import msgspec
+
+    from llmserve import SamplingParams
+    from llmserve.engine.messages import EngineCoreOutputs
+    from llmserve.metrics.prometheus import PrometheusStatLogger
+
+    sched = _sched(spec_llm)
+    seen, make = [], sched.make_stats
+    sched.make_stats = lambda: seen.append(make()) or seen[-1]
+    try:
+        before = (sched.spec.totals.num_drafts, sched.spec.totals.num_accepted_tokens)
+        spec_llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    finally:
+        sched.make_stats = make
+    wire = [msgspec.msgpack.decode(msgspec.msgpack.encode(EngineCoreOutputs(outputs=[], scheduler_stats=s)),
+                                   type=EngineCoreOutputs).scheduler_stats for s in seen]
+    prom = PrometheusStatLogger(spec_llm.llm_engine.vllm_config)
+    for s in wire:
+        prom.record(s, None)
+    value = lambda name, **kw: prom.registry.get_sample_value(name, {"model_name": prom.model_name, "engine": "0", **kw})
+    drafts = sched.spec.totals.num_drafts - before[0]
+    accepted = sched.spec.totals.num_accepted_tokens - before[1]
+    assert drafts > 0 and value("vllm:spec_decode_num_drafts_total") == drafts
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert value("vllm:spec_decode_num_draft_tokens_total") >= accepted
+    assert sum(value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) or 0
+               for p in range(SPEC["num_speculative_tokens"])) == accepted
