@@ -194,7 +194,20 @@ _CAUSAL_LM_ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+
+
+def _config_from_gguf(path: str, gguf_file: str) -> Any:
+    """transformers' config of a GGUF file, completed with the metadata it leaves out
+    (``gguf_config.complete_gguf_config``: Gemma 2/3, Phi-3)."""
+    from transformers import AutoConfig
+
+    from llmserve.model_loader.gguf_config import complete_gguf_config
+    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    return complete_gguf_config(config, os.path.join(path, gguf_file))
 
 
 @functools.lru_cache(maxsize=4)
@@ -206,7 +219,7 @@ def _load_hf_config_cached(path: str, gguf_file: Optional[str]) -> Any:
         config = load_hf_object(
             os.path.join(path, gguf_file), "config.json",
             lambda d: AutoConfig.from_pretrained(d, local_files_only=True),
-            lambda: AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True))
+            lambda: _config_from_gguf(path, gguf_file))
     else:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     if not getattr(config, "architectures", None):

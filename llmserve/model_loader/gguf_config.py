@@ -1,0 +1,110 @@
+"""GGUF metadata that transformers' GGUF config reader leaves out, for the architectures
+llmserve runs (issue 30): without it a Gemma or Phi-3 GGUF would load with the wrong
+soft caps, window pattern, RoPE bases or LongRoPE factors and answer wrongly, silently.
+
+The keys are llama.cpp's (``gguf.constants.Keys``) as ``convert_hf_to_gguf.py`` writes them;
+where llama.cpp hard-codes a value instead of writing it, so does this (with the source):
+- gemma2 / gemma3: ``attn_logit_softcapping``, ``final_logit_softcapping``;
+  ``attention.scale`` if present, else llama.cpp's ``f_attention_scale`` rule
+  (``hidden / heads`` for the 27B models: 46 layers for Gemma 2, 62 for Gemma 3; else
+  ``head_dim``) as ``query_pre_attn_scalar``; gemma3: ``attention.sliding_window_pattern``
+  (llama.cpp's default 6), ``rope.freq_base_swa`` (default 10000) for sliding layers,
+  ``rope.scaling.type`` / ``factor`` for the global ones;
+- phi3: ``rope.dimension_count`` (partial rotary), ``rope.scaling.original_context_length``,
+  ``rope.scaling.attn_factor`` and the ``rope_factors_long`` / ``rope_factors_short``
+  tensors (LongRoPE), ``attention.sliding_window``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+class _Meta:
+    """Typed access to one GGUF file's metadata and small tensors (``gguf.GGUFReader``)."""
+
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+        self.reader = GGUFReader(path)
+        self.arch = self.get("general.architecture")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.get(f"{self.arch}.{suffix}", default)
+
+    def tensor(self, name: str) -> Optional[list[float]]:
+        for t in self.reader.tensors:
+            if t.name == name:
+                return [float(x) for x in t.data.reshape(-1)]
+        return None
+
+
+def complete_gguf_config(config: Any, gguf_path: str) -> Any:
+    """Fill in ``config`` (from ``AutoConfig.from_pretrained(..., gguf_file=...)``) with the
+    metadata above for gemma2 / gemma3 / phi3 files; other architectures are returned as
+    they are. Returns ``config`` (changed in place)."""
+    meta = _Meta(gguf_path)
+    if meta.arch in ("gemma2", "gemma3"):
+        _complete_gemma(config, meta)
+    elif meta.arch == "phi3":
+        _complete_phi3(config, meta)
+    return config
+
+
+def _complete_gemma(config: Any, meta: _Meta) -> None:
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = meta.arch_key(key)
+        if value is not None or meta.arch == "gemma3":
+            setattr(config, key, float(value) if value else None)
+    scale = meta.arch_key("attention.scale")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if scale:
+        config.query_pre_attn_scalar = int(round(float(scale) ** -2))  # an int in HF configs
+    elif config.num_hidden_layers == _GEMMA_27B_LAYERS[meta.arch]:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = head_dim
+    n = config.num_hidden_layers
+    if meta.arch == "gemma2":
+        config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        return
+    pattern = meta.arch_key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer (llama.cpp's swa_layers), True = sliding
+        config.layer_types = ["sliding_attention" if f else "full_attention" for f in pattern]
+    else:
+        config.layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
+                              for i in range(n)]
+    full = {"rope_type": "default", "rope_theta": float(meta.arch_key("rope.freq_base", 1e6))}
+    if meta.arch_key("rope.scaling.type") in ("linear",) and meta.arch_key("rope.scaling.factor"):
+        full.update(rope_type="linear", factor=float(meta.arch_key("rope.scaling.factor")))
+    config.rope_parameters = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": float(meta.arch_key("rope.freq_base_swa", 10000.0))}}
+
+
+def _complete_phi3(config: Any, meta: _Meta) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", float(meta.arch_key("rope.freq_base", 10000.0)))
+    rot = meta.arch_key("rope.dimension_count")
+    if rot:
+        params["partial_rotary_factor"] = int(rot) / head_dim
+    window = meta.arch_key("attention.sliding_window")
+    if window:
+        config.sliding_window = int(window)
+    long, short = meta.tensor("rope_factors_long.weight"), meta.tensor("rope_factors_short.weight")
+    orig = meta.arch_key("rope.scaling.original_context_length")
+    if long is not None and short is not None:
+        params.update(rope_type="longrope", long_factor=long, short_factor=short)
+        if orig:
+            params["original_max_position_embeddings"] = int(orig)
+            config.original_max_position_embeddings = int(orig)
+        attn_factor = meta.arch_key("rope.scaling.attn_factor")
+        if attn_factor:
+            params["attention_factor"] = float(attn_factor)
+    config.rope_parameters = params
