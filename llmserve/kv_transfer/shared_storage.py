@@ -288,6 +288,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         rows = blocks.view(torch.uint8).view(len(meta.saves), -1).numpy()
         for i, (_, block_hash) in enumerate(meta.saves):
             self.writer.put(block_hash, rows[i])
+        if not self.can_load:  # a kv_producer (prefill instance): on disk before its answer goes out
+            self.writer.flush()
 
     def flush(self) -> None:
         """Wait until every queued block is written (tests, shutdown)."""

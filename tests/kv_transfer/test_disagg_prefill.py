@@ -1,0 +1,56 @@
+"""Disaggregated prefill over the shared-storage connector (issue 32 item 3), in-process
+twin of tests/e2e/test_disagg_proxy_server.py: a kv_producer engine prefills (max_tokens=1)
+and saves the prompts' blocks, a kv_consumer engine over the same folder loads them and
+decodes; greedy tokens equal transformers' at c=1 and c=8; with the producer gone the
+consumer prefills by itself and answers the same."""
+from __future__ import annotations
+
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.entrypoints.disagg_proxy import prefill_body
+
+PROMPTS = [[int(t) for t in torch.randint(5, 250, (40 + 9 * i,), generator=torch.Generator().manual_seed(i))]
+           for i in range(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _llm(model: str, role: str, path) -> LLM:
+    cfg = {"kv_connector": "SharedStorageConnector", "kv_role": role,
+           "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+    return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+               kv_cache_memory="8MiB", max_model_len=256, kv_transfer_config=cfg)
+
+
+def _gen(llm: LLM, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def test_producer_then_consumer_equals_transformers_at_c1_and_c8(tmp_path_factory, save_tiny_model_fn, tmp_path):
+    model_dir = str(tmp_path_factory.mktemp("disagg_model"))
+    hf = save_tiny_model_fn("llama", model_dir)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+               for p in PROMPTS]
+    producer, consumer = _llm(model_dir, "kv_producer", tmp_path), _llm(model_dir, "kv_consumer", tmp_path)
+    producer.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert _gen(consumer, PROMPTS[:1]) == ([ref[0]], [(len(PROMPTS[0]) - 1) // 16 * 16])  # c=1
+    producer.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], SamplingParams(temperature=0, max_tokens=1),
+                      use_tqdm=False)  # c=8: the rest prefilled in one batch
+    tokens, cached = _gen(consumer, PROMPTS[1:])
+    assert tokens == ref[1:] and cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS[1:]]
+    producer.shutdown()
+    fresh = [[t + 1 for t in p] for p in PROMPTS[:2]]  # the producer is gone: the consumer prefills
+    with torch.no_grad():
+        ref_fresh = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+                     for p in fresh]
+    assert _gen(consumer, fresh) == (ref_fresh, [0, 0])
+    consumer.shutdown()
+
+
+def test_prefill_request_is_one_token_without_stream():
+    body = {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {}, "n": 2}
+    assert prefill_body(body, "/v1/completions") == {"model": "m", "prompt": "x", "max_tokens": 1}
+    chat = prefill_body({"messages": [], "max_completion_tokens": 9}, "/v1/chat/completions")
+    assert chat == {"messages": [], "max_tokens": 1, "max_completion_tokens": 1}
