@@ -19,6 +19,22 @@ from __future__ import annotations
 from typing import Any, Optional
 
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# GGUF ``general.architecture`` values llmserve runs (Mistral files say "llama").
+GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
+
+
+def check_gguf_architecture(gguf_path: str) -> str:
+    """The file's ``general.architecture``; ValueError naming it and the supported ones when
+    llmserve cannot run it (before transformers reads the rest of the metadata)."""
+    from llmserve.model_loader.gguf_loader import read_gguf_tensors
+    try:
+        arch = read_gguf_tensors(gguf_path)[0]
+    except Exception:  # an odd file: let transformers' reader say what is wrong with it
+        return ""
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} ({gguf_path}) is not supported; supported GGUF "
+                         f"architectures: {list(GGUF_ARCHITECTURES)}")
+    return arch
 
 
 class _Meta:

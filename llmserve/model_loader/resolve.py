@@ -205,7 +205,8 @@ def _config_from_gguf(path: str, gguf_file: str) -> Any:
     (``gguf_config.complete_gguf_config``: Gemma 2/3, Phi-3)."""
     from transformers import AutoConfig
 
-    from llmserve.model_loader.gguf_config import complete_gguf_config
+    from llmserve.model_loader.gguf_config import check_gguf_architecture, complete_gguf_config
+    check_gguf_architecture(os.path.join(path, gguf_file))
     config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     return complete_gguf_config(config, os.path.join(path, gguf_file))
 
@@ -222,6 +223,11 @@ def _load_hf_config_cached(path: str, gguf_file: Optional[str]) -> Any:
             lambda: _config_from_gguf(path, gguf_file))
     else:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if list(getattr(config, "architectures", None) or []) == ["Gemma3ForConditionalGeneration"]:
+        # Text only (issue 30): the language model of an image-text Gemma 3 checkpoint.
+        logger.info("Gemma3ForConditionalGeneration: serving its text model (images are not supported)")
+        config = config.text_config
+        config.architectures = ["Gemma3ForCausalLM"]
     if not getattr(config, "architectures", None):
         arch = _CAUSAL_LM_ARCHS.get(config.model_type)
         if arch is None:

@@ -176,7 +176,25 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                              for name, tensor in weights)
 
 
+_MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+
+
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3 text model (HF ``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``): Gemma 2
     with q/k norms, 5 sliding layers per full one and per-type RoPE; soft caps only when the
-    config sets them."""
+    config sets them. Also the text part of a ``Gemma3ForConditionalGeneration`` checkpoint
+    (``load_hf_config`` hands its ``text_config``): the language model's weights under either
+    of transformers' prefixes, the vision tower and projector skipped."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((_text_name(name), t) for name, t in weights
+                             if not any(part in name for part in _VISION_PARTS))
+
+
+def _text_name(name: str) -> str:
+    for old, new in _MULTIMODAL_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name

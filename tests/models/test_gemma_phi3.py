@@ -329,3 +329,46 @@ def _check_gguf_copy(tiny, qtype, tmp_path, tokens_fn, step_runner_cls, model_co
     runner = step_runner_cls(model)
     got = torch.cat([runner.step([("a", prompt[:20])])["a"]] + [runner.step([("a", [t])])["a"] for t in prompt[20:]])
     torch.testing.assert_close(got, hf_logits(ref, prompt), atol=ATOL, rtol=1e-4)
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_model(tmp_path, tokens_fn, step_runner_cls, model_config_fn):
+    """A Gemma3ForConditionalGeneration checkpoint loads as its text model (vision tower and
+    projector skipped) and gives the full model's logits on a text-only prompt."""
+    import transformers as tf
+    text = dict(COMMON, vocab_size=1024, num_hidden_layers=2, head_dim=16, sliding_window=8, sliding_window_pattern=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    hf = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=1000,
+        boi_token_index=1001, eoi_token_index=1002)).eval()
+    hf.save_pretrained(str(tmp_path))
+    resolved = resolve_model(str(tmp_path))
+    config = load_hf_config(resolved)
+    assert config.architectures == ["Gemma3ForCausalLM"] and config.num_hidden_layers == 2
+    ours = get_model(model_config_fn(resolved, config, "float32"))
+    prompt = tokens_fn(20, 9, vocab=999)
+    got = step_runner_cls(ours).step([("a", prompt)])["a"]
+    torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=1e-4)
+
+
+def test_unsupported_architectures_are_refused_by_name(tmp_path):
+    """An HF architecture or a GGUF architecture llmserve cannot run is refused at load,
+    naming it and listing the supported ones (issue 30 item 6)."""
+    import gguf
+    import transformers as tf
+    from llmserve.models import get_model_class
+
+    cfg = tf.Gemma3Config()  # no architectures: try a made-up one
+    cfg.architectures = ["Gemma3nForConditionalGeneration"]
+    with pytest.raises(ValueError, match=r"Gemma3nForConditionalGeneration.*supported.*Gemma2ForCausalLM.*Phi3ForCausalLM"):
+        get_model_class(cfg)
+    path = str(tmp_path / "olmoe.gguf")
+    w = gguf.GGUFWriter(path, "olmoe")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF architecture 'olmoe'.*supported GGUF architectures.*gemma2.*phi3"):
+        load_hf_config(resolve_model(path))
