@@ -1,4 +1,4 @@
-"""A GGUF K-quant writer (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) for the tests and the K-quant
+"""A GGUF K-quant writer (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_NL) for the tests and the K-quant
 benchmark, so neither needs a llama.cpp build (issue 30).
 
 The rounding is simple per-block min/max, not ggml's iterative ``make_qkx2_quants``
@@ -7,7 +7,7 @@ tests check the round trip), a little less accurate than llama.cpp's. Q4_0 ... Q
 from ``gguf.quants.quantize``. :func:`q4_k_m_type` picks each tensor's type the way
 llama.cpp's ``llama-quantize`` does for ``Q4_K_M`` (simplified: ``attn_v`` and
 ``ffn_down`` of every other layer in Q6_K, the output in Q6_K, and a row length that is not
-whole 256-value super-blocks falls back to Q5_0 / Q5_1 / Q8_0).
+whole 256-value super-blocks falls back to Q5_0 / Q5_1 / Q8_0 / IQ4_NL).
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 QK_K = 256
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 # llama.cpp's fallback for rows that are not whole super-blocks (llama-quant.cpp).
-FALLBACK = {Q2_K: Q4_0, Q3_K: Q4_0, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
+FALLBACK = {Q2_K: IQ4_NL, Q3_K: IQ4_NL, Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -120,8 +121,17 @@ def _q3_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([_bits(q, 2), _crumbs(q), s, _f16(d)], 1)
 
 
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    """32-value blocks: d = extreme / -127 (ggml's choice), each value the nearest level."""
+    idx = np.abs(x).argmax(-1)[:, None]
+    d = (np.take_along_axis(x, idx, -1)[:, 0] / -127).astype(np.float16)
+    lv = d.astype(np.float32)[:, None, None] * IQ4_NL_LEVELS
+    q = np.abs(lv - x[..., None]).argmin(-1).astype(np.uint8)
+    return np.concatenate([_f16(d), q[:, :16] | (q[:, 16:] << 4)], 1)
+
+
 _QUANTIZE: dict[int, Callable[[np.ndarray], np.ndarray]] = {
-    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k, IQ4_NL: _iq4_nl}
 
 
 def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
@@ -134,9 +144,10 @@ def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
     n, k = w.shape
     if qtype not in _QUANTIZE:
         return gguf_quantize(w, GGMLQuantizationType(qtype))
-    if k % QK_K:
-        raise ValueError(f"rows of {k} values are not whole {QK_K}-value super-blocks")
-    blocks = _QUANTIZE[qtype](w.reshape(-1, QK_K))
+    block = 32 if qtype == IQ4_NL else QK_K
+    if k % block:
+        raise ValueError(f"rows of {k} values are not whole {block}-value blocks")
+    blocks = _QUANTIZE[qtype](w.reshape(-1, block))
     return blocks.reshape(n, -1)
 
 

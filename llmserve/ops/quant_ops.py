@@ -4,8 +4,8 @@ extension (so editing either does not rebuild the other).
 
 At batch 1 a decode step reads every weight once; SmolLM2-135M in bfloat16 is ~270 MB per
 step, as Q4_1 blocks ~85 MB. llama.cpp keeps the file's blocks and so reads ~3x fewer
-bytes. :class:`QuantWeight` does the same for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (ggml type
-ids 2, 3, 6, 7, 8; the K-quants are :mod:`llmserve.ops.kquant`),
+bytes. :class:`QuantWeight` does the same for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL (ggml
+type ids 2, 3, 6, 7, 8, 20; the K-quants are :mod:`llmserve.ops.kquant`),
 repacked once into codes and float16 scales that reproduce the file's values exactly.
 Its kernel quantizes each 32-value block of the activations to int8 and takes the integer
 dot products on AVX512-VNNI, as llama.cpp does. Needs AVX512-VNNI; elsewhere
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = "quant_gemv.cpp"
 # ggml type id -> (bytes per 32-weight block); gguf.GGMLQuantizationType values.
-PACKED_TYPES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34}  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+PACKED_TYPES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 20: 18}  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
 
 
 def _build_dir() -> str:
@@ -77,7 +77,7 @@ def get_quant_ops() -> Optional[Any]:
 class QuantWeight:
     """A linear layer's GGUF-quantized weight ``[n, K]`` in the kernel's layout
     (``csrc/quant_gemv.cpp``): rows in groups of 16 interleaved per 32-weight block,
-    ``codes`` uint8 ``[ceil(n/16), K/32, 256]`` (4-bit types) or ``[..., 512]`` (Q5_0, Q5_1, Q8_0),
+    ``codes`` uint8 ``[ceil(n/16), K/32, 256]`` (4-bit types) or ``[..., 512]`` (Q5_0, Q5_1, Q8_0, IQ4_NL),
     ``dm`` int16 (float16 bits) ``[ceil(n/16), K/32, 32]``; ``bits`` 4 or 8. Source:
     llama.cpp's ``ggml_vec_dot_q4_1_q8_1`` numerics (int8 activations per 32-block) and its
     interleaved ``Q4_0_8x8`` repacking idea; vLLM has no CPU GGUF kernel."""

@@ -49,7 +49,7 @@ def test_writer_blocks_round_trip_through_gguf(qtype):
     bound = {10: 0.03, 11: 0.02, 12: 0.006, 13: 0.003, 14: 0.003}[qtype]  # 0.02-std weights
     assert float((ref - torch.from_numpy(w)).abs().max()) < bound
     assert torch.equal(dequantize_reference(unpack_blocks(raw, qtype)), ref)
-    with pytest.raises(ValueError, match="super-blocks"):
+    with pytest.raises(ValueError, match="256-value blocks"):
         quantize(w[:, :288], qtype)
 
 

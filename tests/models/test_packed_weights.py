@@ -12,7 +12,7 @@ from llmserve.ops.quant_ops import PACKED_TYPES, QuantWeight, get_quant_ops
 ops = get_quant_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI and a compiler")
 
-NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
+NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
 WITH_MIN = (3, 7)  # Q4_1, Q5_1: d and m; the others d only (m = -8d, -16d, -128d)
 
 
@@ -42,11 +42,11 @@ def test_dequantize_equals_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", sorted(PACKED_TYPES))
 def test_dequantize_of_quantized_floats(qtype):
-    """Blocks made by gguf.quants.quantize from real-valued weights decode the same."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
+    """Blocks made by gguf.quants.quantize (IQ4_NL: llmserve's writer) from real-valued
+    weights decode the same."""
+    from llmserve.benchmarks.kquant_writer import quantize
     w = np.random.default_rng(1).normal(0, 0.02, size=(24, 128)).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType(qtype))
+    raw = quantize(w, qtype)
     got = ops.quant_dequantize(torch.from_numpy(np.ascontiguousarray(raw)), qtype)
     assert torch.equal(got, torch.from_numpy(_gguf_dequant(raw, qtype)))
     assert float((got - torch.from_numpy(w)).abs().max()) < 0.01  # and approximate w
@@ -60,7 +60,7 @@ def _d_m(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     if qtype in WITH_MIN:
         m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
     else:
-        m = d * {2: -8, 6: -16, 8: -128}[qtype]
+        m = d * {2: -8, 6: -16, 8: -128, 20: -128}[qtype]
     return d, m
 
 

@@ -8,6 +8,7 @@
 // Weights are repacked once at load (quant_repack) into one layout for all these types,
 // w = d * q + m with unsigned codes q and float16 d, m per block (Q4_0: m = -8d; Q4_1:
 // as stored; Q5_0: 5-bit q, m = -16d; Q5_1: as stored; Q8_0: q = int8 + 128, m = -128d;
+// IQ4_NL: q = its int8 level + 128, m = -128d;
 // 5- and 8-bit codes in the 8-bit tiles; all exact: w equals gguf.quants' value):
 // rows in groups of 16, and per (group, block) the 16 rows' codes interleaved so that a
 // 64-byte vector holds 4 consecutive codes of each of the 16 rows. One VNNI instruction
@@ -32,7 +33,9 @@ namespace {
 
 constexpr int64_t QK = 32;  // weights per block
 constexpr int64_t RG = 16;  // rows per group (one int32 lane each)
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };  // ggml type ids
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20 };  // ggml type ids
+// IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl).
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 int64_t block_bytes(int64_t qt) {
   switch (qt) {
@@ -41,11 +44,13 @@ int64_t block_bytes(int64_t qt) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case IQ4_NL: return 18;
   }
-  TORCH_CHECK(false, "quant: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8)");
+  TORCH_CHECK(false, "quant: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, IQ4_NL=20)");
 }
 
-// Code width in the repacked layout: 5-bit codes (Q5_0, Q5_1) take the 8-bit tiles.
+// Code width in the repacked layout: 5-bit codes (Q5_0, Q5_1) and IQ4_NL's int8 levels
+// take the 8-bit tiles.
 int qbits(int64_t qt) { return qt == Q4_0 || qt == Q4_1 ? 4 : 8; }
 
 inline float h2f(const uint8_t* p) {
@@ -61,6 +66,12 @@ void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t& d16, uint16
   float d = h2f(b), m;
   if (qt == Q8_0) {
     for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(b[2 + i] ^ 0x80);  // int8 + 128
+    m = -128.f * d;
+  } else if (qt == IQ4_NL) {  // d * level: q = level + 128, m = -128d (d * q exact in float32)
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<uint8_t>(kIQ4NL[b[2 + i] & 0x0F] + 128);
+      q[i + 16] = static_cast<uint8_t>(kIQ4NL[b[2 + i] >> 4] + 128);
+    }
     m = -128.f * d;
   } else if (qt == Q5_0 || qt == Q5_1) {
     // d (m) float16, qh: bit i = bit 4 of code i, qs: codes i and i + 16 in one byte.
