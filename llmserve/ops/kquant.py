@@ -13,7 +13,7 @@ super-block (ggml's ``block_q*_K``, decoded as ``gguf.quants`` decodes it)::
 | Q2_K | 2 (4-bit tile) | 16 values, 4-bit | 4-bit | 0 |
 | Q3_K | 3 (4-bit tile) | 16, signed 6-bit | 0 | 4 |
 | Q4_K | 4 (4-bit tile) | 32, 6-bit | 6-bit | 0 |
-| Q5_K | 5 (8-bit tile) | 32, 6-bit | 6-bit | 0 |
+| Q5_K | 5 (5-bit tile) | 32, 6-bit | 6-bit | 0 |
 | Q6_K | 6 (8-bit tile) | 16, int8 | 0 | 32 |
 
 :func:`unpack_blocks` decodes the file's blocks into that form with numpy (codes, per-half
@@ -34,7 +34,7 @@ QK_K = 256
 RG = 16  # rows per group in the kernel's layout
 # ggml type id -> (name, bytes per 256-value super-block, code tile bits, code offset z).
 KQUANT_TYPES = {10: ("Q2_K", 84, 4, 0), 11: ("Q3_K", 110, 4, 4), 12: ("Q4_K", 144, 4, 0),
-                13: ("Q5_K", 176, 8, 0), 14: ("Q6_K", 210, 8, 32)}
+                13: ("Q5_K", 176, 5, 0), 14: ("Q6_K", 210, 8, 32)}
 
 
 class KQuantParts(NamedTuple):
@@ -153,10 +153,14 @@ def linear_reference(x: torch.Tensor, p: KQuantParts) -> torch.Tensor:
 
 
 def _tiles(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``[G*16, K]`` -> ``[G, K/32, 256 or 512]`` in ``quant_repack``'s tile order."""
+    """uint8 codes ``[G*16, K]`` -> ``[G, K/32, 256, 320 or 512]`` in ``quant_repack``'s tile order."""
     g, nb = codes.shape[0] // RG, codes.shape[1] // 32
     if bits == 8:  # byte (k/4)*64 + l*4 + k%4
         return codes.view(g, RG, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 512).contiguous()
+    if bits == 5:  # the low nibbles' 4-bit tile, then byte l*4 + i holding bit 4 of code 4j + i in bit j
+        hi = ((codes.view(g, RG, nb, 8, 4) >> 4) & 1) << torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1)
+        hi = hi.sum(3, dtype=torch.uint8).permute(0, 2, 1, 3).reshape(g, nb, 64)
+        return torch.cat([_tiles(codes & 0x0F, 4), hi], 2).contiguous()
     t = codes.view(g, RG, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # [g, nb, half, chunk, row, 4]
     return (t[:, :, 0] | (t[:, :, 1] << 4)).reshape(g, nb, 256).contiguous()
 
@@ -170,9 +174,9 @@ def _pad_rows(a: np.ndarray, rows: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class KQuantWeight:
     """A linear layer's K-quant weight ``[n, K]`` in the kernel's layout (``csrc/quant_gemv.cpp``,
-    above ``KPacked``): ``codes`` uint8 ``[ceil(n/16), K/32, 256 or 512]``, ``sc`` int8
+    above ``KPacked``): ``codes`` uint8 ``[ceil(n/16), K/32, 256, 320 or 512]``, ``sc`` int8
     ``[ceil(n/16), K/32, 64]`` (per block the 16 rows' half-block scales, then mins),
-    ``dd`` int16 (float16 bits) ``[ceil(n/16), K/256, 32]`` (d, dmin), ``bits`` 4 or 8,
+    ``dd`` int16 (float16 bits) ``[ceil(n/16), K/256, 32]`` (d, dmin), ``bits`` 4, 5 or 8,
     ``z`` the code offset. Same interface as ``QuantWeight`` (``linear``, ``rows``,
     ``shape``). Source: ggml's ``block_q*_K`` formats and llama.cpp's
     ``ggml_vec_dot_q*_K_q8_K`` numerics (int8 activations, integer sums per sub-block)."""

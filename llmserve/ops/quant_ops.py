@@ -77,8 +77,9 @@ def get_quant_ops() -> Optional[Any]:
 class QuantWeight:
     """A linear layer's GGUF-quantized weight ``[n, K]`` in the kernel's layout
     (``csrc/quant_gemv.cpp``): rows in groups of 16 interleaved per 32-weight block,
-    ``codes`` uint8 ``[ceil(n/16), K/32, 256]`` (4-bit types) or ``[..., 512]`` (Q5_0, Q5_1, Q8_0, IQ4_NL),
-    ``dm`` int16 (float16 bits) ``[ceil(n/16), K/32, 32]``; ``bits`` 4 or 8. Source:
+    ``codes`` uint8 ``[ceil(n/16), K/32, 256]`` (4-bit types), ``[..., 320]`` (5-bit: Q5_0,
+    Q5_1) or ``[..., 512]`` (Q8_0, IQ4_NL), ``dm`` int16 (float16 bits) ``[ceil(n/16), K/32,
+    32]``; ``bits`` 4, 5 or 8. Source:
     llama.cpp's ``ggml_vec_dot_q4_1_q8_1`` numerics (int8 activations per 32-block) and its
     interleaved ``Q4_0_8x8`` repacking idea; vLLM has no CPU GGUF kernel."""
 
@@ -92,7 +93,7 @@ class QuantWeight:
         """From the file's blocks (uint8 ``[N, K/32*block_bytes]``, ggml type ``qtype``);
         raises RuntimeError for another type or a row that is not whole blocks."""
         codes, dm = get_quant_ops().quant_repack(blocks.contiguous(), qtype)
-        return cls(codes, dm, 4 if qtype in (2, 3) else 8, blocks.shape[0])  # 5-bit codes: 8-bit tiles
+        return cls(codes, dm, 4 if qtype in (2, 3) else 5 if qtype in (6, 7) else 8, blocks.shape[0])
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -96,9 +96,9 @@ def test_kquant_linear_matches_references(qtype, m, n):
 
 @needs_kernels
 def test_torch_tiles_equal_the_cpp_repack():
-    """KQuantWeight's torch tiling is quant_repack's layout (4- and 8-bit tiles)."""
+    """KQuantWeight's torch tiling is quant_repack's layout (4-, 5- and 8-bit tiles)."""
     from llmserve.ops.kquant import _tiles
-    for qtype, bits in ((3, 4), (6, 8)):
+    for qtype, bits in ((3, 4), (6, 5), (8, 8)):
         raw = quantize(np.random.default_rng(0).normal(size=(20, 64)).astype(np.float32), qtype)
         codes, dm = ops.quant_repack(torch.from_numpy(np.ascontiguousarray(raw)), qtype)
         d = dm[..., :16].contiguous().view(torch.float16).float()

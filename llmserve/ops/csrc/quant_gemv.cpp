@@ -49,9 +49,9 @@ int64_t block_bytes(int64_t qt) {
   TORCH_CHECK(false, "quant: unsupported GGML type ", qt, " (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, IQ4_NL=20)");
 }
 
-// Code width in the repacked layout: 5-bit codes (Q5_0, Q5_1) and IQ4_NL's int8 levels
-// take the 8-bit tiles.
-int qbits(int64_t qt) { return qt == Q4_0 || qt == Q4_1 ? 4 : 8; }
+// Code width in the repacked layout: 5-bit codes (Q5_0, Q5_1) take 5-bit tiles, IQ4_NL's
+// int8 levels the 8-bit ones.
+int qbits(int64_t qt) { return qt == Q4_0 || qt == Q4_1 ? 4 : qt == Q5_0 || qt == Q5_1 ? 5 : 8; }
 
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -94,19 +94,30 @@ void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t& d16, uint16
   TORCH_CHECK(std::isfinite(_cvtsh_ss(m16)), "quant_repack: block offset overflows float16");
 }
 
-int64_t tile_bytes(int bits) { return RG * QK * bits / 8; }  // codes of one (group, block)
+// Codes of one (group, block): 256 bytes (4-bit), 320 (5-bit: the 4-bit tile of the low
+// nibbles, then 64 bytes whose byte l*4 + i holds in bit j bit 4 of code 4j + i of row l:
+// 6 bits per weight with the float16 d and m, against Q5_0's 5.5 in the file, where
+// 8-bit codes took 9), 512 (8-bit).
+int64_t tile_bytes(int bits) { return RG * QK * bits / 8; }
 
 // Code k of lane l in a (group, block) tile.
 inline uint8_t tile_code(const uint8_t* tile, int bits, int64_t l, int64_t k) {
   if (bits == 8) return tile[(k / 4) * 64 + l * 4 + k % 4];
   const int64_t c = (k % 16) / 4, shift = k < 16 ? 0 : 4;
-  return (tile[c * 64 + l * 4 + k % 4] >> shift) & 0x0F;
+  const uint8_t lo = (tile[c * 64 + l * 4 + k % 4] >> shift) & 0x0F;
+  if (bits == 4) return lo;
+  return static_cast<uint8_t>(lo | (((tile[256 + l * 4 + k % 4] >> (k / 4)) & 1) << 4));
 }
 
 inline void set_tile_code(uint8_t* tile, int bits, int64_t l, int64_t k, uint8_t q) {
   if (bits == 8) { tile[(k / 4) * 64 + l * 4 + k % 4] = q; return; }
   uint8_t& byte = tile[((k % 16) / 4) * 64 + l * 4 + k % 4];
-  byte = static_cast<uint8_t>(k < 16 ? (byte & 0xF0) | q : (byte & 0x0F) | (q << 4));
+  const uint8_t lo = q & 0x0F;
+  byte = static_cast<uint8_t>(k < 16 ? (byte & 0xF0) | lo : (byte & 0x0F) | (lo << 4));
+  if (bits == 5) {
+    uint8_t& hi = tile[256 + l * 4 + k % 4];
+    hi = static_cast<uint8_t>((hi & ~(1 << (k / 4))) | (((q >> 4) & 1) << (k / 4)));
+  }
 }
 
 struct Packed {
@@ -164,6 +175,17 @@ inline void load_tile(const uint8_t* tile, __m512i* v) {
       v[c] = _mm512_and_si512(b, nib);
       v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
     }
+    if constexpr (BITS == 5) {  // bit j of the high plane's bytes -> bit 4 of V[j]
+      const __m512i h = _mm512_loadu_si512(tile + 256), b4 = _mm512_set1_epi8(0x10);
+      v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), b4));
+      v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), b4));
+      v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), b4));
+      v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), b4));
+      v[4] = _mm512_or_si512(v[4], _mm512_and_si512(h, b4));
+      v[5] = _mm512_or_si512(v[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), b4));
+      v[6] = _mm512_or_si512(v[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), b4));
+      v[7] = _mm512_or_si512(v[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), b4));
+    }
   }
 }
 
@@ -209,7 +231,7 @@ void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* 
 
 
 // K-quants (Q2_K..Q6_K, super-blocks of 256 = 8 blocks), repacked by llmserve/ops/kquant.py:
-// codes in the tiles above (4-bit for Q2_K, Q3_K, Q4_K; 8-bit for Q5_K, Q6_K), per
+// codes in the tiles above (4-bit for Q2_K, Q3_K, Q4_K; 5-bit Q5_K; 8-bit Q6_K), per
 // (group, block) int8 [64] = the 16 rows' scale of each 16-value half (sc0, sc1) then
 // their min multipliers (mn0, mn1), per (group, super-block) float16 [32] = 16 d then 16
 // dmin. w = (d * sc) * (code - z) - dmin * mn in float32 steps, as gguf.quants (z: the
@@ -309,12 +331,13 @@ void dispatch(const P& p, const at::Tensor& x, OutT* out) {
   else if (x.scalar_type() == at::kHalf) xq = std::make_unique<QuantX>(x.data_ptr<at::Half>(), M, p.nb);
   else xq = std::make_unique<QuantX>(x.data_ptr<float>(), M, p.nb);
   if (p.bits == 4) run<4>(p, *xq, M, out);
+  else if (p.bits == 5) run<5>(p, *xq, M, out);
   else run<8>(p, *xq, M, out);
 }
 
 KPacked kpacked_of(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& dd, int64_t bits, int64_t z,
                    int64_t n) {
-  TORCH_CHECK(bits == 4 || bits == 8, "kquant: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "kquant: bits must be 4, 5 or 8, got ", bits);
   TORCH_CHECK(codes.dim() == 3 && sc.dim() == 3 && dd.dim() == 3 && codes.scalar_type() == at::kByte &&
                   sc.scalar_type() == at::kChar && dd.scalar_type() == at::kShort && codes.is_contiguous() &&
                   sc.is_contiguous() && dd.is_contiguous() && codes.size(2) == tile_bytes(bits) &&
@@ -343,7 +366,7 @@ at::Tensor linear_of(const P& p, const at::Tensor& x, int64_t n, bool out_float,
 }
 
 Packed packed_of(const at::Tensor& codes, const at::Tensor& dm, int64_t bits, int64_t n) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant: bits must be 4, 5 or 8, got ", bits);
   TORCH_CHECK(codes.dim() == 3 && dm.dim() == 3 && codes.scalar_type() == at::kByte &&
                   dm.scalar_type() == at::kShort && codes.is_contiguous() && dm.is_contiguous() &&
                   codes.size(2) == tile_bytes(bits) && dm.size(2) == 32 && codes.size(0) == dm.size(0) &&
