@@ -144,7 +144,11 @@ def _generation_defaults(args: "EngineArgs", resolved: "ResolvedModel") -> tuple
     if defaults:
         logger.info("Default sampling parameters from the generation config: %s "
                     "(relaunch with --generation-config vllm to ignore them)", defaults)
-    return defaults, generation_eos_token_ids(eos_source)
+    eos_ids = generation_eos_token_ids(eos_source)
+    if resolved.gguf_file:  # llama.cpp's end-of-turn ids (issue 30: Phi's <|end|>, Gemma's <end_of_turn>)
+        from llmserve.model_loader.gguf_config import gguf_eos_token_ids
+        eos_ids = tuple(sorted({*eos_ids, *gguf_eos_token_ids(resolved.model_file)}))
+    return defaults, eos_ids
 
 
 def _tokenizer_path(args: "EngineArgs", resolved: "ResolvedModel") -> str:

@@ -124,3 +124,26 @@ def _complete_phi3(config: Any, meta: _Meta) -> None:
         if attn_factor:
             params["attention_factor"] = float(attn_factor)
     config.rope_parameters = params
+
+
+# Token texts llama.cpp's vocabulary loader (llama-vocab.cpp) adds to its end-of-generation
+# set whatever the metadata says: Phi-3's <|end|> and <|endoftext|>, Gemma's <end_of_turn>.
+_EOG_TEXTS = ("<|end|>", "<|endoftext|>", "<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>")
+_EOG_BY_TEXT_ARCHS = ("gemma2", "gemma3", "phi3")
+
+
+def gguf_eos_token_ids(gguf_path: str) -> tuple[int, ...]:
+    """Stop ids of a GGUF file besides its EOS (the ids llama-server stops at):
+    ``tokenizer.ggml.eot_token_id`` / ``eom_token_id`` when set, and for gemma2 / gemma3 /
+    phi3 files the vocabulary's end-of-turn tokens by text (``_EOG_TEXTS``; converted files
+    often leave ``eot_token_id`` out). A GGUF carries no generation_config.json, whose
+    ``eos_token_id`` list plays this part for HF directories. Sorted tuple."""
+    from llmserve.model_loader.gguf_loader import read_gguf_tensors
+    meta: dict = {"tokenizer.ggml.eot_token_id": None, "tokenizer.ggml.eom_token_id": None}
+    arch, _ = read_gguf_tensors(gguf_path, meta)
+    ids = {v for v in meta.values() if isinstance(v, int)}
+    if arch in _EOG_BY_TEXT_ARCHS:
+        vocab: dict = {"tokenizer.ggml.tokens": None}
+        read_gguf_tensors(gguf_path, vocab)
+        ids |= {i for i, text in enumerate(vocab["tokenizer.ggml.tokens"] or []) if text in _EOG_TEXTS}
+    return tuple(sorted(ids))

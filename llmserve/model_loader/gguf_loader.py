@@ -80,17 +80,21 @@ class GGUFTensorInfo(NamedTuple):
 
 # GGUF metadata value types (gguf.GGUFValueType): fixed sizes of the scalar ones.
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+                   11: "<q", 12: "<d"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
                  "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
-def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensorInfo]]:
+def read_gguf_tensors(path: str, metadata: Optional[dict] = None) -> tuple[str, list[GGUFTensorInfo]]:
     """``(general.architecture, tensors)`` of a little-endian GGUF v2/v3 file.
 
     Parses only what loading needs: it skips the metadata values (the 49k-entry tokenizer
     arrays that make ``gguf.GGUFReader`` take seconds) except ``general.architecture`` and
-    ``general.alignment``, then memory-maps each tensor with the shape and dtype
+    ``general.alignment`` (and the keys of ``metadata``, whose values it fills in: scalars,
+    strings and arrays of them; keys absent from the file keep their value), then
+    memory-maps each tensor with the shape and dtype
     ``GGUFReader`` gives it. Raises ValueError for other files (callers fall back to
     ``GGUFReader``).
     """
@@ -125,6 +129,20 @@ def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensorInfo]]:
             return at
         raise ValueError(f"unknown GGUF value type {vtype}")
 
+    def value(vtype: int, at: int) -> tuple[Any, int]:
+        if vtype == _STRING:
+            return string(at)
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, at)
+            items, at = [], at + 12
+            for _ in range(count):
+                item, at = value(etype, at)
+                items.append(item)
+            return items, at
+        if vtype not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+        return struct.unpack_from(_SCALAR_FORMATS[vtype], buf, at)[0], at + _SCALAR_SIZES[vtype]
+
     arch, alignment = "", 32
     for _ in range(n_kv):
         key, off = string(off)
@@ -135,6 +153,8 @@ def read_gguf_tensors(path: str) -> tuple[str, list[GGUFTensorInfo]]:
         elif key == "general.alignment" and vtype == _UINT32:
             (alignment,) = struct.unpack_from("<I", buf, off)
             off += 4
+        elif metadata is not None and key in metadata:
+            metadata[key], off = value(vtype, off)
         else:
             off = skip(vtype, off)
     infos = []

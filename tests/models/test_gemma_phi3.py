@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -235,7 +236,7 @@ def round_trip(arr, qtype):
     return data.astype("float32") if raw is None else gguf.quants.dequantize(data, raw)
 
 
-def write_gguf(hf, arch: str, path: str, qtype: str) -> None:
+def write_gguf(hf, arch: str, path: str, qtype: str, eot_token_id: Optional[int] = None) -> None:
     """Write ``hf``'s weights as llama.cpp's converter would (``gemma2``/``gemma3``/``phi3``
     architecture keys, Gemma norms stored as 1 + w, Phi-3's LongRoPE factors as tensors);
     2-d weights in ``qtype`` ("F32", "F16" or a ggml quant type such as "Q8_0")."""
@@ -253,6 +254,8 @@ def write_gguf(hf, arch: str, path: str, qtype: str) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_sliding_window(cfg.sliding_window)
+    if eot_token_id is not None:
+        w.add_eot_token_id(eot_token_id)
     if garch.startswith("gemma"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -372,3 +375,38 @@ def test_unsupported_architectures_are_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"GGUF architecture 'olmoe'.*supported GGUF architectures.*gemma2.*phi3"):
         load_hf_config(resolve_model(path))
+
+
+def test_gguf_end_of_turn_tokens_stop_generation(tiny, tmp_path):
+    """GGUF files stop at the end-of-turn tokens llama.cpp recognises by text (Phi's <|end|>,
+    <|endoftext|>; Gemma's <end_of_turn>) and at tokenizer.ggml.eot_token_id, besides their
+    EOS (issue 30 item 4). End to end on Phi-3: the token the tiny model picks first is
+    the file's eot_token_id, and the answer stops there."""
+    import gguf
+    from llmserve import LLM, SamplingParams
+    from llmserve.model_loader.gguf_config import gguf_eos_token_ids
+
+    arch, ours, hf, path = tiny
+    garch = "gemma3" if arch == "gemma3" else arch
+    meta_only = str(tmp_path / "meta.gguf")
+    w = gguf.GGUFWriter(meta_only, garch)
+    w.add_token_list(["a", "<end_of_turn>", "<|end|>", "b", "<|endoftext|>", "c"])
+    w.add_eot_token_id(5)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    assert gguf_eos_token_ids(meta_only) == (1, 2, 4, 5)
+    if arch != "phi3":
+        return
+    prompt = list(range(100, 120))
+    first = int(hf_logits(hf, prompt)[-1].argmax())
+    gpath = str(tmp_path / f"{arch}-eot.gguf")
+    write_gguf(hf, arch, gpath, "F32", eot_token_id=first)
+    assert gguf_eos_token_ids(gpath) == (first,)
+    llm = LLM(gpath, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              kv_cache_memory="16MiB")
+    try:
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8),
+                           use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert list(out.token_ids) == [first] and out.finish_reason == "stop"
