@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.attention.backend import AttentionMetadata, PagedAttention
+from llmserve.attention.backend import AttentionMetadata
 from llmserve.models.llama import (Linear, LlamaAttention, LlamaForCausalLM, RMSNorm, RopeInputs,
                                    RotaryEmbedding)
 
@@ -78,26 +78,14 @@ class GemmaAttention(LlamaAttention):
     """Llama's attention with Gemma's scale (``query_pre_attn_scalar``), soft cap, window
     per ``layer_types`` and (Gemma 3) q/k norms; ``forward`` is Llama's."""
 
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
-        nn.Module.__init__(self)
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+    def options(self, config: Any, layer_idx: int) -> dict:
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias, dtype)
-        self.o_proj = Linear(self.q_size, hidden, bias, dtype)
-        self.qk_norm = str(getattr(config, "model_type", "")).startswith("gemma3")
-        if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
         sliding = _layer_types(config)[layer_idx] == "sliding_attention"
-        window = int(config.sliding_window) if sliding and getattr(config, "sliding_window", None) else None
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, float(scalar) ** -0.5,
-                                   window, logits_soft_cap=getattr(config, "attn_logit_softcapping", None))
+        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_dim
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": str(getattr(config, "model_type", "")).startswith("gemma3"),
+                "scale": float(scalar) ** -0.5,
+                "sliding_window": int(config.sliding_window) if sliding and getattr(config, "sliding_window", None) else None,
+                "logits_soft_cap": getattr(config, "attn_logit_softcapping", None)}
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -218,6 +218,9 @@ class RopeInputs:
 
 
 class LlamaAttention(nn.Module):
+    """Fused-qkv attention with RoPE (and optional per-head q/k norm) over ``PagedAttention``.
+    Subclasses change the architecture's choices through ``options``."""
+
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         hidden = config.hidden_size
@@ -226,17 +229,24 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        model_type = getattr(config, "model_type", "llama")
-        qkv_bias = True if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
-        o_bias = False if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype)
-        self.qk_norm = model_type == "qwen3"
+        opt = self.options(config, layer_idx)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, opt["qkv_bias"], dtype)
+        self.o_proj = Linear(self.q_size, hidden, opt["o_bias"], dtype)
+        self.qk_norm = opt["qk_norm"]
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads,
-                                   self.head_dim ** -0.5, _sliding_window(config, layer_idx))
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, opt["scale"],
+                                   opt["sliding_window"], logits_soft_cap=opt.get("logits_soft_cap"))
+
+    def options(self, config: Any, layer_idx: int) -> dict:
+        """qkv_bias / o_bias / qk_norm (bools), scale (softmax scale), sliding_window (tokens
+        or None), logits_soft_cap (or None) of this layer: Llama / Mistral / Qwen2 / Qwen3's."""
+        model_type = getattr(config, "model_type", "llama")
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": True if model_type == "qwen2" else bias, "o_bias": False if model_type == "qwen2" else bias,
+                "qk_norm": model_type == "qwen3", "scale": self.head_dim ** -0.5,
+                "sliding_window": _sliding_window(config, layer_idx)}
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs,
                 kv_cache: Optional[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
