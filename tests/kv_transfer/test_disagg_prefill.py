@@ -5,6 +5,7 @@ decodes; greedy tokens equal transformers' at c=1 and c=8; with the producer gon
 consumer prefills by itself and answers the same."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
@@ -15,11 +16,23 @@ PROMPTS = [[int(t) for t in torch.randint(5, 250, (40 + 9 * i,), generator=torch
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def _llm(model: str, role: str, path) -> LLM:
-    cfg = {"kv_connector": "SharedStorageConnector", "kv_role": role,
-           "kv_connector_extra_config": {"shared_storage_path": str(path)}}
-    return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+def _llm(model: str, role, path, dtype: str = "float32") -> LLM:
+    cfg = None if role is None else {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                                     "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+    return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype=dtype, multiprocess_mode=False,
                kv_cache_memory="8MiB", max_model_len=256, kv_transfer_config=cfg)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, save_tiny_model_fn):
+    """A tiny random Llama checkpoint and its transformers model (float32)."""
+    path = str(tmp_path_factory.mktemp("disagg_model"))
+    return path, save_tiny_model_fn("llama", path)
+
+
+def _prefill(producer: LLM, prompts) -> None:
+    producer.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1),
+                      use_tqdm=False)
 
 
 def _gen(llm: LLM, prompts, params=GREEDY):
@@ -27,17 +40,15 @@ def _gen(llm: LLM, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
-def test_producer_then_consumer_equals_transformers_at_c1_and_c8(tmp_path_factory, save_tiny_model_fn, tmp_path):
-    model_dir = str(tmp_path_factory.mktemp("disagg_model"))
-    hf = save_tiny_model_fn("llama", model_dir)
+def test_producer_then_consumer_equals_transformers_at_c1_and_c8(model, tmp_path):
+    model_dir, hf = model
     with torch.no_grad():
         ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
                for p in PROMPTS]
     producer, consumer = _llm(model_dir, "kv_producer", tmp_path), _llm(model_dir, "kv_consumer", tmp_path)
-    producer.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    _prefill(producer, PROMPTS[:1])
     assert _gen(consumer, PROMPTS[:1]) == ([ref[0]], [(len(PROMPTS[0]) - 1) // 16 * 16])  # c=1
-    producer.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]], SamplingParams(temperature=0, max_tokens=1),
-                      use_tqdm=False)  # c=8: the rest prefilled in one batch
+    _prefill(producer, PROMPTS[1:])  # c=8: the rest prefilled in one batch
     tokens, cached = _gen(consumer, PROMPTS[1:])
     assert tokens == ref[1:] and cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS[1:]]
     producer.shutdown()
@@ -54,3 +65,19 @@ def test_prefill_request_is_one_token_without_stream():
     assert prefill_body(body, "/v1/completions") == {"model": "m", "prompt": "x", "max_tokens": 1}
     chat = prefill_body({"messages": [], "max_completion_tokens": 9}, "/v1/chat/completions")
     assert chat == {"messages": [], "max_tokens": 1, "max_completion_tokens": 1}
+
+
+def test_bfloat16_producer_consumer_equals_one_instance(model, tmp_path):
+    """The default dtype (bfloat16 here): same tokens as one engine that prefills itself."""
+    single = _llm(model[0], None, tmp_path, "bfloat16")
+    ref = _gen(single, PROMPTS[:1])[0] + _gen(single, PROMPTS[1:])[0]
+    single.shutdown()
+    producer, consumer = _llm(model[0], "kv_producer", tmp_path, "bfloat16"), \
+        _llm(model[0], "kv_consumer", tmp_path, "bfloat16")
+    _prefill(producer, PROMPTS[:1])
+    _prefill(producer, PROMPTS[1:])
+    tokens1, cached1 = _gen(consumer, PROMPTS[:1])
+    tokens8, cached8 = _gen(consumer, PROMPTS[1:])
+    assert tokens1 + tokens8 == ref and min(cached1 + cached8) > 0
+    producer.shutdown()
+    consumer.shutdown()
