@@ -75,6 +75,8 @@ class _StagingArena:
         self.offset = 0
 
     def alloc(self, nbytes: int) -> memoryview:
+        if nbytes == 0:  # a miss allocates nothing
+            return memoryview(b"")
         while self.index < len(self.chunks) and len(self.chunks[self.index]) - self.offset < nbytes:
             self.index, self.offset = self.index + 1, 0
         if self.index == len(self.chunks):
