@@ -1,8 +1,9 @@
 """Disaggregated prefill over the shared-storage connector (issue 32 item 3), in-process
-twin of tests/e2e/test_disagg_proxy_server.py: a kv_producer engine prefills (max_tokens=1)
-and saves the prompts' blocks, a kv_consumer engine over the same folder loads them and
-decodes; greedy tokens equal transformers' at c=1 and c=8; with the producer gone the
-consumer prefills by itself and answers the same."""
+twin of tests/e2e/test_disagg_proxy_server.py (which also compares with transformers): a
+kv_producer engine prefills (max_tokens=1) and saves the prompts' blocks, a kv_consumer
+engine over the same folder loads them and decodes. Its greedy tokens equal one engine's
+that prefills by itself, in float32 and bfloat16, at c=1 and c=8; with the producer gone
+the consumer prefills by itself and answers the same."""
 from __future__ import annotations
 
 import pytest
@@ -13,10 +14,11 @@ from llmserve.entrypoints.disagg_proxy import prefill_body
 
 PROMPTS = [[int(t) for t in torch.randint(5, 250, (40 + 9 * i,), generator=torch.Generator().manual_seed(i))]
            for i in range(8)]
+FRESH = [[t + 1 for t in p] for p in PROMPTS[:2]]  # never prefilled by the producer
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def _llm(model: str, role, path, dtype: str = "float32") -> LLM:
+def _llm(model: str, role, path, dtype: str) -> LLM:
     cfg = None if role is None else {"kv_connector": "SharedStorageConnector", "kv_role": role,
                                      "kv_connector_extra_config": {"shared_storage_path": str(path)}}
     return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype=dtype, multiprocess_mode=False,
@@ -24,10 +26,15 @@ def _llm(model: str, role, path, dtype: str = "float32") -> LLM:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, save_tiny_model_fn):
-    """A tiny random Llama checkpoint and its transformers model (float32)."""
+def model_dir(tmp_path_factory, save_tiny_model_fn) -> str:
     path = str(tmp_path_factory.mktemp("disagg_model"))
-    return path, save_tiny_model_fn("llama", path)
+    save_tiny_model_fn("llama", path)
+    return path
+
+
+def _gen(llm: LLM, prompts):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
 def _prefill(producer: LLM, prompts) -> None:
@@ -35,28 +42,18 @@ def _prefill(producer: LLM, prompts) -> None:
                       use_tqdm=False)
 
 
-def _gen(llm: LLM, prompts, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
-
-
-def test_producer_then_consumer_equals_transformers_at_c1_and_c8(model, tmp_path):
-    model_dir, hf = model
-    with torch.no_grad():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
-               for p in PROMPTS]
-    producer, consumer = _llm(model_dir, "kv_producer", tmp_path), _llm(model_dir, "kv_consumer", tmp_path)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_producer_then_consumer_equals_one_instance_at_c1_and_c8(model_dir, tmp_path, dtype):
+    single = _llm(model_dir, None, tmp_path, dtype)
+    ref = [_gen(single, PROMPTS[:1])[0], _gen(single, PROMPTS[1:])[0], _gen(single, FRESH)[0]]
+    single.shutdown()
+    producer, consumer = _llm(model_dir, "kv_producer", tmp_path, dtype), _llm(model_dir, "kv_consumer", tmp_path, dtype)
     _prefill(producer, PROMPTS[:1])
-    assert _gen(consumer, PROMPTS[:1]) == ([ref[0]], [(len(PROMPTS[0]) - 1) // 16 * 16])  # c=1
+    assert _gen(consumer, PROMPTS[:1]) == (ref[0], [(len(PROMPTS[0]) - 1) // 16 * 16])  # c=1: loaded
     _prefill(producer, PROMPTS[1:])  # c=8: the rest prefilled in one batch
-    tokens, cached = _gen(consumer, PROMPTS[1:])
-    assert tokens == ref[1:] and cached == [(len(p) - 1) // 16 * 16 for p in PROMPTS[1:]]
-    producer.shutdown()
-    fresh = [[t + 1 for t in p] for p in PROMPTS[:2]]  # the producer is gone: the consumer prefills
-    with torch.no_grad():
-        ref_fresh = [hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
-                     for p in fresh]
-    assert _gen(consumer, fresh) == (ref_fresh, [0, 0])
+    assert _gen(consumer, PROMPTS[1:]) == (ref[1], [(len(p) - 1) // 16 * 16 for p in PROMPTS[1:]])
+    producer.shutdown()  # gone: the consumer prefills by itself
+    assert _gen(consumer, FRESH) == (ref[2], [0, 0])
     consumer.shutdown()
 
 
@@ -65,19 +62,3 @@ def test_prefill_request_is_one_token_without_stream():
     assert prefill_body(body, "/v1/completions") == {"model": "m", "prompt": "x", "max_tokens": 1}
     chat = prefill_body({"messages": [], "max_completion_tokens": 9}, "/v1/chat/completions")
     assert chat == {"messages": [], "max_tokens": 1, "max_completion_tokens": 1}
-
-
-def test_bfloat16_producer_consumer_equals_one_instance(model, tmp_path):
-    """The default dtype (bfloat16 here): same tokens as one engine that prefills itself."""
-    single = _llm(model[0], None, tmp_path, "bfloat16")
-    ref = _gen(single, PROMPTS[:1])[0] + _gen(single, PROMPTS[1:])[0]
-    single.shutdown()
-    producer, consumer = _llm(model[0], "kv_producer", tmp_path, "bfloat16"), \
-        _llm(model[0], "kv_consumer", tmp_path, "bfloat16")
-    _prefill(producer, PROMPTS[:1])
-    _prefill(producer, PROMPTS[1:])
-    tokens1, cached1 = _gen(consumer, PROMPTS[:1])
-    tokens8, cached8 = _gen(consumer, PROMPTS[1:])
-    assert tokens1 + tokens8 == ref and min(cached1 + cached8) > 0
-    producer.shutdown()
-    consumer.shutdown()
