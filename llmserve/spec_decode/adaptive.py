@@ -12,19 +12,23 @@ a back-off of 4, 8, ... 64 steps, then tries again from the prior.
 and, when a draft was rejected, one failure (positions after the first rejection are not
 observed), with weight ``DECAY`` per step on the past.
 
-``c`` on this project's 2-core AVX512 CPU (SmolLM2-135M Q4_1, one request): the packed
-4-bit linear (``quant_linear``, 576x1536, the fastest of 7 passes over 40 weights) took
-7.2, 8.7, 10.5, 12.5, 16.3, 18.7, 22.9 us at 1, 2, 3, 4, 5, 6, 8 rows, i.e. +0.2..0.35 of
-a one-row pass per extra row; whole steps measured by ``llmserve bench spec-decode --cost``
-(forced, always-rejected drafts) were too noisy on the shared machine (load 5-7) to do
-better than ~0.15-0.3 per token. ``VERIFY_COST_PER_TOKEN`` takes the upper end, so that
-marginal drafts are skipped; re-measure on another CPU with ``--cost``.
+``c`` on this project's 2-core AVX512 CPU (SmolLM2-135M Q4_1, one request, a quiet
+machine, load 1.4): ``llmserve bench spec-decode --cost`` (forced, always-rejected drafts)
+measured TPOT 1.10, 1.20, 1.26, 1.45, 1.52x the one-token step's for k = 1..5, i.e.
+~0.1 per token (the packed 4-bit linear alone: 7.2, 8.7, 10.5, 12.5, 16.3 us at 1..5 rows
+for 576x1536). ``VERIFY_COST_PER_TOKEN`` is set a little above, so that marginal drafts
+are skipped; re-measure on another CPU with ``--cost``.
 """
 from __future__ import annotations
 
-VERIFY_COST_PER_TOKEN = 0.3
+VERIFY_COST_PER_TOKEN = 0.12
 DECAY = 0.7
-PRIOR_ALPHA = 0.5
+# The prior counts as PRIOR_TRIALS observations, so that one rejection (often the first
+# draft, matched on the chat template's tail) does not stop drafting at once: measured on
+# the edit workload, a prior worth one trial sent 2 of 3 requests into back-off at their
+# first draft and they drafted in 2 and 22 of 26 and 71 steps.
+PRIOR_ALPHA = 0.6
+PRIOR_TRIALS = 3.0
 MAX_BACKOFF = 64
 
 
@@ -51,7 +55,7 @@ class AcceptanceTracker:
     __slots__ = ("accepted", "trials", "skip", "backoff")
 
     def __init__(self) -> None:
-        self.accepted, self.trials = PRIOR_ALPHA, 1.0
+        self.accepted, self.trials = PRIOR_ALPHA * PRIOR_TRIALS, PRIOR_TRIALS
         self.skip = 0
         self.backoff = 0
 
@@ -68,7 +72,7 @@ class AcceptanceTracker:
         if k == 0:
             self.backoff = min(MAX_BACKOFF, max(4, 2 * self.backoff))
             self.skip = self.backoff
-            self.accepted, self.trials = PRIOR_ALPHA, 1.0  # the next try starts from the prior
+            self.accepted, self.trials = PRIOR_ALPHA * PRIOR_TRIALS, PRIOR_TRIALS  # the next try: from the prior
         return k
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
