@@ -374,7 +374,10 @@ class KVEventsConfig:
     TCP port + r (vLLM's offset). buffer_steps: batches kept for replay; hwm: the PUB
     socket's send high-water mark (messages); max_queue_size: batches waiting for the
     sending thread before the engine step blocks; topic: the first frame of each message.
-    Raises ValueError naming the field."""
+    event_layout (llmserve's, not vLLM's): "array" encodes each event as a msgpack array
+    (the layout of vLLM's documented subscriber example), "map" as a map tagged
+    ``"type"`` with the fields newer vLLM adds (``lora_name``, ``group_idx``), the layout
+    vllm-router's kv_aware policy decodes. Raises ValueError naming the field."""
 
     enable_kv_cache_events: bool = False
     publisher: Optional[str] = None
@@ -384,8 +387,11 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    event_layout: str = "array"
 
     def __post_init__(self) -> None:
+        if self.event_layout not in ("array", "map"):
+            raise ValueError(f"kv_events_config.event_layout must be 'array' or 'map', got {self.event_layout!r}")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError(f"kv_events_config.enable_kv_cache_events must be a bool, got "
                              f"{self.enable_kv_cache_events!r}")

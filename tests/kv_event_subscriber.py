@@ -50,6 +50,37 @@ class KVEventBatch(EventBatch):
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
 
 
+# Newer vLLM's layout (event_layout "map"): the batch is still an array, each event a map
+# tagged "type" that also carries lora_name and group_idx.
+class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[Union[int, bytes]]
+    parent_block_hash: Union[int, bytes, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    group_idx: Optional[int] = None
+
+
+class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[Union[int, bytes]]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+
+
+class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapKVEventBatch(EventBatch):
+    events: list[Union[MapBlockStored, MapBlockRemoved, MapAllBlocksCleared]]
+
+
 class Subscriber:
     """Collects every batch (live, gaps replayed) in a thread; ``sync()`` waits for the
     stream to go quiet and fetches any tail by replay. ``batches``: seq -> batch."""

@@ -11,6 +11,9 @@ Dynamo's KV router read):
   or DEALER client) and answers ``[client id, b"", seq, payload]`` for every batch still
   buffered (the last ``buffer_steps``) from ``start seq`` on, then the end marker
   ``[client id, b"", -1 as 8 signed big-endian bytes, b""]``;
+* the payload is ``[ts, events, data_parallel_rank]``; each event an array
+  ``["BlockStored", ...fields]`` (``event_layout`` "array") or a map tagged ``"type"``
+  ("map", see ``as_tagged_map``);
 * with data parallel, rank r binds ``endpoint`` and ``replay_endpoint`` with the TCP
   port + r (``ipc``/``inproc`` names get ``_dp<r>``) and stamps ``data_parallel_rank``
   on its batches.
@@ -26,7 +29,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from llmserve.core.kv_events import EventBatch
+from llmserve.core.kv_events import BlockRemoved, BlockStored, EventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,18 @@ def check_rank_endpoints(endpoint: str, replay_endpoint: Optional[str], data_par
                          f"replay port at least {data_parallel_size} away from the endpoint's")
 
 
+def as_tagged_map(event) -> dict:
+    """One event in the map layout (``event_layout: "map"``): ``{"type": <class name>,
+    <field>: ...}`` with newer vLLM's extra fields (``lora_name`` None, ``group_idx`` 0:
+    one KV cache group)."""
+    out = {"type": type(event).__name__, **msgspec.structs.asdict(event)}
+    if isinstance(event, BlockStored):
+        out.update(lora_name=None, group_idx=0)
+    elif isinstance(event, BlockRemoved):
+        out["group_idx"] = 0
+    return out
+
+
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard host (``*``, ``::``) or a local ipc/inproc name is bound;
     any other address is connected to (a collector that binds)."""
@@ -89,8 +104,9 @@ class ZmqEventPublisher:
 
     def __init__(self, data_parallel_rank: int = 0, endpoint: str = "tcp://*:5557",
                  replay_endpoint: Optional[str] = None, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 max_queue_size: int = 100_000, topic: str = "") -> None:
+                 max_queue_size: int = 100_000, topic: str = "", event_layout: str = "array") -> None:
         self.data_parallel_rank = data_parallel_rank
+        self._as_maps = event_layout == "map"
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self.replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         self._topic = topic.encode("utf-8")
@@ -146,6 +162,8 @@ class ZmqEventPublisher:
             except queue.Empty:
                 continue
             try:
+                if self._as_maps:
+                    batch = EventBatch(batch.ts, [as_tagged_map(e) for e in batch.events], batch.data_parallel_rank)
                 payload = self._encoder.encode(batch)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
             except Exception:  # noqa: BLE001 - a bad batch or socket must not stop the stream
@@ -182,7 +200,7 @@ def make_kv_event_publisher(config) -> Optional[ZmqEventPublisher | NullEventPub
         return None
     rank = config.parallel_config.data_parallel_rank or 0
     pub = ZmqEventPublisher(rank, kec.endpoint, kec.replay_endpoint, kec.buffer_steps, kec.hwm,
-                            kec.max_queue_size, kec.topic)
+                            kec.max_queue_size, kec.topic, kec.event_layout)
     logger.info("KV cache events: publishing on %s (replay %s), topic %r, data-parallel rank %d",
                 pub.endpoint, pub.replay_endpoint, kec.topic, rank)
     return pub

@@ -97,6 +97,7 @@ def test_kv_events_off_makes_no_events(tiny_path):
     ('{"endpoint": "localhost:5557"}', "kv_events_config.endpoint"),
     ('{"enable_kv_cache_events": true', "kv_events_config: not valid JSON"),
     ('[1, 2]', "kv_events_config must be a JSON object"),
+    ('{"event_layout": "json"}', "kv_events_config.event_layout"),
 ])
 def test_malformed_kv_events_config_names_the_field(value, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(".", r"\.")):
@@ -117,6 +118,46 @@ def test_endpoint_offset_by_data_parallel_rank():
     assert offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint_port("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_dp1"
     assert offset_endpoint_port(None, 1) is None
+
+
+def test_map_layout_decodes_with_newer_vllm_structs(tmp_path):
+    """event_layout "map": a subscriber with newer vLLM's tagged-map structs decodes each
+    kind of event (fetched through the replay socket: no slow-joiner race)."""
+    import msgspec
+    import zmq
+
+    from llmserve.core import kv_events as ev
+    from llmserve.distributed.kv_events import ZmqEventPublisher
+    from tests.kv_event_subscriber import MapAllBlocksCleared, MapBlockRemoved, MapBlockStored, MapKVEventBatch
+
+    pub = ZmqEventPublisher(1, f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay", event_layout="map")
+    try:
+        pub.publish(ev.KVEventBatch(1.5, [ev.BlockStored([7, 2**64 - 1], None, list(range(32)), 16, None, "GPU"),
+                                          ev.BlockRemoved([7], "GPU"), ev.AllBlocksCleared()]))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(pub.replay_endpoint)  # rank 1: ipc://.../replay_dp1
+        payload = b""
+        for _ in range(50):  # the batch reaches the buffer once the thread has sent it
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert sock.poll(5000), "no replay answer"
+            frames = [sock.recv_multipart()]
+            while frames[-1][2]:
+                frames.append(sock.recv_multipart())
+            if len(frames) > 1:
+                payload = frames[0][2]
+                break
+        sock.close(linger=0)
+        ctx.term()
+    finally:
+        pub.shutdown()
+    batch = msgspec.msgpack.Decoder(MapKVEventBatch).decode(payload)
+    stored, removed, cleared = batch.events
+    assert pub.replay_endpoint.endswith("/replay_dp1") and batch.data_parallel_rank == 1 and batch.ts == 1.5
+    assert isinstance(stored, MapBlockStored) and stored.block_hashes == [7, 2**64 - 1]
+    assert stored.token_ids == list(range(32)) and stored.lora_name is None and stored.group_idx == 0
+    assert isinstance(removed, MapBlockRemoved) and removed.block_hashes == [7]
+    assert isinstance(cleared, MapAllBlocksCleared)
 
 
 def test_replay_port_of_one_rank_may_not_be_the_pub_port_of_another(tiny_path):
