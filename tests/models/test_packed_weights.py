@@ -67,7 +67,8 @@ def _d_m(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _int8_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Tensor:
     """What the kernel computes, in float64: per 32-block of x, q_x = round(x * 127 /
     max|x|) (half to even, in float32 steps), then d * d_x * sum(q * q_x) + m * sum(x)
-    with the weight's codes q = (w - m) / d."""
+    with the weight's codes q = (w - m) / d; the offsets against d_x * sum(q_x) (llama.cpp's
+    q8_1 sums), so this is the rounded x times the exact weights."""
     m_, k = x.shape
     n = raw.shape[0]
     w64 = torch.from_numpy(_gguf_dequant(raw.numpy(), qtype)).double()
@@ -76,8 +77,9 @@ def _int8_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Ten
     xf = x.float().view(m_, k // 32, 32)
     amax = xf.abs().amax(-1, keepdim=True)
     qx = torch.where(amax > 0, torch.round(xf * 127 / amax), torch.zeros_like(xf)).double()
-    return (torch.einsum("nbk,tbk,nb,tb->tn", q, qx, d, (amax[..., 0] / 127).double())
-            + torch.einsum("nb,tb->tn", off, xf.double().sum(-1)))
+    dx = (amax[..., 0] / 127).double()
+    return (torch.einsum("nbk,tbk,nb,tb->tn", q, qx, d, dx)
+            + torch.einsum("nb,tb->tn", off, qx.sum(-1) * dx))
 
 
 @pytest.mark.parametrize("qtype", sorted(PACKED_TYPES))
