@@ -229,7 +229,7 @@ class ModelRunner:
 
     def _init_kv_connector(self) -> None:
         """Build the worker side of ``kv_transfer_config``'s connector over the KV cache."""
-        ktc = self.config.kv_transfer_config
+        ktc = getattr(self.config, "kv_transfer_config", None)
         if ktc is not None and ktc.is_kv_transfer_instance:
             from llmserve.kv_transfer import KVConnectorFactory, KVConnectorRole
 
