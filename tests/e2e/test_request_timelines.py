@@ -26,6 +26,7 @@ from tests.e2e.e2e_utils import RemoteServer
 
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
 RING = 6  # --max-finished-request-timelines
+GROW = 400  # tokens of the request watched while it runs
 BUDGET = 32  # --max-num-batched-tokens: a 70-token prompt is prefilled in 3 chunks
 
 
@@ -142,9 +143,11 @@ def test_timeline_by_response_id_and_request_id_per_tenant(srv):
 
 
 def test_list_shows_running_then_finished_and_the_ring_is_bounded(srv):
+    # 400 tokens: the tiny model makes 30 in less than one poll of /v1/requests on a loaded
+    # CI machine (stop 38's CI saw a single running row), 400 leave many polls
     def stream():
         with srv.http.stream("POST", "/v1/completions", headers=_h("bob"),
-                             json={"model": "tiny", "prompt": "count", "max_tokens": 30, "ignore_eos": True,
+                             json={"model": "tiny", "prompt": "count", "max_tokens": GROW, "ignore_eos": True,
                                    "stream": True}) as resp:
             for _ in resp.iter_lines():
                 pass
@@ -167,7 +170,7 @@ def test_list_shows_running_then_finished_and_the_ring_is_bounded(srv):
     engine = seen[-1][1]
     assert engine["num_running"] >= 1 and engine["batch_size"] >= 1 and 0 < engine["kv_cache_usage"] <= 1
     row = srv.http.get("/v1/requests", headers=_h("bob")).json()["data"][0]
-    assert row["state"] == "finished" and row["id"].startswith("cmpl-") and row["generated_tokens"] == 30
+    assert row["state"] == "finished" and row["id"].startswith("cmpl-") and row["generated_tokens"] == GROW
     assert row["tokens_per_second"] > 0 and row["finish_reason"] == "length" and row["tenant"] == "bob"
     for _ in range(RING + 2):
         _chat(srv, tenant="bob", max_tokens=1)
