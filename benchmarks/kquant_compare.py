@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+from packed_decode_ab import _step_ms  # benchmarks/ is on sys.path when run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,19 +96,6 @@ def weight_bytes(model) -> int:
     if onednn is not None:
         add(onednn)
     return sum(seen.values())
-
-
-def _step_ms(llm, prompts, tokens: int) -> float:
-    """Milliseconds per decode step: a ``tokens``-token generation minus a 1-token one."""
-    from llmserve import SamplingParams
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate(prompts, one, use_tqdm=False)
-    t1 = time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)
-    t2 = time.perf_counter()
-    return ((t2 - t1) - (t1 - t0)) / (tokens - 1) * 1e3
 
 
 def _ppl(path: str) -> str:

@@ -29,15 +29,17 @@ import msgspec
 import zmq
 
 
-def token_trace(conversations: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
-    """Per conversation, its turns' prompt token ids (each extends the previous)."""
+def token_trace(conversations: int, turns: int, seed: int = 0, first: tuple[int, int] = (60, 160),
+                turn: tuple[int, int] = (20, 60)) -> list[list[list[int]]]:
+    """Per conversation, its turns' prompt token ids (each extends the previous): a first
+    message of ``first`` tokens (range, half-open) and ``turn`` more tokens a turn."""
     rng = random.Random(seed)
     out = []
     for _ in range(conversations):
-        ids = [rng.randrange(1000, 30000) for _ in range(rng.randrange(60, 160))]
+        ids = [rng.randrange(1000, 30000) for _ in range(rng.randrange(*first))]
         turns_ids = []
         for _ in range(turns):
-            ids = ids + [rng.randrange(1000, 30000) for _ in range(rng.randrange(20, 60))]
+            ids = ids + [rng.randrange(1000, 30000) for _ in range(rng.randrange(*turn))]
             turns_ids.append(list(ids))
         out.append(turns_ids)
     return out

@@ -5,11 +5,11 @@ engine's prefix cache after evictions and after a reset, a subscriber that start
 recovers every batch through the replay socket, and a bad config names its field."""
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.benchmarks.kv_events import token_trace
 from llmserve.engine_args import EngineArgs
 from tests.kv_event_subscriber import AllBlocksCleared, BlockRemoved, BlockStored, Subscriber
 
@@ -23,18 +23,9 @@ def tiny_path(tmp_path_factory, save_tiny_model_fn):
     return path
 
 
-def _conversations(n_conv: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
+def _conversations(n_conv: int, turns: int) -> list[list[list[int]]]:
     """Per conversation, its turns' prompts: each turn extends the previous one (a chat)."""
-    rng = random.Random(seed)
-    convs = []
-    for _ in range(n_conv):
-        ids = [rng.randrange(1000, 30000) for _ in range(rng.randrange(20, 60))]
-        prompts = []
-        for _ in range(turns):
-            ids = ids + [rng.randrange(1000, 30000) for _ in range(rng.randrange(10, 30))]
-            prompts.append(list(ids))
-        convs.append(prompts)
-    return convs
+    return token_trace(n_conv, turns, first=(20, 60), turn=(10, 30))
 
 
 @pytest.mark.parametrize("n_conv, turns", [(8, 3), pytest.param(50, 4, marks=pytest.mark.slow)])
