@@ -222,10 +222,13 @@ class RequestTimelines:
         return live + done
 
     def engine_summary(self) -> dict:
-        """The ``engine`` object of ``GET /v1/requests`` (from the last SchedulerStats)."""
-        s = self.scheduler_stats
+        """The ``engine`` object of ``GET /v1/requests`` (from the last SchedulerStats).
+        With no request live here the engine is idle, whatever its last step held: the
+        counts are 0 then (the last step's batch would stay on the page forever)."""
+        s = self.scheduler_stats if self.live else None
+        usage = self.scheduler_stats.kv_cache_usage if self.scheduler_stats else 0.0
         return {"num_running": s.num_running_reqs if s else 0, "num_waiting": s.num_waiting_reqs if s else 0,
-                "kv_cache_usage": s.kv_cache_usage if s else 0.0,
+                "kv_cache_usage": usage,
                 "batch_size": getattr(s, "num_scheduled_reqs", s.num_running_reqs) if s else 0,
                 "prompt_tokens_total": self.prompt_tokens_total,
                 "generation_tokens_total": self.generation_tokens_total, "time": time.time()}

@@ -174,7 +174,14 @@ def test_list_shows_running_then_finished_and_the_ring_is_bounded(srv):
     assert row["tokens_per_second"] > 0 and row["finish_reason"] == "length" and row["tenant"] == "bob"
     for _ in range(RING + 2):
         _chat(srv, tenant="bob", max_tokens=1)
-    assert len(srv.http.get("/v1/requests", headers=_h("bob")).json()["data"]) == RING
+    idle = srv.http.get("/v1/requests", headers=_h("bob")).json()
+    assert len(idle["data"]) == RING
+    assert idle["engine"]["batch_size"] == idle["engine"]["num_running"] == 0  # idle, not the last step's
+    newest = srv.http.get("/v1/requests?limit=2", headers=_h("bob")).json()["data"]
+    assert [r["id"] for r in newest] == [r["id"] for r in idle["data"][:2]]
+    for bad in ("0", "x"):
+        r = srv.http.get(f"/v1/requests?limit={bad}", headers=_h("bob"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
 
 
 def test_chunked_prefill_events_over_http(srv):

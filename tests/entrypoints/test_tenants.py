@@ -125,6 +125,25 @@ def test_quota_429_names_the_limit_for_that_tenant_only_and_allowed_models(smol_
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["param"] == "model"
 
 
+def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_path):
+    app, engine, _ = _app(smol_tokenizer, tmp_path)
+    engine.model_config.model_path = str(tmp_path)  # the Ollama cards stat the weights' folder
+    vars(engine.model_config).update(hf_config=SimpleNamespace(model_type="llama"), quantization=None, dtype="float32")
+
+    async def run():
+        async with _client(app) as c:
+            return {k: [await c.get(p, headers=_auth(k)) for p in ("/v1/models", "/v1/models/m", "/api/tags", "/api/ps")]
+                    for k in ("key-a", "key-c")}
+    got = asyncio.run(run())
+    listed = {k: ([m["id"] for m in r[0].json()["data"]], [m["name"] for m in r[2].json()["models"]],
+                  [m["name"] for m in r[3].json()["models"]]) for k, r in got.items()}
+    assert listed["key-a"] == (["m"], ["m"], ["m"]) and got["key-a"][1].json()["id"] == "m"
+    assert listed["key-c"] == ([], [], [])  # carol may call only "other"
+    hidden = got["key-c"][1]
+    assert hidden.status_code == 404 and "`other`" in hidden.json()["error"]["message"]
+    assert "`m`" not in hidden.json()["error"]["message"].split("served here")[1]
+
+
 def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
     now = [0.0]
     quotas = TenantQuotas(clock=lambda: now[0])

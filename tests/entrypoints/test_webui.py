@@ -53,9 +53,13 @@ def test_the_data_routes_and_other_methods_still_need_the_key(client):
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/requests").status_code == 401
     assert client.get("/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404  # key: routed
-    for method, path in (("POST", "/"), ("PUT", "/live"), ("DELETE", "/webui/webui.css"), ("GET", "/webui/nope.js"),
+    for method, path in (("POST", "/"), ("PUT", "/live"), ("DELETE", "/webui/webui.css"), ("POST", "/webui/nope.js"),
                          ("GET", "/webui/../webui.py"), ("GET", "/index.html")):
         assert client.request(method, path).status_code == 401, (method, path)
+    # a missing file in the page's folder is a plain 404, even escaped out of the folder
+    for path in ("/webui/nope.js", "/webui/%2e%2e/webui.py", "/webui/..%2fwebui.py"):
+        r = client.get(path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404 and "DESIGN" not in r.text, path
 
 
 def test_no_webui_turns_both_pages_off():

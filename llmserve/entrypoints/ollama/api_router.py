@@ -24,6 +24,7 @@ from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbed
 from llmserve.entrypoints.ollama.serving import (serve_chat, serve_embed, serve_embeddings, serve_generate)
 from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, with_cancellation
+from llmserve.entrypoints.openai.tenants import tenant_sees_model
 from llmserve.sampling_params import SamplingParamsError
 
 router = APIRouter()
@@ -67,12 +68,17 @@ async def version() -> JSONResponse:
 
 @router.get("/api/tags")
 async def tags(raw_request: Request) -> JSONResponse:
-    return JSONResponse(info.tags(raw_request.app.state))
+    return JSONResponse(_visible(raw_request, info.tags(raw_request.app.state)))
 
 
 @router.get("/api/ps")
 async def ps(raw_request: Request) -> JSONResponse:
-    return JSONResponse(info.ps(raw_request.app.state))
+    return JSONResponse(_visible(raw_request, info.ps(raw_request.app.state)))
+
+
+def _visible(raw_request: Request, listing: dict) -> dict:
+    """The listing without the models the caller's tenant may not call (``allowed_models``)."""
+    return {**listing, "models": [m for m in listing["models"] if tenant_sees_model(raw_request, m["name"])]}
 
 
 @router.post("/api/show")

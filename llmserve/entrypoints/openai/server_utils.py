@@ -19,7 +19,7 @@ from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.tenant_context import reset_current_tenant, set_current_tenant
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.tenants import KeyRing, set_tenant
-from llmserve.entrypoints.web.webui import WEBUI_PUBLIC_PATHS
+from llmserve.entrypoints.web.webui import ASSETS_PREFIX, WEBUI_PUBLIC_PATHS
 
 REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
 # The routes that answer without an API key (exact paths, after --root-path): the probes
@@ -167,8 +167,12 @@ class AuthenticationMiddleware:
 
 def _public(scope: dict) -> bool:
     """Whether the request's path (as the router matches it: starlette's own helper, the
-    same --root-path rule) is on PUBLIC_PATHS; the page's files only to GET or HEAD them."""
+    same --root-path rule) is on PUBLIC_PATHS; the page's files only to GET or HEAD them.
+    Any GET/HEAD under the page's folder is public too, so a missing file there answers
+    the static files' 404 rather than a 401 (that folder holds only the packaged files)."""
     path = get_route_path(scope)
+    if scope.get("method") in ("GET", "HEAD") and path.startswith(ASSETS_PREFIX + "/"):
+        return True
     return path in PUBLIC_PATHS and (path not in WEBUI_PUBLIC_PATHS or scope.get("method") in ("GET", "HEAD"))
 
 
@@ -176,6 +180,16 @@ def _public(scope: dict) -> bool:
 # invalid 400 KB body (a long list of bad items) must not answer with a body as large.
 MAX_VALIDATION_ERRORS = 5
 MAX_PART_CHARS = 300
+
+
+# FastAPI's first location item says where a field came from; the field is what follows
+# (a body field named "query", as rerank's, stays: only the first item is dropped).
+_LOCATION_KINDS = ("body", "query", "path", "header", "cookie")
+
+
+def _field_loc(loc: tuple) -> tuple:
+    """A pydantic error location without FastAPI's leading source (``query.limit`` -> ``limit``)."""
+    return loc[1:] if loc and loc[0] in _LOCATION_KINDS else loc
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -187,7 +201,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     errors = sorted(exc.errors(), key=lambda err: err.get("type") != "too_long")
     parts, param = [], None
     for err in errors[:MAX_VALIDATION_ERRORS]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in _field_loc(err.get("loc", ()))]
         msg = err.get("msg", "invalid value")
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error")

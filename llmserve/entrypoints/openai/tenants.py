@@ -65,6 +65,13 @@ def tenant_of(request: Any) -> Tenant:
     return (scope.get("state") or {}).get(TENANT_SCOPE_KEY) or DEFAULT_TENANT
 
 
+def tenant_sees_model(request: Any, name: str) -> bool:
+    """Whether the request's tenant may call (and so may see listed) the served model or
+    adapter ``name``: its ``allowed_models``, or every model when it has none (issue 34)."""
+    allowed = tenant_of(request).allowed_models
+    return allowed is None or name in allowed
+
+
 def tenant_name_of(request: Any) -> str:
     """The tenant name of a starlette Request (or an ASGI scope): use it to scope stored
     records (responses, timelines) so that another tenant sees a 404."""

@@ -4,9 +4,9 @@ Both are scoped to the caller's tenant (another tenant's request is a 404) and, 
 every route not on ``PUBLIC_PATHS``, need the API key when one is set."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from llmserve.entrypoints.openai.common.errors import NotFoundError
@@ -33,11 +33,19 @@ def _merge_engine(summaries: list[dict]) -> dict:
 
 
 @router.get("/v1/requests")
-async def list_requests(raw_request: Request) -> Response:
-    """``{"object": "list", "data": [row...], "engine": {...}}`` (rows: TimelineRecord.summary)."""
+async def list_requests(raw_request: Request, limit: Optional[int] = Query(None, ge=1)) -> Response:
+    """``{"object": "list", "data": [row...], "engine": {...}}`` (rows: TimelineRecord.summary):
+    every queued and running request of the caller's tenant, then its finished ones,
+    newest first, at most ``limit`` of those (default: the whole ring). A ``limit`` below
+    1 or not an integer is a 400 naming ``limit``."""
     tenant = tenant_name_of(raw_request)
     stores = _stores(raw_request)
-    rows = [rec.summary() for store in stores for rec in store.list(tenant)]
+    records = [rec for store in stores for rec in store.list(tenant)]
+    if limit is not None:
+        live = [r for r in records if r.finish_time is None]
+        done = sorted((r for r in records if r.finish_time is not None), key=lambda r: r.finish_time, reverse=True)
+        records = live + done[:limit]
+    rows = [rec.summary() for rec in records]
     engine = _merge_engine([s.engine_summary() for s in stores]) if stores else {}
     return JSONResponse({"object": "list", "data": rows, "engine": engine})
 

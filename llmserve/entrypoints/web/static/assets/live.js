@@ -164,7 +164,7 @@ async function renderFinished(requests) {
 async function poll() {
   const started = performance.now();
   try {
-    const resp = await api("v1/requests");
+    const resp = await api(`v1/requests?limit=${MAX_FINISHED}`);
     if (!resp.ok) throw new Error(await errorText(resp));
     const body = await resp.json();
     if (!body.engine || body.engine.time === undefined) throw new Error(TIMELINES_OFF);
