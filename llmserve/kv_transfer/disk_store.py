@@ -30,17 +30,18 @@ import queue
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import xxhash
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LLMSKV\x00\x01"
-VERSION = 1
-# magic, version, key digest, block hash, payload bytes, crc32 of the payload
-_HEADER = struct.Struct("<8sI32sQQI")
+VERSION = 2  # 1: CRC-32 (a version-1 file is "not of this version": removed, written again)
+# magic, version, key digest, block hash, payload bytes, XXH3-64 of the payload
+_HEADER = struct.Struct("<8sI32sQQQ")
 HEADER_SIZE = _HEADER.size
 SUFFIX = ".kv"
 
@@ -64,37 +65,79 @@ def block_path(folder: str, block_hash: int) -> str:
 
 
 def encode_header(key: bytes, block_hash: int, payload: Any) -> bytes:
-    """The header for ``payload`` (bytes-like): its length and CRC-32."""
+    """The header for ``payload`` (bytes-like): its length and XXH3-64 checksum."""
     mv = memoryview(payload).cast("B")
-    return _HEADER.pack(MAGIC, VERSION, key, block_hash, mv.nbytes, zlib.crc32(mv))
+    return _HEADER.pack(MAGIC, VERSION, key, block_hash, mv.nbytes, xxhash.xxh3_64_intdigest(mv))
 
 
 def read_block(folder: str, key: bytes, block_hash: int, out: memoryview) -> bool:
     """Read block ``block_hash``'s payload into ``out`` (a writable buffer of exactly the
-    payload size this layout has); True when it is there and valid. A missing file is
-    False; an invalid one (torn, corrupted, another layout key or hash, the wrong size) is
-    logged, removed and False (``out`` then holds garbage). A valid file gets its mtime
+    payload size this layout has); True when it is there and valid (see ``read_chain``)."""
+    fds = open_chain(folder, [block_hash])
+    return read_chain(folder, key, [block_hash], fds, out, out.nbytes) == 1
+
+
+def open_chain(folder: str, block_hashes: list[int]) -> list[int]:
+    """Open the files of ``block_hashes`` from the first up to the first missing one;
+    returns their file descriptors (the caller hands them to ``read_chain``, which closes
+    them). Opening is the existence check: one syscall per block, no ``stat``."""
+    fds: list[int] = []
+    for h in block_hashes:
+        try:
+            fds.append(os.open(block_path(folder, h), os.O_RDONLY))
+        except OSError:
+            break
+    return fds
+
+
+def read_chain(folder: str, key: bytes, block_hashes: list[int], fds: list[int], out: memoryview,
+               nbytes: int) -> int:
+    """Read the opened blocks (``fds`` from ``open_chain``, in chain order) into ``out``
+    (writable, ``len(fds) * nbytes`` bytes: payloads back to back) and close every fd.
+    Returns how many, from the first, are valid; the first invalid one (torn, corrupted,
+    another layout key or hash, the wrong size) is logged and removed, and nothing after
+    it counts (``out`` past the valid ones holds garbage). Valid files get their mtime
     bumped (LRU order for ``BlockWriter``)."""
-    path = block_path(folder, block_hash)
+    header, extra = bytearray(HEADER_SIZE), bytearray(1)
+    n = 0
     try:
-        with open(path, "rb", buffering=0) as f:
-            header = f.read(HEADER_SIZE)
-            why = _invalid_header(header, key, block_hash, out.nbytes)
-            if why is None and (f.readinto(out) != out.nbytes or f.read(1)):
-                why = "truncated or of the wrong size"
-    except OSError:
-        return False
-    if why is None and zlib.crc32(out) != _HEADER.unpack_from(header)[5]:
+        for i, fd in enumerate(fds):
+            region = out[i * nbytes:(i + 1) * nbytes]
+            why = _read_one(fd, header, region, extra, key, block_hashes[i])
+            if why is not None:
+                path = block_path(folder, block_hashes[i])
+                logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
+                _unlink(path)
+                break
+            _touch(fd)
+            n += 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return n
+
+
+def _read_one(fd: int, header: bytearray, region: memoryview, extra: bytearray, key: bytes,
+              block_hash: int) -> Optional[str]:
+    """Read one opened block file (header, payload, and one byte too many to catch a longer
+    file) with one ``readv``; why it may not be loaded, or None."""
+    try:
+        got = os.readv(fd, [header, region, extra])
+    except OSError as e:
+        return f"unreadable: {e}"
+    why = _invalid_header(bytes(header[:got]), key, block_hash, region.nbytes)
+    if why is None and got != HEADER_SIZE + region.nbytes:
+        why = "truncated or of the wrong size"
+    if why is None and xxhash.xxh3_64_intdigest(region) != _HEADER.unpack_from(header)[5]:
         why = "checksum mismatch"
-    if why is not None:
-        logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
-        _unlink(path)
-        return False
+    return why
+
+
+def _touch(fd: int) -> None:
     try:
-        os.utime(path)
+        os.utime(fd)
     except OSError:
         pass
-    return True
 
 
 def _invalid_header(header: bytes, key: bytes, block_hash: int, nbytes: int) -> Optional[str]:
@@ -112,16 +155,6 @@ def _invalid_header(header: bytes, key: bytes, block_hash: int, nbytes: int) -> 
     if fbytes != nbytes:
         return "truncated or of the wrong size"
     return None
-
-
-def count_present(folder: str, block_hashes: list[int]) -> int:
-    """How many of ``block_hashes``, from the first, have a file (not yet verified)."""
-    n = 0
-    for h in block_hashes:
-        if not os.path.exists(block_path(folder, h)):
-            break
-        n += 1
-    return n
 
 
 def _unlink(path: str) -> None:

@@ -28,8 +28,10 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
+import numpy as np
+
 from llmserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, count_present, layout_key, read_block
+from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, layout_key, open_chain, read_chain
 
 if TYPE_CHECKING:
     from llmserve.core.request import Request
@@ -65,12 +67,14 @@ class _StagingArena:
     """Reused buffers the scheduler side reads block files into (a fresh buffer per load
     would fault in its pages every time: ~20 ms per 92 MB measured). ``alloc`` hands out
     consecutive regions; ``reset`` (once the step's loads are consumed) reuses them. Holds
-    as much memory as the largest step's loads."""
+    as much memory as the largest step's loads. Chunks are ``numpy.empty`` (untouched
+    pages, faulted in by the first ``readv`` into them) rather than zero-filled
+    ``bytearray``s, which would write every page once more before the first read."""
 
     CHUNK = 64 << 20
 
     def __init__(self) -> None:
-        self.chunks: list[bytearray] = []
+        self.chunks: list[memoryview] = []
         self.index = 0
         self.offset = 0
 
@@ -80,8 +84,8 @@ class _StagingArena:
         while self.index < len(self.chunks) and len(self.chunks[self.index]) - self.offset < nbytes:
             self.index, self.offset = self.index + 1, 0
         if self.index == len(self.chunks):
-            self.chunks.append(bytearray(max(nbytes, self.CHUNK)))
-        out = memoryview(self.chunks[self.index])[self.offset:self.offset + nbytes]
+            self.chunks.append(memoryview(np.empty(max(nbytes, self.CHUNK), dtype=np.uint8)))
+        out = self.chunks[self.index][self.offset:self.offset + nbytes]
         self.offset += nbytes
         return out
 
@@ -113,6 +117,42 @@ def layout_fields(vllm_config: Any) -> dict[str, Any]:
             "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size}
 
 
+def _one_view(kv_caches: list[Any]) -> Any:
+    """The per-layer caches (each contiguous ``[2, num_blocks, block_size, heads, head_dim]``)
+    as one ``[L, 2, num_blocks, block elements]`` view when they are equally spaced slices
+    of one buffer (the model runner's layout), else None."""
+    import torch
+
+    kv0 = kv_caches[0]
+    step = kv0.numel()
+    if not all(kv.is_contiguous() and kv.shape == kv0.shape and kv.untyped_storage().data_ptr()
+               == kv0.untyped_storage().data_ptr() and kv.storage_offset() == kv0.storage_offset() + i * step
+               for i, kv in enumerate(kv_caches)):
+        return None
+    per_block = step // (2 * kv0.shape[1])
+    return torch.as_strided(kv0, (len(kv_caches), 2, kv0.shape[1], per_block),
+                            (step, kv0.shape[1] * per_block, per_block, 1))
+
+
+def _copy_into(kv_all: Any, block_ids: list[int], data: Any) -> None:
+    """``kv_all[:, :, block_ids] = data`` (``[L, 2, n, block elements]``). Fresh allocations
+    are mostly runs of consecutive block ids; a run is one slice ``copy_`` (60 contiguous
+    pieces for SmolLM2), which copied 249 blocks (92 MB) in ~3 ms against ~8 ms for
+    ``index_copy_`` (6 KiB pieces). Many short runs go through ``index_copy_``."""
+    import torch
+
+    runs, lo = [], 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            runs.append((lo, i))
+            lo = i
+    if len(runs) > 8:
+        kv_all.index_copy_(2, torch.tensor(block_ids, device=kv_all.device), data)
+        return
+    for lo, hi in runs:
+        kv_all[:, :, block_ids[lo]:block_ids[lo] + hi - lo].copy_(data[:, :, lo:hi])
+
+
 def _eligible(request: "Request") -> bool:
     return (request.use_prefix_cache and getattr(request, "lora_request", None) is None
             and request.pooling_params is None and request.encoder_inputs is None)
@@ -141,12 +181,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.folder = block_dir(self.root, self.key)
         # scheduler side: the last lookup (request id, first block, payloads), loads of the
         # step being built, counters since get_stats
-        self._matched: Optional[tuple[str, int, memoryview]] = None
+        self._matched: Optional[tuple[str, int, list[memoryview]]] = None
         self._step_loads: list[tuple[list[int], memoryview]] = []
         self._arena = _StagingArena()
         self._stats = {"queries": 0, "hits": 0, "bytes_loaded": 0}
         # worker side
         self.kv_caches: list[Any] = []
+        self._kv_all: Any = None  # all layers as one [L, 2, num_blocks, block elements] view, or None
         self.writer: Optional[BlockWriter] = None
         self._layer_saves: dict[int, Any] = {}
         logger.info("KV tier (%s): %s%s", type(self).__name__, self.folder,
@@ -190,14 +231,28 @@ class SharedStorageConnector(KVConnectorBase_V1):
         stop = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
         m = self._matched
         if m is None or m[0] != request.request_id or m[1] != start:
-            nb = self.block_nbytes
-            hashes = request.block_hashes[start:max(start, stop)]
-            buf = self._arena.alloc(count_present(self.folder, hashes) * nb)
-            n = 0
-            while n * nb < buf.nbytes and read_block(self.folder, self.key, hashes[n], buf[n * nb:(n + 1) * nb]):
-                n += 1
-            self._matched = m = (request.request_id, start, buf[:n * nb])
-        return m[2].nbytes // self.block_nbytes * self.block_size, False
+            bufs = self._read_hit(request.block_hashes[start:max(start, stop)])
+            self._matched = m = (request.request_id, start, bufs)
+        return sum(b.nbytes for b in m[2]) // self.block_nbytes * self.block_size, False
+
+    # Files opened at once by a lookup (a 32k-token prompt is 2,000 blocks; fd limits are ~1,024).
+    OPEN_BATCH = 256
+
+    def _read_hit(self, hashes: list[int]) -> list[memoryview]:
+        """Read and verify the blocks of ``hashes`` on disk, from the first up to the first
+        missing or invalid one, into staging-arena regions (one per batch of
+        ``OPEN_BATCH`` files, payloads back to back)."""
+        nb, bufs = self.block_nbytes, []
+        for lo in range(0, len(hashes), self.OPEN_BATCH):
+            batch = hashes[lo:lo + self.OPEN_BATCH]
+            fds = open_chain(self.folder, batch)
+            buf = self._arena.alloc(len(fds) * nb)
+            n = read_chain(self.folder, self.key, batch, fds, buf, nb)
+            if n:
+                bufs.append(buf[:n * nb])
+            if n < len(batch):
+                break
+        return bufs
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         m, self._matched = self._matched, None
@@ -207,8 +262,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
         n = num_external_tokens // self.block_size
         if not n or m is None or m[0] != request.request_id:
             return
-        self._step_loads.append((list(block_ids[:n]), m[2][:n * self.block_nbytes]))
         self._stats["bytes_loaded"] += n * self.block_nbytes
+        done = 0
+        for buf in m[2]:
+            k = min(n - done, buf.nbytes // self.block_nbytes)
+            if k <= 0:
+                break
+            self._step_loads.append((list(block_ids[done:done + k]), buf[:k * self.block_nbytes]))
+            done += k
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> SharedStorageConnectorMetadata:
         """Loads gathered at admission; saves: the full prompt blocks each scheduled
@@ -246,11 +307,16 @@ class SharedStorageConnector(KVConnectorBase_V1):
             raise ValueError(f"{type(self).__name__}: a KV block holds {per_block} bytes, the layout key "
                              f"says {self.block_nbytes}; this model's KV cache layout is not supported")
         self.kv_caches = kv_caches
+        self._kv_all = _one_view(kv_caches)
         self.writer = BlockWriter(self.folder, self.key, self.max_bytes)
 
     def start_load_kv(self, **kwargs: Any) -> None:
         """Copy this step's loaded blocks into the cache (synchronously: every layer is in
-        place when this returns, so ``wait_for_layer_load`` has nothing to wait for)."""
+        place when this returns, so ``wait_for_layer_load`` has nothing to wait for). All
+        layers in one call per run of blocks (``_copy_into``): 249 blocks x 30 layers of
+        SmolLM2 (92 MB) took ~25 ms as one ``index_copy_`` against ~360 ms as 30 per-layer
+        ``index_copy_`` calls and ~460 ms as per-layer ``kv[:, ids] = ...`` (advanced-index
+        assignment from a strided source), measured at load ~7 on 2 cores."""
         meta = self._connector_metadata
         if not isinstance(meta, SharedStorageConnectorMetadata) or not meta.loads:
             return
@@ -258,11 +324,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
         kv0 = self.kv_caches[0]
         for block_ids, buf in meta.loads:
+            # [n, L, 2, block elements] as written -> [L, 2, n, block elements] (a strided view)
             data = torch.frombuffer(buf, dtype=torch.uint8).view(kv0.dtype)
-            data = data.view(len(block_ids), len(self.kv_caches), *kv0[:, 0].shape)
+            data = data.view(len(block_ids), len(self.kv_caches), 2, -1).permute(1, 2, 0, 3).to(kv0.device)
+            if self._kv_all is not None:
+                _copy_into(self._kv_all, block_ids, data)
+                continue
             ids = torch.tensor(block_ids, device=kv0.device)
             for layer, kv in enumerate(self.kv_caches):
-                kv[:, ids] = data[:, layer].transpose(0, 1).to(kv.device)
+                kv[:, ids] = data[layer].reshape(2, len(block_ids), *kv.shape[2:])
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, **kwargs: Any) -> None:
         """Copy layer ``int(layer_name)``'s blocks of this step's save set out of the cache."""
@@ -281,12 +351,17 @@ class SharedStorageConnector(KVConnectorBase_V1):
             return
         import torch
 
-        for layer, kv in enumerate(self.kv_caches):
-            if layer not in self._layer_saves:
-                self.save_kv_layer(str(layer), kv)
-        stacked = torch.stack([self._layer_saves[i] for i in range(len(self.kv_caches))])  # [L, 2, N, ...]
+        if self._kv_all is not None and not self._layer_saves:  # one gather over all layers
+            ids = torch.tensor([bid for bid, _ in meta.saves], device=self._kv_all.device)
+            stacked = self._kv_all.index_select(2, ids).to("cpu")  # [L, 2, N, block elements]
+        else:
+            for layer, kv in enumerate(self.kv_caches):
+                if layer not in self._layer_saves:
+                    self.save_kv_layer(str(layer), kv)
+            stacked = torch.stack([self._layer_saves[i] for i in range(len(self.kv_caches))])  # [L, 2, N, ...]
+            stacked = stacked.flatten(3)
         self._layer_saves = {}
-        blocks = stacked.transpose(0, 2).transpose(1, 2).contiguous()  # [N, L, 2, bs, H, D]
+        blocks = stacked.permute(2, 0, 1, 3).contiguous()  # [N, L, 2, block elements]
         rows = blocks.view(torch.uint8).view(len(meta.saves), -1).numpy()
         for i, (_, block_hash) in enumerate(meta.saves):
             self.writer.put(block_hash, rows[i])

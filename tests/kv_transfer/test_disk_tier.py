@@ -14,7 +14,8 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.kv_transfer import KVConnectorFactory
 from llmserve.kv_transfer import disk_store
-from llmserve.kv_transfer.disk_store import BlockWriter, block_dir, encode_header, layout_key, read_block
+from llmserve.kv_transfer.disk_store import (BlockWriter, block_dir, encode_header, layout_key, open_chain, read_block,
+                                             read_chain)
 from llmserve.kv_transfer.shared_storage import SharedStorageConnector
 from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.metrics.stats import SchedulerStats
@@ -33,8 +34,8 @@ def tiny(tmp_path_factory, save_tiny_model_fn):
     return str(path), out[0, len(PROMPT):].tolist()
 
 
-def _llm(model: str, **kw) -> LLM:
-    return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+def _llm(model: str, dtype: str = "float32", **kw) -> LLM:
+    return LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype=dtype, multiprocess_mode=False,
                kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64, **kw)
 
 
@@ -178,6 +179,61 @@ def test_other_model_or_dtype_file_is_never_loaded(tmp_path, caplog):
         assert not read_block(folder, key, 2, out)  # another layout's header
     assert "another model" in caplog.text and not os.path.exists(os.path.join(folder, f"{2:016x}.kv"))
     assert not read_block(folder, key, 1, memoryview(bytearray(len(payload) + 1)))  # the wrong size here
+
+
+def test_other_dtype_engine_over_the_same_tier_prefills_and_keeps_its_own_blocks(tiny, tmp_path):
+    model, hf_tokens = tiny
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    assert _run(llm) == (hf_tokens, 0)
+    llm.shutdown()
+    bf = _llm(model, "bfloat16", kv_transfer_config=_tier(tmp_path))
+    first, cached = _run(bf)
+    assert cached == 0  # the float32 blocks are another layout: never looked at
+    _connector(bf).flush()
+    assert len(os.listdir(tmp_path)) == 2 and len(_files(tmp_path)) == 2 * FULL_BLOCKS
+    bf.reset_prefix_cache()
+    assert _run(bf) == (first, FULL_BLOCKS * 16)  # its own blocks: one index_copy_ over all layers
+    bf.reset_prefix_cache()
+    _connector(bf)._kv_all = None  # caches that are not one buffer: the per-layer copy
+    assert _run(bf) == (first, FULL_BLOCKS * 16)
+    bf.shutdown()
+
+
+def test_read_chain_stops_at_the_first_bad_file_and_closes_every_file(tmp_path, caplog):
+    key = layout_key({"model": "chain"})
+    folder = block_dir(str(tmp_path), key)
+    payloads = [bytes([h]) * 512 for h in (1, 2, 3, 4)]
+    for h, payload in zip((1, 2, 3, 4), payloads):
+        with open(os.path.join(folder, f"{h:016x}.kv"), "wb") as f:
+            f.write(encode_header(key, h, payload) + payload)
+    v1 = bytearray(open(os.path.join(folder, f"{3:016x}.kv"), "rb").read())
+    v1[8:12] = (1).to_bytes(4, "little")  # a version-1 (CRC-32) file
+    open(os.path.join(folder, f"{3:016x}.kv"), "wb").write(v1)
+    fds = open_chain(folder, [1, 2, 3, 4, 9])
+    assert len(fds) == 4  # up to the first missing file
+    out = memoryview(bytearray(4 * 512))
+    with caplog.at_level(logging.WARNING):
+        assert read_chain(folder, key, [1, 2, 3, 4], fds, out, 512) == 2
+    assert out[:1024] == payloads[0] + payloads[1] and "not a KV block file of this version" in caplog.text
+    assert not os.path.exists(os.path.join(folder, f"{3:016x}.kv"))  # removed; block 4 stays
+    assert os.path.exists(os.path.join(folder, f"{4:016x}.kv"))
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+@pytest.mark.parametrize("block_ids", [[5, 6, 7, 8, 2, 3], [9, 1, 7, 3, 11, 5, 0, 13, 4, 2]])
+def test_loaded_blocks_land_in_place_by_runs_or_by_index(block_ids):
+    from llmserve.kv_transfer.shared_storage import _copy_into, _one_view
+
+    buf = torch.zeros(3, 2, 16, 4, 2, 5)  # [L, 2, num_blocks, block_size, heads, head_dim]
+    kv_all = _one_view(list(buf.unbind(0)))
+    data = torch.randn(3, 2, len(block_ids), 40)
+    _copy_into(kv_all, block_ids, data)
+    ref = torch.zeros_like(buf).flatten(3)
+    ref[:, :, block_ids] = data
+    assert torch.equal(buf.flatten(3), ref)
+    assert _one_view([buf[0], buf[2]]) is None  # not equally spaced: the per-layer path
 
 
 def test_writer_lru_bound_keeps_recently_loaded_blocks(tmp_path):
