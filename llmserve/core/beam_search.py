@@ -30,6 +30,7 @@ again), and beam rows sit in the same batch as ordinary requests. No torch here.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -73,6 +74,7 @@ class BeamGroup:
         self.rows: dict[str, tuple[list[int], list[float]]] = {}
         self.beams: list[Request] = []
         self.started = False  # admitted once: holds beam_width seats
+        self.first_token_ts = 0.0  # time.monotonic() of the first step (the timeline's first_token)
         self._next_id = 0
 
     def new_beam_id(self) -> str:
@@ -122,6 +124,8 @@ class BeamGroup:
     def step(self) -> Optional[list[tuple[float, int, int, float]]]:
         """Choose the next beams from the rows of this step. Returns them (score, parent
         index, token, logprob), best first, or None when the search is over."""
+        if not self.num_generated:
+            self.first_token_ts = time.monotonic()
         cands = self._candidates()
         at_max = self.num_generated + 1 >= self.max_new
         hits = [at_max or c[2] in self.stop_ids for c in cands]
@@ -287,8 +291,10 @@ class BeamSearchManager:
         self.sched.finished_req_ids.add(g.request_id)  # its encoder output (Whisper)
         seqs = g.result()
         cached = max(min((b.num_cached_tokens for b in g.beams), default=0), 0)
+        events = [e for b in g.beams for e in (b.take_events() or ())] or None
         return EngineCoreOutput(g.request_id, [], finish_reason=seqs[0].finish_reason if seqs else FinishReason.LENGTH,
-                                num_cached_tokens=cached, beam_sequences=seqs)
+                                num_cached_tokens=cached, events=events, beam_sequences=seqs,
+                                beam_first_token_ts=g.first_token_ts)
 
     def abort(self, request_id: str) -> bool:
         """Abort a beam-search request by its id: every beam freed. False if unknown."""
@@ -305,12 +311,15 @@ class BeamSearchManager:
 
 def _clone_beam_from_request(request: Request, group: BeamGroup) -> Request:
     """The first beam of a request: its prompt, with sampling params asking the runner
-    for greedy rows with ``group.keep`` logprobs."""
+    for greedy rows with ``group.keep`` logprobs. It carries the request's timeline
+    events (QUEUED) and records its own (SCHEDULED, PREEMPTED), sent under the request's
+    id (Scheduler.update_from_output); forked beams record none."""
     sp = request.sampling_params.clone()
     sp.temperature, sp.logprobs, sp.n = 0.0, group.keep, 1
     beam = Request(group.new_beam_id(), request.prompt_token_ids, sp, request.eos_token_id,
-                   request.arrival_time, request.priority,
+                   request.arrival_time, request.priority, log_stats=request.log_stats,
                    encoder_inputs=request.encoder_inputs)
+    beam.events = request.events
     beam.beam_group = group
     beam.beam_cum, beam.beam_logprobs = 0.0, []
     beam.encoder_cache_key = request.request_id

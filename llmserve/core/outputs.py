@@ -106,6 +106,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     model_execute_time: float = 0.0
     # A beam-search request's result, best first (sent once, when the search ends).
     beam_sequences: Optional[list[BeamSequenceOutput]] = None
+    # A beam-search request's first step (``time.monotonic()`` in the engine; 0.0: none),
+    # sent with its result: its first tokens' time on the request timeline.
+    beam_first_token_ts: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -440,6 +440,8 @@ class Scheduler:
                 if tok is not None:  # the beam's top-K row; its group steps below
                     self.beam.on_row(req, runner_out.logprobs.get(req.request_id))
                     beam_groups[req.beam_group] = None
+                if req.events:  # the first beam's timeline events, under the request's id
+                    outputs.append(EngineCoreOutput(req.beam_group.request_id, [], events=req.take_events()))
                 continue
             plp = runner_out.prompt_logprobs.get(req.request_id)
             if tok is None:

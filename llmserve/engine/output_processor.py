@@ -327,7 +327,7 @@ class OutputProcessor:
                 self._pooling_output(st, eco, result, now, iteration_stats)
                 continue
             if eco.beam_sequences is not None:
-                self._beam_output(st, eco, result, now, iteration_stats)
+                self._beam_output(st, eco, result, now, iteration_stats, timestamp)
                 continue
             p = st.params
             finish = FinishReason(eco.finish_reason) if eco.finish_reason is not None else None
@@ -385,15 +385,17 @@ class OutputProcessor:
         return result
 
     def _beam_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
-                     now: float, iteration_stats: Optional[IterationStats]) -> None:
+                     now: float, iteration_stats: Optional[IterationStats], timestamp: Optional[float]) -> None:
         """A beam search's one output: every returned beam as a CompletionOutput."""
         from llmserve.engine.beam_output import beam_completions
 
-        self._forget(st, str(FinishReason(eco.finish_reason)), now)
         outs = beam_completions(eco.beam_sequences, st.params, self.tokenizer,
                                 st.engine_request.beam_search_params if st.engine_request else None)
         ntok = sum(len(c.token_ids) for c in outs)
-        metrics = RequestMetrics(arrival_time=st.arrival_time, first_token_time=now, last_token_time=now,
+        self._beam_times(st, eco, ntok, now, timestamp)
+        self._forget(st, str(FinishReason(eco.finish_reason)), now)
+        metrics = RequestMetrics(arrival_time=st.arrival_time, first_token_time=st.first_token_time,
+                                 last_token_time=now,
                                  finished_time=time.time(), num_generation_tokens=ntok)
         out = RequestOutput(request_id=st.external_req_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                             prompt_logprobs=None, outputs=outs, finished=True, metrics=metrics,
@@ -406,6 +408,21 @@ class OutputProcessor:
             iteration_stats.num_prompt_tokens += len(st.prompt_token_ids)
             iteration_stats.num_generation_tokens += ntok
             iteration_stats.finished_requests.append(st.finished_stats(str(FinishReason(eco.finish_reason)), now))
+
+    def _beam_times(self, st: RequestState, eco: EngineCoreOutput, ntok: int, now: float,
+                    timestamp: Optional[float]) -> None:
+        """A finished beam search's times: its first token at the search's first step
+        (``beam_first_token_ts``, engine monotonic seconds), its events and, on the
+        timeline, ``ntok`` generated tokens (those of the returned beams, as usage)."""
+        first_ts = eco.beam_first_token_ts
+        st.first_token_time = now - (time.monotonic() - first_ts) if first_ts else now
+        st.first_token_ts, st.last_token_ts = first_ts, timestamp or 0.0
+        if eco.events is not None:
+            st.record_events(eco.events)
+        if st.timeline is not None:
+            self.timelines.observe(st.timeline, eco.events, min(ntok, 1), eco.num_cached_tokens,
+                                   first_ts or None, eco.model_execute_time)
+            self.timelines.observe(st.timeline, None, ntok - 1, eco.num_cached_tokens, timestamp)
 
     def _pooling_output(self, st: RequestState, eco: EngineCoreOutput, result: OutputProcessorOutput,
                         now: float, iteration_stats: Optional[IterationStats]) -> None:

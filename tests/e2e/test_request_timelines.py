@@ -195,6 +195,21 @@ def test_chunked_prefill_events_over_http(srv):
     assert names.index("first_token") > names.index("scheduled") + 2
 
 
+def test_beam_search_timeline_has_first_token_and_every_token(srv):
+    """A beam search's timeline: the first beam's queue and prefill events under the
+    request's id, first_token at the search's first step, the returned beams' tokens."""
+    r = srv.http.post("/v1/completions", headers=_h("alice"),
+                      json={"model": "tiny", "prompt": "count", "max_tokens": 5, "ignore_eos": True,
+                            "use_beam_search": True, "n": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tl = srv.http.get(f"/v1/requests/{body['id']}/timeline", headers=_h("alice")).json()
+    assert [e["event"] for e in tl["events"]] == ["arrived", "queued", "scheduled", "first_token", "finished"]
+    times = [e["time"] for e in tl["events"]]
+    assert times == sorted(times) and times[3] < times[4]
+    assert tl["generated_tokens"] == body["usage"]["completion_tokens"] == 15
+
+
 def _timed_stream(srv) -> tuple[dict, dict, float, float]:
     """One streamed chat asking for both timing objects: (metrics, timings, the client's
     time to the first token's chunk, its time from that chunk to the last token's)."""

@@ -36,19 +36,26 @@ def assert_same_beams(out, ref, prompt_len: int, what: str, tol: float = 1e-4) -
         assert abs(s.cum_logprob - cum) < tol, what
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, save_tiny_model_fn):
-    """(LLM, transformers model, prompts) on a tiny Llama whose LM-head row for EOS points
-    along the mean final hidden state, scaled to 0.95 of the mean top logit: EOS is then the
-    second candidate at most steps (greedy: rank 1 at 28 of 30 steps), so beams end."""
-    path = str(tmp_path_factory.mktemp("beam_tiny"))
-    hf = save_tiny_model_fn("llama", path, seed=3)
-    prompts = [[(37 * i + 11 * j) % 49000 + 5 for j in range(9 + 7 * i)] for i in range(3)]
+def eos_likely_model(save_tiny_model_fn, arch: str, path: str, seed: int, prompts: list[list[int]]):
+    """A tiny random ``arch`` checkpoint at ``path`` whose LM-head row for EOS points along
+    the mean final hidden state of ``prompts``, scaled to 0.95 of the mean top logit: EOS
+    is then the second candidate at most steps (llama: greedy rank 1 at 28 of 30 steps),
+    so beams end. Returns the transformers model (float32)."""
+    hf = save_tiny_model_fn(arch, path, seed=seed)
     with torch.no_grad():
         hs = torch.cat([hf.model(torch.tensor([p])).last_hidden_state[0] for p in prompts])
         m = hs.mean(0)
         hf.lm_head.weight[EOS] = m / m.dot(m) * hf.lm_head(hs).max(-1).values.mean() * 0.95
     hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, save_tiny_model_fn):
+    """(LLM, transformers model, prompts) on a tiny Llama made to end beams on EOS."""
+    path = str(tmp_path_factory.mktemp("beam_tiny"))
+    prompts = [[(37 * i + 11 * j) % 49000 + 5 for j in range(9 + 7 * i)] for i in range(3)]
+    hf = eos_likely_model(save_tiny_model_fn, "llama", path, 3, prompts)
     llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
               kv_cache_memory="64MiB", block_size=16, max_num_seqs=16)
     yield llm, hf, prompts
@@ -68,6 +75,27 @@ def test_tiny_beams_equal_transformers(tiny, k, lp, es):
         ended += sum(r[-1] == EOS for r, _ in ref)
         assert_same_beams(out, ref, len(p), f"k={k} prompt {i}")
     assert ended, "no beam ended on EOS: the test would not cover EOS handling"
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_other_architectures_end_on_eos_as_transformers(tmp_path_factory, save_tiny_model_fn, arch):
+    path = str(tmp_path_factory.mktemp(f"beam_{arch}"))
+    prompts = [[(41 * i + 13 * j) % 49000 + 5 for j in range(11 + 6 * i)] for i in range(2)]
+    hf = eos_likely_model(save_tiny_model_fn, arch, path, 4, prompts)
+    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              kv_cache_memory="64MiB", block_size=16, max_num_seqs=8)
+    try:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                               BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5,
+                                                include_stop_str_in_output=True))
+    finally:
+        llm.shutdown()
+    ended = 0
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref = hf_beams(hf, p, 3, 8, 0.5, False)
+        ended += sum(r[-1] == EOS for r, _ in ref)
+        assert_same_beams(out, ref, len(p), f"{arch} prompt {i}")
+    assert ended, f"{arch}: no beam ended on EOS"
 
 
 def test_eos_dropped_unless_include_stop_str(tiny):

@@ -38,7 +38,8 @@ def _output():
     # pooling_output: one element, so the dict comparison below can truth-test it
     # (tests/pooling/test_pooling_engine.py round-trips a whole vector).
     return m.EngineCoreOutput("r1", [7, 8], _lp(), _lp(), FinishReason.STOP, 5, 3, [_event()],
-                              torch.tensor([0.25]), beam_sequences=[_beam_seq()], model_execute_time=0.5)
+                              torch.tensor([0.25]), beam_sequences=[_beam_seq()], model_execute_time=0.5,
+                              beam_first_token_ts=12.5)
 
 
 def _beam_seq():
