@@ -20,7 +20,8 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import ScheduledRequest, SchedulerOutput
-from llmserve.core.timeline import record_preempted, record_scheduled
+from llmserve.core.timeline import (PREEMPTED_FAIR_SHARE, PREEMPTED_KV_CACHE_FULL, record_preempted,
+                                    record_scheduled)
 from llmserve.lora import scheduling as lora_sched
 from llmserve.metrics.stats import SchedulerStats
 from llmserve.sampling_params import SamplingParams
@@ -251,19 +252,32 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt_for_fair_share(self) -> Optional[str]:
+        """Fair share: free a seat of a full batch for a tenant below its weighted share
+        (``FairShare.seat_victim``); the id of the request preempted, or None. Not with
+        beam groups (their seats are reserved as a block) or LoRA seat limits."""
+        if self.fair_share is None or not self.waiting or self.beam.groups or self.max_loras:
+            return None
+        victim = self.fair_share.seat_victim(self.waiting, self.running, self.config.max_num_seqs, self._priority)
+        if victim is None or victim.status != RequestStatus.RUNNING:
+            return None
+        self._preempt(victim, PREEMPTED_FAIR_SHARE)
+        return victim.request_id
+
+    def _preempt(self, req: Request, reason: str = PREEMPTED_KV_CACHE_FULL) -> None:
         self.running.remove(req)
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        record_preempted(req)
+        record_preempted(req, reason)
         self.num_preemptions_total += 1
         self._step_preemptions += 1
         self.waiting.appendleft(req)
 
     def _next_waiting(self) -> Request:
-        fair = self.fair_share.pick(self.waiting, self._priority) if self.fair_share else None
+        fair = self.fair_share.pick(self.waiting, self._priority, self.running, self.config.max_num_seqs) \
+            if self.fair_share else None
         if fair is not None:
             return fair
         if self._priority:
@@ -281,6 +295,7 @@ class Scheduler:
         if self.waiting_for_fsm:
             self._promote_compiled()
 
+        fair_preempted = self._preempt_for_fair_share()
         if self._priority:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
@@ -382,7 +397,7 @@ class Scheduler:
             out.grammar_bitmask, out.structured_output_request_ids = \
                 self.structured_output_manager.grammar_bitmask(out.scheduled)
         out.finished_req_ids = self.finished_req_ids
-        out.preempted_req_ids = preempted
+        out.preempted_req_ids = preempted | ({fair_preempted} if fair_preempted else set())
         self.finished_req_ids = set()
         if self.pending_block_copies:
             out.blocks_to_copy, self.pending_block_copies = self.pending_block_copies, []

@@ -20,10 +20,13 @@ from typing import Iterable, Mapping
 
 from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType
 
-__all__ = ["PREEMPTED_KV_CACHE_FULL", "record_scheduled", "record_preempted", "record_execute_time"]
+__all__ = ["PREEMPTED_KV_CACHE_FULL", "PREEMPTED_FAIR_SHARE", "record_scheduled", "record_preempted", "record_execute_time"]
 
 #: The reason of a preemption by recompute: no free KV block for a running request.
 PREEMPTED_KV_CACHE_FULL = "kv_cache_full"
+# A tenant below its weighted share of the batch's seats took this request's seat
+# (core/fair_share.py FairShare.seat_victim).
+PREEMPTED_FAIR_SHARE = "fair_share"
 
 
 def record_scheduled(scheduled: Iterable, admitted: Mapping[str, int]) -> None:

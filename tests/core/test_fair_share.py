@@ -18,7 +18,7 @@ def _sched(fair=True, policy="fcfs", max_seqs=4, num_blocks=256, budget=64):
 
 def _req(rid, tenant=None, weight=1.0, n=4, max_tokens=8, priority=0, arrival=None):
     r = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                eos_token_id=0, arrival_time=arrival, priority=priority)
+                eos_token_id=0, arrival_time=arrival, priority=priority, log_stats=True)
     r.tenant, r.tenant_weight = tenant, weight
     return r
 
@@ -132,3 +132,43 @@ def test_priority_policy_vllm_order_and_preempts_lowest_priority_latest():
             break
     assert preempted and preempted[0] == "p5_late"  # lowest priority, latest arrival
     assert s.requests["p0"].status == RequestStatus.RUNNING
+
+
+def test_quiet_request_takes_a_seat_from_a_full_flooder_batch_at_once():
+    s = _sched(max_seqs=4)
+    for i in range(12):
+        s.add_request(_req(f"flood{i}", "flooder", max_tokens=20, arrival=float(i)))
+    for _ in range(3):
+        run_step(s)  # the flooder holds all 4 seats and decodes
+    s.add_request(_req("quiet", "quiet", max_tokens=3, arrival=100.0))
+    so, _ = run_step(s)
+    assert "quiet" in [x.request.request_id for x in so.scheduled]  # the very next step, no wait for a seat
+    assert so.preempted_req_ids == {"flood3"}  # the flooder's newest (least work to redo)
+    victim = s.requests["flood3"]
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_preemptions == 1
+    assert [e.reason for e in victim.events if e.reason] == ["fair_share"]  # its timeline says why
+    done = Counter()
+    for _ in range(300):
+        so, outs = run_step(s)
+        preempted = so.preempted_req_ids
+        assert not preempted, preempted  # one tenant over its share gives up one seat, once
+        for o in outs:
+            done[o.request_id] += o.finished
+        if not s.has_unfinished_requests():
+            break
+    assert sum(done.values()) == 13 and s.fair_share.tokens["quiet"] == 4 + 3 - 1  # all finish
+
+
+def test_late_heavy_tenant_is_raised_to_its_weighted_seats_without_thrashing():
+    s = _sched(max_seqs=8, budget=128)
+    for i in range(40):
+        s.add_request(_req(f"a{i}", "a", weight=1.0, max_tokens=200, arrival=float(i)))
+    run_step(s)  # a (weight 1) alone takes all 8 seats
+    for i in range(40):
+        s.add_request(_req(f"b{i}", "b", weight=3.0, max_tokens=200, arrival=100.0 + i))
+    preemptions = 0
+    for _ in range(12):
+        so, _ = run_step(s)
+        preemptions += len(so.preempted_req_ids)
+    held = Counter(r.tenant for r in s.running)
+    assert held == {"a": 2, "b": 6} and preemptions == 6  # toward 1:3 of 8 seats, then no more
