@@ -178,6 +178,8 @@ class EngineArgs:
     quantization: Optional[str] = field(default=None, metadata=_help("Weight quantization: None (the checkpoint's own; GGUF files are dequantized on load) or 'gguf' for a GGUF model; other methods are " + _NOT_YET + "."))
     load_format: str = field(default="auto", metadata=_help("'auto', 'safetensors' or 'gguf'; other vLLM formats are " + _NOT_YET + "."))
     enforce_eager: bool = field(default=True, metadata=_help("Accepted for vLLM compatibility; this engine always runs eagerly (no CUDA graphs)."))
+    enable_sleep_mode: bool = field(default=False, metadata=_help("Allow sleep / wake_up (vLLM's sleep mode): LLM.sleep(level), LLM.wake_up(), and with VLLM_SERVER_DEV_MODE=1 the server's POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping. Asleep, the engine frees its weights and KV cache; the next request wakes it."))
+    sleep_idle_seconds: Optional[float] = field(default=None, metadata=_help("llama.cpp's --sleep-idle-seconds: the engine process sleeps (level 1) after this many seconds without work; the next request wakes it. None: never."))
     batch_invariant: bool = field(default=False, metadata=_help("Batch-invariant numerics (vLLM's VLLM_BATCH_INVARIANT): every step's GEMMs are padded to at least 4 rows, so a request's logits (and greedy tokens) are bit-identical alone, batched, chunked or after a prefix-cache hit. Costs only steps of 1-3 tokens (low-concurrency decode). Off: only steps holding a seeded request are padded."))
     max_logprobs: int = field(default=20, metadata=_help("Most logprobs a request may ask for per token (-1: no limit)."))
     disable_sliding_window: bool = field(default=False, metadata=_help("Cap max_model_len at the model's sliding window (vLLM's rule)."))
@@ -223,7 +225,7 @@ class EngineArgs:
     max_loras: int = field(default=1, metadata=_help("Most distinct LoRA adapters in one batch (the base model's rows do not count)."))
     max_lora_rank: int = field(default=16, metadata=_help("Largest LoRA rank accepted (one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."))
     max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Most LoRA adapters kept loaded (default: max_loras); the least recently used idle one is unloaded past it."))
-    lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's on GPU; float32 on CPU, where the small LoRA GEMMs run ~3x faster than in bfloat16), float32, bfloat16 or float16."))
+    lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's; bfloat16 for a float16 model on CPU, where the LoRA kernel sums in float32 over float32 or bfloat16 weights), float32, bfloat16 or float16."))
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
     speculative_config: Optional[SpeculativeConfig] = field(default=None, metadata=_help("Speculative decoding as a JSON dict (vLLM's SpeculativeConfig): n-gram drafts from the request's own prompt and output, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; the draft length adapts per request to the measured acceptance. Draft models are " + _NOT_YET + ".", str))

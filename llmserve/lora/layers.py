@@ -4,9 +4,9 @@
 ``down_proj`` (dense, GGUF-packed or tensor-parallel shards alike) with a wrapper that runs
 the base module once for all rows and then adds each row's low-rank delta from stacked
 per-slot weights (``llmserve.ops.lora_ops``). A fused module's slices (q/k/v, gate/up)
-each have their own A and B: A side by side in ``a_stack [slots, in, n * R]``, B
-block-diagonal in ``b_stack [slots, n * R, out]`` (zeros elsewhere add exactly 0), so a
-fused module's delta is still two GEMMs. Under tensor parallel, a column-parallel module
+each have their own A and B: A side by side in ``a_stack [slots, in, n * R]``, each B
+over its own columns of ``b_stack [slots, R, out]`` (no zero blocks), and one kernel call
+per module adds every row's delta (``lora_ops``). Under tensor parallel, a column-parallel module
 keeps the B columns of its rows (``lora_out_index``, recorded by ``shard_llama``); a
 row-parallel one keeps the A rows of its input columns (``lora_in_index``) and adds its
 partial delta before the all-reduce, as vLLM's ``RowParallelLinearWithLoRA``."""
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llmserve.ops import batch_invariant
-from llmserve.ops.lora_ops import LoRAMapping, add_lora
+from llmserve.ops.lora_ops import LoRAMapping, column_ranges, get_lora_kernel, kernel_supports, lora_add_torch
 
 
 class LoRAStepContext:
@@ -33,7 +33,9 @@ class LoRAStepContext:
 
 class LinearWithLoRA(nn.Module):
     """``base(x)`` plus the rows' deltas. slices: ``(offset, size)`` of each LoRA target in
-    the module's full (unsharded) output; in_full: its full input size."""
+    the module's full (unsharded) output; in_full: its full input size. Weights: ``a_stack
+    [slots, in_local, len(slices) * rank]`` and ``b_stack [slots, rank, out_local]`` in
+    ``dtype`` (layout: ``llmserve.ops.lora_ops``)."""
 
     def __init__(self, base: nn.Module, slices: list[tuple[int, int]], in_full: int, num_slots: int,
                  rank: int, dtype: torch.dtype, ctx: LoRAStepContext, device: torch.device) -> None:
@@ -48,43 +50,59 @@ class LinearWithLoRA(nn.Module):
         self.in_index: Optional[torch.Tensor] = getattr(base, "lora_in_index", None)
         in_local = in_full if self.in_index is None else len(self.in_index)
         out_local = self.out_full if self.out_index is None else len(self.out_index)
-        width = len(slices) * rank
-        self.a_stack = torch.zeros(num_slots, in_local, width, dtype=dtype, device=device)
-        self.b_stack = torch.zeros(num_slots, width, out_local, dtype=dtype, device=device)
+        self.a_stack = torch.zeros(num_slots, in_local, len(slices) * rank, dtype=dtype, device=device)
+        self.b_stack = torch.zeros(num_slots, rank, out_local, dtype=dtype, device=device)
+        self.ranges = column_ranges(slices, None if self.out_index is None else self.out_index.cpu())
         self.slot_used = [False] * num_slots
-        # Per-slot views of the stacks (written in place: they stay current).
-        self.a_slots, self.b_slots = list(self.a_stack.unbind(0)), list(self.b_stack.unbind(0))
+        self.used = False  # any slot holds weights for this module (else the delta is skipped)
+        self.__dict__["_add"] = get_lora_kernel() if kernel_supports(dtype, device) else lora_add_torch
 
-    def set_slot(self, slot: int, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Write one adapter's ``(A [r, in], B [out_i, r])`` per slice (None: not targeted)
-        into ``slot``; shapes were checked when the adapter was read."""
-        self.a_stack[slot].zero_()
-        self.b_stack[slot].zero_()
-        self.slot_used[slot] = any(p is not None for p in parts)
-        if not self.slot_used[slot]:
-            return
-        b_full = torch.zeros(self.b_stack.shape[1], self.out_full)
+    def pack(self, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One adapter's ``(A [r, in], B [out_i, r])`` per slice (None: not targeted) in a
+        slot's layout: ``(a [in_local, n * rank], b [rank, out_local])`` in the stacks'
+        dtype, or None when no slice is targeted. Touches no layer state (runs in the
+        loading thread); shapes were checked when the adapter was read."""
+        if all(p is None for p in parts):
+            return None
+        a_full = torch.zeros(self.in_full, self.a_stack.shape[2])
+        b_full = torch.zeros(self.rank, self.out_full)
         for i, part in enumerate(parts):
-            if part is None:
-                continue
-            a, b = part
-            r, (off, size) = a.shape[0], self.slices[i]
-            a_t = a.t() if self.in_index is None else a.t()[self.in_index.cpu()]
-            self.a_stack[slot, :, i * self.rank:i * self.rank + r] = a_t
-            b_full[i * self.rank:i * self.rank + r, off:off + size] = b.t()
-        self.b_stack[slot] = b_full if self.out_index is None else b_full[:, self.out_index.cpu()]
+            if part is not None:
+                a, b = part
+                r, (off, size) = a.shape[0], self.slices[i]
+                a_full[:, i * self.rank:i * self.rank + r] = a.t()
+                b_full[:r, off:off + size] = b.t()
+        a_loc = a_full if self.in_index is None else a_full[self.in_index.cpu()]
+        b_loc = b_full if self.out_index is None else b_full[:, self.out_index.cpu()]
+        return a_loc.to(self.a_stack.dtype).contiguous(), b_loc.to(self.b_stack.dtype).contiguous()
+
+    def set_slot(self, slot: int, packed: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write a packed adapter (``pack``; None: this module not targeted) into ``slot``."""
+        if packed is None:
+            self.a_stack[slot].zero_()
+            self.b_stack[slot].zero_()
+        else:
+            self.a_stack[slot].copy_(packed[0])
+            self.b_stack[slot].copy_(packed[1])
+        self.slot_used[slot] = packed is not None
+        self.used = any(self.slot_used)
 
     def clear_slot(self, slot: int) -> None:
         self.slot_used[slot] = False
+        self.used = any(self.slot_used)
 
     def _delta_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = self.ctx.mapping
-        if m is None or not any(self.slot_used[s] for s in m.slots):
-            return y
-        return add_lora(y, x, self.a_stack, self.b_stack, m, self.a_slots, self.b_slots)
+        if m is not None and self.used:
+            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges)
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._delta_into(self._base_forward(x), x)
+        y = self._base_forward(x)
+        m = self.ctx.mapping  # inline, not _delta_into: one Python call less in 120 modules a step
+        if m is not None and self.used:
+            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges)
+        return y
 
 
 class RowParallelLinearWithLoRA(LinearWithLoRA):

@@ -42,11 +42,14 @@ _GGUF_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_(a|b)$")
 @dataclass
 class LoRAAdapter:
     """One adapter's weights: ``weights[(layer, hf_target)] = (A [r, in], B [out, r] * scale)``
-    in float32 (the scale folded into B), ``rank`` the largest r. ``source``: "peft" or "gguf"."""
+    in float32 (the scale folded into B), ``rank`` the largest r. ``source``: "peft" or "gguf".
+    ``packed``: the same weights in the wrapped layers' slot layout, ``(layer, module) -> (a, b)``
+    (``LoRAModelManager.read`` fills it off the step loop; a slot write is then two copies)."""
 
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     source: str = "peft"
+    packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def targets(self) -> set[str]:

@@ -4,8 +4,9 @@ the wrapped layers (``layers.py``), and each step's row -> slot mapping.
 
 An adapter gets a slot when a step first needs it; a slot goes to the least recently
 used adapter that the step does not need (the scheduler never puts more than
-``max_loras`` adapters in one step). Writing a slot copies the adapter's A/B into the
-stacked weights (SmolLM2, rank 16: ~5M values)."""
+``max_loras`` adapters in one step). ``read`` (run in a loading thread) also packs the
+weights into the slots' layout and dtype, so writing a slot on the step loop is two copies
+per module (SmolLM2, rank 16: ~5M values, 9.8 MB in bfloat16)."""
 from __future__ import annotations
 
 import logging
@@ -28,13 +29,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def lora_weights_dtype(lora_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The adapters' dtype: ``lora_dtype``, or for "auto" the model's - except float32 for a
-    16-bit model on the CPU, where the deltas' small GEMMs run ~3x faster in float32
-    (SmolLM2's gate/up at 1 token, rank 16: ~117 us bfloat16 vs ~37 us float32 with the
-    casts, 1 thread here; oneDNN's bfloat16 path has a large fixed cost at these sizes)."""
+    """The adapters' dtype: ``lora_dtype``, or for "auto" the model's - except on the CPU
+    with a float16 model, where bfloat16 (the C++ kernel ``csrc/lora.cpp`` reads float32 or
+    bfloat16 weights and sums in float32). A float32 model keeps float32 adapters (tokens
+    equal to peft's); a bfloat16 one reads half the bytes: at decode the deltas are bound by
+    reading the adapters (SmolLM2-135M, rank 16: 9.8 MB per adapter a step in bfloat16)."""
     if lora_dtype != "auto":
         return _DTYPES[lora_dtype]
-    return torch.float32 if device.type == "cpu" else model_dtype
+    if device.type == "cpu" and model_dtype == torch.float16:
+        return torch.bfloat16
+    return model_dtype
 
 
 class LoRAModelManager:
@@ -67,6 +71,9 @@ class LoRAModelManager:
                     f"adapter {request.lora_name!r}: layer {layer} {target} has lora_A {tuple(a.shape)} and lora_B "
                     f"{tuple(b.shape)}, which do not match the base model's {target} ({out} x {inp})",
                     "target_modules")
+        for (layer, key), w in self.wrappers.items():  # the slot layout, here off the step loop
+            adapter.packed[(layer, key)] = w.pack([adapter.weights.get((layer, t)) for t in MODULE_TARGETS[key]])
+        adapter.weights = {}  # the float32 originals: the packed copy is all a slot needs
         return adapter
 
     def add(self, request: LoRARequest, adapter: Optional[LoRAAdapter] = None) -> bool:
@@ -94,8 +101,8 @@ class LoRAModelManager:
 
     # ---- slots and steps ---------------------------------------------------------
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        for (layer, key), w in self.wrappers.items():
-            w.set_slot(slot, [adapter.weights.get((layer, t)) for t in MODULE_TARGETS[key]])
+        for k, w in self.wrappers.items():
+            w.set_slot(slot, adapter.packed.get(k))
 
     def _activate(self, ids: set[int]) -> None:
         free = set(range(self.config.max_loras)) - set(self.slot_of.values())
@@ -127,7 +134,7 @@ class LoRAModelManager:
             return
         self._activate(ids)
         slots = [self.slot_of[i] if i else -1 for i in row_ids]
-        self.ctx.mapping = maybe_mapping(slots, row_lens, self.device)
+        self.ctx.mapping = maybe_mapping(slots, row_lens)
 
     def end_step(self) -> None:
         self.ctx.mapping = None

@@ -1,79 +1,161 @@
-"""Batched LoRA deltas for a step that mixes adapters (in the spirit of punica's SGMV /
-BGMV kernels, Chen et al. 2023), over stacked per-slot weights:
+"""Batched LoRA deltas for a step that mixes adapters (in the spirit of punica's SGMV
+kernel, Chen et al. 2023), over stacked per-slot weights:
 
-    a_stack [slots, in, R]   (lora_A transposed, rank padded to R with zeros)
-    b_stack [slots, R, out]  (lora_B transposed, scale folded in)
+    a_stack [slots, in, n * R]  (each slice's lora_A transposed, side by side; rank padded to R)
+    b_stack [slots, R, out]     (each slice's lora_B transposed over its own columns only,
+                                 scale folded in; no zero blocks)
 
-Each token row t with slot s = ``token_slots[t]`` (-1: the base model, no delta) gets
-``y[t] += (x[t] @ a_stack[s]) @ b_stack[s]``; the base GEMM ran once for all rows before.
+A fused module (q/k/v, gate/up) has ``n`` slices; ``ranges`` (int32 ``[P, 3]``: ``c0, c1,
+slice``) says which slice owns each run of output columns. Each token row t with slot s
+gets ``y[t, c0:c1] += (x[t] @ a_stack[s])[i*R:(i+1)*R] @ b_stack[s, :, c0:c1]`` for every
+range ``(c0, c1, i)``; the base GEMM ran once for all rows before, and rows of no adapter
+(the base model) get nothing.
 
-Two ways, picked once per step by :class:`LoRAMapping` (the runner orders the step's
-requests by adapter, so each adapter's rows are few contiguous segments):
-- ``sgmv``: per segment, two GEMMs on views (no copies) - few segments (one adapter at
-  c=1, prompts);
-- ``bgmv``: the rows gathered into a ``[slots_used, m, in]`` batch (m: the most rows of
-  one slot, shorter slots padded), two ``bmm``, one ``index_add_`` - many small
-  segments (decodes spread over adapters): a fixed 4-5 ops per layer whatever the number
-  of adapters, where a loop over segments would cost ~2 Python-dispatched GEMMs each.
-``lora_delta_reference`` is the pure-torch per-row definition both are tested against.
+The step's grouping (:class:`LoRAMapping`: segments of rows sharing a slot, as an int32
+tensor) is built once per step and used by every layer. On the CPU the delta is one call
+of the C++ kernel ``csrc/lora.cpp`` per module (shrink and expand fused, added into y in
+place, float32 sums over float32 or bfloat16 weights); elsewhere, or when the kernel cannot
+be built, :func:`lora_add_torch` (two GEMMs per segment and range).
+``lora_delta_reference`` is the per-row definition both are tested against.
+
+Why a kernel: at one decode row of SmolLM2-135M the torch path took two oneDNN GEMMs
+plus two dtype casts per module, ~25 us each x 120 modules: +3 ms on a 3.3 ms step
+(+90%, stop 2 of issue 28's profile); the weights' float32 copies added 19.6 MB per adapter
+a step, a third of it zero padding.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-# Segments at or above which a step gathers rows for bmm (measured on SmolLM2 shapes,
-# 2 cores: a segment's two GEMMs cost ~8 us of dispatch; the gather path ~30 us a layer).
-BGMV_MIN_SEGMENTS = 3
+from llmserve import envs
+from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature, build_lock
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = "lora.cpp"
+_NAME = "llmserve_lora_ops"
+
+
+def _build_dir() -> str:
+    with open(os.path.join(CSRC_DIR, _SOURCE)) as f:
+        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions", f"lora_ops_{digest}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _load_built(build_dir: str) -> Optional[Any]:
+    """The built module, imported without ``cpp_extension.load``'s compiler checks (seconds
+    of every engine start; see cpu_ops._load_built), or None."""
+    path = os.path.join(build_dir, f"{_NAME}.so")
+    if not os.path.exists(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(_NAME, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # a partial or foreign file: rebuild
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def get_lora_kernel() -> Optional[Callable]:
+    """``lora_add(y, x, a, b, segs, ranges)`` of ``csrc/lora.cpp`` (in place; y/x ``[T, N]`` /
+    ``[T, K]`` float32, bfloat16 or float16; a ``[S, K, W]``, b ``[S, R, N]`` float32 or
+    bfloat16; segs int32 ``[G, 3]`` of ``(slot, start, end)``; ranges int32 ``[P, 3]``;
+    RuntimeError on a shape, dtype or bound mismatch), or None: no compiler, or
+    ``LLMSERVE_CPU_OPS=0`` (then :func:`lora_add_torch` runs). Built on first use (~20 s on
+    2 cores) into ``~/.cache/llmserve/torch_extensions/lora_ops_<hash>``."""
+    if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
+        return None
+    build_dir = _build_dir()
+    module = _load_built(build_dir)
+    if module is None:
+        try:
+            from torch.utils.cpp_extension import load
+            with build_lock(build_dir):
+                module = _load_built(build_dir) or load(
+                    name=_NAME, sources=[os.path.join(CSRC_DIR, _SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
+        except Exception as e:  # no compiler: the torch path still works
+            logger.warning("LoRA kernel unavailable (%s: %s); using the torch path", type(e).__name__,
+                           str(e).splitlines()[0] if str(e) else "")
+            return None
+    return module.lora_add
+
+
+def kernel_supports(weight_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the C++ kernel takes weights of ``weight_dtype`` on ``device`` (CPU, float32 or
+    bfloat16) and is built."""
+    return device.type == "cpu" and weight_dtype in (torch.float32, torch.bfloat16) and get_lora_kernel() is not None
+
+
+def column_ranges(slices: Sequence[tuple[int, int]], out_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int32 ``[P, 3]`` runs ``(c0, c1, slice)`` of a module's local output columns.
+    slices: ``(offset, size)`` of each slice in the full output; out_index: the full
+    columns this shard keeps (tensor parallel; None: all)."""
+    full = [i for i, (_, size) in enumerate(slices) for _ in range(size)]
+    owner = full if out_index is None else [full[c] for c in out_index.tolist()]
+    runs: list[list[int]] = []
+    for c, i in enumerate(owner):
+        if runs and runs[-1][2] == i and runs[-1][1] == c:
+            runs[-1][1] = c + 1
+        else:
+            runs.append([c, c + 1, i])
+    return torch.tensor(runs, dtype=torch.int32).reshape(-1, 3)
 
 
 def lora_delta_reference(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                         token_slots: torch.Tensor) -> torch.Tensor:
-    """The delta ``[T, out]`` row by row: ``x[t] @ a_stack[s] @ b_stack[s]`` for slot
-    ``s = token_slots[t]`` (int64 ``[T]``), zero where ``s < 0``. x ``[T, in]``."""
-    out = x.new_zeros(x.shape[0], b_stack.shape[-1])
+                         token_slots: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """The delta ``[T, out]`` (float32) row by row, by the definition in the module
+    docstring; ``token_slots`` int64 ``[T]`` (-1: no delta)."""
+    rank = b_stack.shape[1]
+    out = torch.zeros(x.shape[0], b_stack.shape[-1])
     for t, s in enumerate(token_slots.tolist()):
-        if s >= 0:
-            out[t] = (x[t:t + 1] @ a_stack[s]) @ b_stack[s]
+        if s < 0:
+            continue
+        h = x[t:t + 1].float() @ a_stack[s].float()
+        for c0, c1, i in ranges.tolist():
+            out[t, c0:c1] = (h[:, i * rank:(i + 1) * rank] @ b_stack[s, :, c0:c1].float())[0]
     return out
 
 
+def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+                   segs: torch.Tensor, ranges: torch.Tensor) -> None:
+    """The kernel's contract in torch ops (any device or dtype): per segment one shrink GEMM
+    and one expand GEMM per column range, computed in the weights' dtype and added into y."""
+    rank = b_stack.shape[1]
+    for slot, start, end in segs.tolist():
+        h = x[start:end].to(a_stack.dtype) @ a_stack[slot]
+        for c0, c1, i in ranges.tolist():
+            y[start:end, c0:c1] += h[:, i * rank:(i + 1) * rank] @ b_stack[slot, :, c0:c1]
+
+
 class LoRAMapping:
-    """One step's rows -> slots, built once per step (not per layer).
+    """One step's rows -> slots, built once per step and shared by every layer.
 
-    segments: ``(slot, start, end)`` runs of rows with the same slot (base rows left out).
-    For the gathered path: ``slots_used`` (the slot range 0..n that the bmm covers),
-    ``gather_idx [n * m]`` (row of x for each batch entry; pads repeat a real row),
-    ``valid`` (entries that are real rows, None when none is a pad) and ``scatter_idx``
-    (their rows in y)."""
+    segments: ``(slot, start, end)`` runs of rows with the same slot (base rows left out);
+    ``segs``: the same as an int32 ``[G, 3]`` tensor (the kernel's input); ``slots``: the
+    slots used."""
 
-    def __init__(self, segments: Sequence[tuple[int, int, int]], num_tokens: int,
-                 device: torch.device, min_bgmv_segments: int = BGMV_MIN_SEGMENTS) -> None:
+    __slots__ = ("segments", "num_tokens", "slots", "segs")
+
+    def __init__(self, segments: Sequence[tuple[int, int, int]], num_tokens: int) -> None:
         self.segments = [s for s in segments if s[2] > s[1]]
         self.num_tokens = num_tokens
         self.slots = sorted({s for s, _, _ in self.segments})
-        self.use_bgmv = len(self.segments) >= min_bgmv_segments
-        if self.use_bgmv:
-            self._build_gather(device)
-
-    def _build_gather(self, device: torch.device) -> None:
-        rows: dict[int, list[int]] = {}
-        for slot, start, end in self.segments:
-            rows.setdefault(slot, []).extend(range(start, end))
-        n = self.slots[-1] + 1
-        m = max(len(r) for r in rows.values())
-        gather, valid = [], []
-        for slot in range(n):
-            r = rows.get(slot, [])
-            pad = m - len(r)
-            gather.extend(r + [r[0] if r else 0] * pad)
-            valid.extend([True] * len(r) + [False] * pad)
-        self.num_slots, self.rows_per_slot = n, m
-        self.gather_idx = torch.tensor(gather, dtype=torch.long, device=device)
-        flags = torch.tensor(valid, dtype=torch.bool, device=device)
-        self.valid = None if all(valid) else flags.nonzero().squeeze(1)
-        self.scatter_idx = self.gather_idx if self.valid is None else self.gather_idx[self.valid]
+        self.segs = torch.tensor(self.segments, dtype=torch.int32).reshape(-1, 3)
 
     def token_slots(self) -> torch.Tensor:
         """``[T]`` int64 slot of each row (-1: base), for the reference."""
@@ -81,49 +163,6 @@ class LoRAMapping:
         for slot, start, end in self.segments:
             out[start:end] = slot
         return out
-
-
-def add_lora(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-             mapping: LoRAMapping, a_slots: Optional[Sequence[torch.Tensor]] = None,
-             b_slots: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
-    """``y += delta`` in place (y ``[T, out]``, x ``[T, in]``) by the mapping's path;
-    returns y. Weights of another dtype than y (float32 adapters on a bfloat16 model)
-    compute in theirs and add into y's. ``a_slots`` / ``b_slots``: the stacks' per-slot
-    views, made once (indexing a list costs no tensor op; ~1 us a view here)."""
-    if x.dtype != a_stack.dtype:
-        x = x.to(a_stack.dtype)
-    if mapping.use_bgmv:
-        return bgmv(y, x, a_stack, b_stack, mapping)
-    return sgmv(y, x, a_stack if a_slots is None else a_slots, b_stack if b_slots is None else b_slots,
-                mapping.segments)
-
-
-def sgmv(y: torch.Tensor, x: torch.Tensor, a_stack, b_stack,
-         segments: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-    """Segmented: for each ``(slot, start, end)``, ``y[start:end] += x[start:end] @ a @ b``
-    (``a_stack`` / ``b_stack``: the stacks or lists of their slots). A segment of the
-    whole batch (one adapter at c=1) takes no slicing op."""
-    n = y.shape[0]
-    same = y.dtype == x.dtype
-    for slot, start, end in segments:
-        ys, xs = (y, x) if start == 0 and end == n else (y[start:end], x[start:end])
-        if same:
-            ys.addmm_(torch.mm(xs, a_stack[slot]), b_stack[slot])
-        else:  # in-place add casts the delta to y's dtype
-            ys.add_(torch.mm(torch.mm(xs, a_stack[slot]), b_stack[slot]))
-    return y
-
-
-def bgmv(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-         mapping: LoRAMapping) -> torch.Tensor:
-    """Gathered: all rows of slots ``0..n`` in one ``[n, m, in]`` batch, two ``bmm``,
-    then the real rows added into y."""
-    n, m = mapping.num_slots, mapping.rows_per_slot
-    xg = x.index_select(0, mapping.gather_idx).view(n, m, x.shape[1])
-    d = torch.bmm(torch.bmm(xg, a_stack[:n]), b_stack[:n]).view(n * m, -1)
-    if mapping.valid is not None:
-        d = d.index_select(0, mapping.valid)
-    return y.index_add_(0, mapping.scatter_idx, d if d.dtype == y.dtype else d.to(y.dtype))
 
 
 def segments_of(row_slots: Sequence[int], row_lens: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -141,7 +180,19 @@ def segments_of(row_slots: Sequence[int], row_lens: Sequence[int]) -> list[tuple
     return out
 
 
-def maybe_mapping(row_slots: Sequence[int], row_lens: Sequence[int], device: torch.device) -> Optional[LoRAMapping]:
+def maybe_mapping(row_slots: Sequence[int], row_lens: Sequence[int]) -> Optional[LoRAMapping]:
     """The step's mapping, or None when no row has an adapter (no LoRA work at all)."""
     segs = segments_of(row_slots, row_lens)
-    return LoRAMapping(segs, sum(row_lens), device) if segs else None
+    return LoRAMapping(segs, sum(row_lens)) if segs else None
+
+
+def main() -> None:
+    """Build (or load) the kernel and say so (``make`` runs this once)."""
+    import time
+    t0 = time.time()
+    ok = get_lora_kernel() is not None
+    print(f"llmserve LoRA kernel: {'built' if ok else 'UNAVAILABLE'} in {time.time() - t0:.1f}s ({_build_dir()})")
+
+
+if __name__ == "__main__":
+    main()

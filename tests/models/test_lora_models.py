@@ -1,6 +1,6 @@
 """LoRA adapters on our Llama-family models vs transformers + peft (float32): PEFT
-adapters of rank 8 and 16 mixed with base rows in one step (the batched gather path and
-the segmented one), the same adapter merged into the base weights, and a GGUF LoRA
+adapters of rank 8 and 16 mixed with base rows in one step (the LoRA kernel, or its torch
+path where the kernel cannot be built), the same adapter merged into the base weights, and a GGUF LoRA
 written in llama.cpp's ``convert_lora_to_gguf.py`` layout; and each refused adapter's
 typed error naming its field."""
 from __future__ import annotations
@@ -84,8 +84,8 @@ def check_mixed_steps(runner, mgr, refs, seqs, owners, atol: float = ATOL) -> fl
 
 def test_peft_adapters_mixed_with_base_match_peft(tiny_lora, model_config_fn, step_runner_cls, tokens_fn):
     """Rank 8 and rank 16 adapters and the base model in the same steps (three adapter
-    segments: the gathered bmm path; prompts of different lengths: padded slots), then one
-    adapter alone (the segmented path): logits within 1e-4 of peft's."""
+    segments, prompts of different lengths, a rank-8 adapter in rank-16 slots), then one
+    adapter alone: logits within 1e-4 of peft's."""
     arch, base, hf, adapters = tiny_lora
     model, mgr = our_model(base, model_config_fn)
     for lid, (path, _) in adapters.items():
@@ -202,11 +202,14 @@ def test_smollm2_adapters_match_peft_dense_and_packed(smollm2_hf, smollm2_resolv
         return float(torch.corrcoef(torch.stack([(out["l"] - out["b"]).flatten(), ref]))[0, 1])
 
     packed_corr = delta_corr()
-    for m in packed.modules():  # the same model on its dense bfloat16 weights
+    for m in packed.modules():  # the same model on dense bfloat16 weights (the loader dropped them)
         if isinstance(m, Linear) and m.qweight is not None:
+            dense = m.qweight.rows(torch.arange(m.qweight.n)).to(torch.bfloat16)
+            m.weight = torch.nn.Parameter(dense, requires_grad=False)
             m.set_packed(None, 0)
     dense_corr = delta_corr()
     print(f"SmolLM2 bf16 LoRA delta vs peft's: correlation packed {packed_corr:.4f}, dense {dense_corr:.4f}")
-    # Measured: packed 0.964 (int8 activations in the packed kernel), dense bfloat16 0.985;
+    # Measured: packed 0.972 (int8 activations in the packed kernel), dense bfloat16 0.993
+    # (bfloat16 adapter weights, the LoRA kernel);
     # a delta missing or applied twice on the packed layers would correlate far less.
     assert packed_corr > 0.95 and dense_corr > 0.97
