@@ -69,6 +69,8 @@ class ModelConfig:
     batch_invariant: pad every step's GEMMs so logits do not depend on the batch
     (``llmserve.ops.batch_invariant``); False pads only steps holding a seeded request.
     renderer_num_workers: threads that render chat templates on the async server path.
+    enable_sleep_mode: allow sleep / wake_up (vLLM's). sleep_idle_seconds: sleep after this
+    many idle seconds (llama.cpp's --sleep-idle-seconds; None: never).
     """
 
     model: str
@@ -99,8 +101,12 @@ class ModelConfig:
     renderer_num_workers: int = 1
     diff_sampling_param: dict = field(default_factory=dict)
     extra_eos_token_ids: tuple[int, ...] = ()
+    enable_sleep_mode: bool = False
+    sleep_idle_seconds: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:
+            raise ValueError(f"sleep_idle_seconds must be > 0 seconds (or None: never), got {self.sleep_idle_seconds!r}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:

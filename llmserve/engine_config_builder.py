@@ -187,6 +187,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
         revision=args.revision, tokenizer_revision=args.tokenizer_revision, tokenizer_mode=args.tokenizer_mode,
         quantization=quantization,
         enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs, batch_invariant=args.batch_invariant,
+        enable_sleep_mode=args.enable_sleep_mode, sleep_idle_seconds=args.sleep_idle_seconds,
         disable_sliding_window=args.disable_sliding_window,
         override_generation_config=dict(args.override_generation_config),
         renderer_num_workers=args.renderer_num_workers, diff_sampling_param=defaults,

@@ -24,6 +24,9 @@ ENV_VARS: dict[str, tuple[Optional[str], str]] = {
                                          "default of --timeout-keep-alive, in seconds (5)"),
     "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": ("VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                                              "1/true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter"),
+    "LLMSERVE_SERVER_DEV_MODE": ("VLLM_SERVER_DEV_MODE",
+                                 "1: serve the dev endpoints (POST /sleep, POST /wake_up, GET /is_sleeping "
+                                 "with --enable-sleep-mode)"),
     "LLMSERVE_CPU_OPS": (None, "0: use the pure-torch paths instead of the C++ CPU kernels"),
     "LLMSERVE_ONEDNN_LINEAR": (None, "0: keep dense weights and F.linear instead of oneDNN-packed linears"),
     "LLMSERVE_PACKED_WEIGHTS": (None, "0: dequantize GGUF Q4_0/Q4_1/Q8_0 weights only (no packed small-step GEMMs)"),

@@ -548,6 +548,28 @@ class AsyncLLM(EngineClient):
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    # ---- sleep mode (vLLM's AsyncLLM.sleep / wake_up / is_sleeping) -------------
+    async def _sleep_utility(self, method: str, *args: Any) -> Any:
+        from llmserve.worker.sleep_mode import reraise_value_error
+
+        try:
+            return await self.engine_core.call_utility_async(method, *args)
+        except RuntimeError as e:
+            reraise_value_error(e)
+            raise
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's weights and KV cache (EngineCore.sleep). ValueError: sleep mode
+        off, level not 1 or 2, or requests in flight."""
+        await self._sleep_utility("sleep", level)
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Reload them (``tags``: "weights", "kv_cache"; None: both)."""
+        await self._sleep_utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._sleep_utility("is_sleeping"))
+
     # ---- LoRA adapters (vLLM's AsyncLLM utilities; llmserve/lora) --------------
     async def _lora_utility(self, method: str, *args: Any) -> Any:
         from llmserve.lora.errors import reraise_lora_error

@@ -148,6 +148,8 @@ class EngineCore:
             request.append_output_token_ids(tok)
         if req.sampling_params is not None and req.sampling_params.structured_outputs is not None:
             self.structured_output_manager.grammar_init(request, req.reasoning_ended)
+        if self.model_executor.is_sleeping():  # the first request after sleep wakes the engine
+            self.wake_up()
         self.scheduler.add_request(request)
 
     def add_streaming_input(self, chunk: StreamingInputChunk) -> None:
@@ -197,6 +199,43 @@ class EngineCore:
         self._publish_kv_events()
         return done
 
+    # ---- sleep mode (vLLM's EngineCore.sleep / wake_up / is_sleeping) -------------
+    def sleep(self, level: int = 1) -> bool:
+        """Free the weights and the KV cache (llmserve/worker/sleep_mode.py). Raises
+        ValueError without ``enable_sleep_mode`` (or ``sleep_idle_seconds``), for a level
+        other than 1 or 2, with LoRA on, or while requests are in flight: this engine
+        refuses to sleep when busy (HTTP 400) rather than abort or pause them. The prefix
+        cache is reset: the KV it indexes is freed. Returns True."""
+        from llmserve.worker.sleep_mode import check_level
+
+        mc = self.config.model_config
+        if not (mc.enable_sleep_mode or mc.sleep_idle_seconds):
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        level = check_level(level)
+        if self.lora_registry is not None:
+            raise ValueError("sleep mode with enable_lora is not supported (adapters would be lost)")
+        if self.scheduler.has_unfinished_requests():
+            raise ValueError("the engine is busy: sleep is refused while requests are in flight; "
+                             "retry when they have finished")
+        self.model_executor.remove_requests(self.scheduler.finished_req_ids)
+        self.scheduler.finished_req_ids = set()
+        self.reset_prefix_cache()
+        self.model_executor.sleep(level)
+        logger.info("Sleeping (level %d): weights and KV cache freed", level)
+        return True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """Reload what ``sleep`` freed: ``tags`` "weights" and/or "kv_cache" (vLLM's; None:
+        both). A no-op when awake. ValueError for an unknown tag. Returns True."""
+        from llmserve.worker.sleep_mode import check_tags
+
+        self.model_executor.wake_up(list(check_tags(tags)))
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.model_executor.is_sleeping()
+
     def get_stats(self) -> dict[str, Any]:
         s = self.scheduler
         kv = s.kv_cache_manager
@@ -243,7 +282,7 @@ class EngineCore:
             self.kv_event_publisher.shutdown()
 
 
-_UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping", "add_lora", "remove_lora", "list_loras", "pin_lora"}
+_UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping", "sleep", "wake_up", "is_sleeping", "add_lora", "remove_lora", "list_loras", "pin_lora"}
 EngineCore.ping = lambda self: "pong"  # type: ignore[attr-defined]
 
 
@@ -345,7 +384,7 @@ class EngineCoreProc:
                 while self.input_queue.empty() and core.model_runner.prefault_kv():
                     pass
                 self._log_prefault_progress()
-                item = self.input_queue.get()
+                item = self._wait_input()
                 if self._handle(item):
                     return
             while not self.input_queue.empty():
@@ -363,6 +402,21 @@ class EngineCoreProc:
                 elif not core.has_work():
                     self.output_queue.put(outs)  # final stats after the last request left
                 self._stats_stale = False
+
+    def _wait_input(self):
+        """The next input, blocking. With ``sleep_idle_seconds`` (llama.cpp's
+        --sleep-idle-seconds) an awake engine that waits that long puts itself to sleep
+        (level 1) and waits on; the next request wakes it (EngineCore.add_request)."""
+        idle_s = self.core.config.model_config.sleep_idle_seconds
+        if idle_s and not self.core.is_sleeping():
+            try:
+                return self.input_queue.get(timeout=idle_s)
+            except queue.Empty:
+                try:
+                    self.core.sleep(1)
+                except ValueError as e:  # e.g. LoRA on: stay awake
+                    logger.warning("Idle sleep skipped: %s", e)
+        return self.input_queue.get()
 
     def _gather_pooling_batch(self, expected: int, step_s: float) -> bool:
         """A pooling engine with work left, right after sending the vectors of a step

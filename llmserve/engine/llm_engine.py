@@ -188,6 +188,25 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    # ---- sleep mode (vLLM's LLMEngine.sleep / wake_up / is_sleeping) ------------
+    def _sleep_utility(self, method: str, *args: Any) -> Any:
+        from llmserve.worker.sleep_mode import reraise_value_error
+
+        try:
+            return self.engine_core.call_utility(method, *args)
+        except RuntimeError as e:
+            reraise_value_error(e)
+            raise
+
+    def sleep(self, level: int = 1) -> None:
+        self._sleep_utility("sleep", level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        self._sleep_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleep_utility("is_sleeping"))
+
     # ---- LoRA adapters (vLLM's LLMEngine utilities; llmserve/lora) --------------
     def add_lora(self, lora_request: Any) -> bool:
         """Load an adapter; False when already loaded. Raises LoRAAdapterError."""

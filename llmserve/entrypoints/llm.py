@@ -329,6 +329,18 @@ class LLM(PoolingMixin):
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's weights and KV cache (vLLM's ``LLM.sleep``; needs
+        ``enable_sleep_mode=True``). Level 1 keeps the model files in the page cache for a
+        fast wake; level 2 drops them too. The next ``generate`` wakes the engine, or call
+        ``wake_up``. Raises ValueError: sleep mode off, level not 1 or 2, LoRA on."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Reload what ``sleep`` freed (vLLM's ``LLM.wake_up``; ``tags``: "weights",
+        "kv_cache"; None: both). ValueError for an unknown tag."""
+        self.llm_engine.wake_up(tags)
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

@@ -87,6 +87,17 @@ class Executor:
     def remove_lora(self, lora_id: int) -> bool:
         return all(self.collective_rpc("remove_lora", (lora_id,)))
 
+    # ---- sleep mode (llmserve/worker/sleep_mode.py): one in-process worker only so far
+    def sleep(self, level: int = 1) -> None:
+        raise ValueError("sleep mode (enable_sleep_mode) runs with one worker in the engine process "
+                         "(tensor_parallel_size=1, pipeline_parallel_size=1)")
+
+    def wake_up(self, tags: Any = None) -> None:
+        self.sleep()
+
+    def is_sleeping(self) -> bool:
+        return False
+
     def check_health(self) -> None:
         """Raise if a worker is unhealthy (the in-process worker always is healthy)."""
 

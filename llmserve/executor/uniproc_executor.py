@@ -40,6 +40,15 @@ class UniProcExecutor(Executor):
     def remove_lora(self, lora_id: int) -> bool:
         return self.model_runner.lora_model_manager().remove(lora_id)
 
+    def sleep(self, level: int = 1) -> None:
+        self.model_runner.sleep(level)
+
+    def wake_up(self, tags: Any = None) -> None:
+        self.model_runner.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.model_runner.is_sleeping()
+
     def shutdown(self) -> None:
         if self.model_runner is not None:
             self.model_runner.shutdown()

@@ -306,6 +306,24 @@ class ModelRunner:
         """Bytes of the whole KV cache (all layers, K and V)."""
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
+    # ---- sleep mode (llmserve/worker/sleep_mode.py) ---------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache (vLLM's ``Worker.sleep``); ValueError for a
+        level other than 1 or 2. Level 2 also drops the model files from the page cache."""
+        from llmserve.worker.sleep_mode import RunnerSleep
+
+        if getattr(self, "_sleep", None) is None:
+            self._sleep = RunnerSleep()
+        self._sleep.sleep(self, level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Reload what ``sleep`` freed (``tags``: "weights", "kv_cache"; None: both)."""
+        if getattr(self, "_sleep", None) is not None:
+            self._sleep.wake_up(self, tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self, "_sleep", None) is not None and self._sleep.asleep)
+
     # ---- per-request state -------------------------------------------------
     def _state(self, req) -> _ReqState:
         st = self.states.get(req.request_id)

@@ -54,11 +54,13 @@ def tiny_model_dir(tmp_path_factory, save_tiny_model_fn):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir):
     # Also trusts request chat templates (a long render bound, so only the request's timeout or
-    # a disconnect stops one): test_request_chat_templates.py shares it (one server start, ~10 s).
+    # a disconnect stops one): test_request_chat_templates.py shares it (one server start, ~10 s),
+    # and test_sleep_mode.py its sleep-mode dev endpoints (VLLM_SERVER_DEV_MODE=1).
     srv = RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
                         "--kv-cache-memory", "64MiB", "--renderer-num-workers", "4",
                         "--chat-template", os.path.join(tiny_model_dir, "slow_template.jinja"),
-                        "--trust-request-chat-template", "--request-chat-template-timeout", "60"])
+                        "--trust-request-chat-template", "--request-chat-template-timeout", "60",
+                        "--enable-sleep-mode"], env={"VLLM_SERVER_DEV_MODE": "1"})
     yield srv
     srv.stop()
 

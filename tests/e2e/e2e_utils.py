@@ -50,12 +50,12 @@ class RemoteServer:
     the interpreter arguments before the flags, e.g. SERVE_CLI for ``llmserve serve``).
 
     Starts it on a free port, waits for ``GET /health`` == 200, and stops it with
-    SIGTERM (SIGKILL after 30 s). ``url_for(path)``, ``client()`` (openai.OpenAI),
+    SIGTERM (SIGKILL after 30 s); ``env``: extra environment variables. ``url_for(path)``, ``client()`` (openai.OpenAI),
     ``http`` (an httpx.Client with the API key) are the ways in.
     """
 
     def __init__(self, args: list[str], api_key: Optional[str] = API_KEY,
-                 entrypoint: Optional[list[str]] = None):
+                 entrypoint: Optional[list[str]] = None, env: Optional[dict[str, str]] = None):
         self.port = _free_port()
         self.api_key = api_key
         entrypoint = entrypoint or ["-m", "llmserve.entrypoints.openai.api_server"]
@@ -64,7 +64,7 @@ class RemoteServer:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile(prefix="llmserve-e2e-", suffix=".log", delete=False)
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url_root, headers=headers, timeout=120.0)

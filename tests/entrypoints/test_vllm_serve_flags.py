@@ -61,6 +61,7 @@ def test_table_is_current_and_classifies_every_flag():
     for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
                  "--lora-dtype"):  # issue 28
         assert kinds[flag] == HONOURED, flag
+    assert kinds["--enable-sleep-mode"] == HONOURED  # issue 31
     counts = {k: sum(1 for r in rows if r.kind == k) for k in (HONOURED, NOOP, REFUSED)}
     assert sum(counts.values()) == 182 and min(counts.values()) > 0
     # the policy table names no flag that vLLM does not have (no stale entries)

@@ -68,6 +68,9 @@ def add_frontend_routes(app: FastAPI, args: argparse.Namespace) -> None:
     when enabled, and each ``--middleware`` (a class: ``app.add_middleware``; a function:
     ``app.middleware("http")``, as vLLM). Raises ValueError for an unimportable middleware."""
     register_server_load_api_routers(app, bool(getattr(args, "enable_server_load_tracking", False)))
+    from llmserve.entrypoints.openai.sleep_mode import register_sleep_mode_routers
+
+    register_sleep_mode_routers(app, args)
     if getattr(args, "enable_tokenizer_info_endpoint", False):
         register_tokenizer_info_api_router(app)
     for path in getattr(args, "middleware", None) or []:

@@ -93,7 +93,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--pooler-config": (REFUSED, "pooling follows the model's sentence-transformers files", ()),
     "--override-pooler-config": (REFUSED, "pooling follows the model's sentence-transformers files", ()),
     "--logits-processor-pattern": (REFUSED, "logits processors are not loaded by name", ()),
-    "--enable-sleep-mode": (REFUSED, "sleep / wake_up is not implemented", ()),
     "--model-impl": (REFUSED, "models run llmserve's own implementations", ("auto", "vllm")),
     "--override-attention-dtype": (REFUSED, "attention runs in the model's dtype", ()),
     "--logits-processors": (REFUSED, "custom logits processor classes are not loaded", ()),
