@@ -137,4 +137,5 @@ class RunnerSleep:
             elif self.num_blocks:
                 runner.initialize_kv_cache(self.num_blocks)
             self.asleep.discard(tag)
+        release_freed_memory()  # the loader's temporaries (measured: ~200 MiB of RSS otherwise)
         logger.info("Woke up (%s) in %.2f s", ", ".join(check_tags(tags)), time.perf_counter() - t0)
