@@ -396,6 +396,7 @@ class EngineCoreProc:
                 t0 = time.monotonic()
                 outs = core.step()
                 step_s = time.monotonic() - t0
+                self._last_work = t0 + step_s  # --sleep-idle-seconds counts from the last step
                 gather = self._pooling and bool(outs.outputs)
                 if outs.outputs:
                     self.output_queue.put(outs)
@@ -405,17 +406,20 @@ class EngineCoreProc:
 
     def _wait_input(self):
         """The next input, blocking. With ``sleep_idle_seconds`` (llama.cpp's
-        --sleep-idle-seconds) an awake engine that waits that long puts itself to sleep
-        (level 1) and waits on; the next request wakes it (EngineCore.add_request)."""
+        --sleep-idle-seconds) an awake engine that has run no step for that long puts itself
+        to sleep (level 1) and waits on; the next request wakes it (EngineCore.add_request).
+        Inputs that are not requests (a /metrics scrape's get_stats) do not reset the clock."""
         idle_s = self.core.config.model_config.sleep_idle_seconds
-        if idle_s and not self.core.is_sleeping():
+        while idle_s and not self.core.is_sleeping():
+            last = getattr(self, "_last_work", None) or self._started
             try:
-                return self.input_queue.get(timeout=idle_s)
+                return self.input_queue.get(timeout=max(0.0, last + idle_s - time.monotonic()))
             except queue.Empty:
                 try:
                     self.core.sleep(1)
                 except ValueError as e:  # e.g. LoRA on: stay awake
                     logger.warning("Idle sleep skipped: %s", e)
+                    break
         return self.input_queue.get()
 
     def _gather_pooling_batch(self, expected: int, step_s: float) -> bool:

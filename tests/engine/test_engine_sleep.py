@@ -119,6 +119,9 @@ def test_idle_seconds_put_the_engine_to_sleep(sleepy):
     llm, hf = sleepy
     proc = EngineCoreProc.__new__(EngineCoreProc)
     proc.core, proc.input_queue = _core(llm), queue.Queue()
+    proc._started = time.monotonic()
+    proc.input_queue.put("stats")  # not a step: the idle clock keeps running
+    assert proc._wait_input() == "stats"
     got = []
     t = threading.Thread(target=lambda: got.append(proc._wait_input()))
     t.start()
