@@ -112,31 +112,40 @@ inline void add_row<float>(float* y, const float* acc, int64_t nc) {
 }
 #endif
 
-// One block of rows [r0, r1) of one slot: shrink into t [nr, W], then expand into y.
-// Each row's sums run in the same order whatever the block (batch invariant).
+// Shrink of one block of rows [r0, r1) over A's rows [k0, k1): part [nr, W] (from zero).
 template <typename XT, typename WT>
-void block(XT* y, const XT* x, const WT* a, const WT* b, int64_t r0, int64_t r1, int64_t K, int64_t W,
-           int64_t R, int64_t N, int64_t ldx, int64_t ldy, const int32_t* ranges, int64_t P, float* t) {
-  const int64_t nr = r1 - r0;
-  std::fill(t, t + nr * W, 0.0f);
-  for (int64_t k0 = 0; k0 < K; k0 += KC) {
-    const int64_t k1 = std::min(K, k0 + KC);
-    for (int64_t r = 0; r < nr; ++r)
-      for (int64_t w0 = 0; w0 < W; w0 += 16) shrink16<XT, WT>(t + r * W, x + (r0 + r) * ldx, a, W, w0, k0, k1);
-  }
+void shrink_part(float* part, const XT* x, const WT* a, int64_t nr, int64_t W, int64_t ldx, int64_t k0, int64_t k1) {
+  std::fill(part, part + nr * W, 0.0f);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t w0 = 0; w0 < W; w0 += 16) shrink16<XT, WT>(part + r * W, x + r * ldx, a, W, w0, k0, k1);
+}
+
+// Expand of one block of rows through columns [c0, c1) of one slice (offset off in t).
+template <typename XT, typename WT>
+void expand_cols(XT* y, const float* t, const WT* b, int64_t nr, int64_t W, int64_t R, int64_t N, int64_t ldy,
+                 int64_t c0, int64_t c1, int64_t off) {
   alignas(64) float acc[CB];
-  for (int64_t p = 0; p < P; ++p) {
-    const int64_t c0 = ranges[3 * p], c1 = ranges[3 * p + 1], off = ranges[3 * p + 2] * R;
-    for (int64_t cb = c0; cb < c1; cb += CB) {
-      const int64_t nc = std::min(CB, c1 - cb);
-      for (int64_t r = 0; r < nr; ++r) {  // the tile of b stays in L1 for the block's rows
-        expand_tile<WT>(acc, t + r * W + off, b + cb, R, N, nc);
-        add_row<XT>(y + (r0 + r) * ldy + cb, acc, nc);
-      }
+  for (int64_t cb = c0; cb < c1; cb += CB) {
+    const int64_t nc = std::min(CB, c1 - cb);
+    for (int64_t r = 0; r < nr; ++r) {  // the tile of b stays in L1 for the block's rows
+      expand_tile<WT>(acc, t + r * W + off, b + cb, R, N, nc);
+      add_row<XT>(y + r * ldy + cb, acc, nc);
     }
   }
 }
 
+constexpr int64_t CG = 4 * CB;  // expand: columns per task
+
+struct Cols {
+  int64_t c0, c1, off;
+};
+
+// Two phases, each split into tasks over the threads: (block, chunk of A's rows) partial
+// shrinks, then (block, group of columns) expands, each summing its block's partials in
+// chunk order first. The split is fixed by the shapes, not the threads or the batch, so a
+// row's result is the same alone or in any batch. Threads even for one decode row: at
+// 1 row a module's adapter weights (~80 KB, cold after the base GEMM streamed the model)
+// arrive faster over two cores.
 template <typename XT, typename WT>
 void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
          const std::vector<Item>& items, const torch::Tensor& ranges, int64_t work) {
@@ -147,18 +156,39 @@ void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const
   const WT* ap = a.data_ptr<WT>();
   const WT* bp = b.data_ptr<WT>();
   const int32_t* rp = ranges.data_ptr<int32_t>();
-  const int64_t n = static_cast<int64_t>(items.size());
-  // Threads only when there is more than one block and enough work to pay the fork
-  // (~2 us here): one decode row of one adapter stays on the calling thread.
-#pragma omp parallel if (n > 1 && work >= (1 << 16))
+  const int64_t n = static_cast<int64_t>(items.size()), nkc = (K + KC - 1) / KC;
+  thread_local std::vector<Cols> cols;
+  cols.clear();
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t c = rp[3 * p]; c < rp[3 * p + 1]; c += CG)
+      cols.push_back({c, std::min<int64_t>(rp[3 * p + 1], c + CG), rp[3 * p + 2] * R});
+  const int64_t ncol = static_cast<int64_t>(cols.size());
+  thread_local std::vector<float> parts;
+  if (static_cast<int64_t>(parts.size()) < n * nkc * RB * W) parts.resize(n * nkc * RB * W);
+  float* pp = parts.data();
+  const Cols* cp = cols.data();
+#pragma omp parallel if (work >= (1 << 14))
   {
-    thread_local std::vector<float> t;
-    if (static_cast<int64_t>(t.size()) < RB * W) t.resize(RB * W);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) {
-      const Item& it = items[i];
-      block<XT, WT>(yp, xp, ap + it.slot * K * W, bp + it.slot * R * N, it.start, it.end, K, W, R, N, ldx, ldy, rp, P,
-                    t.data());
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n * nkc; ++i) {
+      const Item& it = items[i / nkc];
+      const int64_t k0 = (i % nkc) * KC;
+      shrink_part<XT, WT>(pp + i * RB * W, xp + it.start * ldx, ap + it.slot * K * W, it.end - it.start, W, ldx, k0,
+                          std::min(K, k0 + KC));
+    }
+    thread_local std::vector<float> tv;  // one block's t [RB, W]
+    if (static_cast<int64_t>(tv.size()) < RB * W) tv.resize(RB * W);
+    float* t = tv.data();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n * ncol; ++i) {
+      const Item& it = items[i / ncol];
+      const int64_t nr = it.end - it.start;
+      const float* part = pp + (i / ncol) * nkc * RB * W;
+      std::copy(part, part + nr * W, t);
+      for (int64_t c = 1; c < nkc; ++c)
+        for (int64_t e = 0; e < nr * W; ++e) t[e] += part[c * RB * W + e];
+      const Cols& cc = cp[i % ncol];
+      expand_cols<XT, WT>(yp + it.start * ldy, t, bp + it.slot * R * N, nr, W, R, N, ldy, cc.c0, cc.c1, cc.off);
     }
   }
 }
