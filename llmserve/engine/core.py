@@ -20,6 +20,7 @@ from llmserve.core.timeline import record_execute_time
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.client_router import ClientRouter
+from llmserve.engine.core_sleep import SleepModeMixin, wait_input_or_sleep
 from llmserve.engine.messages import (
     EngineCoreDead,
     EngineCoreOutputs,
@@ -70,7 +71,7 @@ def _scheduler_connector(config: EngineConfig):
     return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
 
 
-class EngineCore:
+class EngineCore(SleepModeMixin):
     """The inner loop of the engine, in whatever process it lives.
 
     Builds the executor (``executor_class``, default ``Executor.get_class(config)``),
@@ -198,43 +199,6 @@ class EngineCore:
         done = self.scheduler.kv_cache_manager.reset_prefix_cache()
         self._publish_kv_events()
         return done
-
-    # ---- sleep mode (vLLM's EngineCore.sleep / wake_up / is_sleeping) -------------
-    def sleep(self, level: int = 1) -> bool:
-        """Free the weights and the KV cache (llmserve/worker/sleep_mode.py). Raises
-        ValueError without ``enable_sleep_mode`` (or ``sleep_idle_seconds``), for a level
-        other than 1 or 2, with LoRA on, or while requests are in flight: this engine
-        refuses to sleep when busy (HTTP 400) rather than abort or pause them. The prefix
-        cache is reset: the KV it indexes is freed. Returns True."""
-        from llmserve.worker.sleep_mode import check_level
-
-        mc = self.config.model_config
-        if not (mc.enable_sleep_mode or mc.sleep_idle_seconds):
-            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True "
-                             "(--enable-sleep-mode)")
-        level = check_level(level)
-        if self.lora_registry is not None:
-            raise ValueError("sleep mode with enable_lora is not supported (adapters would be lost)")
-        if self.scheduler.has_unfinished_requests():
-            raise ValueError("the engine is busy: sleep is refused while requests are in flight; "
-                             "retry when they have finished")
-        self.model_executor.remove_requests(self.scheduler.finished_req_ids)
-        self.scheduler.finished_req_ids = set()
-        self.reset_prefix_cache()
-        self.model_executor.sleep(level)
-        logger.info("Sleeping (level %d): weights and KV cache freed", level)
-        return True
-
-    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
-        """Reload what ``sleep`` freed: ``tags`` "weights" and/or "kv_cache" (vLLM's; None:
-        both). A no-op when awake. ValueError for an unknown tag. Returns True."""
-        from llmserve.worker.sleep_mode import check_tags
-
-        self.model_executor.wake_up(list(check_tags(tags)))
-        return True
-
-    def is_sleeping(self) -> bool:
-        return self.model_executor.is_sleeping()
 
     def get_stats(self) -> dict[str, Any]:
         s = self.scheduler
@@ -405,22 +369,8 @@ class EngineCoreProc:
                 self._stats_stale = False
 
     def _wait_input(self):
-        """The next input, blocking. With ``sleep_idle_seconds`` (llama.cpp's
-        --sleep-idle-seconds) an awake engine that has run no step for that long puts itself
-        to sleep (level 1) and waits on; the next request wakes it (EngineCore.add_request).
-        Inputs that are not requests (a /metrics scrape's get_stats) do not reset the clock."""
-        idle_s = self.core.config.model_config.sleep_idle_seconds
-        while idle_s and not self.core.is_sleeping():
-            last = getattr(self, "_last_work", None) or self._started
-            try:
-                return self.input_queue.get(timeout=max(0.0, last + idle_s - time.monotonic()))
-            except queue.Empty:
-                try:
-                    self.core.sleep(1)
-                except ValueError as e:  # e.g. LoRA on: stay awake
-                    logger.warning("Idle sleep skipped: %s", e)
-                    break
-        return self.input_queue.get()
+        """The next input (blocking), sleeping the engine after ``sleep_idle_seconds``."""
+        return wait_input_or_sleep(self)
 
     def _gather_pooling_batch(self, expected: int, step_s: float) -> bool:
         """A pooling engine with work left, right after sending the vectors of a step
