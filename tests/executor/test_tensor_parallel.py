@@ -50,7 +50,8 @@ def prompts():
     return [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 40))] for _ in range(16)]
 
 
-def _greedy(path, prompts, **kw):
+def _greedy(path, prompts, _keep_open=False, **kw):
+    """Greedy token ids per prompt and the LLM (shut down unless ``_keep_open``)."""
     from llmserve import LLM, SamplingParams
 
     llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="32MiB",
@@ -59,8 +60,12 @@ def _greedy(path, prompts, **kw):
         sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], llm
-    finally:
+    except BaseException:
         llm.shutdown()
+        raise
+    finally:
+        if not _keep_open:
+            llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +120,35 @@ def test_tp2_ray_equals_tp1_and_actors_stop(tiny_path, prompts, tp1_tokens):
                 ray.get(actor.ping.remote(), timeout=30)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow  # ~20 s (two Ray nodes start); cheaper twin: TP=2 over processes in make test
+def test_tp2_ray_across_two_nodes_equals_tp1(tiny_path, prompts, tp1_tokens):
+    """Issue 35 item 2: a local Ray cluster of two nodes (ray.cluster_utils.Cluster, one CPU
+    each, a custom resource per node); the executor's placement group (PACK, one CPU per
+    bundle) must put one TP worker on each node, and TP=2 greedy equals TP=1 (float32)."""
+    pytest.importorskip("ray", reason="the ray extra is not installed (make installs it)")
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util import placement_group_table
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, resources={"node_a": 1}))
+    cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes()
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        tokens, llm = _greedy(tiny_path, prompts, tensor_parallel_size=2,
+                              distributed_executor_backend="ray", multiprocess_mode=False,
+                              _keep_open=True)
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        nodes = placement_group_table(executor.pg)["bundles_to_node_id"]
+        assert len(set(nodes.values())) == 2  # one worker per Ray node
+        llm.shutdown()
+        assert tokens == tp1_tokens
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def test_tp_larger_than_kv_heads_is_a_clear_error(tiny_path):
