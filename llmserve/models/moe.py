@@ -1,12 +1,15 @@
-"""Sparse Mixture-of-Experts decoders: Mixtral (HF ``MixtralForCausalLM``) and Qwen3-MoE
-(``Qwen3MoeForCausalLM``) on llama.py's attention and layer structure.
+"""Sparse Mixture-of-Experts decoders: Mixtral (HF ``MixtralForCausalLM``), Qwen2-MoE
+(``Qwen2MoeForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``) on llama.py's attention and
+layer structure.
 
-The MoE block follows transformers' ``modeling_mixtral`` / ``modeling_qwen3_moe``
-(``*TopKRouter`` + ``*Experts``) numerically:
+The MoE block follows transformers' ``modeling_mixtral`` / ``modeling_qwen2_moe`` /
+``modeling_qwen3_moe`` (``*TopKRouter`` + ``*Experts``) numerically:
 router logits ``gate(x)`` ``[T, E]`` in the model dtype -> softmax in float32 -> top-k
 (``num_experts_per_tok``) -> renormalised to sum 1 (Mixtral always; Qwen3-MoE when
 ``norm_topk_prob``) -> each chosen expert's SiLU-gated MLP ``down(silu(gate(x)) * up(x))``
-weighted by its routing weight and summed per token.
+weighted by its routing weight and summed per token; Qwen2-MoE adds a shared expert
+(``shared_expert``, width ``shared_expert_intermediate_size``) on every token, scaled by
+``sigmoid(shared_expert_gate(x))``.
 
 Experts run grouped by expert (as vLLM's fused MoE does, without its kernel): the ``T * k``
 token-expert pairs are sorted by expert, each expert runs one GEMM pair over its gathered
@@ -14,7 +17,7 @@ tokens, and the weighted outputs are ``index_add``-ed back to their tokens. ``MO
 "token_loop"`` runs the same math one token and one expert at a time (the baseline of
 ``llmserve/benchmarks/moe.py``).
 
-Checkpoint names: Mixtral's ``block_sparse_moe.gate`` / ``experts.{e}.w1|w3|w2`` (gate, up,
+Checkpoint names (Qwen2-MoE's shared expert loads as its own ``LlamaMLP``): Mixtral's ``block_sparse_moe.gate`` / ``experts.{e}.w1|w3|w2`` (gate, up,
 down) and Qwen3-MoE's ``mlp.gate`` / ``mlp.experts.{e}.gate_proj|up_proj|down_proj``; both load
 into ``mlp.gate`` and ``mlp.experts[e].gate_up_proj|down_proj`` (each expert is a ``LlamaMLP``,
 so its linears are packed for oneDNN like the dense ones).
@@ -51,11 +54,13 @@ class SparseMoeBlock(nn.Module):
     """Router ``gate`` (``Linear(hidden, E)``, no bias) and ``E`` SiLU-gated expert MLPs of
     width ``moe_intermediate_size``.
 
+    With ``shared_intermediate_size`` > 0, also Qwen2-MoE's shared expert and its gate
+    (``Linear(hidden, 1)``).
     ``forward(x [T, hidden]) -> [T, hidden]`` in ``x``'s dtype. Raises ValueError for a
     config with ``num_experts_per_tok`` outside ``1..E`` or an activation other than SiLU."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, hidden_act: str, dtype: torch.dtype):
+                 renormalize: bool, hidden_act: str, dtype: torch.dtype, shared_intermediate_size: int = 0):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
@@ -64,12 +69,18 @@ class SparseMoeBlock(nn.Module):
         expert_cfg = SimpleNamespace(hidden_size=hidden_size, intermediate_size=intermediate_size,
                                      hidden_act=hidden_act, mlp_bias=False)
         self.experts = nn.ModuleList(LlamaMLP(expert_cfg, dtype) for _ in range(num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            expert_cfg.intermediate_size = shared_intermediate_size
+            self.shared_expert = LlamaMLP(expert_cfg, dtype)
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate.forward(x), self.top_k, self.renormalize)
-        if MOE_IMPL == "token_loop":
-            return self._token_loop(x, weights, ids)
-        return self._grouped(x, weights, ids)
+        out = self._token_loop(x, weights, ids) if MOE_IMPL == "token_loop" else self._grouped(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x)
+        return out
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Sort the ``T * k`` pairs by expert; one expert MLP call per expert over its tokens."""
@@ -110,18 +121,20 @@ def _is_sparse_layer(config: Any, layer_idx: int) -> bool:
 
 
 class MoeAttention(LlamaAttention):
-    """Llama's attention with Qwen3-MoE's per-head q/k norms (``model_type`` qwen3_moe)."""
+    """Llama's attention with Qwen2-MoE's q/k/v biases (``qkv_bias``) or Qwen3-MoE's
+    per-head q/k norms."""
 
     def options(self, config: Any, layer_idx: int) -> dict:
         bias = bool(getattr(config, "attention_bias", False))
-        return {"qkv_bias": bias, "o_bias": False if config.model_type == "qwen3_moe" else bias,
+        qkv_bias = bool(getattr(config, "qkv_bias", True)) if config.model_type == "qwen2_moe" else bias
+        return {"qkv_bias": qkv_bias, "o_bias": False if config.model_type in ("qwen2_moe", "qwen3_moe") else bias,
                 "qk_norm": config.model_type == "qwen3_moe", "scale": self.head_dim ** -0.5,
                 "sliding_window": _moe_sliding_window(config, layer_idx)}
 
 
 def _moe_sliding_window(config: Any, layer_idx: int):
-    """Mixtral's ``sliding_window``; Qwen3-MoE's only with ``use_sliding_window``."""
-    if config.model_type == "qwen3_moe" and not getattr(config, "use_sliding_window", False):
+    """Mixtral's ``sliding_window``; Qwen2/Qwen3-MoE's only with ``use_sliding_window``."""
+    if config.model_type in ("qwen2_moe", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
         return None
     return _sliding_window(config, layer_idx)
 
@@ -137,7 +150,8 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
             renorm = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
             self.mlp = SparseMoeBlock(config.hidden_size, width, _num_experts(config), config.num_experts_per_tok,
-                                      renorm, getattr(config, "hidden_act", "silu"), dtype)
+                                      renorm, getattr(config, "hidden_act", "silu"), dtype,
+                                      int(getattr(config, "shared_expert_intermediate_size", 0) or 0))
         else:
             self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -170,6 +184,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
         experts' gate/up halves fuse into ``gate_up_proj``. Raises ValueError for a missing
         weight or a wrong shape (e.g. a checkpoint with fewer experts than the config)."""
         super().load_weights((hf_moe_name(n), t) for n, t in weights)
+
+
+class Qwen2MoeForCausalLM(MixtralForCausalLM):
+    """Qwen2-MoE: Mixtral's block plus the sigmoid-gated shared expert, ``norm_topk_prob``
+    routing and q/k/v biases."""
 
 
 class Qwen3MoeForCausalLM(MixtralForCausalLM):

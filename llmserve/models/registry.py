@@ -11,7 +11,7 @@ from torch import nn
 
 from llmserve.models.bert import BertModel
 from llmserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from llmserve.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from llmserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from llmserve.models.phi3 import Phi3ForCausalLM
 from llmserve.models.whisper import WhisperForConditionalGeneration
 from llmserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
@@ -26,6 +26,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,  # sparse MoE (models/moe.py)
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,  # encoder-decoder (audio)
     # Encoders (pooling only): the MLM/pre-training heads are ignored.

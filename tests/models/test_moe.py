@@ -1,9 +1,10 @@
-"""Sparse MoE decoders (Mixtral, Qwen3-MoE) over the paged KV cache vs transformers, float32.
+"""Sparse MoE decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) over the paged KV cache vs transformers, float32.
 
 Tiny random checkpoints written by transformers' own model classes (``save_pretrained``: the
 on-disk per-expert names, Mixtral's ``block_sparse_moe.experts.{e}.w1|w2|w3``): 2 layers, 8
-experts, top-2; Qwen3-MoE with ``norm_topk_prob`` off and its first layer dense
-(``mlp_only_layers``), so both normalisations and both layer kinds run.
+experts, top-2; Qwen2-MoE with its sigmoid-gated shared expert and ``norm_topk_prob`` on;
+Qwen3-MoE with ``norm_topk_prob`` off and its first layer dense (``mlp_only_layers``), so
+both normalisations and both layer kinds run.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from llmserve.model_loader import get_model, load_hf_config, resolve_model
 from llmserve.models import moe
 
-ARCHS = ["mixtral", "qwen3_moe"]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 ATOL = 1e-4
 VOCAB = 49152  # SmolLM2's tokenizer serves the engine test
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -27,6 +28,9 @@ def tiny_config(arch: str):
     import transformers as tf
     if arch == "mixtral":
         return tf.MixtralConfig(**COMMON, num_local_experts=8)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=48, norm_topk_prob=True,
+                                 shared_expert_intermediate_size=32)
     return tf.Qwen3MoeConfig(**COMMON, num_experts=8, moe_intermediate_size=48, head_dim=16,
                              norm_topk_prob=False, mlp_only_layers=[0])
 
@@ -71,13 +75,14 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 
 def test_checkpoint_names_and_layers(tiny):
-    """Mixtral's on-disk expert names load (8 experts per sparse layer); Qwen3-MoE's layer 0
-    is dense and routes without renormalising."""
+    """Mixtral's on-disk expert names load (8 experts per sparse layer); Qwen2-MoE has its
+    shared expert; Qwen3-MoE's layer 0 is dense and routes without renormalising."""
     arch, ours, hf = tiny
     last = ours.model.layers[-1].mlp
     assert isinstance(last, moe.SparseMoeBlock) and len(last.experts) == 8 and last.top_k == 2
-    assert last.renormalize == (arch == "mixtral")
-    assert isinstance(ours.model.layers[0].mlp, moe.SparseMoeBlock) == (arch == "mixtral")
+    assert last.renormalize == (arch != "qwen3_moe")
+    assert (last.shared_expert is not None) == (arch == "qwen2_moe")
+    assert isinstance(ours.model.layers[0].mlp, moe.SparseMoeBlock) == (arch != "qwen3_moe")
 
 
 def test_chunked_prefill_and_batched_decodes_match_hf(tiny, tokens_fn, step_runner_cls):
@@ -126,9 +131,10 @@ def test_bad_top_k_is_a_clear_error():
         moe.SparseMoeBlock(8, 8, 4, 5, True, "silu", torch.float32)
 
 
-@pytest.fixture(scope="module", params=["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow),
+                                                pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def tiny_llm(request, checkpoints):
-    """(arch, engine, HF model); Qwen3-MoE's engine run is in test-all (its layers' logits are
+    """(arch, engine, HF model); the Qwen-MoE engine runs are in test-all (its layers' logits are
     checked above in make test)."""
     from llmserve import LLM
 
