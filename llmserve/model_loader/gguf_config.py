@@ -62,13 +62,28 @@ class _Meta:
 def complete_gguf_config(config: Any, gguf_path: str) -> Any:
     """Fill in ``config`` (from ``AutoConfig.from_pretrained(..., gguf_file=...)``) with the
     metadata above for gemma2 / gemma3 / phi3 files; other architectures are returned as
-    they are. Returns ``config`` (changed in place)."""
+    they are. Returns ``config`` (changed in place), or for a ``llama`` file with experts
+    (Mixtral) a new ``MixtralConfig``."""
     meta = _Meta(gguf_path)
     if meta.arch in ("gemma2", "gemma3"):
         _complete_gemma(config, meta)
     elif meta.arch == "phi3":
         _complete_phi3(config, meta)
+    elif meta.arch == "llama" and int(meta.arch_key("expert_count", 0) or 0) > 0:
+        return _as_mixtral(config, meta)
     return config
+
+
+def _as_mixtral(config: Any, meta: _Meta) -> Any:
+    """A ``llama`` GGUF file with ``llama.expert_count`` experts is Mixtral (llama.cpp writes
+    Mixtral under the llama architecture): a ``MixtralConfig`` with the llama config's
+    fields, ``num_local_experts`` and ``num_experts_per_tok`` (``llama.expert_used_count``)."""
+    from transformers import MixtralConfig
+
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+    return MixtralConfig(**fields, num_local_experts=int(meta.arch_key("expert_count")),
+                         num_experts_per_tok=int(meta.arch_key("expert_used_count", 2)),
+                         architectures=["MixtralForCausalLM"])
 
 
 def _complete_gemma(config: Any, meta: _Meta) -> None:

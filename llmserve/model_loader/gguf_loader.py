@@ -37,6 +37,12 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE (llama.cpp's Mixtral layout): the router, and 3-D [experts, out, in] expert
+    # stacks that ``iterate_gguf_weights`` splits into one HF tensor per expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # Per-architecture names (llama.cpp's gguf.constants.MODEL_TENSORS): Gemma's norms around
 # attention and the MLP; Phi-3's fused q/k/v and gate/up ("ffn_up" holds both, gate first).
@@ -233,6 +239,10 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
                 w = reverse_permute(w, n_kv)
         if packed is not None:
             _keep_packed(packed, hf_name, t, arch, n_head, n_kv)
+        if w.ndim == 3 and ".mlp.experts." in hf_name:  # [E, out, in]: one tensor per expert
+            for e in range(w.shape[0]):
+                yield hf_name.replace(".experts.", f".experts.{e}."), torch.from_numpy(np.array(w[e])).to(dtype)
+            continue
         w = np.ascontiguousarray(w)
         if not w.flags.writeable:  # float32 tensors come straight from the read-only memmap
             w = w.copy()

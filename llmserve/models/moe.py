@@ -20,7 +20,9 @@ tokens, and the weighted outputs are ``index_add``-ed back to their tokens. ``MO
 Checkpoint names (Qwen2-MoE's shared expert loads as its own ``LlamaMLP``): Mixtral's ``block_sparse_moe.gate`` / ``experts.{e}.w1|w3|w2`` (gate, up,
 down) and Qwen3-MoE's ``mlp.gate`` / ``mlp.experts.{e}.gate_proj|up_proj|down_proj``; both load
 into ``mlp.gate`` and ``mlp.experts[e].gate_up_proj|down_proj`` (each expert is a ``LlamaMLP``,
-so its linears are packed for oneDNN like the dense ones).
+so its linears are packed for oneDNN like the dense ones). Mixtral GGUF files (llama.cpp's
+``ffn_gate_inp`` router and 3-D ``ffn_*_exps`` stacks) arrive under the same names, split per
+expert by ``model_loader.gguf_loader``.
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_grouped_equals_token_loop_and_routing_matters(tiny, tokens_fn, step_run
     """The grouped-by-expert path equals the one-pair-at-a-time loop; and the routing is
     exercised: several experts get tokens, and forcing expert 0 changes the logits."""
     arch, ours, hf = tiny
-    prompt = tokens_fn(20, 5)
+    prompt = tokens_fn(12, 5)
     grouped = step_runner_cls(ours).step([("a", prompt)])["a"]
     monkeypatch.setattr(moe, "MOE_IMPL", "token_loop")
     looped = step_runner_cls(ours).step([("a", prompt)])["a"]
@@ -163,3 +163,102 @@ def test_engine_greedy_48_tokens_alone_and_batched(tiny_llm):
         assert logits.argmax(-1).tolist() == answer, f"{arch} prompt {i} (batched)"
     alone = llm.generate({"prompt_token_ids": prompts[1]}, sp, use_tqdm=False)[0]
     assert list(alone.outputs[0].token_ids) == list(batched[1].outputs[0].token_ids), f"{arch} (alone)"
+
+
+# ---- Mixtral as a GGUF file (llama.cpp's layout: llama architecture + expert_count) ----
+
+_GGUF_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate": "ffn_gate_inp"}
+_GGUF_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf q/k row permutation (the loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(hf):
+    """(llama.cpp name, float32 array) of the Mixtral checkpoint: experts stacked [E, out, in]."""
+    cfg, sd = hf.config, {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"]),
+           ("output.weight", sd["lm_head.weight"])]
+    for L in range(cfg.num_hidden_layers):
+        p = f"model.layers.{L}."
+        for part, g in _GGUF_PARTS.items():
+            w = sd[p + part + ".weight"]
+            if part == "self_attn.q_proj":
+                w = _permute(w, cfg.num_attention_heads)
+            elif part == "self_attn.k_proj":
+                w = _permute(w, cfg.num_key_value_heads)
+            out.append((f"blk.{L}.{g}.weight", w))
+        gu, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]  # transformers 5's fused form
+        i = cfg.intermediate_size
+        out += [(f"blk.{L}.ffn_gate_exps.weight", gu[:, :i]), (f"blk.{L}.ffn_up_exps.weight", gu[:, i:]),
+                (f"blk.{L}.ffn_down_exps.weight", down)]
+    return out
+
+
+def write_mixtral_gguf(hf, path: str, qtype: str) -> None:
+    """Write ``hf`` as llama.cpp writes Mixtral (weights other than norms in ``qtype``)."""
+    import gguf
+    import numpy as np
+    cfg = hf.config
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    for name, arr in _gguf_tensors(hf):
+        if arr.ndim == 1 or qtype == "F32":
+            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("qtype", [pytest.param("F32", marks=pytest.mark.slow), "Q8_0"])
+def test_mixtral_gguf_matches_hf_on_its_weights(checkpoints, tmp_path, tokens_fn, step_runner_cls, model_config_fn,
+                                                qtype):
+    """Mixtral written as llama.cpp does (``llama`` architecture with ``expert_count``, 3-D
+    ``ffn_*_exps`` stacks, ``ffn_gate_inp`` router) loads as Mixtral, experts dequantized,
+    and its logits equal transformers' on the file's (round-tripped) weights within 1e-4
+    (in bfloat16 within 0.1)."""
+    import copy
+
+    import gguf
+    path, hf = checkpoints("mixtral")
+    gpath = str(tmp_path / f"mixtral-{qtype}.gguf")
+    write_mixtral_gguf(hf, gpath, qtype)
+    resolved = resolve_model(gpath)
+    config = load_hf_config(resolved)
+    assert config.architectures == ["MixtralForCausalLM"] and config.num_local_experts == 8
+    assert config.num_experts_per_tok == 2
+    model = get_model(model_config_fn(resolved, config, "float32"))
+    assert isinstance(model, moe.MixtralForCausalLM)
+    ref = copy.deepcopy(hf)
+    if qtype != "F32":
+        t = gguf.GGMLQuantizationType[qtype]
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if "norm" not in name:
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), t), t)))
+    prompt = tokens_fn(24, 8)
+    runner = step_runner_cls(model)
+    got = torch.cat([runner.step([("a", prompt[:16])])["a"]] + [runner.step([("a", [t])])["a"] for t in prompt[16:]])
+    want = hf_logits(ref, prompt)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    if qtype == "Q8_0":  # bfloat16, the GGUF default: 2-d blocks packed, experts dequantized
+        bf16 = get_model(model_config_fn(resolved, config, "bfloat16"))
+        assert (step_runner_cls(bf16).step([("a", prompt)])["a"] - want).abs().max() < 0.1
