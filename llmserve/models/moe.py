@@ -67,6 +67,7 @@ class SparseMoeBlock(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in 1..num_experts ({num_experts})")
         self.top_k, self.num_experts, self.renormalize = top_k, num_experts, renormalize
+        self.weights_in_model_dtype = False  # Mixtral weights its experts' outputs in float32
         self.gate = Linear(hidden_size, num_experts, False, dtype)
         expert_cfg = SimpleNamespace(hidden_size=hidden_size, intermediate_size=intermediate_size,
                                      hidden_act=hidden_act, mlp_bias=False)
@@ -79,6 +80,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate.forward(x), self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:  # Qwen-MoE rounds them first (HF's ``.to(router_logits.dtype)``)
+            weights = weights.to(x.dtype)
         out = self._token_loop(x, weights, ids) if MOE_IMPL == "token_loop" else self._grouped(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x)
@@ -107,7 +110,7 @@ class SparseMoeBlock(nn.Module):
         for t, (row_w, row_e) in enumerate(zip(weights.tolist(), ids.tolist())):
             for w, e in zip(row_w, row_e):
                 y = self.experts[e].forward(x[t:t + 1])
-                out[t:t + 1] += (y * torch.tensor(w, dtype=torch.float32)).to(x.dtype)
+                out[t:t + 1] += (y * torch.tensor(w, dtype=weights.dtype)).to(x.dtype)
         return out
 
 
@@ -154,6 +157,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             self.mlp = SparseMoeBlock(config.hidden_size, width, _num_experts(config), config.num_experts_per_tok,
                                       renorm, getattr(config, "hidden_act", "silu"), dtype,
                                       int(getattr(config, "shared_expert_intermediate_size", 0) or 0))
+            self.mlp.weights_in_model_dtype = config.model_type != "mixtral"
         else:
             self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
