@@ -157,6 +157,7 @@ def _clone_beam(parent: Request, rid: str) -> Request:
     child.encoder_cache_key = parent.encoder_cache_key
     child.num_cached_tokens = parent.num_cached_tokens
     child.tenant, child.tenant_weight = getattr(parent, "tenant", None), getattr(parent, "tenant_weight", 1.0)
+    child.lora_request = parent.lora_request  # every beam runs with the request's adapter
     return child
 
 
@@ -324,5 +325,6 @@ def _clone_beam_from_request(request: Request, group: BeamGroup) -> Request:
     beam.beam_cum, beam.beam_logprobs = 0.0, []
     beam.encoder_cache_key = request.request_id
     beam.tenant, beam.tenant_weight = getattr(request, "tenant", None), getattr(request, "tenant_weight", 1.0)
+    beam.lora_request = request.lora_request  # the beams' rows run with the request's adapter
     return beam
 

@@ -168,21 +168,21 @@ class LLM(PoolingMixin):
         prompts: strings, {"prompt": ...} / {"prompt_token_ids": [...]} dicts, a list of
         token ids, or chat conversations (lists of {"role", "content"} messages, rendered
         through the chat template). concurrency_limit: at most this many prompts in the
-        engine at once (None: all). Returns one BeamSearchOutput per prompt, in order,
+        engine at once (None: all). lora_request: the adapter (or one per prompt) every
+        beam runs with. Returns one BeamSearchOutput per prompt, in order,
         each with ``beam_width`` sequences, best first. Raises ValueError for bad params
         (beam_width above max_num_seqs) or prompts.
         """
         self._check_generate("beam_search")
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported by LLM.beam_search yet.")
         prompts = [self._beam_prompt(p) for p in self._beam_prompt_list(prompts)]
         limit = concurrency_limit or len(prompts) or 1
         sp = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos,
                             logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
         outs: list[RequestOutput] = []
         for lo in range(0, len(prompts), limit):
+            chunk_lora = lora_request[lo:lo + limit] if isinstance(lora_request, (list, tuple)) else lora_request
             ids = self._add_requests(prompts[lo:lo + limit], [sp] * len(prompts[lo:lo + limit]), None,
-                                     beam_search_params=params)
+                                     beam_search_params=params, lora_request=chunk_lora)
             outs += self._run_engine(ids, use_tqdm)
         from llmserve.engine.beam_output import to_beam_search_output
 

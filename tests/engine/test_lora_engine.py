@@ -105,3 +105,18 @@ def test_lora_request_without_enable_lora_is_refused(llm_fp32):
     with pytest.raises(LoRAAdapterError, match="LoRA is not enabled") as e:
         llm_fp32.generate("hi", SP, lora_request=LoRARequest("a", 1, "/x"), use_tqdm=False)
     assert e.value.param == "lora_request"
+
+
+def test_beam_search_runs_every_beam_with_the_adapter(adapters, llm8):
+    from llmserve.beam_search import BeamSearchParams
+
+    _, hf, loras = adapters
+    (lr, pm) = loras[0]
+    params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    got = llm8.beam_search([{"prompt_token_ids": PROMPT}], params, lora_request=lr)[0].sequences
+    base = llm8.beam_search([{"prompt_token_ids": PROMPT}], params)[0].sequences
+    ids = torch.tensor([PROMPT])
+    ref = pm.generate(ids, max_new_tokens=5, min_new_tokens=5, num_beams=2, num_return_sequences=2,
+                      do_sample=False, early_stopping=False)
+    assert [s.tokens[len(PROMPT):] for s in got] == [r[len(PROMPT):].tolist() for r in ref]
+    assert [s.tokens for s in got] != [s.tokens for s in base]  # not the base model's beams
