@@ -302,6 +302,10 @@ def _lora_config(args: "EngineArgs", model_config: ModelConfig) -> Optional["LoR
 
     if not args.enable_lora:
         return None
+    if model_config.enable_sleep_mode or model_config.sleep_idle_seconds:
+        flag = "enable_sleep_mode" if model_config.enable_sleep_mode else "sleep_idle_seconds"
+        raise ValueError(f"enable_lora: LoRA adapters cannot be used with {flag} (a sleeping engine would "
+                         "lose its loaded adapters); start without one of them")
     model_type = getattr(model_config.hf_config, "model_type", None)
     if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ValueError(f"enable_lora: LoRA adapters run on the Llama family (Llama, Mistral, Qwen2, Qwen3), "

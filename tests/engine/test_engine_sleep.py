@@ -94,6 +94,9 @@ def test_refusals(sleepy):
         from llmserve import EngineArgs
 
         EngineArgs(model="SmolLM2-135M-Instruct", sleep_idle_seconds=0).create_engine_config()
+    for sleep in ({"enable_sleep_mode": True}, {"sleep_idle_seconds": 5.0}):  # refused at start, naming both
+        with pytest.raises(ValueError, match=f"enable_lora.*{next(iter(sleep))}"):
+            EngineArgs(model="SmolLM2-135M-Instruct", enable_lora=True, **sleep).create_engine_config()
 
 
 def test_sleep_mode_off_refuses(sleepy):

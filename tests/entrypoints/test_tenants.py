@@ -273,3 +273,17 @@ def test_every_stored_data_route_is_scoped_to_its_tenant(smol_tokenizer, tmp_pat
     assert other.json()["error"] == {**unknown.json()["error"], "message": other.json()["error"]["message"]}
     assert other.json()["error"]["message"].replace(other.url.path.split("/")[-1], "ID") == \
         unknown.json()["error"]["message"].replace(unknown.url.path.split("/")[-1], "ID")
+
+
+def test_tenant_metrics_reach_a_multi_model_servers_merged_metrics():
+    """With --extra-model the server's /metrics is MergedStatLoggers: the tenants' families
+    register in its registry and are rendered (they were missing)."""
+    from llmserve.entrypoints.openai.multi_model import MergedStatLoggers
+
+    engines = [SimpleNamespace(registry=CollectorRegistry(), content_type="text/plain") for _ in range(2)]
+    merged = MergedStatLoggers(engines)
+    quotas = TenantQuotas(merged.registry)
+    assert quotas.check(Tenant("alice", max_concurrent_requests=4), 10) is None
+    text = merged.render().decode()
+    assert re.search(r'vllm:tenant_requests_total\{outcome="admitted",tenant="alice"\} 1\.0', text), text
+    assert 'vllm:tenant_in_flight_requests{tenant="alice"}' in text

@@ -281,6 +281,12 @@ class MergedStatLoggers:
         self.loggers = list(loggers)
         self.content_type = self.loggers[0].content_type
 
+    @property
+    def registry(self) -> Any:
+        """The first engine's registry: server-wide families (the tenants' counters of
+        ``tenant_quotas``) register there and :meth:`collect` shows them once."""
+        return self.loggers[0].registry
+
     def set_engine_stats(self, stats: Sequence[dict]) -> None:
         """``stats``: one snapshot per engine, as :meth:`EngineGroup.get_engine_stats`."""
         for sl, s in zip(self.loggers, stats):

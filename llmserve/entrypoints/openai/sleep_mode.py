@@ -18,6 +18,8 @@ from starlette.responses import JSONResponse, Response
 
 from llmserve import envs
 from llmserve.entrypoints.openai.server_utils import error_json
+from llmserve.sampling_params import SamplingParamsError
+from llmserve.worker.sleep_mode import check_tags
 
 router = APIRouter()
 
@@ -34,8 +36,8 @@ async def _call(raw_request: Request, method: str, *args: Any) -> Any:
 async def sleep(raw_request: Request, level: str = "1") -> Response:
     """Put the engine to sleep (200, empty body); 400 for a bad ``level`` or a busy engine."""
     try:
-        if not level.strip().isdigit():
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if level.strip() not in ("1", "2"):
+            raise SamplingParamsError(f"level must be 1 or 2, got {level!r}", "level")
         await _call(raw_request, "sleep", int(level))
     except Exception as e:  # noqa: BLE001 - mapped by the one error function (ValueError: 400)
         return error_json(e)
@@ -46,6 +48,10 @@ async def sleep(raw_request: Request, level: str = "1") -> Response:
 async def wake_up(raw_request: Request, tags: Optional[list[str]] = Query(None)) -> Response:
     """Wake the engine (200, empty body); 400 for an unknown tag."""
     try:
+        try:
+            check_tags(tags)
+        except ValueError as e:
+            raise SamplingParamsError(str(e), "tags") from None
         await _call(raw_request, "wake_up", tags)
     except Exception as e:  # noqa: BLE001
         return error_json(e)
