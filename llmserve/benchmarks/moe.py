@@ -88,7 +88,8 @@ def main(argv=None) -> dict:
             g, t = statistics.median(rates["grouped"]), statistics.median(rates["token_loop"])
             pair = statistics.median(a / b for a, b in zip(rates["grouped"], rates["token_loop"]))
             result[f"c={c}"] = {"grouped_tok_s": round(g, 1), "token_loop_tok_s": round(t, 1),
-                                "ratio_of_medians": round(g / t, 2), "median_pair_ratio": round(pair, 2)}
+                                "ratio_of_medians": round(g / t, 2), "median_pair_ratio": round(pair, 2),
+                                "rounds": {k: [round(x, 1) for x in v] for k, v in rates.items()}}
     finally:
         llm.shutdown()
         if tmp is not None:
