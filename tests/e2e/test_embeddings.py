@@ -53,6 +53,10 @@ def test_c32_float_base64_default_token_ids_and_errors(emb_server):
     assert len(vecs[0]) == len(vecs[1]) == 384 and all(math.isfinite(x) for v in vecs for x in v)
     assert v1["usage"]["prompt_tokens"] == sum(_tok_count(s, t) for t in TEXTS) == 6 + 4
     assert v1["usage"]["total_tokens"] == v1["usage"]["prompt_tokens"]
+    # its timeline is found, and listed, by the response's id
+    tl = s.http.get(f"/v1/requests/{v1['id']}/timeline")
+    assert tl.status_code == 200 and tl.json()["id"] == v1["id"], tl.text
+    assert v1["id"] in [row["id"] for row in s.http.get("/v1/requests").json()["data"]]
     # A2
     v2 = _emb(s, input=TEXTS, encoding_format="base64")
     for d, ref in zip(v2["data"], vecs):

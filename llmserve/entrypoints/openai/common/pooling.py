@@ -17,6 +17,7 @@ from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, 
 from llmserve.entrypoints.openai.models.lora import lora_call
 from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline,
                                                   with_deadline)
+from llmserve.entrypoints.openai.request_timelines.labels import add_response_id
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.pooling_params import PoolingParams
@@ -101,6 +102,8 @@ class PoolingBaseServing(BaseServing):
         if self.log_requests:
             self._log(request_id, prompts, params)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        for rid in ids:  # GET /v1/requests shows (and finds) them by the response's id
+            add_response_id(rid, request_id)
         gens = [lora_call(self.engine_client.encode, p.to_engine_prompt(), params, rid, priority=priority)
                 for rid, p in zip(ids, prompts)]
         deadline = current_deadline()
