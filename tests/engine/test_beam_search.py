@@ -201,3 +201,34 @@ def test_smollm2_beams_equal_transformers(llm_fp32, hf_model, k):
     # 2e-4: 20 tokens' float32 logits of two GEMM libraries (measured: 1.26e-4 at k=8 on a
     # cum of -10.23, ~6e-6 per token; the beam arithmetic itself is float64 here)
     assert_same_beams(out, ref, len(ids), f"SmolLM2 k={k}", tol=2e-4)
+
+
+def _writer(arch: str):
+    """The tiny-checkpoint writer of ``arch``'s own model tests (same signature as
+    ``save_tiny_model_fn``)."""
+    if arch in ("mixtral", "qwen3_moe"):
+        from tests.models.test_moe import save_tiny
+    else:
+        from tests.models.test_gemma_phi3 import save_tiny
+    return lambda a, path, seed=0: save_tiny(a, path, seed)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "mixtral", pytest.param("gemma2", marks=pytest.mark.slow),
+                                  pytest.param("gemma3", marks=pytest.mark.slow),
+                                  pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_newer_architectures_beams_equal_transformers(tmp_path_factory, arch):
+    """Beam search on the architectures added after it (Phi-3, Gemma 2/3 with their
+    sliding windows and soft caps, MoE) equals transformers' beams (ids and order)."""
+    path = str(tmp_path_factory.mktemp(f"beam_{arch}"))
+    prompts = [[(29 * i + 17 * j) % 49000 + 5 for j in range(12 + 5 * i)] for i in range(2)]
+    hf = eos_likely_model(_writer(arch), arch, path, 5, prompts)
+    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              kv_cache_memory="64MiB", block_size=16, max_num_seqs=8)
+    try:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                               BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5,
+                                                include_stop_str_in_output=True))
+    finally:
+        llm.shutdown()
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert_same_beams(out, hf_beams(hf, p, 3, 8, 0.5, False), len(p), f"{arch} prompt {i}")
