@@ -12,9 +12,9 @@ from llmserve.metrics.prometheus import PrometheusStatLogger
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
+def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmserve.entrypoints.cli", *argv], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
 
 
 def test_help_texts():
@@ -89,14 +89,18 @@ def test_serve_unknown_model_is_a_one_line_error():
     assert "error" in proc.stderr and "no-such-model-xyz" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def _engine_interpreters() -> set[int]:
-    """Pids of live ``python -m llmserve.engine.core`` processes."""
+def _engine_interpreters(mark: str) -> set[int]:
+    """Pids of live ``python -m llmserve.engine.core`` processes whose environment holds
+    ``mark`` (started by this test's server: a shared machine runs other engines)."""
     import os
     pids = set()
     for d in os.listdir("/proc"):
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                if b"llmserve.engine.core" in f.read():
+                if b"llmserve.engine.core" not in f.read():
+                    continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if mark.encode() in f.read().split(b"\0"):
                     pids.add(int(d))
         except (OSError, ValueError):
             pass
@@ -106,10 +110,13 @@ def _engine_interpreters() -> set[int]:
 def test_serve_error_leaves_no_prestarted_engine():
     """``serve`` starts the engine's interpreter before its own imports (start-up overlap);
     when the server then stops on a bad model, that interpreter goes with it."""
-    before = _engine_interpreters()
-    proc = _run("serve", "no-such-model-xyz", "--port", "0")
+    import os
+    import uuid
+    mark = f"LLMSERVE_TEST_MARK={uuid.uuid4().hex}"
+    key, value = mark.split("=")
+    proc = _run("serve", "no-such-model-xyz", "--port", "0", env={**os.environ, key: value})
     assert proc.returncode == 2
-    assert not (_engine_interpreters() - before)
+    assert not _engine_interpreters(mark)
 
 
 def test_batching_defaults_follow_usage_context():
