@@ -252,6 +252,11 @@ class ParallelConfig:
     data_parallel_external_lb: bool = False
     data_parallel_rank: Optional[int] = None
     data_parallel_size_local: Optional[int] = None  # ranks on this host (they share its cores)
+    # Multi-node internal load balancing (vLLM's head / --headless nodes): ranks
+    # data_parallel_size_local.. join the head over TCP at address:rpc_port (engine/multinode.py).
+    data_parallel_start_rank: int = 0
+    data_parallel_address: Optional[str] = None
+    data_parallel_rpc_port: Optional[int] = None
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

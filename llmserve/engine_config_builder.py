@@ -346,18 +346,15 @@ def _parallel_config(args: "EngineArgs") -> ParallelConfig:
             raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={dp}), got {rank}")
     else:
         rank = None
-        if local is not None and local != dp:
-            raise ValueError(f"data_parallel_size_local={local} != data_parallel_size={dp}: ranks on other hosts "
-                             "(multi-node internal load balancing) are not supported; use "
-                             "--data-parallel-external-lb with one server per rank")
-        if args.data_parallel_start_rank:
-            raise ValueError("data_parallel_start_rank applies to --data-parallel-external-lb only "
-                             "(internal load balancing runs ranks 0..N-1 here)")
+        from llmserve.engine.multinode import check_multinode_args
+        check_multinode_args(args)
     return ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=dp, distributed_executor_backend=args.distributed_executor_backend,
         worker_cls=args.worker_cls, data_parallel_external_lb=external, data_parallel_rank=rank,
-        data_parallel_size_local=local if local is not None else dp)
+        data_parallel_size_local=local if local is not None else dp,
+        data_parallel_start_rank=args.data_parallel_start_rank, data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port)
 
 
 def _restart_config(args: "EngineArgs", usage_context: "UsageContext") -> RestartConfig:

@@ -18,6 +18,9 @@ vLLM); this module imports nothing of ``core_client``.
 * every ``EngineCoreOutputs`` carries its ``engine_index``;
 * one rank dying is the client's death (vLLM: the DP group fails together): every waiter
   gets EngineDeadError, the server reports unhealthy. Engine self-healing is off with DP.
+  Multi-node (``--data-parallel-size-local`` < size, engine/multinode.py): a lost
+  headless node's ranks leave the group instead; their in-flight requests end with an
+  error naming the rank and the others keep serving.
 
 With ``--api-server-count K`` the launcher starts the N engines and each API server's
 ``DPLBAsyncMPClient`` attaches to them (``client_addresses``: one address pair per rank).
@@ -85,7 +88,10 @@ class DPLBAsyncMPClient:
         self.dp_size = pc.data_parallel_size
         self.client_index = client_index
         self.client_addresses = client_addresses
-        cfg = rank_config(vllm_config, self.dp_size)
+        self.dead_ranks: set[int] = set()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.node_watch = self._watch_nodes(pc)
+        cfg = rank_config(vllm_config, self.dp_size if client_addresses else pc.data_parallel_size_local or self.dp_size)
         # The ranks load their models at the same time (or, attached, say READY).
         with ThreadPoolExecutor(self.dp_size) as pool:
             futs = [pool.submit(rank_client, with_data_parallel_rank(cfg, r), executor_class, log_stats,
@@ -100,6 +106,8 @@ class DPLBAsyncMPClient:
         if errors:
             for c in self.cores:
                 c.shutdown(2.0)
+            if self.node_watch is not None:
+                self.node_watch.close()
             raise RuntimeError(f"data parallel: {len(errors)} of {self.dp_size} engines failed to start: {errors[0]}")
         self.num_blocks = min(c.num_blocks for c in self.cores)
         self.ready = self.cores[0].ready
@@ -113,9 +121,24 @@ class DPLBAsyncMPClient:
         self.dead_error: Optional[str] = None
         self._shut_down = False
 
+    def _watch_nodes(self, pc: Any):
+        """Multi-node (``data_parallel_size_local`` < size, engine/multinode.py): listen for
+        the headless nodes of ranks size_local..size-1; None on one node."""
+        local = pc.data_parallel_size_local or self.dp_size
+        if self.client_addresses or local >= self.dp_size:
+            return None
+        from llmserve.engine.multinode import NodeWatch
+        self.remote = (pc.data_parallel_address, pc.data_parallel_rpc_port, local)
+        return NodeWatch(pc.data_parallel_address, pc.data_parallel_rpc_port, range(local, self.dp_size),
+                         self._on_node_lost)
+
     def _rank_addresses(self, rank: int) -> Optional[dict[str, str]]:
         """Rank ``rank``'s (input, output) addresses for this API server when the engines
-        were started elsewhere (``--api-server-count``); None: this client starts them."""
+        were started elsewhere (``--api-server-count``, or a headless node's ranks: the
+        fixed TCP layout of engine/multinode.py); None: this client starts them."""
+        if self.node_watch is not None and rank >= self.remote[2]:
+            from llmserve.engine.multinode import remote_rank_addresses
+            return remote_rank_addresses(self.remote[0], self.remote[1], rank)
         if not self.client_addresses:
             return None
         return {key: self.client_addresses[key][rank] for key in ("input_address", "output_address")}
@@ -128,9 +151,39 @@ class DPLBAsyncMPClient:
         if pinned is not None:
             if not 0 <= pinned < self.dp_size:
                 raise ValueError(f"data_parallel_rank={pinned} is out of range [0, {self.dp_size})")
+            if pinned in self.dead_ranks:
+                raise ValueError(f"data_parallel_rank={pinned} was lost (its node left the group)")
             return pinned
-        scores = [self.reported[r] + self.sent_since[r] for r in range(self.dp_size)]
-        return scores.index(min(scores))
+        live = [r for r in range(self.dp_size) if r not in self.dead_ranks]
+        return min(live, key=lambda r: (self.reported[r] + self.sent_since[r], r))
+
+    # ---- node loss (multi-node) ----------------------------------------------------
+    def _on_node_lost(self, ranks: list[int], reason: str) -> None:
+        """NodeWatch thread: a headless node's connection closed."""
+        logger.error("%s; the other ranks keep serving", reason)
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._drop_ranks, ranks, reason)
+        else:
+            self.dead_ranks.update(ranks)
+
+    def _drop_ranks(self, ranks: list[int], reason: str) -> None:
+        """Take ``ranks`` out of the group: stop reading them and end their in-flight
+        requests with an error (EngineCoreRejection: the caller gets ValueError(reason))."""
+        from llmserve.engine.messages import EngineCoreRejection
+        for rank in ranks:
+            self.dead_ranks.add(rank)
+            if rank < len(self._pumps):
+                self._pumps[rank].cancel()
+            ids = [rid for rid, r in self.req_rank.items() if r == rank]
+            for rid in ids:
+                self._finished(rank, rid)
+            if ids and self._queue is not None:
+                msg = f"{reason}: the request was in flight on data parallel rank {rank}"
+                self._queue.put_nowait(EngineCoreOutputs(
+                    rejected=[EngineCoreRejection(rid, msg) for rid in ids], engine_index=rank))
+        if len(self.dead_ranks) == self.dp_size:
+            self.engine_dead = True
+            self.dead_error = reason
 
     def _finished(self, rank: int, request_id: str) -> None:
         if self.req_rank.pop(request_id, None) is not None:
@@ -140,8 +193,10 @@ class DPLBAsyncMPClient:
     def _ensure_pumps(self) -> None:
         if self._queue is None or not self._pumps or self._pumps[0].done() and not self.engine_dead:
             self._queue = asyncio.Queue()
-            loop = asyncio.get_running_loop()
+            self._loop = loop = asyncio.get_running_loop()
             self._pumps = [loop.create_task(self._pump(r)) for r in range(self.dp_size)]
+            for r in self.dead_ranks:
+                self._pumps[r].cancel()
 
     async def _pump(self, rank: int) -> None:
         core = self.cores[rank]
@@ -207,14 +262,16 @@ class DPLBAsyncMPClient:
                 by_rank.setdefault(rank, []).append(rid)
                 self._finished(rank, rid)
         for rank, ids in by_rank.items():
-            await self.cores[rank].abort_requests_async(ids)
+            if rank not in self.dead_ranks:  # a lost node's socket would hold them forever
+                await self.cores[rank].abort_requests_async(ids)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Call ``method`` on every rank. get_stats: counts summed, each rank's dict under
         "engines"; bool results: all true; else the list of results in rank order."""
         self._ensure_alive()
         self._ensure_pumps()
-        results = await asyncio.gather(*(c.call_utility_async(method, *args) for c in self.cores))
+        live = [c for r, c in enumerate(self.cores) if r not in self.dead_ranks]
+        results = await asyncio.gather(*(c.call_utility_async(method, *args) for c in live))
         if method == "get_stats":
             merged: dict[str, Any] = {k: sum(r[k] for r in results) for k in results[0]
                                       if isinstance(results[0][k], int) and k != "pid"}
@@ -251,6 +308,8 @@ class DPLBAsyncMPClient:
         if self._shut_down:
             return
         self._shut_down = True
+        if self.node_watch is not None:
+            self.node_watch.close()  # the headless nodes stop their engines
         for t in self._pumps:
             if not t.done():
                 try:

@@ -172,3 +172,14 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
 WIRE_TYPES = (EngineCoreRequest, EncoderInputs, StreamingInputChunk, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
               EngineCoreRejection, EngineCoreDead, UtilityOutput, UtilityRequest, LogprobsLists, EngineCoreEvent,
               BeamSearchParams, BeamSequenceOutput, LoRARequest)
+
+
+class EngineHandshake(msgspec.Struct, array_like=True, gc=False):
+    """A ``--headless`` node joining the head (multi-node data parallel, engine/multinode.py):
+    it runs ranks ``start_rank .. start_rank + size_local - 1``, from host ``host``. Sent once,
+    msgpack, on the TCP connection to the head's ``--data-parallel-rpc-port``; that
+    connection stays open while the node lives (its close is the node's loss)."""
+
+    start_rank: int
+    size_local: int
+    host: str

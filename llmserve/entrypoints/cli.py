@@ -51,6 +51,9 @@ def _run_serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         validate_parsed_serve_args(args)
+        if getattr(args, "headless", False):  # engines only: multi-node data parallel
+            from llmserve.engine.multinode import run_headless
+            sys.exit(run_headless(args))
         code = run_api_servers(args, run_server)
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         print(f"llmserve serve: error: {e}", file=sys.stderr)

@@ -57,8 +57,8 @@ def test_data_parallel_rank_means_external_lb_and_is_checked():
     assert (pc.data_parallel_rank, pc.data_parallel_size_local) == (2, 2)
     with pytest.raises(ValueError, match="data_parallel_rank"):
         _pc(data_parallel_size=2, data_parallel_rank=2)
-    with pytest.raises(ValueError, match="data_parallel_size_local"):
-        _pc(data_parallel_size=2, data_parallel_size_local=1)  # internal LB over several hosts
+    with pytest.raises(ValueError, match="needs --data-parallel-address"):
+        _pc(data_parallel_size=2, data_parallel_size_local=1)  # internal LB over several hosts: a head address
     assert not _pc(data_parallel_size=2).data_parallel_external_lb
 
 

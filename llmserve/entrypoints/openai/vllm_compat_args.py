@@ -65,8 +65,6 @@ _ARCH = "the model's architecture picks the runner (generate or pooling)"
 # vLLM flag -> (kind, reason, accepted values). A refused flag is fine at vLLM's default
 # (``accepted``, as strings; a bool flag: False), e.g. ``--api-server-count 1``.
 COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    # serve subcommand
-    "--headless": (REFUSED, "multi-node data parallel is not implemented", ()),
     # frontend
     "--enable-ssl-refresh": (REFUSED, "certificates are loaded once at start; restart to load new ones", ()),
     "--disable-frontend-multiprocessing": (NOOP, "the engine always runs in its own process "

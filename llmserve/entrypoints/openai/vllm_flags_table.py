@@ -31,8 +31,6 @@ OWN_FLAG_KINDS = {
     "--max-long-partial-prefills": REFUSED,
     "--async-scheduling": REFUSED,
     "--pipeline-parallel-size": REFUSED,
-    "--data-parallel-address": NOOP,
-    "--data-parallel-rpc-port": NOOP,
 }
 
 

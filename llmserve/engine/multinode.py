@@ -1,0 +1,220 @@
+"""Multi-node data parallel with internal load balancing, as vLLM runs it (``vllm serve
+--data-parallel-size N --data-parallel-size-local L --data-parallel-address A
+--data-parallel-rpc-port P`` on the head, ``--headless --data-parallel-start-rank S`` on the
+other nodes; vLLM docs, "Data Parallel Deployment", multi-node).
+
+* The head runs the API server and ranks ``0 .. L-1``; for every remote rank ``r`` its
+  ``DPLBAsyncMPClient`` binds rank ``r``'s input / output ZMQ sockets on
+  ``tcp://A:P+1+2r`` and ``tcp://A:P+2+2r`` (a fixed layout instead of vLLM's address
+  exchange: each side computes it) and listens on ``A:P`` for joining nodes
+  (:class:`NodeWatch`).
+* A headless node starts its ranks' EngineCores connected to those addresses, then
+  connects to ``A:P`` and sends an ``EngineHandshake`` (its ranks). That TCP connection is
+  the liveness link both ways: the node stops its engines and exits when the head closes
+  it (head stopped or killed); the head treats its close as the loss of that node's ranks.
+* A lost node's ranks leave the group; the head keeps serving on the others. Requests in
+  flight on a lost rank end with an error naming the rank (the server answers 400 / an
+  error event in the stream: ``EngineCoreRejection``); none are retried. vLLM instead fails
+  the whole DP group.
+
+Nothing here runs collectives across ranks: dense models need no DP wave coordination.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import msgspec
+
+from llmserve.engine.messages import EngineHandshake
+
+logger = logging.getLogger(__name__)
+
+
+def check_multinode_args(args: Any) -> None:
+    """ValueError naming the flag for a data-parallel topology vLLM would refuse (internal
+    load balancing): ranks beyond ``--data-parallel-size``, several nodes without
+    ``--data-parallel-address`` / ``--data-parallel-rpc-port``, a head not at rank 0."""
+    dp, start = args.data_parallel_size, args.data_parallel_start_rank
+    local = args.data_parallel_size_local if args.data_parallel_size_local is not None else dp
+    headless = getattr(args, "headless", False)
+    if start + local > dp:
+        raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds "
+                         f"--data-parallel-size {dp}")
+    if local == dp and not headless:
+        if start:
+            raise ValueError("--data-parallel-start-rank applies to --headless nodes and "
+                             "--data-parallel-external-lb (one node runs ranks 0..N-1)")
+        return
+    what = "--headless" if headless else f"--data-parallel-size-local {local} < --data-parallel-size {dp}"
+    if not args.data_parallel_address:
+        raise ValueError(f"{what} needs --data-parallel-address (the head node's address)")
+    if not args.data_parallel_rpc_port:
+        raise ValueError(f"{what} needs --data-parallel-rpc-port (the head's port for joining nodes)")
+    if not headless and start:
+        raise ValueError("--data-parallel-start-rank must be 0 on the head node (ranks 0..size_local-1); "
+                         "other nodes run with --headless")
+    if headless and start == 0:
+        raise ValueError("--headless needs --data-parallel-start-rank >= 1 (the head runs rank 0)")
+
+
+def remote_rank_addresses(address: str, rpc_port: int, rank: int) -> dict[str, str]:
+    """Rank ``rank``'s (input, output) ZMQ addresses on the head: ``tcp://A:P+1+2r`` and
+    ``tcp://A:P+2+2r`` (the head binds them, the rank's engine connects)."""
+    host = f"[{address}]" if ":" in address else address
+    return {"input_address": f"tcp://{host}:{rpc_port + 1 + 2 * rank}",
+            "output_address": f"tcp://{host}:{rpc_port + 2 + 2 * rank}"}
+
+
+def encode_handshake(hs: EngineHandshake) -> bytes:
+    """The handshake frame: a 4-byte big-endian length, then msgpack."""
+    body = msgspec.msgpack.encode(hs)
+    return struct.pack(">I", len(body)) + body
+
+
+def recv_handshake(conn: socket.socket, timeout: float = 10.0) -> EngineHandshake:
+    """Read one handshake frame from ``conn``. Raises ValueError on a short or malformed one."""
+    conn.settimeout(timeout)
+    head = _recv_exactly(conn, 4)
+    (n,) = struct.unpack(">I", head)
+    if n > 1 << 16:
+        raise ValueError(f"handshake of {n} bytes is too large")
+    try:
+        return msgspec.msgpack.decode(_recv_exactly(conn, n), type=EngineHandshake)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed EngineHandshake: {e}") from None
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ValueError("connection closed during the handshake")
+        buf += chunk
+    return buf
+
+
+class NodeWatch:
+    """The head's listener on ``address:rpc_port``: accepts ``--headless`` nodes, reads
+    their ``EngineHandshake`` and calls ``on_lost(ranks, reason)`` (from its thread) when a
+    node's connection closes. ``close()`` closes every connection (the nodes then exit)."""
+
+    def __init__(self, address: str, rpc_port: int, remote_ranks: range,
+                 on_lost: Callable[[list[int], str], None]) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((address, rpc_port))
+        self.sock.listen(16)
+        self.remote_ranks = remote_ranks
+        self.on_lost = on_lost
+        self.conns: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="DPNodeWatch").start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            hs = recv_handshake(conn)
+        except (ValueError, OSError) as e:
+            logger.warning("data parallel: bad handshake from %s: %s", peer, e)
+            conn.close()
+            return
+        ranks = [r for r in range(hs.start_rank, hs.start_rank + hs.size_local) if r in self.remote_ranks]
+        logger.info("data parallel: node %s joined with ranks %s", hs.host, ranks)
+        self.conns.append(conn)
+        conn.settimeout(None)
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        if not self._closed:
+            self.on_lost(ranks, f"data parallel node {hs.host} (ranks {ranks}) was lost")
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self.sock, *self.conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def run_headless(args: Any) -> int:
+    """``llmserve serve --headless``: start this node's ranks connected to the head, join
+    it, and wait. Returns the exit code: 0 when the head went away (its engines are
+    stopped first), 1 when an engine died or the head could not be reached."""
+    from llmserve.engine.core_process import spawn_engine_process
+    from llmserve.engine.dp_client import rank_config, with_data_parallel_rank
+    from llmserve.engine_args import AsyncEngineArgs, UsageContext
+
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    pc = config.parallel_config
+    if pc.data_parallel_external_lb:
+        raise ValueError("--headless runs internal load balancing ranks; drop --data-parallel-external-lb")
+    cfg = rank_config(config, pc.data_parallel_size_local)
+    ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank + pc.data_parallel_size_local)
+    procs = []
+    for r in ranks:
+        a = remote_rank_addresses(pc.data_parallel_address, pc.data_parallel_rpc_port, r)
+        procs.append(spawn_engine_process(with_data_parallel_rank(cfg, r), a["input_address"], a["output_address"],
+                                          None, not args.disable_log_stats))
+    logger.info("headless: ranks %s started (pids %s)", list(ranks), [p.pid for p in procs])
+    try:
+        conn = _connect_head(pc.data_parallel_address, pc.data_parallel_rpc_port, procs, args.host)
+        if conn is None:
+            return 1
+        conn.sendall(encode_handshake(EngineHandshake(ranks.start, len(ranks), args.host or socket.gethostname())))
+        return _wait(conn, procs)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(10)
+
+
+def _connect_head(address: str, port: int, procs: list, host: Optional[str],
+                  timeout: float = 600.0) -> Optional[socket.socket]:
+    """The liveness link to the head, from this node's ``--host`` when given."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(not p.is_alive() for p in procs):
+            logger.error("headless: an engine exited before joining the head")
+            return None
+        try:
+            return socket.create_connection((address, port), timeout=2.0,
+                                            source_address=(host, 0) if host else None)
+        except OSError:
+            time.sleep(0.5)
+    logger.error("headless: the head at %s:%d did not answer within %.0f s", address, port, timeout)
+    return None
+
+
+def _wait(conn: socket.socket, procs: list) -> int:
+    conn.settimeout(0.5)
+    while True:
+        try:
+            if not conn.recv(64):
+                logger.info("headless: the head went away; stopping")
+                return 0
+        except socket.timeout:
+            pass
+        except OSError:
+            return 0
+        if any(not p.is_alive() for p in procs):
+            logger.error("headless: an engine died; leaving the group")
+            return 1

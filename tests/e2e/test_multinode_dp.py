@@ -1,0 +1,100 @@
+"""Multi-node data parallel on one machine (issue 35 item 1): a head on 127.0.0.1 running
+rank 0 and the API server, and a ``--headless`` node on 127.0.0.2 running rank 1 that joins
+it over TCP (vLLM's flags). Greedy text per prompt equals DP=1's, both ranks serve, and
+killing the headless node ends its in-flight requests with an error while the head keeps
+serving; nothing is left running."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.e2e_utils import RemoteServer, _free_port
+from tests.e2e.test_data_parallel_server import _finished_by_rank
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
+PROMPTS = [f"prompt number {i} says" for i in range(6)]
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def _texts(srv) -> list[str]:
+    client = srv.client(timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outs = pool.map(lambda p: client.completions.create(model="tiny", prompt=p, **GREEDY), PROMPTS)
+        return [o.choices[0].text for o in outs]
+
+
+def _headless(model: str, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model", model, *TINY, "--headless",
+           "--host", "127.0.0.2", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+           "--data-parallel-start-rank", "1", "--data-parallel-address", "127.0.0.1",
+           "--data-parallel-rpc-port", str(port)]
+    return subprocess.Popen(cmd, start_new_session=True)  # its own process tree: a "node"
+
+
+def _tree(proc) -> list[psutil.Process]:
+    try:
+        return [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_head_and_headless_node_serve_like_dp1_and_survive_the_node_loss(tiny_model_dir):
+    single = RemoteServer(["--model", tiny_model_dir, *TINY])
+    try:
+        want = _texts(single)
+    finally:
+        single.stop()
+    port = _free_port()
+    node = _headless(tiny_model_dir, port)
+    node_procs = []
+    head = None
+    try:
+        head = RemoteServer(["--model", tiny_model_dir, *TINY, "--data-parallel-size", "2",
+                             "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+                             "--data-parallel-rpc-port", str(port)], entrypoint=["-m", "llmserve.entrypoints.cli",
+                                                                                   "serve"])
+        node_procs = _tree(node)
+        assert len(node_procs) == 2  # the headless launcher and its rank-1 engine
+        before = _finished_by_rank(head)
+        assert _texts(head) == want
+        after = _finished_by_rank(head)
+        served = {r: after.get(r, 0) - before.get(r, 0) for r in ("0", "1")}
+        assert served["0"] > 0 and served["1"] > 0, served
+        # Streams pinned to rank 1; the node is killed once each has its first token.
+        client = head.client(timeout=60)
+        long = {"max_tokens": 500, "temperature": 0.0, "extra_body": {"ignore_eos": True}, "stream": True}
+        streams = [client.completions.create(model="tiny", prompt=f"x {i}", extra_headers={
+            "X-data-parallel-rank": "1"}, **long) for i in range(3)]
+        for st in streams:
+            next(iter(st))
+        os.killpg(node.pid, signal.SIGKILL)
+        errors = []
+        for st in streams:
+            with pytest.raises(Exception) as e:
+                for _ in st:
+                    pass
+            errors.append(str(e.value))
+        assert all("rank 1" in e for e in errors), errors
+        # The head keeps serving on rank 0.
+        out = client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY)
+        assert out.choices[0].text == want[0]
+        assert head.http.get("/health").status_code == 200
+    finally:
+        if head is not None:
+            head.stop()
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait(30)
+    deadline = time.monotonic() + 10
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in node_procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in node_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

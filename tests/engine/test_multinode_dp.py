@@ -1,0 +1,73 @@
+"""Multi-node data parallel (issue 35 item 1), the cheap twin of
+tests/e2e/test_multinode_dp.py: vLLM's flag rules (each error names the flag), the fixed
+address layout both sides compute, the EngineHandshake frame, and the head's NodeWatch
+reporting a node's ranks lost when its connection closes."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from llmserve.engine.messages import EngineHandshake
+from llmserve.engine.multinode import NodeWatch, encode_handshake, recv_handshake, remote_rank_addresses
+from llmserve.engine_args import EngineArgs
+from llmserve.engine_config_builder import _parallel_config
+
+NODE = dict(data_parallel_size=2, data_parallel_size_local=1, data_parallel_address="127.0.0.1",
+            data_parallel_rpc_port=29550)
+
+
+def test_head_and_headless_configs_carry_the_topology():
+    pc = _parallel_config(EngineArgs(**NODE))
+    assert (pc.data_parallel_size, pc.data_parallel_size_local, pc.data_parallel_start_rank) == (2, 1, 0)
+    assert (pc.data_parallel_address, pc.data_parallel_rpc_port, pc.data_parallel_external_lb) == \
+        ("127.0.0.1", 29550, False)
+    pc = _parallel_config(EngineArgs(**NODE, headless=True, data_parallel_start_rank=1))
+    assert pc.data_parallel_start_rank == 1 and pc.data_parallel_rank is None
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(NODE, data_parallel_start_rank=1, headless=True, data_parallel_size_local=2), "--data-parallel-start-rank 1"),
+    (dict(NODE, data_parallel_address=None), "needs --data-parallel-address"),
+    (dict(NODE, data_parallel_rpc_port=None), "needs --data-parallel-rpc-port"),
+    (dict(NODE, headless=True, data_parallel_address=None, data_parallel_start_rank=1), "--headless needs"),
+    (dict(NODE, headless=True), "--headless needs --data-parallel-start-rank"),
+    (dict(NODE, data_parallel_start_rank=1), "must be 0 on the head"),
+    (dict(data_parallel_size=2, data_parallel_start_rank=1), "--data-parallel-start-rank"),
+])
+def test_bad_topologies_name_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        _parallel_config(EngineArgs(**kw))
+
+
+def test_address_layout_and_handshake_round_trip():
+    assert remote_rank_addresses("127.0.0.1", 29550, 1) == {"input_address": "tcp://127.0.0.1:29553",
+                                                             "output_address": "tcp://127.0.0.1:29554"}
+    assert remote_rank_addresses("::1", 5000, 0)["input_address"] == "tcp://[::1]:5001"
+    a, b = socket.socketpair()
+    with a, b:
+        hs = EngineHandshake(start_rank=2, size_local=2, host="127.0.0.2")
+        a.sendall(encode_handshake(hs))
+        assert recv_handshake(b) == hs
+        a.sendall(b"\x00\x00\x00\x03abc")
+        with pytest.raises(ValueError, match="malformed EngineHandshake"):
+            recv_handshake(b)
+
+
+def test_node_watch_reports_a_lost_node_and_only_its_remote_ranks():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lost = []
+    done = threading.Event()
+    watch = NodeWatch("127.0.0.1", port, range(1, 3), lambda ranks, why: (lost.append((ranks, why)), done.set()))
+    try:
+        node = socket.create_connection(("127.0.0.1", port))
+        node.sendall(encode_handshake(EngineHandshake(start_rank=1, size_local=3, host="127.0.0.2")))
+        assert not done.wait(0.3)  # alive while the connection is open
+        node.close()
+        assert done.wait(5)
+        assert lost[0][0] == [1, 2] and "127.0.0.2" in lost[0][1]
+    finally:
+        watch.close()
