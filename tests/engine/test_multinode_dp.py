@@ -4,6 +4,7 @@ address layout both sides compute, the EngineHandshake frame, and the head's Nod
 reporting a node's ranks lost when its connection closes."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 
@@ -71,3 +72,67 @@ def test_node_watch_reports_a_lost_node_and_only_its_remote_ranks():
         assert lost[0][0] == [1, 2] and "127.0.0.2" in lost[0][1]
     finally:
         watch.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    """The fields of EngineConfig the DP client reads."""
+
+    parallel_config: object
+    num_threads: int = 1
+
+
+class _FakeRank:
+    """One rank's client: records requests, never answers (a remote rank gone quiet)."""
+
+    def __init__(self, config, executor_class, log_stats, addresses, client_index):
+        self.rank = config.parallel_config.data_parallel_rank
+        self.num_blocks, self.ready, self.engine_pid = 10, None, None
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+
+    async def get_output_async(self):
+        import asyncio
+        await asyncio.Event().wait()
+
+    async def add_request_async(self, request):
+        self.added.append(request.request_id)
+
+    async def abort_requests_async(self, ids):
+        self.aborted += ids
+
+    async def call_utility_async(self, method, *args):
+        return {"num_running_reqs": self.rank + 1}
+
+    def shutdown(self, timeout=None):
+        pass
+
+
+def test_a_lost_ranks_requests_fail_naming_it_and_the_rest_keep_serving():
+    import asyncio
+    from types import SimpleNamespace
+
+    from llmserve.engine.dp_client import DPLBAsyncMPClient
+
+    pc = _parallel_config(EngineArgs(data_parallel_size=2))
+    client = DPLBAsyncMPClient(_Cfg(pc), rank_client=_FakeRank)
+
+    async def run():
+        await client.add_request_async(SimpleNamespace(request_id="a", data_parallel_rank=1))
+        await client.add_request_async(SimpleNamespace(request_id="b", data_parallel_rank=0))
+        client._on_node_lost([1], "data parallel node 10.0.0.2 (ranks [1]) was lost")
+        outs = await asyncio.wait_for(client.get_output_async(), 5)
+        assert [r.request_id for r in outs.rejected] == ["a"] and "rank 1" in outs.rejected[0].message
+        assert client.dead_ranks == {1} and not client.engine_dead
+        with pytest.raises(ValueError, match="data_parallel_rank=1 was lost"):
+            await client.add_request_async(SimpleNamespace(request_id="c", data_parallel_rank=1))
+        await client.add_request_async(SimpleNamespace(request_id="d", data_parallel_rank=None))
+        await client.abort_requests_async(["a", "b"])  # nothing is sent to the lost rank
+        assert (client.cores[0].added, client.cores[1].added) == (["b", "d"], ["a"])
+        assert client.cores[0].aborted == ["b"] and client.cores[1].aborted == []
+        assert (await client.call_utility_async("get_stats"))["num_running_reqs"] == 1  # rank 0 only
+        client._drop_ranks([0], "node lost")
+        assert client.engine_dead
+        client.shutdown()
+
+    asyncio.run(run())
