@@ -1,5 +1,5 @@
 """Multi-node data parallel (issue 35 item 1), the cheap twin of
-tests/e2e/test_multinode_dp.py: vLLM's flag rules (each error names the flag), the fixed
+tests/e2e/test_multinode_dp.py (own basename: pytest collects both dirs): vLLM's flag rules (each error names the flag), the fixed
 address layout both sides compute, the EngineHandshake frame, and the head's NodeWatch
 reporting a node's ranks lost when its connection closes."""
 from __future__ import annotations
