@@ -168,7 +168,8 @@ class DPLBAsyncMPClient:
 
     def _drop_ranks(self, ranks: list[int], reason: str) -> None:
         """Take ``ranks`` out of the group: stop reading them and end their in-flight
-        requests with an error (EngineCoreRejection: the caller gets ValueError(reason))."""
+        requests with an error (EngineCoreRejection with engine_lost: the caller gets
+        EngineGenerateError(reason), HTTP 500: the node failed, not the request)."""
         from llmserve.engine.messages import EngineCoreRejection
         for rank in ranks:
             self.dead_ranks.add(rank)
@@ -180,7 +181,7 @@ class DPLBAsyncMPClient:
             if ids and self._queue is not None:
                 msg = f"{reason}: the request was in flight on data parallel rank {rank}"
                 self._queue.put_nowait(EngineCoreOutputs(
-                    rejected=[EngineCoreRejection(rid, msg) for rid in ids], engine_index=rank))
+                    rejected=[EngineCoreRejection(rid, msg, engine_lost=True) for rid in ids], engine_index=rank))
         if len(self.dead_ranks) == self.dp_size:
             self.engine_dead = True
             self.dead_error = reason

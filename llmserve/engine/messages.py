@@ -119,10 +119,13 @@ class EngineCoreReady(msgspec.Struct, array_like=True, gc=False):
 
 class EngineCoreRejection(msgspec.Struct, array_like=True, gc=False):
     """The engine refused a request (e.g. it could never fit in the KV cache); the client
-    raises ValueError(message) to its caller. The engine keeps running."""
+    raises ValueError(message) to its caller. The engine keeps running. ``engine_lost``:
+    not the request's fault, the engine that held it is gone (a lost data-parallel node):
+    the caller gets EngineGenerateError (HTTP 500) instead."""
 
     request_id: str
     message: str
+    engine_lost: bool = False
 
 
 class EngineCoreDead(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -12,6 +12,7 @@ from typing import Optional
 
 from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.exceptions import EngineGenerateError
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, EngineCoreRequest, LogprobsLists
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine.request_timeline import RequestTimelines, TimelineRecord
@@ -262,8 +263,9 @@ class OutputProcessor:
         return result
 
     def reject_requests(self, rejections: list[EngineCoreRejection]) -> None:
-        """The engine refused these requests: each caller gets ValueError(message) (in its
-        collector; without one, e.g. LLMEngine, it is raised here)."""
+        """The engine refused these requests: each caller gets ValueError(message), or
+        EngineGenerateError when the engine holding it was lost (in its collector;
+        without one, e.g. LLMEngine, it is raised here)."""
         for rej in rejections:
             st = self.states.get(rej.request_id)
             if st is None:
@@ -271,7 +273,7 @@ class OutputProcessor:
             self._forget(st, "error")
             if st.parent is not None:
                 self.parents.pop(st.parent.request_id, None)
-            exc = ValueError(rej.message)
+            exc = EngineGenerateError(rej.message) if rej.engine_lost else ValueError(rej.message)
             if st.collector is None:
                 raise exc
             st.collector.put(exc)

@@ -123,6 +123,7 @@ def test_a_lost_ranks_requests_fail_naming_it_and_the_rest_keep_serving():
         client._on_node_lost([1], "data parallel node 10.0.0.2 (ranks [1]) was lost")
         outs = await asyncio.wait_for(client.get_output_async(), 5)
         assert [r.request_id for r in outs.rejected] == ["a"] and "rank 1" in outs.rejected[0].message
+        assert outs.rejected[0].engine_lost  # the node failed, not the request: a 500, not a 400
         assert client.dead_ranks == {1} and not client.engine_dead
         with pytest.raises(ValueError, match="data_parallel_rank=1 was lost"):
             await client.add_request_async(SimpleNamespace(request_id="c", data_parallel_rank=1))
@@ -136,3 +137,26 @@ def test_a_lost_ranks_requests_fail_naming_it_and_the_rest_keep_serving():
         client.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_lost_engines_rejection_is_an_engine_error_not_a_bad_request():
+    from llmserve.engine.exceptions import EngineGenerateError
+    from llmserve.engine.messages import EngineCoreRejection, EngineCoreRequest
+    from llmserve.engine.output_processor import OutputProcessor, RequestOutputCollector, register_incarnations
+    from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+    from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+    from llmserve.tokenizer import get_tokenizer
+
+    op = OutputProcessor(get_tokenizer("SmolLM2-135M-Instruct"), log_stats=False)
+    got = {}
+    for rid, lost in (("bad", False), ("lost", True)):
+        collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
+        (req,) = register_incarnations(op, [(EngineCoreRequest(rid, [1, 2], SamplingParams(max_tokens=2), 2, 0.0),
+                                             None)], None, collector)
+        op.reject_requests([EngineCoreRejection(req.request_id, f"{rid}: rank 1 gone", engine_lost=lost)])
+        with pytest.raises(Exception) as e:  # the collector raises the error to its consumer
+            collector.get_nowait()
+        got[rid] = e.value
+    assert type(got["bad"]) is ValueError and isinstance(got["lost"], EngineGenerateError)
+    assert error_response_from_exception(got["lost"])[0] == 500

@@ -73,7 +73,7 @@ SAMPLES = {
         m.UtilityOutput(4, {"a": 1}, None), ["r0"], [m.EngineCoreRejection("r2", "too long")],
         m.EngineCoreDead("boom", 9, True), m.EngineCoreReady(100, 1234), engine_index=1),
     m.EngineCoreReady: lambda: m.EngineCoreReady(100, 1234),
-    m.EngineCoreRejection: lambda: m.EngineCoreRejection("r2", "The request needs up to 900 tokens"),
+    m.EngineCoreRejection: lambda: m.EngineCoreRejection("r2", "The request needs up to 900 tokens", True),
     m.EngineCoreDead: lambda: m.EngineCoreDead("EngineCore process died (exit code -9)", -9, True),
     m.UtilityOutput: lambda: m.UtilityOutput(4, None, "ValueError: no"),
     m.UtilityRequest: lambda: m.UtilityRequest(5, "get_stats", [1, "x"], 1),
