@@ -8,13 +8,13 @@ other nodes; vLLM docs, "Data Parallel Deployment", multi-node).
   ``tcp://A:P+1+2r`` and ``tcp://A:P+2+2r`` (a fixed layout instead of vLLM's address
   exchange: each side computes it) and listens on ``A:P`` for joining nodes
   (:class:`NodeWatch`).
-* A headless node starts its ranks' EngineCores connected to those addresses, then
+* A headless node (``entrypoints/headless.py``) starts its ranks' EngineCores connected to those addresses, then
   connects to ``A:P`` and sends an ``EngineHandshake`` (its ranks). That TCP connection is
   the liveness link both ways: the node stops its engines and exits when the head closes
   it (head stopped or killed); the head treats its close as the loss of that node's ranks.
 * A lost node's ranks leave the group; the head keeps serving on the others. Requests in
-  flight on a lost rank end with an error naming the rank (the server answers 400 / an
-  error event in the stream: ``EngineCoreRejection``); none are retried. vLLM instead fails
+  flight on a lost rank end with an engine error naming the rank (the server answers 500 /
+  an error event in the stream: ``EngineCoreRejection.engine_lost``); none are retried. vLLM instead fails
   the whole DP group.
 
 Nothing here runs collectives across ranks: dense models need no DP wave coordination.
@@ -25,7 +25,6 @@ import logging
 import socket
 import struct
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -152,69 +151,3 @@ class NodeWatch:
             except OSError:
                 pass
             s.close()
-
-
-def run_headless(args: Any) -> int:
-    """``llmserve serve --headless``: start this node's ranks connected to the head, join
-    it, and wait. Returns the exit code: 0 when the head went away (its engines are
-    stopped first), 1 when an engine died or the head could not be reached."""
-    from llmserve.engine.core_process import spawn_engine_process
-    from llmserve.engine.dp_client import rank_config, with_data_parallel_rank
-    from llmserve.engine_args import AsyncEngineArgs, UsageContext
-
-    config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
-    pc = config.parallel_config
-    if pc.data_parallel_external_lb:
-        raise ValueError("--headless runs internal load balancing ranks; drop --data-parallel-external-lb")
-    cfg = rank_config(config, pc.data_parallel_size_local)
-    ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank + pc.data_parallel_size_local)
-    procs = []
-    for r in ranks:
-        a = remote_rank_addresses(pc.data_parallel_address, pc.data_parallel_rpc_port, r)
-        procs.append(spawn_engine_process(with_data_parallel_rank(cfg, r), a["input_address"], a["output_address"],
-                                          None, not args.disable_log_stats))
-    logger.info("headless: ranks %s started (pids %s)", list(ranks), [p.pid for p in procs])
-    try:
-        conn = _connect_head(pc.data_parallel_address, pc.data_parallel_rpc_port, procs, args.host)
-        if conn is None:
-            return 1
-        conn.sendall(encode_handshake(EngineHandshake(ranks.start, len(ranks), args.host or socket.gethostname())))
-        return _wait(conn, procs)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.join(10)
-
-
-def _connect_head(address: str, port: int, procs: list, host: Optional[str],
-                  timeout: float = 600.0) -> Optional[socket.socket]:
-    """The liveness link to the head, from this node's ``--host`` when given."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(not p.is_alive() for p in procs):
-            logger.error("headless: an engine exited before joining the head")
-            return None
-        try:
-            return socket.create_connection((address, port), timeout=2.0,
-                                            source_address=(host, 0) if host else None)
-        except OSError:
-            time.sleep(0.5)
-    logger.error("headless: the head at %s:%d did not answer within %.0f s", address, port, timeout)
-    return None
-
-
-def _wait(conn: socket.socket, procs: list) -> int:
-    conn.settimeout(0.5)
-    while True:
-        try:
-            if not conn.recv(64):
-                logger.info("headless: the head went away; stopping")
-                return 0
-        except socket.timeout:
-            pass
-        except OSError:
-            return 0
-        if any(not p.is_alive() for p in procs):
-            logger.error("headless: an engine died; leaving the group")
-            return 1

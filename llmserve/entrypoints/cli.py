@@ -52,7 +52,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     try:
         validate_parsed_serve_args(args)
         if getattr(args, "headless", False):  # engines only: multi-node data parallel
-            from llmserve.engine.multinode import run_headless
+            from llmserve.entrypoints.headless import run_headless
             sys.exit(run_headless(args))
         code = run_api_servers(args, run_server)
     except ValueError as e:  # a bad flag or model: one line, not a traceback
