@@ -77,19 +77,25 @@ def test_tiny_beams_equal_transformers(tiny, k, lp, es):
     assert ended, "no beam ended on EOS: the test would not cover EOS handling"
 
 
+def _width3_beams(path: str, prompts: list[list[int]]) -> list:
+    """``LLM.beam_search`` (width 3, 8 tokens, length_penalty 0.5, EOS kept) on the
+    checkpoint at ``path``, in a fresh in-process engine."""
+    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              kv_cache_memory="64MiB", block_size=16, max_num_seqs=8)
+    try:
+        return llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                               BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5,
+                                                include_stop_str_in_output=True))
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures_end_on_eos_as_transformers(tmp_path_factory, save_tiny_model_fn, arch):
     path = str(tmp_path_factory.mktemp(f"beam_{arch}"))
     prompts = [[(41 * i + 13 * j) % 49000 + 5 for j in range(11 + 6 * i)] for i in range(2)]
     hf = eos_likely_model(save_tiny_model_fn, arch, path, 4, prompts)
-    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
-              kv_cache_memory="64MiB", block_size=16, max_num_seqs=8)
-    try:
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
-                               BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5,
-                                                include_stop_str_in_output=True))
-    finally:
-        llm.shutdown()
+    outs = _width3_beams(path, prompts)
     ended = 0
     for i, (p, out) in enumerate(zip(prompts, outs)):
         ref = hf_beams(hf, p, 3, 8, 0.5, False)
@@ -222,13 +228,6 @@ def test_newer_architectures_beams_equal_transformers(tmp_path_factory, arch):
     path = str(tmp_path_factory.mktemp(f"beam_{arch}"))
     prompts = [[(29 * i + 17 * j) % 49000 + 5 for j in range(12 + 5 * i)] for i in range(2)]
     hf = eos_likely_model(_writer(arch), arch, path, 5, prompts)
-    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
-              kv_cache_memory="64MiB", block_size=16, max_num_seqs=8)
-    try:
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
-                               BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5,
-                                                include_stop_str_in_output=True))
-    finally:
-        llm.shutdown()
+    outs = _width3_beams(path, prompts)
     for i, (p, out) in enumerate(zip(prompts, outs)):
         assert_same_beams(out, hf_beams(hf, p, 3, 8, 0.5, False), len(p), f"{arch} prompt {i}")
