@@ -257,6 +257,9 @@ class ParallelConfig:
     data_parallel_start_rank: int = 0
     data_parallel_address: Optional[str] = None
     data_parallel_rpc_port: Optional[int] = None
+    # Hybrid LB: this front end balances ranks data_parallel_start_rank.. +size_local only.
+    data_parallel_hybrid_lb: bool = False
+    data_parallel_backend: str = "mp"  # "ray": ranks are Ray actors (engine/ray_dp.py)
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -269,6 +272,10 @@ class ParallelConfig:
                              f"got {self.data_parallel_rank}")
         if self.data_parallel_external_lb and self.data_parallel_rank is None:
             raise ValueError("data_parallel_external_lb needs data_parallel_rank (the rank this server owns)")
+        if self.data_parallel_hybrid_lb and self.data_parallel_external_lb:
+            raise ValueError("data_parallel_hybrid_lb and data_parallel_external_lb exclude each other")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
         if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(_EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")

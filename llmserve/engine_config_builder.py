@@ -340,6 +340,9 @@ def _parallel_config(args: "EngineArgs") -> ParallelConfig:
     local = args.data_parallel_size_local
     if args.data_parallel_start_rank < 0:
         raise ValueError(f"data_parallel_start_rank must be >= 0, got {args.data_parallel_start_rank}")
+    if external and getattr(args, "data_parallel_hybrid_lb", False):
+        raise ValueError("--data-parallel-hybrid-lb and --data-parallel-external-lb (or --data-parallel-rank) "
+                         "exclude each other")
     if external:
         rank = args.data_parallel_rank if args.data_parallel_rank is not None else args.data_parallel_start_rank
         if not 0 <= rank < dp:
@@ -354,7 +357,9 @@ def _parallel_config(args: "EngineArgs") -> ParallelConfig:
         worker_cls=args.worker_cls, data_parallel_external_lb=external, data_parallel_rank=rank,
         data_parallel_size_local=local if local is not None else dp,
         data_parallel_start_rank=args.data_parallel_start_rank, data_parallel_address=args.data_parallel_address,
-        data_parallel_rpc_port=args.data_parallel_rpc_port)
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
+        data_parallel_hybrid_lb=getattr(args, "data_parallel_hybrid_lb", False),
+        data_parallel_backend=getattr(args, "data_parallel_backend", "mp"))
 
 
 def _restart_config(args: "EngineArgs", usage_context: "UsageContext") -> RestartConfig:

@@ -85,7 +85,11 @@ class DPLBAsyncMPClient:
 
         pc = vllm_config.parallel_config
         self.config = vllm_config
-        self.dp_size = pc.data_parallel_size
+        # Hybrid LB: this client owns ranks start.. +size_local only (engine/multinode.py);
+        # it indexes them 0.. locally and shows them under their global numbers.
+        hybrid = pc.data_parallel_hybrid_lb
+        self.dp_size = (pc.data_parallel_size_local or pc.data_parallel_size) if hybrid else pc.data_parallel_size
+        self.rank_offset = pc.data_parallel_start_rank if hybrid else 0
         self.client_index = client_index
         self.client_addresses = client_addresses
         self.dead_ranks: set[int] = set()
@@ -94,8 +98,8 @@ class DPLBAsyncMPClient:
         cfg = rank_config(vllm_config, self.dp_size if client_addresses else pc.data_parallel_size_local or self.dp_size)
         # The ranks load their models at the same time (or, attached, say READY).
         with ThreadPoolExecutor(self.dp_size) as pool:
-            futs = [pool.submit(rank_client, with_data_parallel_rank(cfg, r), executor_class, log_stats,
-                                self._rank_addresses(r), client_index) for r in range(self.dp_size)]
+            futs = [pool.submit(rank_client, with_data_parallel_rank(cfg, self.rank_offset + r), executor_class,
+                                log_stats, self._rank_addresses(r), client_index) for r in range(self.dp_size)]
         self.cores: list = []
         errors = []
         for f in futs:
@@ -125,7 +129,7 @@ class DPLBAsyncMPClient:
         """Multi-node (``data_parallel_size_local`` < size, engine/multinode.py): listen for
         the headless nodes of ranks size_local..size-1; None on one node."""
         local = pc.data_parallel_size_local or self.dp_size
-        if self.client_addresses or local >= self.dp_size:
+        if self.client_addresses or local >= self.dp_size or pc.data_parallel_hybrid_lb:
             return None
         from llmserve.engine.multinode import NodeWatch
         self.remote = (pc.data_parallel_address, pc.data_parallel_rpc_port, local)
@@ -145,15 +149,18 @@ class DPLBAsyncMPClient:
 
     # ---- routing ----------------------------------------------------------------
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
-        """The rank for a new request: its ``data_parallel_rank`` if set (ValueError if out
-        of range), else the least loaded one."""
+        """The (local) rank for a new request: its ``data_parallel_rank`` if set (a global
+        rank; ValueError if it is not one of this client's), else the least loaded one."""
         pinned = getattr(request, "data_parallel_rank", None)
         if pinned is not None:
-            if not 0 <= pinned < self.dp_size:
-                raise ValueError(f"data_parallel_rank={pinned} is out of range [0, {self.dp_size})")
-            if pinned in self.dead_ranks:
+            first, end = self.rank_offset, self.rank_offset + self.dp_size
+            if not first <= pinned < end:
+                where = " (the other ranks are served by other nodes' API servers)" if self.rank_offset or \
+                    end < self.config.parallel_config.data_parallel_size else ""
+                raise ValueError(f"data_parallel_rank={pinned} is out of range [{first}, {end}){where}")
+            if pinned - first in self.dead_ranks:
                 raise ValueError(f"data_parallel_rank={pinned} was lost (its node left the group)")
-            return pinned
+            return pinned - first
         live = [r for r in range(self.dp_size) if r not in self.dead_ranks]
         return min(live, key=lambda r: (self.reported[r] + self.sent_since[r], r))
 
@@ -212,7 +219,7 @@ class DPLBAsyncMPClient:
                 return
             except asyncio.CancelledError:
                 return
-            outs.engine_index = rank
+            outs.engine_index = self.rank_offset + rank
             stats = outs.scheduler_stats
             if stats is not None:
                 self.reported[rank] = 4 * stats.num_waiting_reqs + stats.num_running_reqs

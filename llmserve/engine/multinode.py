@@ -17,6 +17,13 @@ other nodes; vLLM docs, "Data Parallel Deployment", multi-node).
   an error event in the stream: ``EngineCoreRejection.engine_lost``); none are retried. vLLM instead fails
   the whole DP group.
 
+Hybrid load balancing (``--data-parallel-hybrid-lb``, every node runs ``llmserve serve``
+with its ``--data-parallel-start-rank`` and ``--data-parallel-size-local``): each node's
+API server balances its own ranks only (``DPLBAsyncMPClient.rank_offset``) and a load
+balancer in front spreads requests over the nodes; ranks keep their global numbers (KV
+events, metrics, ``X-data-parallel-rank``, which must name one of the node's ranks). No
+node connects to another: losing one node loses only its requests.
+
 Nothing here runs collectives across ranks: dense models need no DP wave coordination.
 """
 from __future__ import annotations
@@ -44,6 +51,8 @@ def check_multinode_args(args: Any) -> None:
     if start + local > dp:
         raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds "
                          f"--data-parallel-size {dp}")
+    if getattr(args, "data_parallel_hybrid_lb", False):
+        return _check_hybrid_args(args, headless, local)
     if local == dp and not headless:
         if start:
             raise ValueError("--data-parallel-start-rank applies to --headless nodes and "
@@ -59,6 +68,19 @@ def check_multinode_args(args: Any) -> None:
                          "other nodes run with --headless")
     if headless and start == 0:
         raise ValueError("--headless needs --data-parallel-start-rank >= 1 (the head runs rank 0)")
+
+
+def _check_hybrid_args(args: Any, headless: bool, local: int) -> None:
+    """``--data-parallel-hybrid-lb``: every node runs its API server over its own ranks, so
+    not ``--headless``; vLLM asks for the head's address even there (its coordinator), and
+    so do we, to keep one command line valid on both engines."""
+    if headless:
+        raise ValueError("--data-parallel-hybrid-lb runs an API server on every node; drop --headless")
+    if getattr(args, "data_parallel_backend", "mp") != "mp":
+        raise ValueError("--data-parallel-hybrid-lb places this node's ranks itself: use --data-parallel-backend mp")
+    if local < args.data_parallel_size and not args.data_parallel_address:
+        raise ValueError("--data-parallel-hybrid-lb with --data-parallel-size-local below --data-parallel-size "
+                         "needs --data-parallel-address (the head node's address)")
 
 
 def remote_rank_addresses(address: str, rpc_port: int, rank: int) -> dict[str, str]:

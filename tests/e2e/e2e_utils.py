@@ -50,16 +50,19 @@ class RemoteServer:
     the interpreter arguments before the flags, e.g. SERVE_CLI for ``llmserve serve``).
 
     Starts it on a free port, waits for ``GET /health`` == 200, and stops it with
-    SIGTERM (SIGKILL after 30 s); ``env``: extra environment variables. ``url_for(path)``, ``client()`` (openai.OpenAI),
+    SIGTERM (SIGKILL after 30 s); ``env``: extra environment variables; ``host``: the
+    loopback address it binds (127.0.0.2... for a second "node"). ``url_for(path)``, ``client()`` (openai.OpenAI),
     ``http`` (an httpx.Client with the API key) are the ways in.
     """
 
     def __init__(self, args: list[str], api_key: Optional[str] = API_KEY,
-                 entrypoint: Optional[list[str]] = None, env: Optional[dict[str, str]] = None):
+                 entrypoint: Optional[list[str]] = None, env: Optional[dict[str, str]] = None,
+                 host: str = "127.0.0.1"):
         self.port = _free_port()
+        self.host = host
         self.api_key = api_key
         entrypoint = entrypoint or ["-m", "llmserve.entrypoints.openai.api_server"]
-        cmd = [sys.executable, *entrypoint, "--host", "127.0.0.1",
+        cmd = [sys.executable, *entrypoint, "--host", host,
                "--port", str(self.port), "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
@@ -72,7 +75,7 @@ class RemoteServer:
 
     @property
     def url_root(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def url_for(self, *parts: str) -> str:
         return self.url_root + "/" + "/".join(p.strip("/") for p in parts)

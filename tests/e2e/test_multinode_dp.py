@@ -2,7 +2,10 @@
 rank 0 and the API server, and a ``--headless`` node on 127.0.0.2 running rank 1 that joins
 it over TCP (vLLM's flags). Greedy text per prompt equals DP=1's, both ranks serve, and
 killing the headless node ends its in-flight requests with an error while the head keeps
-serving; nothing is left running."""
+serving; nothing is left running. Hybrid load balancing (``--data-parallel-hybrid-lb``): an API
+server on each node over its own rank, each the same text as DP=1, its metrics under its
+global rank, a rank of the other node refused, and a node that keeps serving when the
+other is stopped."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.e2e_utils import RemoteServer, _free_port
+from tests.e2e.e2e_utils import SERVE_CLI, RemoteServer, _free_port
 from tests.e2e.test_data_parallel_server import _finished_by_rank
 
 pytestmark = pytest.mark.slow
@@ -47,12 +50,17 @@ def _tree(proc) -> list[psutil.Process]:
         return []
 
 
-def test_head_and_headless_node_serve_like_dp1_and_survive_the_node_loss(tiny_model_dir):
+@pytest.fixture(scope="module")
+def want(tiny_model_dir) -> list[str]:
+    """DP=1's greedy texts of PROMPTS."""
     single = RemoteServer(["--model", tiny_model_dir, *TINY])
     try:
-        want = _texts(single)
+        return _texts(single)
     finally:
         single.stop()
+
+
+def test_head_and_headless_node_serve_like_dp1_and_survive_the_node_loss(tiny_model_dir, want):
     port = _free_port()
     node = _headless(tiny_model_dir, port)
     node_procs = []
@@ -98,3 +106,32 @@ def test_head_and_headless_node_serve_like_dp1_and_survive_the_node_loss(tiny_mo
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in node_procs) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in node_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _hybrid_node(model: str, port: int, rank: int) -> RemoteServer:
+    return RemoteServer(["--model", model, *TINY, "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                         "--data-parallel-start-rank", str(rank), "--data-parallel-hybrid-lb",
+                         "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)],
+                        entrypoint=SERVE_CLI, host=f"127.0.0.{rank + 1}")
+
+
+def test_hybrid_lb_nodes_each_serve_their_own_rank(tiny_model_dir, want):
+    port = _free_port()
+    nodes = []
+    try:
+        nodes = [_hybrid_node(tiny_model_dir, port, rank) for rank in (0, 1)]
+        for rank, node in enumerate(nodes):
+            assert _texts(node) == want
+            assert set(_finished_by_rank(node)) == {str(rank)}  # its metrics, under its global rank
+        # A rank of the other node is refused, naming the header; its own is served.
+        other = nodes[0].http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                   headers={"X-data-parallel-rank": "1"})
+        assert other.status_code == 400 and other.json()["error"]["param"] == "X-data-parallel-rank", other.text
+        own = nodes[1].client().completions.create(model="tiny", prompt=PROMPTS[1], extra_headers={
+            "X-data-parallel-rank": "1"}, **GREEDY)
+        assert own.choices[0].text == want[1]
+        nodes[0].stop()  # no node depends on another: rank 1 keeps serving
+        assert _texts(nodes[1]) == want
+    finally:
+        for node in nodes:
+            node.stop()

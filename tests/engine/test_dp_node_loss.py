@@ -36,6 +36,11 @@ def test_head_and_headless_configs_carry_the_topology():
     (dict(NODE, headless=True), "--headless needs --data-parallel-start-rank"),
     (dict(NODE, data_parallel_start_rank=1), "must be 0 on the head"),
     (dict(data_parallel_size=2, data_parallel_start_rank=1), "--data-parallel-start-rank"),
+    (dict(NODE, data_parallel_hybrid_lb=True, headless=True, data_parallel_start_rank=1), "drop --headless"),
+    (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_address=None), "hybrid-lb .* needs --data-parallel-address"),
+    (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_rank=1), "exclude each other"),
+    (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_backend="ray"), "use --data-parallel-backend mp"),
+    (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_start_rank=2), "exceeds --data-parallel-size 2"),
 ])
 def test_bad_topologies_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
@@ -134,6 +139,34 @@ def test_a_lost_ranks_requests_fail_naming_it_and_the_rest_keep_serving():
         assert (await client.call_utility_async("get_stats"))["num_running_reqs"] == 1  # rank 0 only
         client._drop_ranks([0], "node lost")
         assert client.engine_dead
+        client.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_hybrid_lb_node_balances_only_its_ranks_under_their_global_numbers():
+    import asyncio
+    from types import SimpleNamespace
+
+    from llmserve.engine.dp_client import DPLBAsyncMPClient
+    from llmserve.entrypoints.openai.dp_rank import served_ranks
+
+    pc = _parallel_config(EngineArgs(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
+                                     data_parallel_hybrid_lb=True, data_parallel_address="127.0.0.1"))
+    assert pc.data_parallel_hybrid_lb and pc.data_parallel_start_rank == 2
+    client = DPLBAsyncMPClient(_Cfg(pc), rank_client=_FakeRank)
+    assert client.node_watch is None  # no node joins another under hybrid LB
+    assert [c.rank for c in client.cores] == [2, 3]  # what each engine publishes under
+    assert served_ranks(SimpleNamespace(vllm_config=_Cfg(pc))) == range(2, 4)
+
+    async def run():
+        await client.add_request_async(SimpleNamespace(request_id="a", data_parallel_rank=3))
+        await client.add_request_async(SimpleNamespace(request_id="b", data_parallel_rank=None))
+        assert (client.cores[0].added, client.cores[1].added) == (["b"], ["a"])
+        for rank in (0, 1, 4):
+            with pytest.raises(ValueError, match=f"data_parallel_rank={rank} is out of range \\[2, 4\\) "
+                                                 "\\(the other ranks are served by other nodes"):
+                await client.add_request_async(SimpleNamespace(request_id="c", data_parallel_rank=rank))
         client.shutdown()
 
     asyncio.run(run())

@@ -186,7 +186,10 @@ async def build_async_engine_client_from_engine_args(
     config = engine_args.create_engine_config(usage_context)
     loggers = list(stat_loggers or [])
     if not any(isinstance(sl, PrometheusStatLogger) for sl in loggers):
-        loggers.append(PrometheusStatLogger(config, engine_index=config.parallel_config.data_parallel_rank or 0))
+        pc = config.parallel_config  # the first rank this server's engines run (hybrid LB: the node's)
+        first = pc.data_parallel_rank if pc.data_parallel_external_lb else \
+            pc.data_parallel_start_rank if pc.data_parallel_hybrid_lb else 0
+        loggers.append(PrometheusStatLogger(config, engine_index=first))
     # vLLM's name is from_vllm_config; engines that predate it have from_engine_config.
     make = getattr(AsyncLLM, "from_vllm_config", None) or AsyncLLM.from_engine_config
     engine_client = make(config, log_requests=not engine_args.disable_log_requests,

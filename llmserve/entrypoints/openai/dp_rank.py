@@ -43,12 +43,16 @@ class DataParallelRankMiddleware:
 
 def served_ranks(engine_client: Any) -> range:
     """The data-parallel ranks requests to ``engine_client`` may be pinned to: its own
-    rank under external load balancing, every rank under internal, rank 0 without DP."""
+    rank under external load balancing, this node's under hybrid, every rank under
+    internal, rank 0 without DP."""
     pc = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
     if pc is None:
         return range(1)
     if pc.data_parallel_external_lb:
         return range(pc.data_parallel_rank, pc.data_parallel_rank + 1)
+    if pc.data_parallel_hybrid_lb:
+        start = pc.data_parallel_start_rank
+        return range(start, start + (pc.data_parallel_size_local or pc.data_parallel_size))
     return range(pc.data_parallel_size)
 
 

@@ -57,7 +57,6 @@ def read_vllm_flags(path: str = FLAGS_FILE) -> list[VllmFlag]:
 
 
 _NO_MM = "no multimodal model runs on this engine"
-_NO_DP = "multi-node data parallel (hybrid load balancing, other DP backends) is not implemented"
 _NO_EPLB = "only used with --enable-eplb, which is refused"
 _NO_HUB = "nothing is downloaded: models load from local paths, the HF cache or packages"
 _ARCH = "the model's architecture picks the runner (generate or pooling)"
@@ -104,8 +103,6 @@ COMPAT_FLAGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "--pt-load-map-location": (NOOP, "weights load onto the engine's --device", ()),
     # ParallelConfig
     "--decode-context-parallel-size": (REFUSED, "context parallelism is not implemented", ("1",)),
-    "--data-parallel-backend": (REFUSED, _NO_DP, ("mp",)),
-    "--data-parallel-hybrid-lb": (REFUSED, _NO_DP, ()),
     "--enable-expert-parallel": (REFUSED, "expert parallelism is not implemented (MoE experts run whole on each worker)", ()),
     "--enable-dbo": (REFUSED, "dual-batch overlap is not implemented", ()),
     "--dbo-decode-token-threshold": (NOOP, "only used with --enable-dbo, which is refused", ()),
