@@ -95,6 +95,7 @@ class DPLBAsyncMPClient:
         self.dead_ranks: set[int] = set()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.node_watch = self._watch_nodes(pc)
+        self.ray_engines = self._place_on_ray(vllm_config, log_stats)
         cfg = rank_config(vllm_config, self.dp_size if client_addresses else pc.data_parallel_size_local or self.dp_size)
         # The ranks load their models at the same time (or, attached, say READY).
         with ThreadPoolExecutor(self.dp_size) as pool:
@@ -112,6 +113,8 @@ class DPLBAsyncMPClient:
                 c.shutdown(2.0)
             if self.node_watch is not None:
                 self.node_watch.close()
+            if self.ray_engines is not None:
+                self.ray_engines.shutdown()
             raise RuntimeError(f"data parallel: {len(errors)} of {self.dp_size} engines failed to start: {errors[0]}")
         self.num_blocks = min(c.num_blocks for c in self.cores)
         self.ready = self.cores[0].ready
@@ -129,17 +132,30 @@ class DPLBAsyncMPClient:
         """Multi-node (``data_parallel_size_local`` < size, engine/multinode.py): listen for
         the headless nodes of ranks size_local..size-1; None on one node."""
         local = pc.data_parallel_size_local or self.dp_size
-        if self.client_addresses or local >= self.dp_size or pc.data_parallel_hybrid_lb:
+        if self.client_addresses or local >= self.dp_size or pc.data_parallel_hybrid_lb or \
+                pc.data_parallel_backend == "ray":
             return None
         from llmserve.engine.multinode import NodeWatch
         self.remote = (pc.data_parallel_address, pc.data_parallel_rpc_port, local)
         return NodeWatch(pc.data_parallel_address, pc.data_parallel_rpc_port, range(local, self.dp_size),
                          self._on_node_lost)
 
+    def _place_on_ray(self, vllm_config: Any, log_stats: bool):
+        """``--data-parallel-backend ray`` (engine/ray_dp.py): Ray places every rank's
+        engine; None otherwise."""
+        if vllm_config.parallel_config.data_parallel_backend != "ray" or self.client_addresses:
+            return None
+        from llmserve.engine.ray_dp import RayDPEngines
+        ranks = [self.rank_offset + r for r in range(self.dp_size)]
+        return RayDPEngines([with_data_parallel_rank(vllm_config, r) for r in ranks], ranks, log_stats,
+                            self._on_node_lost, vllm_config.parallel_config.data_parallel_address or "")
+
     def _rank_addresses(self, rank: int) -> Optional[dict[str, str]]:
         """Rank ``rank``'s (input, output) addresses for this API server when the engines
-        were started elsewhere (``--api-server-count``, or a headless node's ranks: the
+        were started elsewhere (``--api-server-count``, Ray, or a headless node's ranks: the
         fixed TCP layout of engine/multinode.py); None: this client starts them."""
+        if self.ray_engines is not None:
+            return self.ray_engines.addresses[rank]
         if self.node_watch is not None and rank >= self.remote[2]:
             from llmserve.engine.multinode import remote_rank_addresses
             return remote_rank_addresses(self.remote[0], self.remote[1], rank)
@@ -168,6 +184,7 @@ class DPLBAsyncMPClient:
     def _on_node_lost(self, ranks: list[int], reason: str) -> None:
         """NodeWatch thread: a headless node's connection closed."""
         logger.error("%s; the other ranks keep serving", reason)
+        ranks = [r - self.rank_offset for r in ranks]  # global -> this client's index
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._drop_ranks, ranks, reason)
         else:
@@ -186,7 +203,7 @@ class DPLBAsyncMPClient:
             for rid in ids:
                 self._finished(rank, rid)
             if ids and self._queue is not None:
-                msg = f"{reason}: the request was in flight on data parallel rank {rank}"
+                msg = f"{reason}: the request was in flight on data parallel rank {self.rank_offset + rank}"
                 self._queue.put_nowait(EngineCoreOutputs(
                     rejected=[EngineCoreRejection(rid, msg, engine_lost=True) for rid in ids], engine_index=rank))
         if len(self.dead_ranks) == self.dp_size:
@@ -333,3 +350,5 @@ class DPLBAsyncMPClient:
             t.start()
         for t in threads:
             t.join()
+        if self.ray_engines is not None:  # their clients never own the processes: Ray does
+            self.ray_engines.shutdown()

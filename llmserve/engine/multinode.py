@@ -53,6 +53,11 @@ def check_multinode_args(args: Any) -> None:
                          f"--data-parallel-size {dp}")
     if getattr(args, "data_parallel_hybrid_lb", False):
         return _check_hybrid_args(args, headless, local)
+    if getattr(args, "data_parallel_backend", "mp") == "ray":
+        if headless or local < dp:
+            raise ValueError("--data-parallel-backend ray places every rank from the API server's node; drop "
+                             "--headless and --data-parallel-size-local")
+        return
     if local == dp and not headless:
         if start:
             raise ValueError("--data-parallel-start-rank applies to --headless nodes and "

@@ -135,3 +135,60 @@ def test_hybrid_lb_nodes_each_serve_their_own_rank(tiny_model_dir, want):
     finally:
         for node in nodes:
             node.stop()
+
+
+def _engine_actors(ray, srv) -> dict:
+    """Rank -> the Ray actor running its engine (named by the API server's pid), while alive."""
+    found = {}
+    for rank in (0, 1):
+        try:
+            found[rank] = ray.get_actor(f"llmserve-dp-{srv.proc.pid}-rank-{rank}", namespace="llmserve")
+        except ValueError:  # no such (live) actor
+            pass
+    return found
+
+
+def test_ray_backend_places_a_rank_on_each_ray_node(tiny_model_dir, want):
+    """``--data-parallel-backend ray`` on a local Ray cluster of two nodes (one CPU each,
+    ray.cluster_utils.Cluster): one engine actor per node, the same greedy text as DP=1,
+    both ranks serve; killing rank 1's actor fails its requests and rank 0 keeps serving;
+    stopping the server leaves no actor."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (make installs it)")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1))
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    srv = None
+    try:
+        cluster.wait_for_nodes()
+        srv = RemoteServer(["--model", tiny_model_dir, *TINY, "--data-parallel-size", "2",
+                            "--data-parallel-backend", "ray"], entrypoint=SERVE_CLI,
+                           env={"RAY_ADDRESS": cluster.address})
+        actors = _engine_actors(ray, srv)
+        assert len({ray.get(a.node_id.remote()) for a in actors.values()}) == 2  # SPREAD: one rank per node
+        before = _finished_by_rank(srv)
+        assert _texts(srv) == want
+        after = _finished_by_rank(srv)
+        assert all(after.get(r, 0) > before.get(r, 0) for r in ("0", "1")), (before, after)
+        client = srv.client(timeout=60)
+        long = {"max_tokens": 500, "temperature": 0.0, "extra_body": {"ignore_eos": True}, "stream": True}
+        stream = client.completions.create(model="tiny", prompt="x", extra_headers={"X-data-parallel-rank": "1"},
+                                           **long)
+        next(iter(stream))
+        ray.kill(actors[1], no_restart=True)
+        with pytest.raises(Exception) as e:
+            for _ in stream:
+                pass
+        assert "rank 1" in str(e.value)
+        assert client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY).choices[0].text == want[0]
+    finally:
+        if srv is not None:
+            srv.stop()
+        deadline = time.monotonic() + 20
+        while srv is not None and _engine_actors(ray, srv) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _engine_actors(ray, srv) if srv is not None else {}
+        ray.shutdown()
+        cluster.shutdown()
+    assert not left, left

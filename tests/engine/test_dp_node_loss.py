@@ -41,6 +41,8 @@ def test_head_and_headless_configs_carry_the_topology():
     (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_rank=1), "exclude each other"),
     (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_backend="ray"), "use --data-parallel-backend mp"),
     (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_start_rank=2), "exceeds --data-parallel-size 2"),
+    (dict(NODE, data_parallel_backend="ray"), "ray places every rank .* drop --headless and --data-parallel-size-local"),
+    (dict(data_parallel_size=2, data_parallel_backend="slurm"), "data_parallel_backend must be 'mp' or 'ray'"),
 ])
 def test_bad_topologies_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):

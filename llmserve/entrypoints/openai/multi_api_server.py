@@ -83,6 +83,8 @@ def check_multi_api_server_args(args: argparse.Namespace, config: Any) -> None:
         raise ValueError("--restart-engine-on-failure with --api-server-count > 1 is not supported: "
                          "an API server does not own the engine (the launcher exits when it dies)")
     pc = config.parallel_config
+    if count > 1 and pc.data_parallel_backend == "ray":
+        raise ValueError("--api-server-count > 1 with --data-parallel-backend ray is not supported")
     if count > 1 and not pc.data_parallel_external_lb and (pc.data_parallel_size_local or 1) < pc.data_parallel_size:
         raise ValueError("--api-server-count > 1 with multi-node data parallel (--data-parallel-size-local < "
                          "--data-parallel-size) is not supported")
