@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from llmserve.model_loader import get_model, load_hf_config, resolve_model
+from tests.models.tiny_arch import (assert_chunked_steps_match_hf, checkpoints_fixture, finish_gguf, gguf_writer,
+                                    hf_logits, load_ours, save_random, tiny_engine)
 
 ARCHS = ["gemma2", "gemma3", "phi3"]
 ATOL = 1e-4
@@ -51,43 +53,21 @@ def tiny_config(arch: str):
 def save_tiny(arch: str, path: str, seed: int = 0):
     """Write a random ``arch`` checkpoint (norm weights perturbed, q/k scaled up); return
     the HF model."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            if any(f".{x}_proj." in name for x in ("q", "k", "qkv")):
-                p.mul_(8.0)  # attention scores of a few units: the soft cap of 2 bites
-    model.save_pretrained(path)
-    return model.eval()
+    def perturb(name: str, p: torch.Tensor) -> None:
+        if "norm" in name:
+            p.add_(torch.randn_like(p) * 0.1)
+        if any(f".{x}_proj." in name for x in ("q", "k", "qkv")):
+            p.mul_(8.0)  # attention scores of a few units: the soft cap of 2 bites
+    return save_random(tiny_config(arch), path, seed, perturb)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """``get(arch) -> (path, hf)``: each architecture's checkpoint, written once per module."""
-    built: dict = {}
-
-    def get(arch: str):
-        if arch not in built:
-            path = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
-            built[arch] = (path, save_tiny(arch, path))
-        return built[arch]
-    return get
+checkpoints = checkpoints_fixture(save_tiny)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, checkpoints, model_config_fn):
     path, hf = checkpoints(request.param)
-    resolved = resolve_model(path)
-    ours = get_model(model_config_fn(resolved, load_hf_config(resolved), "float32"))
-    return request.param, ours, hf, path
-
-
-def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
+    return request.param, load_ours(path, model_config_fn), hf, path
 
 
 @pytest.mark.parametrize("use_kernel", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["kernel", "torch"])
@@ -99,22 +79,7 @@ def test_chunked_prefill_and_decodes_beyond_window_match_hf(tiny, tokens_fn, ste
     if not use_kernel:
         from llmserve.ops import cpu_ops
         monkeypatch.setattr(cpu_ops, "get_cpu_ops", lambda: None)
-    seqs = {"a": tokens_fn(30, 2), "b": tokens_fn(30, 3)}
-    refs = {r: hf_logits(hf, s) for r, s in seqs.items()}
-    runner = step_runner_cls(ours)
-    done = {"a": 0, "b": 0}
-
-    def check(out):
-        for rid, logits in out.items():
-            n = logits.shape[0]
-            torch.testing.assert_close(logits, refs[rid][done[rid]:done[rid] + n], atol=ATOL, rtol=1e-4,
-                                       msg=lambda m: f"{arch}/{rid} at {done[rid]}: {m}")
-            done[rid] += n
-
-    check(runner.step([("a", seqs["a"][:17]), ("b", seqs["b"][:5])]))
-    check(runner.step([("a", seqs["a"][17:18]), ("b", seqs["b"][5:20])]))
-    while any(done[r] < 30 for r in seqs):
-        check(runner.step([(r, seqs[r][done[r]:done[r] + 1]) for r in seqs if done[r] < 30]))
+    assert_chunked_steps_match_hf(arch, ours, hf, tokens_fn, step_runner_cls, 30, 17, (5, 20), ATOL)
 
 
 def test_quirks_are_exercised(tiny, tokens_fn, step_runner_cls):
@@ -181,13 +146,8 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def tiny_llm(request, checkpoints):
     """(arch, engine on the checkpoint, HF model); Gemma 2's engine run is in test-all (its
     layers are Gemma 3's minus q/k norms; its soft caps are checked by the logits tests)."""
-    from llmserve import LLM
-
-    arch = request.param
-    path, hf = checkpoints(arch)
-    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
-              kv_cache_memory="64MiB", max_num_batched_tokens=32, block_size=16)
-    yield arch, llm, hf
+    llm, hf = tiny_engine(checkpoints, request.param)
+    yield request.param, llm, hf
     llm.shutdown()
 
 
@@ -269,15 +229,8 @@ def write_gguf(hf, arch: str, path: str, qtype: str, eot_token_id: Optional[int]
     import gguf
     cfg = hf.config
     garch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
-    w = gguf.GGUFWriter(path, garch)
+    w = gguf_writer(path, garch, cfg)
     w.add_name(f"tiny-{garch}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_sliding_window(cfg.sliding_window)
     if eot_token_id is not None:
@@ -313,10 +266,7 @@ def write_gguf(hf, arch: str, path: str, qtype: str, eot_token_id: Optional[int]
             arr = arr + 1.0
         data, raw = _encode(arr, qtype)
         w.add_tensor(gguf_name(garch, name), data, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def _same(got, want) -> bool:

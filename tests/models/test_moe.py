@@ -15,6 +15,8 @@ import torch
 
 from llmserve.model_loader import get_model, load_hf_config, resolve_model
 from llmserve.models import moe
+from tests.models.tiny_arch import (assert_chunked_steps_match_hf, checkpoints_fixture, finish_gguf, gguf_writer,
+                                    hf_logits, load_ours, save_random, tiny_engine)
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 ATOL = 1e-4
@@ -38,40 +40,19 @@ def tiny_config(arch: str):
 def save_tiny(arch: str, path: str, seed: int = 0):
     """Write a random ``arch`` checkpoint (router scaled up so the top-2 choice is sharp and
     varies by token); return the HF model."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(20.0)
-    model.save_pretrained(path)
-    return model.eval()
+    def perturb(name: str, p: torch.Tensor) -> None:
+        if name.endswith("mlp.gate.weight"):
+            p.mul_(20.0)
+    return save_random(tiny_config(arch), path, seed, perturb)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    built: dict = {}
-
-    def get(arch: str):
-        if arch not in built:
-            path = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
-            built[arch] = (path, save_tiny(arch, path))
-        return built[arch]
-    return get
+checkpoints = checkpoints_fixture(save_tiny)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, checkpoints, model_config_fn):
     path, hf = checkpoints(request.param)
-    resolved = resolve_model(path)
-    ours = get_model(model_config_fn(resolved, load_hf_config(resolved), "float32"))
-    return request.param, ours, hf
-
-
-def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
+    return request.param, load_ours(path, model_config_fn), hf
 
 
 def test_checkpoint_names_and_layers(tiny):
@@ -89,22 +70,7 @@ def test_chunked_prefill_and_batched_decodes_match_hf(tiny, tokens_fn, step_runn
     """A's prompt whole, B's in two chunks, then batched decodes to 24 tokens: every
     position's logits within 1e-4 of HF's full forward."""
     arch, ours, hf = tiny
-    seqs = {"a": tokens_fn(24, 2), "b": tokens_fn(24, 3)}
-    refs = {r: hf_logits(hf, s) for r, s in seqs.items()}
-    runner = step_runner_cls(ours)
-    done = {"a": 0, "b": 0}
-
-    def check(out):
-        for rid, logits in out.items():
-            n = logits.shape[0]
-            torch.testing.assert_close(logits, refs[rid][done[rid]:done[rid] + n], atol=ATOL, rtol=1e-4,
-                                       msg=lambda m: f"{arch}/{rid} at {done[rid]}: {m}")
-            done[rid] += n
-
-    check(runner.step([("a", seqs["a"][:13]), ("b", seqs["b"][:5])]))
-    check(runner.step([("a", seqs["a"][13:14]), ("b", seqs["b"][5:16])]))
-    while any(done[r] < 24 for r in seqs):
-        check(runner.step([(r, seqs[r][done[r]:done[r] + 1]) for r in seqs if done[r] < 24]))
+    assert_chunked_steps_match_hf(arch, ours, hf, tokens_fn, step_runner_cls, 24, 13, (5, 16), ATOL)
 
 
 def test_grouped_equals_token_loop_and_routing_matters(tiny, tokens_fn, step_runner_cls, monkeypatch):
@@ -136,13 +102,8 @@ def test_bad_top_k_is_a_clear_error():
 def tiny_llm(request, checkpoints):
     """(arch, engine, HF model); the Qwen-MoE engine runs are in test-all (its layers' logits are
     checked above in make test)."""
-    from llmserve import LLM
-
-    arch = request.param
-    path, hf = checkpoints(arch)
-    llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
-              kv_cache_memory="64MiB", max_num_batched_tokens=32, block_size=16)
-    yield arch, llm, hf
+    llm, hf = tiny_engine(checkpoints, request.param)
+    yield request.param, llm, hf
     llm.shutdown()
 
 
@@ -204,14 +165,7 @@ def write_mixtral_gguf(hf, path: str, qtype: str) -> None:
     import gguf
     import numpy as np
     cfg = hf.config
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(path, "llama", cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(cfg.num_local_experts)
@@ -222,10 +176,7 @@ def write_mixtral_gguf(hf, path: str, qtype: str) -> None:
         else:
             t = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 @pytest.mark.parametrize("qtype", [pytest.param("F32", marks=pytest.mark.slow), "Q8_0"])
