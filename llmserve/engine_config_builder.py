@@ -343,6 +343,9 @@ def _parallel_config(args: "EngineArgs") -> ParallelConfig:
     if external and getattr(args, "data_parallel_hybrid_lb", False):
         raise ValueError("--data-parallel-hybrid-lb and --data-parallel-external-lb (or --data-parallel-rank) "
                          "exclude each other")
+    if external and getattr(args, "data_parallel_backend", "mp") == "ray":
+        raise ValueError("--data-parallel-backend ray places every rank from one API server; with "
+                         "--data-parallel-external-lb (or --data-parallel-rank) each server runs its own rank: use mp")
     if external:
         rank = args.data_parallel_rank if args.data_parallel_rank is not None else args.data_parallel_start_rank
         if not 0 <= rank < dp:

@@ -507,13 +507,16 @@ class AsyncLLM(EngineClient):
         request still on their way are dropped, so a new request may reuse the id at once.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        stats = IterationStats() if self.output_processor.log_stats else None
-        if internal:
-            engine_ids = self.output_processor.abort_requests(ids, stats)
-        else:
-            engine_ids = self.output_processor.finish_aborted(ids, stats).reqs_to_abort
-        if stats is not None and stats.finished_requests:
-            _record_stats(self.stat_loggers, None, stats)
+        engine_ids: list[str] = []
+        for rid in ids:  # one at a time: each one's stats go under its own DP rank
+            stats = IterationStats() if self.output_processor.log_stats else None
+            if internal:
+                mine = self.output_processor.abort_requests([rid], stats)
+            else:
+                mine = self.output_processor.finish_aborted([rid], stats).reqs_to_abort
+            engine_ids += mine
+            if stats is not None and stats.finished_requests:
+                _record_stats(self.stat_loggers, None, stats, self._engine_index_of(mine))
         if engine_ids and not self.errored:
             try:
                 await self.engine_core.abort_requests_async(engine_ids)
@@ -521,6 +524,14 @@ class AsyncLLM(EngineClient):
                 pass
         if self.log_requests and not internal:
             logger.info("Aborted request(s) %s", ids)
+
+    def _engine_index_of(self, engine_request_ids: list[str]) -> int:
+        """The DP rank holding the first of ``engine_request_ids`` (0: one engine, or not
+        known), for metrics labelled by engine."""
+        find = getattr(self.engine_core, "engine_index_of", None)
+        if find is None or not engine_request_ids:
+            return 0
+        return find(engine_request_ids[0]) or 0
 
     async def abort_all(self) -> int:
         """Finish every in-flight request now with finish_reason "abort": each waiting
@@ -530,12 +541,12 @@ class AsyncLLM(EngineClient):
         ids = list(self.output_processor.states)
         if not ids:
             return 0
-        outs = [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT)
-                for rid in ids]
-        stats = IterationStats() if self.output_processor.log_stats else None
-        self.output_processor.process_outputs(outs, None, stats)
-        if stats is not None:
-            _record_stats(self.stat_loggers, None, stats)
+        for rid in ids:  # one at a time: each one's stats go under its own DP rank
+            stats = IterationStats() if self.output_processor.log_stats else None
+            out = EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT)
+            self.output_processor.process_outputs([out], None, stats)
+            if stats is not None:
+                _record_stats(self.stat_loggers, None, stats, self._engine_index_of([rid]))
         if not self.errored:
             try:
                 await self.engine_core.abort_requests_async(ids)

@@ -102,8 +102,14 @@ _prestarted: Optional[tuple[subprocess.Popen, dict]] = None
 
 
 def _start_interpreter(env: dict) -> subprocess.Popen:
+    """The engine's interpreter, in a session (process group) of its own: a signal to the
+    server's group (``kill -TERM -PGID``, ``timeout``, a supervisor's stop-as-group) reaches
+    the server, which drains its requests and then stops the engine, instead of stopping
+    the engine under them (seen in a user trial: the DP server's in-flight requests failed
+    and it exited 1, "engine died"). The engine still exits when its parent goes
+    (``exit_when_parent_dies``) or its stdin closes before the config came."""
     cmd, env = proc_utils.same_code_command("llmserve.engine.core", env)
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True, env=env)
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, close_fds=True, env=env, start_new_session=True)
 
 
 def prestart_engine_process() -> None:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, StreamingInputChunk
+from llmserve.metrics.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,12 @@ class DPLBAsyncMPClient:
             return None
         from llmserve.engine.multinode import NodeWatch
         self.remote = (pc.data_parallel_address, pc.data_parallel_rpc_port, local)
-        return NodeWatch(pc.data_parallel_address, pc.data_parallel_rpc_port, range(local, self.dp_size),
-                         self._on_node_lost)
+        watch = NodeWatch(pc.data_parallel_address, pc.data_parallel_rpc_port, range(local, self.dp_size),
+                          self._on_node_lost)
+        logger.info("data parallel: waiting for ranks %s to join at %s:%d (nodes started with --headless "
+                    "--data-parallel-start-rank ...)", list(range(local, self.dp_size)), pc.data_parallel_address,
+                    pc.data_parallel_rpc_port)
+        return watch
 
     def _place_on_ray(self, vllm_config: Any, log_stats: bool):
         """``--data-parallel-backend ray`` (engine/ray_dp.py): Ray places every rank's
@@ -180,6 +185,11 @@ class DPLBAsyncMPClient:
         live = [r for r in range(self.dp_size) if r not in self.dead_ranks]
         return min(live, key=lambda r: (self.reported[r] + self.sent_since[r], r))
 
+    def engine_index_of(self, request_id: str) -> Optional[int]:
+        """The (global) DP rank a request in flight was sent to; None when unknown."""
+        rank = self.req_rank.get(request_id)
+        return None if rank is None else self.rank_offset + rank
+
     # ---- node loss (multi-node) ----------------------------------------------------
     def _on_node_lost(self, ranks: list[int], reason: str) -> None:
         """NodeWatch thread: a headless node's connection closed."""
@@ -202,10 +212,11 @@ class DPLBAsyncMPClient:
             ids = [rid for rid, r in self.req_rank.items() if r == rank]
             for rid in ids:
                 self._finished(rank, rid)
-            if ids and self._queue is not None:
+            if self._queue is not None:  # its rejections, and zeros for its gauges (nothing runs there now)
                 msg = f"{reason}: the request was in flight on data parallel rank {self.rank_offset + rank}"
                 self._queue.put_nowait(EngineCoreOutputs(
-                    rejected=[EngineCoreRejection(rid, msg, engine_lost=True) for rid in ids], engine_index=rank))
+                    rejected=[EngineCoreRejection(rid, msg, engine_lost=True) for rid in ids],
+                    engine_index=self.rank_offset + rank, scheduler_stats=SchedulerStats()))
         if len(self.dead_ranks) == self.dp_size:
             self.engine_dead = True
             self.dead_error = reason

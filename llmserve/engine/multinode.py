@@ -68,6 +68,10 @@ def check_multinode_args(args: Any) -> None:
         raise ValueError(f"{what} needs --data-parallel-address (the head node's address)")
     if not args.data_parallel_rpc_port:
         raise ValueError(f"{what} needs --data-parallel-rpc-port (the head's port for joining nodes)")
+    top = args.data_parallel_rpc_port + 2 * dp
+    if args.data_parallel_rpc_port < 1 or top > 65535:
+        raise ValueError(f"--data-parallel-rpc-port {args.data_parallel_rpc_port}: the head uses ports P..P+2N "
+                         f"(N = --data-parallel-size {dp}), which must lie in 1..65535")
     if not headless and start:
         raise ValueError("--data-parallel-start-rank must be 0 on the head node (ranks 0..size_local-1); "
                          "other nodes run with --headless")
@@ -115,6 +119,29 @@ def recv_handshake(conn: socket.socket, timeout: float = 10.0) -> EngineHandshak
         raise ValueError(f"malformed EngineHandshake: {e}") from None
 
 
+# The head's answer to a handshake: ACCEPT, or REFUSE followed by the reason (UTF-8) and
+# the connection's close.
+ACCEPT, REFUSE = b"\x01", b"\x00"
+
+
+def recv_answer(conn: socket.socket, timeout: float = 30.0) -> Optional[str]:
+    """The head's answer on ``conn``: None when it accepted the node, else why not (a
+    refusal, or the connection closed or silent before any answer)."""
+    conn.settimeout(timeout)
+    try:
+        first = conn.recv(1)
+        if first == ACCEPT:
+            return None
+        if first != REFUSE:
+            return "the head closed the connection without answering"
+        rest = b""
+        while chunk := conn.recv(4096):
+            rest += chunk
+        return rest.decode("utf-8", "replace") or "refused"
+    except (socket.timeout, OSError) as e:
+        return f"no answer from the head ({e})"
+
+
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     buf = b""
     while len(buf) < n:
@@ -135,11 +162,18 @@ class NodeWatch:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((address, rpc_port))
+        try:
+            self.sock.bind((address, rpc_port))
+        except (OSError, OverflowError) as e:  # not this host's address, a taken port: the user's flags
+            self.sock.close()
+            raise ValueError(f"--data-parallel-address {address} --data-parallel-rpc-port {rpc_port}: the head "
+                             f"cannot listen there ({e}); give an address of this host and a free port") from None
         self.sock.listen(16)
         self.remote_ranks = remote_ranks
         self.on_lost = on_lost
         self.conns: list[socket.socket] = []
+        self.joined: set[int] = set()  # ranks of the nodes connected now
+        self.lost: set[int] = set()  # ranks whose node left: they stay out of the group
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="DPNodeWatch").start()
 
@@ -159,6 +193,17 @@ class NodeWatch:
             conn.close()
             return
         ranks = [r for r in range(hs.start_rank, hs.start_rank + hs.size_local) if r in self.remote_ranks]
+        why = self._refusal(ranks)
+        if why is not None:
+            logger.error("data parallel: node %s refused: %s", hs.host, why)
+            try:
+                conn.sendall(REFUSE + why.encode())
+            except OSError:
+                pass
+            conn.close()
+            return
+        self.joined.update(ranks)
+        conn.sendall(ACCEPT)
         logger.info("data parallel: node %s joined with ranks %s", hs.host, ranks)
         self.conns.append(conn)
         conn.settimeout(None)
@@ -167,8 +212,23 @@ class NodeWatch:
                 pass
         except OSError:
             pass
+        self.joined.difference_update(ranks)
+        self.lost.update(ranks)
         if not self._closed:
             self.on_lost(ranks, f"data parallel node {hs.host} (ranks {ranks}) was lost")
+
+    def _refusal(self, ranks: list[int]) -> Optional[str]:
+        """Why a node claiming ``ranks`` may not join (None: it may): none of this head's
+        remote ranks, ranks another node serves now, or ranks lost earlier (a rank's
+        requests and sockets are not brought back: restart the head to regroup)."""
+        if not ranks:
+            return f"its ranks are not among this head's remote ranks {list(self.remote_ranks)}"
+        if self.joined & set(ranks):
+            return f"ranks {sorted(self.joined & set(ranks))} are served by another node already"
+        if self.lost & set(ranks):
+            return (f"ranks {sorted(self.lost & set(ranks))} were lost earlier and stay out of the group; "
+                    "restart the head to bring them back")
+        return None
 
     def close(self) -> None:
         self._closed = True

@@ -80,8 +80,8 @@ class RayDPEngines:
     rank, in order). ``addresses[i]``: rank i's {"input_address", "output_address"} for
     its client to bind. ``on_lost(ranks, reason)`` is called from a watch thread when a
     rank's actor or engine ends before :meth:`shutdown`. Raises ImportError without Ray,
-    RuntimeError when the placement group is not ready within ``timeout`` seconds (the
-    cluster lacks the CPUs)."""
+    ValueError when ``RAY_ADDRESS`` names no cluster or the placement group is not ready
+    within ``timeout`` seconds (the cluster lacks the CPUs): the server prints one line."""
 
     def __init__(self, configs: list, ranks: list[int], log_stats: bool,
                  on_lost: Callable[[list[int], str], None], address: str = "", timeout: float = 120.0) -> None:
@@ -96,19 +96,28 @@ class RayDPEngines:
         self._closed = False
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+            try:
+                ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+            except ConnectionError as e:  # a RAY_ADDRESS with no cluster behind it: the user's setting
+                raise ValueError(f"--data-parallel-backend ray: {e} (RAY_ADDRESS="
+                                 f"{os.environ.get('RAY_ADDRESS', '')!r}; `ray status` shows the cluster)") from None
         host = address or ray.util.get_node_ip_address()
         self.addresses = [{"input_address": _tcp(host, _free_port(host)),
                            "output_address": _tcp(host, _free_port(host))} for _ in ranks]
         cpus = configs[0].parallel_config.world_size
+        have = ray.cluster_resources().get("CPU", 0)
+        if have < cpus * len(ranks):  # say so now, not after the placement timeout
+            self.shutdown()
+            raise ValueError(f"--data-parallel-backend ray: {len(ranks)} ranks need {cpus * len(ranks)} CPUs of the "
+                             f"Ray cluster, which has {have:g} (`ray status`)")
         try:
             self.pg = placement_group([{"CPU": cpus} for _ in ranks], strategy="SPREAD")
             ray.get(self.pg.ready(), timeout=timeout)
             self.placed = self._start(configs, log_stats, cpus)
         except BaseException as e:
             self.shutdown()
-            if isinstance(e, ray.exceptions.GetTimeoutError):
-                raise RuntimeError(f"data parallel over Ray: {len(ranks)} bundles of {cpus} CPU(s) were not "
+            if isinstance(e, ray.exceptions.GetTimeoutError):  # the cluster cannot hold the ranks
+                raise ValueError(f"--data-parallel-backend ray: {len(ranks)} bundles of {cpus} CPU(s) were not "
                                    f"placed within {timeout:.0f} s (ray status shows the cluster's CPUs)") from None
             raise
 

@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional
 
 from llmserve.engine.messages import EngineHandshake
-from llmserve.engine.multinode import encode_handshake, remote_rank_addresses
+from llmserve.engine.multinode import encode_handshake, recv_answer, remote_rank_addresses
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ def run_headless(args: Any) -> int:
         if conn is None:
             return 1
         conn.sendall(encode_handshake(EngineHandshake(ranks.start, len(ranks), args.host or socket.gethostname())))
+        refused = recv_answer(conn)
+        if refused is not None:
+            logger.error("headless: the head at %s:%d did not take ranks %s: %s", pc.data_parallel_address,
+                         pc.data_parallel_rpc_port, list(ranks), refused)
+            return 1
+        logger.info("headless: joined the head at %s:%d", pc.data_parallel_address, pc.data_parallel_rpc_port)
         return _wait(conn, procs)
     finally:
         for p in procs:
@@ -53,7 +59,11 @@ def _connect_head(address: str, port: int, procs: list, host: Optional[str],
                   timeout: float = 600.0) -> Optional[socket.socket]:
     """The liveness link to the head, from this node's ``--host`` when given."""
     deadline = time.monotonic() + timeout
+    next_note = time.monotonic() + 10.0
     while time.monotonic() < deadline:
+        if time.monotonic() >= next_note:  # say what it waits for, not nothing
+            logger.info("headless: waiting for the head at %s:%d", address, port)
+            next_note += 30.0
         if any(not p.is_alive() for p in procs):
             logger.error("headless: an engine exited before joining the head")
             return None

@@ -72,18 +72,24 @@ async def _shutdown_when_engine_dies(server: Any, engine: Any) -> None:
     error chunk within the graceful-shutdown period; until the listening socket closes,
     new requests and /health get 503."""
     err = await engine.wait_for_engine_death()
+    if server.should_exit:  # a signal stopped the server first (it may have reached the engine too)
+        logger.info("EngineCore stopped while the server was stopping (%s)", str(err).removeprefix("EngineCore died: "))
+        return
+    server.engine_died = True
     logger.error("EngineCore died (%s); shutting down the API server",
                  str(err).removeprefix("EngineCore died: "))
     server.should_exit = True
 
 
-async def serve_http(app: Any, engine_client: Any, sockets: Optional[list] = None, **uvicorn_kwargs: Any) -> None:
+async def serve_http(app: Any, engine_client: Any, sockets: Optional[list] = None, **uvicorn_kwargs: Any) -> bool:
     """Serve ``app`` until SIGINT/SIGTERM or the engine's death.
 
     uvicorn_kwargs: ``uvicorn.Config`` arguments (host, port, log_level,
     timeout_graceful_shutdown, ...). sockets: already-bound listening sockets to accept
     on instead of host/port (shared by several API servers). Returns after the server
-    stopped; the caller shuts the engine down.
+    stopped (the caller shuts the engine down): True when the engine's death stopped it,
+    False when a signal did (an engine that ends after the signal, e.g. a group's SIGTERM
+    under systemd, is part of that stop, not a failure).
     """
     import uvicorn
 
@@ -91,8 +97,10 @@ async def serve_http(app: Any, engine_client: Any, sockets: Optional[list] = Non
     admission = getattr(getattr(app, "state", None), "admission", None)
     if admission is not None:  # new requests get 503 and /ready turns false once shutdown begins
         admission.is_draining = lambda: bool(server.should_exit)
+    server.engine_died = False
     watchdog = asyncio.create_task(_shutdown_when_engine_dies(server, engine_client))
     try:
         await server.serve(sockets=sockets)
     finally:
         watchdog.cancel()
+    return server.engine_died

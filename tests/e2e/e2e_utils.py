@@ -51,13 +51,14 @@ class RemoteServer:
 
     Starts it on a free port, waits for ``GET /health`` == 200, and stops it with
     SIGTERM (SIGKILL after 30 s); ``env``: extra environment variables; ``host``: the
-    loopback address it binds (127.0.0.2... for a second "node"). ``url_for(path)``, ``client()`` (openai.OpenAI),
+    loopback address it binds (127.0.0.2... for a second "node"); ``new_session``: in a
+    process group of its own (a test may signal the whole group). ``url_for(path)``, ``client()`` (openai.OpenAI),
     ``http`` (an httpx.Client with the API key) are the ways in.
     """
 
     def __init__(self, args: list[str], api_key: Optional[str] = API_KEY,
                  entrypoint: Optional[list[str]] = None, env: Optional[dict[str, str]] = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", new_session: bool = False):
         self.port = _free_port()
         self.host = host
         self.api_key = api_key
@@ -68,7 +69,8 @@ class RemoteServer:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile(prefix="llmserve-e2e-", suffix=".log", delete=False)
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url_root, headers=headers, timeout=120.0)
         self._wait_ready()

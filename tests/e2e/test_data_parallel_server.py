@@ -67,8 +67,13 @@ def test_x_data_parallel_rank_header_pins_the_rank_and_each_rank_publishes_kv_ev
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                            max_tokens=2, extra_headers=headers)
             client.responses.create(model="tiny", input=prompt, max_output_tokens=2, extra_headers=headers)
+        # a stream pinned to rank 1 and dropped by its client: its abort counts under rank 1 too
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True}, extra_headers={"X-data-parallel-rank": "1"})
+        next(iter(stream))
+        stream.close()
         want = dict(before)
-        want["1"] = want.get("1", 0.0) + 5  # every pinned request ran on its rank, none elsewhere
+        want["1"] = want.get("1", 0.0) + 6  # every pinned request ran on its rank, none elsewhere
         want["0"] = want.get("0", 0.0) + 3
         assert _wait_finished(dp_server, want) == want
         for bad in ("one", "2", "-1"):

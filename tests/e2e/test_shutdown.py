@@ -103,6 +103,36 @@ def test_signal_stops_server_and_engine_promptly(sig):
         server.stop()
 
 
+def test_sigterm_to_the_process_group_drains_a_dp_server_and_exits_0():
+    """``kill -TERM -PGID`` (a supervisor's stop-as-group, ``timeout``): the engines run in
+    their own process group, so only the server gets it; its in-flight stream is drained
+    (finishes on its token budget, not aborted, with --timeout-graceful-shutdown 30), the
+    engines are stopped after it, and the exit code is 0 with no engine-death report."""
+    import os
+
+    server = RemoteServer(["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--data-parallel-size", "2",
+                           "--timeout-graceful-shutdown", "30"], entrypoint=SERVE_CLI, new_session=True)
+    try:
+        engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                   if "llmserve.engine.core" in " ".join(p.cmdline())]
+        assert len(engines) == 2 and all(os.getpgid(p.pid) != server.proc.pid for p in engines)
+        body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 48, "ignore_eos": True}
+        thread, result = _post_in_thread(server, body)
+        time.sleep(0.5)  # in flight
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        thread.join(60)
+        assert result and result[0].status_code == 200, (result, server.logs())
+        assert result[0].json()["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(60) == 0, server.logs()
+        assert "EngineCore died" not in server.logs() and "the engine died" not in server.logs()
+        deadline = time.monotonic() + 10
+        while not all(_gone(p.pid) for p in engines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(p.pid) for p in engines)
+    finally:
+        server.stop()
+
+
 def test_sigkilled_server_takes_its_engine_along():
     server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
     try:

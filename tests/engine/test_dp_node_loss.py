@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from llmserve.engine.messages import EngineHandshake
-from llmserve.engine.multinode import NodeWatch, encode_handshake, recv_handshake, remote_rank_addresses
+from llmserve.engine.multinode import (NodeWatch, encode_handshake, recv_answer, recv_handshake,
+                                       remote_rank_addresses)
 from llmserve.engine_args import EngineArgs
 from llmserve.engine_config_builder import _parallel_config
 
@@ -41,12 +42,20 @@ def test_head_and_headless_configs_carry_the_topology():
     (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_rank=1), "exclude each other"),
     (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_backend="ray"), "use --data-parallel-backend mp"),
     (dict(NODE, data_parallel_hybrid_lb=True, data_parallel_start_rank=2), "exceeds --data-parallel-size 2"),
+    (dict(NODE, data_parallel_rpc_port=65534), "--data-parallel-rpc-port 65534: the head uses ports"),
     (dict(NODE, data_parallel_backend="ray"), "ray places every rank .* drop --headless and --data-parallel-size-local"),
+    (dict(data_parallel_size=2, data_parallel_rank=1, data_parallel_backend="ray"), "each server runs its own rank: use mp"),
     (dict(data_parallel_size=2, data_parallel_backend="slurm"), "data_parallel_backend must be 'mp' or 'ray'"),
 ])
 def test_bad_topologies_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         _parallel_config(EngineArgs(**kw))
+
+
+def test_a_head_address_of_another_host_is_a_clear_error():
+    with pytest.raises(ValueError, match="--data-parallel-address 192.0.2.77 --data-parallel-rpc-port 29550: "
+                                         "the head cannot listen there"):
+        NodeWatch("192.0.2.77", 29550, range(1, 2), lambda ranks, why: None)
 
 
 def test_address_layout_and_handshake_round_trip():
@@ -63,6 +72,12 @@ def test_address_layout_and_handshake_round_trip():
             recv_handshake(b)
 
 
+def _join(port: int, start: int, size: int) -> socket.socket:
+    node = socket.create_connection(("127.0.0.1", port))
+    node.sendall(encode_handshake(EngineHandshake(start_rank=start, size_local=size, host="127.0.0.2")))
+    return node
+
+
 def test_node_watch_reports_a_lost_node_and_only_its_remote_ranks():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,12 +86,20 @@ def test_node_watch_reports_a_lost_node_and_only_its_remote_ranks():
     done = threading.Event()
     watch = NodeWatch("127.0.0.1", port, range(1, 3), lambda ranks, why: (lost.append((ranks, why)), done.set()))
     try:
-        node = socket.create_connection(("127.0.0.1", port))
-        node.sendall(encode_handshake(EngineHandshake(start_rank=1, size_local=3, host="127.0.0.2")))
+        node = _join(port, 1, 3)
+        assert recv_answer(node, 5) is None  # accepted
+        twin = _join(port, 2, 1)  # rank 2 is served already
+        assert "ranks [2] are served by another node already" in recv_answer(twin, 5)
         assert not done.wait(0.3)  # alive while the connection is open
         node.close()
         assert done.wait(5)
         assert lost[0][0] == [1, 2] and "127.0.0.2" in lost[0][1]
+        # The lost ranks do not come back: a node restarted with them is refused (it exits).
+        again = _join(port, 1, 1)
+        assert "ranks [1] were lost earlier" in recv_answer(again, 5)
+        assert "not among this head's remote ranks" in recv_answer(_join(port, 5, 1), 5)
+        for conn in (twin, again):
+            conn.close()
     finally:
         watch.close()
 
@@ -130,6 +153,8 @@ def test_a_lost_ranks_requests_fail_naming_it_and_the_rest_keep_serving():
         client._on_node_lost([1], "data parallel node 10.0.0.2 (ranks [1]) was lost")
         outs = await asyncio.wait_for(client.get_output_async(), 5)
         assert [r.request_id for r in outs.rejected] == ["a"] and "rank 1" in outs.rejected[0].message
+        # its gauges drop to zero (nothing runs there any more), under its rank
+        assert outs.engine_index == 1 and outs.scheduler_stats.num_running_reqs == 0
         assert outs.rejected[0].engine_lost  # the node failed, not the request: a 500, not a 400
         assert client.dead_ranks == {1} and not client.engine_dead
         with pytest.raises(ValueError, match="data_parallel_rank=1 was lost"):
@@ -165,6 +190,7 @@ def test_a_hybrid_lb_node_balances_only_its_ranks_under_their_global_numbers():
         await client.add_request_async(SimpleNamespace(request_id="a", data_parallel_rank=3))
         await client.add_request_async(SimpleNamespace(request_id="b", data_parallel_rank=None))
         assert (client.cores[0].added, client.cores[1].added) == (["b"], ["a"])
+        assert (client.engine_index_of("a"), client.engine_index_of("b"), client.engine_index_of("z")) == (3, 2, None)
         for rank in (0, 1, 4):
             with pytest.raises(ValueError, match=f"data_parallel_rank={rank} is out of range \\[2, 4\\) "
                                                  "\\(the other ranks are served by other nodes"):

@@ -295,14 +295,15 @@ async def run_server(args: argparse.Namespace, sock: Any = None,
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)",
                     ", ".join(app.state.openai_serving_models.model_names), host, args.port)
         freeze_gc_heap("API server")  # no full-GC pauses of the event loop (gc_utils)
+        engine_died = False
         try:
-            await serve_http(app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
-                             access_log=not args.disable_uvicorn_access_log,
-                             timeout_graceful_shutdown=args.shutdown_timeout or args.timeout_graceful_shutdown,
-                             sockets=[sock] if sock is not None else None, **uvicorn_kwargs(args))
+            engine_died = await serve_http(
+                app, engine_client, host=host, port=args.port, log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_graceful_shutdown=args.shutdown_timeout or args.timeout_graceful_shutdown,
+                sockets=[sock] if sock is not None else None, **uvicorn_kwargs(args))
         finally:
             shutdown_app_state(app.state)
-        engine_died = engine_client.errored
     logger.info("Engine shut down.")
     if engine_died:
         logger.error("Exiting with code %d: the engine died.", ENGINE_DEAD_EXIT_CODE)
