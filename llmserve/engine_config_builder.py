@@ -343,6 +343,8 @@ def _parallel_config(args: "EngineArgs") -> ParallelConfig:
     if external and getattr(args, "data_parallel_hybrid_lb", False):
         raise ValueError("--data-parallel-hybrid-lb and --data-parallel-external-lb (or --data-parallel-rank) "
                          "exclude each other")
+    if getattr(args, "data_parallel_backend", "mp") not in ("mp", "ray"):
+        raise ValueError(f"--data-parallel-backend must be 'mp' or 'ray', got {args.data_parallel_backend!r}")
     if external and getattr(args, "data_parallel_backend", "mp") == "ray":
         raise ValueError("--data-parallel-backend ray places every rank from one API server; with "
                          "--data-parallel-external-lb (or --data-parallel-rank) each server runs its own rank: use mp")

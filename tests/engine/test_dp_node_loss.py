@@ -45,7 +45,7 @@ def test_head_and_headless_configs_carry_the_topology():
     (dict(NODE, data_parallel_rpc_port=65534), "--data-parallel-rpc-port 65534: the head uses ports"),
     (dict(NODE, data_parallel_backend="ray"), "ray places every rank .* drop --headless and --data-parallel-size-local"),
     (dict(data_parallel_size=2, data_parallel_rank=1, data_parallel_backend="ray"), "each server runs its own rank: use mp"),
-    (dict(data_parallel_size=2, data_parallel_backend="slurm"), "data_parallel_backend must be 'mp' or 'ray'"),
+    (dict(data_parallel_size=2, data_parallel_backend="slurm"), "--data-parallel-backend must be 'mp' or 'ray', got 'slurm'"),
 ])
 def test_bad_topologies_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
