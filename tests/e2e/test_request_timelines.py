@@ -142,9 +142,9 @@ def test_timeline_by_response_id_and_request_id_per_tenant(srv):
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "request_id"
 
 
-def test_list_shows_running_then_finished_and_the_ring_is_bounded(srv):
-    # 400 tokens: the tiny model makes 30 in less than one poll of /v1/requests on a loaded
-    # CI machine (stop 38's CI saw a single running row), 400 leave many polls
+def _watch_running(srv) -> list:
+    """Stream one GROW-token completion for bob and poll ``/v1/requests`` while it runs;
+    return the (generated_tokens, engine) pairs of the polls that saw it running."""
     def stream():
         with srv.http.stream("POST", "/v1/completions", headers=_h("bob"),
                              json={"model": "tiny", "prompt": "count", "max_tokens": GROW, "ignore_eos": True,
@@ -165,6 +165,17 @@ def test_list_shows_running_then_finished_and_the_ring_is_bounded(srv):
             break
         time.sleep(0.01)
     t.join()
+    return seen
+
+
+def test_list_shows_running_then_finished_and_the_ring_is_bounded(srv):
+    # the tiny model can make all GROW tokens between two polls on a loaded CI machine (stop
+    # 38's CI saw one running row at 30 tokens, stop 39's at 400): a run that shows fewer than
+    # two polls is tried again, up to 5 runs; what is asserted is unchanged
+    for _ in range(5):
+        seen = _watch_running(srv)
+        if len({n for n, _ in seen}) >= 2:
+            break
     assert len({n for n, _ in seen}) >= 2, seen  # a running row whose token count grows
     assert seen[-1][0] > seen[0][0]
     engine = seen[-1][1]
