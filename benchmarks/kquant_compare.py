@@ -7,6 +7,8 @@ perplexity on ``benchmarks/data/declaration.txt`` (``benchmarks/perplexity.py``'
 figure, one subprocess per file).
 
     PYTHONPATH=. python benchmarks/kquant_compare.py [--mix q4_k_m|q6_k] [--rounds 3] [--tokens 32]
+    PYTHONPATH=. python benchmarks/kquant_compare.py --mix f32 --convert-only   # llama-quantize's input
+    PYTHONPATH=. python benchmarks/kquant_compare.py --file /tmp/SmolLM2.Q4_K_M.gguf  # its output
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def convert(src: str, dst: str, mix: str) -> dict[str, int]:
     from llmserve.benchmarks.kquant_writer import q4_k_m_type, write_gguf
     reader = gguf.GGUFReader(src)
     n_layers = int(reader.fields["llama.block_count"].contents())
-    pick = q4_k_m_type if mix == "q4_k_m" else _q6_k_type
+    pick = {"q4_k_m": q4_k_m_type, "q6_k": _q6_k_type, "f32": lambda *a: None}[mix]
 
     def fields(w) -> None:
         for f in reader.fields.values():
@@ -106,7 +108,11 @@ def _ppl(path: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mix", choices=["q4_k_m", "q6_k"], default="q4_k_m")
+    p.add_argument("--mix", choices=["q4_k_m", "q6_k", "f32"], default="q4_k_m",
+                   help="f32: the dense file llama-quantize takes (--convert-only)")
+    p.add_argument("--file", default=None, help="compare this GGUF file (e.g. llama-quantize's) instead of "
+                                                "converting; its name labels it")
+    p.add_argument("--convert-only", action="store_true")
     p.add_argument("--out", default="/tmp/llmserve-kquant")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
@@ -116,9 +122,13 @@ def main() -> None:
     src = packaged_q4_1()
     os.makedirs(args.out, exist_ok=True)
     dst = os.path.join(args.out, f"SmolLM2-135M-Instruct.{args.mix.upper()}.gguf")
-    if not os.path.isfile(dst):
+    if args.file:
+        dst = args.file
+    elif not os.path.isfile(dst):
         print(f"converted {dst}: {convert(src, dst, args.mix)}", flush=True)
-    files = {"Q4_1": src, args.mix.upper(): dst}
+    if args.convert_only:
+        return
+    files = {"Q4_1": src, os.path.basename(dst): dst}
     from llmserve.ops import quant_ops
     quant_ops.packed_switch_point = lambda *a, **k: quant_ops.ALL_STEPS  # every step packed, as on this CPU
     llms = {name: _load(path) for name, path in files.items()}

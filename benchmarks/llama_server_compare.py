@@ -21,7 +21,7 @@ each figure; run it under ``flock /tmp/measure.lock`` on a shared machine:
 
     flock /tmp/measure.lock env PYTHONPATH=. python benchmarks/llama_server_compare.py \
         [--llama-server PATH] [--concurrency 1 4 16 32] [--rounds 1] [--startup-rounds 1]
-        [--startup-only] [-- extra llmserve serve flags]
+        [--startup-only] [--gguf FILE] [-- extra llmserve serve flags]
 
 Without the llama-server binary it measures llmserve's start-up and idle RSS only.
 
@@ -172,7 +172,8 @@ def _start_both(args, serve_extra: list[str], gguf_path: str) -> tuple:
     the warm-started servers (llama-server: None without its binary), the times and urls."""
     ours_url, llama_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.llama_port}"
     threads = str(args.threads or os.cpu_count())
-    ours_cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(args.port),
+    model = ["--model", gguf_path] if args.gguf else []
+    ours_cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(args.port), *model,
                 *[a for a in serve_extra if a != "--"]]
     llama_cmd = [args.llama_server, "-m", gguf_path, "-t", threads, "-tb", threads, "-np", str(args.parallel),
                  "-c", str(args.parallel * 512), "--port", str(args.llama_port)]
@@ -214,11 +215,13 @@ def main() -> None:
     p.add_argument("--startup-rounds", type=int, default=1, help="cold + warm starts of each server (medians)")
     p.add_argument("--startup-only", action="store_true", help="measure start-up and idle RSS only")
     p.add_argument("--port", type=int, default=8931)
+    p.add_argument("--gguf", default=None, help="another GGUF file for both servers (e.g. a Q4_K_M re-encoding of "
+                                                "the default model); default: the default model's Q4_1 file")
     p.add_argument("--llama-port", type=int, default=8932)
     args, serve_extra = p.parse_known_args()
     from llmserve.benchmarks.hf_backend import resolve_model_files
     path, gguf = resolve_model_files("SmolLM2-135M-Instruct")
-    gguf_path = os.path.join(path, gguf)
+    gguf_path = os.path.abspath(args.gguf) if args.gguf else os.path.join(path, gguf)
     ours, llama, times, urls = _start_both(args, serve_extra, gguf_path)
     rows = []
     if args.startup_only or llama is None:
