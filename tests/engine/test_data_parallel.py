@@ -138,19 +138,24 @@ def test_sigkill_one_rank_fails_every_waiter_and_shutdown_cleans_up(tiny_path, p
         started = asyncio.Event()
         first = set()
 
+        def rank1_busy() -> bool:
+            return any(client.engine_index_of(rid) == 1 for rid in list(client.req_rank))
+
         async def one(i):
             try:
                 async for _ in eng.generate({"prompt_token_ids": prompts[i]}, long, f"k-{i}"):
                     first.add(i)
-                    if len(first) == 8:
+                    if rank1_busy():
                         started.set()
                 return "finished"
             except EngineDeadError:
                 return "dead"
 
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
-        # Kill once every request has a first token: all are in flight on both ranks (a fixed
-        # sleep let the tiny model finish all 200 tokens first on a quiet machine).
+        # Kill at the first token while rank 1 has requests in flight. A fixed sleep let the
+        # tiny model finish all 200 tokens first on a quiet machine; waiting for all 8 first
+        # tokens let rank 1 finish its 200 while a loaded CI machine starved rank 0 (stop 40's
+        # rehearsal).
         await asyncio.wait_for(started.wait(), 60)
         os.kill(pids[1], signal.SIGKILL)
         t0 = loop.time()
