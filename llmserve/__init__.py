@@ -17,6 +17,8 @@ _LAZY = {
     "PoolingRequestOutput": "llmserve.outputs",
     "EmbeddingRequestOutput": "llmserve.outputs",
     "ScoringRequestOutput": "llmserve.outputs",
+    "ClassificationOutput": "llmserve.outputs",
+    "ClassificationRequestOutput": "llmserve.outputs",
     "PoolingParams": "llmserve.pooling_params",
     "EngineArgs": "llmserve.engine_args",
     "AsyncEngineArgs": "llmserve.engine_args",
@@ -27,7 +29,8 @@ _LAZY = {
 }
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "PoolingParams",
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "ClassificationOutput",
+           "ClassificationRequestOutput", "PoolingParams",
            "EngineArgs", "AsyncEngineArgs", "StreamingInput", "TextPrompt", "TokensPrompt", "BeamSearchParams", "__version__"]
 
 

@@ -137,9 +137,13 @@ class ModelConfig:
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         """What the engine can do with this model (vLLM's ``supported_tasks``):
-        ("generate",), ("generate", "transcription") for Whisper, or the pooling tasks
-        ("encode", "embed")."""
+        ("generate",), ("generate", "transcription") for Whisper, the pooling tasks
+        ("encode", "embed"), or for a classification head ("classify", "token_classify")
+        plus "score" (cross-encoder pairs) when it has one label, as vLLM."""
         if self.runner != "generate":
+            pc = self.pooler_config
+            if pc is not None and pc.task == "classify":
+                return ("classify", "token_classify") + (("score",) if pc.num_labels == 1 else ())
             return ("encode", "embed")
         return ("generate", "transcription") if self.is_encoder_decoder else ("generate",)
 

@@ -186,8 +186,8 @@ class EngineArgs:
     generation_config: str = field(default="auto", metadata=_help("Default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' (none), or a directory holding a generation_config.json."))
     override_generation_config: Optional[dict] = field(default=None, metadata=_help("JSON dict merged over the generation config, e.g. '{\"temperature\": 0.5}'.", _json_dict("override_generation_config")))
     chat_template: Optional[str] = field(default=None, metadata=_help("Chat template (file path or literal) overriding the model's."))
-    runner: str = field(default="auto", metadata=_help("auto, generate or pooling (vLLM's --runner): auto picks from the architecture (an encoder pools, a causal LM generates)."))
-    convert: str = field(default="auto", metadata=_help("auto, none or embed (vLLM's --convert): embed runs a causal LM as an embedding model (last-token pooling, normalised)."))
+    runner: str = field(default="auto", metadata=_help("auto, generate or pooling (vLLM's --runner): auto picks from the architecture (an encoder or a *ForSequenceClassification pools, a causal LM generates)."))
+    convert: str = field(default="auto", metadata=_help("auto, none, embed or classify (vLLM's --convert): embed runs a causal LM as an embedding model (last-token pooling, normalised); classify runs a *ForSequenceClassification checkpoint's classification head (auto picks it from the architecture)."))
     # ---- cache
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens."))
     kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: 'auto' (the model's dtype); fp8 caches are " + _NOT_YET + "."))

@@ -177,7 +177,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
     from llmserve.pooler_config import load_pooler_config, resolve_runner
 
     runner = resolve_runner(args.runner, args.convert, hf_config)
-    pooler = load_pooler_config(resolved.path, hf_config) if runner == "pooling" else None
+    pooler = load_pooler_config(resolved.path, hf_config, args.convert) if runner == "pooling" else None
     return ModelConfig(
         model=args.model, tokenizer=_tokenizer_path(args, resolved),
         served_model_name=tuple(args.served_model_name or [args.model]), dtype=dtype,

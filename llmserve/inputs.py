@@ -27,6 +27,10 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
     """The text of those ids (optional; used for logs and outputs, not re-tokenized)."""
 
+    token_type_ids: NotRequired[list[int]]
+    """Pooling models: each token's segment (0, then 1 for a text pair's second text), as
+    the tokenizer returns them for a pair; a cross-encoder (BERT) embeds them."""
+
 
 PromptType = Union[str, TextPrompt, TokensPrompt, list[int]]
 """Any single prompt ``LLM.generate`` takes."""

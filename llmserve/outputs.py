@@ -160,11 +160,55 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """A classification head's output (vLLM's ``ClassificationOutput``): ``probs`` one
+    float per label (softmax over the labels; sigmoid for one label; raw logits when the
+    request asked ``use_activation=False``)."""
+
+    probs: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ClassificationOutput":
+        data = output.data
+        if data.ndim != 1:
+            raise ValueError("pooled data should be 1-D (one value per label) for a classification")
+        return ClassificationOutput(data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """Output of ``LLM.classify`` (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return ClassificationRequestOutput(out.request_id, ClassificationOutput.from_base(out.outputs),
+                                           out.prompt_token_ids, out.finished)
+
+
+@dataclass
 class ScoringOutput:
     """A similarity score (vLLM's ``ScoringOutput``): cosine similarity in [-1, 1] for an
-    embedding model."""
+    embedding model; a cross-encoder's activated logit (sigmoid: in (0, 1)) for a
+    classification model with one label."""
 
     score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ScoringOutput":
+        """A cross-encoder's one-label output ``[1]`` as its score."""
+        data = output.data
+        if data.numel() != 1:
+            raise ValueError(f"a score needs one value per pair, got {data.numel()} (num_labels must be 1)")
+        return ScoringOutput(float(data.reshape(-1)[0]))
 
 
 @dataclass
@@ -176,3 +220,8 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "ScoringRequestOutput":
+        return ScoringRequestOutput(out.request_id, ScoringOutput.from_base(out.outputs), out.prompt_token_ids,
+                                    out.finished)

@@ -11,8 +11,11 @@ from typing import Optional
 
 from llmserve.sampling_params import RequestOutputKind, SamplingParamsError
 
-#: The pooling tasks (vLLM's ``PoolingTask``); "score" runs as "embed" + cosine similarity.
-POOLING_TASKS = ("encode", "embed")
+#: The pooling tasks (vLLM's ``PoolingTask``). An embedding model's "score" runs as "embed"
+#: + cosine similarity; a classification model's "score" is its head on a text pair.
+POOLING_TASKS = ("encode", "embed", "classify", "token_classify", "score")
+#: Tasks that run a classification head (a model with ``PoolerConfig.task == "classify"``).
+CLASSIFY_TASKS = ("classify", "token_classify", "score")
 
 
 @dataclass
@@ -24,8 +27,13 @@ class PoolingParams:
         whose config allows it, else ``verify`` raises (param ``dimensions``).
       truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len),
         as vLLM; None: no truncation (a prompt over max_model_len is an error).
-      task: "embed" or "encode" (None: filled in by the caller's API).
+      task: one of POOLING_TASKS (None: filled in by the caller's API).
+      use_activation: apply the classification head's activation (softmax / sigmoid, see
+        ``PoolerConfig``) to its logits (None: yes, as vLLM); False returns raw logits.
       output_kind: FINAL_ONLY (a pooling request has one output).
+      compressed_token_type_ids: set by the engine, not by callers: where the second
+        segment of a text pair starts (BERT's token_type_ids are 0 before it, 1 from it;
+        vLLM keeps the same number in ``extra_kwargs``), None for a single text.
     Raises SamplingParamsError (a ValueError) naming the field.
     """
 
@@ -33,7 +41,9 @@ class PoolingParams:
     dimensions: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
     task: Optional[str] = None
+    use_activation: Optional[bool] = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    compressed_token_type_ids: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (not isinstance(self.dimensions, int)
@@ -46,6 +56,9 @@ class PoolingParams:
                                       "truncate_prompt_tokens")
         if self.task is not None and self.task not in POOLING_TASKS:
             raise SamplingParamsError(f"task must be one of {list(POOLING_TASKS)}, got {self.task!r}", "task")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise SamplingParamsError(f"use_activation must be true, false or null, got {self.use_activation!r}",
+                                      "use_activation")
 
     def clone(self) -> "PoolingParams":
         return replace(self)
@@ -57,6 +70,9 @@ class PoolingParams:
         other than its own width; a Matryoshka model with a list accepts only those."""
         p = replace(self, task=self.task or task)
         d = p.dimensions
+        if d is not None and p.task in CLASSIFY_TASKS:
+            raise SamplingParamsError(f"dimensions is only for embeddings, not the {p.task!r} task (dimensions={d}).",
+                                      "dimensions")
         if d is not None and d != hidden_size:
             if not is_matryoshka:
                 raise SamplingParamsError(

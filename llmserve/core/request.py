@@ -178,7 +178,10 @@ class Request:
 
     @property
     def use_prefix_cache(self) -> bool:
-        # Prompt logprobs need the logits of every prompt position: no cache hits.
+        # Prompt logprobs need the logits of every prompt position, and a per-token
+        # classification (reward) the hidden state of every prompt token: no cache hits.
+        if self.pooling_params is not None and self.pooling_params.task == "token_classify":
+            return False
         return self.sampling_params.prompt_logprobs is None
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from llmserve.beam_search import BeamSearchParams
 from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EncoderInputs, EngineCoreRequest
+from llmserve.engine.pooling_inputs import classified_prefix, compress_token_type_ids, task_hint, truncate_start
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.structured_output.grammar import validate_structured_outputs
@@ -156,9 +157,11 @@ class InputProcessor:
         what it refuses).
         """
         if "generate" not in self.model_config.supported_tasks:
+            advice = ("It is a sequence-classification model (no LM head): use classify, score or reward."
+                      if "classify" in self.model_config.supported_tasks else
+                      "Try passing `--runner generate` to use the model as a generative model.")
             raise SamplingParamsError(
-                "This model does not support text generation: it is served as a pooling model. "
-                "Try passing `--runner generate` to use the model as a generative model.", "model")
+                f"This model does not support text generation: it is served as a pooling model. {advice}", "model")
         if priority != 0 and not self.priority_enabled:
             raise SamplingParamsError(
                 f"Got priority {priority} but priority scheduling is not enabled "
@@ -231,21 +234,25 @@ class InputProcessor:
         sampling params), with a copy of ``params`` whose task is set ("embed" when None).
 
         ``truncate_prompt_tokens`` keeps the last k tokens (-1: max_model_len), as vLLM.
+        A text pair's ``token_type_ids`` (prompt dict) travel compressed in the params
+        (``compressed_token_type_ids``). A decoder's classification (``classify``/``score``)
+        runs the prompt up to its last non-pad token (``pooling_inputs.classified_prefix``).
         Raises SamplingParamsError naming the field: ``model`` when the model is not a
         pooling model (suggesting ``--runner pooling``) or lacks the task; ``prompt`` when
         empty, out of vocabulary or longer than max_model_len; ``dimensions`` when the
-        model does not allow it; ``truncate_prompt_tokens`` above max_model_len."""
+        model does not allow it; ``truncate_prompt_tokens`` above max_model_len;
+        ``token_type_ids`` when they do not fit the prompt."""
         mc = self.model_config
         task = params.task or "embed"
         if task not in mc.supported_tasks:
             raise SamplingParamsError(
                 f"This model does not support the {task!r} pooling task (it supports "
-                f"{list(mc.supported_tasks)}). Try passing `--runner pooling` (or `--convert embed`) to use "
-                f"the model as a pooling model.", "model")
+                f"{list(mc.supported_tasks)}). {task_hint(task)}", "model")
         pc = mc.pooler_config
         params = params.verify(task, int(mc.hf_config.hidden_size), list(pc.matryoshka_dimensions or ()),
                                pc.is_matryoshka)
         text, ids = self.tokenize_prompt(prompt)
+        types = compress_token_type_ids(prompt, len(ids))
         k = params.truncate_prompt_tokens
         if k is not None:
             if k > mc.max_model_len:
@@ -253,8 +260,13 @@ class InputProcessor:
                     f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({mc.max_model_len}). "
                     f"Please select a smaller truncation size.", "truncate_prompt_tokens")
             k = mc.max_model_len if k == -1 else k
+            types = truncate_start(types, len(ids), min(k, len(ids)))
             ids = ids[-k:] if len(ids) > k else ids
         self._check_prompt(ids, pooling=True)
+        if task in ("classify", "score") and not mc.is_encoder_only:
+            kept = classified_prefix(ids, getattr(mc.hf_config, "pad_token_id", None))
+            text, ids = (text, ids) if len(kept) == len(ids) else (None, kept)
+        params.compressed_token_type_ids = types
         req = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=None,
                                 eos_token_id=None,
                                 arrival_time=arrival_time if arrival_time is not None else time.time(),

@@ -200,12 +200,16 @@ class LLM(PoolingMixin):
         return prompt
 
     def _check_generate(self, method: str) -> None:
-        if "generate" not in self.llm_engine.get_supported_tasks():
-            raise ValueError(f"LLM.{method}() is only supported for generative models. Try passing "
-                             "`--runner generate` to use the model as a generative model.")
+        tasks = self.llm_engine.get_supported_tasks()
+        if "generate" not in tasks:
+            advice = ("This is a sequence-classification model (no LM head): use LLM.classify, LLM.score or "
+                      "LLM.reward." if "classify" in tasks else
+                      "Try passing `--runner generate` to use the model as a generative model.")
+            raise ValueError(f"LLM.{method}() is only supported for generative models. {advice}")
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        """What this model can do: ("generate",) or ("encode", "embed") (vLLM's)."""
+        """What this model can do: ("generate",), ("encode", "embed"), or a classification
+        model's ("classify", "token_classify"[, "score"]) (vLLM's)."""
         return self.llm_engine.get_supported_tasks()
 
     def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,

@@ -34,17 +34,21 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class RenderedPrompt:
     """A prompt ready for the engine: ``text`` (None for a token-id prompt) and its
-    ``token_ids`` (list[int])."""
+    ``token_ids`` (list[int]); ``token_type_ids``: each token's segment, for a text pair
+    (cross-encoder scoring; None otherwise)."""
 
     text: Optional[str]
     token_ids: list[int]
+    token_type_ids: Optional[list[int]] = None
 
     def to_engine_prompt(self) -> dict[str, Any]:
         """The prompt dict ``AsyncLLM.generate`` / ``LLM.generate`` take (token ids plus
-        the text for detokenization and logs)."""
+        the text for detokenization and logs, and a pair's ``token_type_ids``)."""
         prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids}
         if self.text is not None:
             prompt["prompt"] = self.text
+        if self.token_type_ids is not None:
+            prompt["token_type_ids"] = self.token_type_ids
         return prompt
 
 
@@ -117,6 +121,20 @@ class Renderer:
             self.check_length([text], param)
         check_encodable(text, param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_pair(self, text: str, text_pair: str, *, add_special_tokens: bool = True,
+                    check_length: bool = True, param: str = "text_2") -> RenderedPrompt:
+        """Two texts as one cross-encoder input, as the tokenizer joins a pair
+        (``tokenizer(text=..., text_pair=...)``: [CLS] a [SEP] b [SEP] for BERT) with its
+        ``token_type_ids`` when it returns them (vLLM's ``_cross_encoding_score``). Raises
+        SamplingParamsError naming ``param`` as :meth:`encode` does."""
+        if check_length:
+            self.check_length([text, text_pair], param)
+        check_encodable(text, param)
+        check_encodable(text_pair, param)
+        enc = self.tokenizer(text=text, text_pair=text_pair, add_special_tokens=add_special_tokens)
+        types = enc.get("token_type_ids")
+        return RenderedPrompt(None, list(enc["input_ids"]), None if types is None else list(types))
 
     def render_chat(self, messages: Iterable[Any], *, add_special_tokens: bool = False,
                     **template_kwargs: Any) -> RenderedPrompt:
@@ -232,6 +250,13 @@ class AsyncRenderer:
         return list(await asyncio.gather(*(
             self._run(self.renderer.render_prompt, p, add_special_tokens=add_special_tokens,
                       check_length=check_length, param=param) for p in prompts)))
+
+    async def render_pairs(self, pairs: list[tuple[str, str]], *, add_special_tokens: bool = True,
+                           check_length: bool = True, param: str = "text_2") -> list[RenderedPrompt]:
+        """:meth:`Renderer.render_pair` of each (text, text_pair), in the pool."""
+        return list(await asyncio.gather(*(
+            self._run(self.renderer.render_pair, a, b, add_special_tokens=add_special_tokens,
+                      check_length=check_length, param=param) for a, b in pairs)))
 
     async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
                      check_length: bool = True) -> list[int]:

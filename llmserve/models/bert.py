@@ -1,9 +1,10 @@
 """BERT encoder (``BertModel``, e.g. sentence-transformers/all-MiniLM-L6-v2) for pooling.
 
 Follows transformers' ``modeling_bert`` numerically (post-LayerNorm blocks, exact-erf
-GELU, absolute position embeddings, token type 0) with vLLM's layout: flat token batches
-(``[T, hidden]``), fused q/k/v. Attention is bidirectional over each whole prompt
-(``scaled_dot_product_attention`` with a key-padding mask). No KV cache is read or kept.
+GELU, absolute position embeddings, token type 0 unless a text pair gives them) with
+vLLM's layout: flat token batches (``[T, hidden]``), fused q/k/v. Attention is
+bidirectional over each whole prompt (``scaled_dot_product_attention`` with a key-padding
+mask). No KV cache is read or kept.
 
 Batch invariance: a prompt's embedding must not depend on what else is in the step (an
 input embedded alone, or beside others, gives the same vector bit for bit). CPU GEMM
@@ -115,9 +116,11 @@ class _Layout:
 class BertModel(nn.Module):
     """``forward(input_ids [T], positions [T], kv_caches (unused), attn_metadata)`` ->
     last hidden states ``[T, hidden]``; ``attn_metadata.query_lens_list`` gives each
-    prompt's length, in order (the flat batch is the prompts back to back).
+    prompt's length, in order (the flat batch is the prompts back to back), and
+    ``attn_metadata.token_type_ids`` (optional, ``[T]`` int64) each token's segment.
     ``load_weights`` takes HF names (``bert.`` prefix allowed; the pooler/MLM heads are
-    ignored) and raises ValueError for a missing or misshapen tensor."""
+    ignored, except by ``seq_cls.BertForSequenceClassification``) and raises ValueError
+    for a missing or misshapen tensor."""
 
     is_causal = False
 
@@ -137,7 +140,9 @@ class BertModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any,
                 attn_metadata: Any) -> torch.Tensor:
         layout = _Layout(list(attn_metadata.query_lens_list), input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        types = getattr(attn_metadata, "token_type_ids", None)  # [T] int64, or None: all 0
+        tt = self.token_type_embeddings.weight[0] if types is None else self.token_type_embeddings(types)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + tt
         x = self.emb_norm(x)
         T = x.shape[0]
         if layout.tail:

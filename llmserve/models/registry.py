@@ -13,6 +13,9 @@ from llmserve.models.bert import BertModel
 from llmserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from llmserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from llmserve.models.phi3 import Phi3ForCausalLM
+from llmserve.models.seq_cls import (BertForSequenceClassification, LlamaForSequenceClassification,
+                                     MistralForSequenceClassification, Qwen2ForSequenceClassification,
+                                     Qwen3ForSequenceClassification)
 from llmserve.models.whisper import WhisperForConditionalGeneration
 from llmserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
                                    Qwen3ForCausalLM)
@@ -33,6 +36,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
     "BertForPreTraining": BertModel,
+    # Sequence classification (pooling only; models/seq_cls.py): base model + classification head.
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": MistralForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 
 

@@ -135,8 +135,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler = None
         if mc.runner == "pooling":  # the head is a pooler instead of the sampler
-            from llmserve.worker.pooler import Pooler
-            self.pooler = Pooler(mc.pooler_config)
+            from llmserve.worker.pooler import make_pooler
+            self.pooler = make_pooler(mc.pooler_config)
         self.states: dict[str, _ReqState] = {}
         self.encoder_cache = None  # encoder-decoder models: cross-attention K/V per request
         if mc.is_encoder_decoder:

@@ -165,7 +165,8 @@ def test_generating_model_refuses_pooling_endpoints(server):
     from e2e_utils import MODEL as GEN_MODEL
 
     for path, body in (("/v1/embeddings", {"input": "hi"}), ("/pooling", {"input": "hi"}),
-                       ("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})):
+                       ("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/classify", {"input": "hi"}), ("/v1/classify", {"input": ["hi", "there"]})):
         err = _err(server.post(path, {"model": GEN_MODEL, **body}), "model")
         assert "--runner pooling" in err["message"]
 

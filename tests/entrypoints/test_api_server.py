@@ -31,6 +31,7 @@ FAMILIES = {
                                        "/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items"},
     "register_embeddings_api_routers": {"/v1/embeddings", "/pooling"},
     "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"},
+    "register_classify_api_routers": {"/classify", "/v1/classify"},
     "register_speech_to_text_api_routers": {"/v1/audio/transcriptions", "/v1/audio/translations"},
     "register_sagemaker_api_routers": {"/invocations", "/ping"},
     "register_anthropic_api_routers": {"/v1/messages", "/v1/messages/count_tokens"},

@@ -43,6 +43,8 @@ from llmserve.entrypoints.openai.completion.api_router import register_completio
 from llmserve.entrypoints.openai.common.limits import PromptCharLimit
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from llmserve.entrypoints.openai.infill.api_router import register_infill_api_routers
+from llmserve.entrypoints.openai.classify.api_router import register_classify_api_routers
+from llmserve.entrypoints.openai.classify.serving import OpenAIServingClassification
 from llmserve.entrypoints.openai.embeddings.api_router import register_embeddings_api_routers
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
 from llmserve.entrypoints.openai.dp_rank import DataParallelRankMiddleware
@@ -105,6 +107,7 @@ API_ROUTER_REGISTRARS = (
     register_embeddings_api_routers,
     register_sagemaker_api_routers,
     register_score_api_routers,
+    register_classify_api_routers,
     register_speech_to_text_api_routers,
     register_anthropic_api_routers,
     register_ollama_api_routers,
@@ -239,6 +242,8 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
                                                             log_requests=log_requests)
     state.openai_serving_scores = OpenAIServingScores(engine_client, models, state.openai_serving_render,
                                                       log_requests=log_requests)
+    state.openai_serving_classification = OpenAIServingClassification(
+        engine_client, models, state.openai_serving_render, log_requests=log_requests)
     state.max_audio_file_bytes = getattr(args, "max_audio_file_bytes", None)
     state.openai_serving_transcription = OpenAIServingSpeechToText(
         engine_client, models, log_requests=log_requests,

@@ -53,19 +53,23 @@ ROUTED_HANDLERS = {
     "openai_serving_completion": ("text", "--runner generate"),
     "openai_serving_responses": ("text", "--runner generate"),
     "openai_serving_embedding": ("embed", "--runner pooling"),
-    "openai_serving_scores": ("embed", "--runner pooling"),
+    "openai_serving_scores": ("score", "--runner pooling"),
+    "openai_serving_classification": ("classify", "--convert classify"),
     "openai_serving_tokenization": (None, None),
     "openai_serving_transcription": ("transcription", "a Whisper model"),
 }
 # What a capability lets a model do, for the error message.
 CAPABILITY_WORDS = {"text": "generate text from a text prompt", "embed": "pool (embeddings, score, rerank)",
+                    "score": "score text pairs (score, rerank)", "classify": "classify text (a classification head)",
                     "transcription": "transcribe or translate audio"}
 
 
 def capabilities_of(supported_tasks: Sequence[str]) -> tuple[str, ...]:
     """The endpoint capabilities (ROUTED_HANDLERS' names) of a model with vLLM's
     ``supported_tasks``: "transcription" (a speech model, which generates from audio
-    only), else "text" for a generating model, plus "embed" for a pooling one."""
+    only), else "text" for a generating model, plus "embed" for an embedding model,
+    "classify" for a classification model and "score" for either that scores pairs
+    (an embedding model or a one-label cross-encoder)."""
     caps = []
     if "transcription" in supported_tasks:
         caps.append("transcription")
@@ -73,6 +77,10 @@ def capabilities_of(supported_tasks: Sequence[str]) -> tuple[str, ...]:
         caps.append("text")
     if "embed" in supported_tasks:
         caps.append("embed")
+    if "classify" in supported_tasks:
+        caps.append("classify")
+    if "embed" in supported_tasks or "score" in supported_tasks:
+        caps.append("score")
     return tuple(caps)
 
 

@@ -20,8 +20,8 @@ from llmserve.entrypoints.openai.admission import AdmissionController, Rejection
 
 # Path prefix -> the capability its handler needs (multi_model.ROUTED_HANDLERS' names).
 _CAPABILITY_PREFIXES = (("/v1/audio/", "transcription"), ("/v1/embeddings", "embed"), ("/pooling", "embed"),
-                        ("/score", "embed"), ("/v1/score", "embed"), ("/rerank", "embed"), ("/v1/rerank", "embed"),
-                        ("/v2/rerank", "embed"), ("/classify", "embed"), ("/v1/classify", "embed"),
+                        ("/score", "score"), ("/v1/score", "score"), ("/rerank", "score"), ("/v1/rerank", "score"),
+                        ("/v2/rerank", "score"), ("/classify", "classify"), ("/v1/classify", "classify"),
                         ("/api/embed", "embed"))
 
 
@@ -30,7 +30,7 @@ class _ModelField(msgspec.Struct):
 
 
 def capability_of_path(path: str) -> str:
-    """The capability a tracked route needs: "transcription", "embed" or "text"."""
+    """The capability a tracked route needs: "transcription", "embed", "score", "classify" or "text"."""
     return next((cap for prefix, cap in _CAPABILITY_PREFIXES if path.startswith(prefix)), "text")
 
 

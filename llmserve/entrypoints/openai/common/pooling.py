@@ -28,7 +28,18 @@ _TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 PoolingInput = Union[str, Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)], _TokenIds,
                      Annotated[list[_TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 
-_API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Score API", "rerank": "Rerank API"}
+_API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Score API", "rerank": "Rerank API",
+              "classify": "Classification API"}
+
+
+def _refusal_hint(task: str, tasks: Any) -> str:
+    """What would serve ``task`` (the end of check_task's 400)."""
+    if task == "classify":
+        return ("Start the server with a *ForSequenceClassification model (`--runner pooling`; "
+                "`--convert classify`).")
+    if "classify" in tasks:
+        return "Scoring pairs with a classification model needs one label (num_labels=1, a cross-encoder)."
+    return "Start the server with a pooling model (or `--runner pooling`)."
 
 
 class PoolingFields(OpenAIRequestModel):
@@ -66,13 +77,14 @@ class PoolingBaseServing(BaseServing):
     def check_task(self, request: Any, task: str) -> str:
         """The served model name; raises ModelNotFoundError (404) or a 400 (param
         ``model``) when this model cannot serve the endpoint (a generating model: start
-        it with ``--runner pooling``)."""
+        it with ``--runner pooling``; classify needs a classification model; score and
+        rerank an embedding model or a one-label cross-encoder)."""
         name = self._check_model(request)
         tasks = getattr(self.model_config, "supported_tasks", ("generate",))
-        if ("embed" if task in ("score", "rerank") else task) not in tasks:
-            raise SamplingParamsError(
-                f"This model does not support the {_API_NAMES[task]}: it is served for {list(tasks)}. "
-                f"Start the server with a pooling model (or `--runner pooling`).", "model")
+        needs = ("score", "embed") if task in ("score", "rerank") else (task,)
+        if not any(t in tasks for t in needs):
+            raise SamplingParamsError(f"This model does not support the {_API_NAMES[task]}: it is served for "
+                                      f"{list(tasks)}. {_refusal_hint(task, tasks)}", "model")
         return name
 
     async def render_input(self, value: Any, add_special_tokens: bool, param: str = "input",
@@ -92,7 +104,8 @@ class PoolingBaseServing(BaseServing):
 
     def pooling_params(self, request: Any, task: str, dimensions: Optional[int] = None) -> PoolingParams:
         return PoolingParams(normalize=request.normalize, dimensions=dimensions,
-                             truncate_prompt_tokens=request.truncate_prompt_tokens, task=task)
+                             truncate_prompt_tokens=request.truncate_prompt_tokens, task=task,
+                             use_activation=getattr(request, "use_activation", None))
 
     async def encode_all(self, prompts: list[RenderedPrompt], params: PoolingParams, request_id: str,
                          priority: int = 0, param: str = "input") -> list[PoolingRequestOutput]:

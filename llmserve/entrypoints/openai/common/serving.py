@@ -127,10 +127,13 @@ class GenerateBaseServing(BaseServing):
         name = super()._check_model(request)
         tasks = getattr(self.model_config, "supported_tasks", ("generate",))
         if "generate" not in tasks:
-            raise SamplingParamsError(
-                f"The model `{name}` does not generate text: it is served as a pooling model for {list(tasks)} "
-                "(/v1/embeddings, /pooling, /score, /rerank). Use a generative model, or start this one with "
-                "`--runner generate`.", "model")
+            if "classify" in tasks:  # a *ForSequenceClassification checkpoint has no LM head
+                where, advice = "/classify, /score, /rerank", "Use a generative model."
+            else:
+                where = "/v1/embeddings, /pooling, /score, /rerank"
+                advice = "Use a generative model, or start this one with `--runner generate`."
+            raise SamplingParamsError(f"The model `{name}` does not generate text: it is served as a pooling model "
+                                      f"for {list(tasks)} ({where}). {advice}", "model")
         return name
 
     def formatter(self, request: Any) -> Any:

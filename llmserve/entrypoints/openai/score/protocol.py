@@ -9,10 +9,12 @@ from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageIn
 
 
 class ScoreRequest(PoolingFields):
-    """``text_1`` against ``text_2``: one against each (1:N) or pairwise (N:N)."""
+    """``text_1`` against ``text_2``: one against each (1:N) or pairwise (N:N).
+    use_activation (a cross-encoder only): false scores by the raw logit (vLLM's field)."""
 
     text_1: Union[str, list[str]]
     text_2: Union[str, list[str]]
+    use_activation: Optional[bool] = None
 
 
 class ScoreResponseData(OpenAIBaseModel):
@@ -33,12 +35,13 @@ class ScoreResponse(OpenAIBaseModel):
 class RerankRequest(PoolingFields):
     """``query`` against ``documents`` (strings, or Cohere-style ``{"text": ...}``
     objects); ``top_n``: keep the best n (None or 0: all); ``return_documents``: include
-    each document's text (default True, as vLLM)."""
+    each document's text (default True, as vLLM); use_activation as ScoreRequest's."""
 
     query: str
     documents: list[Union[str, dict[str, Any]]]
     top_n: Optional[int] = None
     return_documents: bool = True
+    use_activation: Optional[bool] = None
 
 
 class RerankDocument(OpenAIBaseModel):

@@ -1,6 +1,9 @@
-"""``/score`` and ``/rerank`` for embedding models (vLLM's ``ServingScores``): both texts
+"""``/score`` and ``/rerank`` (vLLM's ``ServingScores``). For an embedding model both texts
 of each pair are embedded and the score is their cosine similarity, as vLLM does for a
-model without a cross-encoder head."""
+model without a cross-encoder head; for a cross-encoder (a classification model with one
+label) each pair is tokenized together (``token_type_ids`` and all) and scored by its
+head through the score activation (sigmoid by default: sentence-transformers'
+CrossEncoder and vLLM)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -10,7 +13,7 @@ from llmserve.entrypoints.openai.common.protocol import UsageInfo
 from llmserve.entrypoints.openai.score.protocol import (RerankDocument, RerankRequest, RerankResponse,
                                                         RerankResult, RerankUsage, ScoreRequest, ScoreResponse,
                                                         ScoreResponseData)
-from llmserve.outputs import PoolingRequestOutput
+from llmserve.outputs import PoolingRequestOutput, ScoringOutput
 from llmserve.sampling_params import SamplingParamsError
 
 
@@ -18,33 +21,57 @@ def _cosine(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
     return float(F.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0))
 
 
+def _pair_up(texts_1: list[str], texts_2: list[str], names: tuple[str, str]) -> list[str]:
+    """``texts_1`` as long as ``texts_2`` (one text against each, or N:N). Raises
+    SamplingParamsError naming the empty or mismatched field."""
+    for texts, param in zip((texts_1, texts_2), names):
+        if not texts:
+            raise SamplingParamsError(f"{param} cannot be empty.", param)
+    if len(texts_1) == 1:
+        return texts_1 * len(texts_2)
+    if len(texts_1) != len(texts_2):
+        raise SamplingParamsError(f"{names[0]} has {len(texts_1)} items and {names[1]} {len(texts_2)}: give one "
+                                  f"{names[0]} or as many as {names[1]}.", names[0])
+    return texts_1
+
+
 class OpenAIServingScores(PoolingBaseServing):
     """Handler of the score and rerank endpoints. Raises ModelNotFoundError (404) or
-    SamplingParamsError (400 naming the field: ``model`` for a generating model,
-    ``text_1``/``text_2``/``query``/``documents`` for empty or mismatched inputs)."""
+    SamplingParamsError (400 naming the field: ``model`` for a model that can neither
+    embed nor cross-encode, ``text_1``/``text_2``/``query``/``documents`` for empty or
+    mismatched inputs)."""
 
     async def _score(self, request, texts_1: list[str], texts_2: list[str], names: tuple[str, str],
                      prefix: str) -> tuple[str, str, list[float], int]:
         """(served name, request id, one score per pair, prompt tokens)."""
         name = self.check_task(request, "score")
-        for texts, param in zip((texts_1, texts_2), names):
-            if not texts:
-                raise SamplingParamsError(f"{param} cannot be empty.", param)
-        if len(texts_1) == 1:
-            texts_1 = texts_1 * len(texts_2)
-        elif len(texts_1) != len(texts_2):
-            raise SamplingParamsError(f"{names[0]} has {len(texts_1)} items and {names[1]} {len(texts_2)}: give one "
-                                      f"{names[0]} or as many as {names[1]}.", names[0])
-        # Each distinct text is embedded once (a query scored against N documents: N + 1).
-        unique = list(dict.fromkeys(texts_1 + texts_2))
-        prompts = await self.render_input(unique, request.add_special_tokens, names[1],
-                                          check_length=request.truncate_prompt_tokens is None)
+        texts_1 = _pair_up(texts_1, texts_2, names)
         rid = self.new_request_id(prefix)
+        run = self._cross_encode if "score" in self.model_config.supported_tasks else self._embed_cosine
+        scores, ntok = await run(request, texts_1, texts_2, names[1], rid)
+        return name, rid, scores, ntok
+
+    async def _cross_encode(self, request, texts_1: list[str], texts_2: list[str], param: str,
+                            rid: str) -> tuple[list[float], int]:
+        """Each (text_1, text_2) pair through the cross-encoder's head (vLLM's cross-encoding score)."""
+        prompts = await self.renderer.render_pairs(list(zip(texts_1, texts_2)),
+                                                   add_special_tokens=request.add_special_tokens,
+                                                   check_length=request.truncate_prompt_tokens is None, param=param)
+        outs = await self.encode_all(prompts, self.pooling_params(request, "score"), rid, request.priority, param)
+        return [ScoringOutput.from_base(o.outputs).score for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+
+    async def _embed_cosine(self, request, texts_1: list[str], texts_2: list[str], param: str,
+                            rid: str) -> tuple[list[float], int]:
+        """Cosine similarity of the two texts' embeddings; each distinct text is embedded
+        once (a query scored against N documents: N + 1)."""
+        unique = list(dict.fromkeys(texts_1 + texts_2))
+        prompts = await self.render_input(unique, request.add_special_tokens, param,
+                                          check_length=request.truncate_prompt_tokens is None)
         params = self.pooling_params(request, "embed")
         params.normalize = True if params.normalize is None else params.normalize
-        outs = dict(zip(unique, await self.encode_all(prompts, params, rid, request.priority, names[1])))
+        outs = dict(zip(unique, await self.encode_all(prompts, params, rid, request.priority, param)))
         scores = [_cosine(outs[a], outs[b]) for a, b in zip(texts_1, texts_2)]
-        return name, rid, scores, sum(len(o.prompt_token_ids) for o in outs.values())
+        return scores, sum(len(o.prompt_token_ids) for o in outs.values())
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
         t1 = [request.text_1] if isinstance(request.text_1, str) else list(request.text_1)

@@ -1,0 +1,92 @@
+"""``/classify``, ``/score`` and ``/rerank`` on a served cross-encoder (a tiny random
+BertForSequenceClassification with one label, detected as a classification model): the
+scores are the head's sigmoid on each (query, document) pair as transformers computes it,
+not the cosine of embeddings; endpoints the model cannot serve answer 400."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from e2e_utils import RemoteServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pooling"))
+from classify_utils import hf_logits, save_bert_classifier  # noqa: E402
+
+MODEL = "tiny-cross-encoder"
+QUERY = "what is a cat"
+DOCS = ["Paris is in France.", "A cat is a small animal that purrs.", "Bananas.", "Cats and dogs."]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ce(tmp_path_factory):
+    """(server, HF model, tokenizer) of the tiny cross-encoder."""
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("cross_encoder"))
+    hf = save_bert_classifier(path, 1)
+    srv = RemoteServer(["--model", path, "--served-model-name", MODEL, "--dtype", "float32",
+                        "--max-model-len", "128", "--kv-cache-memory", "16MiB"])
+    yield srv, hf, AutoTokenizer.from_pretrained(path)
+    srv.stop()
+
+
+def _ok(r):
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _err(r, param):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == 400 and err["param"] == param, err
+    return err
+
+
+def _sigmoid_of(hf, tok, text, pair=None) -> float:
+    enc = tok(text, pair)
+    return torch.sigmoid(hf_logits(hf, input_ids=[enc.input_ids], token_type_ids=[enc.token_type_ids]))[0, 0].item()
+
+
+def test_classify_score_rerank_by_the_cross_encoder_head(ce):
+    srv, hf, tok = ce
+    texts = ["Hi", "A much longer input that has many more tokens than the first one does."]
+    for path in ("/classify", "/v1/classify"):
+        out = _ok(srv.post(path, {"model": MODEL, "input": texts}))
+        assert out["object"] == "list" and out["model"] == MODEL and out["id"].startswith("classify-")
+        for i, (d, text) in enumerate(zip(out["data"], texts)):
+            assert (d["index"], d["label"], d["num_classes"]) == (i, "LABEL_0", 1)
+            assert abs(d["probs"][0] - _sigmoid_of(hf, tok, text)) < ATOL
+        assert out["usage"]["prompt_tokens"] == sum(len(tok(t).input_ids) for t in texts)
+    want = torch.tensor([_sigmoid_of(hf, tok, QUERY, d) for d in DOCS])
+    for path in ("/score", "/v1/score"):
+        got = _ok(srv.post(path, {"model": MODEL, "text_1": QUERY, "text_2": DOCS}))
+        assert torch.allclose(torch.tensor([d["score"] for d in got["data"]]), want, atol=ATOL)
+        assert got["usage"]["prompt_tokens"] == sum(len(tok(QUERY, d).input_ids) for d in DOCS)
+    order = torch.argsort(-want).tolist()
+    assert len(set(order[:2])) == 2 and want[order[1]] - want[order[2]] > 1e-3  # a clear top 2
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        rr = _ok(srv.post(path, {"model": MODEL, "query": QUERY, "documents": DOCS, "top_n": 2}))
+        assert [r["index"] for r in rr["results"]] == order[:2]
+        assert [r["document"]["text"] for r in rr["results"]] == [DOCS[i] for i in order[:2]]
+        assert all(abs(r["relevance_score"] - want[r["index"]].item()) < ATOL for r in rr["results"])
+    every = _ok(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS}))
+    assert [r["index"] for r in every["results"]] == order
+    raw = _ok(srv.post("/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS[:1], "use_activation": False}))
+    assert abs(torch.sigmoid(torch.tensor(raw["data"][0]["score"])).item() - want[0].item()) < ATOL
+
+
+def test_endpoints_the_cross_encoder_cannot_serve_are_400(ce):
+    srv, _, _ = ce
+    err = _err(srv.post("/v1/embeddings", {"model": MODEL, "input": "hi"}), "model")
+    assert "Embeddings API" in err["message"]
+    err = _err(srv.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}), "model")
+    assert "/classify" in err["message"]
+    _err(srv.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+         "model")
+    _err(srv.post("/classify", {"model": MODEL, "input": []}), "input")
+    _err(srv.post("/score", {"model": MODEL, "text_1": ["a", "b"], "text_2": DOCS}), "text_1")
+    _err(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": []}), "documents")
