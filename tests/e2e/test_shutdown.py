@@ -117,8 +117,10 @@ def test_sigterm_to_the_process_group_drains_a_dp_server_and_exits_0():
                    if "llmserve.engine.core" in " ".join(p.cmdline())]
         assert len(engines) == 2 and all(os.getpgid(p.pid) != server.proc.pid for p in engines)
         body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 48, "ignore_eos": True}
-        thread, result = _post_in_thread(server, body)
-        time.sleep(0.5)  # in flight
+        thread, result = _post_in_thread(server, body, "drained")
+        # In flight: its first token observed (a fixed 0.5 s sleep could signal before a
+        # loaded machine had even delivered the request).
+        _wait_timeline_event(server, "drained", "first_token")
         os.killpg(server.proc.pid, signal.SIGTERM)
         thread.join(60)
         assert result and result[0].status_code == 200, (result, server.logs())
@@ -148,15 +150,30 @@ def test_sigkilled_server_takes_its_engine_along():
         server.stop()
 
 
-def _post_in_thread(server: RemoteServer, body: dict) -> tuple[threading.Thread, list]:
-    """A non-streaming completion in a thread; the list gets its httpx.Response (or the
-    name of the httpx error)."""
+def _wait_timeline_event(server: RemoteServer, request_id: str, event: str, limit_s: float = 60) -> None:
+    """Wait (up to ``limit_s``) until the request known by ``request_id`` (its X-Request-Id)
+    shows ``event`` in its GET /v1/requests timeline: the request is observed in flight, not
+    assumed to be after a fixed sleep."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        r = server.http.get(f"/v1/requests/{request_id}/timeline")
+        if r.status_code == 200 and event in [e["event"] for e in r.json()["events"]]:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{request_id}: no {event!r} within {limit_s} s\n{server.logs()}")
+
+
+def _post_in_thread(server: RemoteServer, body: dict, request_id: str = "") -> tuple[threading.Thread, list]:
+    """A non-streaming completion in a thread (sent with ``request_id`` as its X-Request-Id
+    when given); the list gets its httpx.Response (or the name of the httpx error)."""
     result: list = []
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
 
     def run() -> None:
         try:
-            result.append(httpx.post(server.url_for("v1/completions"), json=body, timeout=30,
-                                     headers={"Authorization": f"Bearer {server.api_key}"}))
+            result.append(httpx.post(server.url_for("v1/completions"), json=body, timeout=30, headers=headers))
         except httpx.HTTPError as e:
             result.append(type(e).__name__)
 
@@ -177,8 +194,11 @@ def test_engine_death_fails_requests_and_exits_nonzero():
         stream_thread, first_chunk, stream_result, lines = _start_stream(server)
         assert first_chunk.wait(60), server.logs()
         post_thread, post_result = _post_in_thread(
-            server, {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True})
-        time.sleep(0.3)  # let the plain request reach the engine
+            server, {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 480, "ignore_eos": True},
+            "plain")
+        # The plain request in the engine: its first token observed (a fixed 0.3 s sleep could
+        # kill the engine before a loaded machine had delivered it).
+        _wait_timeline_event(server, "plain", "first_token")
         t0 = time.monotonic()
         psutil.Process(engine_pid).kill()
         # Right after: 503 while the server is still up, or a refused connection once it is down.
