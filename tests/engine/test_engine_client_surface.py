@@ -163,7 +163,8 @@ def test_iteration_stats_only_with_outputs(setup, loop):
     before = len(rec.records)
 
     async def run():  # an abort leaves the engine idle: its last message has no outputs
-        gen = eng.generate(PROMPTS[2], SamplingParams(max_tokens=200), "to-abort")
+        # ignore_eos: still running when closed (a sampled EOS at once would leave nothing to abort)
+        gen = eng.generate(PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True), "to-abort")
         await gen.__anext__()
         await gen.aclose()
         for _ in range(100):
