@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 
 @dataclass
@@ -145,18 +145,27 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """Output of ``LLM.embed`` (vLLM's ``EmbeddingRequestOutput``)."""
+class _TypedPoolingRequestOutput:
+    """A ``PoolingRequestOutput`` whose ``outputs`` is read as ``OUTPUT`` (an embedding, a
+    classification...): vLLM's typed request outputs."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
+    OUTPUT: ClassVar[Any] = None
 
-    @staticmethod
-    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return EmbeddingRequestOutput(out.request_id, EmbeddingOutput.from_base(out.outputs),
-                                      out.prompt_token_ids, out.finished)
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput):
+        return cls(out.request_id, cls.OUTPUT.from_base(out.outputs), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TypedPoolingRequestOutput):
+    """Output of ``LLM.embed`` (vLLM's ``EmbeddingRequestOutput``)."""
+
+    outputs: EmbeddingOutput
+    OUTPUT: ClassVar[Any] = EmbeddingOutput
 
 
 @dataclass
@@ -180,18 +189,11 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(_TypedPoolingRequestOutput):
     """Output of ``LLM.classify`` (vLLM's ``ClassificationRequestOutput``)."""
 
-    request_id: str
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @staticmethod
-    def from_base(out: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return ClassificationRequestOutput(out.request_id, ClassificationOutput.from_base(out.outputs),
-                                           out.prompt_token_ids, out.finished)
+    OUTPUT: ClassVar[Any] = ClassificationOutput
 
 
 @dataclass
@@ -212,16 +214,9 @@ class ScoringOutput:
 
 
 @dataclass
-class ScoringRequestOutput:
+class ScoringRequestOutput(_TypedPoolingRequestOutput):
     """Output of ``LLM.score`` (vLLM's ``ScoringRequestOutput``); prompt_token_ids: the
     tokens of both texts, first then second."""
 
-    request_id: str
     outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @staticmethod
-    def from_base(out: PoolingRequestOutput) -> "ScoringRequestOutput":
-        return ScoringRequestOutput(out.request_id, ScoringOutput.from_base(out.outputs), out.prompt_token_ids,
-                                    out.finished)
+    OUTPUT: ClassVar[Any] = ScoringOutput
