@@ -172,7 +172,8 @@ def _start_both(args, serve_extra: list[str], gguf_path: str) -> tuple:
     the warm-started servers (llama-server: None without its binary), the times and urls."""
     ours_url, llama_url = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.llama_port}"
     threads = str(args.threads or os.cpu_count())
-    model = ["--model", gguf_path] if args.gguf else []
+    # the K-quant file served under the default name: the bench and the first chat ask for MODEL
+    model = ["--model", gguf_path, "--served-model-name", MODEL] if args.gguf else []
     ours_cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(args.port), *model,
                 *[a for a in serve_extra if a != "--"]]
     llama_cmd = [args.llama_server, "-m", gguf_path, "-t", threads, "-tb", threads, "-np", str(args.parallel),
