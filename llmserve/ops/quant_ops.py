@@ -79,7 +79,8 @@ class QuantWeight:
     (``csrc/quant_gemv.cpp``): rows in groups of 16 interleaved per 32-weight block,
     ``codes`` uint8 ``[ceil(n/16), K/32, 256]`` (4-bit types), ``[..., 320]`` (5-bit: Q5_0,
     Q5_1) or ``[..., 512]`` (Q8_0, IQ4_NL), ``dm`` int16 (float16 bits) ``[ceil(n/16), K/32,
-    32]``; ``bits`` 4, 5 or 8. Source:
+    32]`` (16 d then 16 m: Q4_1, Q5_1) or ``[..., 16]`` (d; the symmetric Q4_0, Q5_0, Q8_0 and
+    IQ4_NL, whose m = -2^(bits-1) d the kernel derives); ``bits`` 4, 5 or 8. Source:
     llama.cpp's ``ggml_vec_dot_q4_1_q8_1`` numerics (int8 activations per 32-block) and its
     interleaved ``Q4_0_8x8`` repacking idea; vLLM has no CPU GGUF kernel."""
 

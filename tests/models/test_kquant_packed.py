@@ -102,7 +102,9 @@ def test_torch_tiles_equal_the_cpp_repack():
         raw = quantize(np.random.default_rng(0).normal(size=(20, 64)).astype(np.float32), qtype)
         codes, dm = ops.quant_repack(torch.from_numpy(np.ascontiguousarray(raw)), qtype)
         d = dm[..., :16].contiguous().view(torch.float16).float()
-        m = dm[..., 16:].contiguous().view(torch.float16).float()
+        # Q4_1/Q5_1 keep m; the symmetric types keep d alone (m = -2^(bits-1) d)
+        assert dm.shape[-1] == (32 if qtype in (3, 7) else 16)
+        m = dm[..., 16:].contiguous().view(torch.float16).float() if qtype in (3, 7) else -(2 ** (bits - 1)) * d
         w = _gguf(raw, qtype)
         # codes (w - m) / d in weight order, rows padded to whole groups of 16
         dd = d.permute(0, 2, 1).reshape(32, -1).repeat_interleave(32, 1)[:20]

@@ -21,8 +21,11 @@
 // scaling (the costly part of a per-block scheme) is paid once per 16 x 32 weights
 // instead of once per 32. Q4: 4 chunks of 64 bytes per (group, block), chunk c holding
 // codes 4c..4c+3 in its low nibbles and 4c+16..4c+19 in its high ones; Q8: 8 chunks of
-// codes 4j..4j+3. Scales: per (group, block) 16 d then 16 m, float16. Rows past N in the
-// last group are zeros.
+// codes 4j..4j+3. Scales: per (group, block) 16 d then 16 m, float16, for Q4_1 and Q5_1;
+// the symmetric types (Q4_0, Q5_0, Q8_0, IQ4_NL) keep only the 16 d, and the kernels take
+// m = -2^(bits-1) d (exact in float32, as the stored m was): 2 bytes less per 32 weights,
+// which brought the weights of llama-quantize's Q4_K_M of SmolLM2 (mostly Q5_0) from
+// 1.114x to 1.050x its file size in memory. Rows past N in the last group are zeros.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -56,6 +59,9 @@ int64_t block_bytes(int64_t qt) {
 // Code width in the repacked layout: 5-bit codes (Q5_0, Q5_1) take 5-bit tiles, IQ4_NL's
 // int8 levels the 8-bit ones.
 int qbits(int64_t qt) { return qt == Q4_0 || qt == Q4_1 ? 4 : qt == Q5_0 || qt == Q5_1 ? 5 : 8; }
+
+// float16 scales per (group, block): d and m (Q4_1, Q5_1), or d alone (m = -2^(bits-1) d).
+int64_t scale_halfs(int64_t qt) { return qt == Q4_1 || qt == Q5_1 ? 32 : 16; }
 
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -100,7 +106,7 @@ void split_block(const uint8_t* b, int64_t qt, uint8_t* q, uint16_t& d16, uint16
 
 // Codes of one (group, block): 256 bytes (4-bit), 320 (5-bit: the 4-bit tile of the low
 // nibbles, then 64 bytes whose byte l*4 + i holds in bit j bit 4 of code 4j + i of row l:
-// 6 bits per weight with the float16 d and m, against Q5_0's 5.5 in the file, where
+// 5.5 bits per weight with Q5_0's float16 d, as in the file, 6 with Q5_1's d and m, where
 // 8-bit codes took 9), 512 (8-bit).
 int64_t tile_bytes(int bits) { return RG * QK * bits / 8; }
 
@@ -126,8 +132,9 @@ inline void set_tile_code(uint8_t* tile, int bits, int64_t l, int64_t k, uint8_t
 
 struct Packed {
   const uint8_t* codes;  // [groups, nb, tile_bytes]
-  const uint16_t* dm;    // [groups, nb, 32]
-  int64_t nb, n, bits;
+  const uint16_t* dm;    // [groups, nb, dms]: 16 d then 16 m (dms 32), or 16 d (dms 16)
+  int64_t nb, n, bits, dms;
+  float moff;            // dms 16: m = moff * d
 };
 
 // Activations as int8 codes in natural order [M, K], per block d_x [M, nb], and per half
@@ -203,14 +210,17 @@ template <int BITS, int MT, typename OutT>
 void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
   const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
   const uint8_t* codes = p.codes + g * p.nb * tb;
-  const uint16_t* dm = p.dm + g * p.nb * 32;
+  const uint16_t* dm = p.dm + g * p.nb * p.dms;
+  const bool sym = p.dms == 16;
+  const __m512 moff = _mm512_set1_ps(p.moff);
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.nb; ++b) {
     __m512i v[8];
     load_tile<BITS>(codes + b * tb, v);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * p.dms)));
+    const __m512 m = sym ? _mm512_mul_ps(d, moff)
+                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
       const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
@@ -372,19 +382,20 @@ Packed packed_of(const at::Tensor& codes, const at::Tensor& dm, int64_t bits, in
   TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "quant: bits must be 4, 5 or 8, got ", bits);
   TORCH_CHECK(codes.dim() == 3 && dm.dim() == 3 && codes.scalar_type() == at::kByte &&
                   dm.scalar_type() == at::kShort && codes.is_contiguous() && dm.is_contiguous() &&
-                  codes.size(2) == tile_bytes(bits) && dm.size(2) == 32 && codes.size(0) == dm.size(0) &&
-                  codes.size(1) == dm.size(1) && n > (codes.size(0) - 1) * RG && n <= codes.size(0) * RG,
-              "quant: codes uint8 [groups, nb, ", tile_bytes(bits), "] and dm int16 [groups, nb, 32] for ", n,
+                  codes.size(2) == tile_bytes(bits) && (dm.size(2) == 32 || dm.size(2) == 16) &&
+                  codes.size(0) == dm.size(0) && codes.size(1) == dm.size(1) && n > (codes.size(0) - 1) * RG &&
+                  n <= codes.size(0) * RG,
+              "quant: codes uint8 [groups, nb, ", tile_bytes(bits), "] and dm int16 [groups, nb, 32 or 16] for ", n,
               " rows, got ", codes.sizes(), " and ", dm.sizes());
   return Packed{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), codes.size(1),
-                n, bits};
+                n, bits, dm.size(2), -static_cast<float>(1 << (bits - 1))};
 }
 
 }  // namespace
 
-// GGUF blocks uint8 [N, K/32*block_bytes] -> [codes uint8 [ceil(N/16), K/32, 256 (Q4) or
-// 512 (Q8)], dm float16-as-int16 [ceil(N/16), K/32, 32]] (the layout above). Raises for a
-// type or shape mismatch.
+// GGUF blocks uint8 [N, K/32*block_bytes] -> [codes uint8 [ceil(N/16), K/32, 256 (Q4),
+// 320 (Q5) or 512 (Q8)], dm float16-as-int16 [ceil(N/16), K/32, 32 (Q4_1, Q5_1: d and m)
+// or 16 (the symmetric types: d)]] (the layout above). Raises for a type or shape mismatch.
 std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "quant_repack: w uint8 [N, row_bytes]");
   const int64_t bb = block_bytes(qtype), N = w.size(0);
@@ -393,17 +404,19 @@ std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
   const int bits = qbits(qtype);
   const int64_t tb = tile_bytes(bits);
   at::Tensor codes = at::zeros({groups, nb, tb}, w.options());
-  at::Tensor dm = at::zeros({groups, nb, 32}, w.options().dtype(at::kShort));
+  const int64_t dms = scale_halfs(qtype);
+  at::Tensor dm = at::zeros({groups, nb, dms}, w.options().dtype(at::kShort));
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   uint16_t* dp = reinterpret_cast<uint16_t*>(dm.data_ptr<int16_t>());
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     uint8_t q[32];
+    uint16_t m_sym;  // the symmetric types' m: not stored, the kernels derive it from d
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t l = 0; l < RG && g * RG + l < N; ++l)
         for (int64_t b = 0; b < nb; ++b) {
-          uint16_t* s = dp + (g * nb + b) * 32;
-          split_block(src + ((g * RG + l) * nb + b) * bb, qtype, q, s[l], s[16 + l]);
+          uint16_t* s = dp + (g * nb + b) * dms;
+          split_block(src + ((g * RG + l) * nb + b) * bb, qtype, q, s[l], dms == 32 ? s[16 + l] : m_sym);
           for (int64_t k = 0; k < QK; ++k) set_tile_code(cp + (g * nb + b) * tb, bits, l, k, q[k]);
         }
   });
@@ -466,8 +479,8 @@ at::Tensor quant_rows(at::Tensor codes, at::Tensor dm, int64_t bits, int64_t n, 
   for (int64_t t = 0; t < T; ++t) {
     const int64_t g = ip[t] / RG, l = ip[t] % RG;
     for (int64_t b = 0; b < p.nb; ++b) {
-      const uint16_t* s = p.dm + (g * p.nb + b) * 32;
-      const float d = _cvtsh_ss(s[l]), m = _cvtsh_ss(s[16 + l]);
+      const uint16_t* s = p.dm + (g * p.nb + b) * p.dms;
+      const float d = _cvtsh_ss(s[l]), m = p.dms == 32 ? _cvtsh_ss(s[16 + l]) : p.moff * d;
       const uint8_t* tile = p.codes + (g * p.nb + b) * tb;
       for (int64_t k = 0; k < QK; ++k)
         op[t * p.nb * QK + b * QK + k] = d * static_cast<float>(tile_code(tile, p.bits, l, k)) + m;
