@@ -9,7 +9,8 @@ from typing import Any, Optional, Union
 from llmserve.beam_search import BeamSearchParams
 from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EncoderInputs, EngineCoreRequest
-from llmserve.engine.pooling_inputs import classified_prefix, compress_token_type_ids, task_hint, truncate_start
+from llmserve.engine.pooling_inputs import (classified_prefix, compress_token_type_ids, task_hint, truncate_start,
+                                           truncate_text_ids)
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 from llmserve.structured_output.grammar import validate_structured_outputs
@@ -50,6 +51,11 @@ def check_beam_search(params: SamplingParams, beam: BeamSearchParams, max_num_se
         value = getattr(params, name)
         if value not in (default, [], {}, ""):
             raise SamplingParamsError(f"{name} is not supported with beam search (use_beam_search).", name)
+
+
+def _has_token_ids(prompt: Any) -> bool:
+    """The prompt came as token ids (a list, or a dict with ``prompt_token_ids``)."""
+    return isinstance(prompt, list) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
 
 
 def truncate_prompt(ids: list[int], truncate_prompt_tokens: Optional[int], max_model_len: int,
@@ -233,7 +239,9 @@ class InputProcessor:
         """The EngineCoreRequest of a pooling request (``pooling_params`` set, no
         sampling params), with a copy of ``params`` whose task is set ("embed" when None).
 
-        ``truncate_prompt_tokens`` keeps the last k tokens (-1: max_model_len), as vLLM.
+        ``truncate_prompt_tokens`` (-1: max_model_len) keeps the last k of given token ids;
+        a text prompt is cut as the tokenizer cuts, its first tokens and its special tokens
+        kept (vLLM's right truncation for pooling, ``pooling_inputs.truncate_text_ids``).
         A text pair's ``token_type_ids`` (prompt dict) travel compressed in the params
         (``compressed_token_type_ids``). A decoder's classification (``classify``/``score``)
         runs the prompt up to its last non-pad token (``pooling_inputs.classified_prefix``).
@@ -260,6 +268,8 @@ class InputProcessor:
                     f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({mc.max_model_len}). "
                     f"Please select a smaller truncation size.", "truncate_prompt_tokens")
             k = mc.max_model_len if k == -1 else k
+            if k > 0 and len(ids) > k and text is not None and not _has_token_ids(prompt):
+                ids = truncate_text_ids(self.tokenizer, text, k, not self.encoder_decoder)  # [CLS] .. [SEP]
             types = truncate_start(types, len(ids), min(k, len(ids)))
             ids = ids[-k:] if len(ids) > k else ids
         self._check_prompt(ids, pooling=True)

@@ -56,3 +56,69 @@ def classified_prefix(ids: list[int], pad_token_id: Optional[int]) -> list[int]:
         return ids
     last = max((i for i, t in enumerate(ids) if t != pad_token_id), default=0)
     return ids[:last + 1]
+
+
+
+def _find(full: list[int], part: list[int], start: int) -> int:
+    """The first index >= ``start`` where ``part`` sits in ``full``; -1 when nowhere."""
+    for i in range(start, len(full) - len(part) + 1):
+        if full[i:i + len(part)] == part:
+            return i
+    return -1
+
+
+def truncate_text_ids(tokenizer: Any, text: str, k: int, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids cut to at most ``k`` (a pooling request's
+    ``truncate_prompt_tokens``, resolved) as the tokenizer's ``truncation=True,
+    max_length=k`` cuts: the first tokens of the text are kept and so are the special
+    tokens around it (BERT's [CLS] ... [SEP]; its [CLS] is what a classifier pools).
+    vLLM truncates pooling prompts on the right since vllm-project/vllm#12050 (left, the
+    last tokens, only for generation). Where the tokenizer's output is not specials + the
+    text's own ids + specials, or ``k`` leaves no room for text, the first ``k`` ids are
+    kept."""
+    full = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    if len(full) <= k:
+        return full
+    body = list(tokenizer.encode(text, add_special_tokens=False))
+    p = _find(full, body, 0) if body and add_special_tokens else -1
+    room = k - (len(full) - len(body))
+    if p < 0 or room <= 0:
+        return full[:k]
+    return full[:p] + body[:room] + full[p + len(body):]
+
+
+def _longest_first(a: list[int], b: list[int], excess: int) -> tuple[list[int], list[int]]:
+    """transformers' ``truncation="longest_first"``: one token at a time off the end of
+    the longer sequence (of the second on a tie) until ``excess`` are gone."""
+    la, lb = len(a), len(b)
+    for _ in range(excess):
+        if la > lb:
+            la -= 1
+        else:
+            lb -= 1
+    return a[:la], b[:lb]
+
+
+def truncate_pair_ids(tokenizer: Any, text: str, text_pair: str, k: int, full: list[int],
+                      types: Optional[list[int]], add_special_tokens: bool = True
+                      ) -> Optional[tuple[list[int], Optional[list[int]]]]:
+    """A text pair's ids (and ``token_type_ids``) cut to at most ``k`` as the tokenizer
+    cuts with ``truncation=True, max_length=k`` (longest text first, from its end, the
+    special tokens kept: the query stays whole unless it is the longer text). ``full``/
+    ``types``: the uncut pair as the tokenizer joined it. None when ``full`` is not
+    specials + the first text's ids + specials + the second's + specials (with one token
+    type per text), or ``k`` leaves no room: the caller then leaves the cut to the engine."""
+    a = list(tokenizer.encode(text, add_special_tokens=False))
+    b = list(tokenizer.encode(text_pair, add_special_tokens=False))
+    p = _find(full, a, 0)
+    q = _find(full, b, p + len(a)) if p >= 0 else -1
+    if q < 0 or k <= len(full) - len(a) - len(b):
+        return None
+    if types is not None and (len(set(types[p:p + len(a)])) > 1 or len(set(types[q:q + len(b)])) > 1):
+        return None
+    a2, b2 = _longest_first(a, b, len(full) - k)
+    ids = full[:p] + a2 + full[p + len(a):q] + b2 + full[q + len(b):]
+    if types is None:
+        return ids, None
+    ta, tb = types[p:p + 1] * len(a2), types[q:q + 1] * len(b2)
+    return ids, types[:p] + ta + types[p + len(a):q] + tb + types[q + len(b):]

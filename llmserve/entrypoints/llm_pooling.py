@@ -137,7 +137,9 @@ class PoolingMixin:
                              "as data_2")
         if cross:
             renderer = Renderer(self.get_tokenizer())
-            pairs = [renderer.render_pair(_text(x), _text(y), check_length=False).to_engine_prompt()
+            k = truncate_prompt_tokens
+            cut = self.llm_engine.model_config.max_model_len if k == -1 else k if k is not None and k > 0 else None
+            pairs = [renderer.render_pair(_text(x), _text(y), check_length=False, truncate=cut).to_engine_prompt()
                      for x, y in zip(a, b)]
             outs = self.encode(pairs, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="score")

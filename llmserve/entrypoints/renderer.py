@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
+from llmserve.engine.pooling_inputs import truncate_pair_ids, truncate_text_ids
 from llmserve.entrypoints.chat_utils import apply_chat_template, conversation_for_template
 from llmserve.entrypoints.template_sandbox import RequestTemplateConfig, TemplateSandbox
 from llmserve.sampling_params import SamplingParamsError
@@ -123,18 +124,27 @@ class Renderer:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_pair(self, text: str, text_pair: str, *, add_special_tokens: bool = True,
-                    check_length: bool = True, param: str = "text_2") -> RenderedPrompt:
+                    check_length: bool = True, param: str = "text_2",
+                    truncate: Optional[int] = None) -> RenderedPrompt:
         """Two texts as one cross-encoder input, as the tokenizer joins a pair
         (``tokenizer(text=..., text_pair=...)``: [CLS] a [SEP] b [SEP] for BERT) with its
-        ``token_type_ids`` when it returns them (vLLM's ``_cross_encoding_score``). Raises
-        SamplingParamsError naming ``param`` as :meth:`encode` does."""
+        ``token_type_ids`` when it returns them (vLLM's ``_cross_encoding_score``).
+        ``truncate``: at most this many tokens (``truncate_prompt_tokens``, -1 resolved),
+        cut as the tokenizer's ``truncation=True`` cuts (longest text first, from its end,
+        special tokens kept; ``pooling_inputs.truncate_pair_ids``), not the last tokens:
+        those would drop the query. Raises SamplingParamsError naming ``param`` as
+        :meth:`encode` does."""
         if check_length:
             self.check_length([text, text_pair], param)
         check_encodable(text, param)
         check_encodable(text_pair, param)
         enc = self.tokenizer(text=text, text_pair=text_pair, add_special_tokens=add_special_tokens)
-        types = enc.get("token_type_ids")
-        return RenderedPrompt(None, list(enc["input_ids"]), None if types is None else list(types))
+        ids, types = list(enc["input_ids"]), enc.get("token_type_ids")
+        types = None if types is None else list(types)
+        if truncate is not None and len(ids) > truncate:
+            cut = truncate_pair_ids(self.tokenizer, text, text_pair, truncate, ids, types, add_special_tokens)
+            ids, types = cut if cut is not None else (ids, types)
+        return RenderedPrompt(None, ids, types)
 
     def render_chat(self, messages: Iterable[Any], *, add_special_tokens: bool = False,
                     **template_kwargs: Any) -> RenderedPrompt:
@@ -145,10 +155,17 @@ class Renderer:
                                                 check_length=template_kwargs.get("check_length", True)))
 
     def render_prompt(self, prompt: Union[str, list[int]], *, add_special_tokens: bool = True,
-                      check_length: bool = True, param: str = "prompt") -> RenderedPrompt:
+                      check_length: bool = True, param: str = "prompt",
+                      truncate: Optional[int] = None) -> RenderedPrompt:
         """A completion prompt: text is tokenized; token ids pass as they are (the
-        engine's InputProcessor checks them against the vocabulary)."""
+        engine's InputProcessor checks them against the vocabulary). ``truncate`` (a
+        pooling request's ``truncate_prompt_tokens``, -1 resolved): text is cut to that
+        many tokens as the tokenizer's truncation cuts, its first tokens and its special
+        tokens kept (``pooling_inputs.truncate_text_ids``); token ids are left to the engine."""
         if isinstance(prompt, str):
+            if truncate is not None:
+                check_encodable(prompt, param)
+                return RenderedPrompt(prompt, truncate_text_ids(self.tokenizer, prompt, truncate, add_special_tokens))
             return RenderedPrompt(prompt, self.encode(prompt, add_special_tokens=add_special_tokens, param=param,
                                                       check_length=check_length))
         return RenderedPrompt(None, list(prompt))
@@ -244,19 +261,21 @@ class AsyncRenderer:
                                                       check_length=kwargs.get("check_length", True)))
 
     async def render_prompts(self, prompts: list[Union[str, list[int]]], *, add_special_tokens: bool = True,
-                             check_length: bool = True, param: str = "prompt") -> list[RenderedPrompt]:
+                             check_length: bool = True, param: str = "prompt",
+                             truncate: Optional[int] = None) -> list[RenderedPrompt]:
         """:meth:`Renderer.render_prompt` of each prompt, in the pool (one task per prompt;
         each is length-checked on its own before it is tokenized)."""
         return list(await asyncio.gather(*(
             self._run(self.renderer.render_prompt, p, add_special_tokens=add_special_tokens,
-                      check_length=check_length, param=param) for p in prompts)))
+                      check_length=check_length, param=param, truncate=truncate) for p in prompts)))
 
     async def render_pairs(self, pairs: list[tuple[str, str]], *, add_special_tokens: bool = True,
-                           check_length: bool = True, param: str = "text_2") -> list[RenderedPrompt]:
+                           check_length: bool = True, param: str = "text_2",
+                           truncate: Optional[int] = None) -> list[RenderedPrompt]:
         """:meth:`Renderer.render_pair` of each (text, text_pair), in the pool."""
         return list(await asyncio.gather(*(
             self._run(self.renderer.render_pair, a, b, add_special_tokens=add_special_tokens,
-                      check_length=check_length, param=param) for a, b in pairs)))
+                      check_length=check_length, param=param, truncate=truncate) for a, b in pairs)))
 
     async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
                      check_length: bool = True) -> list[int]:

@@ -90,3 +90,26 @@ def test_endpoints_the_cross_encoder_cannot_serve_are_400(ce):
     _err(srv.post("/classify", {"model": MODEL, "input": []}), "input")
     _err(srv.post("/score", {"model": MODEL, "text_1": ["a", "b"], "text_2": DOCS}), "text_1")
     _err(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": []}), "documents")
+
+
+def test_truncation_keeps_the_query_of_each_pair(ce):
+    """truncate_prompt_tokens (-1: max_model_len 128) cuts each (query, document) pair the
+    way the tokenizer's truncation=True does: the document's end goes, [CLS] query [SEP]
+    stays, so the score still depends on the query (users' bug: keeping the last tokens
+    of the joined pair scored every query the same)."""
+    srv, hf, tok = ce
+    doc = "Paris is a city in France. " * 40
+    got = {}
+    for query in (QUERY, "bananas"):
+        enc = tok(query, doc, truncation=True, max_length=128)
+        want = torch.sigmoid(hf_logits(hf, input_ids=[enc.input_ids], token_type_ids=[enc.token_type_ids]))[0, 0]
+        rr = _ok(srv.post("/v1/rerank", {"model": MODEL, "query": query, "documents": [doc],
+                                          "truncate_prompt_tokens": -1}))
+        got[query] = rr["results"][0]["relevance_score"]
+        assert abs(got[query] - want.item()) < ATOL
+    assert abs(got[QUERY] - got["bananas"]) > 1e-4
+    one = _ok(srv.post("/classify", {"model": MODEL, "input": doc, "truncate_prompt_tokens": 16}))
+    assert one["usage"]["prompt_tokens"] == 16
+    enc = tok(doc, truncation=True, max_length=16)  # [CLS] kept: what BERT's head pools
+    want = torch.sigmoid(hf_logits(hf, input_ids=[enc.input_ids], token_type_ids=[enc.token_type_ids]))[0, 0].item()
+    assert abs(one["data"][0]["probs"][0] - want) < ATOL

@@ -174,3 +174,29 @@ def test_head_activations_follow_the_config():
     assert torch.allclose(activate("classify", x), torch.softmax(x, -1))
     assert torch.allclose(activate("classify", x[:, :1]), torch.sigmoid(x[:, :1]))
     assert torch.equal(activate("identity", x), x)
+
+
+def _bert_ref_ids(hf, enc) -> torch.Tensor:
+    return hf_logits(hf, input_ids=[enc["input_ids"]], token_type_ids=[enc["token_type_ids"]])[0]
+
+
+def test_truncation_keeps_the_query_and_the_special_tokens(tiny):
+    """truncate_prompt_tokens cuts as the tokenizer's truncation=True does (vLLM's right
+    truncation for pooling): a pair loses the longer text's end first, so [CLS] query
+    [SEP] stays; a text keeps its first tokens and its [CLS]/[SEP]. Keeping the last k
+    of the joined ids (the rule before) dropped the query and the [CLS]."""
+    llm, hf = tiny("bert", 1)
+    tok = llm.get_tokenizer()
+    doc, k = "Paris is a city in France. " * 12, 24
+    scores = {}
+    for query in ("what is the capital of France", "bananas"):
+        want = torch.sigmoid(_bert_ref_ids(hf, tok(query, doc, truncation=True, max_length=k)))[0].item()
+        out = llm.score(query, [doc], truncate_prompt_tokens=k, use_tqdm=False)[0]
+        assert len(out.prompt_token_ids) == k and abs(out.outputs.score - want) < ATOL
+        scores[query] = out.outputs.score
+    assert abs(scores["bananas"] - scores["what is the capital of France"]) > 1e-4  # the query still counts
+    text = TEXTS[1]
+    enc = tok(text, truncation=True, max_length=6)  # [CLS] + its first 4 word pieces + [SEP]
+    out = llm.classify(text, pooling_params=PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(enc["input_ids"]) and out.prompt_token_ids[0] == tok.cls_token_id
+    assert abs(out.outputs.probs[0] - torch.sigmoid(_bert_ref_ids(hf, enc))[0].item()) < ATOL

@@ -47,14 +47,19 @@ def test_encode_token_ids_and_per_prompt_params(minilm_llm, st_model):
     assert torch.allclose(torch.nn.functional.normalize(raw, dim=0), normed, atol=1e-6)
 
 
-def test_truncate_prompt_tokens_keeps_the_last_tokens(minilm_llm):
+def test_truncate_prompt_tokens_cuts_text_as_the_tokenizer_does(minilm_llm):
+    # vLLM truncates pooling prompts on the right (vllm-project/vllm#12050): a text keeps
+    # its first tokens and its [CLS] ... [SEP]; token ids keep their last k
     tok = minilm_llm.get_tokenizer()
     text = "one two three four five six seven eight nine ten"
-    ids = tok(text).input_ids
+    cut = list(tok(text, truncation=True, max_length=5).input_ids)
     out = minilm_llm.embed(text, truncate_prompt_tokens=5, use_tqdm=False)[0]
-    assert out.prompt_token_ids == ids[-5:]
-    same = minilm_llm.embed({"prompt_token_ids": ids[-5:]}, use_tqdm=False)[0]
+    assert out.prompt_token_ids == cut and cut[0] == tok.cls_token_id and cut[-1] == tok.sep_token_id
+    same = minilm_llm.embed({"prompt_token_ids": cut}, use_tqdm=False)[0]
     assert np.allclose(out.outputs.embedding, same.outputs.embedding, atol=1e-6)
+    ids = tok(text).input_ids
+    assert minilm_llm.embed({"prompt_token_ids": ids}, truncate_prompt_tokens=5,
+                            use_tqdm=False)[0].prompt_token_ids == ids[-5:]
 
 
 def test_errors(minilm_llm):

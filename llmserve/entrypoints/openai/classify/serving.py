@@ -35,7 +35,7 @@ class OpenAIServingClassification(PoolingBaseServing):
     async def create_classify(self, request: ClassificationRequest) -> ClassificationResponse:
         name = self.check_task(request, "classify")
         prompts = await self.render_input(request.input, request.add_special_tokens,
-                                          check_length=request.truncate_prompt_tokens is None)
+                                          truncate_prompt_tokens=request.truncate_prompt_tokens)
         rid = self.new_request_id()
         outs = await self.encode_all(prompts, self.pooling_params(request, "classify"), rid, request.priority)
         n = sum(len(o.prompt_token_ids) for o in outs)

@@ -87,10 +87,21 @@ class PoolingBaseServing(BaseServing):
                                       f"{list(tasks)}. {_refusal_hint(task, tasks)}", "model")
         return name
 
+    def truncation(self, truncate_prompt_tokens: Optional[int]) -> Optional[int]:
+        """The token count text inputs are cut to in the renderer (as the tokenizer's
+        truncation=True cuts: first tokens and special tokens kept):
+        ``truncate_prompt_tokens`` with -1 read as max_model_len; None when not set or not
+        a valid count (the engine then answers the 400 naming the field)."""
+        if truncate_prompt_tokens == -1:
+            return self.max_model_len
+        return truncate_prompt_tokens if truncate_prompt_tokens is not None and truncate_prompt_tokens > 0 else None
+
     async def render_input(self, value: Any, add_special_tokens: bool, param: str = "input",
-                           check_length: bool = True) -> list[RenderedPrompt]:
+                           truncate_prompt_tokens: Optional[int] = None) -> list[RenderedPrompt]:
         """``input`` (a string, strings, token ids or lists of token ids) as prompts, in
-        order. Raises SamplingParamsError naming ``param`` for an empty input."""
+        order; with ``truncate_prompt_tokens`` texts are cut in the renderer, keeping
+        their first tokens and their special tokens (BERT's [CLS]), and not length-checked. Raises
+        SamplingParamsError naming ``param`` for an empty input."""
         if isinstance(value, str):
             items: list = [value]
         elif isinstance(value, list) and value and all(isinstance(t, int) for t in value):
@@ -100,7 +111,8 @@ class PoolingBaseServing(BaseServing):
         if not items:
             raise SamplingParamsError(f"{param} cannot be empty.", param)
         return await self.renderer.render_prompts(items, add_special_tokens=add_special_tokens,
-                                                  check_length=check_length, param=param)
+                                                  check_length=truncate_prompt_tokens is None, param=param,
+                                                  truncate=self.truncation(truncate_prompt_tokens))
 
     def pooling_params(self, request: Any, task: str, dimensions: Optional[int] = None) -> PoolingParams:
         return PoolingParams(normalize=request.normalize, dimensions=dimensions,

@@ -30,7 +30,7 @@ class OpenAIServingEmbedding(PoolingBaseServing):
                 chat_template_kwargs=request.chat_template_kwargs,
                 check_length=request.truncate_prompt_tokens is None)]
         return await self.render_input(request.input, request.add_special_tokens,
-                                       check_length=request.truncate_prompt_tokens is None)
+                                       truncate_prompt_tokens=request.truncate_prompt_tokens)
 
     async def _run(self, request: EmbeddingRequest, task: str, prefix: str) -> tuple[str, str, list[PoolingRequestOutput]]:
         name = self.check_task(request, "encode" if task == "encode" else "embed")

@@ -56,7 +56,8 @@ class OpenAIServingScores(PoolingBaseServing):
         """Each (text_1, text_2) pair through the cross-encoder's head (vLLM's cross-encoding score)."""
         prompts = await self.renderer.render_pairs(list(zip(texts_1, texts_2)),
                                                    add_special_tokens=request.add_special_tokens,
-                                                   check_length=request.truncate_prompt_tokens is None, param=param)
+                                                   check_length=request.truncate_prompt_tokens is None, param=param,
+                                                   truncate=self.truncation(request.truncate_prompt_tokens))
         outs = await self.encode_all(prompts, self.pooling_params(request, "score"), rid, request.priority, param)
         return [ScoringOutput.from_base(o.outputs).score for o in outs], sum(len(o.prompt_token_ids) for o in outs)
 
@@ -66,7 +67,7 @@ class OpenAIServingScores(PoolingBaseServing):
         once (a query scored against N documents: N + 1)."""
         unique = list(dict.fromkeys(texts_1 + texts_2))
         prompts = await self.render_input(unique, request.add_special_tokens, param,
-                                          check_length=request.truncate_prompt_tokens is None)
+                                          truncate_prompt_tokens=request.truncate_prompt_tokens)
         params = self.pooling_params(request, "embed")
         params.normalize = True if params.normalize is None else params.normalize
         outs = dict(zip(unique, await self.encode_all(prompts, params, rid, request.priority, param)))
