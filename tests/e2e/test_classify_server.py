@@ -90,6 +90,26 @@ def test_endpoints_the_cross_encoder_cannot_serve_are_400(ce):
     _err(srv.post("/classify", {"model": MODEL, "input": []}), "input")
     _err(srv.post("/score", {"model": MODEL, "text_1": ["a", "b"], "text_2": DOCS}), "text_1")
     _err(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": []}), "documents")
+    # at most 1024 texts, as the other pooling routes' inputs (a 40,000-document rerank held others back)
+    _err(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": ["d"] * 1025}), "documents")
+    _err(srv.post("/score", {"model": MODEL, "text_1": QUERY, "text_2": ["d"] * 1025}), "text_2")
+
+
+def test_deprecated_activation_names_and_rerank_usage(ce):
+    """vLLM still reads ``softmax`` / ``activation`` as ``use_activation``; rerank usage
+    has prompt_tokens beside total_tokens."""
+    srv, hf, tok = ce
+    logit = hf_logits(hf, **{k: [v] for k, v in tok(QUERY).items() if k != "attention_mask"})[0, 0].item()
+    for name in ("softmax", "activation"):
+        out = _ok(srv.post("/v1/classify", {"model": MODEL, "input": QUERY, name: False}))
+        assert abs(out["data"][0]["probs"][0] - logit) < ATOL
+    rr = _ok(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS[:2], "activation": False}))
+    for r in rr["results"]:  # the pair's raw logit, not its sigmoid
+        enc = tok(QUERY, DOCS[r["index"]])
+        raw = hf_logits(hf, input_ids=[enc.input_ids], token_type_ids=[enc.token_type_ids])[0, 0].item()
+        assert abs(r["relevance_score"] - raw) < ATOL
+    assert rr["usage"]["prompt_tokens"] == rr["usage"]["total_tokens"] == sum(len(tok(QUERY, d).input_ids)
+                                                                             for d in DOCS[:2])
 
 
 def test_truncation_keeps_the_query_of_each_pair(ce):

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from llmserve.entrypoints.openai.common.pooling import PoolingFields, PoolingInput
+from llmserve.entrypoints.openai.common.pooling import ActivationFields, PoolingInput
 from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
 
 
-class ClassificationRequest(PoolingFields):
+class ClassificationRequest(ActivationFields):
     """``input``: a string, strings, token ids or lists of token ids (one classification
-    each); use_activation: softmax / sigmoid over the head's logits (None: yes, as vLLM;
-    false: the raw logits)."""
+    each); use_activation (or vLLM's older ``softmax`` / ``activation``): softmax /
+    sigmoid over the head's logits (None: yes, as vLLM; false: the raw logits)."""
 
     input: PoolingInput
-    use_activation: Optional[bool] = None
 
 
 class ClassificationData(OpenAIBaseModel):

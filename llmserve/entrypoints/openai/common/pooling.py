@@ -9,7 +9,7 @@ import time
 from typing import Annotated, Any, Optional, Union
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
@@ -53,6 +53,28 @@ class PoolingFields(OpenAIRequestModel):
     add_special_tokens: bool = True
     priority: int = 0
     user: Optional[str] = None
+
+
+class ActivationFields(PoolingFields):
+    """``use_activation`` (vLLM's field: false gives the head's raw logits), with the
+    names vLLM still accepts for it, ``softmax`` and ``activation`` (deprecated there),
+    read as ``use_activation`` when it is not given."""
+
+    use_activation: Optional[bool] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_activation_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("use_activation") is None:
+            for old in ("softmax", "activation"):
+                if isinstance(data.get(old), bool):
+                    return {**data, "use_activation": data[old]}
+        return data
+
+
+# Texts of one score / rerank request: the prompt count limit of the other pooling routes
+# (a 40,000-document rerank held a small one back 15 s).
+PoolingTexts = Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)]
 
 
 def encode_vector(data: Any, encoding_format: str) -> Union[list[float], str]:

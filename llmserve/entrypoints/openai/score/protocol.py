@@ -2,19 +2,22 @@
 ``/v2/rerank`` (vLLM's Jina/Cohere-style rerank)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from llmserve.entrypoints.openai.common.pooling import PoolingFields
+from pydantic import Field
+
+from llmserve.entrypoints.openai.common.limits import MAX_PROMPTS_PER_REQUEST
+from llmserve.entrypoints.openai.common.pooling import ActivationFields, PoolingTexts
 from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
 
 
-class ScoreRequest(PoolingFields):
-    """``text_1`` against ``text_2``: one against each (1:N) or pairwise (N:N).
-    use_activation (a cross-encoder only): false scores by the raw logit (vLLM's field)."""
+class ScoreRequest(ActivationFields):
+    """``text_1`` against ``text_2``: one against each (1:N) or pairwise (N:N), at most
+    ``MAX_PROMPTS_PER_REQUEST`` texts a side. use_activation (a cross-encoder only): false
+    scores by the raw logit (vLLM's field)."""
 
-    text_1: Union[str, list[str]]
-    text_2: Union[str, list[str]]
-    use_activation: Optional[bool] = None
+    text_1: Union[str, PoolingTexts]
+    text_2: Union[str, PoolingTexts]
 
 
 class ScoreResponseData(OpenAIBaseModel):
@@ -32,16 +35,16 @@ class ScoreResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
-class RerankRequest(PoolingFields):
+class RerankRequest(ActivationFields):
     """``query`` against ``documents`` (strings, or Cohere-style ``{"text": ...}``
-    objects); ``top_n``: keep the best n (None or 0: all); ``return_documents``: include
-    each document's text (default True, as vLLM); use_activation as ScoreRequest's."""
+    objects; at most ``MAX_PROMPTS_PER_REQUEST``); ``top_n``: keep the best n (None or 0:
+    all); ``return_documents``: include each document's text (default True, as vLLM);
+    use_activation as ScoreRequest's."""
 
     query: str
-    documents: list[Union[str, dict[str, Any]]]
+    documents: Annotated[list[Union[str, dict[str, Any]]], Field(max_length=MAX_PROMPTS_PER_REQUEST)]
     top_n: Optional[int] = None
     return_documents: bool = True
-    use_activation: Optional[bool] = None
 
 
 class RerankDocument(OpenAIBaseModel):
@@ -55,6 +58,7 @@ class RerankResult(OpenAIBaseModel):
 
 
 class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int
     total_tokens: int
 
 

@@ -98,4 +98,4 @@ class OpenAIServingScores(PoolingBaseServing):
         results = [RerankResult(index=i, relevance_score=scores[i],
                                 document=RerankDocument(text=docs[i]) if request.return_documents else None)
                    for i in order]
-        return RerankResponse(id=rid, model=name, usage=RerankUsage(total_tokens=ntok), results=results)
+        return RerankResponse(id=rid, model=name, usage=RerankUsage(prompt_tokens=ntok, total_tokens=ntok), results=results)
