@@ -118,16 +118,17 @@ def _read_json(path: str) -> Optional[Any]:
 def load_pooler_config(model_dir: Optional[str], hf_config: Any, convert: str = "auto") -> PoolerConfig:
     """The pooler of a pooling model. Classifiers (see ``pooling_head_task``):
     ``classifier_pooler_config``. Encoders: the sentence-transformers files of
-    ``model_dir`` when present (mean/CLS/last, Normalize module), else CLS unnormalised
-    as vLLM's default for a bare BERT; causal LMs: last token, normalised (vLLM's embed
-    conversion). A ``config_sentence_transformers.json`` may list Matryoshka dimensions."""
+    ``model_dir`` when present (mean/CLS/last; normalised only with a Normalize module),
+    else CLS normalised (vLLM's embed default, ``normalize`` True unless the model's
+    pooler says otherwise); causal LMs: last token, normalised (vLLM's embed conversion).
+    A ``config_sentence_transformers.json`` may list Matryoshka dimensions."""
     if pooling_head_task(convert, hf_config) == "classify":
         return classifier_pooler_config(hf_config)
     if not is_encoder_only(hf_config):
         return PoolerConfig("LAST", True)
-    if not model_dir or not os.path.isdir(model_dir):
-        return PoolerConfig("CLS", False)
-    modules = _read_json(os.path.join(model_dir, "modules.json")) or []
+    modules = _read_json(os.path.join(model_dir, "modules.json")) if model_dir and os.path.isdir(model_dir) else None
+    if not modules:
+        return PoolerConfig("CLS", True)
     pooling_type, normalize = "CLS", False
     for m in modules:
         kind = str(m.get("type", ""))

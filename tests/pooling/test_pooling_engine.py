@@ -106,3 +106,30 @@ def test_async_encode_and_supported_tasks():
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def _kind(c: PoolerConfig) -> tuple:
+    return c.pooling_type, c.normalize
+
+
+def test_bare_encoder_embeds_normalised_unless_sentence_transformers_says_otherwise(tmp_path):
+    """vLLM's embed default is normalize=True; a sentence-transformers directory decides by
+    its Normalize module (a fresh-user trial found a bare BertModel's [CLS] vector of norm
+    24 returned raw)."""
+    import json
+
+    from transformers import BertConfig
+
+    from llmserve.pooler_config import load_pooler_config
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                     architectures=["BertModel"])
+    assert _kind(load_pooler_config(str(tmp_path), cfg)) == ("CLS", True)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert _kind(load_pooler_config(str(tmp_path), cfg)) == ("MEAN", False)
+    modules.append({"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert _kind(load_pooler_config(str(tmp_path), cfg)) == ("MEAN", True)
