@@ -82,7 +82,8 @@ def test_classify_score_rerank_by_the_cross_encoder_head(ce):
 def test_endpoints_the_cross_encoder_cannot_serve_are_400(ce):
     srv, _, _ = ce
     err = _err(srv.post("/v1/embeddings", {"model": MODEL, "input": "hi"}), "model")
-    assert "Embeddings API" in err["message"]
+    assert "Embeddings API" in err["message"] and "--convert embed" in err["message"]
+    assert "needs one label" not in err["message"]  # that hint is for score/rerank only
     err = _err(srv.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}), "model")
     assert "/classify" in err["message"]
     _err(srv.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),

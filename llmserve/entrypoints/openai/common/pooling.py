@@ -35,16 +35,21 @@ _API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Scor
 def _refusal_hint(task: str, tasks: Any) -> str:
     """What would serve ``task`` (the end of check_task's 400)."""
     if task == "classify":
+        if "embed" in tasks:  # a classifier served with --convert embed
+            return "This model's classification head is off: start the server without `--convert embed`."
         return ("Start the server with a *ForSequenceClassification model (`--runner pooling`; "
                 "`--convert classify`).")
-    if "classify" in tasks:
+    if "classify" in tasks and task in ("score", "rerank"):
         return "Scoring pairs with a classification model needs one label (num_labels=1, a cross-encoder)."
+    if "classify" in tasks:
+        return ("This is a classification model: use /classify (and /score or /rerank when it has one label), "
+                "or start it with `--convert embed` for embeddings.")
     return "Start the server with a pooling model (or `--runner pooling`)."
 
 
 class PoolingFields(OpenAIRequestModel):
     """Fields every pooling request takes (vLLM's names): truncate_prompt_tokens (-1:
-    max_model_len; keep the last k tokens), normalize (None: the model's default),
+    max_model_len; text cut as the tokenizer cuts, token ids keep their last k), normalize (None: the model's default),
     add_special_tokens, priority, user."""
 
     model: Optional[str] = None

@@ -128,7 +128,8 @@ class GenerateBaseServing(BaseServing):
         tasks = getattr(self.model_config, "supported_tasks", ("generate",))
         if "generate" not in tasks:
             if "classify" in tasks:  # a *ForSequenceClassification checkpoint has no LM head
-                where, advice = "/classify, /score, /rerank", "Use a generative model."
+                where = "/classify, /score, /rerank" if "score" in tasks else "/classify"
+                advice = "Use a generative model."
             else:
                 where = "/v1/embeddings, /pooling, /score, /rerank"
                 advice = "Use a generative model, or start this one with `--runner generate`."
