@@ -6,7 +6,7 @@ from starlette.responses import Response
 
 from llmserve.entrypoints.openai.classify.protocol import ClassificationRequest
 from llmserve.entrypoints.openai.classify.serving import OpenAIServingClassification
-from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.server_utils import json_or_499
 
 router = APIRouter()
 
@@ -18,7 +18,7 @@ def classification(raw_request: Request) -> OpenAIServingClassification:
 @router.post("/classify")
 @router.post("/v1/classify")
 async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
-    return json_response(await classification(raw_request).create_classify(request))
+    return await json_or_499(raw_request, classification(raw_request).create_classify(request))
 
 
 def register_classify_api_routers(app: FastAPI) -> None:

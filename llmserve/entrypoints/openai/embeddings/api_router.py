@@ -6,7 +6,7 @@ from starlette.responses import Response
 
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest, PoolingRequest
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
-from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.server_utils import json_or_499
 
 router = APIRouter()
 
@@ -17,12 +17,12 @@ def embedding(raw_request: Request) -> OpenAIServingEmbedding:
 
 @router.post("/v1/embeddings")
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
-    return json_response(await embedding(raw_request).create_embedding(request))
+    return await json_or_499(raw_request, embedding(raw_request).create_embedding(request))
 
 
 @router.post("/pooling")
 async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
-    return json_response(await embedding(raw_request).create_pooling(request))
+    return await json_or_499(raw_request, embedding(raw_request).create_pooling(request))
 
 
 def register_embeddings_api_routers(app: FastAPI) -> None:

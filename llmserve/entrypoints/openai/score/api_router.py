@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from llmserve.entrypoints.openai.score.protocol import RerankRequest, ScoreRequest
 from llmserve.entrypoints.openai.score.serving import OpenAIServingScores
-from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.server_utils import json_or_499
 
 router = APIRouter()
 
@@ -19,14 +19,14 @@ def scores(raw_request: Request) -> OpenAIServingScores:
 @router.post("/score")
 @router.post("/v1/score")
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
-    return json_response(await scores(raw_request).create_score(request))
+    return await json_or_499(raw_request, scores(raw_request).create_score(request))
 
 
 @router.post("/rerank")
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
 async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
-    return json_response(await scores(raw_request).create_rerank(request))
+    return await json_or_499(raw_request, scores(raw_request).create_rerank(request))
 
 
 def register_score_api_routers(app: FastAPI) -> None:
