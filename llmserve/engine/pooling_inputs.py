@@ -1,7 +1,8 @@
-"""Prompt preparation that only pooling requests need, used by the InputProcessor:
-the text-pair segment boundary (BERT's ``token_type_ids``, compressed as vLLM does) and
-the last-non-pad-token rule of a decoder's classification head (transformers'
-``*ForSequenceClassification``). Plain Python on token id lists; no torch."""
+"""Prompt preparation that only pooling requests need, used by the InputProcessor and
+the renderer: the text-pair segment boundary (BERT's ``token_type_ids``, compressed as
+vLLM does), the last-non-pad-token rule of a decoder's classification head
+(transformers' ``*ForSequenceClassification``) and ``truncate_prompt_tokens`` on text and
+text pairs as the tokenizer cuts them. Plain Python on token id lists; no torch."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -58,6 +59,14 @@ def classified_prefix(ids: list[int], pad_token_id: Optional[int]) -> list[int]:
     return ids[:last + 1]
 
 
+def resolve_truncation(truncate_prompt_tokens: Optional[int], max_model_len: int) -> Optional[int]:
+    """The token count text is cut to before the engine sees it: -1 read as
+    ``max_model_len``; None when not set or not a valid count (the engine then answers
+    the 400 naming ``truncate_prompt_tokens``)."""
+    if truncate_prompt_tokens == -1:
+        return max_model_len
+    return truncate_prompt_tokens if truncate_prompt_tokens is not None and truncate_prompt_tokens > 0 else None
+
 
 def _find(full: list[int], part: list[int], start: int) -> int:
     """The first index >= ``start`` where ``part`` sits in ``full``; -1 when nowhere."""
@@ -88,15 +97,15 @@ def truncate_text_ids(tokenizer: Any, text: str, k: int, add_special_tokens: boo
 
 
 def _longest_first(a: list[int], b: list[int], excess: int) -> tuple[list[int], list[int]]:
-    """transformers' ``truncation="longest_first"``: one token at a time off the end of
-    the longer sequence (of the second on a tie) until ``excess`` are gone."""
+    """transformers' ``truncation="longest_first"`` in closed form: tokens come off the end
+    of the longer sequence until both are as long, then one from each in turn (the second
+    first), until ``excess`` are gone (its token-by-token loop took ~0.2 s for a
+    2-million-token excess)."""
     la, lb = len(a), len(b)
-    for _ in range(excess):
-        if la > lb:
-            la -= 1
-        else:
-            lb -= 1
-    return a[:la], b[:lb]
+    gap = min(abs(la - lb), excess)
+    la, lb = (la - gap, lb) if la > lb else (la, lb - gap)
+    rest = excess - gap
+    return a[:la - rest // 2], b[:lb - (rest + 1) // 2]
 
 
 def truncate_pair_ids(tokenizer: Any, text: str, text_pair: str, k: int, full: list[int],

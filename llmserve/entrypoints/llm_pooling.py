@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from llmserve.engine.pooling_inputs import task_hint
+from llmserve.engine.pooling_inputs import resolve_truncation, task_hint
 from llmserve.engine.request_kwargs import refuse_unhonoured
 from llmserve.entrypoints.renderer import Renderer
 from llmserve.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
@@ -137,8 +137,7 @@ class PoolingMixin:
                              "as data_2")
         if cross:
             renderer = Renderer(self.get_tokenizer())
-            k = truncate_prompt_tokens
-            cut = self.llm_engine.model_config.max_model_len if k == -1 else k if k is not None and k > 0 else None
+            cut = resolve_truncation(truncate_prompt_tokens, self.llm_engine.model_config.max_model_len)
             pairs = [renderer.render_pair(_text(x), _text(y), check_length=False, truncate=cut).to_engine_prompt()
                      for x, y in zip(a, b)]
             outs = self.encode(pairs, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,

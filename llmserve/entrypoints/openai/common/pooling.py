@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional, Union
 import numpy as np
 from pydantic import Field, model_validator
 
+from llmserve.engine.pooling_inputs import resolve_truncation
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
@@ -116,12 +117,9 @@ class PoolingBaseServing(BaseServing):
 
     def truncation(self, truncate_prompt_tokens: Optional[int]) -> Optional[int]:
         """The token count text inputs are cut to in the renderer (as the tokenizer's
-        truncation=True cuts: first tokens and special tokens kept):
-        ``truncate_prompt_tokens`` with -1 read as max_model_len; None when not set or not
-        a valid count (the engine then answers the 400 naming the field)."""
-        if truncate_prompt_tokens == -1:
-            return self.max_model_len
-        return truncate_prompt_tokens if truncate_prompt_tokens is not None and truncate_prompt_tokens > 0 else None
+        truncation=True cuts: first tokens and special tokens kept); see
+        ``pooling_inputs.resolve_truncation``."""
+        return resolve_truncation(truncate_prompt_tokens, self.max_model_len)
 
     async def render_input(self, value: Any, add_special_tokens: bool, param: str = "input",
                            truncate_prompt_tokens: Optional[int] = None) -> list[RenderedPrompt]:
