@@ -98,6 +98,9 @@ def test_endpoints_the_cross_encoder_cannot_serve_are_400(ce):
     # at most 1024 texts, as the other pooling routes' inputs (a 40,000-document rerank held others back)
     _err(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": ["d"] * 1025}), "documents")
     _err(srv.post("/score", {"model": MODEL, "text_1": QUERY, "text_2": ["d"] * 1025}), "text_2")
+    # a bool is not a token count (pydantic's lax int read true as 1)
+    _err(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS, "truncate_prompt_tokens": True}),
+         "truncate_prompt_tokens")
 
 
 def test_deprecated_activation_names_and_rerank_usage(ce):
@@ -113,6 +116,8 @@ def test_deprecated_activation_names_and_rerank_usage(ce):
         enc = tok(QUERY, DOCS[r["index"]])
         raw = hf_logits(hf, input_ids=[enc.input_ids], token_type_ids=[enc.token_type_ids])[0, 0].item()
         assert abs(r["relevance_score"] - raw) < ATOL
+    logs = srv.logs()  # read as use_activation: not logged as an ignored field
+    assert "'softmax' is not used" not in logs and "'activation' is not used" not in logs
     assert rr["usage"]["prompt_tokens"] == rr["usage"]["total_tokens"] == sum(len(tok(QUERY, d).input_ids)
                                                                              for d in DOCS[:2])
 

@@ -249,7 +249,10 @@ def test_metrics_and_timings_agree_with_the_client_clock(srv):
     for m, tm, _, _ in runs:
         assert tm["predicted_n"] == 16 and tm["prompt_n"] + tm["cache_n"] > 0
         assert m["generation_time_ms"] == tm["predicted_ms"]
-        assert m["tokens_per_second"] == pytest.approx(15e3 / m["generation_time_ms"], rel=1e-3)
+        # generation_time_ms is rounded to 0.001 ms: on a fast run (0.36 ms in stop 40's CI
+        # rehearsal) that rounding alone is 0.14%, so the bound is the one the rounding allows
+        g = m["generation_time_ms"]
+        assert 15e3 / (g + 5e-4) - 1e-3 <= m["tokens_per_second"] <= 15e3 / max(g - 5e-4, 1e-9) + 1e-3
     # The server's clock against the client's. The generation time (first to last token)
     # is compared by the median of 3; the time to first token also holds the client's
     # own send and the server's response start, which a loaded shared machine stretches

@@ -9,7 +9,7 @@ import time
 from typing import Annotated, Any, Optional, Union
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, model_validator
 
 from llmserve.engine.pooling_inputs import resolve_truncation
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
@@ -54,7 +54,7 @@ class PoolingFields(OpenAIRequestModel):
     add_special_tokens, priority, user."""
 
     model: Optional[str] = None
-    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncate_prompt_tokens: Optional[StrictInt] = Field(default=None, ge=-1)  # true is not 1
     normalize: Optional[bool] = None
     add_special_tokens: bool = True
     priority: int = 0
@@ -67,15 +67,16 @@ class ActivationFields(PoolingFields):
     read as ``use_activation`` when it is not given."""
 
     use_activation: Optional[bool] = None
+    softmax: Optional[bool] = Field(default=None, exclude=True)  # declared: read, not "ignored"
+    activation: Optional[bool] = Field(default=None, exclude=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _deprecated_activation_names(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("use_activation") is None:
-            for old in ("softmax", "activation"):
-                if isinstance(data.get(old), bool):
-                    return {**data, "use_activation": data[old]}
-        return data
+    @model_validator(mode="after")
+    def _deprecated_activation_names(self) -> "ActivationFields":
+        if self.use_activation is None:
+            old = self.softmax if self.softmax is not None else self.activation
+            if old is not None:
+                self.use_activation = old
+        return self
 
 
 # Texts of one score / rerank request: the prompt count limit of the other pooling routes
