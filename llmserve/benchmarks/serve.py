@@ -276,6 +276,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-url-rounds", type=int, default=0,
                         help="With --compare-url: this many rounds per server, alternating, and the medians and "
                              "ratios of throughput, TPOT, TTFT (0: one run each; llmserve/benchmarks/server_compare.py).")
+    parser.add_argument("--compare-url-warm-rounds", type=int, default=1,
+                        help="With --compare-url-rounds: untimed rounds per server before the measured ones (the "
+                             "first round after a start ran 20-25%% slower than the later ones on the 2-core "
+                             "machine, and its figures went into the medians).")
+    parser.add_argument("--compare-server-pids", type=str, default=None,
+                        help="With --compare-url-rounds: 'PID_A,PID_B', the two servers' process ids (same "
+                             "machine); each round also reports the CPU seconds the server's process tree "
+                             "(API server + EngineCore) spent per 1,000 output tokens, a figure the machine's "
+                             "scheduling noise moves far less than throughput.")
     parser.add_argument("--model", type=str, default=None, help="Model name (default: the server's first model).")
     parser.add_argument("--tokenizer", type=str, default=None,
                         help="Tokenizer for the random dataset (default: the model, else SmolLM2-135M-Instruct).")

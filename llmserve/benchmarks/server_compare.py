@@ -13,6 +13,26 @@ import statistics
 from typing import Any, Awaitable, Callable
 
 FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms")
+CPU_FIGURE = "cpu_s_per_1k_output_tokens"
+
+
+def _pids(args: argparse.Namespace) -> list[int] | None:
+    """``--compare-server-pids A,B`` as two ints, or None."""
+    raw = getattr(args, "compare_server_pids", None)
+    if not raw:
+        return None
+    pids = [int(x) for x in raw.split(",")]
+    if len(pids) != 2:
+        raise ValueError("--compare-server-pids takes two process ids: PID_A,PID_B")
+    return pids
+
+
+def _cpu_per_1k(pid: int, cpu0: float, res: dict[str, Any]) -> float:
+    """CPU seconds of ``pid``'s tree since ``cpu0`` per 1,000 output tokens of ``res``."""
+    from llmserve.benchmarks.proc_stats import tree_cpu_s
+
+    tokens = res.get("total_output_tokens") or res["output_throughput"] * res["duration"]
+    return 1000.0 * (tree_cpu_s(pid) - cpu0) / max(tokens, 1)
 
 
 def compare_servers(args: argparse.Namespace, urls: list[str], models: list[str], requests: list, chat: bool,
@@ -20,19 +40,30 @@ def compare_servers(args: argparse.Namespace, urls: list[str], models: list[str]
     """Run ``args.compare_url_rounds`` rounds per server (``urls``: the two API urls,
     ``models``: each one's model name); returns ``{"rounds": [...], "medians": {url:
     {figure: x}}, "ratios": {figure: A / B}}``. ``benchmark``: ``serve.benchmark``."""
+    from llmserve.benchmarks.proc_stats import tree_cpu_s
+
+    pids = _pids(args)
+    figures = FIGURES + ((CPU_FIGURE,) if pids else ())
+    for _ in range(getattr(args, "compare_url_warm_rounds", 0)):
+        for i in (0, 1):
+            asyncio.run(benchmark(args, urls[i], models[i], requests, chat))
     rounds: list[dict[str, Any]] = []
     for r in range(args.compare_url_rounds):
         order = [0, 1] if r % 2 == 0 else [1, 0]
         for i in order:
+            cpu0 = tree_cpu_s(pids[i]) if pids else 0.0
             res = asyncio.run(benchmark(args, urls[i], models[i], requests, chat))
             row = {"server": urls[i], "round": r, "failed": res["failed"], "loadavg_1m": os.getloadavg()[0],
                    **{k: res[k] for k in FIGURES}}
+            if pids:
+                row[CPU_FIGURE] = _cpu_per_1k(pids[i], cpu0, res)
             rounds.append(row)
+            cpu = f"  CPU {row[CPU_FIGURE]:.3f} s/1k tok" if pids else ""
             print(f"round {r} {urls[i]:<40} output {row['output_throughput']:8.2f} tok/s  TPOT "
-                  f"{row['median_tpot_ms']:.2f} ms  TTFT {row['median_ttft_ms']:.0f} ms  ({row['failed']} failed, "
-                  f"load {row['loadavg_1m']:.2f})")
-    medians = {u: {k: statistics.median(x[k] for x in rounds if x["server"] == u) for k in FIGURES} for u in urls}
-    ratios = {k: medians[urls[0]][k] / medians[urls[1]][k] if medians[urls[1]][k] else 0.0 for k in FIGURES}
-    for k in FIGURES:
+                  f"{row['median_tpot_ms']:.2f} ms  TTFT {row['median_ttft_ms']:.0f} ms{cpu}  ({row['failed']} "
+                  f"failed, load {row['loadavg_1m']:.2f})")
+    medians = {u: {k: statistics.median(x[k] for x in rounds if x["server"] == u) for k in figures} for u in urls}
+    ratios = {k: medians[urls[0]][k] / medians[urls[1]][k] if medians[urls[1]][k] else 0.0 for k in figures}
+    for k in figures:
         print(f"median {k:<18} {medians[urls[0]][k]:10.2f} {medians[urls[1]][k]:10.2f}  ratio {ratios[k]:.4f}")
     return {"rounds": rounds, "medians": medians, "ratios": ratios, "loadavg": list(os.getloadavg())}

@@ -187,6 +187,55 @@ async def _reloader(keys_path: str, pid: int, args: argparse.Namespace, end: flo
     return n
 
 
+async def _flooder_jobs(name: str, args: argparse.Namespace, url: str, capacity: float, end: float) -> _Stats:
+    """The flooder's load of phase ``name``: ``max_num_seqs`` closed-loop streams (baseline)
+    or open-loop Poisson arrivals at ``flood_factor * capacity`` (flood)."""
+    st = _Stats()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        if name == "baseline":
+            await asyncio.gather(*(_closed_loop(s, args, url, "flooder", st, end) for _ in range(args.max_num_seqs)))
+        else:
+            await _open_loop(s, args, url, "flooder", st, end, args.flood_factor * capacity, poisson=True)
+    return st
+
+
+def _flooder_main(name: str, args: argparse.Namespace, url: str, capacity: float, end: float, conn: Any) -> None:
+    """Child process body: run the flooder and send its stats back (plain dicts)."""
+    st = asyncio.run(_flooder_jobs(name, args, url, capacity, end))
+    conn.send({k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(st).items()})
+    conn.close()
+
+
+async def _flooder_elsewhere(name: str, args: argparse.Namespace, url: str, capacity: float, end: float,
+                             st: _Stats) -> None:
+    """Run the flooder in its own process and merge its outcomes into ``st``. The flooder is
+    another client: in the measuring process its ~200 requests/s of the flood (each refusal
+    read, each served stream parsed) queued the quiet tenant's own reads behind them on one
+    event loop, and that client-side delay counted as the quiet tenant's TTFT."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # picklable
+    proc = ctx.Process(target=_flooder_main, args=(name, plain, url, capacity, end, child), daemon=True)
+    proc.start()
+    child.close()
+    got = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+    await asyncio.get_running_loop().run_in_executor(None, proc.join)
+    _merge(st, got)
+
+
+def _merge(st: _Stats, got: dict) -> None:
+    """Add another process's ``_Stats`` fields (as plain dicts) into ``st``."""
+    for tenant, counts in got["status"].items():
+        st.status[tenant].update(counts)
+    for tenant, xs in got["ttft"].items():
+        st.ttft[tenant].extend(xs)
+    for field in ("tokens", "usage_tokens", "no_retry_after", "timeouts"):
+        getattr(st, field).update(got[field])
+    st.errors.extend(got["errors"])
+
+
 def _pct(xs: list[float], q: float) -> Optional[float]:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
@@ -217,10 +266,7 @@ async def _phase(name: str, args: argparse.Namespace, url: str, capacity: float,
             jobs += [_closed_loop(s, args, url, t, st, end) for t in WEIGHTS for _ in range(2 * args.max_num_seqs)]
         else:
             jobs.append(_open_loop(s, args, url, "quiet", st, end, args.quiet_rate, poisson=False))
-            if name == "baseline":
-                jobs += [_closed_loop(s, args, url, "flooder", st, end) for _ in range(args.max_num_seqs)]
-            else:
-                jobs.append(_open_loop(s, args, url, "flooder", st, end, args.flood_factor * capacity, poisson=True))
+            jobs.append(_flooder_elsewhere(name, args, url, capacity, end, st))
         reloads = asyncio.ensure_future(_reloader(*reload, args, end)) if reload and name == "flood" else None
         await asyncio.gather(*jobs)
     out = _summary(st, args.duration, t0)
