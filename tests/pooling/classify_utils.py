@@ -1,6 +1,7 @@
 """Tiny random sequence-classification checkpoints for the classification tests (offline
-and e2e): BERT (cross-encoder shaped, all-MiniLM-L6-v2's tokenizer) and Llama (SmolLM2's
-tokenizer), written by transformers' own classes, with transformers' fp32 references."""
+and e2e): BERT (cross-encoder shaped, all-MiniLM-L6-v2's tokenizer), Llama (SmolLM2's
+tokenizer) and Mistral, Qwen2 and Qwen3 as the Llama, written by transformers' own classes,
+with transformers' fp32 references."""
 from __future__ import annotations
 
 import os
@@ -56,6 +57,36 @@ def save_llama_classifier(path: str, num_labels: int, seed: int = 0):
                       **_labels(num_labels))
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(cfg)
+    _perturb(model)
+    model.save_pretrained(path)
+    get_tokenizer("SmolLM2-135M-Instruct").save_pretrained(path)
+    return model.eval()
+
+
+#: transformers' config and model class names of the decoder classifiers the registry maps
+#: (the model_type decides the attention details: Qwen2's q/k/v-only bias, Qwen3's q/k norms).
+DECODER_CLASSIFIERS = {"mistral": ("MistralConfig", "MistralForSequenceClassification"),
+                       "qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification"),
+                       "qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification")}
+
+
+def save_decoder_classifier(path: str, arch: str, num_labels: int, seed: int = 0):
+    """A 2-layer ``*ForSequenceClassification`` of ``arch`` (a DECODER_CLASSIFIERS key:
+    hidden 32, GQA; Mistral with a 6-token sliding window, shorter than most test prompts;
+    Qwen3 with an explicit head_dim unlike hidden / heads) with SmolLM2's
+    tokenizer and ``pad_token_id=LLAMA_PAD`` at ``path``; returns the HF model."""
+    import transformers
+
+    from llmserve.tokenizer import get_tokenizer
+
+    cfg_name, cls_name = DECODER_CLASSIFIERS[arch]
+    extra = {"qwen3": {"head_dim": 16}, "mistral": {"sliding_window": 6}}.get(arch, {})
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=LLAMA_PAD, num_labels=num_labels,
+        initializer_range=0.2, tie_word_embeddings=False, **extra, **_labels(num_labels))
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(cfg)
     _perturb(model)
     model.save_pretrained(path)
     get_tokenizer("SmolLM2-135M-Instruct").save_pretrained(path)

@@ -1,13 +1,14 @@
 """Sequence-classification checkpoints with ``runner="pooling"`` (detected from the
 architecture, vLLM's ``--convert classify``): ``LLM.classify``, ``LLM.reward`` and the
-cross-encoder ``LLM.score`` on tiny random BERT and Llama classifiers equal transformers'
-fp32 outputs (within 1e-4), one prompt or a batch of different lengths."""
+cross-encoder ``LLM.score`` on tiny random BERT, Llama, Mistral, Qwen2 and Qwen3 classifiers
+equal transformers' fp32 outputs (within 1e-4), one prompt or a batch of different lengths."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from classify_utils import LLAMA_PAD, hf_logits, save_bert_classifier, save_llama_classifier
+from classify_utils import (DECODER_CLASSIFIERS, LLAMA_PAD, hf_logits, save_bert_classifier,
+                            save_decoder_classifier, save_llama_classifier)
 from llmserve import LLM, PoolingParams
 from llmserve.engine_args import EngineArgs
 
@@ -24,6 +25,8 @@ def _llm(path: str) -> LLM:
 def tiny(tmp_path_factory):
     """``get(kind, num_labels) -> (llm, hf)``: each checkpoint written and served once."""
     made, saves = {}, {"bert": save_bert_classifier, "llama": save_llama_classifier}
+    for arch in DECODER_CLASSIFIERS:
+        saves[arch] = lambda path, n, arch=arch: save_decoder_classifier(path, arch, n)
 
     def get(kind: str, num_labels: int):
         if (kind, num_labels) not in made:
@@ -108,6 +111,33 @@ def test_llama_classify_pools_last_non_pad_token_and_rewards_every_token(tiny):
         llm.generate("Hello")
     with pytest.raises(ValueError, match="num_labels=1"):
         llm.score("a", "b", use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", sorted(DECODER_CLASSIFIERS))
+def test_mistral_qwen2_qwen3_classify_equal_transformers(tiny, arch):
+    """The registry's other decoder classifiers (Mistral; Qwen2's q/k/v-only attention bias;
+    Qwen3's q/k norms and explicit head_dim) as transformers computes them: softmax of the
+    ``score`` head on the last token that is not ``pad_token_id``, one prompt or a batch of
+    mixed lengths with padded prompts among them."""
+    llm, hf = tiny(arch, 3)
+    assert llm.get_supported_tasks() == ("classify", "token_classify")
+    tok = llm.get_tokenizer()
+    ids = [tok(t).input_ids for t in TEXTS]
+    ids += [ids[0] + [LLAMA_PAD] * 4, ids[2] + [LLAMA_PAD], [LLAMA_PAD] + ids[1] + [LLAMA_PAD] * 2]
+    want = [torch.softmax(hf_logits(hf, input_ids=[p])[0], -1) for p in ids]
+    one = llm.classify(TEXTS[1], use_tqdm=False)[0]
+    assert one.outputs.num_classes == 3
+    assert torch.allclose(torch.tensor(one.outputs.probs), want[1], atol=ATOL)
+    outs = llm.classify([{"prompt_token_ids": p} for p in ids], use_tqdm=False)  # one step, six lengths
+    for out, w in zip(outs, want):
+        assert torch.allclose(torch.tensor(out.outputs.probs), w, atol=ATOL)
+    assert outs[3].prompt_token_ids == ids[0] and outs[4].prompt_token_ids == ids[2]  # trailing pads not run
+    # transformers' own right-padded batch (attention mask): the same rows
+    width = max(len(p) for p in ids[:3])
+    batch = [p + [LLAMA_PAD] * (width - len(p)) for p in ids[:3]]
+    mask = [[1] * len(p) + [0] * (width - len(p)) for p in ids[:3]]
+    padded_ref = torch.softmax(hf_logits(hf, input_ids=batch, attention_mask=mask), -1)
+    assert torch.allclose(torch.tensor([o.outputs.probs for o in outs[:3]]), padded_ref, atol=ATOL)
 
 
 def test_llama_one_label_is_sigmoid_and_scores_pairs(tiny):
