@@ -172,3 +172,67 @@ def test_a_client_that_goes_away_aborts_its_rerank(ce):
     assert completed < len(docs), f"all {completed} pairs ran for a client that had gone"
     assert srv.http.get("/health").status_code == 200
     assert _ok(srv.post("/rerank", {"model": MODEL, "query": QUERY, "documents": DOCS[:1]}))["results"]
+
+
+def test_score_takes_vllms_newer_field_names(ce):
+    """vLLM's ScoreRequest forms (entrypoints/pooling/scoring/protocol.py): ``queries`` with
+    ``documents`` or ``items``, and ``data_1``/``data_2``, score as ``text_1``/``text_2``;
+    one naming per request: a mix or a missing side is a 400 naming the field."""
+    srv = ce[0]
+    want = _ok(srv.post("/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS[:2]}))
+    for a, b in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        got = _ok(srv.post("/v1/score", {"model": MODEL, a: QUERY, b: DOCS[:2]}))
+        assert [d["score"] for d in got["data"]] == pytest.approx([d["score"] for d in want["data"]], abs=1e-6)
+        assert set(got) == set(want) and got["usage"] == want["usage"]
+    err = _err(srv.post("/score", {"model": MODEL, "text_1": QUERY, "documents": DOCS}), "documents")
+    assert "text_1" in err["message"] and "queries" in err["message"]
+    _err(srv.post("/score", {"model": MODEL, "queries": QUERY, "documents": DOCS, "text_2": DOCS}), "text_2")
+    _err(srv.post("/score", {"model": MODEL, "queries": QUERY, "documents": DOCS, "items": DOCS}), "items")
+    _err(srv.post("/score", {"model": MODEL, "queries": QUERY}), "documents")
+    _err(srv.post("/score", {"model": MODEL, "data_2": DOCS}), "data_1")
+    _err(srv.post("/score", {"model": MODEL}), "text_1")
+    _err(srv.post("/score", {"model": MODEL, "queries": ["a", "b"], "documents": DOCS}), "queries")  # 2 vs 4
+    _err(srv.post("/score", {"model": MODEL, "data_1": QUERY, "data_2": []}), "data_2")
+
+
+def test_invocations_routes_pooling_bodies_of_a_classifier(ce):
+    """SageMaker's /invocations on a classifier, as vLLM's pooling invocation types: query +
+    documents -> rerank, a score body (any naming) -> score, input -> classify (no
+    embeddings handler for a classification model); other bodies stay 400s."""
+    srv = ce[0]
+    rr = {"model": MODEL, "query": QUERY, "documents": DOCS, "top_n": 2}
+    assert _ok(srv.post("/invocations", rr))["results"] == _ok(srv.post("/rerank", rr))["results"]
+    want = [d["score"] for d in _ok(srv.post("/score", {"model": MODEL, "text_1": QUERY, "text_2": DOCS}))["data"]]
+    for a, b in (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2")):
+        got = _ok(srv.post("/invocations", {"model": MODEL, a: QUERY, b: DOCS}))
+        assert got["data"][0]["object"] == "score"
+        assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=1e-6)
+    body = {"model": MODEL, "input": DOCS[:2]}
+    got, direct = _ok(srv.post("/invocations", body)), _ok(srv.post("/classify", body))
+    assert got["id"].startswith("classify-") and got["data"] == direct["data"]
+    _err(srv.post("/invocations", {"model": MODEL, "text_1": QUERY, "documents": DOCS}), "documents")
+    _err(srv.post("/invocations", {"model": MODEL, "query": QUERY}), "documents")
+    _err(srv.post("/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}), "model")
+    r = srv.post("/invocations", {"model": MODEL, "foo": 1})
+    assert r.status_code == 400 and "RerankRequest" in r.json()["error"]["message"]
+
+
+def test_pooling_runs_the_classifier_head_per_token(ce):
+    """/pooling on a classifier (vLLM's PoolingRequest.task): "classify" by default (the
+    /classify probabilities), "token_classify" the head on every token then its
+    activation (sigmoid for one label), ``[num_tokens, 1]``; use_activation=false: logits."""
+    srv, hf, tok = ce
+    default = _ok(srv.post("/pooling", {"model": MODEL, "input": QUERY}))
+    assert default["data"][0]["data"] == pytest.approx(
+        _ok(srv.post("/classify", {"model": MODEL, "input": QUERY}))["data"][0]["probs"], abs=1e-6)
+    enc = tok(QUERY)
+    with torch.inference_mode():
+        logits = hf.classifier(hf.bert(torch.tensor([enc.input_ids])).last_hidden_state[0])
+    for activation, want in ((True, torch.sigmoid(logits)), (False, logits)):
+        out = _ok(srv.post("/pooling", {"model": MODEL, "input": QUERY, "task": "token_classify",
+                                        "use_activation": activation}))
+        got = torch.tensor(out["data"][0]["data"])
+        assert got.shape == (len(enc.input_ids), 1) and torch.allclose(got, want, atol=ATOL)
+        assert out["usage"]["prompt_tokens"] == len(enc.input_ids)
+    err = _err(srv.post("/pooling", {"model": MODEL, "input": QUERY, "task": "embed"}), "model")
+    assert "token_classify" in err["message"]

@@ -30,12 +30,12 @@ PoolingInput = Union[str, Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_
                      Annotated[list[_TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 
 _API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Score API", "rerank": "Rerank API",
-              "classify": "Classification API"}
+              "classify": "Classification API", "token_classify": "Pooling API's token_classify task"}
 
 
 def _refusal_hint(task: str, tasks: Any) -> str:
     """What would serve ``task`` (the end of check_task's 400)."""
-    if task == "classify":
+    if task in ("classify", "token_classify"):
         if "embed" in tasks:  # a classifier served with --convert embed
             return "This model's classification head is off: start the server without `--convert embed`."
         return ("Start the server with a *ForSequenceClassification model (`--runner pooling`; "
@@ -43,8 +43,8 @@ def _refusal_hint(task: str, tasks: Any) -> str:
     if "classify" in tasks and task in ("score", "rerank"):
         return "Scoring pairs with a classification model needs one label (num_labels=1, a cross-encoder)."
     if "classify" in tasks:
-        return ("This is a classification model: use /classify (and /score or /rerank when it has one label), "
-                "or start it with `--convert embed` for embeddings.")
+        return ("This is a classification model: use /classify or /pooling with task classify or token_classify "
+                "(and /score or /rerank when it has one label), or start it with `--convert embed` for embeddings.")
     return "Start the server with a pooling model (or `--runner pooling`)."
 
 

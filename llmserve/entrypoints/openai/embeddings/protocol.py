@@ -42,16 +42,26 @@ class EmbeddingResponse(OpenAIBaseModel):
 
 
 class PoolingRequest(EmbeddingRequest):
-    """``POST /pooling``: the embeddings request, plus vLLM's ``task`` ("encode": the raw
-    pooled vector, normalised only when ``normalize`` says so; "embed")."""
+    """``POST /pooling``: the embeddings request, plus vLLM's ``task`` (vLLM's
+    ``PoolingCompletionRequest.task``, a ``PoolingTask``) and ``use_activation``. An
+    embedding model: "encode" (the default: the raw pooled vector, normalised only when
+    ``normalize`` says so) or "embed". A classification model: "classify" (the default,
+    as vLLM's ``get_pooling_task``: the label probabilities, ``[num_labels]``) or
+    "token_classify" (vLLM's per-token classification, ``LLM.reward``: ``[num_tokens,
+    num_labels]``, the head on every token then softmax / sigmoid). use_activation=false:
+    the head's raw logits."""
 
-    task: Optional[Literal["encode", "embed"]] = None
+    task: Optional[Literal["encode", "embed", "classify", "token_classify"]] = None
+    use_activation: Optional[bool] = None
 
 
 class PoolingResponseData(OpenAIBaseModel):
+    """``data``: the pooled vector, one row per token for token_classify, or base64 of
+    its little-endian float32 values (row by row)."""
+
     index: int
     object: str = "pooling"
-    data: Union[list[float], str]
+    data: Union[list[list[float]], list[float], str]
 
 
 class PoolingResponse(OpenAIBaseModel):

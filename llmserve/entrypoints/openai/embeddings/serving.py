@@ -1,6 +1,7 @@
 """``POST /v1/embeddings`` and ``POST /pooling`` (vLLM's ``OpenAIServingEmbedding`` and
 ``OpenAIServingPooling``): input -> prompts -> one ``AsyncLLM.encode`` each -> vectors in
-input order, as floats or base64, with ``usage.prompt_tokens``."""
+input order, as floats or base64, with ``usage.prompt_tokens``. On a classification model
+``/pooling`` runs its head (task "classify", or "token_classify" for per-token results)."""
 from __future__ import annotations
 
 
@@ -33,7 +34,7 @@ class OpenAIServingEmbedding(PoolingBaseServing):
                                        truncate_prompt_tokens=request.truncate_prompt_tokens)
 
     async def _run(self, request: EmbeddingRequest, task: str, prefix: str) -> tuple[str, str, list[PoolingRequestOutput]]:
-        name = self.check_task(request, "encode" if task == "encode" else "embed")
+        name = self.check_task(request, task)
         params = self.pooling_params(request, task, request.dimensions)
         prompts = await self._prompts(request)
         request_id = self.new_request_id(prefix)
@@ -51,8 +52,14 @@ class OpenAIServingEmbedding(PoolingBaseServing):
                 for i, o in enumerate(outs)]
         return EmbeddingResponse(id=rid, created=self.now(), model=name, data=data, usage=self._usage(outs))
 
+    def default_pooling_task(self) -> str:
+        """``/pooling``'s task when the request names none: "classify" for a
+        classification model (vLLM's ``ModelConfig.get_pooling_task`` order), else "encode"."""
+        tasks = getattr(self.model_config, "supported_tasks", ())
+        return "classify" if "classify" in tasks and "embed" not in tasks else "encode"
+
     async def create_pooling(self, request: PoolingRequest) -> PoolingResponse:
-        name, rid, outs = await self._run(request, request.task or "encode", "pool")
+        name, rid, outs = await self._run(request, request.task or self.default_pooling_task(), "pool")
         data = [PoolingResponseData(index=i, data=encode_vector(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outs)]
         return PoolingResponse(id=rid, created=self.now(), model=name, data=data, usage=self._usage(outs))

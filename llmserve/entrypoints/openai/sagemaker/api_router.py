@@ -1,10 +1,23 @@
 """``POST /invocations`` (Amazon SageMaker's inference route; vLLM's
-``entrypoints/sagemaker/routes.py``) and ``GET /ping`` (SageMaker's health check).
+``entrypoints/sagemaker/api_router.py`` with ``pooling/factories.get_pooling_invocation_types``)
+and ``GET /ping`` (SageMaker's health check).
 
-The body is a chat, completion or embeddings request, recognised by its shape
-(``messages`` -> chat, ``prompt`` -> completions, ``input`` -> embeddings), validated
-by that endpoint's request model and served by that endpoint's own route, so the answer
-(stream or not, errors) is the same as on ``/v1/...``. Any other body is a 400.
+The body is recognised by its shape and the served model's tasks, validated by that
+endpoint's request model and served by that endpoint's own route, so the answer (stream
+or not, errors) is the same as on the endpoint itself:
+
+- ``messages`` -> chat completions (embeddings with messages for a model that does not
+  generate but embeds: vLLM has no chat handler for a pooling model, so its
+  ``EmbeddingRequest`` takes the body);
+- ``prompt`` -> completions;
+- ``query`` (with ``documents``) -> rerank;
+- a score request's side names (``text_1``/``text_2``, ``queries``/``documents``,
+  ``queries``/``items``, ``data_1``/``data_2``) -> score;
+- ``input`` -> classify for a classification model (its supported tasks include
+  "classify" and not "embed": vLLM registers no embeddings handler for it, so its
+  ``ClassificationRequest`` takes the body), else embeddings.
+
+Any other body is a 400 listing the shapes.
 """
 from __future__ import annotations
 
@@ -16,44 +29,87 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from llmserve.entrypoints.openai.basic.api_router import health
 from llmserve.entrypoints.openai.chat_completion.api_router import create_chat_completion
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.classify.api_router import create_classify
+from llmserve.entrypoints.openai.classify.protocol import ClassificationRequest
 from llmserve.entrypoints.openai.completion.api_router import create_completion
 from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
 from llmserve.entrypoints.openai.embeddings.api_router import create_embedding
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
-from llmserve.entrypoints.openai.basic.api_router import health
+from llmserve.entrypoints.openai.score.api_router import create_score, do_rerank
+from llmserve.entrypoints.openai.score.protocol import SCORE_FIELD_NAMES, RerankRequest, ScoreRequest
 from llmserve.sampling_params import SamplingParamsError
 
 router = APIRouter()
 
-# (the body key that marks the kind, its request model, its route), checked in order.
-INVOCATION_TYPES: tuple[tuple[str, type[BaseModel], Callable[[Any, Request], Awaitable[Response]]], ...] = (
-    ("messages", ChatCompletionRequest, create_chat_completion),
-    ("prompt", CompletionRequest, create_completion),
-    ("input", EmbeddingRequest, create_embedding),
-)
+Route = Callable[[Any, Request], Awaitable[Response]]
+
+# kind -> (its request model, its route)
+INVOCATION_TYPES: dict[str, tuple[type[BaseModel], Route]] = {
+    "chat": (ChatCompletionRequest, create_chat_completion),
+    "completion": (CompletionRequest, create_completion),
+    "embed": (EmbeddingRequest, create_embedding),
+    "classify": (ClassificationRequest, create_classify),
+    "rerank": (RerankRequest, do_rerank),
+    "score": (ScoreRequest, create_score),
+}
+_SCORE_KEYS = tuple(dict.fromkeys(n for pair in SCORE_FIELD_NAMES for n in pair))
+_SHAPES = ("'messages' (ChatCompletionRequest), 'prompt' (CompletionRequest), 'input' (EmbeddingRequest, or "
+           "ClassificationRequest for a classification model), 'query' and 'documents' (RerankRequest), "
+           + " or ".join(f"'{a}' and '{b}'" for a, b in SCORE_FIELD_NAMES) + " (ScoreRequest)")
+
+
+def served_tasks(raw_request: Request, model: Any) -> tuple[str, ...]:
+    """The supported tasks of the model a body names (``model``; with ``--extra-model``
+    and no name: every served model's, together)."""
+    state = raw_request.app.state
+    registry = getattr(state, "model_registry", None)
+    if registry is None:
+        return tuple(getattr(getattr(state.engine_client, "model_config", None), "supported_tasks", ("generate",)))
+    if isinstance(model, str) and model:
+        return registry.resolve(model).supported_tasks  # 404 for an unknown name, as the endpoint
+    return tuple(t for m in registry.models for t in m.supported_tasks)
+
+
+def invocation_kind(body: dict, tasks: tuple[str, ...]) -> str | None:
+    """The INVOCATION_TYPES key for ``body`` served by a model with ``tasks`` (see the
+    module docstring), or None for a body of no known shape."""
+    if "messages" in body:
+        return "embed" if "generate" not in tasks and "embed" in tasks else "chat"
+    if "prompt" in body:
+        return "completion"
+    if "query" in body:
+        return "rerank"
+    if any(k in body for k in _SCORE_KEYS):
+        return "score"
+    if "input" in body:
+        return "classify" if "classify" in tasks and "embed" not in tasks else "embed"
+    return None
 
 
 @router.post("/invocations")
 async def invocations(raw_request: Request) -> Response:
     """Serve a SageMaker invocation like the endpoint its body's shape names.
     Raises SamplingParamsError (400) for a body that is not a JSON object of one of the
-    three kinds; validation errors of the chosen model answer as on its endpoint."""
+    known shapes; validation errors of the chosen model answer as on its endpoint."""
     try:
         body = json.loads(await raw_request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SamplingParamsError(f"Invalid JSON in the request body: {e}", None) from e
+    kind = None
     if isinstance(body, dict):
-        for key, model, route in INVOCATION_TYPES:
-            if key in body:
-                try:
-                    request = model.model_validate(body)
-                except ValidationError as e:
-                    raise RequestValidationError(e.errors(include_input=False)) from e
-                return await route(request, raw_request)
-    kinds = ", ".join(f"'{key}' ({model.__name__})" for key, model, _ in INVOCATION_TYPES)
-    raise SamplingParamsError(f"/invocations takes a JSON object with one of: {kinds}.", None)
+        needs_tasks = "input" in body or "messages" in body
+        kind = invocation_kind(body, served_tasks(raw_request, body.get("model")) if needs_tasks else ())
+    if kind is None:
+        raise SamplingParamsError(f"/invocations takes a JSON object with one of: {_SHAPES}.", None)
+    model, route = INVOCATION_TYPES[kind]
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_input=False)) from e
+    return await route(request, raw_request)
 
 
 @router.get("/ping")

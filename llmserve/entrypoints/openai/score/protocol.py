@@ -4,20 +4,71 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
+from pydantic_core import PydanticCustomError
 
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.pooling import ActivationFields, PoolingTexts
 from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
 
 
-class ScoreRequest(ActivationFields):
-    """``text_1`` against ``text_2``: one against each (1:N) or pairwise (N:N), at most
-    ``MAX_PROMPTS_PER_REQUEST`` texts a side. use_activation (a cross-encoder only): false
-    scores by the raw logit (vLLM's field)."""
+#: The names a /score request may give its two sides, as vLLM's ``ScoreRequest`` union
+#: (``entrypoints/pooling/scoring/protocol.py``: ScoreTextRequest, ScoreQueriesDocumentsRequest,
+#: ScoreQueriesItemsRequest, ScoreDataRequest); a request uses exactly one pair.
+SCORE_FIELD_NAMES: tuple[tuple[str, str], ...] = (("text_1", "text_2"), ("queries", "documents"),
+                                                  ("queries", "items"), ("data_1", "data_2"))
+_ScoreSide = Optional[Union[str, PoolingTexts]]
 
-    text_1: Union[str, PoolingTexts]
-    text_2: Union[str, PoolingTexts]
+
+def _score_names_hint() -> str:
+    names = [f"`{a}`/`{b}`" for a, b in SCORE_FIELD_NAMES]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+class ScoreRequest(ActivationFields):
+    """The first side against the second: one against each (1:N) or pairwise (N:N), at
+    most ``MAX_PROMPTS_PER_REQUEST`` texts a side. The sides are named as in any of vLLM's
+    ``ScoreRequest`` forms, ``text_1``/``text_2``, ``queries``/``documents``,
+    ``queries``/``items`` or ``data_1``/``data_2`` (``SCORE_FIELD_NAMES``); a request that
+    mixes two namings or lacks one side is a 400 naming the field. ``data_1``/``data_2``
+    and ``field_names`` give the sides and their names whichever were used.
+    use_activation (a cross-encoder only): false scores by the raw logit (vLLM's field)."""
+
+    text_1: _ScoreSide = None
+    text_2: _ScoreSide = None
+    queries: _ScoreSide = None
+    documents: _ScoreSide = None
+    items: _ScoreSide = None
+    data_1: _ScoreSide = None
+    data_2: _ScoreSide = None
+    _names: tuple[str, str] = PrivateAttr(default=("text_1", "text_2"))
+
+    @model_validator(mode="after")
+    def _one_naming(self) -> "ScoreRequest":
+        given = [n for n in dict.fromkeys(x for pair in SCORE_FIELD_NAMES for x in pair) if getattr(self, n) is not None]
+        # the naming with most of its fields given (the first of a tie), then anything else is a mix
+        pair = max(SCORE_FIELD_NAMES, key=lambda p: sum(n in given for n in p))
+        if not given:
+            raise PydanticCustomError("missing", f"Give the two sides to score: {_score_names_hint()}.",
+                                      {"param": "text_1"})
+        for name in given:
+            if name not in pair:
+                raise PydanticCustomError(
+                    "score_fields", f"`{name}` cannot be used with `{pair[0]}`/`{pair[1]}`: name the two sides "
+                    f"with one pair of {_score_names_hint()}.", {"param": name})
+        for name in pair:
+            if name not in given:
+                other = pair[1] if name == pair[0] else pair[0]
+                raise PydanticCustomError("missing", f"`{name}` is required with `{other}`.", {"param": name})
+        self._names = pair
+        if pair != ("data_1", "data_2"):
+            self.data_1, self.data_2 = getattr(self, pair[0]), getattr(self, pair[1])
+        return self
+
+    @property
+    def field_names(self) -> tuple[str, str]:
+        """The request's names of the two sides (for errors naming them)."""
+        return self._names
 
 
 class ScoreResponseData(OpenAIBaseModel):

@@ -38,7 +38,8 @@ def _pair_up(texts_1: list[str], texts_2: list[str], names: tuple[str, str]) -> 
 class OpenAIServingScores(PoolingBaseServing):
     """Handler of the score and rerank endpoints. Raises ModelNotFoundError (404) or
     SamplingParamsError (400 naming the field: ``model`` for a model that can neither
-    embed nor cross-encode, ``text_1``/``text_2``/``query``/``documents`` for empty or
+    embed nor cross-encode, the score request's side names (``text_1``/``text_2``,
+    ``queries``/``documents``...) or rerank's ``query``/``documents`` for empty or
     mismatched inputs)."""
 
     async def _score(self, request, texts_1: list[str], texts_2: list[str], names: tuple[str, str],
@@ -75,9 +76,9 @@ class OpenAIServingScores(PoolingBaseServing):
         return scores, sum(len(o.prompt_token_ids) for o in outs.values())
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
-        t1 = [request.text_1] if isinstance(request.text_1, str) else list(request.text_1)
-        t2 = [request.text_2] if isinstance(request.text_2, str) else list(request.text_2)
-        name, rid, scores, ntok = await self._score(request, t1, t2, ("text_1", "text_2"), "score")
+        t1 = [request.data_1] if isinstance(request.data_1, str) else list(request.data_1)
+        t2 = [request.data_2] if isinstance(request.data_2, str) else list(request.data_2)
+        name, rid, scores, ntok = await self._score(request, t1, t2, request.field_names, "score")
         return ScoreResponse(id=rid, created=self.now(), model=name,
                              data=[ScoreResponseData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=UsageInfo(prompt_tokens=ntok, total_tokens=ntok))
