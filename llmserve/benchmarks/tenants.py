@@ -245,6 +245,7 @@ def _summary(st: _Stats, duration: float, t0: float) -> dict:
     q = st.ttft.get("quiet", [])
     return {"status": {t: dict(c) for t, c in st.status.items()},
             "quiet_ttft_median_s": statistics.median(q) if q else None, "quiet_ttft_p99_s": _pct(q, 0.99),
+            "quiet_ttft_p90_s": _pct(q, 0.90), "quiet_ttft_slowest_s": sorted(q)[-5:],
             "quiet_n": len(q), "output_tokens": dict(st.tokens), "usage_completion_tokens": dict(st.usage_tokens),
             "output_tok_s": sum(st.tokens.values()) / duration,
             "refusals_without_retry_after": dict(st.no_retry_after), "timeouts": dict(st.timeouts),
