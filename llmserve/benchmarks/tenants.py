@@ -4,7 +4,9 @@ Starts ``llmserve serve`` twice on the same model and flags, FIFO
 (``--no-tenant-fair-share``, tenants named but without quotas: the behaviour before
 issue 34) and fair (the default fair share, the flooder limited to ``2 * max_num_seqs``
 requests in flight), and runs each phase on one then the other, phase by phase
-(``--duration`` seconds each):
+(``--duration`` seconds each, in ``--rounds`` alternating rounds merged per server). The
+flooder's load comes from its own process, as another client's would: on the measuring
+event loop its ~200 requests/s delayed the quiet tenant's reads.
 
 1. ``baseline``: the flooder sends exactly the server's capacity (``max_num_seqs``
    closed-loop streams, no queue) and the quiet tenant 1 request/s (open loop).
@@ -26,7 +28,7 @@ weight phase's token shares, and the ratios the issue asks for (quiet p99 flood 
 baseline for each server; fair / FIFO output tok/s in the flood phase). The machine's
 load average is recorded (a shared machine moves these numbers).
 
-    llmserve bench tenants --duration 60 --max-num-seqs 8 --max-tokens 32
+    llmserve bench tenants --duration 160 --rounds 4 --max-num-seqs 8 --max-tokens 32
 """
 from __future__ import annotations
 
