@@ -131,3 +131,6 @@ class ModelRunnerOutput:
     # accepted drafts then the bonus/correction token (``sampled_token_ids`` holds the
     # first); ``logprobs`` then has one position per emitted token.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Blocks whose KV a connector failed to load this step (vLLM's
+    # KVConnectorOutput.invalid_block_ids): their requests are computed again from there.
+    invalid_block_ids: set[int] = field(default_factory=set)

@@ -424,6 +424,22 @@ class Scheduler:
             return True
         return False
 
+    def _roll_back_failed_loads(self, sched_out: SchedulerOutput, bad: set[int]) -> set[str]:
+        """Requests of this step with a block whose KV the connector failed to load (a disk
+        tier file that was corrupt or gone; vLLM's "recompute" load-failure policy): their
+        computed tokens go back to the first such block and the rest is prefilled again,
+        so this step's token is dropped. Returns their ids."""
+        redo = set()
+        for s in sched_out.scheduled:
+            first = next((i for i, b in enumerate(s.block_ids) if b in bad), None)
+            if first is None:
+                continue
+            req = s.request
+            req.num_computed_tokens = min(req.num_computed_tokens, first * self.block_size)
+            req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
+            redo.add(req.request_id)
+        return redo
+
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance computed-token counts, append sampled tokens, check stops, free
@@ -433,10 +449,14 @@ class Scheduler:
         finished: list[Request] = []
         parked: list[Request] = []
         beam_groups: dict = {}  # BeamGroup -> None, in step order
+        redo = self._roll_back_failed_loads(sched_out, runner_out.invalid_block_ids) \
+            if runner_out.invalid_block_ids else ()
         for s in sched_out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if req.request_id in redo:
+                continue  # its step ran over KV that failed to load: no output, computed again
             if s.spec_token_ids:  # verified drafts: tokens appended, KV rolled back there
                 eco, stopped = self.spec.update(self, s, runner_out)
                 if eco is not None:

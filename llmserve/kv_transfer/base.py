@@ -95,6 +95,11 @@ class KVConnectorBase_V1:  # noqa: N801 (vLLM's name)
     def start_load_kv(self, **kwargs: Any) -> None:
         """Start loading this step's external KV into the paged cache (before the forward)."""
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids of this step whose external KV failed to load (after ``start_load_kv``);
+        the scheduler computes their requests again from the first failed block."""
+        return set()
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until layer ``layer_name``'s KV is loaded."""
 

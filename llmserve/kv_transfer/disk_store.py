@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import xxhash
 
@@ -90,20 +90,45 @@ def open_chain(folder: str, block_hashes: list[int]) -> list[int]:
     return fds
 
 
+def count_chain(folder: str, block_hashes: list[int], nbytes: int) -> int:
+    """How many of ``block_hashes``, from the first, have a file of the size a header and an
+    ``nbytes`` payload make: one ``stat`` per block (~1.5 us), the scheduler's check before
+    it counts blocks as hits (``read_chain_into`` verifies header and checksum when they are
+    loaded). The first file of another size (a torn write) is logged and removed."""
+    for i, h in enumerate(block_hashes):
+        path = block_path(folder, h)
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return i
+        if size != HEADER_SIZE + nbytes:
+            logger.warning("KV tier: ignoring %s (truncated or of the wrong size); it is removed", path)
+            _unlink(path)
+            return i
+    return len(block_hashes)
+
+
 def read_chain(folder: str, key: bytes, block_hashes: list[int], fds: list[int], out: memoryview,
                nbytes: int) -> int:
     """Read the opened blocks (``fds`` from ``open_chain``, in chain order) into ``out``
-    (writable, ``len(fds) * nbytes`` bytes: payloads back to back) and close every fd.
-    Returns how many, from the first, are valid; the first invalid one (torn, corrupted,
-    another layout key or hash, the wrong size) is logged and removed, and nothing after
-    it counts (``out`` past the valid ones holds garbage). Valid files get their mtime
-    bumped (LRU order for ``BlockWriter``)."""
+    (writable, ``len(fds) * nbytes`` bytes: payloads back to back); see ``read_chain_into``."""
+    return read_chain_into(folder, key, block_hashes, fds, lambda i: [out[i * nbytes:(i + 1) * nbytes]])
+
+
+def read_chain_into(folder: str, key: bytes, block_hashes: list[int], fds: list[int],
+                    pieces_of: Callable[[int], list[memoryview]]) -> int:
+    """Read the opened blocks (``fds`` from ``open_chain``, in chain order) and close every
+    fd. Block ``i``'s payload goes into ``pieces_of(i)``: writable buffers that hold it in
+    file order (one region of a staging buffer, or the block's K and V slots of every
+    layer in the KV cache). Returns how many, from the first, are valid; the first invalid
+    one (torn, corrupted, another layout key or hash, the wrong size) is logged and
+    removed, and nothing after it counts (its pieces hold garbage). Valid files get their
+    mtime bumped (LRU order for ``BlockWriter``)."""
     header, extra = bytearray(HEADER_SIZE), bytearray(1)
     n = 0
     try:
         for i, fd in enumerate(fds):
-            region = out[i * nbytes:(i + 1) * nbytes]
-            why = _read_one(fd, header, region, extra, key, block_hashes[i])
+            why = _read_one(fd, header, pieces_of(i), extra, key, block_hashes[i])
             if why is not None:
                 path = block_path(folder, block_hashes[i])
                 logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
@@ -117,20 +142,33 @@ def read_chain(folder: str, key: bytes, block_hashes: list[int], fds: list[int],
     return n
 
 
-def _read_one(fd: int, header: bytearray, region: memoryview, extra: bytearray, key: bytes,
+def _read_one(fd: int, header: bytearray, pieces: list[memoryview], extra: bytearray, key: bytes,
               block_hash: int) -> Optional[str]:
-    """Read one opened block file (header, payload, and one byte too many to catch a longer
-    file) with one ``readv``; why it may not be loaded, or None."""
+    """Read one opened block file (header, payload into ``pieces``, and one byte too many
+    to catch a longer file) with one ``readv``; why it may not be loaded, or None. The
+    checksum runs piece by piece right after the read, while the payload (~360 KiB for
+    SmolLM2) is still in the CPU cache."""
+    nbytes = sum(p.nbytes for p in pieces)
     try:
-        got = os.readv(fd, [header, region, extra])
+        got = os.readv(fd, [header, *pieces, extra])
     except OSError as e:
         return f"unreadable: {e}"
-    why = _invalid_header(bytes(header[:got]), key, block_hash, region.nbytes)
-    if why is None and got != HEADER_SIZE + region.nbytes:
+    why = _invalid_header(bytes(header[:got]), key, block_hash, nbytes)
+    if why is None and got != HEADER_SIZE + nbytes:
         why = "truncated or of the wrong size"
-    if why is None and xxhash.xxh3_64_intdigest(region) != _HEADER.unpack_from(header)[5]:
+    if why is None and _checksum(pieces) != _HEADER.unpack_from(header)[5]:
         why = "checksum mismatch"
     return why
+
+
+def _checksum(pieces: list[memoryview]) -> int:
+    """XXH3-64 of the pieces' bytes, concatenated (the streaming digest equals the one-shot one)."""
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    return h.intdigest()
 
 
 def _touch(fd: int) -> None:

@@ -36,6 +36,19 @@ def test_prefault_stops_at_the_headroom_and_follows_the_highest_used_block():
     assert _drain(r) == 32 and r.kv_prefault_done()  # capped at the cache size
 
 
+def test_a_kv_tier_that_loads_gets_one_sequence_of_blocks_prefaulted_at_start():
+    r = _runner(64)
+    r.model_config.max_model_len = 160  # 10 blocks
+    r.kv_connector = SimpleNamespace(can_load=True)
+    r._prefault_for_kv_tier()
+    r._kv_tier_prefault.join()
+    assert r._kv_prefault_next == 10 + 4 and not r.kv_prefault_done()  # one sequence + the headroom
+    r.kv_connector = SimpleNamespace(can_load=False)  # kv_producer: loads nothing, no thread
+    r._kv_prefault_limit = 4
+    r._prefault_for_kv_tier()
+    assert r._kv_prefault_limit == 4
+
+
 def test_a_cache_within_the_headroom_is_prefaulted_whole():
     r = _runner(3)
     assert _drain(r) == 3 and r.kv_prefault_done()
