@@ -283,8 +283,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-server-pids", type=str, default=None,
                         help="With --compare-url-rounds: 'PID_A,PID_B', the two servers' process ids (same "
                              "machine); each round also reports the CPU seconds the server's process tree "
-                             "(API server + EngineCore) spent per 1,000 output tokens, a figure the machine's "
-                             "scheduling noise moves far less than throughput.")
+                             "(API server + EngineCore) spent per 1,000 output tokens (the servers' own work; "
+                             "on a contended machine spinning OpenMP threads add to it, so it moves with "
+                             "throughput, a little less).")
     parser.add_argument("--model", type=str, default=None, help="Model name (default: the server's first model).")
     parser.add_argument("--tokenizer", type=str, default=None,
                         help="Tokenizer for the random dataset (default: the model, else SmolLM2-135M-Instruct).")
