@@ -137,63 +137,85 @@ struct Packed {
   float moff;            // dms 16: m = moff * d
 };
 
-// Activations as int8 codes in natural order [M, K], per block d_x [M, nb], and per half
-// block (16 values, the K-quants' sub-block) sum(q_x) hb [M, nb, 2].
+// Activations as int8 codes in natural order [M, K], per block d_x [M, nb], per half
+// block (16 values, the K-quants' sub-block) sum(q_x) hb [M, nb, 2], and the offsets'
+// factors the kernels would otherwise recompute per row group: per block sx = d_x *
+// sum(q_x) [M, nb] and per half block sh = d_x * sum(q_x of the half) [M, nb, 2] (the
+// same float32 products, so the results are unchanged).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 struct QuantX {
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d, sx, sh;
   std::vector<int32_t> hb;
   template <typename T>
-  QuantX(const T* x, int64_t M, int64_t nb) : q(M * nb * QK), d(M * nb), hb(M * nb * 2) {
+  QuantX(const T* x, int64_t M, int64_t nb) : q(M * nb * QK), d(M * nb), sx(M * nb), sh(M * nb * 2), hb(M * nb * 2) {
     at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) block(x + i * QK, i);
     });
   }
+  // Vectorised; each value as the scalar rule gave it: amax = max |x|, d_x = amax / 127,
+  // q_x = x * 127 / amax (each step rounded once) rounded to nearest even (a value at
+  // exactly half a step, as x = amax / 2 often is in bfloat16, rounds to even, not by the
+  // rounding of a reciprocal), clamped to [-127, 127] (NaN's INT_MIN to -127, as before).
   template <typename T>
   void block(const T* xs, int64_t i) {
-    float xb[QK], amax = 0.f;
-    for (int j = 0; j < QK; ++j) {
-      xb[j] = static_cast<float>(xs[j]);
-      amax = std::max(amax, std::fabs(xb[j]));
-    }
+    const __m512 x0 = load16(xs), x1 = load16(xs + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     d[i] = amax / 127.f;
-    // x * 127 / amax, each step rounded once: a value at exactly half a step (x = amax / 2
-    // is common in bfloat16) rounds to even, not by the rounding of a reciprocal.
-    for (int j = 0; j < QK; ++j) {
-      const int v = amax > 0.f ? static_cast<int>(std::nearbyint(xb[j] * 127.f / amax)) : 0;
-      q[i * QK + j] = static_cast<int8_t>(std::clamp(v, -127, 127));
+    __m512i q0 = _mm512_setzero_si512(), q1 = q0;
+    if (amax > 0.f) {
+      const __m512 s = _mm512_set1_ps(127.f), a = _mm512_set1_ps(amax);
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_mul_ps(x0, s), a)), lo), hi);
+      q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_mul_ps(x1, s), a)), lo), hi);
     }
-    for (int h = 0; h < 2; ++h) {
-      int32_t is = 0;
-      for (int j = 16 * h; j < 16 * h + 16; ++j) is += q[i * QK + j];
-      hb[2 * i + h] = is;
-    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtepi32_epi8(q1));
+    hb[2 * i] = _mm512_reduce_add_epi32(q0);
+    hb[2 * i + 1] = _mm512_reduce_add_epi32(q1);
+    sx[i] = d[i] * static_cast<float>(hb[2 * i] + hb[2 * i + 1]);
+    sh[2 * i] = d[i] * static_cast<float>(hb[2 * i]);
+    sh[2 * i + 1] = d[i] * static_cast<float>(hb[2 * i + 1]);
   }
 };
 
 // The (group, block) tile's 8 code vectors: V[j] lane l = codes 4j..4j+3 of row l (Q4:
-// chunk c's low nibbles are V[c], its high ones V[c + 4]).
+// chunk c's low nibbles are V[c], its high ones V[c + 4], moved down by one GF2P8AFFINEQB
+// instead of a shift and a mask).
+constexpr uint64_t kHiNibble = 0x1020408000000000ULL;  // GF2P8AFFINEQB matrix: out bit i = in bit i + 4 (i < 4)
+
 template <int BITS>
 inline void load_tile(const uint8_t* tile, __m512i* v) {
   if constexpr (BITS == 8) {
     for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(tile + 64 * j);
   } else {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i nib = _mm512_set1_epi8(0x0F), hin = _mm512_set1_epi64(static_cast<long long>(kHiNibble));
     for (int c = 0; c < 4; ++c) {
       const __m512i b = _mm512_loadu_si512(tile + 64 * c);
       v[c] = _mm512_and_si512(b, nib);
-      v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+      v[c + 4] = _mm512_gf2p8affine_epi64_epi8(b, hin, 0);
     }
-    if constexpr (BITS == 5) {  // bit j of the high plane's bytes -> bit 4 of V[j]
+    // 5-bit: bit j of the high plane's bytes -> bit 4 of V[j] (shift, then one ternary
+    // logic op for the mask and the or, 0xF8 = A | (B & C)). GF2P8AFFINEQB moving each bit
+    // measured no faster here on Q5_0 rows.
+    if constexpr (BITS == 5) {
       const __m512i h = _mm512_loadu_si512(tile + 256), b4 = _mm512_set1_epi8(0x10);
-      v[0] = _mm512_or_si512(v[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), b4));
-      v[1] = _mm512_or_si512(v[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), b4));
-      v[2] = _mm512_or_si512(v[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), b4));
-      v[3] = _mm512_or_si512(v[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), b4));
-      v[4] = _mm512_or_si512(v[4], _mm512_and_si512(h, b4));
-      v[5] = _mm512_or_si512(v[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), b4));
-      v[6] = _mm512_or_si512(v[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), b4));
-      v[7] = _mm512_or_si512(v[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), b4));
+      v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(h, 4), b4, 0xF8);
+      v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(h, 3), b4, 0xF8);
+      v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_slli_epi16(h, 2), b4, 0xF8);
+      v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_slli_epi16(h, 1), b4, 0xF8);
+      v[4] = _mm512_ternarylogic_epi32(v[4], h, b4, 0xF8);
+      v[5] = _mm512_ternarylogic_epi32(v[5], _mm512_srli_epi16(h, 1), b4, 0xF8);
+      v[6] = _mm512_ternarylogic_epi32(v[6], _mm512_srli_epi16(h, 2), b4, 0xF8);
+      v[7] = _mm512_ternarylogic_epi32(v[7], _mm512_srli_epi16(h, 3), b4, 0xF8);
     }
   }
 }
@@ -225,17 +247,23 @@ void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* 
       const int64_t xi = (t0 + t) * p.nb + b;
       const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
       // V[j] holds codes 4j..4j+3 of each row (both types), x's word j the same codes of x;
-      // even and odd j in two accumulators, two dependency chains.
-      __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
-      __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], _mm512_set1_epi32(xw[1]));
-      for (int j = 2; j < 8; j += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
-        a1 = _mm512_dpbusd_epi32(a1, v[j + 1], _mm512_set1_epi32(xw[j + 1]));
+      // from 8 tokens on, one dependency chain per token (their chains overlap; the add of
+      // two chains was one more vector op per token and block).
+      __m512i a;
+      if (MT < 8) {  // two chains where few tokens overlap theirs
+        __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
+        __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], _mm512_set1_epi32(xw[1]));
+        for (int j = 2; j < 8; j += 2) {
+          a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
+          a1 = _mm512_dpbusd_epi32(a1, v[j + 1], _mm512_set1_epi32(xw[j + 1]));
+        }
+        a = _mm512_add_epi32(a0, a1);
+      } else {
+        a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
+        for (int j = 1; j < 8; ++j) a = _mm512_dpbusd_epi32(a, v[j], _mm512_set1_epi32(xw[j]));
       }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
-      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xq.d[xi])), acc[t]);
-      const float sx = xq.d[xi] * static_cast<float>(xq.hb[2 * xi] + xq.hb[2 * xi + 1]);
-      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(xq.d[xi])), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sx[xi]), acc[t]);
     }
   }
   const int64_t valid = std::min(RG, p.n - g * RG);
@@ -297,32 +325,38 @@ void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT*
         a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
         a1 = _mm512_dpbusd_epi32(a1, v[j + 4], _mm512_set1_epi32(xw[j + 4]));
       }
-      a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi]));
-      a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi + 1]));
+      if (p.z) {
+        a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi]));
+        a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi + 1]));
+      }
       const __m512 dx = _mm512_set1_ps(xq.d[xi]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), acc[t]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d1, dx), acc[t]);
-      acc[t] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(xq.d[xi] * static_cast<float>(xq.hb[2 * xi])), acc[t]);
-      acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(xq.d[xi] * static_cast<float>(xq.hb[2 * xi + 1])), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(xq.sh[2 * xi]), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(xq.sh[2 * xi + 1]), acc[t]);
     }
   }
   const int64_t valid = std::min(RG, p.n - g * RG);
   for (int t = 0; t < MT; ++t) store_rows(out + (t0 + t) * N + g * RG, acc[t], valid);
 }
 
-// Row groups split over threads; tokens 8 (then 4, 3, 2, 1) at a time, so a tile's codes
-// are loaded once per 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at
+// Row groups split over threads; tokens 16 (Q4_0..Q8_0) or 8 (then 4, 3, 2, 1) at a time,
+// so a tile's codes are loaded and unpacked once per 16 or 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at
 // K=576, stay in L2 while the thread's row groups pass over them: 1.14x -> see
 // benchmarks in the closing note of issue 16).
 template <int BITS, typename P, typename OutT>
 void run(const P& p, const QuantX& xq, int64_t M, OutT* out) {
   constexpr int64_t kChunk = 256;
+  // 16 tokens per tile load for the Q4_0..Q8_0 tiles (16 accumulators + 8 code vectors
+  // fit the 32 registers; the K-quants' 4 scale vectors per block would not).
+  constexpr bool kMT16 = std::is_same<P, Packed>::value;
   const int64_t groups = (p.n + RG - 1) / RG, N = p.n;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
       const int64_t c1 = std::min(M, c0 + kChunk);
       for (int64_t g = g0; g < g1; ++g) {
         int64_t t = c0;
+        if constexpr (kMT16) for (; t + 16 <= c1; t += 16) group_tile<BITS, 16>(p, xq, g, t, out, N);
         for (; t + 8 <= c1; t += 8) group_tile<BITS, 8>(p, xq, g, t, out, N);
         for (; t + 4 <= c1; t += 4) group_tile<BITS, 4>(p, xq, g, t, out, N);
         switch (c1 - t) {
