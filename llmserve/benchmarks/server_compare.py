@@ -12,6 +12,8 @@ import os
 import statistics
 from typing import Any, Awaitable, Callable
 
+from llmserve.benchmarks.proc_stats import tree_cpu_s
+
 FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms")
 CPU_FIGURE = "cpu_s_per_1k_output_tokens"
 
@@ -29,10 +31,17 @@ def _pids(args: argparse.Namespace) -> list[int] | None:
 
 def _cpu_per_1k(pid: int, cpu0: float, res: dict[str, Any]) -> float:
     """CPU seconds of ``pid``'s tree since ``cpu0`` per 1,000 output tokens of ``res``."""
-    from llmserve.benchmarks.proc_stats import tree_cpu_s
+    return 1000.0 * (tree_cpu_s(pid) - cpu0) / max(res["total_output_tokens"], 1)
 
-    tokens = res.get("total_output_tokens") or res["output_throughput"] * res["duration"]
-    return 1000.0 * (tree_cpu_s(pid) - cpu0) / max(tokens, 1)
+
+def _per_round_ratios(rounds: list[dict[str, Any]], urls: list[str], figures: tuple[str, ...]) -> dict[str, float]:
+    """Median over rounds of A's figure / B's figure in the same round: drift between
+    rounds (other jobs on a shared machine) cancels within each pair."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for row in rounds:
+        by_round.setdefault(row["round"], {})[row["server"]] = row
+    pairs = [r for r in by_round.values() if len(r) == 2]
+    return {k: statistics.median(r[urls[0]][k] / r[urls[1]][k] for r in pairs if r[urls[1]][k]) for k in figures}
 
 
 def compare_servers(args: argparse.Namespace, urls: list[str], models: list[str], requests: list, chat: bool,
@@ -40,8 +49,6 @@ def compare_servers(args: argparse.Namespace, urls: list[str], models: list[str]
     """Run ``args.compare_url_rounds`` rounds per server (``urls``: the two API urls,
     ``models``: each one's model name); returns ``{"rounds": [...], "medians": {url:
     {figure: x}}, "ratios": {figure: A / B}}``. ``benchmark``: ``serve.benchmark``."""
-    from llmserve.benchmarks.proc_stats import tree_cpu_s
-
     pids = _pids(args)
     figures = FIGURES + ((CPU_FIGURE,) if pids else ())
     for _ in range(getattr(args, "compare_url_warm_rounds", 0)):
@@ -64,6 +71,9 @@ def compare_servers(args: argparse.Namespace, urls: list[str], models: list[str]
                   f"failed, load {row['loadavg_1m']:.2f})")
     medians = {u: {k: statistics.median(x[k] for x in rounds if x["server"] == u) for k in figures} for u in urls}
     ratios = {k: medians[urls[0]][k] / medians[urls[1]][k] if medians[urls[1]][k] else 0.0 for k in figures}
+    paired = _per_round_ratios(rounds, urls, figures) if rounds else {}
     for k in figures:
-        print(f"median {k:<18} {medians[urls[0]][k]:10.2f} {medians[urls[1]][k]:10.2f}  ratio {ratios[k]:.4f}")
-    return {"rounds": rounds, "medians": medians, "ratios": ratios, "loadavg": list(os.getloadavg())}
+        print(f"median {k:<18} {medians[urls[0]][k]:10.2f} {medians[urls[1]][k]:10.2f}  ratio {ratios[k]:.4f}  "
+              f"per-round ratio median {paired.get(k, 0.0):.4f}")
+    return {"rounds": rounds, "medians": medians, "ratios": ratios, "per_round_ratios": paired,
+            "loadavg": list(os.getloadavg())}

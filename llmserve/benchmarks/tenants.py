@@ -53,6 +53,14 @@ TENANTS = ("flooder", "quiet", "light", "heavy")
 WEIGHTS = {"light": 1, "heavy": 3}
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -63,7 +71,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood-factor", type=float, default=10.0, help="Flood arrivals / measured capacity.")
     parser.add_argument("--quiet-rate", type=float, default=1.0, help="Quiet tenant's requests per second.")
     parser.add_argument("--timeout", type=float, default=300.0, help="Client timeout per request (s).")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=_positive_int, default=1,
                         help="Each phase in this many rounds per server (duration / rounds seconds each), "
                              "alternating FIFO and fair, merged per server.")
     parser.add_argument("--only", choices=("fifo", "fair"), default=None, help="Run one server only.")
@@ -246,7 +254,7 @@ def _pct(xs: list[float], q: float) -> Optional[float]:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else None
 
 
-def _summary(st: _Stats, duration: float, t0: float) -> dict:
+def _summary(st: _Stats, duration: float) -> dict:
     q = st.ttft.get("quiet", [])
     return {"status": {t: dict(c) for t, c in st.status.items()},
             "quiet_ttft_median_s": statistics.median(q) if q else None, "quiet_ttft_p99_s": _pct(q, 0.99),
@@ -281,7 +289,7 @@ async def _phase(name: str, args: argparse.Namespace, url: str, capacity: float,
 
 def _phase_summary(name: str, st: _Stats, duration: float, reloads: Optional[int]) -> dict:
     """The figures of a phase's (merged) outcomes over ``duration`` seconds."""
-    out = _summary(st, duration, 0.0)
+    out = _summary(st, duration)
     out["flooder_req_s"] = st.status["flooder"][200] / duration if "flooder" in st.status else None
     if reloads is not None:
         out["keys_reloads"] = reloads
