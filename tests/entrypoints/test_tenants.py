@@ -176,6 +176,13 @@ def test_api_key_repeatable_and_keys_file_checked_at_start(tmp_path):
     bad.write_text(json.dumps([{"key": "x", "tenant": "t"}, {"key": "y", "tenant": "u"}, {"key": "x", "tenant": "u"}]))
     with pytest.raises(ValueError, match="entry 2: the same key as entry 0"):
         validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+    # Wrong-typed values name the field (a string allowed_models was split into characters).
+    for entry, field in (({"allowed_models": "SmolLM2-135M-Instruct"}, "allowed_models"),
+                         ({"max_concurrent_requests": "x"}, "max_concurrent_requests"),
+                         ({"weight": True}, "weight")):
+        bad.write_text(json.dumps([{"key": "x", "tenant": "t", **entry}]))
+        with pytest.raises(ValueError, match=f"entry 0: '{field}' must be"):
+            validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
     # An entry without a tenant belongs to the default tenant (README).
     good = tmp_path / "good.json"
     good.write_text(json.dumps([{"key": "x"}, {"key": "y", "tenant": "u"}]))

@@ -90,6 +90,19 @@ def _digest(key: str) -> bytes:
 _ENTRY_FIELDS = {f.name for f in fields(Tenant)} - {"name"}
 
 
+def _check_entry_types(kwargs: dict, where: str) -> None:
+    """ValueError naming the field for a wrong-typed value: ``allowed_models`` a list of
+    strings (a bare string was split into characters and allowed no model), the limits
+    numbers (a string failed later as a comparison between str and int)."""
+    models = kwargs.get("allowed_models")
+    if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+        raise ValueError(f"{where}: 'allowed_models' must be a list of model names, got {models!r}")
+    for name, value in kwargs.items():
+        if name != "allowed_models" and value is not None and (isinstance(value, bool) or
+                                                               not isinstance(value, (int, float))):
+            raise ValueError(f"{where}: '{name}' must be a number, got {value!r}")
+
+
 def _tenant_from_entry(entry: Any, where: str) -> tuple[str, Tenant]:
     """``(key, Tenant)`` of one keys-file entry; ValueError naming the entry otherwise."""
     if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
@@ -98,6 +111,7 @@ def _tenant_from_entry(entry: Any, where: str) -> tuple[str, Tenant]:
     if unknown:
         raise ValueError(f"{where}: unknown fields {sorted(unknown)} (known: key, tenant, {', '.join(sorted(_ENTRY_FIELDS))})")
     kwargs = {k: v for k, v in entry.items() if k in _ENTRY_FIELDS}
+    _check_entry_types(kwargs, where)
     if kwargs.get("allowed_models") is not None:
         kwargs["allowed_models"] = tuple(kwargs["allowed_models"])
     try:
