@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -294,3 +296,62 @@ def test_tenant_metrics_reach_a_multi_model_servers_merged_metrics():
     text = merged.render().decode()
     assert re.search(r'vllm:tenant_requests_total\{outcome="admitted",tenant="alice"\} 1\.0', text), text
     assert 'vllm:tenant_in_flight_requests{tenant="alice"}' in text
+
+
+def _unknown_model_warnings(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "does not serve" in r.getMessage()]
+
+
+def _sighup_and_wait(caplog, count):
+    """Send SIGHUP to this process and wait (the handler runs in the main thread between
+    bytecodes) until ``count`` reloads have been logged."""
+    os.kill(os.getpid(), signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while sum("Reloaded" in r.getMessage() for r in caplog.records) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_allowed_models_not_served_are_warned_at_start_and_on_each_reload(smol_tokenizer, tmp_path, caplog):
+    """Fresh-user trial: carol's allowed_models ["other"] on a server of "m" was accepted
+    silently and every request of hers got 404. A warning, not an error (a LoRA adapter of
+    that name may be loaded later), naming the tenant, the unknown names and the served ones."""
+    with caplog.at_level(logging.INFO, logger="llmserve.entrypoints.openai.tenants"):
+        app, _, path = _app(smol_tokenizer, tmp_path)
+        start = _unknown_model_warnings(caplog)
+        assert len(start) == 1 and "'carol'" in start[0] and ": other (served: m)" in start[0], start
+        caplog.clear()
+        path.write_text(json.dumps([{"key": "key-a", "tenant": "alice", "allowed_models": ["m", "gone", "also-gone"]},
+                                    {"key": "key-c", "tenant": "carol", "allowed_models": ["m"]}]))
+        _sighup_and_wait(caplog, 1)
+        reload_1 = _unknown_model_warnings(caplog)
+        assert len(reload_1) == 1 and "'alice'" in reload_1[0] and ": also-gone, gone (served: m)" in reload_1[0]
+        # An adapter loaded at run time (/v1/load_lora_adapter) counts as served at the next reload.
+        app.state.openai_serving_models.lora.append(SimpleNamespace(lora_requests={"gone": None, "also-gone": None}))
+        caplog.clear()
+        _sighup_and_wait(caplog, 1)
+        assert _unknown_model_warnings(caplog) == []
+        assert sum("Reloaded" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_allowed_models_are_checked_against_every_model_of_a_multi_model_server(tmp_path, caplog):
+    """With --extra-model each model's state is built without the keyring; the check runs
+    once on the merged names (an allowed name of the extra model is served, not warned)."""
+    from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+    from llmserve.entrypoints.openai.multi_model import init_multi_model_state
+
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps([{"key": "k", "tenant": "t", "allowed_models": ["extra", "typo"]}]))
+
+    async def fake_init_app_state(engine_client, ns, args):
+        ns.openai_serving_models = OpenAIServingModels([BaseModelPath(args.name, args.name)], 64)
+        ns.openai_serving_render, ns.lora_adapters = None, None
+        ns.stat_logger = SimpleNamespace(content_type="text/plain")
+        ns.admission = SimpleNamespace(config=None)
+
+    engines = [(SimpleNamespace(), SimpleNamespace(name=n)) for n in ("main", "extra")]
+    state = SimpleNamespace(keyring=KeyRing([], str(path)))
+    with caplog.at_level(logging.WARNING, logger="llmserve.entrypoints.openai.tenants"):
+        asyncio.run(init_multi_model_state(engines, state, fake_init_app_state))
+    warned = _unknown_model_warnings(caplog)
+    assert len(warned) == 1 and "'t'" in warned[0] and ": typo (served: extra, main)" in warned[0], warned

@@ -79,7 +79,7 @@ from llmserve.entrypoints.openai.tokenize.api_router import register_tokenize_ap
 from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
 from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file
 from llmserve.entrypoints.renderer import AsyncRenderer, Renderer
-from llmserve.entrypoints.openai.tenants import make_keyring
+from llmserve.entrypoints.openai.tenants import make_keyring, watch_tenant_models
 from llmserve.entrypoints.openai.tenant_quotas import TenantQuotaMiddleware
 from llmserve.entrypoints.web.webui import register_webui_routes
 
@@ -140,7 +140,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app.add_middleware(RequestLabelsMiddleware)  # tenant, ids, traceparent for timelines (inside auth)
     app.add_middleware(RequestIdMiddleware)
     if getattr(args, "api_key", None) or getattr(args, "api_keys_file", None):
-        app.add_middleware(AuthenticationMiddleware, keyring=make_keyring(args))
+        app.state.keyring = make_keyring(args)  # init_app_state checks its allowed_models (watch_tenant_models)
+        app.add_middleware(AuthenticationMiddleware, keyring=app.state.keyring)
     app.add_middleware(ErrorShapeMiddleware, shapes=ERROR_SHAPES)  # outside auth: 401s reshaped too
     app.add_middleware(
         CORSMiddleware,
@@ -249,6 +250,7 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
         engine_client, models, log_requests=log_requests,
         **({"max_audio_file_bytes": state.max_audio_file_bytes} if state.max_audio_file_bytes else {}))
     await init_generate_state(engine_client, state, args)
+    watch_tenant_models(state)  # warn about allowed_models not served (app state only: it has the keyring)
 
 
 async def init_generate_state(engine_client: Any, state: Any, args: argparse.Namespace) -> None:

@@ -35,6 +35,7 @@ from prometheus_client.metrics_core import Metric
 from llmserve.engine_args import AsyncEngineArgs
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, ModelNotFoundError, OpenAIServingModels
 from llmserve.entrypoints.openai.routed_admission import ModelRoutedAdmission
+from llmserve.entrypoints.openai.tenants import watch_tenant_models
 from llmserve.sampling_params import SamplingParamsError
 
 # EngineArgs fields that describe a model, not the engine's resources: an extra model
@@ -348,4 +349,5 @@ async def init_multi_model_state(
     state.lora_adapters = main.lora_adapters  # /v1/load_lora_adapter loads into the main model's engine
     state.stat_logger = MergedStatLoggers([m.state.stat_logger for m in served])
     state.admission = ModelRoutedAdmission(registry, [m.state.admission for m in served])
+    watch_tenant_models(state)  # allowed_models against every model's names (each ns above has no keyring)
     return group

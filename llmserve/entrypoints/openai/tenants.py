@@ -13,7 +13,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -152,18 +152,56 @@ def load_keys_file(path: str) -> dict[bytes, Tenant]:
     return out
 
 
+def unknown_allowed_models(tenants: Iterable[Tenant], served: Iterable[str]) -> dict[str, list[str]]:
+    """Tenant name -> the sorted names in its ``allowed_models`` that are not in ``served``
+    (tenants whose every allowed name is served, or with no list, are left out)."""
+    served_set = set(served)
+    out: dict[str, list[str]] = {}
+    for tenant in tenants:
+        missing = sorted(set(tenant.allowed_models or ()) - served_set)
+        if missing:
+            out[tenant.name] = missing
+    return out
+
+
 class KeyRing:
     """The API keys and their tenants: the ``--api-key`` keys (the default tenant) and
     the entries of ``--api-keys-file``, re-read by :meth:`reload` (on SIGHUP). A reload
     swaps the whole table at once, so a request sees the old keys or the new ones; a bad
-    file keeps the old table (logged). Keys are kept as SHA-256 digests only."""
+    file keeps the old table (logged). Keys are kept as SHA-256 digests only.
+
+    Once the server knows its models (:meth:`watch_served_models`), the start and every
+    reload warn about ``allowed_models`` names it does not serve."""
 
     def __init__(self, api_keys: Iterable[str] = (), keys_file: Optional[str] = None):
         self.static = {_digest(k): DEFAULT_TENANT for k in api_keys if k}
         self.keys_file = keys_file
         self.table = dict(self.static)
+        self.served_models: Optional[Callable[[], Iterable[str]]] = None
         if keys_file:
             self.table.update(load_keys_file(keys_file))  # at start a bad file is an error
+
+    def watch_served_models(self, served_models: Callable[[], Iterable[str]]) -> None:
+        """Check the tenants' ``allowed_models`` against ``served_models()`` (the served
+        model and LoRA adapter names, read again at each reload) now and after every
+        reload. A name not served is only a warning, not an error: like vLLM, the server
+        may serve it later (a LoRA adapter loaded by /v1/load_lora_adapter), and until
+        then that tenant gets a 404 for it."""
+        self.served_models = served_models
+        self.warn_unknown_models()
+
+    def warn_unknown_models(self) -> dict[str, list[str]]:
+        """Log one warning per tenant whose ``allowed_models`` names a model not served
+        now; returns tenant -> those names (empty before :meth:`watch_served_models`)."""
+        if self.served_models is None:
+            return {}
+        served = sorted(set(self.served_models()))
+        unknown = unknown_allowed_models(set(self.table.values()), served)
+        for name, missing in sorted(unknown.items()):
+            logger.warning("%s: tenant %r allows models this server does not serve: %s (served: %s); "
+                           "its requests for them get 404 until a model or LoRA adapter of that name is "
+                           "loaded", self.keys_file, name, ", ".join(missing), ", ".join(served) or "none")
+        return unknown
 
     def reload(self) -> bool:
         """Re-read the keys file; True when the new table is in use."""
@@ -176,6 +214,7 @@ class KeyRing:
             return False
         self.table = table
         logger.info("Reloaded %s: %d keys, tenants %s", self.keys_file, len(table), sorted(self.tenant_names()))
+        self.warn_unknown_models()
         return True
 
     def tenant_names(self) -> set[str]:
@@ -204,3 +243,15 @@ def make_keyring(args: Any) -> KeyRing:
     if ring.keys_file and threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, lambda *_: ring.reload())
     return ring
+
+
+def watch_tenant_models(state: Any) -> None:
+    """Once ``state`` (the app's) has its served models: let the keys file's ``keyring``
+    (``build_app`` puts it on ``state``) warn about allowed models the server does not
+    serve, at start and on each reload. The served set is read live: base names plus the
+    LoRA adapters loaded at that moment (``--lora-modules`` and /v1/load_lora_adapter).
+    No keyring, or no keys file: nothing to check."""
+    ring, models = getattr(state, "keyring", None), getattr(state, "openai_serving_models", None)
+    if ring is None or not ring.keys_file or models is None:
+        return
+    ring.watch_served_models(lambda: [*models.model_names, *models.lora_names])
