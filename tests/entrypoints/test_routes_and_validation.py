@@ -84,3 +84,24 @@ def test_stream_options_without_include_usage_send_no_usage(app_and_engine):  # 
         r = client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}})
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 1
+
+
+def test_score_with_one_side_names_every_accepted_pairing(app_and_engine):  # noqa: F811
+    """Fresh-user trial: /score with ``queries`` alone answered "`documents` is required
+    with `queries`", hiding ``items``. The 400 names every field that pairs with the given
+    one, then every pairing of vLLM's ScoreRequest forms (checked before any engine call)."""
+    client, _ = app_and_engine()
+    pairings = "`text_1`/`text_2`, `queries`/`documents`, `queries`/`items` or `data_1`/`data_2`"
+    for body, param, partners in (({"queries": "q"}, "documents", "`documents` or `items`"),
+                                  ({"items": ["a"]}, "queries", "`queries`"),
+                                  ({"text_1": "a"}, "text_2", "`text_2`"),
+                                  ({"data_2": ["b"]}, "data_1", "`data_1`")):
+        r = client.post("/score", json={"model": "m", **body})
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert err["param"] == param, (body, err)
+        given = next(iter(body))
+        assert f"`{given}` needs the other side, {partners}:" in err["message"], err
+        assert pairings in err["message"], err
+    none = client.post("/v1/score", json={"model": "m"}).json()["error"]
+    assert none["param"] == "text_1" and pairings in none["message"]

@@ -25,6 +25,15 @@ def _score_names_hint() -> str:
     return ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def _missing_side_message(given: str) -> str:
+    """The 400 of a request that gives only ``given`` of a pair: every field that can go
+    with it (``queries`` has two, ``documents`` and ``items``; a fresh-user trial got
+    "`documents` is required with `queries`", which hid ``items``), then every pairing."""
+    partners = [b if a == given else a for a, b in SCORE_FIELD_NAMES if given in (a, b)]
+    options = " or ".join(f"`{p}`" for p in partners)
+    return f"`{given}` needs the other side, {options}: name the two sides with one pair of {_score_names_hint()}."
+
+
 class ScoreRequest(ActivationFields):
     """The first side against the second: one against each (1:N) or pairwise (N:N), at
     most ``MAX_PROMPTS_PER_REQUEST`` texts a side. The sides are named as in any of vLLM's
@@ -59,7 +68,7 @@ class ScoreRequest(ActivationFields):
         for name in pair:
             if name not in given:
                 other = pair[1] if name == pair[0] else pair[0]
-                raise PydanticCustomError("missing", f"`{name}` is required with `{other}`.", {"param": name})
+                raise PydanticCustomError("missing", _missing_side_message(other), {"param": name})
         self._names = pair
         if pair != ("data_1", "data_2"):
             self.data_1, self.data_2 = getattr(self, pair[0]), getattr(self, pair[1])
