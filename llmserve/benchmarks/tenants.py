@@ -26,7 +26,12 @@ Reports per phase the quiet tenant's TTFT (median, p99), the status counts per t
 refusals without ``Retry-After``, timeouts and errors, total output tokens/s, the
 weight phase's token shares, and the ratios the issue asks for (quiet p99 flood /
 baseline for each server; fair / FIFO output tok/s in the flood phase). The machine's
-load average is recorded (a shared machine moves these numbers).
+load average is recorded (a shared machine moves these numbers). Stdout gets a summary
+table (:func:`format_summary`); ``--output-json`` writes every figure. Token counts:
+``output_tokens`` are the tokens streamed within the phase's time (output tok/s and the
+shares come from them), ``usage_completion_tokens`` the final ``usage`` of the requests that
+finished (requests in flight at the phase's end run to completion, so it also counts their
+tokens streamed after the end; a request that timed out or failed adds nothing).
 
     llmserve bench tenants --duration 160 --rounds 4 --max-num-seqs 8 --max-tokens 32
 """
@@ -77,7 +82,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", choices=("fifo", "fair"), default=None, help="Run one server only.")
     parser.add_argument("--phases", default="baseline,flood,weights")
     parser.add_argument("--server-args", default="", help="Extra `llmserve serve` flags (one string).")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None,
+                        help="Write every figure as JSON to this file (stdout gets the summary table only, "
+                             "as `bench serve` with --save-result). Per phase, `output_tokens` counts the "
+                             "tokens streamed within the phase's time (what output_tok_s and the weight "
+                             "shares are computed from); `usage_completion_tokens` adds up the final `usage` "
+                             "of the requests that finished, so it also counts the tokens of requests in "
+                             "flight at the phase's end streamed after it (they run to completion), and "
+                             "nothing of a request that timed out or failed.")
     parser.add_argument("--engine-steps", type=int, default=0,
                         help="Instead of servers: each phase for this many steps of an in-process engine "
                              "(the scheduler's fair share alone, no HTTP quotas).")
@@ -374,11 +386,75 @@ def main(args: argparse.Namespace) -> dict:
     if not args.engine_steps:
         res.update(_ratios(res))
     res["load_avg_end"] = os.getloadavg()[0]
-    print(json.dumps(res, indent=1, default=str))
+    print(format_summary(res))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=1, default=str)
+        print(f"Saved result to {args.output_json}")
     return res
+
+
+_SUMMARY_COLUMNS = (("phase", 8), ("server", 6), ("quiet n", 7), ("p50 TTFT s", 10), ("p99 TTFT s", 10),
+                    ("p99 flood/base", 14), ("out tok/s", 9), ("429s", 6), ("shares light:heavy", 18))
+
+
+def _count_status(status: dict, code: int) -> int:
+    """Responses with HTTP ``code`` over all tenants of a phase's ``status`` (tenant ->
+    code -> count; codes are ints in memory, strings after a JSON round trip)."""
+    return sum(c.get(code, c.get(str(code), 0)) for c in status.values())
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _summary_row(phase: str, kind: str, figures: dict, res: dict) -> list[str]:
+    """One table row: the quiet tenant's TTFT, the flood/baseline p99 ratio (flood rows),
+    output tok/s, 429s (server runs only) and the weight phase's output-token shares."""
+    shares = figures.get("shares")
+    if shares is None and figures.get("heavy_share") is not None:  # --engine-steps
+        shares = {"light": 1 - figures["heavy_share"], "heavy": figures["heavy_share"]}
+    ratio = res.get(f"{kind}_quiet_p99_flood_over_baseline") if phase == "flood" else None
+    status = figures.get("status")
+    return [phase, kind, _fmt(figures.get("quiet_n") if phase != "weights" else None, "d"),
+            _fmt(figures.get("quiet_ttft_median_s"), ".3f"), _fmt(figures.get("quiet_ttft_p99_s"), ".3f"),
+            _fmt(ratio, ".2f") + ("x" if ratio is not None else ""), _fmt(figures.get("output_tok_s"), ".1f"),
+            _fmt(_count_status(status, 429) if status is not None else None, "d"),
+            f"{shares['light']:.3f}:{shares['heavy']:.3f}" if shares else "-"]
+
+
+def _problems(phase: str, kind: str, figures: dict) -> Optional[str]:
+    """A line naming a phase's timeouts, errors and refusals without Retry-After (None: none)."""
+    parts = [f"{sum(figures.get(k, {}).values())} {label}" for k, label in
+             (("timeouts", "timeouts"), ("refusals_without_retry_after", "429/503 without Retry-After"))
+             if sum(figures.get(k, {}).values())]
+    if figures.get("n_errors"):
+        parts.append(f"{figures['n_errors']} errors")
+    return f"{kind} {phase}: " + ", ".join(parts) if parts else None
+
+
+def format_summary(res: dict) -> str:
+    """The result of :func:`main` (or ``engine_main``) as a text table: per phase and
+    server (FIFO, fair), the quiet tenant's answered requests and median / p99 TTFT (s),
+    its p99 in the flood over its p99 in the baseline, total output tok/s (tokens streamed
+    within the phase), 429 responses (all tenants), the weight phase's output-token shares
+    (weights 1:3); then fair/FIFO output tok/s in the flood, any timeouts, errors or
+    refusals without Retry-After, and the load average. A figure a run has not got is "-"."""
+    kinds = [k for k in ("fifo", "fair") if isinstance(res.get(k), dict)]
+    phases = list(dict.fromkeys(p for k in kinds for p, v in res[k].items() if isinstance(v, dict)))
+    rows = [[name for name, _ in _SUMMARY_COLUMNS]]
+    rows += [_summary_row(p, k, res[k][p], res) for p in phases for k in kinds if isinstance(res[k].get(p), dict)]
+    widths = [max(w, *(len(r[i]) for r in rows)) for i, (_, w) in enumerate(_SUMMARY_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    if res.get("flood_output_tok_s_fair_over_fifo") is not None:
+        lines.append(f"flood output tok/s, fair / FIFO: {res['flood_output_tok_s_fair_over_fifo']:.3f}")
+    lines += [line for p in phases for k in kinds if isinstance(res[k].get(p), dict)
+              if (line := _problems(p, k, res[k][p])) is not None]
+    if res.get("load_avg_start") is not None and res.get("load_avg_end") is not None:
+        lines.append(f"load average {res['load_avg_start']:.1f} at start, {res['load_avg_end']:.1f} at end")
+    return "\n".join(lines)
 
 
 # ---- --engine-steps: the same questions asked of an in-process engine (no HTTP) -----------
