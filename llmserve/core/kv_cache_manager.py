@@ -164,6 +164,12 @@ class KVCacheManager:
       cache may fill before evicting (None: ``PREFIX_CACHE_FLOOR_TOKENS``; see BlockPool).
       enable_kv_cache_events: record the prefix cache's block events (core/kv_events.py)
       for ``take_events`` (``--kv-events-config``; only with prefix caching).
+      sliding_window: when EVERY attention layer attends only to its last W positions (the
+      largest W of the layers; Mistral v0.1, Phi-3), the blocks no window reaches any more
+      are freed while the request runs and replaced in its block table by the null block
+      (block 0, never read: the attention masks or skips positions outside the window);
+      None (any full-attention layer, e.g. Gemma 2/3's global layers): nothing is freed
+      before the request ends. vLLM's SlidingWindowManager, for a single KV cache group.
     """
 
     # Tokens of KV the prefix cache may fill with fresh memory before it evicts (BlockPool):
@@ -171,8 +177,12 @@ class KVCacheManager:
     PREFIX_CACHE_FLOOR_TOKENS = 16384
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 cache_floor_tokens: Optional[int] = None, enable_kv_cache_events: bool = False) -> None:
+                 cache_floor_tokens: Optional[int] = None, enable_kv_cache_events: bool = False,
+                 sliding_window: Optional[int] = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         floor = self.PREFIX_CACHE_FLOOR_TOKENS if cache_floor_tokens is None else cache_floor_tokens
         self.pool = BlockPool(num_blocks, enable_caching, floor // block_size)
@@ -180,6 +190,11 @@ class KVCacheManager:
             self.pool.events = []
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Sliding window: the placeholder of freed blocks in a block table (block 0, reserved
+        # by the pool: it is never handed out, cached or freed), and per request how many
+        # leading entries of its table are placeholders already (freeing resumes there).
+        self.null_block = self.pool.blocks[0]
+        self.num_skipped: dict[str, int] = {}
         # Counters for prefix-cache hit rate (tokens).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -211,22 +226,74 @@ class KVCacheManager:
         """Longest cached prefix of the request, in full blocks.
 
         Returns (blocks, num_computed_tokens). At least one token is always left to
-        compute, so the model produces logits for the last position.
+        compute, so the model produces logits for the last position. With a sliding window
+        the hit needs only the blocks the window of its first uncomputed token reaches; the
+        blocks before them are the null block (see ``_longest_window_hit``).
         """
         if not self.enable_caching or not request.use_prefix_cache:
             return [], 0
         hashes = self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for h in hashes[:max_blocks]:
-            b = self.pool.get_cached_block(h)
-            if b is None:
-                break
-            blocks.append(b)
+        if self.sliding_window is not None:
+            blocks = self._longest_window_hit(hashes[:max_blocks])
+        else:
+            blocks = []
+            for h in hashes[:max_blocks]:
+                b = self.pool.get_cached_block(h)
+                if b is None:
+                    break
+                blocks.append(b)
         n = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += n
         return blocks, n
+
+    def _num_skippable(self, num_computed_tokens: int) -> int:
+        """Leading blocks of a request no layer reads again once ``num_computed_tokens`` are
+        computed (0 without a sliding window). Counted from the first token of the block
+        that holds the next token, not from the next token itself: a request can then
+        always go back to its last full block and recompute from there (a beam forked
+        without a free block for its partial block; a prefix hit ends on a block boundary
+        too). That keeps at most one block more than vLLM's ``num_computed - W + 1``.
+        A query at position p reads keys p - W + 1 .. p (``PagedAttention``'s mask)."""
+        if self.sliding_window is None:
+            return 0
+        start = num_computed_tokens // self.block_size * self.block_size
+        return max(0, start - self.sliding_window + 1) // self.block_size
+
+    def _longest_window_hit(self, hashes: Sequence[int]) -> list[KVCacheBlock]:
+        """Sliding window: the longest prefix of ``hashes`` (n blocks) whose blocks from
+        ``_num_skippable(n * block_size)`` on are all cached, with the null block for the
+        ones before (they may be evicted: nothing reads them). vLLM's
+        SlidingWindowManager.find_longest_cache_hit, scanning left to right: a request's
+        blocks are freed (and so evicted) oldest first, so a re-sent long conversation
+        typically still has its last window's blocks cached but not its first ones."""
+        found: list[Optional[KVCacheBlock]] = []
+        best = best_start = run_start = 0
+        for i, h in enumerate(hashes):
+            b = self.pool.get_cached_block(h)
+            found.append(b)
+            if b is None:
+                run_start = i + 1
+                continue
+            need = self._num_skippable((i + 1) * self.block_size)
+            if run_start <= need:
+                best, best_start = i + 1, need
+        return [self.null_block] * best_start + found[best_start:best]
+
+    def _free_skipped(self, request: Request) -> None:
+        """Free the request's blocks that its window has left (replaced by the null block in
+        its table). Oldest first, so the pool evicts their cached prefix first."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        n = min(self._num_skippable(request.num_computed_tokens), len(blocks))
+        done = self.num_skipped.get(rid, 0)
+        if n <= done:
+            return
+        gone = [b for b in blocks[done:n] if b is not self.null_block]
+        blocks[done:n] = [self.null_block] * (n - done)
+        self.num_skipped[rid] = n
+        self.pool.free_blocks(gone)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = ()) -> Optional[list[KVCacheBlock]]:
@@ -234,19 +301,25 @@ class KVCacheManager:
         ``num_computed_tokens`` plus the ``new_computed_blocks`` prefix hits).
 
         Returns the newly allocated blocks, or None when the pool is too small (nothing is
-        changed then).
+        allocated then; with a sliding window, the blocks the window has left are freed
+        first either way).
         """
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if self.sliding_window is not None and req_blocks:
+            self._free_skipped(request)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_required = -(-total // self.block_size)
         num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
         # Prefix hits that are free right now leave the free queue when touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        null = self.null_block
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null)
         if num_new_blocks > self.pool.get_num_free_blocks() - num_evictable_hits:
             return None
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
+            self.pool.touch([b for b in new_computed_blocks if b is not null])
+            if not req_blocks and new_computed_blocks[0] is null:  # a sliding-window hit
+                self.num_skipped[request.request_id] = sum(1 for b in new_computed_blocks if b is null)
             req_blocks.extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(req_blocks)
         new_blocks = self.pool.get_new_blocks(max(0, num_new_blocks))
@@ -265,7 +338,9 @@ class KVCacheManager:
         if n_full <= start:
             return
         hashes = self._update_block_hashes(request)
-        fresh = [i for i in range(start, min(n_full, len(hashes))) if self.pool.cache_block(blocks[i], hashes[i])]
+        null = self.null_block  # a freed block's placeholder is never entered in the cache
+        fresh = [i for i in range(start, min(n_full, len(hashes)))
+                 if blocks[i] is not null and self.pool.cache_block(blocks[i], hashes[i])]
         self.num_cached_block[request.request_id] = min(n_full, len(hashes))
         if fresh and self.pool.events is not None:
             self._record_stored(request, hashes, fresh)
@@ -298,7 +373,8 @@ class KVCacheManager:
         """Release the request's blocks; its last blocks are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(blocks)))
+        self.num_skipped.pop(request.request_id, None)
+        self.pool.free_blocks([b for b in reversed(blocks) if b is not self.null_block])
 
     def fork(self, parent: Request, child: Request) -> Optional[tuple[int, int]]:
         """Give ``child`` (a beam forked from ``parent`` after its computed tokens) the
@@ -310,7 +386,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(parent.request_id, [])
         n_full = min(parent.num_computed_tokens // self.block_size, len(blocks))
         shared = blocks[:n_full]
-        self.pool.touch(shared)
+        self.pool.touch([b for b in shared if b is not self.null_block])
+        if parent.request_id in self.num_skipped:  # the window's null blocks are shared as they are
+            self.num_skipped[child.request_id] = min(self.num_skipped[parent.request_id], n_full)
         mine = list(shared)
         copy = None
         if parent.num_computed_tokens % self.block_size and len(blocks) > n_full and self.pool.get_num_free_blocks():

@@ -41,11 +41,14 @@ class Scheduler:
     Pooling requests (``request.pooling_params``) are scheduled whole (never chunked) and
     finish in the step that runs them, with the pooled vector. ``needs_kv=False`` (an
     encoder model) allocates and caches no KV blocks at all. ``enable_kv_cache_events``:
-    the KV cache manager records block events (``--kv-events-config``)."""
+    the KV cache manager records block events (``--kv-events-config``).
+    ``kv_sliding_window``: the window of a model whose every layer is windowed; blocks it
+    has left are freed while requests run (``KVCacheManager``); None: kept to the end."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  needs_kv: bool = True, structured_output_manager=None, lora_config=None,
-                 speculative_config=None, kv_connector=None, enable_kv_cache_events: bool = False) -> None:
+                 speculative_config=None, kv_connector=None, enable_kv_cache_events: bool = False,
+                 kv_sliding_window: Optional[int] = None) -> None:
         self.config = scheduler_config
         # The scheduler side of a KV connector (llmserve/kv_transfer); None: off.
         self.connector = kv_connector
@@ -60,7 +63,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching,
-                                               enable_kv_cache_events=enable_kv_cache_events)
+                                               enable_kv_cache_events=enable_kv_cache_events,
+                                               sliding_window=kv_sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -91,7 +95,7 @@ class Scheduler:
             raise ValueError(
                 f"The prompt ({request.num_prompt_tokens} tokens) is longer than the maximum "
                 f"model length of {self.max_model_len}.")
-        if -(-min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) // self.block_size) > max_blocks:
+        if self._max_blocks_held(request) > max_blocks:
             # It could never run to completion even alone; preemption would loop forever.
             raise ValueError(
                 f"The request needs up to {min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)} "
@@ -108,6 +112,18 @@ class Scheduler:
                 self.waiting_for_fsm.append(request)
                 return
         self.waiting.append(request)
+
+    def _max_blocks_held(self, request: Request) -> int:
+        """The most KV blocks ``request`` can hold at once: all of its tokens' blocks, or
+        with a sliding window on every layer (``KVCacheManager._num_skippable``) at most
+        ``ceil((n + W) / block_size) + 3`` for a step of n <= max_num_batched_tokens
+        tokens (the window before the step's first block, that block's own tokens, the
+        step's, and rounding at both ends)."""
+        total = -(-min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) // self.block_size)
+        window = self.kv_cache_manager.sliding_window
+        if window is None:
+            return total
+        return min(total, -(-(self.config.max_num_batched_tokens + window) // self.block_size) + 3)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests: their blocks are freed at once."""

@@ -71,6 +71,22 @@ def _scheduler_connector(config: EngineConfig):
     return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
 
 
+def _kv_sliding_window(executor: Executor, connector) -> Optional[int]:
+    """The window whose out-of-window KV blocks the scheduler frees (every layer windowed,
+    ``Executor.kv_cache_sliding_window``), or None. None with a KV connector too: the
+    connectors save and load a request's whole prefix block by block, and a freed block
+    (the null block in the table) holds none of it, so with one the blocks are kept."""
+    window = executor.kv_cache_sliding_window()
+    if window is not None and connector is not None:
+        logger.info("KV connector on: the KV blocks outside the %d-token sliding window are kept "
+                    "until each request ends (connectors save and load whole prefixes)", window)
+        return None
+    if window is not None:
+        logger.info("Sliding window of %d tokens on every layer: KV blocks outside it are freed "
+                    "while requests run", window)
+    return window
+
+
 class EngineCore(SleepModeMixin):
     """The inner loop of the engine, in whatever process it lives.
 
@@ -106,13 +122,15 @@ class EngineCore(SleepModeMixin):
         from llmserve.structured_output.manager import StructuredOutputManager
 
         self.structured_output_manager = StructuredOutputManager(config)
+        connector = _scheduler_connector(config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    needs_kv=not config.model_config.is_encoder_only,
                                    structured_output_manager=self.structured_output_manager,
                                    lora_config=config.lora_config,
                                    speculative_config=getattr(config, "speculative_config", None),
-                                   kv_connector=_scheduler_connector(config),
-                                   enable_kv_cache_events=_kv_events_on(config))
+                                   kv_connector=connector,
+                                   enable_kv_cache_events=_kv_events_on(config),
+                                   kv_sliding_window=_kv_sliding_window(self.model_executor, connector))
         # --kv-events-config: each step's block events go to this publisher (None: off).
         self.kv_event_publisher = _kv_event_publisher(config)
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora

@@ -6,7 +6,7 @@ The scale-out issue adds multiprocess / Ray executors behind the same interface.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from llmserve.core.outputs import ModelRunnerOutput
@@ -19,6 +19,14 @@ _BACKENDS = {
     "mp": "llmserve.executor.multiproc_executor.MultiprocExecutor",
     "ray": "llmserve.executor.ray_executor.RayDistributedExecutor",
 }
+
+
+def combine_sliding_windows(windows: list[Optional[int]]) -> Optional[int]:
+    """The workers' ``kv_cache_sliding_window`` answers as one: None when any worker has a
+    full-attention layer (pipeline stages hold different layers), else the largest."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 class Executor:
@@ -68,6 +76,12 @@ class Executor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
+
+    def kv_cache_sliding_window(self) -> Optional[int]:
+        """The window (tokens) past which no layer reads the KV cache, when every layer is
+        windowed (``ModelRunner.kv_cache_sliding_window``); None (the default): the
+        scheduler keeps every block until the request ends."""
+        return None
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
         raise NotImplementedError

@@ -10,9 +10,9 @@ the placement group (and stops Ray if it started it).
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Optional
 
-from llmserve.executor.abstract import Executor
+from llmserve.executor.abstract import Executor, combine_sliding_windows
 from llmserve.executor.multiproc_executor import _NoPrefault
 from llmserve.worker.worker import Worker
 
@@ -71,6 +71,9 @@ class RayDistributedExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_blocks"))
+
+    def kv_cache_sliding_window(self) -> Optional[int]:
+        return combine_sliding_windows(self.collective_rpc("kv_cache_sliding_window"))
 
     def kv_cache_bytes_per_block(self) -> int:
         return max(self.collective_rpc("kv_cache_bytes_per_block"))

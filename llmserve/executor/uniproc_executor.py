@@ -1,7 +1,7 @@
 """One model runner in the EngineCore's own process (vLLM's ``UniProcExecutor``)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from llmserve.executor.abstract import Executor
 
@@ -18,6 +18,9 @@ class UniProcExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
+
+    def kv_cache_sliding_window(self) -> Optional[int]:
+        return self.model_runner.kv_cache_sliding_window()
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()

@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from llmserve.attention.backend import AttentionMetadata
+from llmserve.attention.backend import AttentionMetadata, PagedAttention
 from llmserve.config import EngineConfig
 from llmserve.core.outputs import LogprobsLists, ModelRunnerOutput
 from llmserve.core.sched_output import SchedulerOutput
@@ -183,6 +183,19 @@ class ModelRunner:
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+
+    def kv_cache_sliding_window(self) -> Optional[int]:
+        """Tokens back from each query past which no layer of the model reads the paged KV
+        cache: the largest window when every ``PagedAttention`` layer has one (Mistral
+        v0.1, Phi-3), else None (a full-attention layer, e.g. Gemma 2/3's global ones,
+        reads every block). The scheduler frees the blocks this window has left."""
+        if self.model is None or self.model_config.is_encoder_only:
+            return None
+        windows = [a.sliding_window for m in self.model.modules() for a in vars(m).values()
+                   if isinstance(a, PagedAttention)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks that fit in ``kv_cache_memory_bytes`` (or the override).

@@ -69,6 +69,9 @@ class Worker:
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
 
+    def kv_cache_sliding_window(self) -> Optional[int]:
+        return self.model_runner.kv_cache_sliding_window()
+
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()
 
