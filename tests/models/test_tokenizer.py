@@ -62,3 +62,30 @@ def test_check_encodable_rejects_lone_surrogates():
     with pytest.raises(SamplingParamsError) as e:
         check_encodable("x\udc80y", "bad_words")
     assert e.value.param == "bad_words" and "U+DC80" in str(e.value) and "position 1" in str(e.value)
+
+
+def _pieces(tok, text):
+    return tok.convert_ids_to_tokens(tok(text, add_special_tokens=False).input_ids)
+
+
+def test_gguf_tokenizer_splits_digits_first(smollm2_resolved, smollm2_tokenizer):
+    """SmolLM2's GGUF says ``tokenizer.ggml.pre = "smollm"``: llama.cpp splits each digit
+    off before GPT-2's regex, so a whitespace run before a digit stays one piece. Expected
+    pieces: llama-perplexity's tokens of the GPL-3 text ("AND CONDITIONS\\n\\n  0. Definitions")."""
+    import copy
+    import os
+
+    from tokenizers import pre_tokenizers
+
+    from llmserve.tokenizer import _split_digits_first
+
+    text = "AND CONDITIONS\n\n  0. Definitions. x  1"
+    fixed = ["AND", "ĠCONDITIONS", "ĊĊĠĠ", "0", ".", "ĠDefinitions", ".", "Ġx", "ĠĠ", "1"]
+    assert _pieces(smollm2_tokenizer, text) == fixed
+    # what transformers' GGUF converter alone gives (and a start-up cache entry written
+    # before the fix holds): GPT-2's regex gives the run's last space to the digit
+    stale = copy.deepcopy(smollm2_tokenizer)
+    stale.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert _pieces(stale, text)[2:5] == ["ĊĊĠ", "Ġ", "0"]
+    _split_digits_first(stale, os.path.join(smollm2_resolved.path, smollm2_resolved.gguf_file))
+    assert _pieces(stale, text) == fixed
