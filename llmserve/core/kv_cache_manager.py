@@ -30,6 +30,15 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tu
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
+def max_window_blocks(sliding_window: int, block_size: int, max_step_tokens: int) -> int:
+    """The most blocks a request can hold at once when every layer has a window of
+    ``sliding_window`` tokens and a step runs at most ``max_step_tokens`` of it:
+    ``ceil((n + W) / block_size) + 3`` (the window before the step's first block, that
+    block's own tokens, the step's, and rounding at both ends; see
+    ``KVCacheManager._num_skippable``)."""
+    return -(-(max_step_tokens + sliding_window) // block_size) + 3
+
+
 class KVCacheBlock:
     """Metadata of one block: id, reference count, and its hash once full and cached."""
 

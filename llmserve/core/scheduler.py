@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.fair_share import FairShare
 from llmserve.core.beam_search import BeamSearchManager
-from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_cache_manager import KVCacheManager, max_window_blocks
 from llmserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -115,15 +115,13 @@ class Scheduler:
 
     def _max_blocks_held(self, request: Request) -> int:
         """The most KV blocks ``request`` can hold at once: all of its tokens' blocks, or
-        with a sliding window on every layer (``KVCacheManager._num_skippable``) at most
-        ``ceil((n + W) / block_size) + 3`` for a step of n <= max_num_batched_tokens
-        tokens (the window before the step's first block, that block's own tokens, the
-        step's, and rounding at both ends)."""
+        fewer with a sliding window on every layer (``max_window_blocks``: a step runs at
+        most max_num_batched_tokens tokens)."""
         total = -(-min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) // self.block_size)
         window = self.kv_cache_manager.sliding_window
         if window is None:
             return total
-        return min(total, -(-(self.config.max_num_batched_tokens + window) // self.block_size) + 3)
+        return min(total, max_window_blocks(window, self.block_size, self.config.max_num_batched_tokens))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests: their blocks are freed at once."""

@@ -18,6 +18,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_events import KVEventBatch
 from llmserve.core.timeline import record_execute_time
 from llmserve.core.request import Request, RequestStatus
+from llmserve.core.kv_cache_manager import max_window_blocks
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.client_router import ClientRouter
 from llmserve.engine.core_sleep import SleepModeMixin, wait_input_or_sleep
@@ -71,13 +72,14 @@ def _scheduler_connector(config: EngineConfig):
     return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
 
 
-def _kv_sliding_window(executor: Executor, connector) -> Optional[int]:
+def _kv_sliding_window(executor: Executor, config: EngineConfig) -> Optional[int]:
     """The window whose out-of-window KV blocks the scheduler frees (every layer windowed,
     ``Executor.kv_cache_sliding_window``), or None. None with a KV connector too: the
     connectors save and load a request's whole prefix block by block, and a freed block
     (the null block in the table) holds none of it, so with one the blocks are kept."""
     window = executor.kv_cache_sliding_window()
-    if window is not None and connector is not None:
+    ktc = config.kv_transfer_config
+    if window is not None and ktc is not None and ktc.is_kv_transfer_instance:
         logger.info("KV connector on: the KV blocks outside the %d-token sliding window are kept "
                     "until each request ends (connectors save and load whole prefixes)", window)
         return None
@@ -108,13 +110,18 @@ class EngineCore(SleepModeMixin):
         num_blocks = self.model_executor.determine_num_blocks()
         bs = config.cache_config.block_size
         max_len = config.model_config.max_model_len
+        window = _kv_sliding_window(self.model_executor, config)
         needed = -(-max_len // bs) + 1
+        if window is not None:  # a sequence holds only its window's blocks (+ block 0, reserved)
+            needed = min(needed, max_window_blocks(window, bs, config.scheduler_config.max_num_batched_tokens) + 1)
         if num_blocks < needed:
             per_block = self.model_executor.kv_cache_bytes_per_block()
+            held = f"its {window}-token sliding window" if window is not None and needed < -(-max_len // bs) + 1 \
+                else f"max_model_len={max_len} tokens"
             raise ValueError(
                 f"The KV cache is too small: {num_blocks} blocks of {bs} tokens "
                 f"({num_blocks * per_block / 2**20:.1f} MiB) cannot hold one sequence of "
-                f"max_model_len={max_len} tokens, which needs {needed} blocks "
+                f"{held}, which needs {needed} blocks "
                 f"({needed * per_block / 2**20:.1f} MiB). Increase kv_cache_memory or "
                 f"decrease max_model_len.")
         self.num_blocks = num_blocks
@@ -130,7 +137,7 @@ class EngineCore(SleepModeMixin):
                                    speculative_config=getattr(config, "speculative_config", None),
                                    kv_connector=connector,
                                    enable_kv_cache_events=_kv_events_on(config),
-                                   kv_sliding_window=_kv_sliding_window(self.model_executor, connector))
+                                   kv_sliding_window=window)
         # --kv-events-config: each step's block events go to this publisher (None: off).
         self.kv_event_publisher = _kv_event_publisher(config)
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora

@@ -100,8 +100,9 @@ def test_only_models_windowed_on_every_layer_free_blocks(windows, expected):
 def test_kv_connector_keeps_every_block():
     """Connectors save and load whole prefixes block by block: with one, nothing is freed."""
     executor = SimpleNamespace(kv_cache_sliding_window=lambda: 8)
-    assert _kv_sliding_window(executor, None) == 8
-    assert _kv_sliding_window(executor, object()) is None
+    assert _kv_sliding_window(executor, SimpleNamespace(kv_transfer_config=None)) == 8
+    ktc = SimpleNamespace(is_kv_transfer_instance=True)
+    assert _kv_sliding_window(executor, SimpleNamespace(kv_transfer_config=ktc)) is None
 
 
 def test_beams_forked_past_the_window_equal_transformers(mistral, monkeypatch):
@@ -158,5 +159,25 @@ def test_ngram_drafts_past_the_window_keep_greedy_tokens(mistral, monkeypatch):
         got = list(llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0].token_ids)
         assert got == want and drafted_on_null
         assert sched.kv_cache_manager.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+
+
+def test_cache_smaller_than_max_model_len_serves_a_windowed_model(mistral):
+    """7 usable 16-token blocks (112 tokens) with max_model_len 512: the engine refuses
+    that for a model with a full-attention layer (33 blocks needed, test_async_llm), but
+    the window needs ceil((32 + 8) / 16) + 3 = 6 (32-token steps); a 60 + 64-token
+    request (124 tokens, 8 blocks' worth) runs and answers as in a large cache."""
+    from llmserve import LLM, SamplingParams
+
+    base, _ = mistral
+    prompt = [random.Random(8).randrange(3, 49152) for _ in range(60)]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    want = list(base.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0].token_ids)
+    llm = LLM(base.path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+              num_gpu_blocks_override=8, max_model_len=512, max_num_batched_tokens=32, block_size=BS)
+    try:
+        got = list(llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0].token_ids)
+        assert got == want
     finally:
         llm.shutdown()
