@@ -19,13 +19,16 @@ from llmserve.worker.model_runner import ModelRunner
 BS, WINDOW, PROMPT, NEW = 16, 8, 40, 64
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation, one full forward per token."""
-    ids = list(prompt)
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation, one full forward per token, and each chosen
+    token's log_softmax."""
+    ids, lps = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            ids.append(int(logits.argmax()))
+            lps.append(float(torch.log_softmax(logits, -1)[ids[-1]]))
+    return ids[len(prompt):], lps
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def test_long_request_holds_only_its_window_and_matches_transformers(mistral, mo
     """A 40-token prompt (chunked 32 + 8) and 64 greedy tokens: 104 tokens span 7 blocks,
     but at most 2 are held at once (the current 16-token block and the one before it,
     which the 8-token window of the current block's first token reaches), and usage
-    with them; the tokens equal transformers' greedy ones."""
+    with them; the tokens equal transformers' greedy ones, their logprobs within 1e-4."""
     from llmserve import SamplingParams
 
     llm, hf = mistral
@@ -63,10 +66,13 @@ def test_long_request_holds_only_its_window_and_matches_transformers(mistral, mo
 
     monkeypatch.setattr(sched, "schedule", spy)
     prompt = [random.Random(5).randrange(3, 49152) for _ in range(PROMPT)]
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
-    answer = list(out.outputs[0].token_ids)
-    assert answer == hf_greedy(hf, prompt, NEW)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0]
+    answer = list(out.token_ids)
+    ref, ref_lps = hf_greedy(hf, prompt, NEW)
+    assert answer == ref
+    lps = [lp[t].logprob for lp, t in zip(out.logprobs, answer)]
+    assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
     assert len(held) >= NEW and max(held) == 2, held
     assert max(usage) == pytest.approx(2 / (kv.pool.num_blocks - 1))
     assert kv.num_used_blocks == 0
