@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,6 +197,16 @@ def calculate_metrics(outputs: list[RequestFuncOutput], duration_s: float,
     return result
 
 
+def request_models(model: str, lora_modules: Optional[list[str]], n: int, seed: int) -> list[str]:
+    """The ``model`` field of each of ``n`` requests: ``model``, or with ``lora_modules`` one
+    of those names drawn uniformly at random per request (vLLM's ``bench serve
+    --lora-modules``), seeded so that every round and server gets the same assignment."""
+    if not lora_modules:
+        return [model] * n
+    rnd = random.Random(seed)
+    return [rnd.choice(lora_modules) for _ in range(n)]
+
+
 async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests: list[tuple[Any, int, int]],
                     chat: bool) -> dict[str, Any]:
     """Run all requests against ``api_url``; returns the metrics dict."""
@@ -218,15 +229,17 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
         for prompt, plen, olen in requests[:args.num_warmups]:
             await send(session, api_url, model, prompt, plen, olen, chat, extra, headers)
 
-        async def one(req: tuple[Any, int, int]) -> RequestFuncOutput:
+        names = request_models(model, getattr(args, "lora_modules", None), len(requests), args.seed)
+
+        async def one(i: int) -> RequestFuncOutput:
             if sem is None:
-                return await send(session, api_url, model, *req, chat, extra, headers)
+                return await send(session, api_url, names[i], *requests[i], chat, extra, headers)
             async with sem:
-                return await send(session, api_url, model, *req, chat, extra, headers)
+                return await send(session, api_url, names[i], *requests[i], chat, extra, headers)
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(one(req)) async for req in _arrivals(requests, args.request_rate,
-                                                                         args.burstiness, rng)]
+        tasks = [asyncio.create_task(one(i)) async for i in _arrivals(list(range(len(requests))), args.request_rate,
+                                                                     args.burstiness, rng)]
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p.strip()]
@@ -303,6 +316,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Send ignore_eos so every request generates its full output length.")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature (default: server's).")
     parser.add_argument("--num-warmups", type=int, default=0, help="Requests sent (untimed) before the run.")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                        help="LoRA adapter names the server serves (vLLM's bench serve flag): each request's "
+                             "model is one of them, drawn uniformly at random (seeded by --seed); warm-ups "
+                             "use --model.")
     parser.add_argument("--api-key", type=str, default=os.environ.get("LLMSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     parser.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="Per-request timeout (s).")
     parser.add_argument("--percentile-metrics", type=str, default="ttft,tpot,itl,e2el")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.benchmarks.datasets import sample_random_requests, special_token_ids
-from llmserve.benchmarks.serve import RequestFuncOutput, calculate_metrics
+from llmserve.benchmarks.serve import RequestFuncOutput, calculate_metrics, request_models
 
 
 def test_random_dataset_is_seeded_and_clean(smol_tokenizer):
@@ -33,3 +33,14 @@ def test_calculate_metrics():
     assert m["mean_ttft_ms"] == pytest.approx(300.0) and m["median_ttft_ms"] == pytest.approx(300.0)
     assert m["mean_tpot_ms"] == pytest.approx(400.0)  # (0.9/3 + 1.5/3) / 2
     assert m["mean_itl_ms"] == pytest.approx(400.0) and m["p99_e2el_ms"] == pytest.approx(1990.0)
+
+
+def test_lora_modules_pick_each_request_model_uniformly_and_seeded():
+    """--lora-modules (vLLM's bench serve flag): every request names one of the adapters,
+    the same ones for the same seed (both servers/rounds of a comparison)."""
+    names = [f"a{i}" for i in range(1, 9)]
+    picks = request_models("base", names, 800, seed=3)
+    assert picks == request_models("base", names, 800, seed=3)
+    assert picks != request_models("base", names, 800, seed=4)
+    assert set(picks) == set(names) and all(60 <= picks.count(n) <= 140 for n in names)
+    assert request_models("base", None, 3, seed=3) == ["base"] * 3
