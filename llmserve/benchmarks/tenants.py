@@ -66,10 +66,50 @@ def _positive_int(text: str) -> int:
     return value
 
 
+PHASES = ("baseline", "flood", "weights")
+# The flags the bench sets itself on each server: a second --port in --server-args would win
+# (argparse keeps the last) and the bench would poll /health on a port nobody listens on.
+_BENCH_OWNED_SERVER_FLAGS = ("--host", "--port")
+# Seconds `_start_server` waits for /health: a tiny model loads in ~10 s on the 2-core box;
+# a larger one compiling kernels may take minutes, but not this long.
+SERVER_START_TIMEOUT_S = 600.0
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def _phase_list(text: str) -> str:
+    """argparse type of ``--phases``: comma-separated names from :data:`PHASES`, spaces
+    around each stripped; returns them joined by commas (what ``split(",")`` reads).
+    Raises ``argparse.ArgumentTypeError`` naming a bad (or empty) name and the valid ones."""
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        if name not in PHASES:
+            raise argparse.ArgumentTypeError(
+                f"unknown phase {name!r} in {text!r}; valid phases: {', '.join(PHASES)}")
+    return ",".join(names)
+
+
+def _server_args(text: str) -> str:
+    """argparse type of ``--server-args``: refuses ``--host``/``--port`` (also ``--port=N``),
+    which the bench chooses itself for each server it starts."""
+    for token in text.split():
+        flag = token.split("=", 1)[0]
+        if flag in _BENCH_OWNED_SERVER_FLAGS:
+            raise argparse.ArgumentTypeError(
+                f"{flag} is not allowed here: the bench chooses each server's host and port itself")
+    return text
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--duration", type=float, default=60.0, help="Seconds of each phase.")
+    parser.add_argument("--duration", type=_positive_float, default=60.0, help="Seconds of each phase (> 0).")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="The servers' batch size (the capacity).")
     parser.add_argument("--max-tokens", type=int, default=32, help="Output tokens per request (ignore_eos).")
     parser.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
@@ -80,8 +120,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Each phase in this many rounds per server (duration / rounds seconds each), "
                              "alternating FIFO and fair, merged per server.")
     parser.add_argument("--only", choices=("fifo", "fair"), default=None, help="Run one server only.")
-    parser.add_argument("--phases", default="baseline,flood,weights")
-    parser.add_argument("--server-args", default="", help="Extra `llmserve serve` flags (one string).")
+    parser.add_argument("--phases", type=_phase_list, default=",".join(PHASES),
+                        help=f"Comma-separated phases to run, in order, from: {', '.join(PHASES)}. "
+                             "baseline: the flooder as max_num_seqs closed-loop streams plus the quiet tenant "
+                             "(measures the capacity); flood: the flooder's Poisson arrivals at "
+                             "--flood-factor x the capacity (max_num_seqs / 4 req/s without a baseline "
+                             "phase) plus the quiet tenant; weights: closed-loop tenants of weights 1 and 3. "
+                             "With --engine-steps the same names pick the engine phases.")
+    parser.add_argument("--server-args", type=_server_args, default="",
+                        help="Extra `llmserve serve` flags (one string); not --host/--port, which the "
+                             "bench chooses.")
     parser.add_argument("--output-json", default=None,
                         help="Write every figure as JSON to this file (stdout gets the summary table only, "
                              "as `bench serve` with --save-result). Per phase, `output_tokens` counts the "
@@ -120,15 +168,32 @@ def _start_server(args: argparse.Namespace, fair: bool, keys_path: str) -> tuple
         cmd += ["--max-queue-delay", "300"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    _wait_healthy(proc, url, log.name, SERVER_START_TIMEOUT_S)
+    return proc, url
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_name: str, timeout_s: float) -> None:
+    """Poll ``url``/health until it answers 200. Raises ``RuntimeError`` (naming the log) if
+    ``proc`` exits first or ``timeout_s`` seconds pass; on the timeout the server is
+    terminated, so nothing is left running."""
     import httpx
+    deadline = time.monotonic() + timeout_s
     while proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
+        if time.monotonic() >= deadline:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise RuntimeError(f"the server did not answer {url}/health within {timeout_s:.0f} s; "
+                               f"log: {log_name}")
         time.sleep(0.5)
-    raise RuntimeError(f"the server exited with {proc.returncode}; log: {log.name}")
+    raise RuntimeError(f"the server exited with {proc.returncode}; log: {log_name}")
 
 
 class _Stats:

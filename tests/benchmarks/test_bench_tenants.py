@@ -94,3 +94,71 @@ def test_main_prints_the_table_and_writes_the_json(monkeypatch, tmp_path, capsys
     assert saved == json.loads(json.dumps(res, default=str))
     assert res["fifo_quiet_p99_flood_over_baseline"] == pytest.approx(1.017 / 0.269)  # main's own ratios
     assert f"{1.017 / 0.269:.2f}x" in printed
+
+
+def _parse(argv):
+    from llmserve.entrypoints.cli import make_parser
+    full = ["bench", "tenants", *argv]
+    return make_parser(full).parse_args(full)
+
+
+@pytest.mark.parametrize("server_args", ["--port 8650", "--dtype float32 --port=8650", "--host 0.0.0.0"])
+def test_server_args_refuse_host_and_port(server_args, capsys):
+    """The bench picks each server's port: a --port in --server-args made it poll /health
+    on a port nobody listened on, forever."""
+    with pytest.raises(SystemExit) as e:
+        _parse(["--server-args", server_args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--server-args" in err and "the bench chooses" in err
+    assert _parse(["--server-args", "--dtype float32 --enforce-eager"]).server_args == "--dtype float32 --enforce-eager"
+
+
+@pytest.mark.parametrize("phases", ["bogus", "baseline,bogus", "baseline,,flood", ""])
+def test_phases_are_validated_at_parsing(phases, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(["--phases", phases])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown phase" in err and "baseline, flood, weights" in err
+
+
+def test_phases_strip_spaces_and_default():
+    assert _parse(["--phases", "baseline, flood"]).phases == "baseline,flood"
+    assert _parse([]).phases == "baseline,flood,weights"
+
+
+@pytest.mark.parametrize("duration", ["0", "-5", "nan"])
+def test_duration_must_be_positive(duration, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(["--duration", duration])
+    assert e.value.code == 2
+    assert "--duration" in capsys.readouterr().err
+    assert _parse(["--duration", "0.5"]).duration == 0.5
+
+
+def test_health_wait_times_out_and_stops_the_server():
+    """A server that never answers /health: an error naming the log after the timeout (not a
+    hang), and the process is terminated."""
+    import subprocess
+    import sys
+    import socket
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(RuntimeError, match=r"within 1 s; log: the\.log"):
+            tenants._wait_healthy(proc, f"http://127.0.0.1:{port}", "the.log", timeout_s=1.0)
+        assert proc.poll() is not None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_health_wait_fails_when_the_server_exits():
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        tenants._wait_healthy(proc, "http://127.0.0.1:9", "the.log", timeout_s=60.0)
