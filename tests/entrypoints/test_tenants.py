@@ -127,6 +127,39 @@ def test_quota_429_names_the_limit_for_that_tenant_only_and_allowed_models(smol_
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["param"] == "model"
 
 
+def test_allowed_models_cannot_be_bypassed_by_leaving_model_out_or_an_empty_list(smol_tokenizer, tmp_path):
+    """Trial of stop 42: a request without ``model`` went to the default model whatever the
+    key's allowed_models, and ``allowed_models: []`` allowed every model. Now a request
+    without a model runs only when the key may call the default model, an empty list
+    allows nothing, and a 404 lists only served names the key may call."""
+    entries = [{"key": "key-c", "tenant": "carol", "allowed_models": ["other"]},
+               {"key": "key-m", "tenant": "mia", "allowed_models": ["m"]},
+               {"key": "key-n", "tenant": "nobody", "allowed_models": []}]
+    app, engine, _ = _app(smol_tokenizer, tmp_path, entries)
+    no_model = {k: v for k, v in CHAT.items() if k != "model"}
+    empty_model = {**CHAT, "model": ""}
+
+    async def run():
+        async with _client(app) as c:
+            post = lambda body, key, url="/v1/chat/completions": c.post(url, json=body, headers=_auth(key))
+            return {"carol none": await post(no_model, "key-c"), "carol empty": await post(empty_model, "key-c"),
+                    "carol completions": await post({"prompt": "hi", "max_tokens": 2}, "key-c", "/v1/completions"),
+                    "carol infill": await post({"input_prefix": "def f(", "input_suffix": ")"}, "key-c", "/infill"),
+                    "carol m": await post(CHAT, "key-c"), "mia none": await post(no_model, "key-m"),
+                    "nobody m": await post(CHAT, "key-n"), "nobody none": await post(no_model, "key-n"),
+                    "nobody models": await c.get("/v1/models", headers=_auth("key-n"))}
+    r = asyncio.run(run())
+    for name in ("carol none", "carol empty", "carol completions", "carol infill", "nobody none"):
+        assert r[name].status_code == 400, (name, r[name].text)
+        assert r[name].json()["error"]["param"] == "model" and "name one in `model`" in r[name].json()["error"]["message"]
+    assert r["carol m"].status_code == 404 and "No model served here can be called" in r["carol m"].text
+    assert "`other`" not in r["carol m"].text  # allowed but not served: never listed as served
+    assert r["nobody m"].status_code == 404
+    assert r["mia none"].status_code == 200
+    assert r["nobody models"].json()["data"] == []
+    assert engine.started == 1  # only mia's request reached the engine
+
+
 def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_path):
     app, engine, _ = _app(smol_tokenizer, tmp_path)
     engine.model_config.model_path = str(tmp_path)  # the Ollama cards stat the weights' folder
@@ -142,8 +175,10 @@ def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_p
     assert listed["key-a"] == (["m"], ["m"], ["m"]) and got["key-a"][1].json()["id"] == "m"
     assert listed["key-c"] == ([], [], [])  # carol may call only "other"
     hidden = got["key-c"][1]
-    assert hidden.status_code == 404 and "`other`" in hidden.json()["error"]["message"]
-    assert "`m`" not in hidden.json()["error"]["message"].split("served here")[1]
+    # The 404 lists the served names carol may call: none ("other" is allowed but not
+    # served, "m" served but not allowed; the list named "other" as served before stop 42).
+    message = hidden.json()["error"]["message"]
+    assert hidden.status_code == 404 and "`other`" not in message and "No model served here can be called" in message
 
 
 def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
@@ -185,6 +220,15 @@ def test_api_key_repeatable_and_keys_file_checked_at_start(tmp_path):
         bad.write_text(json.dumps([{"key": "x", "tenant": "t", **entry}]))
         with pytest.raises(ValueError, match=f"entry 0: '{field}' must be"):
             validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+    # Trial of stop 42: an infinite weight, a fractional count and a null tenant are refused
+    # naming the field; a missing file is a clean error, not a traceback.
+    for entry, field in (({"weight": float("inf")}, "weight"), ({"max_concurrent_requests": 1.5}, "max_concurrent_requests"),
+                         ({"burst_tokens": 2.5}, "burst_tokens"), ({"tenant": None}, "tenant")):
+        bad.write_text(json.dumps([{"key": "x", "tenant": "t", **entry}]))
+        with pytest.raises(ValueError, match=f"entry 0: '{field}' must be"):
+            validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))
+    with pytest.raises(ValueError, match="cannot be read"):
+        validate_parsed_serve_args(parse(["--api-keys-file", str(tmp_path / "missing.json")]))
     # An entry without a tenant belongs to the default tenant (README).
     good = tmp_path / "good.json"
     good.write_text(json.dumps([{"key": "x"}, {"key": "y", "tenant": "u"}]))
@@ -355,3 +399,24 @@ def test_allowed_models_are_checked_against_every_model_of_a_multi_model_server(
         asyncio.run(init_multi_model_state(engines, state, fake_init_app_state))
     warned = _unknown_model_warnings(caplog)
     assert len(warned) == 1 and "'t'" in warned[0] and ": typo (served: extra, main)" in warned[0], warned
+
+
+def test_a_request_without_model_on_a_multi_model_server_needs_every_model_allowed():
+    """On an --extra-model server a request without ``model`` goes to the first model that
+    can serve its endpoint, which the middleware cannot know: it runs only for a key that
+    may call every model (by any of its names); others must name one (400, param model)."""
+    from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+    from llmserve.entrypoints.openai.tenant_quotas import model_refusal
+
+    serving = OpenAIServingModels([BaseModelPath("chat", "chat"), BaseModelPath("chat-alias", "chat"),
+                                   BaseModelPath("embed", "embed")], 64)
+    state = SimpleNamespace(openai_serving_models=serving,
+                            model_registry=SimpleNamespace(models=[SimpleNamespace(names=["chat", "chat-alias"]),
+                                                                   SimpleNamespace(names=["embed"])]))
+    both = Tenant("both", allowed_models=("chat-alias", "embed"))
+    chat_only = Tenant("chat", allowed_models=("chat",))
+    assert model_refusal(both, None, state) is None and model_refusal(both, "embed", state) is None
+    refused = model_refusal(chat_only, None, state)
+    assert refused.param == "model" and "`chat`" in str(refused) and "`embed`" not in str(refused)
+    assert "Models served here: `chat`." in str(model_refusal(chat_only, "embed", state))
+    assert model_refusal(Tenant("all"), None, state) is None

@@ -32,6 +32,7 @@ from starlette.datastructures import Headers
 from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
+from llmserve.sampling_params import SamplingParamsError
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 from llmserve.entrypoints.openai.server_utils import json_response
 from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, Tenant, tenant_of
@@ -59,6 +60,45 @@ def request_cost(body: bytes) -> int:
     except (ValueError, UnicodeDecodeError):
         pass  # the route answers the bad body with its own 400
     return (limit if limit is not None and limit > 0 else DEFAULT_OUTPUT_ESTIMATE) + len(body) // BYTES_PER_TOKEN
+
+
+def callable_models(tenant: Tenant, state: Any) -> list[str]:
+    """The served names (base models and LoRA adapters) ``tenant`` may call, for the 404's
+    list: never a name the server does not serve."""
+    serving = getattr(state, "openai_serving_models", None)
+    served = (serving.model_names + serving.lora_names) if serving is not None else []
+    return [n for n in served if tenant.allowed_models is None or n in tenant.allowed_models]
+
+
+def _default_model_allowed(tenant: Tenant, state: Any) -> bool:
+    """Whether a request that names no model may run for a tenant with ``allowed_models``.
+    Such a request goes to the default model (one model: any of its names; on an
+    ``--extra-model`` server, the first that can serve the endpoint), so it may run
+    only when the tenant may call every model it could reach."""
+    allowed = set(tenant.allowed_models or ())
+    registry = getattr(state, "model_registry", None)
+    if registry is not None:
+        return all(allowed & set(m.names) for m in registry.models)
+    serving = getattr(state, "openai_serving_models", None)
+    return serving is not None and bool(allowed & set(serving.model_names))
+
+
+def model_refusal(tenant: Tenant, model: Optional[str], state: Any) -> Optional[Exception]:
+    """The error for a request of ``tenant`` naming ``model`` (None or "": the default)
+    when its ``allowed_models`` does not let it call that model: ModelNotFoundError
+    (404, as if the model did not exist, listing what it may call), or, for a request
+    that names no model where the default is not one it may call,
+    SamplingParamsError (400, param ``model``) asking it to name one. None: allowed.
+    Leaving ``model`` out must not reach a model the key is not allowed (trial of stop 42)."""
+    if tenant.allowed_models is None:
+        return None
+    if model:
+        return None if model in tenant.allowed_models else ModelNotFoundError(model, callable_models(tenant, state))
+    if _default_model_allowed(tenant, state):
+        return None
+    names = ", ".join(f"`{n}`" for n in callable_models(tenant, state)) or "none"
+    return SamplingParamsError(f"This API key may call only some of the models served here ({names}): "
+                               "name one in `model`.", "model")
 
 
 def _model_of(body: bytes) -> Optional[str]:
@@ -176,12 +216,15 @@ class TenantQuotaMiddleware:
         quotas = self._quotas()
         st = quotas.state(tenant.name)
         scope.setdefault("state", {})[TENANT_IN_FLIGHT_KEY] = lambda: st.in_flight
-        limited = tenant.max_concurrent_requests or tenant.max_tokens_per_second or tenant.allowed_models
+        # An empty allowed_models list is a limit too (no model), not "no limit".
+        limited = (tenant.max_concurrent_requests or tenant.max_tokens_per_second
+                   or tenant.allowed_models is not None)
         body = b""
         if limited:
             body, receive = await _buffered_body(receive)
-        if tenant.allowed_models is not None and _model_of(body) not in (None, *tenant.allowed_models):
-            status, error = error_response_from_exception(ModelNotFoundError(_model_of(body), tenant.allowed_models))
+        refused = model_refusal(tenant, _model_of(body), self.state)
+        if refused is not None:
+            status, error = error_response_from_exception(refused)
             return await json_response(error, status)(scope, receive, send)
         refusal = quotas.check(tenant, request_cost(body))
         if refusal is not None:

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import signal
 import threading
 from dataclasses import dataclass, fields
@@ -45,8 +46,8 @@ class Tenant:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"tenant name must be a non-empty string, got {self.name!r}")
-        if not self.weight > 0:
-            raise ValueError(f"tenant {self.name!r}: weight must be > 0, got {self.weight}")
+        if not 0 < self.weight < math.inf:
+            raise ValueError(f"tenant {self.name!r}: weight must be > 0 and finite, got {self.weight}")
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
             raise ValueError(f"tenant {self.name!r}: max_concurrent_requests must be >= 1")
         if self.max_tokens_per_second is not None and not self.max_tokens_per_second > 0:
@@ -88,6 +89,8 @@ def _digest(key: str) -> bytes:
 
 
 _ENTRY_FIELDS = {f.name for f in fields(Tenant)} - {"name"}
+# Counts: 1.5 requests in flight has no meaning (it was taken as "at most 1").
+_INTEGER_FIELDS = ("max_concurrent_requests", "burst_tokens")
 
 
 def _check_entry_types(kwargs: dict, where: str) -> None:
@@ -101,6 +104,10 @@ def _check_entry_types(kwargs: dict, where: str) -> None:
         if name != "allowed_models" and value is not None and (isinstance(value, bool) or
                                                                not isinstance(value, (int, float))):
             raise ValueError(f"{where}: '{name}' must be a number, got {value!r}")
+        if name in _INTEGER_FIELDS and value is not None and value != int(value):
+            raise ValueError(f"{where}: '{name}' must be a whole number, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where}: '{name}' must be a finite number, got {value!r}")
 
 
 def _tenant_from_entry(entry: Any, where: str) -> tuple[str, Tenant]:
@@ -114,6 +121,12 @@ def _tenant_from_entry(entry: Any, where: str) -> tuple[str, Tenant]:
     _check_entry_types(kwargs, where)
     if kwargs.get("allowed_models") is not None:
         kwargs["allowed_models"] = tuple(kwargs["allowed_models"])
+    for name in _INTEGER_FIELDS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = int(kwargs[name])
+    if "tenant" in entry and not isinstance(entry["tenant"], str):
+        raise ValueError(f"{where}: 'tenant' must be a name (a string; leave it out for \"default\"), "
+                         f"got {entry['tenant']!r}")
     try:
         return entry["key"], Tenant(name=entry.get("tenant", DEFAULT_TENANT_NAME), **kwargs)
     except (TypeError, ValueError) as e:
@@ -128,11 +141,13 @@ def load_keys_file(path: str) -> dict[bytes, Tenant]:
     only once (twice would leave which tenant it names to the order of the file). Returns
     SHA-256 digest of the key -> Tenant. Raises ValueError (naming the file and entry) or
     OSError."""
-    with open(path, encoding="utf-8") as f:
-        try:
+    try:
+        with open(path, encoding="utf-8") as f:
             entries = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--api-keys-file {path}: not JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-keys-file {path}: not JSON ({e})") from e
+    except OSError as e:
+        raise ValueError(f"--api-keys-file {path}: cannot be read ({e.strerror or e})") from e
     if not isinstance(entries, list):
         raise ValueError(f"--api-keys-file {path}: expected a JSON list of key entries")
     out: dict[bytes, Tenant] = {}

@@ -6,6 +6,7 @@ from starlette.responses import Response
 
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.tenant_quotas import callable_models
 from llmserve.entrypoints.openai.tenants import tenant_of, tenant_sees_model
 
 router = APIRouter()
@@ -26,7 +27,7 @@ async def retrieve_model(model_id: str, raw_request: Request) -> Response:
     ``:path`` keeps ids with a slash (``org/name``) in one parameter. A model outside the
     tenant's ``allowed_models`` answers the same 404 as an unknown one."""
     if not tenant_sees_model(raw_request, model_id):
-        raise ModelNotFoundError(model_id, tenant_of(raw_request).allowed_models)
+        raise ModelNotFoundError(model_id, callable_models(tenant_of(raw_request), raw_request.app.state))
     return json_response(raw_request.app.state.openai_serving_models.show_model(model_id))
 
 

@@ -26,7 +26,8 @@ class ModelNotFoundError(LookupError):
 
     def __init__(self, model: str, served: Sequence[str]):
         listed = ", ".join(f"`{n}`" for n in served)
-        super().__init__(f"The model `{model}` does not exist. Models served here: {listed}.")
+        super().__init__(f"The model `{model}` does not exist. " +
+                         (f"Models served here: {listed}." if listed else "No model served here can be called."))
         self.model = model
 
 
