@@ -157,6 +157,10 @@ def build_lock(build_dir: str) -> Iterator[None]:
 
 def _build(build_dir: str) -> Optional[Any]:
     """Compile the kernels into ``build_dir`` and import them; None (logged) when that fails."""
+    # A fresh machine builds for minutes (2-6 min on 2 busy cores): say so, or the first
+    # start looks hung (fresh-user trial of stop 42: 4 silent minutes).
+    logger.warning("Building the C++ CPU kernels for this CPU into %s (once per machine and source; "
+                   "this takes minutes)", build_dir)
     try:
         from torch.utils.cpp_extension import load
         module = load(

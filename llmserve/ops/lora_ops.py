@@ -83,6 +83,8 @@ def get_lora_kernel() -> Optional[Callable]:
     if module is None:
         try:
             from torch.utils.cpp_extension import load
+            logger.warning("Building the LoRA kernel for this CPU into %s (once per machine and source; "
+                           "this takes 20 s to minutes)", build_dir)
             with build_lock(build_dir):
                 module = _load_built(build_dir) or load(
                     name=_NAME, sources=[os.path.join(CSRC_DIR, _SOURCE)],
