@@ -299,7 +299,7 @@ class AsyncLLM(EngineClient):
         if not trace_headers and labels is not None:  # the HTTP request's traceparent
             trace_headers = labels.trace_headers
         headers = dict(trace_headers) if trace_headers else None
-        reqs = register_incarnations(self.output_processor, reqs, parent, collector)
+        reqs = register_incarnations(self.output_processor, reqs, parent, collector, lora)
         tenant_name, tenant_weight = tenant_fields(tenant)
         for req in reqs:
             if lora is not None:

@@ -147,7 +147,7 @@ class LLMEngine:
             reqs = [self.input_processor.process_inputs(cid, prompt, parent.child_params(i), arrival_time,
                                                         priority) for i, cid in enumerate(parent.child_ids)]
         tenant, weight = tenant_fields()  # the current tenant (engine/tenant_context.py), if any
-        for req in register_incarnations(self.output_processor, reqs, parent):
+        for req in register_incarnations(self.output_processor, reqs, parent, lora_request=lora):
             req.lora_request = lora
             if tenant is not None:
                 req.tenant, req.tenant_weight = tenant, weight

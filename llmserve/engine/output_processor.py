@@ -8,7 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 from llmserve.core.outputs import EngineCoreEvent, EngineCoreEventType, FinishReason
 from llmserve.engine.detokenizer import IncrementalDetokenizer
@@ -191,9 +191,11 @@ class OutputProcessor:
                     params: SamplingParams, arrival_time: float,
                     parent: Optional[ParentRequest] = None,
                     collector: Optional[RequestOutputCollector] = None,
-                    external_req_id: Optional[str] = None) -> None:
+                    external_req_id: Optional[str] = None, model: Optional[str] = None) -> None:
         """Track a request. ``request_id``: the engine's id; ``external_req_id``: the
-        caller's id (default: the same). Raises ValueError if the caller's id is live."""
+        caller's id (default: the same); ``model``: its LoRA adapter's name, the model its
+        timeline is listed under (None: the base model). Raises ValueError if the caller's
+        id is live."""
         external_req_id = external_req_id or request_id
         if request_id in self.states or external_req_id in self.external_to_internal:
             raise ValueError(f"Request id {external_req_id!r} is already running.")
@@ -203,7 +205,7 @@ class OutputProcessor:
                 request_id=request_id, external_req_id=external_req_id, parent=None, prompt=prompt,
                 prompt_token_ids=prompt_token_ids, params=params, detokenizer=None, collector=collector,
                 arrival_time=arrival_time)
-            self._start_timeline(self.states[request_id], external_req_id)
+            self._start_timeline(self.states[request_id], external_req_id, model)
             return
         self.states[request_id] = RequestState(
             request_id=request_id, external_req_id=external_req_id, parent=parent, prompt=prompt, prompt_token_ids=prompt_token_ids,
@@ -214,12 +216,12 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         if parent is not None:
             self.parents[parent.request_id] = parent
-        self._start_timeline(self.states[request_id], external_req_id)
+        self._start_timeline(self.states[request_id], external_req_id, model)
 
-    def _start_timeline(self, st: RequestState, external_req_id: str) -> None:
+    def _start_timeline(self, st: RequestState, external_req_id: str, model: Optional[str] = None) -> None:
         if self.timelines is not None:
             st.timeline = self.timelines.start(external_req_id, st.arrival_time, len(st.prompt_token_ids), st.params,
-                                               st.parent.request_id if st.parent is not None else None)
+                                               st.parent.request_id if st.parent is not None else None, model)
 
     def _forget(self, st: RequestState, reason: str = "abort", now: Optional[float] = None) -> None:
         self.states.pop(st.request_id, None)
@@ -501,11 +503,13 @@ class OutputProcessor:
 
 
 def register_incarnations(output_processor: OutputProcessor, reqs: list, parent: Optional[ParentRequest],
-                          collector: Optional[RequestOutputCollector] = None) -> list:
+                          collector: Optional[RequestOutputCollector] = None, lora_request: Any = None) -> list:
     """Add ``reqs`` ((EngineCoreRequest, prompt text) pairs, ids as the caller gave them)
     to ``output_processor`` and return the EngineCoreRequests to send, each renamed to a
     fresh engine id (an incarnation), so no output of an aborted request with the same id
-    can reach them. Raises ValueError if an id is live (nothing is added then)."""
+    can reach them. ``lora_request`` (else each request's own): its adapter's name is the
+    model the timelines list the request under, as the response's ``model`` names it.
+    Raises ValueError if an id is live (nothing is added then)."""
     import msgspec
 
     for req, _ in reqs:
@@ -515,9 +519,11 @@ def register_incarnations(output_processor: OutputProcessor, reqs: list, parent:
     for req, text in reqs:
         ext = req.request_id
         req = msgspec.structs.replace(req, request_id=output_processor.engine_request_id(ext))
+        lora = lora_request or getattr(req, "lora_request", None)
         output_processor.add_request(req.request_id, text, req.prompt_token_ids,
                                      req.sampling_params or req.pooling_params,
-                                     req.arrival_time, parent=parent, collector=collector, external_req_id=ext)
+                                     req.arrival_time, parent=parent, collector=collector, external_req_id=ext,
+                                     model=lora.lora_name if lora is not None else None)
         output_processor.states[req.request_id].engine_request = req
         out.append(req)
     return out

@@ -137,15 +137,17 @@ class RequestTimelines:
 
     # ---- the OutputProcessor's hooks ------------------------------------------
     def start(self, request_id: str, arrival_time: float, prompt_tokens: int, params: Any = None,
-              parent_id: Optional[str] = None) -> TimelineRecord:
+              parent_id: Optional[str] = None, model: Optional[str] = None) -> TimelineRecord:
         """A request was added (``request_id``: the engine caller's id; ``parent_id``:
-        the id of its n > 1 parent)."""
+        the id of its n > 1 parent; ``model``: the name it is served as when not the base
+        model's, i.e. its LoRA adapter's name, which is the ``model`` of the response)."""
         labels = current_request_labels.get()
         if labels is None:
             labels = RequestLabels()
         response_id = labels.response_ids.get(parent_id or request_id)
         aliases = tuple(a for a in (response_id, *labels.aliases) if a)
-        rec = TimelineRecord(aliases[0] if aliases else request_id, request_id, labels.model or self.default_model,
+        rec = TimelineRecord(aliases[0] if aliases else request_id, request_id,
+                             model or labels.model or self.default_model,
                              labels.tenant, arrival_time, prompt_tokens, params, labels.trace_headers, aliases)
         rec.events.append({"event": "arrived", "time": arrival_time})
         self.live[id(rec)] = rec
