@@ -131,8 +131,11 @@ def test_every_door_reaches_the_adapter_by_name(lora_server):
     question = [{"role": "user", "content": "Say something."}]
 
     def chat(model):
-        return client.chat.completions.create(model=model, messages=question, max_tokens=4,
-                                              temperature=0).choices[0].message.content
+        c = client.chat.completions.create(model=model, messages=question, max_tokens=4, temperature=0)
+        # /v1/requests lists it under the name it was served as (the response's model)
+        tl = lora_server.http.get(f"/v1/requests/{c.id}/timeline")
+        assert tl.status_code == 200 and tl.json()["model"] == c.model == model, (tl.text, c.model)
+        return c.choices[0].message.content
     want = chat("a8")
     assert want != chat(BASE)
     r = lora_server.post("/v1/messages", {"model": "a8", "max_tokens": 4, "temperature": 0, "messages": question})
@@ -210,7 +213,7 @@ def test_unload_waits_for_the_adapters_running_requests(lora_server, lora_dirs):
         r = lora_server.post("/v1/unload_lora_adapter", {"lora_name": "rt2"})
         assert r.status_code == 200, r.text
         tl = lora_server.http.get(f"/v1/requests/{rid}/timeline")
-        assert tl.status_code == 200, tl.text
+        assert tl.status_code == 200 and tl.json()["model"] == "rt2", tl.text
         if "finished" not in [e["event"] for e in tl.json()["events"]]:
             break
         stream.close()
