@@ -70,8 +70,8 @@ PHASES = ("baseline", "flood", "weights")
 # The flags the bench sets itself on each server: a second --port in --server-args would win
 # (argparse keeps the last) and the bench would poll /health on a port nobody listens on.
 _BENCH_OWNED_SERVER_FLAGS = ("--host", "--port")
-# Seconds `_start_server` waits for /health: a tiny model loads in ~10 s on the 2-core box;
-# a larger one compiling kernels may take minutes, but not this long.
+# Seconds `_start_server` waits for /health: a tiny model loads in ~10 s on the 2-core box,
+# but a fresh machine's first serve builds the C++ kernels first (~4 min, commit 37e6754).
 SERVER_START_TIMEOUT_S = 600.0
 
 
