@@ -223,7 +223,9 @@ def test_api_key_repeatable_and_keys_file_checked_at_start(tmp_path):
     # Trial of stop 42: an infinite weight, a fractional count and a null tenant are refused
     # naming the field; a missing file is a clean error, not a traceback.
     for entry, field in (({"weight": float("inf")}, "weight"), ({"max_concurrent_requests": 1.5}, "max_concurrent_requests"),
-                         ({"burst_tokens": 2.5}, "burst_tokens"), ({"tenant": None}, "tenant")):
+                         ({"burst_tokens": 2.5}, "burst_tokens"), ({"tenant": None}, "tenant"),
+                         ({"max_concurrent_requests": float("inf")}, "max_concurrent_requests"),
+                         ({"burst_tokens": float("nan")}, "burst_tokens")):
         bad.write_text(json.dumps([{"key": "x", "tenant": "t", **entry}]))
         with pytest.raises(ValueError, match=f"entry 0: '{field}' must be"):
             validate_parsed_serve_args(parse(["--api-keys-file", str(bad)]))

@@ -104,10 +104,11 @@ def _check_entry_types(kwargs: dict, where: str) -> None:
         if name != "allowed_models" and value is not None and (isinstance(value, bool) or
                                                                not isinstance(value, (int, float))):
             raise ValueError(f"{where}: '{name}' must be a number, got {value!r}")
-        if name in _INTEGER_FIELDS and value is not None and value != int(value):
-            raise ValueError(f"{where}: '{name}' must be a whole number, got {value!r}")
+        # Finite first: int(inf) raises OverflowError, int(nan) a message naming no field.
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{where}: '{name}' must be a finite number, got {value!r}")
+        if name in _INTEGER_FIELDS and value is not None and value != int(value):
+            raise ValueError(f"{where}: '{name}' must be a whole number, got {value!r}")
 
 
 def _tenant_from_entry(entry: Any, where: str) -> tuple[str, Tenant]:
