@@ -151,13 +151,50 @@ def test_allowed_models_cannot_be_bypassed_by_leaving_model_out_or_an_empty_list
     r = asyncio.run(run())
     for name in ("carol none", "carol empty", "carol completions", "carol infill", "nobody none"):
         assert r[name].status_code == 400, (name, r[name].text)
-        assert r[name].json()["error"]["param"] == "model" and "name one in `model`" in r[name].json()["error"]["message"]
+        assert r[name].json()["error"]["param"] == "model"
+    for name in ("carol none", "carol empty", "carol completions", "carol infill"):
+        assert "none of the models served here" in r[name].json()["error"]["message"], r[name].text
+    assert "none of the models served here" in r["nobody none"].json()["error"]["message"]
     assert r["carol m"].status_code == 404 and "No model served here can be called" in r["carol m"].text
     assert "`other`" not in r["carol m"].text  # allowed but not served: never listed as served
     assert r["nobody m"].status_code == 404
     assert r["mia none"].status_code == 200
     assert r["nobody models"].json()["data"] == []
     assert engine.started == 1  # only mia's request reached the engine
+
+
+def test_every_route_that_names_a_model_honours_allowed_models(smol_tokenizer, tmp_path):
+    """Trial of stop 42: /tokenize, /detokenize and count_tokens answered 200 on a model
+    the key may not call. Every route whose body names a model (JSON ``model``, Ollama
+    show's ``name``, an adapter's ``lora_name``, a multipart form's ``model``) answers
+    the 404 of an unknown model, and a key allowed the model is served as before."""
+    entries = [{"key": "key-c", "tenant": "carol", "allowed_models": ["other"]},
+               {"key": "key-m", "tenant": "mia", "allowed_models": ["m"]}]
+    app, engine, _ = _app(smol_tokenizer, tmp_path, entries)
+    json_routes = {"/tokenize": {"model": "m", "prompt": "hi"}, "/detokenize": {"model": "m", "tokens": [1, 2]},
+                   "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                   "/api/show": {"name": "m"}, "/v1/unload_lora_adapter": {"lora_name": "m"}}
+
+    async def run():
+        async with _client(app) as c:
+            got = {(p, k): await c.post(p, json=body, headers=_auth(k)) for p, body in json_routes.items()
+                   for k in ("key-c", "key-m")}
+            got["/api/show model"] = await c.post("/api/show", json={"model": "m"}, headers=_auth("key-c"))
+            form = lambda data: c.post("/v1/audio/transcriptions", data=data, headers=_auth("key-c"),
+                                       files={"file": ("a.wav", b"RIFF0000WAVE", "audio/wav")})
+            got["form m"], got["form none"] = await form({"model": "m"}), await form({})
+            got["tokenize none"] = await c.post("/tokenize", json={"prompt": "hi"}, headers=_auth("key-c"))
+            return got
+    got = asyncio.run(run())
+    for name in [(p, "key-c") for p in json_routes] + ["/api/show model", "form m"]:
+        assert got[name].status_code == 404, (name, got[name].text)
+        assert "No model served here can be called" in got[name].text, (name, got[name].text)
+    for name in ("form none", "tokenize none"):
+        assert got[name].status_code == 400 and "none of the models served here" in got[name].text, got[name].text
+    assert got[("/tokenize", "key-m")].status_code == 200 and got[("/tokenize", "key-m")].json()["count"] >= 1
+    assert got[("/detokenize", "key-m")].status_code == 200
+    assert got[("/v1/messages/count_tokens", "key-m")].json()["input_tokens"] >= 1
+    assert engine.started == 0
 
 
 def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_path):

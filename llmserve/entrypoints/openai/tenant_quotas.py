@@ -13,7 +13,11 @@ admission queue (so a flooder's overload is answered to the flooder).
   absent) plus its body's bytes / 4 (a prompt estimate before any rendering). A request
   is admitted while the bucket is above zero and may take it into debt; Retry-After is
   the time to refill the debt at the tenant's rate.
-- ``allowed_models``: another model answers 404, as if it did not exist.
+- ``allowed_models``: another model answers 404, as if it did not exist. This is checked
+  on the tracked routes and on every other route that names a model
+  (:data:`MODEL_NAMING_PATHS`: tokenize, count_tokens, Ollama's show, adapter unload),
+  whose requests are not counted against the quotas. A multipart body (speech to text)
+  names its model in its form.
 
 ``/metrics``: ``vllm:tenant_requests_total{tenant,outcome}`` (admitted or the refusal's
 reason) and ``vllm:tenant_in_flight_requests{tenant}``; names come only from the keys
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from starlette.datastructures import Headers
+from starlette.requests import Request
 
 from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
@@ -40,6 +45,12 @@ from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, Tenant, te
 DEFAULT_OUTPUT_ESTIMATE = 256  # tokens counted for a request that sets no output limit
 BYTES_PER_TOKEN = 4  # prompt estimate before rendering (~4 bytes of English per token)
 _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "num_predict")
+# Routes outside TRACKED_PATHS whose body names a model, with the fields that name it
+# (Ollama's /api/show still takes the older ``name``). They are checked against
+# ``allowed_models`` only: the trial of stop 42 found /tokenize and count_tokens answering
+# 200 on models the key may not call.
+MODEL_NAMING_PATHS = {"/tokenize": ("model",), "/detokenize": ("model",), "/v1/messages/count_tokens": ("model",),
+                      "/api/show": ("model", "name"), "/v1/unload_lora_adapter": ("lora_name",)}
 
 
 @dataclass
@@ -96,17 +107,44 @@ def model_refusal(tenant: Tenant, model: Optional[str], state: Any) -> Optional[
         return None if model in tenant.allowed_models else ModelNotFoundError(model, callable_models(tenant, state))
     if _default_model_allowed(tenant, state):
         return None
-    names = ", ".join(f"`{n}`" for n in callable_models(tenant, state)) or "none"
+    names = ", ".join(f"`{n}`" for n in callable_models(tenant, state))
+    if not names:
+        return SamplingParamsError("This API key may call none of the models served here.", "model")
     return SamplingParamsError(f"This API key may call only some of the models served here ({names}): "
                                "name one in `model`.", "model")
 
 
-def _model_of(body: bytes) -> Optional[str]:
+async def _model_of(scope: dict, body: bytes, fields: tuple[str, ...] = ("model",)) -> Optional[str]:
+    """The model a request names: the first of ``fields`` in its JSON body, or the
+    ``model`` field of a form body (multipart speech to text). None: names none."""
+    content_type = Headers(scope=scope).get("content-type", "")
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        return await _form_model(scope, body)
     try:
         parsed = json.loads(body) if body else {}
     except (ValueError, UnicodeDecodeError):
         return None
-    return parsed.get("model") if isinstance(parsed, dict) and isinstance(parsed.get("model"), str) else None
+    if not isinstance(parsed, dict):
+        return None
+    return next((parsed[f] for f in fields if isinstance(parsed.get(f), str) and parsed[f]), None)
+
+
+async def _form_model(scope: dict, body: bytes) -> Optional[str]:
+    """The ``model`` field of a form body, parsed by Starlette as the route will parse it
+    (a body it cannot parse names no model: the route answers it with its own 400)."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+    try:
+        form = await Request(scope, receive).form()
+    except Exception:  # noqa: BLE001 - malformed multipart: the route reports it
+        return None
+    try:
+        model = form.get("model")
+        return model if isinstance(model, str) and model else None
+    finally:
+        await form.close()
 
 
 class TenantQuotas:
@@ -210,7 +248,12 @@ class TenantQuotaMiddleware:
         return quotas
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or _route_path(scope) not in TRACKED_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        path = _route_path(scope)
+        if path in MODEL_NAMING_PATHS:
+            return await self._check_model_only(scope, receive, send, MODEL_NAMING_PATHS[path])
+        if path not in TRACKED_PATHS:
             return await self.app(scope, receive, send)
         tenant = tenant_of(scope)
         quotas = self._quotas()
@@ -222,10 +265,9 @@ class TenantQuotaMiddleware:
         body = b""
         if limited:
             body, receive = await _buffered_body(receive)
-        refused = model_refusal(tenant, _model_of(body), self.state)
+        refused = model_refusal(tenant, await _model_of(scope, body), self.state)
         if refused is not None:
-            status, error = error_response_from_exception(refused)
-            return await json_response(error, status)(scope, receive, send)
+            return await _refuse(refused, scope, receive, send)
         refusal = quotas.check(tenant, request_cost(body))
         if refusal is not None:
             reason, retry, message = refusal
@@ -237,6 +279,23 @@ class TenantQuotaMiddleware:
             await self.app(scope, receive, send)
         finally:
             quotas.release(tenant)
+
+
+    async def _check_model_only(self, scope: dict, receive: Any, send: Any, fields: tuple[str, ...]) -> None:
+        """A route of :data:`MODEL_NAMING_PATHS`: ``allowed_models`` only, no quota."""
+        tenant = tenant_of(scope)
+        if tenant.allowed_models is None:
+            return await self.app(scope, receive, send)
+        body, receive = await _buffered_body(receive)
+        refused = model_refusal(tenant, await _model_of(scope, body, fields), self.state)
+        if refused is not None:
+            return await _refuse(refused, scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _refuse(error: Exception, scope: dict, receive: Any, send: Any) -> None:
+    status, body = error_response_from_exception(error)
+    return await json_response(body, status)(scope, receive, send)
 
 
 def _route_path(scope: dict) -> str:
