@@ -441,7 +441,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                                      args.random_range_ratio, args.seed)
     requests = [((tokenizer.decode(ids) if chat else ids), len(ids), olen) for ids, olen in sampled]
     api_url = base_url.rstrip("/") + args.endpoint
-    print(f"Benchmarking {model} at {api_url}: {len(requests)} requests, input ~{args.random_input_len}, "
+    adapters = getattr(args, "lora_modules", None) or []
+    spread = f" (spread over LoRA adapters {', '.join(adapters)})" if adapters else ""
+    print(f"Benchmarking {model}{spread} at {api_url}: {len(requests)} requests, input ~{args.random_input_len}, "
           f"output ~{args.random_output_len}, concurrency {args.max_concurrency or 'inf'}, "
           f"rate {args.request_rate}")
     if args.compare_url and args.compare_url_rounds:  # alternating rounds on two servers
@@ -463,7 +465,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result.update({"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "model_id": model, "endpoint": args.endpoint,
                    "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
                    "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-                   "random_input_len": args.random_input_len, "random_output_len": args.random_output_len})
+                   "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+                   "lora_modules": adapters})
     print_result(result, args)
     if args.compare_url:
         result["compare"] = _compare(args, requests, chat, result)

@@ -10,8 +10,9 @@ process on the same host shares it). Live requests are held while they run; fini
 ones stay in a ring of ``max_finished`` (bounded memory), oldest dropped first.
 
 The HTTP layer says who is asking through :data:`current_request_labels` (a context
-variable set per HTTP request: the tenant, the ids the client knows, the model name,
-the W3C trace headers); the engine never imports the HTTP layer.
+variable set per HTTP request: the tenant, the ids the client knows, the W3C trace
+headers); the engine never imports the HTTP layer. The model shown is the engine's
+served name, or the LoRA adapter's name the request was served as.
 """
 from __future__ import annotations
 
@@ -38,8 +39,7 @@ class RequestLabels:
     """What the HTTP layer knows of the request it serves. tenant: the API key's tenant
     name; aliases: other ids the client may look its requests up by (its X-Request-Id);
     response_ids: engine request id -> the response id the client gets
-    (``chatcmpl-...``), shown as the request's id; model: the served model name;
-    trace_headers: its ``traceparent``/``tracestate`` (W3C trace context); arrival_time:
+    (``chatcmpl-...``), shown as the request's id; trace_headers: its ``traceparent``/``tracestate`` (W3C trace context); arrival_time:
     when the HTTP request arrived (unix seconds), the arrival of the engine requests it
     makes, so that TTFT and e2e latency include the server's own parsing and rendering
     (what the client measures)."""
@@ -47,7 +47,6 @@ class RequestLabels:
     tenant: str = DEFAULT_TENANT_NAME
     aliases: list[str] = field(default_factory=list)
     response_ids: dict[str, str] = field(default_factory=dict)
-    model: Optional[str] = None
     trace_headers: Optional[dict[str, str]] = None
     arrival_time: Optional[float] = None
 
@@ -147,7 +146,7 @@ class RequestTimelines:
         response_id = labels.response_ids.get(parent_id or request_id)
         aliases = tuple(a for a in (response_id, *labels.aliases) if a)
         rec = TimelineRecord(aliases[0] if aliases else request_id, request_id,
-                             model or labels.model or self.default_model,
+                             model or self.default_model,
                              labels.tenant, arrival_time, prompt_tokens, params, labels.trace_headers, aliases)
         rec.events.append({"event": "arrived", "time": arrival_time})
         self.live[id(rec)] = rec

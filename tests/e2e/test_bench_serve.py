@@ -21,7 +21,7 @@ def test_bench_serve_small_run(server, tmp_path):
                   "P99 TPOT", "Mean ITL", "Median E2EL"):
         assert label in proc.stdout, label
     result = json.loads((tmp_path / "out.json").read_text())
-    assert result["model_id"] == MODEL
+    assert result["model_id"] == MODEL and result["lora_modules"] == []
     assert result["completed"] == 4 and result["failed"] == 0
     assert result["total_input_tokens"] == 64 and result["total_output_tokens"] == 16
     assert result["output_throughput"] > 0 and result["median_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
