@@ -256,8 +256,8 @@ class BeamSearchManager:
             s.waiting.appendleft(child)
             return child
         copy = s.kv_cache_manager.fork(parent, child)
-        if copy is not None:
-            s.pending_block_copies.append(copy)
+        if copy is not None:  # one (src, dst), or a list of them (one per KV cache group)
+            s.pending_block_copies.extend(copy if isinstance(copy, list) else [copy])
         n_blocks = len(s.kv_cache_manager.req_to_blocks[child.request_id])
         child.num_computed_tokens = min(parent.num_computed_tokens, n_blocks * s.block_size)
         child.status = RequestStatus.RUNNING

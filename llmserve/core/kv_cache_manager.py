@@ -30,6 +30,13 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tu
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
+# Prefix-cache keys of KV cache group g (hybrid models, core/kv_cache_coordinator.py) are the
+# 64-bit chain hash plus g * 2**64: the same prefix names a different block in each group
+# (its layers' K/V), and only the first group's (g = 0: the plain hash) are published as KV
+# events, so subscribers see one block per prefix as for a single-group model.
+GROUP_KEY_STRIDE = 1 << 64
+
+
 def max_window_blocks(sliding_window: int, block_size: int, max_step_tokens: int) -> int:
     """The most blocks a request can hold at once when every layer has a window of
     ``sliding_window`` tokens and a step runs at most ``max_step_tokens`` of it:
@@ -37,6 +44,16 @@ def max_window_blocks(sliding_window: int, block_size: int, max_step_tokens: int
     block's own tokens, the step's, and rounding at both ends; see
     ``KVCacheManager._num_skippable``)."""
     return -(-(max_step_tokens + sliding_window) // block_size) + 3
+
+
+def max_blocks_held(group_windows: Sequence[Optional[int]], num_tokens: int, block_size: int,
+                    max_step_tokens: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens can hold at once over the KV
+    cache groups whose windows are ``group_windows`` (None: full attention, all
+    ``ceil(num_tokens / block_size)`` blocks; a window: at most ``max_window_blocks``)."""
+    total = -(-num_tokens // block_size)
+    return sum(total if w is None else min(total, max_window_blocks(w, block_size, max_step_tokens))
+               for w in group_windows)
 
 
 class KVCacheBlock:
@@ -120,7 +137,7 @@ class BlockPool:
             if b.block_hash is not None:
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
-                    if self.events is not None:
+                    if self.events is not None and b.block_hash < GROUP_KEY_STRIDE:
                         self.events.append(BlockRemoved([b.block_hash], MEDIUM_PRIMARY))
                 b.block_hash = None
             b.ref_cnt = 1
@@ -187,16 +204,22 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  cache_floor_tokens: Optional[int] = None, enable_kv_cache_events: bool = False,
-                 sliding_window: Optional[int] = None) -> None:
+                 sliding_window: Optional[int] = None, pool: Optional[BlockPool] = None,
+                 cache_group: int = 0) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_caching = enable_caching
-        floor = self.PREFIX_CACHE_FLOOR_TOKENS if cache_floor_tokens is None else cache_floor_tokens
-        self.pool = BlockPool(num_blocks, enable_caching, floor // block_size)
-        if enable_kv_cache_events and enable_caching:
-            self.pool.events = []
+        # One KV cache group of a hybrid model (HybridKVCacheManager): ``pool`` is shared by
+        # the groups and ``cache_group`` offsets this group's prefix-cache keys.
+        self.key_offset = cache_group * GROUP_KEY_STRIDE
+        if pool is None:
+            floor = self.PREFIX_CACHE_FLOOR_TOKENS if cache_floor_tokens is None else cache_floor_tokens
+            pool = BlockPool(num_blocks, enable_caching, floor // block_size)
+            if enable_kv_cache_events and enable_caching:
+                pool.events = []
+        self.pool = pool
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         # Sliding window: the placeholder of freed blocks in a block table (block 0, reserved
@@ -246,16 +269,28 @@ class KVCacheManager:
         if self.sliding_window is not None:
             blocks = self._longest_window_hit(hashes[:max_blocks])
         else:
-            blocks = []
-            for h in hashes[:max_blocks]:
-                b = self.pool.get_cached_block(h)
-                if b is None:
-                    break
-                blocks.append(b)
+            blocks = self._longest_full_hit(hashes[:max_blocks])
         n = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += n
         return blocks, n
+
+    def _longest_full_hit(self, hashes: Sequence[int]) -> list[KVCacheBlock]:
+        """The cached blocks of the longest prefix of ``hashes`` cached in this group."""
+        blocks: list[KVCacheBlock] = []
+        for h in hashes:
+            b = self.pool.get_cached_block(h + self.key_offset)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def longest_hit(self, hashes: Sequence[int]) -> list[KVCacheBlock]:
+        """This group's longest prefix hit among the prefixes of ``hashes`` (block hashes
+        of the request), null blocks included where a window no longer reaches."""
+        if self.sliding_window is not None:
+            return self._longest_window_hit(hashes)
+        return self._longest_full_hit(hashes)
 
     def _num_skippable(self, num_computed_tokens: int) -> int:
         """Leading blocks of a request no layer reads again once ``num_computed_tokens`` are
@@ -280,7 +315,7 @@ class KVCacheManager:
         found: list[Optional[KVCacheBlock]] = []
         best = best_start = run_start = 0
         for i, h in enumerate(hashes):
-            b = self.pool.get_cached_block(h)
+            b = self.pool.get_cached_block(h + self.key_offset)
             found.append(b)
             if b is None:
                 run_start = i + 1
@@ -313,25 +348,43 @@ class KVCacheManager:
         allocated then; with a sliding window, the blocks the window has left are freed
         first either way).
         """
+        self.free_out_of_window(request)
+        num_new_blocks, num_evictable_hits = self.blocks_needed(request, num_new_tokens, new_computed_blocks)
+        if num_new_blocks > self.pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        return self.commit_slots(request, num_new_blocks, new_computed_blocks)
+
+    def free_out_of_window(self, request: Request) -> None:
+        """With a sliding window, free the request's blocks its window has left (the first
+        stage of ``allocate_slots``; nothing without a window or before any allocation)."""
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if self.sliding_window is not None and req_blocks:
             self._free_skipped(request)
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      new_computed_blocks: Sequence[KVCacheBlock] = ()) -> tuple[int, int]:
+        """(fresh blocks ``allocate_slots`` would take, prefix hits among
+        ``new_computed_blocks`` that sit in the free queue now and would leave it)."""
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        num_required = -(-total // self.block_size)
-        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
-        # Prefix hits that are free right now leave the free queue when touched.
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         null = self.null_block
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null)
-        if num_new_blocks > self.pool.get_num_free_blocks() - num_evictable_hits:
-            return None
+        return num_new_blocks, sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null)
+
+    def commit_slots(self, request: Request, num_new_blocks: int,
+                     new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock]:
+        """Take the prefix hits and ``num_new_blocks`` fresh blocks (the caller checked
+        that the pool has them); returns the fresh ones."""
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        null = self.null_block
         if new_computed_blocks:
             self.pool.touch([b for b in new_computed_blocks if b is not null])
             if not req_blocks and new_computed_blocks[0] is null:  # a sliding-window hit
                 self.num_skipped[request.request_id] = sum(1 for b in new_computed_blocks if b is null)
             req_blocks.extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(req_blocks)
-        new_blocks = self.pool.get_new_blocks(max(0, num_new_blocks))
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         return new_blocks
 
@@ -349,9 +402,9 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request)
         null = self.null_block  # a freed block's placeholder is never entered in the cache
         fresh = [i for i in range(start, min(n_full, len(hashes)))
-                 if blocks[i] is not null and self.pool.cache_block(blocks[i], hashes[i])]
+                 if blocks[i] is not null and self.pool.cache_block(blocks[i], hashes[i] + self.key_offset)]
         self.num_cached_block[request.request_id] = min(n_full, len(hashes))
-        if fresh and self.pool.events is not None:
+        if fresh and self.pool.events is not None and not self.key_offset:
             self._record_stored(request, hashes, fresh)
 
     def _record_stored(self, request: Request, hashes: list[int], fresh: list[int]) -> None:
@@ -385,13 +438,14 @@ class KVCacheManager:
         self.num_skipped.pop(request.request_id, None)
         self.pool.free_blocks([b for b in reversed(blocks) if b is not self.null_block])
 
-    def fork(self, parent: Request, child: Request) -> Optional[tuple[int, int]]:
+    def fork(self, parent: Request, child: Request, allow_copy: bool = True) -> Optional[tuple[int, int]]:
         """Give ``child`` (a beam forked from ``parent`` after its computed tokens) the
         parent's blocks by reference; the last, partial block (still to be written by
         both) is copied instead: returns the (src, dst) block ids to copy, or None when
         there is no partial block, or no free block for the copy (then the child keeps
         only the full blocks and recomputes the partial one's tokens: the caller sets its
-        ``num_computed_tokens`` from ``child_computed_tokens``)."""
+        ``num_computed_tokens`` from ``child_computed_tokens``). ``allow_copy`` False: no
+        copy whatever the pool holds (a hybrid model's groups copy all or none)."""
         blocks = self.req_to_blocks.get(parent.request_id, [])
         n_full = min(parent.num_computed_tokens // self.block_size, len(blocks))
         shared = blocks[:n_full]
@@ -400,13 +454,19 @@ class KVCacheManager:
             self.num_skipped[child.request_id] = min(self.num_skipped[parent.request_id], n_full)
         mine = list(shared)
         copy = None
-        if parent.num_computed_tokens % self.block_size and len(blocks) > n_full and self.pool.get_num_free_blocks():
+        if allow_copy and self.needs_fork_copy(parent) and self.pool.get_num_free_blocks():
             dst = self.pool.get_new_blocks(1)[0]
             mine.append(dst)
             copy = (blocks[n_full].block_id, dst.block_id)
         self.req_to_blocks[child.request_id] = mine
         self.num_cached_block[child.request_id] = min(self.num_cached_block.get(parent.request_id, 0), n_full)
         return copy
+
+    def needs_fork_copy(self, parent: Request) -> bool:
+        """True when ``parent`` has a partial last block that ``fork`` would copy."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        return bool(parent.num_computed_tokens % self.block_size) and \
+            len(blocks) > parent.num_computed_tokens // self.block_size
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -22,6 +22,9 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)
+    # A model with several KV cache groups (core/kv_cache_coordinator.py): the block table
+    # of each group, the first equal to block_ids; empty with one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

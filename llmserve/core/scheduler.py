@@ -16,7 +16,8 @@ from typing import Iterable, Optional
 from llmserve.config import CacheConfig, SchedulerConfig
 from llmserve.core.fair_share import FairShare
 from llmserve.core.beam_search import BeamSearchManager
-from llmserve.core.kv_cache_manager import KVCacheManager, max_window_blocks
+from llmserve.core.kv_cache_coordinator import HybridKVCacheManager
+from llmserve.core.kv_cache_manager import KVCacheManager, max_blocks_held
 from llmserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -43,12 +44,17 @@ class Scheduler:
     encoder model) allocates and caches no KV blocks at all. ``enable_kv_cache_events``:
     the KV cache manager records block events (``--kv-events-config``).
     ``kv_sliding_window``: the window of a model whose every layer is windowed; blocks it
-    has left are freed while requests run (``KVCacheManager``); None: kept to the end."""
+    has left are freed while requests run (``KVCacheManager``); None: kept to the end.
+    ``kv_cache_groups``: the window (None: full attention) of each KV cache group the model
+    runner laid out; two or more (a hybrid model, e.g. Gemma 2/3) give each request one
+    block table per group (``HybridKVCacheManager``, ``ScheduledRequest.group_block_ids``);
+    one is the same as ``kv_sliding_window``."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  needs_kv: bool = True, structured_output_manager=None, lora_config=None,
                  speculative_config=None, kv_connector=None, enable_kv_cache_events: bool = False,
-                 kv_sliding_window: Optional[int] = None) -> None:
+                 kv_sliding_window: Optional[int] = None,
+                 kv_cache_groups: Optional[list[Optional[int]]] = None) -> None:
         self.config = scheduler_config
         # The scheduler side of a KV connector (llmserve/kv_transfer); None: off.
         self.connector = kv_connector
@@ -61,10 +67,21 @@ class Scheduler:
         self.max_loras = lora_config.max_loras if lora_config is not None else 0
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching,
-                                               enable_kv_cache_events=enable_kv_cache_events,
-                                               sliding_window=kv_sliding_window)
+        if kv_cache_groups is not None and len(kv_cache_groups) > 1:
+            if kv_connector is not None:
+                raise ValueError("kv_cache_groups: a KV connector needs one KV cache group "
+                                 "(it saves and loads one block table per request)")
+            self.kv_cache_manager = HybridKVCacheManager(num_blocks, cache_config.block_size, kv_cache_groups,
+                                                         cache_config.enable_prefix_caching,
+                                                         enable_kv_cache_events=enable_kv_cache_events)
+        else:
+            if kv_cache_groups:
+                kv_sliding_window = kv_cache_groups[0]
+            self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                                   cache_config.enable_prefix_caching,
+                                                   enable_kv_cache_events=enable_kv_cache_events,
+                                                   sliding_window=kv_sliding_window)
+        self.kv_group_windows = getattr(self.kv_cache_manager, "group_windows", None) or [kv_sliding_window]
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -115,13 +132,20 @@ class Scheduler:
 
     def _max_blocks_held(self, request: Request) -> int:
         """The most KV blocks ``request`` can hold at once: all of its tokens' blocks, or
-        fewer with a sliding window on every layer (``max_window_blocks``: a step runs at
+        fewer in groups with a sliding window (``max_blocks_held``: a step runs at
         most max_num_batched_tokens tokens)."""
-        total = -(-min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) // self.block_size)
-        window = self.kv_cache_manager.sliding_window
-        if window is None:
-            return total
-        return min(total, max_window_blocks(window, self.block_size, self.config.max_num_batched_tokens))
+        return max_blocks_held(self.kv_group_windows,
+                               min(request.num_prompt_tokens + request.max_tokens, self.max_model_len),
+                               self.block_size, self.config.max_num_batched_tokens)
+
+    def _scheduled(self, req: Request, n: int, draft: list[int]) -> ScheduledRequest:
+        """The step's entry for ``req`` (``n`` tokens): its block table, and with several
+        KV cache groups (a hybrid model) every group's."""
+        kv = self.kv_cache_manager
+        s = ScheduledRequest(req, req.num_computed_tokens, n, kv.get_block_ids(req.request_id), draft)
+        if isinstance(kv, HybridKVCacheManager):
+            s.group_block_ids = kv.get_group_block_ids(req.request_id)
+        return s
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests: their blocks are freed at once."""
@@ -398,9 +422,7 @@ class Scheduler:
         for req in self.running:
             n = scheduled.get(req.request_id)
             if n:
-                out.scheduled.append(ScheduledRequest(
-                    req, req.num_computed_tokens, n,
-                    self.kv_cache_manager.get_block_ids(req.request_id), drafts.get(req.request_id, [])))
+                out.scheduled.append(self._scheduled(req, n, drafts.get(req.request_id, [])))
         record_scheduled(out.scheduled, admitted)  # the timeline's prefill events (core/timeline.py)
         self._last_batch_size = len(out.scheduled)
         out.total_num_scheduled_tokens = sum(s.num_scheduled_tokens for s in out.scheduled)
