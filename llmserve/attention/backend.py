@@ -55,6 +55,10 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_seq_len: int
     block_size: int
+    # Several KV cache groups (a hybrid model, worker/kv_cache_groups.py): this batch's
+    # metadata per group (its block tables and slot mapping; the first is this object).
+    # Each PagedAttention layer reads its group's (``kv_cache_group``). None: one group.
+    kv_groups: Optional[list] = field(default=None, repr=False, compare=False)
     # Tensors derived once per step and reused by every layer (decode masks, block views).
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -267,6 +271,7 @@ class PagedAttention:
     sliding layers), None for full; logits_soft_cap: ``c * tanh(scores / c)`` on the scaled
     scores (Gemma 2's ``attn_logit_softcapping``, vLLM's ``logits_soft_cap``), None for none.
     use_kernel: try the C++ decode kernel (falls back to torch if it cannot be built).
+    ``kv_cache_group``: its KV cache group (0; a hybrid model's runner sets it).
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
@@ -282,13 +287,17 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.use_kernel = use_kernel
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        # The KV cache group whose block tables this layer reads (set by the model runner
+        # for hybrid models; ``AttentionMetadata.kv_groups``).
+        self.kv_cache_group = 0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: Optional[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """query ``[T, num_heads*head_dim]``, key/value ``[T, num_kv_heads*head_dim]`` ->
         ``[T, num_heads*head_dim]``. ``kv_cache`` None (or empty) runs without a cache:
         every request must then be a whole prompt (seq_len == query_len)."""
-        md = attn_metadata
+        groups = getattr(attn_metadata, "kv_groups", None)
+        md = attn_metadata if groups is None else groups[self.kv_cache_group]
         t = md.num_actual_tokens
         q = query[:t].view(t, self.num_heads, self.head_dim)
         k = key[:t].view(t, self.num_kv_heads, self.head_dim)

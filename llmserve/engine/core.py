@@ -18,7 +18,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.kv_events import KVEventBatch
 from llmserve.core.timeline import record_execute_time
 from llmserve.core.request import Request, RequestStatus
-from llmserve.core.kv_cache_manager import max_window_blocks
+from llmserve.core.kv_cache_manager import max_blocks_held
 from llmserve.core.scheduler import Scheduler
 from llmserve.engine.client_router import ClientRouter
 from llmserve.engine.core_sleep import SleepModeMixin, wait_input_or_sleep
@@ -89,6 +89,19 @@ def _kv_sliding_window(executor: Executor, config: EngineConfig) -> Optional[int
     return window
 
 
+def _kv_cache_groups(executor: Executor, config: EngineConfig) -> list[Optional[int]]:
+    """The window (None: full attention) of each KV cache group the model runner laid out
+    (``Executor.kv_cache_group_windows``): several for a hybrid model (Gemma 2/3, whose
+    windowed groups free the blocks their window has left), else the one of
+    ``_kv_sliding_window``. The runner lays out one group when a KV connector is on."""
+    groups = executor.kv_cache_group_windows()
+    if len(groups) > 1:
+        logger.info("KV cache groups (window per group, None: full attention): %s; blocks outside "
+                    "a group's window are freed while requests run", groups)
+        return groups
+    return [_kv_sliding_window(executor, config)]
+
+
 class EngineCore(SleepModeMixin):
     """The inner loop of the engine, in whatever process it lives.
 
@@ -110,14 +123,15 @@ class EngineCore(SleepModeMixin):
         num_blocks = self.model_executor.determine_num_blocks()
         bs = config.cache_config.block_size
         max_len = config.model_config.max_model_len
-        window = _kv_sliding_window(self.model_executor, config)
-        needed = -(-max_len // bs) + 1
-        if window is not None:  # a sequence holds only its window's blocks (+ block 0, reserved)
-            needed = min(needed, max_window_blocks(window, bs, config.scheduler_config.max_num_batched_tokens) + 1)
+        groups = _kv_cache_groups(self.model_executor, config)
+        window = groups[0] if len(groups) == 1 else None
+        # A sequence's blocks in every group (a window's only) + block 0, reserved.
+        needed = max_blocks_held(groups, max_len, bs, config.scheduler_config.max_num_batched_tokens) + 1
         if num_blocks < needed:
             per_block = self.model_executor.kv_cache_bytes_per_block()
             held = f"its {window}-token sliding window" if window is not None and needed < -(-max_len // bs) + 1 \
-                else f"max_model_len={max_len} tokens"
+                else f"max_model_len={max_len} tokens" if len(groups) == 1 \
+                else f"max_model_len={max_len} tokens in its full-attention layers and its window in the windowed ones"
             raise ValueError(
                 f"The KV cache is too small: {num_blocks} blocks of {bs} tokens "
                 f"({num_blocks * per_block / 2**20:.1f} MiB) cannot hold one sequence of "
@@ -137,7 +151,7 @@ class EngineCore(SleepModeMixin):
                                    speculative_config=getattr(config, "speculative_config", None),
                                    kv_connector=connector,
                                    enable_kv_cache_events=_kv_events_on(config),
-                                   kv_sliding_window=window)
+                                   kv_cache_groups=groups)
         # --kv-events-config: each step's block events go to this publisher (None: off).
         self.kv_event_publisher = _kv_event_publisher(config)
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora

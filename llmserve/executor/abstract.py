@@ -29,6 +29,18 @@ def combine_sliding_windows(windows: list[Optional[int]]) -> Optional[int]:
     return max(windows)
 
 
+def combine_group_windows(answers: list[list[Optional[int]]]) -> list[Optional[int]]:
+    """The workers' ``kv_cache_group_windows`` as one: their common layout when all agree
+    (tensor-parallel ranks hold the same layers), else one group by
+    ``combine_sliding_windows`` of single-group answers (pipeline stages, which lay out
+    one group each)."""
+    if answers and all(a == answers[0] for a in answers):
+        return list(answers[0])
+    if any(len(a) != 1 for a in answers):
+        raise ValueError(f"workers laid out different KV cache groups: {answers}")
+    return [combine_sliding_windows([a[0] for a in answers])]
+
+
 class Executor:
     """Base class. Subclasses implement ``_init_executor`` and the worker calls."""
 
@@ -82,6 +94,12 @@ class Executor:
         windowed (``ModelRunner.kv_cache_sliding_window``); None (the default): the
         scheduler keeps every block until the request ends."""
         return None
+
+    def kv_cache_group_windows(self) -> list[Optional[int]]:
+        """The window (None: full attention) of each KV cache group of the model
+        (``ModelRunner.kv_cache_group_windows``); the default: one group of
+        ``kv_cache_sliding_window``."""
+        return [self.kv_cache_sliding_window()]
 
     def execute_model(self, scheduler_output: "SchedulerOutput") -> "ModelRunnerOutput":
         raise NotImplementedError

@@ -22,7 +22,7 @@ from multiprocessing.connection import Listener
 from typing import Any, Optional
 
 from llmserve import proc_utils
-from llmserve.executor.abstract import Executor, combine_sliding_windows
+from llmserve.executor.abstract import Executor, combine_group_windows, combine_sliding_windows
 
 # Seconds to wait for the workers to connect / for the model load calls.
 _CONNECT_TIMEOUT_S = 120.0
@@ -112,6 +112,9 @@ class MultiprocExecutor(Executor):
 
     def kv_cache_sliding_window(self) -> Optional[int]:
         return combine_sliding_windows(self.collective_rpc("kv_cache_sliding_window"))
+
+    def kv_cache_group_windows(self) -> list[Optional[int]]:
+        return combine_group_windows(self.collective_rpc("kv_cache_group_windows"))
 
     def kv_cache_bytes_per_block(self) -> int:
         return max(self.collective_rpc("kv_cache_bytes_per_block"))

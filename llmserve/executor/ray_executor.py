@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Optional
 
-from llmserve.executor.abstract import Executor, combine_sliding_windows
+from llmserve.executor.abstract import Executor, combine_group_windows, combine_sliding_windows
 from llmserve.executor.multiproc_executor import _NoPrefault
 from llmserve.worker.worker import Worker
 
@@ -74,6 +74,9 @@ class RayDistributedExecutor(Executor):
 
     def kv_cache_sliding_window(self) -> Optional[int]:
         return combine_sliding_windows(self.collective_rpc("kv_cache_sliding_window"))
+
+    def kv_cache_group_windows(self) -> list[Optional[int]]:
+        return combine_group_windows(self.collective_rpc("kv_cache_group_windows"))
 
     def kv_cache_bytes_per_block(self) -> int:
         return max(self.collective_rpc("kv_cache_bytes_per_block"))

@@ -27,13 +27,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from llmserve.attention.backend import AttentionMetadata, PagedAttention
+from llmserve.attention.backend import AttentionMetadata
 from llmserve.config import EngineConfig
 from llmserve.core.outputs import LogprobsLists, ModelRunnerOutput
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from llmserve.ops.batch_invariant import MIN_INVARIANT_ROWS, min_gemm_rows
 from llmserve.sample.metadata import SamplingRequestState, make_generator
+from llmserve.worker.kv_cache_groups import (KVCacheLayout, add_group_metadata, assign_kv_cache_groups,
+                                             layout_for_model)
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.manual_seed(self.model_config.seed)
         self.model = get_model(self.model_config, pack_weights=pack_weights)
+        if getattr(self, "_kv_layout", None) is not None:  # woken from sleep: the same groups
+            assign_kv_cache_groups(self.model, self._kv_layout)
         if pack_weights:  # one worker; tensor-parallel workers wrap their shards (Worker.load_model)
             self.init_lora()
         logger.info("Loaded %s (%s) in %.1f s", self.model_config.model, self.model_config.dtype,
@@ -180,22 +184,36 @@ class ModelRunner:
         return self.lora_manager
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one KV block: K and V of ``block_size`` tokens in each KV tensor (every
+        layer, or a hybrid model's layers per group: ``worker/kv_cache_groups.py``)."""
         mc = self.model_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+        return 2 * self.kv_cache_layout().num_slots * self.block_size * self.num_kv_heads * mc.head_dim * elem
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The KV cache groups of the model (``worker/kv_cache_groups.layout_for_model``),
+        planned once the model is loaded and kept across sleep mode (a reloaded model's
+        layers are told their groups again by ``load_model``)."""
+        layout = getattr(self, "_kv_layout", None)
+        if layout is None:
+            layout = layout_for_model(self.model, self.config)
+            if self.model is not None:
+                self._kv_layout = layout
+        return layout
+
+    def kv_cache_group_windows(self) -> list[Optional[int]]:
+        """The window (None: full attention) of each KV cache group (``kv_cache_layout``):
+        one group of ``kv_cache_sliding_window``, or a hybrid model's groups."""
+        return list(self.kv_cache_layout().group_windows)
 
     def kv_cache_sliding_window(self) -> Optional[int]:
         """Tokens back from each query past which no layer of the model reads the paged KV
         cache: the largest window when every ``PagedAttention`` layer has one (Mistral
         v0.1, Phi-3), else None (a full-attention layer, e.g. Gemma 2/3's global ones,
-        reads every block). The scheduler frees the blocks this window has left."""
-        if self.model is None or self.model_config.is_encoder_only:
-            return None
-        windows = [a.sliding_window for m in self.model.modules() for a in vars(m).values()
-                   if isinstance(a, PagedAttention)]
-        if not windows or any(w is None for w in windows):
-            return None
-        return max(windows)
+        reads every block; they have several groups, ``kv_cache_group_windows``). The
+        scheduler frees the blocks this window has left."""
+        windows = self.kv_cache_layout().group_windows
+        return windows[0] if len(windows) == 1 else None
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks that fit in ``kv_cache_memory_bytes`` (or the override).
@@ -218,7 +236,8 @@ class ModelRunner:
         if mc.is_encoder_only:
             self.kv_caches = []
             return
-        shape = (mc.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        layout = self.kv_cache_layout()
+        shape = (layout.num_slots, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
             nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
             raw = np.zeros(nbytes, dtype=np.uint8)
@@ -226,9 +245,9 @@ class ModelRunner:
             _advise_huge_pages(raw.ctypes.data, nbytes, huge_pages=False)
             buf = torch.from_numpy(raw).view(self.dtype).view(shape)
             self._kv_nbytes, self._kv_huge = nbytes, False
-            # Prefault cursor (see prefault_kv): 2 * num_layers regions of num_blocks blocks.
+            # Prefault cursor (see prefault_kv): 2 * num_slots regions of num_blocks blocks.
             self._kv_addr = raw.ctypes.data
-            self._kv_regions = 2 * mc.num_layers
+            self._kv_regions = 2 * layout.num_slots
             self._kv_block_bytes = nbytes // (self._kv_regions * num_blocks)
             self._kv_num_blocks = num_blocks
             self._kv_prefault_next = 0
@@ -238,7 +257,8 @@ class ModelRunner:
             self._kv_prefault_limit = min(num_blocks, self._kv_headroom)
         else:
             buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = list(buf.unbind(0))
+        slots = buf.unbind(0)  # a hybrid model's layers share them (kv_cache_groups.py)
+        self.kv_caches = [slots[j] for j in layout.layer_slot]
         self._init_kv_connector()
         if self.device.type == "cpu":
             self._prefault_for_kv_tier()
@@ -344,7 +364,11 @@ class ModelRunner:
 
     def kv_cache_nbytes(self) -> int:
         """Bytes of the whole KV cache (all layers, K and V)."""
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return sum(t.numel() * t.element_size() for t in self._kv_tensors())
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """The distinct KV tensors (a hybrid model's layers share them)."""
+        return list({id(t): t for t in self.kv_caches}.values())
 
     # ---- sleep mode (llmserve/worker/sleep_mode.py) ---------------------------
     def sleep(self, level: int = 1) -> None:
@@ -426,7 +450,7 @@ class ModelRunner:
         every layer (core/beam_search.py)."""
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for kv in self.kv_caches:
+        for kv in self._kv_tensors():
             kv[:, dst] = kv[:, src]
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -502,6 +526,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             block_size=bs,
         )
+        if sched[0].group_block_ids:  # a hybrid model: each KV cache group's tables
+            add_group_metadata(md, [s.group_block_ids for s in sched], positions, query_lens, dev)
         return StepInputs(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
                           logit_rows, plan)
 

@@ -72,6 +72,9 @@ class Worker:
     def kv_cache_sliding_window(self) -> Optional[int]:
         return self.model_runner.kv_cache_sliding_window()
 
+    def kv_cache_group_windows(self) -> list[Optional[int]]:
+        return self.model_runner.kv_cache_group_windows()
+
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()
 

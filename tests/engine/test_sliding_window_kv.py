@@ -14,6 +14,7 @@ from torch import nn
 
 from llmserve.attention.backend import PagedAttention
 from llmserve.engine.core import _kv_sliding_window
+from llmserve.worker.kv_cache_groups import layout_for_model
 from llmserve.worker.model_runner import ModelRunner
 
 BS, WINDOW, PROMPT, NEW = 16, 8, 40, 64
@@ -93,14 +94,28 @@ class _Layer(nn.Module):
         self.attn = PagedAttention(4, 16, 2, 0.25, sliding_window=window)
 
 
-@pytest.mark.parametrize("windows,expected", [((8, 8), 8), ((4, 8), 8), ((8, None), None), ((None, None), None)],
+def _config(num_layers: int, kv_transfer_config=None, pp: int = 1) -> SimpleNamespace:
+    mc = SimpleNamespace(is_encoder_only=False, is_encoder_decoder=False, num_layers=num_layers)
+    return SimpleNamespace(model_config=mc, kv_transfer_config=kv_transfer_config,
+                           parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+
+
+@pytest.mark.parametrize("windows,expected,groups", [((8, 8), 8, [8]), ((4, 8), 8, [8]), ((8, None), None, [None, 8]),
+                                                     ((None, None), None, [None])],
                          ids=["mistral", "mixed-windows", "gemma-hybrid", "full"])
-def test_only_models_windowed_on_every_layer_free_blocks(windows, expected):
-    """The window the KV cache frees by is the largest of the layers', only when every
-    layer has one: Gemma 2/3's global layers read every block."""
-    runner = SimpleNamespace(model=nn.ModuleList(_Layer(w) for w in windows),
-                             model_config=SimpleNamespace(is_encoder_only=False))
-    assert ModelRunner.kv_cache_sliding_window(runner) == expected
+def test_only_models_windowed_on_every_layer_free_blocks(windows, expected, groups):
+    """The one window the KV cache frees by is the largest of the layers', only when every
+    layer has one; Gemma 2/3's global layers read every block, so such a model gets a
+    full-attention KV cache group beside its windowed one (worker/kv_cache_groups.py)."""
+    model = nn.ModuleList(_Layer(w) for w in windows)
+    runner = SimpleNamespace(model=model, config=_config(len(windows)))
+    assert ModelRunner.kv_cache_sliding_window(SimpleNamespace(kv_cache_layout=lambda: layout_for_model(
+        runner.model, runner.config))) == expected
+    assert layout_for_model(model, runner.config).group_windows == groups
+    # A KV connector or pipeline stages: one group, nothing freed for the hybrid model.
+    ktc = SimpleNamespace(is_kv_transfer_instance=True)
+    assert layout_for_model(model, _config(len(windows), ktc)).group_windows == [expected]
+    assert layout_for_model(model, _config(len(windows), pp=2)).group_windows == [expected]
 
 
 def test_kv_connector_keeps_every_block():
