@@ -315,8 +315,12 @@ inline __m512 h16_ps(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <int BITS, int MT, typename OutT>
-void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
+// kMins: the type has mins (Q2_K, Q4_K, Q5_K: z = 0); Q3_K and Q6_K have none (their mn
+// and dmin are zero, kquant.py) but a code offset z, so their tiles skip the two min terms
+// per token and half-block pair (and the scales' two products), and always subtract z. The
+// skipped terms were acc - 0 * sh: the results are unchanged.
+template <int BITS, int MT, bool kMins, typename OutT>
+void group_tile_k(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
   const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
   const uint8_t* codes = p.codes + g * p.nb * tb;
   const int8_t* sc = p.sc + g * p.nb * 64;
@@ -334,7 +338,11 @@ void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT*
     load_tile<BITS>(codes + b * tb, v);
     const int8_t* s = sc + b * 64;
     const __m512 d0 = _mm512_mul_ps(d, i8x16_ps(s)), d1 = _mm512_mul_ps(d, i8x16_ps(s + 16));
-    const __m512 m0 = _mm512_mul_ps(dmin, i8x16_ps(s + 32)), m1 = _mm512_mul_ps(dmin, i8x16_ps(s + 48));
+    __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+    if constexpr (kMins) {
+      m0 = _mm512_mul_ps(dmin, i8x16_ps(s + 32));
+      m1 = _mm512_mul_ps(dmin, i8x16_ps(s + 48));
+    }
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
       const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
@@ -345,19 +353,27 @@ void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT*
         a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
         a1 = _mm512_dpbusd_epi32(a1, v[j + 4], _mm512_set1_epi32(xw[j + 4]));
       }
-      if (p.z) {
+      if constexpr (!kMins) {
         a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi]));
         a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi + 1]));
       }
       const __m512 dx = _mm512_set1_ps(xq.d[xi]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), acc[t]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d1, dx), acc[t]);
-      acc[t] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(xq.sh[2 * xi]), acc[t]);
-      acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(xq.sh[2 * xi + 1]), acc[t]);
+      if constexpr (kMins) {
+        acc[t] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(xq.sh[2 * xi]), acc[t]);
+        acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(xq.sh[2 * xi + 1]), acc[t]);
+      }
     }
   }
   const int64_t valid = std::min(RG, p.n - g * RG);
   for (int t = 0; t < MT; ++t) store_rows(out + (t0 + t) * N + g * RG, acc[t], valid);
+}
+
+template <int BITS, int MT, typename OutT>
+void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
+  if (p.z) group_tile_k<BITS, MT, false>(p, xq, g, t0, out, N);
+  else group_tile_k<BITS, MT, true>(p, xq, g, t0, out, N);
 }
 
 // Row groups split over threads; tokens 16 (Q4_0..Q8_0) or 8 (then 4, 3, 2, 1) at a time,
