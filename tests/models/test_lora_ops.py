@@ -89,28 +89,33 @@ def test_rows_are_batch_invariant_and_views_accepted():
         assert torch.equal(alone[0], y[row])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rank", [8, 40])
-def test_rows_are_batch_invariant_across_the_serial_and_threaded_paths(dtype, rank):
+@pytest.mark.parametrize("rows_per_slot", [2, 8])
+def test_rows_are_batch_invariant_across_the_serial_and_threaded_paths(dtype, rank, rows_per_slot):
     """A row alone (below the kernel's threading threshold: lora.cpp run_serial, one row a
-    pass) vs 16 rows over 8 adapters (threaded where the runner has threads, two rows a
-    pass): the same bits. Rank 40: W = 80, more than one 64-column pass over A. K = 600:
-    four A chunks, the last one short."""
+    pass) vs 16 rows over 8 adapters (2 rows each: 8 blocks, whole blocks per thread,
+    run_blocks) or over 2 adapters (8 rows each: 2 blocks, the two-phase split over A's
+    chunks and the columns) where the runner has threads: the same bits. Rank 40: W = 80,
+    more than one 64-column pass over A. K = 600: four A chunks, the last one short.
+    float16: x widened to float32 once per chunk, as bfloat16."""
     k = _kernel()
     g = torch.Generator().manual_seed(1)
     slices = [(0, 40), (40, 24)]
-    a = (torch.randn(8, 600, 2 * rank, generator=g) / 25).to(dtype)
-    b = (torch.randn(8, rank, 64, generator=g) / 6).to(dtype)
+    wdt = torch.bfloat16 if dtype == torch.float16 else dtype  # the kernel's weights: float32 or bfloat16
+    a = (torch.randn(8, 600, 2 * rank, generator=g) / 25).to(wdt)
+    b = (torch.randn(8, rank, 64, generator=g) / 6).to(wdt)
     rng = column_ranges(slices)
     x = torch.randn(16, 600, generator=g).to(dtype)
     y = torch.randn(16, 64, generator=g).to(dtype)
     batch = y.clone()
-    k(batch, x, a, b, LoRAMapping([(s, 2 * s, 2 * s + 2) for s in range(8)], 16).segs, rng)
+    n = rows_per_slot
+    k(batch, x, a, b, LoRAMapping([(s, n * s, n * s + n) for s in range(16 // n)], 16).segs, rng)
     for row in range(16):
         alone = y[row:row + 1].clone()
-        k(alone, x[row:row + 1].contiguous(), a, b, LoRAMapping([(row // 2, 0, 1)], 1).segs, rng)
+        k(alone, x[row:row + 1].contiguous(), a, b, LoRAMapping([(row // n, 0, 1)], 1).segs, rng)
         assert torch.equal(alone[0], batch[row])
-    ref = y.float() + lora_delta_reference(x, a, b, torch.arange(16) // 2, rng)
+    ref = y.float() + lora_delta_reference(x, a, b, torch.arange(16) // n, rng)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(batch.float(), ref, atol=tol, rtol=tol)
 

@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,21 +62,41 @@ struct Item {
 // SmolLM2 step, 9.8 MB) where one core streams ~40 GB/s. As in attention.cpp's KV stream.
 constexpr int64_t PD = 4096;  // bytes ahead (2 KB measured the same, 8-16 KB slower)
 
-struct Stream {  // the next line to ask for and the end of the region
-  const char* p;
-  const char* end;
-};
-
-inline Stream stream_of(const void* begin, int64_t bytes) {
-  const char* c = static_cast<const char*>(begin);
-  return {reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(c) & ~uintptr_t(63)), c + bytes};
+inline const char* line_of(const void* p) {
+  return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63));
 }
 
-// Ask for every line of s below upto + PD (and below its end).
+// A region read front to back (p: the next line to ask for) and a companion region (q: its
+// next line) that the same loop prefetches in proportion: the share of B that this part of
+// the shrink pays for, so that B's lines are in flight while A is read rather than only
+// once the expand starts (each call's B, 18-98 KB a slot, then waited a full memory
+// latency per 128-column tile ahead).
+struct Stream {
+  const char* p;
+  const char* begin;
+  const char* end;
+  const char* q;
+  const char* qbegin;
+  const char* qend;
+  double ratio;  // companion bytes per region byte (a division per prefetch step cost ~0.7 us a call)
+};
+
+inline Stream stream_of(const void* begin, int64_t bytes, const void* comp = nullptr, int64_t comp_bytes = 0) {
+  const char* c = static_cast<const char*>(begin);
+  const char* d = static_cast<const char*>(comp);
+  return {line_of(c), c, c + bytes, comp_bytes > 0 ? line_of(d) : nullptr, d, comp_bytes > 0 ? d + comp_bytes : nullptr,
+          bytes > 0 ? static_cast<double>(comp_bytes) / static_cast<double>(bytes) : 0.0};
+}
+
+// Ask for every line of s below upto + PD (and below its end), and the companion's lines
+// up to the same fraction of it.
 inline void prefetch_to(Stream* s, const void* upto) {
   if (s == nullptr) return;
   const char* u = std::min(static_cast<const char*>(upto) + PD, s->end);
   for (; s->p < u; s->p += 64) _mm_prefetch(s->p, _MM_HINT_T1);
+  if (s->q == nullptr) return;
+  const char* v = std::min(s->qend, s->qbegin + static_cast<int64_t>(static_cast<double>(u - s->begin) * s->ratio));
+  for (; s->q < v; s->q += 64) _mm_prefetch(s->q, _MM_HINT_T1);
 }
 
 #if defined(__AVX512F__)
@@ -149,6 +170,101 @@ inline void expand_vecs(float* acc, const float* t, int64_t W, const WT* b, int6
   for (int r = 0; r < NR; ++r)
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * 16 * NV + 16 * v, s[r][v]);
 }
+
+// bfloat16 weights 32 at a time: one 512-bit load, the even columns widened by a shift and
+// the odd ones by a mask, each into its own accumulators, put back in column order once at
+// the end. Where the loops above spend four vector ops on widening 32 weights (vpmovzxwd and
+// a shift per 16), this spends two; the FMAs, their chains and their order per column are
+// the same as shrink_vecs' / expand_vecs' (bit-identical results). At 16 decode rows over 8
+// adapters (2 rows a block) the kernel ran at ~0.5 FMA a cycle with its weights in cache,
+// the widening ops sharing the vector pipes with the FMAs.
+inline void widen_eo(__m512i w, __m512* e, __m512* o) {
+  *e = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  *o = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline __mmask32 mask32_of(int64_t n) {
+  return n >= 32 ? __mmask32(0xFFFFFFFFu) : n <= 0 ? __mmask32(0) : __mmask32((1u << n) - 1);
+}
+
+// Columns 0..31 from their even (e) and odd (o) lanes.
+inline void store_eo(float* out, __m512 e, __m512 o) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(e, lo, o));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(e, hi, o));
+}
+
+// shrink_vecs for bfloat16 A over columns [w0, w0 + 32*NP + 16*NV1): NP whole 32-column
+// pairs (w0 + 32*NP <= W), then NV1 (0 or 1) 16-column vector masked at W.
+template <int NP, int NV1, int NR, typename XT>
+inline void shrink_eo(float* out, const XT* x, int64_t ldx, const c10::BFloat16* a, int64_t W, int64_t w0,
+                      int64_t k0, int64_t k1, Stream* ps) {
+  constexpr int NA = 2 * NP + NV1;  // accumulators per row and chain
+  const __mmask16 m1 = mask_of(W - w0 - 32 * NP);
+  __m512 s[NR][4][NA];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c)
+      for (int v = 0; v < NA; ++v) s[r][c][v] = _mm512_setzero_ps();
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    prefetch_to(ps, a + (k + 4) * W);
+    for (int c = 0; c < 4; ++c) {
+      const c10::BFloat16* ak = a + (k + c) * W + w0;
+      __m512 av[NA];
+      for (int p = 0; p < NP; ++p) widen_eo(_mm512_loadu_si512(ak + 32 * p), &av[2 * p], &av[2 * p + 1]);
+      if (NV1) av[NA - 1] = load16(ak + 32 * NP, m1);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xv = _mm512_set1_ps(to_f(x[r * ldx + k + c]));
+        for (int v = 0; v < NA; ++v) s[r][c][v] = _mm512_fmadd_ps(xv, av[v], s[r][c][v]);
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const c10::BFloat16* ak = a + k * W + w0;
+    __m512 av[NA];
+    for (int p = 0; p < NP; ++p) widen_eo(_mm512_loadu_si512(ak + 32 * p), &av[2 * p], &av[2 * p + 1]);
+    if (NV1) av[NA - 1] = load16(ak + 32 * NP, m1);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 xv = _mm512_set1_ps(to_f(x[r * ldx + k]));
+      for (int v = 0; v < NA; ++v) s[r][0][v] = _mm512_fmadd_ps(xv, av[v], s[r][0][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    __m512 sum[NA];
+    for (int v = 0; v < NA; ++v)
+      sum[v] = _mm512_add_ps(_mm512_add_ps(s[r][0][v], s[r][1][v]), _mm512_add_ps(s[r][2][v], s[r][3][v]));
+    for (int p = 0; p < NP; ++p) store_eo(out + r * W + w0 + 32 * p, sum[2 * p], sum[2 * p + 1]);
+    if (NV1) _mm512_mask_storeu_ps(out + r * W + w0 + 32 * NP, m1, sum[NA - 1]);
+  }
+}
+
+// expand_vecs for bfloat16 B: nc <= 32*NP columns, NP pairs (masked at nc).
+template <int NP, int NR>
+inline void expand_eo(float* acc, const float* t, int64_t W, const c10::BFloat16* b, int64_t R, int64_t N,
+                      int64_t nc) {
+  __mmask32 m[NP];
+  __m512 se[NR][NP], so[NR][NP];
+  for (int p = 0; p < NP; ++p) m[p] = mask32_of(nc - 32 * p);
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) se[r][p] = so[r][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < R; ++j) {
+    const c10::BFloat16* bj = b + j * N;
+    __m512 be[NP], bo[NP];
+    for (int p = 0; p < NP; ++p)
+      widen_eo(_mm512_maskz_loadu_epi16(m[p], reinterpret_cast<const void*>(bj + 32 * p)), &be[p], &bo[p]);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 tv = _mm512_set1_ps(t[r * W + j]);
+      for (int p = 0; p < NP; ++p) {
+        se[r][p] = _mm512_fmadd_ps(tv, be[p], se[r][p]);
+        so[r][p] = _mm512_fmadd_ps(tv, bo[p], so[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int p = 0; p < NP; ++p) store_eo(acc + r * 32 * NP + 32 * p, se[r][p], so[r][p]);
+}
+#define LORA_EO 1
 #else
 template <int NV, int NR, typename XT, typename WT>
 inline void shrink_vecs(float* out, const XT* x, int64_t ldx, const WT* a, int64_t W, int64_t w0, int64_t k0,
@@ -209,11 +325,49 @@ inline void add_row<c10::BFloat16>(c10::BFloat16* y, const float* acc, int64_t n
 }
 #endif
 
+// out[0:n] = x[0:n] as float32.
+inline void widen_row(float* out, const float* x, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
+template <typename XT>
+inline void widen_row(float* out, const XT* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    if constexpr (std::is_same<XT, c10::BFloat16>::value)
+      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    else
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) out[i] = to_f(x[i]);
+}
+
 // One chunk [k0, k1) of the shrink of a block of nr rows: part [nr, W]. The first row's
 // first pass prefetches A's rows [k0, k1) ahead of itself (the rest hit L1/L2).
 // NR rows of one pass over A's columns [w0, W): 16*SV columns at a time, then the rest.
 template <int NR, typename XT, typename WT>
 void shrink_rows(float* out, const XT* x, int64_t ldx, const WT* a, int64_t W, int64_t k0, int64_t k1, Stream* ps) {
+#if defined(LORA_EO)
+  if constexpr (std::is_same<WT, c10::BFloat16>::value) {  // the same passes, 32-column pairs
+    int64_t w0 = 0;
+    for (; w0 + 64 <= W; w0 += 64, ps = nullptr)
+      for (int r = 0; r < NR; ++r) shrink_eo<2, 0, 1, XT>(out + r * W, x + r * ldx, ldx, a, W, w0, k0, k1, r ? nullptr : ps);
+    const int64_t left = W - w0;  // the last < 64 columns
+    if (left > 48) {
+      shrink_eo<1, 0, NR, XT>(out, x, ldx, a, W, w0, k0, k1, ps);
+      shrink_vecs<2, NR, XT, WT>(out, x, ldx, a, W, w0 + 32, k0, k1, nullptr);
+    } else if (left > 32) {
+      shrink_eo<1, 1, NR, XT>(out, x, ldx, a, W, w0, k0, k1, ps);
+    } else if (left == 32) {
+      shrink_eo<1, 0, NR, XT>(out, x, ldx, a, W, w0, k0, k1, ps);
+    } else if (left > 16) {
+      shrink_vecs<2, NR, XT, WT>(out, x, ldx, a, W, w0, k0, k1, ps);
+    } else if (left > 0) {
+      shrink_vecs<1, NR, XT, WT>(out, x, ldx, a, W, w0, k0, k1, ps);
+    }
+    return;
+  }
+#endif
   int64_t w0 = 0;
   for (; w0 + 16 * SV <= W; w0 += 16 * SV, ps = nullptr)
     for (int r = 0; r < NR; ++r) shrink_vecs<SV, 1, XT, WT>(out + r * W, x + r * ldx, ldx, a, W, w0, k0, k1, r ? nullptr : ps);
@@ -224,8 +378,21 @@ void shrink_rows(float* out, const XT* x, int64_t ldx, const WT* a, int64_t W, i
 }
 
 template <typename XT, typename WT>
-void shrink_part(float* part, const XT* x, const WT* a, int64_t nr, int64_t W, int64_t ldx, int64_t k0, int64_t k1) {
-  Stream st = stream_of(a + k0 * W, (k1 - k0) * W * static_cast<int64_t>(sizeof(WT)));
+void shrink_part(float* part, const XT* x, const WT* a, int64_t nr, int64_t W, int64_t ldx, int64_t k0, int64_t k1,
+                 const WT* b, int64_t b_elems, int64_t K) {
+  if constexpr (!std::is_same<XT, float>::value) {
+    // x's chunk widened once (the same float values): the loops then broadcast each x
+    // from memory, where a bfloat16 or float16 x took three or four more ops per row and k
+    // (as many as widening the weights).
+    thread_local std::vector<float> xf;
+    if (static_cast<int64_t>(xf.size()) < RB * K) xf.resize(RB * K);
+    for (int64_t r = 0; r < nr; ++r) widen_row(xf.data() + r * K + k0, x + r * ldx + k0, k1 - k0);
+    shrink_part<float, WT>(part, xf.data(), a, nr, W, K, k0, k1, b, b_elems, K);
+    return;
+  }
+  const int64_t q0 = b_elems * k0 / K, q1 = b_elems * k1 / K;  // this chunk's share of B
+  Stream st = stream_of(a + k0 * W, (k1 - k0) * W * static_cast<int64_t>(sizeof(WT)), b + q0,
+                        (q1 - q0) * static_cast<int64_t>(sizeof(WT)));
   Stream* ps = &st;
   int64_t r = 0;
   if (W < 16 * SV)  // two rows per pass (A's vectors widened once for both)
@@ -247,11 +414,19 @@ void expand_cols(XT* y, const float* t, const WT* b, int64_t nr, int64_t W, int6
       for (int64_t j = 0; j < R; ++j) _mm_prefetch(reinterpret_cast<const char*>(b + j * N + c), _MM_HINT_T1);
     int64_t r = 0;
     for (; r + 2 <= nr; r += 2) {  // two rows per pass over the tile of b
+#if defined(LORA_EO)
+      if constexpr (std::is_same<WT, c10::BFloat16>::value) expand_eo<CB / 32, 2>(acc, t + r * W + off, W, b + cb, R, N, nc);
+      else
+#endif
       expand_vecs<CB / 16, 2, WT>(acc, t + r * W + off, W, b + cb, R, N, nc);
       add_row<XT>(y + r * ldy + cb, acc, nc);
       add_row<XT>(y + (r + 1) * ldy + cb, acc + CB, nc);
     }
     for (; r < nr; ++r) {
+#if defined(LORA_EO)
+      if constexpr (std::is_same<WT, c10::BFloat16>::value) expand_eo<CB / 32, 1>(acc, t + r * W + off, W, b + cb, R, N, nc);
+      else
+#endif
       expand_vecs<CB / 16, 1, WT>(acc, t + r * W + off, W, b + cb, R, N, nc);
       add_row<XT>(y + r * ldy + cb, acc, nc);
     }
@@ -271,11 +446,12 @@ constexpr int64_t kParMinWork = int64_t(1) << 17;
 // (the same operations, in the same order, as the threaded path below: a row's result
 // does not depend on which path ran it).
 template <typename XT, typename WT>
-void shrink_block(float* t, float* tmp, const XT* x, const WT* a, int64_t nr, int64_t K, int64_t W, int64_t ldx) {
+void shrink_block(float* t, float* tmp, const XT* x, const WT* a, int64_t nr, int64_t K, int64_t W, int64_t ldx,
+                  const WT* b, int64_t b_elems) {
   const int64_t kc = chunk_rows(K);
-  shrink_part<XT, WT>(t, x, a, nr, W, ldx, 0, std::min(K, kc));
+  shrink_part<XT, WT>(t, x, a, nr, W, ldx, 0, std::min(K, kc), b, b_elems, K);
   for (int64_t k0 = kc; k0 < K; k0 += kc) {
-    shrink_part<XT, WT>(tmp, x, a, nr, W, ldx, k0, std::min(K, k0 + kc));
+    shrink_part<XT, WT>(tmp, x, a, nr, W, ldx, k0, std::min(K, k0 + kc), b, b_elems, K);
     for (int64_t e = 0; e < nr * W; ++e) t[e] += tmp[e];
   }
 }
@@ -285,7 +461,8 @@ template <typename XT, typename WT>
 inline void run_item(const Item& it, float* t, XT* yp, const XT* xp, const WT* ap, const WT* bp, const int32_t* rp,
                      int64_t P, int64_t K, int64_t W, int64_t R, int64_t N, int64_t ldx, int64_t ldy) {
   const int64_t nr = it.end - it.start;
-  shrink_block<XT, WT>(t, t + RB * W, xp + it.start * ldx, ap + it.slot * K * W, nr, K, W, ldx);
+  shrink_block<XT, WT>(t, t + RB * W, xp + it.start * ldx, ap + it.slot * K * W, nr, K, W, ldx, bp + it.slot * R * N,
+                       R * N);
   for (int64_t p = 0; p < P; ++p)
     expand_cols<XT, WT>(yp + it.start * ldy, t, bp + it.slot * R * N, nr, W, R, N, ldy, rp[3 * p], rp[3 * p + 1],
                         rp[3 * p + 2] * R);
@@ -303,6 +480,41 @@ void run_serial(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vec
   for (const Item& it : items) run_item<XT, WT>(it, buf.data(), yp, xp, ap, bp, rp, P, K, W, R, N, ldx, ldy);
 }
 
+// Whole blocks per thread, one parallel region and no barrier between the shrink and the
+// expand: with at least two blocks a thread (16 decode rows over 8 adapters: 8 blocks of 2
+// rows) the two-phase split below paid a barrier and the partial sums for no balance it
+// needed. Blocks go to threads longest first, each to the least loaded (ties: the lower
+// thread), then each thread runs its blocks in order. Every block runs run_item, as
+// run_serial: a row's bits do not depend on the path.
+template <typename XT, typename WT>
+void run_blocks(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vector<Item>& items, const int32_t* rp,
+                int64_t P, int64_t K, int64_t W, int64_t R, int64_t N, int64_t ldx, int64_t ldy, int nt) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  thread_local std::vector<int64_t> order;
+  thread_local std::vector<int> owner;
+  order.resize(n);
+  owner.resize(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t u, int64_t v) {
+    return items[u].end - items[u].start > items[v].end - items[v].start;
+  });
+  std::vector<int64_t> load(nt, 0);
+  for (int64_t i : order) {
+    const int t = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = t;
+    load[t] += items[i].end - items[i].start;
+  }
+  const int* op = owner.data();
+#pragma omp parallel num_threads(nt)
+  {
+    const int me = omp_get_thread_num(), got = omp_get_num_threads();  // got < nt: the runtime gave fewer
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < 2 * RB * W) buf.resize(2 * RB * W);
+    for (int64_t i = 0; i < n; ++i)
+      if (op[i] % got == me) run_item<XT, WT>(items[i], buf.data(), yp, xp, ap, bp, rp, P, K, W, R, N, ldx, ldy);
+  }
+}
+
 // Two phases, each split into tasks over the threads: (block, chunk of A's rows) partial
 // shrinks, then (block, group of columns) expands, each summing its block's partials in
 // chunk order first. The split is fixed by the shapes, not the threads or the batch, so a
@@ -317,8 +529,13 @@ void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const
   const WT* ap = a.data_ptr<WT>();
   const WT* bp = b.data_ptr<WT>();
   const int32_t* rp = ranges.data_ptr<int32_t>();
-  if (work < kParMinWork || omp_get_max_threads() == 1) {
+  const int nt = omp_get_max_threads();
+  if (work < kParMinWork || nt == 1) {
     run_serial<XT, WT>(yp, xp, ap, bp, items, rp, P, K, W, R, N, ldx, ldy);
+    return;
+  }
+  if (static_cast<int64_t>(items.size()) >= 2 * nt) {
+    run_blocks<XT, WT>(yp, xp, ap, bp, items, rp, P, K, W, R, N, ldx, ldy, nt);
     return;
   }
   const int64_t kc = chunk_rows(K);
@@ -340,7 +557,7 @@ void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const
       const Item& it = items[i / nkc];
       const int64_t k0 = (i % nkc) * kc;
       shrink_part<XT, WT>(pp + i * RB * W, xp + it.start * ldx, ap + it.slot * K * W, it.end - it.start, W, ldx, k0,
-                          std::min(K, k0 + kc));
+                          std::min(K, k0 + kc), bp + it.slot * R * N, R * N, K);
     }
     thread_local std::vector<float> tv;  // one block's t [RB, W]
     if (static_cast<int64_t>(tv.size()) < RB * W) tv.resize(RB * W);
