@@ -100,3 +100,18 @@ async def test_cut_off_tool_call_is_an_error_not_text():
         await OllamaWire("m", chat=True).whole(_gen(items), RunStats())
     assert "cut off" in (await _lines(items))[-1]["error"]
 
+
+
+def test_keep_alive_strings_must_be_durations():
+    """Trial of stop 43: ``keep_alive: "forever"`` was a silent 200 where Ollama answers
+    400 (time.ParseDuration). Durations, numbers and numeric strings pass on every
+    request type; anything else names the field."""
+    import pydantic
+    from llmserve.entrypoints.ollama.protocol import OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest
+    for ok in ("5m", "1h30m", "-1s", "0", "1.5h", "300ms", "-1", 5, -1, None):
+        assert OllamaChatRequest(model="m", messages=[], keep_alive=ok).keep_alive == ok
+    for cls, extra in ((OllamaChatRequest, {"messages": []}), (OllamaGenerateRequest, {"prompt": "hi"}),
+                       (OllamaEmbedRequest, {"input": "hi"})):
+        for bad in ("forever", "", "5 m", "10x"):
+            with pytest.raises(pydantic.ValidationError, match="keep_alive"):
+                cls(model="m", keep_alive=bad, **extra)

@@ -69,3 +69,19 @@ def test_bench_body_and_config(tmp_path):
     for bad in ('{"backend": "outlines"}', '{"nope": 1}', "{", '{"disable_any_whitespace": "yes"}'):
         with pytest.raises(ValueError, match="structured_outputs_config"):
             make_structured_outputs_config(bad)
+
+
+def test_vllm_guided_fields_become_structured_outputs():
+    """Trial of stop 43: vLLM's older guided_* fields were ignored with a warning, so a
+    client written for them got free text. They now constrain as structured_outputs does;
+    a bad one is the same 400, and both forms at once are refused."""
+    assert all(p.regex == "x+" for p in _params(guided_regex="x+", guided_decoding_backend="xgrammar"))
+    assert all(p.choice == ["a", "b"] for p in _params(guided_choice=["a", "b"]))
+    assert all(p.json == SCHEMA for p in _params(guided_json=SCHEMA))
+    assert all(p.grammar == 'root ::= "a"' for p in _params(guided_grammar='root ::= "a"'))
+    assert _params(guided_decoding_backend="xgrammar") == [None, None]  # a backend alone constrains nothing
+    with pytest.raises(SamplingParamsError) as e:
+        _params(guided_regex="(")
+    assert e.value.param == "structured_outputs"
+    with pytest.raises(pydantic.ValidationError, match="not both"):
+        CompletionRequest(model="m", prompt="hi", guided_regex="x", structured_outputs={"regex": "y"})

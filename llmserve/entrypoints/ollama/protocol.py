@@ -10,16 +10,29 @@ out, and its clients read them as optional).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import re
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
 
 # ``keep_alive``: a duration ("5m", "1h"), seconds, or -1 / 0. Accepted and ignored: the
-# model stays loaded for the server's life (there is no unloading to schedule).
-KeepAlive = Optional[Union[str, float]]
+# model stays loaded for the server's life (there is no unloading to schedule). A string
+# must still be a Go duration, as Ollama parses it (time.ParseDuration): "forever" is a
+# 400 there, and was a silent 200 here (trial of stop 43). A number in a string ("-1", as
+# OLLAMA_KEEP_ALIVE is written) is let through: it is unambiguous, and nothing is scheduled.
+_GO_DURATION = re.compile(r"[-+]?(\d+(\.\d*)?|((\d+(\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h))+)")
+
+
+def _check_duration(value: Optional[Union[str, float]]) -> Optional[Union[str, float]]:
+    if isinstance(value, str) and not _GO_DURATION.fullmatch(value):
+        raise ValueError(f'time: invalid duration "{value[:40]}" (a Go duration such as "5m", "1h30m" or "-1s")')
+    return value
+
+
+KeepAlive = Annotated[Optional[Union[str, float]], AfterValidator(_check_duration)]
 # ``format``: "json", "" (none), or a JSON schema object.
 Format = Optional[Union[str, dict[str, Any]]]
 

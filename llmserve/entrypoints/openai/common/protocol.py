@@ -106,6 +106,11 @@ def _list_limits(field: Any) -> tuple[Optional[int], Optional[int]]:
 # Fields that would change the answer where a route does not take them: refused (400 naming
 # them) instead of ignored, like every unknown field is (README "Request fields"). A request
 # chat template runs only where the route takes one and the server trusts it.
+# vLLM's pre-0.10 guided-decoding fields -> their structured_outputs keys (SamplingRequest).
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern",
+                  "guided_decoding_backend": None}
+
 NEVER_IGNORED_FIELDS = {
     "chat_template": "This route takes no request `chat_template` (a request template is accepted only on "
                      "/v1/chat/completions, /tokenize and /v1/embeddings with messages, and only with "
@@ -268,6 +273,29 @@ class SamplingRequest(OpenAIRequestModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        """vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+        ``guided_grammar`` / ``guided_whitespace_pattern`` fields (deprecated in vLLM 0.10
+        for ``structured_outputs``) become that dict, so a client written for them is
+        constrained, not silently answered free text (the trial of stop 43 found them
+        ignored); ``guided_decoding_backend`` names a backend and is dropped. Both forms
+        at once is a 400 naming ``structured_outputs``."""
+        if not isinstance(data, dict) or not any(k in data for k in _GUIDED_FIELDS):
+            return data
+        data = dict(data)
+        data.pop("guided_decoding_backend", None)
+        guided = {_GUIDED_FIELDS[k]: data.pop(k) for k in list(data) if k in _GUIDED_FIELDS and k != "guided_decoding_backend"}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        if not guided:
+            return data
+        if data.get("structured_outputs") is not None:
+            raise PydanticCustomError("field_not_accepted", "Set either structured_outputs or the older guided_* "
+                                      "fields, not both.", {"param": "structured_outputs"})
+        data["structured_outputs"] = guided
+        return data
 
     def check_common(self) -> None:
         """Checks that do not need the prompt. Raises SamplingParamsError (param set)."""
