@@ -27,7 +27,7 @@ _MADV_HUGEPAGE = 14
 
 
 @functools.lru_cache(maxsize=1)
-def _libc_madvise():
+def libc_madvise():
     """libc's madvise with its argument types set, or None without glibc."""
     try:
         fn = ctypes.CDLL("libc.so.6", use_errno=True).madvise
@@ -44,7 +44,7 @@ def huge_page_buffer(nbytes: int) -> np.ndarray:
     raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)  # calloc: untouched fresh mmap'd memory
     off = (-raw.ctypes.data) % HUGE_PAGE
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    fn = _libc_madvise()
+    fn = libc_madvise()
     if fn is not None and length:
         fn(raw.ctypes.data + off, min(length, raw.nbytes - off) // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
     return raw[off:off + nbytes]

@@ -17,7 +17,6 @@ The runner knows no process or client: it imports only the ground-floor types.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -33,6 +32,7 @@ from llmserve.core.outputs import LogprobsLists, ModelRunnerOutput
 from llmserve.core.sched_output import SchedulerOutput
 from llmserve.sample import Sampler, SamplingMetadata, compute_prompt_logprobs
 from llmserve.ops.batch_invariant import MIN_INVARIANT_ROWS, min_gemm_rows
+from llmserve.ops.huge_pages import libc_madvise  # cached: prefault_kv calls it 2 * num_layers times a chunk
 from llmserve.sample.metadata import SamplingRequestState, make_generator
 from llmserve.worker.kv_cache_groups import (KVCacheLayout, add_group_metadata, assign_kv_cache_groups,
                                              layout_for_model)
@@ -81,19 +81,6 @@ class StepInputs:
     plan: list[_Planned]
 
 
-@functools.lru_cache(maxsize=1)
-def _libc_madvise():
-    """libc's madvise with its argument types set, or None without glibc (loaded once:
-    prefault_kv calls it 2 * num_layers times per chunk)."""
-    try:
-        import ctypes
-        fn = ctypes.CDLL("libc.so.6", use_errno=True).madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return fn
-    except (OSError, AttributeError):
-        return None
-
-
 def _lora_id(req) -> int:
     """The request's adapter id (0: the base model)."""
     lora = getattr(req, "lora_request", None)
@@ -102,7 +89,7 @@ def _lora_id(req) -> int:
 
 def _madvise(addr: int, length: int, advice: int) -> bool:
     """libc madvise; False when it fails or there is no libc."""
-    fn = _libc_madvise()
+    fn = libc_madvise()
     return fn is not None and fn(addr, length, advice) == 0
 
 
