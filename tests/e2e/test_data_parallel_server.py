@@ -20,6 +20,9 @@ import pytest
 from tests.e2e.e2e_utils import RemoteServer
 from tests.kv_event_subscriber import BlockStored, Subscriber
 
+# A DP=2 server (own servers, ~15 s); DP itself is tests/engine/test_data_parallel.py; `make test-all` runs it (make test keeps under 15 minutes)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def kv_event_dir(tmp_path_factory):

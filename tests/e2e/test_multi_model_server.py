@@ -12,6 +12,9 @@ import pytest
 
 from e2e_utils import MODEL as CHAT, SERVE_CLI, RemoteServer
 
+# An --extra-model server (own servers, ~13 s); tenants' multi-model rules are in tests/entrypoints; `make test-all` runs it (make test keeps under 15 minutes)
+pytestmark = pytest.mark.slow
+
 EMB = "all-MiniLM-L6-v2"
 PROMPTS = ["Name a colour.", "Count to five.", "What is the capital of France?", "Say hello."]
 SENTS = [f"Sentence number {i} is about {w}." for i, w in

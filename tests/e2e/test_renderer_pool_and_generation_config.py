@@ -14,6 +14,9 @@ import pytest
 from e2e_utils import TINY_MAX_NEW_TOKENS
 from llmserve.config import ModelConfig
 
+# Own server (~8 s); generation_config offline in tests/engine/test_generation_config.py; `make test-all` runs it (make test keeps under 15 minutes)
+pytestmark = pytest.mark.slow
+
 CHATS = 64
 
 

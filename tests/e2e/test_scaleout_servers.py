@@ -25,6 +25,9 @@ import pytest
 
 from tests.e2e.e2e_utils import SERVE_CLI, RemoteServer
 
+# Two API servers over one engine (--api-server-count): own servers, ~12 s; `make test-all` runs it (make test keeps under 15 minutes)
+pytestmark = pytest.mark.slow
+
 TINY = ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "32MiB"]
 
 

@@ -103,6 +103,7 @@ def test_signal_stops_server_and_engine_promptly(sig):
         server.stop()
 
 
+@pytest.mark.slow  # the DP drain: the single-engine SIGTERM drain above is the make-test case; `make test-all`
 def test_sigterm_to_the_process_group_drains_a_dp_server_and_exits_0():
     """``kill -TERM -PGID`` (a supervisor's stop-as-group, ``timeout``): the engines run in
     their own process group, so only the server gets it; its in-flight stream is drained
@@ -135,6 +136,7 @@ def test_sigterm_to_the_process_group_drains_a_dp_server_and_exits_0():
         server.stop()
 
 
+@pytest.mark.slow  # the engine's parent-death watch; tests/engine/test_async_llm.py covers the engine side in process; `make test-all`
 def test_sigkilled_server_takes_its_engine_along():
     server = RemoteServer(_ARGS, entrypoint=SERVE_CLI)
     try:

@@ -168,6 +168,7 @@ def test_sigstop_is_detected_and_healed(engine, loop):
     assert got == ref + ref
 
 
+@pytest.mark.slow  # the restart budget; the resume and SIGKILL cases above are the make-test ones; `make test-all`
 def test_restart_loop_gives_up(loop):
     """With a budget of one restart, the second death within the window is final: the
     requests in flight get EngineDeadError and ``wait_for_engine_death`` returns."""

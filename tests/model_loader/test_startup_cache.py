@@ -97,6 +97,7 @@ def test_entry_keyed_by_content(tmp_path, cache_root):
     assert startup_cache.entry_dir(other) == startup_cache.entry_dir(path)  # same bytes, same entry
 
 
+@pytest.mark.slow  # ~10 s on the real model: the config and tokenizer cache (the weights cache is tested above); `make test-all`
 def test_smollm2_config_and_tokenizer_from_cache(cache_root):
     """The real GGUF: config and tokenizer read back from the cache equal the converted ones."""
     from llmserve.model_loader.resolve import _load_hf_config_cached, resolve_model
