@@ -21,3 +21,18 @@ def run_step(s: Scheduler, token: int = 7):
         if x.num_computed_tokens + x.num_scheduled_tokens >= x.request.num_tokens:
             ro.sampled_token_ids[x.request.request_id] = token
     return so, s.update_from_output(so, ro)
+
+
+def compute_tokens(m, r, upto: int, first: int = 0, held=lambda m, r: m.num_used_blocks) -> list:
+    """Compute r's tokens up to ``upto`` on KV manager ``m``: ``first`` of them (0: all)
+    in one step if none is computed yet, then one a step. Returns ``held(m, r)`` (default:
+    the blocks in use) after each step."""
+    out = []
+    while r.num_computed_tokens < upto:
+        n = (first or upto) if r.num_computed_tokens == 0 else 1
+        n = min(n, upto - r.num_computed_tokens)
+        assert m.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        m.cache_blocks(r, r.num_computed_tokens)
+        out.append(held(m, r))
+    return out

@@ -11,7 +11,7 @@ from llmserve.core.kv_events import BlockRemoved, BlockStored
 from llmserve.core.request import Request
 from llmserve.core.scheduler import Scheduler
 from llmserve.sampling_params import SamplingParams
-from tests.core.sched_utils import run_step
+from tests.core.sched_utils import compute_tokens, run_step
 
 BS, W = 4, 8
 GROUPS = [None, W, W]  # a full group and two windowed ones (Gemma 3's shape, small)
@@ -24,15 +24,7 @@ def _req(rid, toks, **kw):
 def _run(m, r: Request, upto: int, first: int = 0) -> list[list[int]]:
     """Compute r's tokens up to ``upto`` (``first`` in one step if none is computed yet,
     then one a step); the blocks each group holds after each step."""
-    held = []
-    while r.num_computed_tokens < upto:
-        n = (first or upto) if r.num_computed_tokens == 0 else 1
-        n = min(n, upto - r.num_computed_tokens)
-        assert m.allocate_slots(r, n) is not None
-        r.num_computed_tokens += n
-        m.cache_blocks(r, r.num_computed_tokens)
-        held.append(m.group_num_used_blocks(r.request_id))
-    return held
+    return compute_tokens(m, r, upto, first, lambda m, r: m.group_num_used_blocks(r.request_id))
 
 
 def _nulls(ids: list[int]) -> int:

@@ -8,7 +8,7 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request
 from llmserve.core.scheduler import Scheduler
 from llmserve.sampling_params import SamplingParams
-from tests.core.sched_utils import run_step
+from tests.core.sched_utils import compute_tokens, run_step
 
 BS, W = 4, 8  # a query at position p reads keys p - 7 .. p
 
@@ -20,15 +20,7 @@ def _req(rid, toks, **kw):
 def _run(m: KVCacheManager, r: Request, upto: int, first: int = 0) -> list[int]:
     """Compute r's tokens up to ``upto``: ``first`` of them (0: all) in one step if none
     is computed yet, then one a step. Returns the blocks in use after each step."""
-    used = []
-    while r.num_computed_tokens < upto:
-        n = (first or upto) if r.num_computed_tokens == 0 else 1
-        n = min(n, upto - r.num_computed_tokens)
-        assert m.allocate_slots(r, n) is not None
-        r.num_computed_tokens += n
-        m.cache_blocks(r, r.num_computed_tokens)
-        used.append(m.num_used_blocks)
-    return used
+    return compute_tokens(m, r, upto, first)
 
 
 def _leading_nulls(ids: list[int]) -> int:
