@@ -197,6 +197,21 @@ def calculate_metrics(outputs: list[RequestFuncOutput], duration_s: float,
     return result
 
 
+# What aiohttp raises when it sends on a pooled keep-alive connection that the server has
+# already closed (llama-server's HTTP library, cpp-httplib, closes one after 5 idle seconds or
+# 100 requests): the request never got an answer. Counting it as failed cost llama-server 6-22
+# of 64 requests per level in benchmarks/llama_server_compare.py ("Can not write request
+# body"); like urllib3 on a dropped pooled connection, send it once more on a fresh one.
+_STALE_CONNECTION_ERRORS = ("ServerDisconnectedError", "ClientOSError")
+
+
+def never_reached_server(out: RequestFuncOutput) -> bool:
+    """True when ``out`` failed on a connection error before any response came back (no
+    status, no token, no elapsed latency recorded), so sending the request again is safe."""
+    return (not out.success and out.latency == 0.0 and out.ttft == 0.0
+            and out.error.split(":", 1)[0] in _STALE_CONNECTION_ERRORS)
+
+
 def request_models(model: str, lora_modules: Optional[list[str]], n: int, seed: int) -> list[str]:
     """The ``model`` field of each of ``n`` requests: ``model``, or with ``lora_modules`` one
     of those names drawn uniformly at random per request (vLLM's ``bench serve
@@ -231,11 +246,21 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
 
         names = request_models(model, getattr(args, "lora_modules", None), len(requests), args.seed)
 
+        retried = 0
+
+        async def send_once_more_if_stale(i: int) -> RequestFuncOutput:
+            nonlocal retried
+            out = await send(session, api_url, names[i], *requests[i], chat, extra, headers)
+            if never_reached_server(out):
+                retried += 1
+                out = await send(session, api_url, names[i], *requests[i], chat, extra, headers)
+            return out
+
         async def one(i: int) -> RequestFuncOutput:
             if sem is None:
-                return await send(session, api_url, names[i], *requests[i], chat, extra, headers)
+                return await send_once_more_if_stale(i)
             async with sem:
-                return await send(session, api_url, names[i], *requests[i], chat, extra, headers)
+                return await send_once_more_if_stale(i)
 
         start = time.perf_counter()
         tasks = [asyncio.create_task(one(i)) async for i in _arrivals(list(range(len(requests))), args.request_rate,
@@ -243,7 +268,7 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p.strip()]
-    return calculate_metrics(list(outputs), duration, percentiles)
+    return {**calculate_metrics(list(outputs), duration, percentiles), "retried_stale_connections": retried}
 
 
 def print_result(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -259,6 +284,8 @@ def print_result(result: dict[str, Any], args: argparse.Namespace) -> None:
             ("Request throughput (req/s):", result["request_throughput"], ".2f"),
             ("Output token throughput (tok/s):", result["output_throughput"], ".2f"),
             ("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")]
+    if result.get("retried_stale_connections"):
+        rows.insert(2, ("Resent (stale keep-alive):", result["retried_stale_connections"], "d"))
     for label, value, fmt in rows:
         print(f"{label:<40} {value:<10{fmt}}" if fmt else f"{label:<40} {value!s:<10}")
     percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p.strip()]

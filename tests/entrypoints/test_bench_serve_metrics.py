@@ -44,3 +44,68 @@ def test_lora_modules_pick_each_request_model_uniformly_and_seeded():
     assert picks != request_models("base", names, 800, seed=4)
     assert set(picks) == set(names) and all(60 <= picks.count(n) <= 140 for n in names)
     assert request_models("base", None, 3, seed=3) == ["base"] * 3
+
+
+def _sse_response() -> bytes:
+    body = (b'data: {"choices": [{"text": "hi"}]}\n\n'
+            b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+async def _one_request_per_connection_server():
+    """A server that answers the first request of each connection and drops the
+    connection, unanswered, when a second request arrives on it (what a client meets when
+    the server closed a pooled keep-alive connection as it was reused)."""
+    import asyncio
+
+    async def handle(reader, writer):
+        for answered in (True, False):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            if not answered:
+                break
+            writer.write(_sse_response())
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_a_request_on_a_connection_the_server_closed_is_sent_again():
+    """bench serve resends (once) a request that failed before any response because the
+    pooled keep-alive connection was closed by the server: llama-server's HTTP library does
+    this, and the compare script used to count those as llama-server's failed requests."""
+    import argparse
+    import asyncio
+
+    from llmserve.benchmarks.serve import benchmark
+
+    async def run():
+        server = await _one_request_per_connection_server()
+        port = server.sockets[0].getsockname()[1]
+        args = argparse.Namespace(ignore_eos=True, temperature=0.0, api_key=None, request_timeout=30,
+                                  max_concurrency=1, seed=0, num_warmups=0, lora_modules=None,
+                                  request_rate=float("inf"), burstiness=1.0, metric_percentiles="99")
+        try:
+            return await benchmark(args, f"http://127.0.0.1:{port}/v1/completions", "m",
+                                   [([1, 2, 3], 3, 1)] * 4, chat=False)
+        finally:
+            server.close()
+
+    result = asyncio.run(run())
+    assert result["completed"] == 4 and result["failed"] == 0 and result["errors"] == []
+    assert result["retried_stale_connections"] == 3  # requests 2-4 each met a dropped connection
+
+
+def test_only_failures_before_any_response_are_resent():
+    from llmserve.benchmarks.serve import never_reached_server
+
+    assert never_reached_server(RequestFuncOutput(error="ServerDisconnectedError: Server disconnected"))
+    assert never_reached_server(RequestFuncOutput(error="ClientOSError: [Errno None] Can not write request body"))
+    assert not never_reached_server(RequestFuncOutput(error="HTTP 500: boom"))
+    assert not never_reached_server(RequestFuncOutput(error="ClientConnectorError: refused"))
+    cut_mid_stream = RequestFuncOutput(error="ServerDisconnectedError: Server disconnected", ttft=0.2)
+    assert not never_reached_server(cut_mid_stream)
