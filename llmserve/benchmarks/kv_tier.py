@@ -1,18 +1,23 @@
 """The disk KV tier (issue 32, llmserve/kv_transfer): time to first token of a long prompt
-computed cold, found in the RAM prefix cache, and loaded from disk by an engine started
-again over the same tier; then a replay of a prefix set larger than the RAM cache, with
-and without the tier.
+computed cold, found in the RAM prefix cache, restored into the RAM prefix cache by an
+engine started again over the same tier (``restore_on_start``, the default), and loaded
+from disk on demand (``restore_on_start`` false); then a replay of a prefix set larger
+than the RAM cache, with and without the tier.
 
     python -m llmserve.benchmarks.kv_tier --prompt-len 4000 --reps 3 --rounds 3
     python -m llmserve.benchmarks.kv_tier --replay-prompts 12 --replay-len 1000 \\
         --replay-kv-cache 64MiB     # 12,000 prompt tokens over ~2,800 tokens of RAM KV (bf16)
 
 Each TTFT is one ``LLM.generate`` of ``max_tokens=1`` (the prefill and one sampled token),
-in-process; cold prompts are distinct (no shared block), so each one prefills fully. Two
-engines live side by side (A: warm RAM hits; B: started over A's tier, hits from disk) so
-the warm/disk ratio comes from alternating pairs in one run (a loaded machine shifts both).
-Prints one JSON line: medians (seconds), the ratios the issue asks for, cached tokens
-seen, the bytes written, and ``uptime``'s load.
+in-process; cold prompts are distinct (no shared block), so each one prefills fully.
+Engine A (warm RAM hits) lives beside the engine under test, so each ratio comes from
+alternating pairs in one run (a loaded machine shifts both): B, started again for each
+round over A's tier, restores it at start, and each prompt's first hit on it is paired
+with A's; C, started over the tier with the restore off, loads from disk on demand (its
+RAM prefix cache reset before each hit). Prints one JSON line: medians (seconds), the
+ratios the issue asks for, the restore's blocks, bytes and seconds per start, the tier
+bytes a restored hit loaded on the request path (0 expected), cached tokens seen, the
+bytes written, and ``uptime``'s load.
 """
 from __future__ import annotations
 
@@ -31,12 +36,12 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
 
 
-def _llm(args: argparse.Namespace, tier: str | None, **kw):
+def _llm(args: argparse.Namespace, tier: str | None, restore: bool = True, **kw):
     from llmserve import LLM
 
     extra = {} if tier is None else {"kv_transfer_config": {
         "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"shared_storage_path": tier}}}
+        "kv_connector_extra_config": {"shared_storage_path": tier, "restore_on_start": restore}}}
     kw.setdefault("max_model_len", args.max_model_len)
     return LLM(args.model, dtype=args.dtype, multiprocess_mode=False, **extra, **kw)
 
@@ -56,22 +61,56 @@ def _phase(llm, prompts: list[list[int]]) -> dict:
     return {"ttft_s": round(statistics.median(t for t, _ in runs), 4), "cached_tokens": [c for _, c in runs]}
 
 
+def _core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
 def _flush(llm) -> None:
     """Wait for the in-process engine's tier writer."""
-    llm.llm_engine.engine_core.engine_core.model_runner.kv_connector.flush()
+    _core(llm).model_runner.kv_connector.flush()
+
+
+def _count_loads(llm) -> dict:
+    """Bytes the scheduler-side connector loads from the tier for requests, summed from
+    here on (each engine step takes the connector's counters)."""
+    conn, total = _core(llm).scheduler.connector, {"bytes_loaded": 0}
+    take = conn.get_stats
+
+    def spy():
+        st = take()
+        total["bytes_loaded"] += st.get("bytes_loaded", 0)
+        return st
+    conn.get_stats = spy
+    return total
 
 
 def _tier_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def _pairs(a, other, prompts: list[list[int]], r: int, before_other=None) -> list[tuple]:
+    """One hit per prompt on ``a`` (warm RAM) and on ``other``, alternating which runs
+    first; ``before_other()`` runs before each hit on ``other``. ((warm s, cached), (other
+    s, cached)) per prompt."""
+    out = []
+    for i, p in enumerate(prompts):
+        pair = {}
+        for side in (("warm", "other") if (r + i) % 2 == 0 else ("other", "warm")):
+            if side == "other" and before_other is not None:
+                before_other()
+            pair[side] = _ttft(a if side == "warm" else other, p)
+        out.append((pair["warm"], pair["other"]))
+    return out
+
+
 def persistence(args: argparse.Namespace, tier: str) -> dict:
     """Cold TTFT of ``--reps`` distinct long prompts on engine A (which writes them to the
-    tier); engine B started over the same tier (a restart: empty RAM prefix cache, fresh KV
-    pages) serves each once (``restart_disk``: the first hit after the restart); then
-    ``--rounds`` alternating A/B rounds per prompt: A's warm RAM hit against B's hit loaded
-    from disk again (B's RAM prefix cache reset before each), order swapped every other
-    pair, ``disk_over_warm`` the median of the per-pair ratios."""
+    tier). Restored: ``--rounds`` times, engine B starts over the tier (a restart: its
+    restore loads the tier into its RAM prefix cache), and each prompt's first hit on it
+    is paired with a warm hit on A. On demand: engine C starts over the tier with the
+    restore off; its first hit per prompt (``restart_disk``: fresh KV pages), then
+    ``--rounds`` pairs per prompt of A's warm hit against C's load from disk (C's RAM
+    prefix cache reset before each). Ratios: medians of the per-pair ratios."""
     prompts = _prompts(args.reps, args.prompt_len, args.seed)
     a = _llm(args, tier)
     _ttft(a, _prompts(1, 64, args.seed + 1)[0])  # warm the kernels
@@ -80,31 +119,48 @@ def persistence(args: argparse.Namespace, tier: str) -> dict:
     _flush(a)  # the cold prompts' blocks written (the writer thread shares the cores)
     flush_s = time.perf_counter() - t0
     written = _tier_bytes(tier)
-    b = _llm(args, tier)  # a second engine: its RAM prefix cache is empty
-    _ttft(b, _prompts(1, 64, args.seed + 2)[0])
-    restart = _phase(b, prompts)
-    warm, disk, ratios = [], [], []
+    restored, starts, request_path_bytes = [], [], 0
     for r in range(args.rounds):
-        for i, p in enumerate(prompts):
-            pair = {}
-            for side in (("warm", "disk") if (r + i) % 2 == 0 else ("disk", "warm")):
-                if side == "disk":
-                    b.reset_prefix_cache()
-                pair[side] = _ttft(a if side == "warm" else b, p)
-            warm.append(pair["warm"])
-            disk.append(pair["disk"])
-            ratios.append(pair["disk"][0] / pair["warm"][0])
+        t0 = time.perf_counter()
+        b = _llm(args, tier)  # a restart: restores the tier at start
+        start_s = time.perf_counter() - t0
+        done = _core(b).tier_restore_done
+        starts.append({"engine_start_s": round(start_s, 3), "restored_blocks": done.blocks if done else 0,
+                       "restored_mib": round(done.nbytes / 2**20, 1) if done else 0,
+                       "restore_s": round(done.seconds, 3) if done else None})
+        _ttft(b, _prompts(1, 64, args.seed + 2 + r)[0])  # warm the kernels (a prompt the tier lacks)
+        loads = _count_loads(b)
+        restored += _pairs(a, b, prompts, r)
+        request_path_bytes += loads["bytes_loaded"]
+        b.shutdown()
+    c = _llm(args, tier, restore=False)
+    _ttft(c, _prompts(1, 64, args.seed + 100)[0])
+    restart = _phase(c, prompts)
+    disk = []
+    for r in range(args.rounds):
+        disk += _pairs(a, c, prompts, r, c.reset_prefix_cache)
     a.shutdown()
-    b.shutdown()
+    c.shutdown()
     med = lambda runs: round(statistics.median(t for t, _ in runs), 4)
-    return {"prompt_len": args.prompt_len, "cold": cold, "restart_disk": restart,
-            "warm_ram_ttft_s": med(warm), "disk_ttft_s": med(disk),
-            "cached_tokens": {"warm": sorted({c for _, c in warm}), "disk": sorted({c for _, c in disk})},
-            "disk_over_warm": round(statistics.median(ratios), 3),
-            "restart_over_warm": round(restart["ttft_s"] / med(warm), 3),
-            "disk_over_cold": round(med(disk) / cold["ttft_s"], 3),
-            "restart_over_cold": round(restart["ttft_s"] / cold["ttft_s"], 3), "tier_bytes": written,
-            "writes_pending_after_cold_s": round(flush_s, 3)}
+    ratio = lambda pairs: round(statistics.median(o[0] / w[0] for w, o in pairs), 3)
+    warm_all = [w for w, _ in restored + disk]
+    return {"prompt_len": args.prompt_len, "cold": cold,
+            "warm_ram_ttft_s": med(warm_all),
+            "restored_ttft_s": med([o for _, o in restored]),
+            "restored_over_warm": ratio(restored),
+            "restored_pairs_s": [[round(w[0], 4), round(o[0], 4)] for w, o in restored],
+            "restored_over_cold": round(med([o for _, o in restored]) / cold["ttft_s"], 3),
+            "restored_request_path_bytes_loaded": request_path_bytes,
+            "restore_at_start": starts,
+            "restart_disk": restart, "disk_ttft_s": med([o for _, o in disk]),
+            "disk_over_warm": ratio(disk),
+            "disk_pairs_s": [[round(w[0], 4), round(o[0], 4)] for w, o in disk],
+            "disk_over_cold": round(med([o for _, o in disk]) / cold["ttft_s"], 3),
+            "restart_disk_over_warm": round(restart["ttft_s"] / med(warm_all), 3),
+            "cached_tokens": {"warm": sorted({w[1] for w in warm_all}),
+                              "restored": sorted({o[1] for _, o in restored}),
+                              "disk": sorted({o[1] for _, o in disk})},
+            "tier_bytes": written, "writes_pending_after_cold_s": round(flush_s, 3)}
 
 
 def replay(args: argparse.Namespace, tier: str | None) -> dict:
@@ -127,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--prompt-len", type=int, default=4000)
     p.add_argument("--reps", type=int, default=3, help="distinct long prompts")
-    p.add_argument("--rounds", type=int, default=3, help="alternating warm/disk rounds over the prompts")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="engine B restarts (restored hits), and alternating warm/disk rounds on engine C")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replay-prompts", type=int, default=0, help="0: no replay phase")
     p.add_argument("--replay-len", type=int, default=1000)

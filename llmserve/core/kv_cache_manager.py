@@ -144,6 +144,34 @@ class BlockPool:
             out.append(b)
         return out
 
+    def take_unused_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Up to ``n`` blocks that hold no cached prefix (free ones without a hash, then
+        never-used ones), with one reference each; no cached prefix is evicted, so fewer
+        come back when the pool has fewer. For restoring a KV tier (kv_transfer/tier_restore.py)."""
+        out: list[KVCacheBlock] = []
+        while len(out) < n and self.free_queue and next(iter(self.free_queue.values())).block_hash is None:
+            out.append(self.free_queue.popitem(last=False)[1])
+        while len(out) < n and self.next_fresh < self.num_blocks:
+            self.next_fresh += 1
+            out.append(self.blocks[self.next_fresh - 1])
+        for b in out:
+            b.ref_cnt = 1
+        return out
+
+    def free_restored(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop the only reference on ``blocks`` (cached, given in eviction order) and queue
+        them as the least recently used cached blocks: after the free blocks that hold no
+        prefix (reused first anyway), before every other cached block. A restore's chunks
+        come most recently used first, so a later chunk is evicted before an earlier one,
+        and anything used since the engine started outlives both."""
+        uncached = []
+        while self.free_queue and next(iter(self.free_queue.values())).block_hash is None:
+            uncached.append(self.free_queue.popitem(last=False)[1])
+        for b in reversed([*uncached, *blocks]):
+            b.ref_cnt = 0
+            self.free_queue[b.block_id] = b
+            self.free_queue.move_to_end(b.block_id, last=False)
+
     def free_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Drop one reference; blocks reaching 0 go to the tail of the LRU queue (callers
         pass them in eviction order: the ones to evict first come first), or to its head

@@ -20,6 +20,7 @@ from llmserve.core.timeline import record_execute_time
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.kv_cache_manager import max_blocks_held
 from llmserve.core.scheduler import Scheduler
+from llmserve.core.sched_output import SchedulerOutput
 from llmserve.engine.client_router import ClientRouter
 from llmserve.engine.core_sleep import SleepModeMixin, wait_input_or_sleep
 from llmserve.engine.messages import (
@@ -70,6 +71,17 @@ def _scheduler_connector(config: EngineConfig):
     from llmserve.kv_transfer import KVConnectorFactory, KVConnectorRole
 
     return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+
+
+def _tier_restore(scheduler: Scheduler, config: EngineConfig):
+    """The disk KV tier's warm-up at start (``kv_transfer/tier_restore.py``), or None: no
+    connector that restores, no prefix cache, or a model without a generating KV cache."""
+    if scheduler.connector is None or not scheduler.needs_kv or config.model_config.runner == "pooling":
+        return None
+    from llmserve.kv_transfer.tier_restore import make_tier_restore
+
+    kv = scheduler.kv_cache_manager
+    return make_tier_restore(scheduler.connector, kv.pool, kv.enable_caching)
 
 
 def _kv_sliding_window(executor: Executor, config: EngineConfig) -> Optional[int]:
@@ -154,6 +166,10 @@ class EngineCore(SleepModeMixin):
                                    kv_cache_groups=groups)
         # --kv-events-config: each step's block events go to this publisher (None: off).
         self.kv_event_publisher = _kv_event_publisher(config)
+        # The disk KV tier's warm-up (restore_kv_tier) while under way; the finished one
+        # (its counters: blocks, nbytes, failed, seconds) once done.
+        self._tier_restore = _tier_restore(self.scheduler, config)
+        self.tier_restore_done = None
         self.lora_registry = None  # the loaded adapters (llmserve/lora/registry.py) with enable_lora
         if config.lora_config is not None:
             from llmserve.lora.registry import LoRARegistry
@@ -225,6 +241,26 @@ class EngineCore(SleepModeMixin):
             self.lora_registry.release_idle()  # adapters removed while in use, now idle
         self._publish_kv_events()
         return EngineCoreOutputs(outputs=outs, scheduler_stats=sched.make_stats(), timestamp=time.monotonic())
+
+    def restore_kv_tier(self) -> bool:
+        """Run one chunk of the disk KV tier's warm-up (``kv_transfer/tier_restore.py``):
+        the workers read the chunk's blocks (no forward), then they enter the RAM prefix
+        cache. True while chunks remain; False when done, off, or the engine sleeps (the
+        KV cache is freed; the rest waits for the wake-up). Call it only between steps."""
+        r = self._tier_restore
+        if r is None or self.model_executor.is_sleeping():
+            return False
+        t0 = time.perf_counter()
+        meta = r.next_chunk()
+        if meta is None:
+            r.add_seconds(time.perf_counter() - t0)
+            self._tier_restore, self.tier_restore_done = None, r
+            logger.info("KV tier: %s", r.summary())
+            return False
+        ro = self.model_executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
+        r.finish_chunk(ro.invalid_block_ids)
+        r.add_seconds(time.perf_counter() - t0)
+        return True
 
     # ---- utility calls ---------------------------------------------------
     def _publish_kv_events(self) -> None:
@@ -383,7 +419,13 @@ class EngineCoreProc:
                 if self._stats_stale:
                     self._stats_stale = False
                     self.output_queue.put(core.step())
-                # Idle: fault in KV cache pages a chunk at a time until input arrives.
+                # Idle: restore the disk KV tier into the prefix cache, then fault in KV
+                # cache pages, a chunk at a time until input arrives.
+                restored = False
+                while self.input_queue.empty() and core.restore_kv_tier():
+                    restored = True
+                if restored:  # the restore's counters (vllm:kv_connector_blocks_restored) out now
+                    self.output_queue.put(core.step())
                 while self.input_queue.empty() and core.model_runner.prefault_kv():
                     pass
                 self._log_prefault_progress()

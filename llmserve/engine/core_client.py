@@ -173,6 +173,10 @@ class InprocClient(EngineCoreClient):
 
         self.engine_core = EngineCore(vllm_config, executor_class, log_stats)
         self.num_blocks = self.engine_core.num_blocks
+        # The disk KV tier's warm-up, all of it now: an in-process engine has no idle time
+        # between start and the first request (EngineCoreProc does it while idle).
+        while self.engine_core.restore_kv_tier():
+            pass
 
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()

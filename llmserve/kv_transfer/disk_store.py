@@ -4,9 +4,10 @@ One file per full KV block, named by the block's prefix-cache hash (the chain ha
 ``core/kv_cache_manager.py``: it identifies the whole prefix up to and including the
 block), in a folder named after the *layout key* (model identity, dtype, quantization,
 block size, layer/head shapes), so another model or dtype never even looks at them. Each
-file: a fixed header (magic, version, the full 32-byte key digest, the block hash, the
-payload length, the payload's CRC-32) then the payload (the block's K and V of every
-layer). A file whose header or checksum does not match is never loaded: ``read_block``
+file: a fixed header (magic, version, the full 32-byte key digest, the block hash, its
+parent block's hash (0 for a prompt's first block), the payload length, the payload's
+XXH3-64) then the payload (the block's K and V of every layer). The parent hash lets a
+restarted engine rebuild whole chains from the files alone (``recent_chains``). A file whose header or checksum does not match is never loaded: ``read_block``
 returns None and removes it (so the block is written again later).
 
 Writes go to a temporary file in the same folder, then ``os.replace`` (atomic on POSIX):
@@ -39,9 +40,12 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 MAGIC = b"LLMSKV\x00\x01"
-VERSION = 2  # 1: CRC-32 (a version-1 file is "not of this version": removed, written again)
-# magic, version, key digest, block hash, payload bytes, XXH3-64 of the payload
-_HEADER = struct.Struct("<8sI32sQQQ")
+# 1: CRC-32; 2: no parent hash. Older files are "not of this version" (or of the wrong
+# size): skipped and removed when met, and written again as their prompts come back.
+VERSION = 3
+# magic, version, key digest, block hash, parent block hash, payload bytes, XXH3-64 of the payload
+_HEADER = struct.Struct("<8sI32sQQQQ")
+_CHECKSUM_FIELD = 6
 HEADER_SIZE = _HEADER.size
 SUFFIX = ".kv"
 
@@ -64,10 +68,11 @@ def block_path(folder: str, block_hash: int) -> str:
     return os.path.join(folder, f"{block_hash:016x}{SUFFIX}")
 
 
-def encode_header(key: bytes, block_hash: int, payload: Any) -> bytes:
-    """The header for ``payload`` (bytes-like): its length and XXH3-64 checksum."""
+def encode_header(key: bytes, block_hash: int, parent_hash: int, payload: Any) -> bytes:
+    """The header for ``payload`` (bytes-like) of block ``block_hash`` whose parent in the
+    chain is ``parent_hash`` (0: none): its length and XXH3-64 checksum."""
     mv = memoryview(payload).cast("B")
-    return _HEADER.pack(MAGIC, VERSION, key, block_hash, mv.nbytes, xxhash.xxh3_64_intdigest(mv))
+    return _HEADER.pack(MAGIC, VERSION, key, block_hash, parent_hash, mv.nbytes, xxhash.xxh3_64_intdigest(mv))
 
 
 def read_block(folder: str, key: bytes, block_hash: int, out: memoryview) -> bool:
@@ -109,21 +114,22 @@ def count_chain(folder: str, block_hashes: list[int], nbytes: int) -> int:
 
 
 def read_chain(folder: str, key: bytes, block_hashes: list[int], fds: list[int], out: memoryview,
-               nbytes: int) -> int:
+               nbytes: int, touch: bool = True) -> int:
     """Read the opened blocks (``fds`` from ``open_chain``, in chain order) into ``out``
     (writable, ``len(fds) * nbytes`` bytes: payloads back to back); see ``read_chain_into``."""
-    return read_chain_into(folder, key, block_hashes, fds, lambda i: [out[i * nbytes:(i + 1) * nbytes]])
+    return read_chain_into(folder, key, block_hashes, fds, lambda i: [out[i * nbytes:(i + 1) * nbytes]], touch)
 
 
 def read_chain_into(folder: str, key: bytes, block_hashes: list[int], fds: list[int],
-                    pieces_of: Callable[[int], list[memoryview]]) -> int:
+                    pieces_of: Callable[[int], list[memoryview]], touch: bool = True) -> int:
     """Read the opened blocks (``fds`` from ``open_chain``, in chain order) and close every
     fd. Block ``i``'s payload goes into ``pieces_of(i)``: writable buffers that hold it in
     file order (one region of a staging buffer, or the block's K and V slots of every
     layer in the KV cache). Returns how many, from the first, are valid; the first invalid
     one (torn, corrupted, another layout key or hash, the wrong size) is logged and
     removed, and nothing after it counts (its pieces hold garbage). Valid files get their
-    mtime bumped (LRU order for ``BlockWriter``)."""
+    mtime bumped (LRU order for ``BlockWriter``) unless ``touch`` is False (a restore at
+    start-up is not a use: bumping would reverse the recency order it restores by)."""
     header, extra = bytearray(HEADER_SIZE), bytearray(1)
     n = 0
     try:
@@ -134,7 +140,8 @@ def read_chain_into(folder: str, key: bytes, block_hashes: list[int], fds: list[
                 logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
                 _unlink(path)
                 break
-            _touch(fd)
+            if touch:
+                _touch(fd)
             n += 1
     finally:
         for fd in fds:
@@ -156,9 +163,88 @@ def _read_one(fd: int, header: bytearray, pieces: list[memoryview], extra: bytea
     why = _invalid_header(bytes(header[:got]), key, block_hash, nbytes)
     if why is None and got != HEADER_SIZE + nbytes:
         why = "truncated or of the wrong size"
-    if why is None and _checksum(pieces) != _HEADER.unpack_from(header)[5]:
+    if why is None and _checksum(pieces) != _HEADER.unpack_from(header)[_CHECKSUM_FIELD]:
         why = "checksum mismatch"
     return why
+
+
+def read_parent(folder: str, key: bytes, block_hash: int, nbytes: int) -> Optional[int]:
+    """The parent hash in block ``block_hash``'s file header (0: a first block), or None
+    when the file is gone or its header is not one of ``key``'s ``nbytes`` blocks (the
+    payload is checked when the block is loaded)."""
+    try:
+        fd = os.open(block_path(folder, block_hash), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        header = os.pread(fd, HEADER_SIZE, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if _invalid_header(header, key, block_hash, nbytes) is not None:
+        return None
+    return _HEADER.unpack_from(header)[4]
+
+
+def recent_chains(folder: str, key: bytes, nbytes: int, max_blocks: int) -> list[tuple[int, list[int]]]:
+    """The tier's most recently used prefixes, for a restore at start-up: at most
+    ``max_blocks`` blocks, each with every ancestor (a block is only useful after its
+    parents). Files are taken newest mtime first (written or last loaded; a restore does
+    not bump them); from each one not taken yet the chain is followed up through the
+    parent hashes in the headers to a first block, and the blocks not taken yet are taken,
+    first block first (only the first ones when the bound cuts the chain). A chain with a
+    missing, torn or foreign ancestor (a header that does not check) is skipped.
+
+    Returns pieces ``(anchor, hashes)``: ``hashes`` in chain order; ``anchor`` the parent
+    of ``hashes[0]``, 0 or the last hash of an earlier piece. Costs one ``stat`` per file
+    (``scandir``) and one header read (~10 us) per block looked at, at most
+    ``4 * max_blocks + 1024`` of them."""
+    files: dict[int, int] = {}  # hash -> mtime (ns), files of the right size
+    for entry in os.scandir(folder):
+        name = entry.name
+        if len(name) != 16 + len(SUFFIX) or not name.endswith(SUFFIX):
+            continue
+        try:
+            h = int(name[:16], 16)
+            st = entry.stat()
+        except (ValueError, OSError):
+            continue
+        if st.st_size == HEADER_SIZE + nbytes:
+            files[h] = st.st_mtime_ns
+    parents: dict[int, Optional[int]] = {}
+    taken: set[int] = set()
+    dead: set[int] = set()  # blocks whose chain does not reach a first block
+    pieces: list[tuple[int, list[int]]] = []
+    budget, reads_left = max_blocks, 4 * max_blocks + 1024
+    for h in sorted(files, key=files.__getitem__, reverse=True):
+        if budget <= 0 or reads_left <= 0:
+            break
+        path: list[int] = []
+        on_path: set[int] = set()  # a header naming a descendant as parent must not loop
+        x = h
+        while x != 0 and x not in taken:
+            if x in dead or x not in files or x in on_path or reads_left <= 0:
+                dead.update(path)
+                path = []
+                break
+            if x not in parents:
+                parents[x] = read_parent(folder, key, x, nbytes)
+                reads_left -= 1
+            if parents[x] is None:
+                dead.update(path + [x])
+                path = []
+                break
+            path.append(x)
+            on_path.add(x)
+            x = parents[x]
+        if not path:
+            continue
+        piece = path[::-1][:budget]
+        taken.update(piece)
+        budget -= len(piece)
+        pieces.append((parents[piece[0]], piece))
+    return pieces
 
 
 def _checksum(pieces: list[memoryview]) -> int:
@@ -183,7 +269,7 @@ def _invalid_header(header: bytes, key: bytes, block_hash: int, nbytes: int) -> 
     block ``block_hash`` under ``key``, or None."""
     if len(header) < HEADER_SIZE:
         return "shorter than its header"
-    magic, version, fkey, fhash, fbytes, _ = _HEADER.unpack_from(header)
+    magic, version, fkey, fhash, _, fbytes, _ = _HEADER.unpack_from(header)
     if magic != MAGIC or version != VERSION:
         return "not a KV block file of this version"
     if fkey != key:
@@ -232,7 +318,7 @@ class BlockWriter:
         self._total = 0
         self._warned = False
         self._scan()
-        self._queue: "queue.Queue[Optional[tuple[int, Any]]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[tuple[int, int, Any]]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
         self._thread.start()
 
@@ -254,9 +340,10 @@ class BlockWriter:
     def total_bytes(self) -> int:
         return self._total
 
-    def put(self, block_hash: int, payload: Any) -> None:
-        """Queue one block (``payload``: a bytes-like object the caller no longer changes)."""
-        self._queue.put((block_hash, payload))
+    def put(self, block_hash: int, parent_hash: int, payload: Any) -> None:
+        """Queue one block (its chain hash, its parent's, 0 for a first block; ``payload``:
+        a bytes-like object the caller no longer changes)."""
+        self._queue.put((block_hash, parent_hash, payload))
 
     def flush(self) -> None:
         self._queue.join()
@@ -278,13 +365,13 @@ class BlockWriter:
             finally:
                 self._queue.task_done()
 
-    def _write(self, block_hash: int, payload: Any) -> None:
+    def _write(self, block_hash: int, parent_hash: int, payload: Any) -> None:
         path = block_path(self.folder, block_hash)
         name = os.path.basename(path)
         if os.path.exists(path):
             self.stats.blocks_present += 1
             return
-        header = encode_header(self.key, block_hash, payload)
+        header = encode_header(self.key, block_hash, parent_hash, payload)
         size = len(header) + memoryview(payload).nbytes
         if self.max_bytes is not None and (size > self.max_bytes or not self._make_room(size)):
             return

@@ -18,6 +18,10 @@ the RAM prefix cache like computed ones.
 Only requests that use the prefix cache qualify (no prompt logprobs, no LoRA adapter,
 no pooling, no encoder inputs): the chain hash of those alone identifies their KV.
 
+An engine started over an existing tier restores its most recently used chains into the
+RAM prefix cache first (``tier_restore.py``), so a prompt repeated after a restart is a
+RAM hit.
+
 Configuration (``kv_transfer_config``):
   ``SharedStorageConnector``: ``kv_connector_extra_config.shared_storage_path`` (the
   folder; vLLM's default ``local_storage``), optional ``kv_offloading_size`` (GiB bound;
@@ -25,6 +29,8 @@ Configuration (``kv_transfer_config``):
   ``OffloadingConnector``: ``kv_connector_extra_config.kv_offloading_size`` (GiB, set by
   ``--kv-offloading-size``), optional ``shared_storage_path`` (default
   ``$XDG_CACHE_HOME/llmserve/kv_offload``).
+  Both: ``kv_connector_extra_config.restore_on_start``: true (default: up to half the KV
+  cache's blocks), false or 0 (off), or the share of the KV cache's blocks in (0, 1].
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import numpy as np
 
 from llmserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from llmserve.kv_transfer.disk_store import (BlockWriter, block_dir, count_chain, layout_key, open_chain, read_chain,
-                                             read_chain_into)
+                                             read_chain_into, recent_chains)
 
 if TYPE_CHECKING:
     from llmserve.core.request import Request
@@ -51,12 +57,16 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 class SharedStorageConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker: ``loads`` (per admitted request: the block ids it
     was given and the chain hashes of the blocks on disk that go there, in order) to read
-    into the cache before the forward; ``saves`` (block id, chain hash) to copy out after
-    it. Plain ints, so a worker in another process gets it pickled as is."""
+    into the cache before the forward; ``saves`` (block id, chain hash, parent's chain hash
+    or 0) to copy out after it. ``restore``: the loads are a tier warm-up
+    (``tier_restore.py``; no forward, and the files' mtimes are left as they are). Plain
+    ints, so a worker in another process gets it pickled as is."""
 
-    def __init__(self, loads: list[tuple[list[int], list[int]]], saves: list[tuple[int, int]]) -> None:
+    def __init__(self, loads: list[tuple[list[int], list[int]]], saves: list[tuple[int, int, int]],
+                 restore: bool = False) -> None:
         self.loads = loads
         self.saves = saves
+        self.restore = restore
 
 
 def _weights_identity(path: str) -> list:
@@ -164,7 +174,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         # loads of the step being built, counters since get_stats
         self._matched: Optional[tuple[str, int, list[int]]] = None
         self._step_loads: list[tuple[list[int], list[int]]] = []
-        self._stats = {"queries": 0, "hits": 0, "bytes_loaded": 0}
+        self._stats = self._new_stats()
+        # share of the KV pool a restarted engine fills from the tier (tier_restore.py)
+        self.restore_share = self._restore_share(extra) if self.can_load else 0.0
         # worker side
         self.kv_caches: list[Any] = []
         self._kv_all: Any = None  # all layers as one [L, 2, num_blocks, block elements] view, or None
@@ -198,11 +210,27 @@ class SharedStorageConnector(KVConnectorBase_V1):
                              f"GiB, got {gib!r}")
         return int(value * (1 << 30))
 
+    # restore_on_start true: this share of the KV pool's blocks at most.
+    DEFAULT_RESTORE_SHARE = 0.5
+
+    @classmethod
+    def _restore_share(cls, extra: dict) -> float:
+        """``kv_connector_extra_config.restore_on_start``: true (default: up to half the KV
+        pool), false or 0 (off), or the share of the KV pool's blocks in (0, 1]."""
+        value = extra.get("restore_on_start", True)
+        if isinstance(value, bool):
+            return cls.DEFAULT_RESTORE_SHARE if value else 0.0
+        if isinstance(value, (int, float)) and 0 <= value <= 1:
+            return float(value)
+        raise ValueError(f"kv_connector_extra_config.restore_on_start must be true, false or a share of the "
+                         f"KV cache's blocks between 0 and 1, got {value!r}")
+
     @classmethod
     def check_config(cls, kv_transfer_config: Any) -> None:
         extra = dict(kv_transfer_config.kv_connector_extra_config or {})
         cls._storage_path(extra)
         cls._max_bytes(extra)
+        cls._restore_share(extra)
 
     # ---- scheduler side ----------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -243,8 +271,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 continue
             end = min(s.num_computed_tokens + s.num_scheduled_tokens, req.num_prompt_tokens) // self.block_size
             end = min(end, len(req.block_hashes), len(s.block_ids))
+            hashes = req.block_hashes
             for i in range(s.num_computed_tokens // self.block_size, end):
-                saves.append((s.block_ids[i], req.block_hashes[i]))
+                saves.append((s.block_ids[i], hashes[i], hashes[i - 1] if i else 0))
         meta = SharedStorageConnectorMetadata(self._step_loads, saves)
         self._step_loads, self._matched = [], None
         return meta
@@ -255,8 +284,28 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return False, None
 
     def get_stats(self) -> dict[str, int]:
-        out, self._stats = self._stats, {"queries": 0, "hits": 0, "bytes_loaded": 0}
+        """Since the last call: prompt tokens looked up (``queries``) and found on disk
+        (``hits``), bytes loaded for requests, blocks and bytes restored at start-up."""
+        out, self._stats = self._stats, self._new_stats()
         return out
+
+    @staticmethod
+    def _new_stats() -> dict[str, int]:
+        return {"queries": 0, "hits": 0, "bytes_loaded": 0, "blocks_restored": 0, "bytes_restored": 0}
+
+    def plan_restore(self, max_blocks: int) -> list[tuple[int, list[int]]]:
+        """The tier's most recently used chains to restore, at most ``max_blocks`` blocks
+        (``disk_store.recent_chains``)."""
+        return recent_chains(self.folder, self.key, self.block_nbytes, max_blocks)
+
+    def restore_meta(self, loads: list[tuple[list[int], list[int]]]) -> SharedStorageConnectorMetadata:
+        """A restore chunk's work for the workers: ``loads`` as (block ids, chain hashes)."""
+        return SharedStorageConnectorMetadata(loads, [], restore=True)
+
+    def note_restored(self, num_blocks: int) -> None:
+        """Count ``num_blocks`` restored into the RAM prefix cache (``get_stats``)."""
+        self._stats["blocks_restored"] += num_blocks
+        self._stats["bytes_restored"] += num_blocks * self.block_nbytes
 
     # ---- worker side -------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
@@ -287,7 +336,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if not isinstance(meta, SharedStorageConnectorMetadata) or not meta.loads:
             return
         for block_ids, hashes in meta.loads:
-            n = self._load_split(block_ids, hashes)
+            n = self._load_split(block_ids, hashes, touch=not meta.restore)
             self._load_errors.update(block_ids[n:])
         self._step_failed = bool(self._load_errors)
 
@@ -295,26 +344,26 @@ class SharedStorageConnector(KVConnectorBase_V1):
     # load took a median 17 ms on two against 21 ms on one (load ~3 on 2 cores).
     LOAD_THREADS = 2
 
-    def _load_split(self, block_ids: list[int], hashes: list[int]) -> int:
+    def _load_split(self, block_ids: list[int], hashes: list[int], touch: bool = True) -> int:
         """``_load_chain`` over halves of the blocks on two threads (straight reads only);
-        how many, from the first, are valid."""
+        how many, from the first, are valid. ``touch``: bump the files' mtimes (LRU)."""
         half = len(hashes) // 2
         if self.LOAD_THREADS < 2 or self._slots is None or half < 8:
-            return self._load_chain(block_ids, hashes)
+            return self._load_chain(block_ids, hashes, touch)
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
-        later = self._pool.submit(self._load_chain, block_ids[half:], hashes[half:])
-        n = self._load_chain(block_ids[:half], hashes[:half])
+        later = self._pool.submit(self._load_chain, block_ids[half:], hashes[half:], touch)
+        n = self._load_chain(block_ids[:half], hashes[:half], touch)
         m = later.result()
         return n if n < half else half + m
 
-    def _load_chain(self, block_ids: list[int], hashes: list[int]) -> int:
+    def _load_chain(self, block_ids: list[int], hashes: list[int], touch: bool = True) -> int:
         """``_load`` in batches of ``OPEN_BATCH`` files, up to the first invalid block."""
         n = 0
         for lo in range(0, len(hashes), self.OPEN_BATCH):
             batch = hashes[lo:lo + self.OPEN_BATCH]
-            k = self._load(block_ids[lo:lo + self.OPEN_BATCH], batch)
+            k = self._load(block_ids[lo:lo + self.OPEN_BATCH], batch, touch)
             n += k
             if k < len(batch):
                 break
@@ -325,17 +374,18 @@ class SharedStorageConnector(KVConnectorBase_V1):
         their requests again from the first of them."""
         return self._load_errors
 
-    def _load(self, block_ids: list[int], hashes: list[int]) -> int:
+    def _load(self, block_ids: list[int], hashes: list[int], touch: bool = True) -> int:
         """Load blocks ``hashes`` into ``block_ids``; how many, from the first, are valid."""
         fds = open_chain(self.folder, hashes)
         if self._slots is not None:
             regions = self._slots
             slot = self.block_nbytes // len(regions)
             return read_chain_into(self.folder, self.key, hashes, fds,
-                                   lambda i: [r[block_ids[i] * slot:(block_ids[i] + 1) * slot] for r in regions])
-        return self._load_staged(block_ids, hashes, fds)
+                                   lambda i: [r[block_ids[i] * slot:(block_ids[i] + 1) * slot] for r in regions],
+                                   touch)
+        return self._load_staged(block_ids, hashes, fds, touch)
 
-    def _load_staged(self, block_ids: list[int], hashes: list[int], fds: list[int]) -> int:
+    def _load_staged(self, block_ids: list[int], hashes: list[int], fds: list[int], touch: bool = True) -> int:
         """Read into one host buffer, then copy into the cache: a cache off the CPU, or
         per-layer caches that are not one buffer. The buffer is new each time (its pages
         fault in on the read: ~20 ms per 92 MB); these layouts are not the CPU engine's."""
@@ -343,7 +393,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
         nb = self.block_nbytes
         buf = memoryview(np.empty(len(fds) * nb, dtype=np.uint8))
-        n = read_chain(self.folder, self.key, hashes, fds, buf, nb)
+        n = read_chain(self.folder, self.key, hashes, fds, buf, nb, touch)
         if not n:
             return 0
         kv0 = self.kv_caches[0]
@@ -364,7 +414,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if isinstance(meta, SharedStorageConnectorMetadata) and meta.saves:
             import torch
 
-            ids = torch.tensor([bid for bid, _ in meta.saves], device=kv_layer.device)
+            ids = torch.tensor([save[0] for save in meta.saves], device=kv_layer.device)
             self._layer_saves[int(layer_name)] = kv_layer[:, ids].to("cpu")  # [2, N, bs, H, D]
 
     def wait_for_save(self) -> None:
@@ -379,7 +429,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         import torch
 
         if self._kv_all is not None and not self._layer_saves:  # one gather over all layers
-            ids = torch.tensor([bid for bid, _ in meta.saves], device=self._kv_all.device)
+            ids = torch.tensor([save[0] for save in meta.saves], device=self._kv_all.device)
             stacked = self._kv_all.index_select(2, ids).to("cpu")  # [L, 2, N, block elements]
         else:
             for layer, kv in enumerate(self.kv_caches):
@@ -390,8 +440,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._layer_saves = {}
         blocks = stacked.permute(2, 0, 1, 3).contiguous()  # [N, L, 2, block elements]
         rows = blocks.view(torch.uint8).view(len(meta.saves), -1).numpy()
-        for i, (_, block_hash) in enumerate(meta.saves):
-            self.writer.put(block_hash, rows[i])
+        for i, (_, block_hash, parent_hash) in enumerate(meta.saves):
+            self.writer.put(block_hash, parent_hash, rows[i])
         if not self.can_load:  # a kv_producer (prefill instance): on disk before its answer goes out
             self.writer.flush()
 

@@ -98,6 +98,9 @@ class PrometheusStatLogger:
                                              "Prompt tokens loaded from the KV connector's tier (disk).")
         self.counter_external_bytes = counter("kv_connector_bytes_loaded",
                                               "Bytes of KV blocks loaded from the KV connector's tier.")
+        self.counter_external_restored = counter("kv_connector_blocks_restored",
+                                                 "KV blocks restored from the KV connector's tier into the "
+                                                 "prefix cache at start-up.")
         # Speculative decoding (vLLM's vllm:spec_decode_* counters).
         self.counter_spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.counter_spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -214,7 +217,8 @@ class PrometheusStatLogger:
 
     def _record_connector(self, st: dict) -> None:
         for counter, key in ((self.counter_external_queries, "queries"), (self.counter_external_hits, "hits"),
-                             (self.counter_external_bytes, "bytes_loaded")):
+                             (self.counter_external_bytes, "bytes_loaded"),
+                             (self.counter_external_restored, "blocks_restored")):
             if st.get(key):
                 counter.inc(st[key])
 

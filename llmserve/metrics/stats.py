@@ -51,7 +51,9 @@ class SchedulerStats:
     waiting_lora_adapters: dict = field(default_factory=dict)
     max_lora: int = 0
     # KV connector (llmserve/kv_transfer) counters since the last stats: prompt tokens looked
-    # up ("queries"), found in the external tier ("hits"), bytes loaded; None: no connector.
+    # up ("queries"), found in the external tier ("hits"), bytes loaded, blocks and bytes
+    # restored into the prefix cache at start-up ("blocks_restored", "bytes_restored");
+    # None: no connector.
     kv_connector_stats: Optional[dict] = None
     # Speculative decoding (llmserve/spec_decode): counts since the last stats, or None.
     spec_decoding_stats: Optional[SpecDecodingStats] = None

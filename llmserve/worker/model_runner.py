@@ -289,6 +289,13 @@ class ModelRunner:
             self.kv_connector.shutdown()
             self.kv_connector = None
 
+    @staticmethod
+    def _load_external_kv(kvc, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """The connector's loads of this step into their blocks; the failed ones in ``out``."""
+        kvc.bind_connector_metadata(so.kv_connector_metadata)
+        kvc.start_load_kv()
+        out.invalid_block_ids = kvc.get_block_ids_with_load_errors()
+
     # How far (bytes of all layers' K and V) the idle prefault runs ahead of use.
     KV_PREFAULT_HEADROOM_BYTES = 32 << 20
 
@@ -405,14 +412,15 @@ class ModelRunner:
             from llmserve.worker.pooler import execute_pooling
             return execute_pooling(self, so)
         out = ModelRunnerOutput()
+        kvc = self.kv_connector
         if not so.scheduled:
+            if kvc is not None and so.kv_connector_metadata is not None:  # a KV tier restore: loads only
+                self._load_external_kv(kvc, so, out)
+                kvc.clear_connector_metadata()
             return out
         inputs = self._prepare_inputs(so)
-        kvc = self.kv_connector
         if kvc is not None:  # external KV into this step's blocks before the forward
-            kvc.bind_connector_metadata(so.kv_connector_metadata)
-            kvc.start_load_kv()
-            out.invalid_block_ids = kvc.get_block_ids_with_load_errors()
+            self._load_external_kv(kvc, so, out)
         # Logits must not depend on the batch (greedy: issue 10.6, seeded: issue 18): pad GEMMs.
         invariant = self.model_config.batch_invariant or any(
             getattr(s.request.sampling_params, "seed", None) is not None for s in so.scheduled)

@@ -39,9 +39,9 @@ def _llm(model: str, dtype: str = "float32", **kw) -> LLM:
                kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64, **kw)
 
 
-def _tier(path) -> dict:
+def _tier(path, **extra) -> dict:
     return {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+            "kv_connector_extra_config": {"shared_storage_path": str(path), **extra}}
 
 
 def _run(llm: LLM, prompt=PROMPT):
@@ -65,7 +65,8 @@ def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path
     llm.shutdown()  # flushes the writer
     files = _files(tmp_path)
     assert len(files) == FULL_BLOCKS
-    llm = _llm(model, kv_transfer_config=_tier(tmp_path))  # a restart: the RAM prefix cache is empty
+    # a restart without the warm-up: the RAM prefix cache is empty, the blocks load on demand
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path, restore_on_start=False))
     stats = _spy_stats(llm)
     assert _run(llm) == (hf_tokens, FULL_BLOCKS * 16)
     prom = PrometheusStatLogger(llm.llm_engine.vllm_config)
@@ -87,7 +88,7 @@ def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path
     _connector(llm).flush()  # the torn file was removed and written again by the recompute
     assert os.path.getsize(by_order[2]) == os.path.getsize(by_order[0])
     llm.shutdown()
-    llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path, restore_on_start=False))
     # block 4 was still corrupt (the right size): found when loaded, removed, and the
     # request computed again from block 4 (the step that read it saved nothing)
     assert _run(llm) == (hf_tokens, 4 * 16)
@@ -179,7 +180,7 @@ def test_other_model_or_dtype_file_is_never_loaded(tmp_path, caplog):
     payload = bytes(range(256)) * 4
     for k, h in ((key, 1), (other, 2)):
         with open(os.path.join(folder, f"{h:016x}.kv"), "wb") as f:
-            f.write(encode_header(k, h, payload) + payload)
+            f.write(encode_header(k, h, 0, payload) + payload)
     out = memoryview(bytearray(len(payload)))
     assert read_block(folder, key, 1, out) and out == payload
     with caplog.at_level(logging.WARNING):
@@ -215,7 +216,7 @@ def test_read_chain_stops_at_the_first_bad_file_and_closes_every_file(tmp_path, 
     payloads = [bytes([h]) * 512 for h in (1, 2, 3, 4)]
     for h, payload in zip((1, 2, 3, 4), payloads):
         with open(os.path.join(folder, f"{h:016x}.kv"), "wb") as f:
-            f.write(encode_header(key, h, payload) + payload)
+            f.write(encode_header(key, h, h - 1, payload) + payload)
     v1 = bytearray(open(os.path.join(folder, f"{3:016x}.kv"), "rb").read())
     v1[8:12] = (1).to_bytes(4, "little")  # a version-1 (CRC-32) file
     open(os.path.join(folder, f"{3:016x}.kv"), "wb").write(v1)
@@ -253,10 +254,10 @@ def test_writer_lru_bound_keeps_recently_loaded_blocks(tmp_path):
     size = disk_store.HEADER_SIZE + len(payload)
     w = BlockWriter(folder, key, max_bytes=3 * size)
     for h in (1, 2, 3):
-        w.put(h, payload)
+        w.put(h, 0, payload)
     w.flush()
     os.utime(os.path.join(folder, f"{1:016x}.kv"), (1e10, 1e10))  # block 1 loaded since: most recent
-    w.put(4, payload)
+    w.put(4, 0, payload)
     w.flush()
     assert sorted(os.listdir(folder)) == [f"{h:016x}.kv" for h in (1, 3, 4)]
     assert w.total_bytes == 3 * size and w.stats.blocks_evicted == 1
@@ -289,5 +290,5 @@ def test_metadata_pickles_for_a_worker_process():
 
     from llmserve.kv_transfer.shared_storage import SharedStorageConnectorMetadata
 
-    meta = pickle.loads(pickle.dumps(SharedStorageConnectorMetadata([([3, 4], [11, 12])], [(5, 99)])))
-    assert meta.loads == [([3, 4], [11, 12])] and meta.saves == [(5, 99)]
+    meta = pickle.loads(pickle.dumps(SharedStorageConnectorMetadata([([3, 4], [11, 12])], [(5, 99, 12)], True)))
+    assert meta.loads == [([3, 4], [11, 12])] and meta.saves == [(5, 99, 12)] and meta.restore
