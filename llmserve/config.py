@@ -540,9 +540,10 @@ EngineConfig = VllmConfig
 class AdmissionConfig:
     """Limits of the OpenAI server's admission controller (beyond vLLM).
 
-    max_waiting_requests: requests that may wait (admitted, not yet running in the
-      engine); -1: no bound (vLLM's behaviour); 0: none may wait (a request is admitted
-      only while every admitted request is running). The server's default
+    max_waiting_requests: requests that may wait (admitted, queued behind a full batch of
+      ``max_num_seqs`` or in the engine's own queue; running requests never count);
+      -1: no bound (vLLM's behaviour); 0: none may wait (a request is admitted only into
+      a free batch slot with nobody queued ahead of it). The server's default
       (``--max-waiting-requests`` unset) is twice ``max_num_seqs``: a full batch ready to
       replace the running one and one more behind it keeps the engine busy, while a
       request's wait stays near two request lifetimes instead of growing without limit.

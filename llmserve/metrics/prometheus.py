@@ -168,7 +168,8 @@ class PrometheusStatLogger:
         self.gauge_admission_receiving = server_gauge(
             "admission_receiving_requests", "Requests whose body is still arriving (not yet seen by admission control).")
         self.gauge_admission_waiting = server_gauge(
-            "admission_waiting_requests", "Requests admitted and not yet running in the engine (rendering or queued).")
+            "admission_waiting_requests",
+            "Requests admitted and queued behind a full batch (beyond max_num_seqs, or the engine queue when longer).")
         self.gauge_admission_in_flight = server_gauge(
             "admission_in_flight_requests", "Requests admitted whose response has not ended.")
 

@@ -203,11 +203,12 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
     def send():
         results.append(srv.post("/v1/completions", body, headers={"X-Request-Timeout": "30"}))
 
-    with frozen(srv):
-        threads = [threading.Thread(target=send) for _ in range(2)]
+    with frozen(srv):  # 2 fill the batch (--max-num-seqs 2), 2 wait (--max-waiting-requests 2)
+        threads = [threading.Thread(target=send) for _ in range(4)]
         for t in threads:
             t.start()
         _wait_for(lambda: _status(srv, "ready") == 503, what="/ready 503 over the limit")
+        assert _metric(srv, "vllm:admission_waiting_requests") == 2
         r = srv.post("/v1/completions", body)
         assert r.status_code == 429, r.text
         assert r.headers["content-type"] == "application/json" and int(r.headers["Retry-After"]) >= 1
@@ -219,12 +220,41 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
         assert type(e.value).__name__ == "RateLimitError"
     for t in threads:
         t.join(60)
-    assert [x.status_code for x in results] == [200, 200]
+    assert [x.status_code for x in results] == [200] * 4
     assert all(x.json()["choices"][0]["finish_reason"] == "length" for x in results)
     assert _metric(srv, "vllm:request_rejected_total", reason="queue_full") - rejected0 == 2
     _wait_for(lambda: _status(srv, "ready") == 200, what="/ready 200 after the burst")
     assert _status(srv, "health") == 200
     assert srv.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4}).status_code == 200
+
+
+def test_requests_holding_the_batch_are_not_counted_as_waiting(adm_server):
+    """The fresh-user trial: with every batch slot taken, the engine's last snapshot (here
+    frozen: no step reports the new requests running) counted the running requests as
+    waiting, so a new request, even a malformed one, got 429 "N requests are waiting"
+    with fewer than N waiting. 3 requests on 2 slots: 1 waits, the bound (2) is not
+    reached, a malformed request gets its own 400 and the gauge says 1."""
+    srv = adm_server
+    rejected0 = _metric(srv, "vllm:request_rejected_total", reason="queue_full")
+    results = []
+
+    def send():
+        results.append(srv.post("/v1/completions", dict(LONG, prompt="Hi", max_tokens=8)))
+
+    with frozen(srv):
+        threads = [threading.Thread(target=send) for _ in range(3)]
+        for t in threads:
+            t.start()
+        _wait_for(lambda: _metric(srv, "vllm:admission_in_flight_requests") == 3, what="3 requests admitted")
+        assert _metric(srv, "vllm:admission_waiting_requests") == 1
+        bad = srv.http.post("/v1/completions", content=b'{"model": 1', headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400, bad.text
+        # one more may still wait (/ready may be 503 for the frozen engine's stall, not the queue)
+        assert "queue_full" not in httpx.get(srv.url_for("ready"), timeout=10).text
+    for t in threads:
+        t.join(60)
+    assert [x.status_code for x in results] == [200] * 3
+    assert _metric(srv, "vllm:request_rejected_total", reason="queue_full") == rejected0
 
 
 def test_unfinished_bodies_hold_no_waiting_slot(adm_server):

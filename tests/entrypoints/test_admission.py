@@ -62,28 +62,55 @@ def test_config_validates_and_defaults_to_twice_max_num_seqs():
     assert admission_config_from_args(args, 128).max_queue_delay == 0.0
 
 
+def _controller_seqs(limit, max_num_seqs, clock=None):
+    return AdmissionController(AdmissionConfig(limit, 10.0), block_size=16, max_num_seqs=max_num_seqs,
+                               clock=clock or Clock())
+
+
 def test_waiting_requests_are_bounded_and_running_ones_do_not_count():
-    c = _controller(limit=2)
-    assert c.admit() is None and c.admit() is None
-    rej = c.admit()
-    assert (rej.reason, rej.status) == ("queue_full", 429) and "--max-waiting-requests 2" in rej.message
-    assert c.in_flight == 2
-    c.record(_stats(running=2), None)  # both are running now: nobody waits
+    c = _controller_seqs(limit=2, max_num_seqs=2)
+    assert c.admit() is None and c.admit() is None  # the batch's two slots
     assert c.num_waiting == 0
-    assert c.admit() is None and c.admit() is None and c.admit() is not None
+    assert c.admit() is None and c.admit() is None  # two wait behind the full batch
+    rej = c.admit()
+    assert (rej.reason, rej.status) == ("queue_full", 429)
+    assert "2 requests are waiting (--max-waiting-requests 2)" in rej.message
+    assert c.in_flight == 4 and c.num_waiting == 2
     c.release()
     assert c.in_flight == 3 and c.admit() is None
+
+
+def test_a_stale_engine_snapshot_never_counts_running_requests_as_waiting():
+    # The fresh-user trial: 8 streams on --max-num-seqs 4 --max-waiting-requests 8, and the
+    # last engine stats (a step that takes seconds on a starved CPU, or the idle step before
+    # the burst) still say 0 running: a new request got 429 "8 requests are waiting".
+    c = _controller_seqs(limit=8, max_num_seqs=4)
+    c.record(_stats(running=0), None)
+    c.in_flight = 8
+    assert c.num_waiting == 4  # at most in_flight - max_num_seqs: 4 of the 8 hold the batch
+    assert c.admit() is None
+    for dip in (0, 3, 4):  # the snapshot between steps, after a finish, when full
+        c.record(_stats(running=dip), None)
+        assert c.num_waiting == 5
+    c.in_flight = 12  # 4 running and 8 waiting: now the bound is reached
+    rej = c.admit()
+    assert rej.reason == "queue_full" and "8 requests are waiting (--max-waiting-requests 8)" in rej.message
+    c.record(_stats(running=2, waiting=9), None)  # the engine's own queue is longer (n > 1, small KV)
+    assert c.num_waiting == 9 and "9 requests are waiting" in c.admit().message
 
 
 def test_unbounded_and_zero_limits():
     c = _controller(limit=-1)
     assert all(c.admit() is None for _ in range(1000))
-    c = _controller(limit=0)  # none may wait: admitted only into a free engine slot
+    c = _controller_seqs(limit=0, max_num_seqs=2)  # none may wait: admitted only into a free slot
+    assert c.admit() is None and c.admit() is None
+    assert c.admit().reason == "queue_full"  # the two admitted fill the batch: this one would wait
+    c.record(_stats(running=2), None)
+    rej = c.admit()
+    assert rej.reason == "queue_full" and "the batch is full (2 requests run at once)" in rej.message
+    c.record(_stats(running=1), None)  # one finished (the engine says so before its response ends)
+    c.release()
     assert c.admit() is None
-    assert c.admit().reason == "queue_full"  # the first is not running yet: this one would wait
-    c.record(_stats(running=1), None)
-    assert c.admit() is None
-    assert c.admit().reason == "queue_full"
     full = AdmissionController(AdmissionConfig(0, 0.0), max_num_seqs=1, clock=Clock())
     full.record(_stats(running=1), None)  # the batch is full (requests of another client)
     assert full.admit().reason == "queue_full"
@@ -314,7 +341,7 @@ def test_429_with_retry_after_ready_and_rejection_metrics(smol_tokenizer):
     assert engine.stat_loggers == [controller]
     client = TestClient(app)
     assert client.get("/ready").status_code == 200 and client.get("/ready").json() == {"ready": True}
-    controller.in_flight = 1  # one request waits (admitted, not running)
+    controller.in_flight = controller.max_num_seqs + 1  # a full batch and one request waiting
     r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "rq-1"})
     assert r.status_code == 429 and r.headers["content-type"] == "application/json"
     assert r.headers["X-Request-Id"] == "rq-1"

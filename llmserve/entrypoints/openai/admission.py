@@ -9,8 +9,10 @@ deadline first, so a client that never finishes its body holds no waiting slot),
 the body is parsed or its prompt rendered. The :class:`AdmissionController` admits it
 unless
 
-- ``queue_full`` (429): the requests waiting (admitted, not running in the engine) reach
-  ``--max-waiting-requests``;
+- ``queue_full`` (429): the requests waiting reach ``--max-waiting-requests``: admitted
+  requests beyond the batch (``max_num_seqs``), or the engine's own queue when longer
+  (vLLM's ``num_requests_waiting``); running requests never count, whatever the last
+  engine snapshot (stale while a step runs) says;
 - ``queue_delay`` (429): the new request would wait for a batch slot (the admitted
   requests fill ``max_num_seqs``, or the engine has a queue) and its predicted wait (its
   place in the queue over the predicted drain rate) exceeds ``--max-queue-delay``. The
@@ -21,8 +23,8 @@ unless
   slot, so a cold burst is bounded by the batch, not by ``--max-waiting-requests``. Our
   own count of admitted requests decides "full", not the engine's running count, which
   dips below full between steps whenever a request finishes;
-- ``kv_cache_full`` (429): requests are waiting and the KV blocks in use plus those the
-  waiting requests will need (estimated from finished requests) exceed the cache;
+- ``kv_cache_full`` (429): admitted requests are not running yet and the KV blocks in use
+  plus those they will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
 
 A refusal carries the OpenAI error body and ``Retry-After``: the seconds the engine needs
@@ -38,7 +40,7 @@ its admission limit, or the engine is dead or stalled.
 
 ``/metrics`` shows the admission queue: ``vllm:admission_receiving_requests`` (bodies
 still arriving: not yet counted by admission), ``vllm:admission_waiting_requests``
-(admitted, not running) and ``vllm:admission_in_flight_requests`` (admitted, response not
+(admitted, queued behind the batch) and ``vllm:admission_in_flight_requests`` (admitted, response not
 ended).
 """
 from __future__ import annotations
@@ -200,7 +202,18 @@ class AdmissionController:
     # ---- admission -----------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Admitted requests not running in the engine (rendering, or in its queue)."""
+        """Admitted requests queued behind a full batch: those beyond ``max_num_seqs``, or
+        the engine's own queue when that is longer (requests with n > 1, a KV cache too
+        small for a full batch). Not ``in_flight`` minus the engine's running count: that
+        snapshot is as old as the last engine step and drops to 0 between steps or while
+        one step takes seconds (a starved CPU), which counted every running request as
+        waiting (8 streams on 4 slots were refused as "8 requests are waiting")."""
+        return max(0, self.in_flight - self.max_num_seqs, self.stats.num_waiting_reqs)
+
+    @property
+    def num_pending(self) -> int:
+        """Admitted requests the engine's last stats do not show running (rendering, in
+        its queue, or added since that step): all of them will need KV blocks."""
         return max(0, self.in_flight - self.stats.num_running_reqs)
 
     def _engine_busy(self) -> bool:
@@ -217,11 +230,14 @@ class AdmissionController:
             return Rejection("draining", 503, self.drain.retry_after(self.in_flight),
                              "The server is shutting down and takes no new requests.")
         limit = self.config.max_waiting_requests
-        # The new request waits too unless the engine has a free slot and nobody is ahead.
-        would_wait = waiting > 0 or self.stats.num_running_reqs >= self.max_num_seqs
+        # The new request waits too unless a slot is free and nobody is ahead: our own
+        # admitted count fills the batch, or the engine's (another API server's requests).
+        would_wait = (waiting > 0 or self.in_flight >= self.max_num_seqs
+                      or self.stats.num_running_reqs >= self.max_num_seqs)
         if limit >= 0 and waiting + would_wait > limit:
             return Rejection("queue_full", 429, self.drain.retry_after(waiting),
-                             f"The server is overloaded: {waiting} requests are waiting "
+                             f"The server is overloaded: the batch is full ({self.max_num_seqs} requests "
+                             f"run at once) and {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}). Retry later.")
         bound = self.config.max_queue_delay
         delay = self.predicted_delay(tenant_in_flight)
@@ -232,12 +248,13 @@ class AdmissionController:
                     "would wait for a slot, and no request has finished yet to predict how long")
             return Rejection("queue_delay", 429, retry, f"The server is overloaded: a new request {wait} "
                                                         f"(--max-queue-delay {bound:g}). Retry later.")
+        pending = self.num_pending if tenant_in_flight is None else min(self.num_pending, tenant_in_flight)
         total = self.stats.num_total_blocks
-        need = self.stats.num_used_blocks + (waiting + 1) * self.blocks_per_request
-        if limit >= 0 and self.uses_kv_cache and waiting > 0 and total > 0 and need > total:
-            return Rejection("kv_cache_full", 429, self.drain.retry_after(waiting),
+        need = self.stats.num_used_blocks + (pending + 1) * self.blocks_per_request
+        if limit >= 0 and self.uses_kv_cache and pending > 0 and total > 0 and need > total:
+            return Rejection("kv_cache_full", 429, self.drain.retry_after(pending),
                              f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
-                             f"{waiting} waiting requests. Retry later.")
+                             f"{pending} admitted requests that are not running yet. Retry later.")
         return None
 
     def drain_rate(self) -> float:
