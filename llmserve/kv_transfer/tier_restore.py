@@ -56,21 +56,18 @@ class TierRestore:
         self.blocks = self.nbytes = self.failed = 0
         self.seconds = 0.0
 
-    @property
-    def done(self) -> bool:
-        return self._pieces is not None and not self._pieces and not self._runs
-
     def next_chunk(self) -> Optional[Any]:
         """Allocate the next chunk's blocks; its ``SharedStorageConnectorMetadata``, or
         None when nothing is left (or the pool has no block without a cached prefix)."""
         if self._pieces is None:
             self._pieces = deque(self.connector.plan_restore(self.max_blocks))
-        runs = self._take(self.chunk_blocks)
-        if not runs:
-            self._pieces.clear()
-            return None
-        self._runs = runs
-        return self.connector.restore_meta([([b.block_id for b in blocks], hashes) for _, blocks, hashes in runs])
+        while self._pieces:  # a chunk's worth of blocks may all be cached already: on to the next
+            runs = self._take(self.chunk_blocks)
+            if runs:
+                self._runs = runs
+                return self.connector.restore_meta([([b.block_id for b in blocks], hashes)
+                                                    for _, blocks, hashes in runs])
+        return None
 
     def _take(self, limit: int) -> list[tuple[int, list[Any], list[int]]]:
         """Up to ``limit`` blocks of the planned pieces, as runs (anchor, blocks, hashes)

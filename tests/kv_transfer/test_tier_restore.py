@@ -164,13 +164,16 @@ def test_request_arriving_mid_restore_is_served_and_the_rest_skips_its_blocks(wr
     core._tier_restore = make_tier_restore(conn, core.scheduler.kv_cache_manager.pool, True)
     assert core.restore_kv_tier()  # one chunk: the first 2 blocks
     assert _cached_hashes(llm) == set(_hashes()[:2])
-    assert _run(llm) == (cold, FULL_BLOCKS * 16)  # 2 blocks from RAM, 4 loaded from disk
-    assert totals["hits"] == (FULL_BLOCKS - 2) * 16
-    used = core.scheduler.kv_cache_manager.num_used_blocks
-    while core.restore_kv_tier():  # the rest of the plan: the request cached those blocks
+    # a request for the first 4 blocks (and a partial one): 2 from RAM, blocks 2-3 from disk
+    out = llm.generate([{"prompt_token_ids": PROMPT[:72]}], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 4 * 16 and totals["hits"] == 2 * 16
+    assert _cached_hashes(llm) == set(_hashes()[:4])
+    while core.restore_kv_tier():  # the rest: the chunk of blocks 2-3 is cached already, 4-5 are restored
         pass
-    assert totals["blocks_restored"] == 2 and core.scheduler.kv_cache_manager.num_used_blocks == used
-    assert _run(llm) == (cold, FULL_BLOCKS * 16) and totals["hits"] == (FULL_BLOCKS - 2) * 16
+    assert _cached_hashes(llm) == set(_hashes())
+    assert core.tier_restore_done.blocks == 2 + 2 and core.tier_restore_done.failed == 0
+    assert _run(llm) == (cold, FULL_BLOCKS * 16) and totals["hits"] == 2 * 16  # all from RAM
+    assert totals["blocks_restored"] == 2 + 2  # counted by the step's stats
     llm.shutdown()
 
 
