@@ -23,7 +23,10 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
 - ``thinking``: ``enabled``/``adaptive``/``between_tools`` ->
   ``chat_template_kwargs.enable_thinking`` true, ``disabled`` -> false (the reasoning
   parser splits the output; without one the template's switch is all it does).
-  ``budget_tokens`` is not enforced.
+  ``budget_tokens`` is checked as Anthropic checks it (``checks.py``), not enforced.
+- Anthropic's rules between fields and turns (``thinking.budget_tokens`` against
+  ``max_tokens``, every ``tool_result`` answering a ``tool_use`` of the previous turn...)
+  are ``checks.py``'s.
 - ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> a JSON-schema
   ``response_format`` (structured outputs); ``output_config.effort`` is ignored (no
   effort switch on a local model).
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from llmserve.entrypoints.anthropic.checks import check_thinking, check_tool_turns
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.common.protocol import StreamOptions
@@ -181,14 +185,11 @@ def chat_tool_choice(choice: Optional[dict[str, Any]], has_tools: bool,
 
 
 def thinking_kwargs(thinking: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The chat template's ``enable_thinking`` for ``thinking`` (None: not given)."""
+    """The chat template's ``enable_thinking`` for ``thinking`` (None: not given), once
+    ``checks.check_thinking`` has passed it."""
     if thinking is None:
         return None
-    kind = thinking.get("type")
-    if kind not in _THINKING_TYPES:
-        raise SamplingParamsError(f"thinking.type must be one of {sorted(_THINKING_TYPES)}, got {kind!r}.",
-                                  "thinking.type")
-    return {"enable_thinking": _THINKING_TYPES[kind]}
+    return {"enable_thinking": _THINKING_TYPES[thinking["type"]]}
 
 
 def response_format(output_config: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -208,9 +209,12 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     (clamped) output budget. A stream asks for usage on every chunk (Anthropic's
     ``message_start`` carries the input tokens). Raises SamplingParamsError naming the
     Anthropic field."""
+    messages = chat_messages(request)
+    check_tool_turns(request.messages)
+    check_thinking(request.thinking, request.max_tokens if isinstance(request, AnthropicMessagesRequest) else None)
     tools = chat_tools(request)
     choice, parallel = chat_tool_choice(request.tool_choice, bool(tools), auto_tools)
-    fields: dict[str, Any] = dict(model=request.model, messages=chat_messages(request), tools=tools,
+    fields: dict[str, Any] = dict(model=request.model, messages=messages, tools=tools,
                                   tool_choice=choice, chat_template_kwargs=thinking_kwargs(request.thinking))
     if parallel is not None:
         fields["parallel_tool_calls"] = parallel

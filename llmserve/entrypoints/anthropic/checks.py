@@ -1,0 +1,153 @@
+"""The request rules of Anthropic's Messages API that its field types alone do not say
+(each a 400 ``invalid_request_error`` there, so a client written against Anthropic gets
+the same answer here, naming the field):
+
+- ``thinking``: ``type`` one of ``enabled``, ``adaptive``, ``between_tools``,
+  ``disabled``; ``enabled`` needs ``budget_tokens``, an integer >= 1024 and (on
+  ``/v1/messages``) less than ``max_tokens``, the request's own value before any clamp;
+  ``display``, when given, is ``summarized`` or ``omitted``
+  (``anthropic.types.ThinkingConfigEnabledParam``).
+- Tool turns: a ``tool_use`` block's ``id`` matches ``^[a-zA-Z0-9_-]+$`` and is unique in
+  the request; a ``tool_result`` block answers a ``tool_use`` of the previous turn (an
+  assistant turn), at most once; the turn after an assistant turn with ``tool_use``
+  blocks begins with a ``tool_result`` for each of them, before any other block
+  (Anthropic: "Each `tool_use` block must have a corresponding `tool_result` block in the
+  next message"). A turn is a run of consecutive messages of one role (Anthropic combines
+  them); ``role: "system"`` messages inside ``messages`` (Claude Code's) are left out. An
+  assistant turn with ``tool_use`` blocks that ends the conversation is a continuation
+  and needs no result.
+
+Raises SamplingParamsError (400) with ``param`` the Anthropic path of the fault
+(``thinking.budget_tokens``, ``messages.3.content.0``...).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence
+
+from llmserve.sampling_params import SamplingParamsError
+
+THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
+THINKING_DISPLAYS = ("summarized", "omitted")
+MIN_BUDGET_TOKENS = 1024  # Anthropic's floor for thinking.budget_tokens
+TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def check_thinking(thinking: Optional[dict[str, Any]], max_tokens: Optional[int]) -> None:
+    """Anthropic's rules for ``thinking`` (see the module docstring). ``max_tokens``: the
+    request's output budget as sent (None on count_tokens, which has none)."""
+    if thinking is None:
+        return
+    kind = thinking.get("type")
+    if kind not in THINKING_TYPES:
+        raise SamplingParamsError(f"thinking.type must be one of {', '.join(THINKING_TYPES)}; got {kind!r}.",
+                                  "thinking.type")
+    display = thinking.get("display")
+    if display is not None and (kind not in ("enabled", "adaptive") or display not in THINKING_DISPLAYS):
+        raise SamplingParamsError(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)} (with type "
+                                  f"'enabled' or 'adaptive'); got {display!r} with type {kind!r}.",
+                                  "thinking.display")
+    if kind != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise SamplingParamsError(f"thinking.budget_tokens: thinking of type 'enabled' needs an integer "
+                                  f"budget_tokens (>= {MIN_BUDGET_TOKENS}); got {budget!r}.",
+                                  "thinking.budget_tokens")
+    if budget < MIN_BUDGET_TOKENS:
+        raise SamplingParamsError(f"thinking.budget_tokens must be >= {MIN_BUDGET_TOKENS}; got {budget}.",
+                                  "thinking.budget_tokens")
+    if max_tokens is not None and budget >= max_tokens:
+        raise SamplingParamsError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                  f"({max_tokens}): thinking tokens count toward max_tokens.",
+                                  "thinking.budget_tokens")
+
+
+def _blocks(turn: Sequence[tuple[int, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """``(path, block)`` of every content block of a turn's messages, in order (a string
+    content is one text block)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, m in turn:
+        if isinstance(m.content, str):
+            out.append((f"messages.{i}.content", {"type": "text"}))
+        else:
+            out.extend((f"messages.{i}.content.{j}", block) for j, block in enumerate(m.content))
+    return out
+
+
+def _tool_use_ids(turn: Sequence[tuple[int, Any]], seen: dict[str, str]) -> list[str]:
+    """The ``tool_use`` ids of an assistant turn, checked (pattern, unique across the
+    request: ``seen`` maps each id to where it was first used)."""
+    ids = []
+    for at, block in _blocks(turn):
+        if block.get("type") != "tool_use":
+            continue
+        call_id = block.get("id")
+        if not isinstance(call_id, str) or not TOOL_USE_ID.fullmatch(call_id):
+            raise SamplingParamsError(f"{at}.id: a tool_use id must be a non-empty string of letters, digits, "
+                                      f"'_' or '-' (^[a-zA-Z0-9_-]+$); got {call_id!r}.", f"{at}.id")
+        if call_id in seen:
+            raise SamplingParamsError(f"{at}: `tool_use` ids must be unique; {call_id!r} is already used at "
+                                      f"{seen[call_id]}.", at)
+        seen[call_id] = at
+        ids.append(call_id)
+    return ids
+
+
+def _check_results(turn: Sequence[tuple[int, Any]], open_ids: Sequence[str]) -> None:
+    """A user turn after a turn whose tool_use ids are ``open_ids`` (empty: none): its
+    tool_result blocks answer those ids, once each, before any other block."""
+    answered: set[str] = set()
+    other = None  # the first block that is not a tool_result
+    for at, block in _blocks(turn):
+        if block.get("type") != "tool_result":
+            other = other or at
+            continue
+        use_id = block.get("tool_use_id")
+        if use_id not in open_ids:
+            raise SamplingParamsError(f"{at}: unexpected `tool_use_id` found in `tool_result` blocks: {use_id!r}. "
+                                      "Each `tool_result` block must have a corresponding `tool_use` block in the "
+                                      "previous message.", at)
+        if use_id in answered:
+            raise SamplingParamsError(f"{at}: a second `tool_result` for tool_use_id {use_id!r}; each `tool_use` "
+                                      "has exactly one result.", at)
+        if other is not None:
+            raise SamplingParamsError(f"{at}: `tool_result` blocks must come first in the message, before any other "
+                                      f"block ({other} comes before it).", at)
+        answered.add(use_id)
+    _check_answered(turn[0][0], open_ids, answered)
+
+
+def _check_answered(i: int, open_ids: Sequence[str], answered: set[str]) -> None:
+    missing = [x for x in open_ids if x not in answered]
+    if missing:
+        raise SamplingParamsError(f"messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately "
+                                  f"after: {', '.join(missing)}. Each `tool_use` block must have a corresponding "
+                                  "`tool_result` block in the next message.", f"messages.{i}")
+
+
+def _turns(messages: Sequence[Any]) -> list[list[tuple[int, Any]]]:
+    """The conversation's turns: runs of consecutive messages of one role (Anthropic
+    combines them), ``role: "system"`` messages left out; each ``(index, message)``."""
+    turns: list[list[tuple[int, Any]]] = []
+    for i, m in enumerate(messages):
+        if m.role == "system":
+            continue
+        if turns and turns[-1][0][1].role == m.role:
+            turns[-1].append((i, m))
+        else:
+            turns.append([(i, m)])
+    return turns
+
+
+def check_tool_turns(messages: Sequence[Any]) -> None:
+    """Anthropic's pairing of ``tool_use`` and ``tool_result`` blocks (see the module
+    docstring) over the request's messages (AnthropicMessageParam)."""
+    seen: dict[str, str] = {}
+    open_ids: list[str] = []  # tool_use ids of the previous turn (an assistant turn)
+    for turn in _turns(messages):
+        if turn[0][1].role == "assistant":
+            open_ids = _tool_use_ids(turn, seen)
+        else:
+            _check_results(turn, open_ids)
+            open_ids = []

@@ -1,0 +1,116 @@
+"""Anthropic's request rules that the field types alone do not say (``anthropic/checks.py``):
+``thinking`` (type, display, budget_tokens against max_tokens) and the pairing of
+``tool_use`` / ``tool_result`` blocks between turns. Each fault is a SamplingParamsError
+(400) whose ``param`` is the Anthropic path of the field; each valid shape passes."""
+import pytest
+
+from llmserve.entrypoints.anthropic.checks import check_thinking, check_tool_turns
+from llmserve.entrypoints.anthropic.conversion import to_chat_request
+from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from llmserve.sampling_params import SamplingParamsError
+
+ASK = {"role": "user", "content": "What is the weather in Paris and Rome?"}
+
+
+def use(*ids):
+    return {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}] + [
+        {"type": "tool_use", "id": i, "name": "get_weather", "input": {"city": "Paris"}} for i in ids]}
+
+
+def result(*ids, text_first=False):
+    blocks = [{"type": "tool_result", "tool_use_id": i, "content": "sunny"} for i in ids]
+    text = [{"type": "text", "text": "Here you go."}]
+    return {"role": "user", "content": text + blocks if text_first else blocks + text}
+
+
+def _request(messages, **fields):
+    return AnthropicMessagesRequest(model="m", max_tokens=fields.pop("max_tokens", 4096), messages=messages, **fields)
+
+
+def _param(fn, *args):
+    with pytest.raises(SamplingParamsError) as e:
+        fn(*args)
+    return e.value.param, str(e.value)
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "adaptive"}, {"type": "disabled"}, {"type": "between_tools"},
+                                      {"type": "enabled", "budget_tokens": 1024},
+                                      {"type": "enabled", "budget_tokens": 4095, "display": "omitted"},
+                                      {"type": "adaptive", "display": "summarized"}])
+def test_valid_thinking_passes(thinking):
+    check_thinking(thinking, 4096)
+
+
+@pytest.mark.parametrize("thinking,max_tokens,param,words", [
+    ({"type": "enabled", "budget_tokens": 1023}, 4096, "thinking.budget_tokens", ">= 1024"),
+    ({"type": "enabled", "budget_tokens": 100}, None, "thinking.budget_tokens", ">= 1024"),  # count_tokens
+    ({"type": "enabled", "budget_tokens": -1}, 4096, "thinking.budget_tokens", ">= 1024"),
+    ({"type": "enabled", "budget_tokens": 4096}, 4096, "thinking.budget_tokens", "less than max_tokens (4096)"),
+    ({"type": "enabled", "budget_tokens": 5000}, 2000, "thinking.budget_tokens", "less than max_tokens (2000)"),
+    ({"type": "enabled"}, 4096, "thinking.budget_tokens", "needs an integer"),
+    ({"type": "enabled", "budget_tokens": "2000"}, 4096, "thinking.budget_tokens", "needs an integer"),
+    ({"type": "enabled", "budget_tokens": 2000.0}, 4096, "thinking.budget_tokens", "needs an integer"),
+    ({"type": "enabled", "budget_tokens": True}, 4096, "thinking.budget_tokens", "needs an integer"),
+    ({"type": "on"}, 4096, "thinking.type", "'on'"),
+    ({}, 4096, "thinking.type", "None"),
+    ({"type": "adaptive", "display": "loud"}, 4096, "thinking.display", "'loud'"),
+    ({"type": "disabled", "display": "omitted"}, 4096, "thinking.display", "'disabled'"),
+])
+def test_bad_thinking_names_the_field(thinking, max_tokens, param, words):
+    got, message = _param(check_thinking, thinking, max_tokens)
+    assert got == param and param in message and words in message
+
+
+def test_budget_is_checked_against_the_requests_own_max_tokens():
+    # the messages request: budget >= max_tokens as sent; count_tokens has no max_tokens
+    bad = _request([ASK], max_tokens=1500, thinking={"type": "enabled", "budget_tokens": 1500})
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(bad, auto_tools=False)
+    assert e.value.param == "thinking.budget_tokens"
+    counted = AnthropicCountTokensRequest(model="m", messages=[ASK], thinking={"type": "enabled", "budget_tokens": 1500})
+    assert to_chat_request(counted, auto_tools=False).chat_template_kwargs == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize("messages", [
+    [ASK],
+    [ASK, use("toolu_1"), result("toolu_1")],
+    [ASK, use("toolu_1", "toolu_2"), result("toolu_2", "toolu_1"), {"role": "assistant", "content": "Both sunny."}],
+    [ASK, use("toolu_1")],  # a continuation of the assistant's turn: no result yet
+    [ASK, use("toolu_1"), {"role": "system", "content": "Be brief."}, result("toolu_1")],  # Claude Code's system
+    # consecutive messages of one role are one turn (Anthropic combines them)
+    [ASK, use("toolu_1"), use("toolu_2"), {"role": "user", "content": result("toolu_1")["content"][:1]},
+     result("toolu_2")],
+    [ASK, use("a-b_C9"), result("a-b_C9"), ASK, use("toolu_2"), result("toolu_2")],
+])
+def test_paired_tool_turns_pass(messages):
+    check_tool_turns(_request(messages).messages)
+
+
+@pytest.mark.parametrize("messages,param,words", [
+    ([ASK, use("toolu_1"), result("toolu_2")], "messages.2.content.0", "unexpected `tool_use_id`"),
+    ([result("toolu_1")], "messages.0.content.0", "unexpected `tool_use_id`"),  # nothing before it
+    ([ASK, use("toolu_1"), ASK, result("toolu_1")], "messages.3.content.0",  # one turn: text came first
+     "before any other block (messages.2.content comes before it)"),
+    ([ASK, use("toolu_1"), result("toolu_1"), {"role": "assistant", "content": "Sunny."}, result("toolu_1")],
+     "messages.4.content.0", "unexpected `tool_use_id`"),
+    ([ASK, use("toolu_1", "toolu_2"), result("toolu_1")], "messages.2", "without `tool_result` blocks"),
+    ([ASK, use("toolu_1"), {"role": "user", "content": "thanks"}], "messages.2", "toolu_1"),
+    ([ASK, use("toolu_1"), result("toolu_1", text_first=True)], "messages.2.content.1", "must come first"),
+    ([ASK, use("toolu_1"), result("toolu_1", "toolu_1")], "messages.2.content.1", "second `tool_result`"),
+    ([ASK, use("toolu_1", "toolu_1"), result("toolu_1")], "messages.1.content.2", "must be unique"),
+    ([ASK, use("toolu_1"), result("toolu_1"), use("toolu_1"), result("toolu_1")], "messages.3.content.1",
+     "already used at messages.1.content.1"),
+    ([ASK, use("call 1"), result("call 1")], "messages.1.content.1.id", "^[a-zA-Z0-9_-]+$"),
+    ([ASK, use(""), result("")], "messages.1.content.1.id", "''"),
+])
+def test_unpaired_tool_turns_name_the_block(messages, param, words):
+    got, message = _param(check_tool_turns, _request(messages).messages)
+    assert got == param and message.startswith(param) and words in message
+
+
+def test_to_chat_request_applies_the_turn_rules_to_both_routes():
+    turns = [ASK, use("toolu_1"), result("toolu_9")]
+    for request in (_request(turns), AnthropicCountTokensRequest(model="m", messages=turns)):
+        with pytest.raises(SamplingParamsError) as e:
+            to_chat_request(request, auto_tools=False)
+        assert e.value.param == "messages.2.content.0"
