@@ -5,6 +5,7 @@ from disk on demand (``restore_on_start`` false); then a replay of a prefix set 
 than the RAM cache, with and without the tier.
 
     python -m llmserve.benchmarks.kv_tier --prompt-len 4000 --reps 3 --rounds 3
+    python -m llmserve.benchmarks.kv_tier --rounds 0 --server-rounds 3   # the same through `llmserve serve`
     python -m llmserve.benchmarks.kv_tier --replay-prompts 12 --replay-len 1000 \\
         --replay-kv-cache 64MiB     # 12,000 prompt tokens over ~2,800 tokens of RAM KV (bf16)
 
@@ -17,7 +18,8 @@ with A's; C, started over the tier with the restore off, loads from disk on dema
 RAM prefix cache reset before each hit). Prints one JSON line: medians (seconds), the
 ratios the issue asks for, the restore's blocks, bytes and seconds per start, the tier
 bytes a restored hit loaded on the request path (0 expected), cached tokens seen, the
-bytes written, and ``uptime``'s load.
+bytes written, and ``uptime``'s load. ``--server-rounds`` does the issue's literal case
+with ``llmserve serve`` processes (``server_restart``).
 """
 from __future__ import annotations
 
@@ -25,8 +27,12 @@ import argparse
 import json
 import os
 import random
+import re
+import signal
+import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -176,6 +182,94 @@ def replay(args: argparse.Namespace, tier: str | None) -> dict:
             "ttft_s": round(statistics.median(t for t, _ in runs), 4)}
 
 
+def _serve(args: argparse.Namespace, tier: str, restore: bool, port: int, log) -> subprocess.Popen:
+    """``llmserve serve`` over ``tier`` on ``port`` (this process's niceness), once its
+    /health answers. Raises RuntimeError when it exits or is not up in 600 s."""
+    import httpx
+
+    cfg = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": tier, "restore_on_start": restore}}
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model", args.model,
+                             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port", str(port),
+                             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(cfg)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600  # a fresh machine builds the CPU kernels first (~4 min)
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    _stop(proc)
+    raise RuntimeError(f"llmserve serve did not come up on port {port}; see its log {log.name}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server flushes the tier's writer), then wait."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+
+
+def _http_ttft(port: int, model: str, prompt: list[int]) -> tuple[float, int]:
+    """Seconds of a max_tokens=1 completion (not streamed: the prefill and one token) and
+    its usage.prompt_tokens_details.cached_tokens."""
+    import httpx
+
+    t0 = time.perf_counter()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=600, json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    return dt, (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def _metric(port: int, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def server_restart(args: argparse.Namespace, tier: str) -> dict:
+    """The issue's case through ``llmserve serve``: one server serves a ``--prompt-len``
+    prompt cold and is stopped (SIGTERM); then, ``--server-rounds`` times, a server started
+    again over the tier idles ``--server-idle`` s (its restore runs then) and gets the
+    prompt again (its first hit), followed by ``--reps`` hits on the same server (warm RAM
+    hits); and the same with ``restore_on_start`` false (the first hit loads from disk).
+    Ratios: per round, the first hit over the median of the warm hits after it; medians."""
+    prompt = _prompts(1, args.prompt_len, args.seed + 200)[0]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    runs: dict = {"restored": [], "disk": []}
+    with open(os.path.join(tempfile.gettempdir(), "kv_tier_serve.log"), "w") as log:
+        proc = _serve(args, tier, True, port, log)
+        try:
+            _http_ttft(port, args.model, prompt[:64])  # warm the kernels (cached: its 4 blocks)
+            cold = _http_ttft(port, args.model, prompt)
+        finally:
+            _stop(proc)
+        for _ in range(args.server_rounds):
+            for restore, key in ((True, "restored"), (False, "disk")):
+                proc = _serve(args, tier, restore, port, log)
+                try:
+                    time.sleep(args.server_idle)
+                    first = _http_ttft(port, args.model, prompt)
+                    warm = [_http_ttft(port, args.model, prompt)[0] for _ in range(args.reps)]
+                    runs[key].append({"first_s": round(first[0], 4), "cached_tokens": first[1],
+                                      "warm_s": [round(t, 4) for t in warm],
+                                      "ratio": round(first[0] / statistics.median(warm), 3),
+                                      "blocks_restored": _metric(port, "vllm:kv_connector_blocks_restored_total"),
+                                      "disk_hit_tokens": _metric(port, "vllm:external_prefix_cache_hits_total")})
+                finally:
+                    _stop(proc)
+    ratio = lambda key: round(statistics.median(r["ratio"] for r in runs[key]), 3) if runs[key] else None
+    return {"prompt_len": args.prompt_len, "cold_s": round(cold[0], 4), "restored_over_warm": ratio("restored"),
+            "disk_over_warm": ratio("disk"), **runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -189,10 +283,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replay-prompts", type=int, default=0, help="0: no replay phase")
     p.add_argument("--replay-len", type=int, default=1000)
     p.add_argument("--replay-kv-cache", default="64MiB")
+    p.add_argument("--server-rounds", type=int, default=0,
+                   help="restarts of `llmserve serve` over the tier, restore on and off each (0: none)")
+    p.add_argument("--server-idle", type=float, default=3.0, help="seconds a restarted server idles first")
     args = p.parse_args(argv)
     result: dict = {"uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
-    with tempfile.TemporaryDirectory(prefix="kv_tier_") as tier:
-        result["persistence"] = persistence(args, tier)
+    if args.rounds:
+        with tempfile.TemporaryDirectory(prefix="kv_tier_") as tier:
+            result["persistence"] = persistence(args, tier)
+    if args.server_rounds:
+        with tempfile.TemporaryDirectory(prefix="kv_tier_serve_") as tier:
+            result["server_restart"] = server_restart(args, tier)
     if args.replay_prompts:
         with tempfile.TemporaryDirectory(prefix="kv_tier_replay_") as tier:
             result["replay_with_tier"] = replay(args, tier)
