@@ -218,6 +218,59 @@ def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_p
     assert hidden.status_code == 404 and "`other`" not in message and "No model served here can be called" in message
 
 
+def test_request_list_shows_only_the_engines_of_the_keys_models(smol_tokenizer, tmp_path):
+    """GET /v1/requests: the ``engine`` state is that of the engines serving a model the
+    key may use, as /v1/models and /api/ps list only those models; a key allowed no model
+    served here (carol) gets the sum over no engine (all 0), not the server-wide totals
+    (the fresh-user trial saw them with a key allowed no model)."""
+    from llmserve.engine.request_timeline import RequestTimelines
+    from llmserve.metrics.stats import SchedulerStats
+
+    entries = KEYS + [{"key": "key-m", "tenant": "mallory", "allowed_models": ["m"]},
+                      {"key": "key-e", "tenant": "erin", "allowed_models": []}]
+    app, engine, _ = _app(smol_tokenizer, tmp_path, entries)
+    store = engine.request_timelines = RequestTimelines(default_model="m")
+    store.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.5), None)
+    store.prompt_tokens_total, store.generation_tokens_total = 1234, 567  # other tenants' work
+
+    async def run():
+        async with _client(app) as c:
+            return {k: (await c.get("/v1/requests", headers=_auth(k))).json()["engine"]
+                    for k in ("key-a", "key-m", "key-c", "key-e")}
+    seen = asyncio.run(run())
+    for key in ("key-a", "key-m"):  # every model, or "m" by name: m's engine
+        assert seen[key]["prompt_tokens_total"] == 1234 and seen[key]["generation_tokens_total"] == 567
+        assert seen[key]["kv_cache_usage"] == 0.5
+    for key in ("key-c", "key-e"):  # only a model not served here, or none at all
+        hidden = seen[key]
+        assert {k: v for k, v in hidden.items() if k != "time"} == {
+            "num_running": 0, "num_waiting": 0, "batch_size": 0, "prompt_tokens_total": 0,
+            "generation_tokens_total": 0, "kv_cache_usage": 0.0}
+        assert hidden["time"] > 0  # the same shape, so a client (the live view) still reads it
+
+
+def test_request_list_engines_of_a_multi_model_server_follow_allowed_models():
+    """On an --extra-model server each model's engine is shown to the keys that may use
+    that model, by any served name or one of its LoRA adapters."""
+    from llmserve.entrypoints.openai.request_timelines.api_router import _visible_stores
+    from llmserve.entrypoints.openai.tenants import TENANT_SCOPE_KEY
+
+    def model(store, names, adapters=()):
+        serving = SimpleNamespace(model_names=list(names), lora_names=list(adapters))
+        return SimpleNamespace(engine_client=SimpleNamespace(request_timelines=store),
+                               state=SimpleNamespace(openai_serving_models=serving))
+    state = SimpleNamespace(model_registry=SimpleNamespace(models=[
+        model("chat-store", ["chat", "chat-alias"], ["sql-adapter"]), model("embed-store", ["embed"])]))
+
+    def seen(allowed):
+        request = SimpleNamespace(app=SimpleNamespace(state=state),
+                                  scope={"state": {TENANT_SCOPE_KEY: Tenant("t", allowed_models=allowed)}})
+        return _visible_stores(request)
+    assert seen(None) == ["chat-store", "embed-store"]
+    assert seen(("chat-alias",)) == ["chat-store"] and seen(("sql-adapter",)) == ["chat-store"]
+    assert seen(("embed", "other")) == ["embed-store"] and seen(()) == []
+
+
 def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
     now = [0.0]
     quotas = TenantQuotas(clock=lambda: now[0])
