@@ -344,7 +344,7 @@ class AsyncEngineArgs(EngineArgs):
 
     disable_log_requests: bool = field(default=True, metadata=_help("Do not log each request."))
     # ---- admission control and liveness (the server's; beyond vLLM, see entrypoints/openai/admission.py)
-    max_waiting_requests: Optional[int] = field(default=None, metadata=_help("Requests that may wait (admitted, not yet running) before new ones get 429 with Retry-After (default: 2 x max_num_seqs; -1: unbounded, as vLLM)."))
+    max_waiting_requests: Optional[int] = field(default=None, metadata=_help("Requests that may wait (queued behind a full batch of --max-num-seqs, or in the engine's queue when longer; running ones never count) before new ones get 429 with Retry-After (default: 2 x max_num_seqs; -1: unbounded, as vLLM)."))
     max_queue_delay: Optional[float] = field(default=None, metadata=_help("Seconds a new request may be predicted to wait in the queue (its place over the measured drain rate) before it gets 429 with Retry-After (default: 1; 0: no bound). Keeps accepted requests' time to first token near an unloaded server's under overload."))
     # engine_stall_timeout (EngineArgs) also bounds /health: 503 after that long without progress.
 
