@@ -30,6 +30,7 @@ from llmserve.entrypoints.anthropic.protocol import (
 from llmserve.entrypoints.anthropic.streaming import MessageStreamWriter, message_events, stop_reason_of, usage_of
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
 from llmserve.entrypoints.openai.common.protocol import random_uuid
+from llmserve.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("llmserve.entrypoints.anthropic")
 
@@ -51,6 +52,19 @@ def prompt_bytes_bound(request: ChatCompletionRequest) -> int:
     tools = json.dumps(request.tools, ensure_ascii=False) if request.tools else ""
     return (len(text.encode()) + len(tools.encode()) + TEMPLATE_BYTES_BASE
             + TEMPLATE_BYTES_PER_MESSAGE * len(request.messages))
+
+
+def prompt_too_long(prompt_tokens: int, max_model_len: int) -> SamplingParamsError:
+    """The 400 for a prompt that leaves no token of the context for the answer, in
+    Anthropic's words (``prompt is too long: N tokens > M maximum``; M: the most a prompt
+    may hold here, ``max_model_len - 1``). Claude Code matches that text
+    (``/prompt is too long[^0-9]*(\\d+)\\s*tokens?\\s*>\\s*(\\d+)/i`` in 2.1.197) to show
+    "Prompt is too long" with the sizes; the engine's OpenAI wording was shown as a bare
+    "API Error: 400". No ``param``: Anthropic's message names none."""
+    return SamplingParamsError(
+        f"prompt is too long: {prompt_tokens} tokens > {max_model_len - 1} maximum (the model's context is "
+        f"{max_model_len} tokens, one of them for the answer; system prompt, tools and messages must fit in the "
+        "rest: shorten them, or serve the model with a larger --max-model-len).", None)
 
 
 class AnthropicServingMessages:
@@ -77,17 +91,20 @@ class AnthropicServingMessages:
         return len((await handler.render(request, request.tools)).token_ids)
 
     async def _clamped(self, request: AnthropicMessagesRequest) -> tuple[ChatCompletionRequest, bool]:
-        """The chat request with ``max_tokens`` clamped to the room the prompt leaves
-        (at least 1: a prompt that fills the context is the engine's 400), and whether
-        it was clamped."""
+        """The chat request with ``max_tokens`` clamped to the room the prompt leaves,
+        and whether it was clamped. Raises SamplingParamsError (a 400) in Anthropic's
+        words when the prompt leaves no room at all (:func:`prompt_too_long`)."""
         chat_request = self._chat_request(request)
         max_len = _handler(self.chat, chat_request).max_model_len
         if request.max_tokens + prompt_bytes_bound(chat_request) <= max_len:
             return chat_request, False
-        room = max_len - await self._prompt_tokens(chat_request)
+        prompt = await self._prompt_tokens(chat_request)
+        room = max_len - prompt
+        if room < 1:
+            raise prompt_too_long(prompt, max_len)
         if request.max_tokens <= room:
             return chat_request, False
-        return self._chat_request(request, max_tokens=max(1, room)), True
+        return self._chat_request(request, max_tokens=room), True
 
     async def create_message(self, request: AnthropicMessagesRequest, request_id: Optional[str] = None,
                              ) -> Union[AnthropicMessagesResponse, AsyncGenerator[str, None]]:

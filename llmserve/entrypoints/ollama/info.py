@@ -19,7 +19,9 @@ from typing import Any
 from llmserve.entrypoints.ollama.serving import served_name
 
 # The Ollama API version these routes follow (clients compare it with their minimum).
-OLLAMA_API_VERSION = "0.12.6"
+# 0.13.4: Ollama serves /v1/responses since 0.13.3 (so does this server), and Codex CLI
+# 0.171's `--oss --local-provider ollama` refuses any Ollama older than 0.13.4.
+OLLAMA_API_VERSION = "0.13.4"
 GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>")
