@@ -114,3 +114,16 @@ def test_to_chat_request_applies_the_turn_rules_to_both_routes():
         with pytest.raises(SamplingParamsError) as e:
             to_chat_request(request, auto_tools=False)
         assert e.value.param == "messages.2.content.0"
+
+
+@pytest.mark.parametrize("tool,param", [
+    ({"name": "get weather!", "input_schema": {"type": "object"}}, "tools.0.name"),
+    ({"name": "x" * 65, "input_schema": {"type": "object"}}, "tools.0.name"),
+    ({"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+     "tools.0.input_schema"),
+])
+def test_a_bad_tool_is_named_by_its_anthropic_path(tool, param):
+    # not the chat path's tools[0].function..., a field the Anthropic client never sent
+    request = _request([ASK], tools=[tool])
+    got, message = _param(lambda r: to_chat_request(r, auto_tools=False), request)
+    assert got == param and message.startswith(param)

@@ -13,7 +13,8 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
 - ``image`` and ``document`` blocks are a 400 naming the block (no vision model runs);
   so is any block type this server does not know.
 - ``tools``: client tools (``input_schema``) become function tools; server tools
-  (``web_search_*``, ``bash_*``, ...) are a 400 naming them.
+  (``web_search_*``, ``bash_*``, ...) are a 400 naming them, as is a name outside
+  ``^[a-zA-Z0-9_-]{1,64}$`` or an invalid schema (``tools.<i>.name`` / ``.input_schema``).
 - ``tool_choice``: ``auto`` -> "auto", ``any`` -> "required", ``tool`` -> the named
   function, ``none`` -> "none"; ``disable_parallel_tool_use`` -> ``parallel_tool_calls``.
   Tools without a ``tool_choice`` on a server without auto tool parsing
@@ -41,8 +42,10 @@ from typing import Any, Optional
 from llmserve.entrypoints.anthropic.checks import check_thinking, check_tool_turns
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
 from llmserve.entrypoints.openai.common.protocol import StreamOptions
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.structured_output.grammar import json_schema_error
 
 _DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
@@ -140,6 +143,18 @@ def chat_messages(request: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _check_tool(tool: Any, i: int) -> None:
+    """A client tool's ``name`` (Anthropic's ``^[a-zA-Z0-9_-]{1,64}$``) and
+    ``input_schema`` (a valid JSON schema), named by their Anthropic path (the chat
+    path's own check would name ``tools[i].function...``, a field the client never sent)."""
+    if not TOOL_NAME_RE.match(tool.name):
+        raise SamplingParamsError(f"tools.{i}.name must be 1-64 letters, digits, '_' or '-'; got {tool.name!r}.",
+                                  f"tools.{i}.name")
+    err = json_schema_error(tool.input_schema)
+    if err is not None:
+        raise SamplingParamsError(f"tools.{i}.input_schema is not a valid JSON schema {err}", f"tools.{i}.input_schema")
+
+
 def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, Any]]]:
     """The client tools as OpenAI function tools. Raises SamplingParamsError naming
     ``tools.<i>`` for a server tool or a missing ``input_schema``."""
@@ -153,6 +168,7 @@ def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, 
         if tool.input_schema is None:
             raise SamplingParamsError(f"tools.{i}.input_schema: a client tool needs an `input_schema`.",
                                       f"tools.{i}.input_schema")
+        _check_tool(tool, i)
         fn = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             fn["description"] = tool.description
