@@ -2,7 +2,7 @@
 ``anthropic`` SDK against the shared ``server``: each request Anthropic's API refuses with
 400 ``invalid_request_error`` (thinking.budget_tokens below 1024 or not below
 max_tokens, a tool_result with no tool_use before it, a tool_use with no result after
-it, duplicate tool_use ids) is a BadRequestError here too, in Anthropic's error body,
+it, duplicate tool_use ids, an empty message or text block) is a BadRequestError here too, in Anthropic's error body,
 naming the field, on ``/v1/messages`` (streamed or not) and ``count_tokens`` alike,
 before any token is generated. The fresh-user trial found them all answered 200."""
 import anthropic
@@ -39,6 +39,8 @@ BAD = [  # (create() arguments, the field the message must name)
     (dict(messages=[ASK, _use("toolu_1"), {"role": "user", "content": "Thanks"}], tools=[WEATHER]), "messages.2"),
     (dict(messages=[ASK, _use("toolu_1", "toolu_1"), _result("toolu_1")], tools=[WEATHER]), "messages.1.content.1"),
     (dict(messages=[ASK, _use("call.1"), _result("call.1")], tools=[WEATHER]), "messages.1.content.0.id"),
+    (dict(messages=[ASK, {"role": "assistant", "content": ""}, ASK]), "messages.1"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]), "messages.0.content.0.text"),
 ]
 
 
@@ -70,3 +72,7 @@ def test_what_anthropic_accepts_still_passes(client):
                                    extra_body={"temperature": 0})
     assert reply.content and reply.usage.output_tokens >= 1
     assert client.messages.count_tokens(model=MODEL, messages=[ASK, _use("toolu_1")], tools=[WEATHER]).input_tokens
+    # an empty final assistant message is a prefill, not an empty message
+    prefill = client.messages.create(model=MODEL, max_tokens=2, messages=[ASK, {"role": "assistant", "content": ""}],
+                                     extra_body={"temperature": 0})
+    assert prefill.usage.output_tokens >= 1

@@ -127,3 +127,23 @@ def test_a_bad_tool_is_named_by_its_anthropic_path(tool, param):
     request = _request([ASK], tools=[tool])
     got, message = _param(lambda r: to_chat_request(r, auto_tools=False), request)
     assert got == param and message.startswith(param)
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user", "content": ""}], "messages.0"),
+    ([{"role": "user", "content": []}], "messages.0"),
+    ([ASK, {"role": "assistant", "content": ""}, ASK], "messages.1"),
+    ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
+    ([ASK, {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": ""}]}],
+     "messages.1.content.1.text"),
+])
+def test_empty_contents_are_refused_as_anthropic_refuses_them(messages, param):
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(_request(messages), auto_tools=False)
+    assert e.value.param == param and str(e.value).startswith(param)
+
+
+def test_a_final_empty_assistant_message_is_a_prefill():
+    for last in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": []}):
+        to_chat_request(_request([ASK, last]), auto_tools=False)
+    to_chat_request(_request([ASK, {"role": "system", "content": ""}]), auto_tools=False)  # Claude Code's, unchecked

@@ -17,6 +17,9 @@ the same answer here, naming the field):
   assistant turn with ``tool_use`` blocks that ends the conversation is a continuation
   and needs no result.
 
+- Contents: every message but a final assistant one (a prefill) has non-empty content,
+  and a text block's ``text`` is not empty.
+
 Raises SamplingParamsError (400) with ``param`` the Anthropic path of the fault
 (``thinking.budget_tokens``, ``messages.3.content.0``...).
 """
@@ -151,3 +154,19 @@ def check_tool_turns(messages: Sequence[Any]) -> None:
         else:
             _check_results(turn, open_ids)
             open_ids = []
+
+
+def check_contents(messages: Sequence[Any]) -> None:
+    """Anthropic's emptiness rules (see the module docstring) over the request's messages
+    (AnthropicMessageParam); ``role: "system"`` messages (Claude Code's) are not checked."""
+    last = len(messages) - 1
+    for i, m in enumerate(messages):
+        if m.role == "system":
+            continue
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise SamplingParamsError(f"messages.{i}: all messages must have non-empty content except for the "
+                                      "optional final assistant message.", f"messages.{i}")
+        for j, block in enumerate(m.content if isinstance(m.content, list) else []):
+            if block.get("type") == "text" and block.get("text") == "":
+                at = f"messages.{i}.content.{j}.text"
+                raise SamplingParamsError(f"{at}: text content blocks must be non-empty.", at)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from llmserve.entrypoints.anthropic.checks import check_thinking, check_tool_turns
+from llmserve.entrypoints.anthropic.checks import check_contents, check_thinking, check_tool_turns
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
@@ -226,6 +226,7 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     ``message_start`` carries the input tokens). Raises SamplingParamsError naming the
     Anthropic field."""
     messages = chat_messages(request)
+    check_contents(request.messages)
     check_tool_turns(request.messages)
     check_thinking(request.thinking, request.max_tokens if isinstance(request, AnthropicMessagesRequest) else None)
     tools = chat_tools(request)
