@@ -388,3 +388,28 @@ def test_health_reports_a_stalled_engine(smol_tokenizer):
     assert client.get("/ready").status_code == 503
     controller.record(_stats(running=1), None)  # it moved again
     assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+
+
+def test_data_parallel_ranks_add_their_batches_and_their_stats():
+    from llmserve.entrypoints.openai.admission import make_admission_controller, ranks_fed
+
+    def parallel(size, external=False, hybrid=False, local=None):
+        return SimpleNamespace(data_parallel_size=size, data_parallel_external_lb=external,
+                               data_parallel_hybrid_lb=hybrid, data_parallel_size_local=local)
+    assert ranks_fed(None) == 1 and ranks_fed(parallel(1)) == 1 and ranks_fed(parallel(4)) == 4
+    assert ranks_fed(parallel(4, external=True)) == 1  # each API server owns one rank
+    assert ranks_fed(parallel(4, hybrid=True, local=2)) == 2  # this node's ranks
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4, tenant_fair_share=False),
+                             cache_config=SimpleNamespace(block_size=16), parallel_config=parallel(2),
+                             model_config=SimpleNamespace(is_encoder_only=False))
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--max-waiting-requests", "4", "--max-queue-delay", "0"])
+    c = make_admission_controller(SimpleNamespace(vllm_config=config), args)
+    assert c.max_num_seqs == 8  # 2 ranks x 4
+    c.in_flight = 8  # both ranks full: nobody waits
+    c.record(_stats(running=4, used=10, total=100), None)
+    c.record(_stats(running=4, waiting=1, used=30, total=100), None, engine_idx=1)
+    assert (c.stats.num_running_reqs, c.stats.num_waiting_reqs, c.stats.num_used_blocks,
+            c.stats.num_total_blocks) == (8, 1, 40, 200)  # summed, not the last rank's
+    assert c.num_waiting == 1 and c.admit() is None
+    c.record(_stats(running=4), None, engine_idx=1)  # rank 1's newer stats replace its older ones
+    assert c.stats.num_waiting_reqs == 0 and c.stats.num_running_reqs == 8

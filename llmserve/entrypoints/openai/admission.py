@@ -133,6 +133,29 @@ class DrainRate:
         return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
 
 
+def _summed(stats: Any) -> SchedulerStats:
+    """Several data-parallel ranks' SchedulerStats as one engine's: the counts and KV
+    blocks the controller reads, summed."""
+    stats = list(stats)
+    return SchedulerStats(num_running_reqs=sum(s.num_running_reqs for s in stats),
+                          num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+                          num_used_blocks=sum(s.num_used_blocks for s in stats),
+                          num_total_blocks=sum(s.num_total_blocks for s in stats),
+                          kv_cache_usage=max(s.kv_cache_usage for s in stats))
+
+
+def ranks_fed(parallel_config: Any) -> int:
+    """The data-parallel engines this API server sends requests to: one with external
+    load balancing (each API server owns a rank), the node's ranks with hybrid load
+    balancing, every rank otherwise (1 without data parallelism)."""
+    if parallel_config is None or getattr(parallel_config, "data_parallel_external_lb", False):
+        return 1
+    size = getattr(parallel_config, "data_parallel_size", 1) or 1
+    if getattr(parallel_config, "data_parallel_hybrid_lb", False):
+        return getattr(parallel_config, "data_parallel_size_local", None) or size
+    return size
+
+
 class AdmissionController:
     """Admits requests to the server (see the module docstring); also a stat logger of
     the AsyncLLM (``record``), which is how it sees the engine's scheduler stats and
@@ -140,7 +163,8 @@ class AdmissionController:
 
     Args:
       config: the limits. block_size: KV block size in tokens. max_num_seqs: the
-        engine's running-batch size (a request beyond it waits).
+        engine's running-batch size (a request beyond it waits): with data parallelism,
+        the sum over the ranks this server feeds (:func:`ranks_fed`).
       stat_logger: the PrometheusStatLogger counting refusals and deadlines (or None).
       clock: monotonic seconds (tests pass their own).
       uses_kv_cache: False for an encoder-only model (no KV kept: no ``kv_cache_full``).
@@ -160,7 +184,8 @@ class AdmissionController:
         self.is_draining: Callable[[], bool] = lambda: False
         self.fair_share = False  # the engine shares itself between tenants (see check)
         self.in_flight = 0  # admitted requests whose response has not ended
-        self.stats = SchedulerStats()  # the latest, from the engine
+        self.stats = SchedulerStats()  # the latest, from the engine (summed over data-parallel ranks)
+        self._rank_stats: dict[int, SchedulerStats] = {}  # the latest of each rank (engine_idx)
         self.blocks_per_request = _DEFAULT_BLOCKS_PER_REQUEST
         self.service_s: Optional[float] = None  # mean seconds a finished request spent in the batch
         self.receiving = 0  # request bodies still arriving (BodyLimitMiddleware): not yet admitted
@@ -168,13 +193,16 @@ class AdmissionController:
 
     # ---- stat logger (called by AsyncLLM's output handler after each batch) -----------
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
-               *args: Any, **kwargs: Any) -> None:
+               *args: Any, engine_idx: int = 0, **kwargs: Any) -> None:
         """Keeps the scheduler stats and updates the KV blocks a finished request held.
         A batch with scheduler stats came from an engine step: that is progress (the
-        frontend's own calls, e.g. ``AsyncLLM.abort``, pass None and are not)."""
+        frontend's own calls, e.g. ``AsyncLLM.abort``, pass None and are not).
+        ``engine_idx``: the data-parallel rank that sent them; the controller sees the
+        sum over its ranks (one rank's stats replaced the others' before)."""
         if scheduler_stats is not None:
             self.last_progress = self.clock()
-            self.stats = scheduler_stats
+            self._rank_stats[engine_idx] = scheduler_stats
+            self.stats = scheduler_stats if len(self._rank_stats) == 1 else _summed(self._rank_stats.values())
             self._report()
         if iteration_stats is not None:
             for fin in iteration_stats.finished_requests:
@@ -424,7 +452,10 @@ def make_admission_controller(engine_client: Any, args: Any, stat_logger: Any = 
     An engine client without a config or stat loggers (a test double) gets the server
     defaults (128 sequences, 16-token blocks) and no engine feed."""
     config = getattr(engine_client, "vllm_config", None)
-    max_num_seqs = config.scheduler_config.max_num_seqs if config is not None else 128
+    # The batch this server fills: every data-parallel rank it feeds runs max_num_seqs
+    # (one rank's would count the other ranks' running requests as waiting).
+    max_num_seqs = config.scheduler_config.max_num_seqs * ranks_fed(getattr(config, "parallel_config", None)) \
+        if config is not None else 128
     block_size = config.cache_config.block_size if config is not None else 16
     encoder = bool(getattr(getattr(config, "model_config", None), "is_encoder_only", False))
     controller = AdmissionController(admission_config_from_args(args, max_num_seqs), block_size=block_size,
