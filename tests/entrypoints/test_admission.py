@@ -402,7 +402,8 @@ def test_data_parallel_ranks_add_their_batches_and_their_stats():
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4, tenant_fair_share=False),
                              cache_config=SimpleNamespace(block_size=16), parallel_config=parallel(2),
                              model_config=SimpleNamespace(is_encoder_only=False))
-    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--max-waiting-requests", "4", "--max-queue-delay", "0"])
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(
+        ["--max-waiting-requests", "4", "--max-queue-delay", "0"])
     c = make_admission_controller(SimpleNamespace(vllm_config=config), args)
     assert c.max_num_seqs == 8  # 2 ranks x 4
     c.in_flight = 8  # both ranks full: nobody waits

@@ -67,7 +67,8 @@ def test_budget_is_checked_against_the_requests_own_max_tokens():
     with pytest.raises(SamplingParamsError) as e:
         to_chat_request(bad, auto_tools=False)
     assert e.value.param == "thinking.budget_tokens"
-    counted = AnthropicCountTokensRequest(model="m", messages=[ASK], thinking={"type": "enabled", "budget_tokens": 1500})
+    counted = AnthropicCountTokensRequest(model="m", messages=[ASK],
+                                          thinking={"type": "enabled", "budget_tokens": 1500})
     assert to_chat_request(counted, auto_tools=False).chat_template_kwargs == {"enable_thinking": True}
 
 
