@@ -1,15 +1,20 @@
 """Sleep mode on the worker (vLLM's ``Worker.sleep`` / ``wake_up``; there the CuMemAllocator
 offloads or discards GPU memory, here the CPU process drops its tensors).
 
-Asleep, the model runner holds no weights and no KV cache: both are freed and, through
-``malloc_trim``, handed back to the OS (a tensor's memory would otherwise stay in glibc's
-arenas and in the process's RSS). Waking loads the model again the way start-up does:
-- level 1 keeps the model's files in the OS page cache, so the wake reads the start-up
-  cache's converted weights (``model_loader/startup_cache.py``) from memory;
-- level 2 drops everything, page cache included (``posix_fadvise(POSIX_FADV_DONTNEED)``
-  on the model's files and its start-up cache entry), so the wake reads them from disk.
-The KV cache comes back zeroed with the same number of blocks; the scheduler's prefix
-cache is reset by the caller (``EngineCore.sleep``), since the blocks' contents are gone.
+Asleep, the model runner holds no weights and no KV cache in memory:
+- level 1 parks the weights (``worker/sleep_park.py``): the model object stays, its
+  tensors' pages are written to an unlinked file on disk and freed, and the wake reads
+  them back from the page cache into the same addresses (no rebuild: the wake's first
+  token must come within 0.5 s). Where parking is not possible (no disk directory, a
+  write error) the model is freed and rebuilt as at level 2;
+- level 2 frees the model and drops the model files from the page cache too
+  (``posix_fadvise(POSIX_FADV_DONTNEED)`` on them and on the start-up cache entry); the
+  wake loads the model again the way start-up does, from disk. In the server the engine
+  process then ends as well (``engine/sleep_process.py``).
+Freed memory is handed back to the OS with ``malloc_trim`` (it would otherwise stay in
+glibc's arenas and in the process's RSS). The KV cache comes back zeroed with the same
+number of blocks; the scheduler's prefix cache is reset by the caller
+(``EngineCore.sleep``), since the blocks' contents are gone.
 """
 from __future__ import annotations
 
@@ -110,8 +115,11 @@ class RunnerSleep:
     def __init__(self) -> None:
         self.asleep: set[str] = set()
         self.num_blocks = 0
+        self.parked: Optional[Any] = None  # sleep_park.Parked while level 1 holds the weights on disk
 
     def sleep(self, runner: Any, level: int) -> None:
+        from llmserve.worker import sleep_park
+
         check_level(level)
         if "kv_cache" not in self.asleep and runner.kv_caches:
             self.num_blocks = runner.kv_caches[0].shape[1]
@@ -119,13 +127,45 @@ class RunnerSleep:
             runner.kv_caches = []
             runner._kv_prefault_next = None  # nothing to prefault while asleep
         self.asleep.add("kv_cache")
+        if level == 2 and self.parked is not None:  # deeper than a level 1 already taken
+            self._drop_parked()
         if "weights" not in self.asleep:
-            runner.model = None
-            runner.lora_manager = None
+            directory = sleep_park.park_dir() if level == 1 and runner.model is not None else None
+            self.parked = sleep_park.park(runner.model, directory) if directory else None
+            if self.parked is None:
+                runner.model = None
+                runner.lora_manager = None
         self.asleep.add("weights")
         release_freed_memory()
+        if self.parked is not None:
+            logger.info("Sleeping (level 1): %.0f MiB of weights parked on disk", self.parked.nbytes / 2**20)
         if level == 2:
+            runner.model = None  # parked or not: level 2 rebuilds it
+            runner.lora_manager = None
+            release_freed_memory()
             evict_page_cache(runner.model_config)
+
+    def _drop_parked(self) -> None:
+        """Forget the parked weights (their file closes; the model is freed by the caller)."""
+        import os
+
+        parked, self.parked = self.parked, None
+        parked.storages = []
+        os.close(parked.fd)
+
+    def _wake_weights(self, runner: Any) -> None:
+        """Read the parked weights back, or rebuild the model (level 2, or a failed read)."""
+        from llmserve.worker import sleep_park
+
+        parked, self.parked = self.parked, None
+        if parked is not None and runner.model is not None:
+            try:
+                sleep_park.unpark(parked)
+                return
+            except OSError as e:
+                logger.warning("Wake: the parked weights could not be read back (%s): reloading the model", e)
+                runner.model = None
+        runner.load_model()
 
     def wake_up(self, runner: Any, tags: Optional[Iterable[str]] = None) -> None:
         t0 = time.perf_counter()
@@ -133,9 +173,11 @@ class RunnerSleep:
             if tag not in self.asleep:
                 continue
             if tag == "weights":
-                runner.load_model()
+                rebuilt = self.parked is None
+                self._wake_weights(runner)
+                if rebuilt:  # the loader's temporaries (measured: ~200 MiB of RSS otherwise)
+                    release_freed_memory()
             elif self.num_blocks:
                 runner.initialize_kv_cache(self.num_blocks)
             self.asleep.discard(tag)
-        release_freed_memory()  # the loader's temporaries (measured: ~200 MiB of RSS otherwise)
         logger.info("Woke up (%s) in %.2f s", ", ".join(check_tags(tags)), time.perf_counter() - t0)

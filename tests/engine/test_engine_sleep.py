@@ -1,10 +1,15 @@
 """Sleep mode offline (vLLM's ``LLM.sleep`` / ``wake_up``) on a tiny random Llama, float32,
-in-process: asleep the runner holds no weights and no KV cache; the next generate wakes
-it and its greedy tokens still equal transformers'; partial wakes by tag; refusals (busy,
-bad level/tag, sleep mode off); the idle sleep of ``sleep_idle_seconds`` in the engine
+in-process: asleep the runner holds no weights and no KV cache (its oneDNN-packed linears
+cannot be parked, so level 1 frees the model as level 2 does); the next generate wakes it
+and its greedy tokens still equal transformers'; the default GGUF model's level 1 parks
+its weights on disk (pages not resident, the same model object, the same tokens after the
+wake), and a parked file that cannot be read back makes the wake rebuild the model;
+partial wakes by tag; refusals (busy, bad
+level/tag, sleep mode off); the idle sleep of ``sleep_idle_seconds`` in the engine
 process's input wait (llama.cpp's --sleep-idle-seconds)."""
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -26,15 +31,38 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def sleepy(tmp_path_factory, save_tiny_model_fn):
-    """(LLM with enable_sleep_mode and sleep_idle_seconds=0.2, transformers model)."""
+    """(LLM with enable_sleep_mode and sleep_idle_seconds=0.2, transformers model); level 1
+    parks the weights in a temporary directory."""
     from llmserve import LLM
 
     path = str(tmp_path_factory.mktemp("sleepy"))
     hf = save_tiny_model_fn("llama", path, seed=3)
+    old = os.environ.get("LLMSERVE_SLEEP_PARK_DIR")
+    os.environ["LLMSERVE_SLEEP_PARK_DIR"] = str(tmp_path_factory.mktemp("park"))
     llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
               kv_cache_memory="64MiB", enable_sleep_mode=True, sleep_idle_seconds=0.2)
     yield llm, hf
     llm.shutdown()
+    if old is None:
+        os.environ.pop("LLMSERVE_SLEEP_PARK_DIR", None)
+    else:
+        os.environ["LLMSERVE_SLEEP_PARK_DIR"] = old
+
+
+def resident_pages(ranges) -> int:
+    """How many of the pages in ``ranges`` ((address, length), page-aligned) are resident
+    (mincore(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    n = 0
+    for addr, length in ranges:
+        vec = (ctypes.c_ubyte * (length // page))()
+        assert libc.mincore(addr, length, vec) == 0, ctypes.get_errno()
+        n += sum(b & 1 for b in vec)
+    return n
 
 
 def _greedy(llm) -> list[int]:
@@ -57,10 +85,58 @@ def test_sleep_frees_weights_and_kv_and_generate_wakes(sleepy, level):
     blocks = runner.kv_caches[0].shape[1]
     llm.sleep(level=level)
     assert llm.llm_engine.is_sleeping()
-    assert runner.model is None and runner.kv_caches == []
+    assert runner.model is None and runner.kv_caches == [] and runner._sleep.parked is None
     assert _core(llm).scheduler.kv_cache_manager.num_used_blocks == 0
     assert _greedy(llm) == ref  # woken by the request, same tokens as transformers
     assert not llm.llm_engine.is_sleeping() and runner.kv_caches[0].shape[1] == blocks
+
+
+def test_level_1_then_2(sleepy):
+    """A level-2 sleep over a level-1 one frees the parked model and closes its file."""
+    llm, hf = sleepy
+    runner = _core(llm).model_runner
+    llm.sleep(1)
+    fd = runner._sleep.parked.fd if runner._sleep.parked is not None else None
+    llm.sleep(2)
+    assert runner.model is None and runner._sleep.parked is None
+    if fd is not None:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert _greedy(llm) == hf_greedy(hf, PROMPT, NEW)
+
+
+def test_level_1_parks_the_gguf_weights(tmp_path, monkeypatch):
+    """The default GGUF model (packed weights, no oneDNN tensors): level 1 keeps the model
+    object, writes its weights' pages to disk and frees them (not resident), the wake reads
+    them back (resident again) and the greedy tokens are the same; a parked file cut short
+    makes the wake rebuild the model, again with the same tokens."""
+    from llmserve import LLM, SamplingParams
+
+    monkeypatch.setenv("LLMSERVE_SLEEP_PARK_DIR", str(tmp_path))
+    llm = LLM("SmolLM2-135M-Instruct", multiprocess_mode=False, kv_cache_memory="16MiB", max_model_len=256,
+              enable_sleep_mode=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+    def greedy() -> list[int]:
+        return list(llm.generate({"prompt_token_ids": PROMPT[:4]}, sp, use_tqdm=False)[0].outputs[0].token_ids)
+
+    try:
+        ref = greedy()
+        runner = _core(llm).model_runner
+        model = runner.model
+        llm.sleep(1)
+        parked = runner._sleep.parked
+        assert runner.model is model and parked.nbytes > 50 * 2**20  # ~94 MiB of packed weights and more
+        assert resident_pages(parked.ranges) == 0
+        assert greedy() == ref
+        assert runner.model is model and runner._sleep.parked is None
+        assert resident_pages(parked.ranges) == parked.nbytes // os.sysconf("SC_PAGE_SIZE")
+        llm.sleep(1)
+        os.ftruncate(runner._sleep.parked.fd, 100)
+        assert greedy() == ref
+        assert runner.model is not model and runner._sleep.parked is None
+    finally:
+        llm.shutdown()
 
 
 def test_wake_up_by_tags(sleepy):
