@@ -30,6 +30,7 @@ from llmserve.engine.request_timeline import current_request_labels, make_reques
 from llmserve.engine.protocol import EngineClient
 from llmserve.engine.request_kwargs import refuse_unhonoured
 from llmserve.engine.self_heal import CoreHolder, EngineHealer
+from llmserve.engine.sleep_process import ProcessRest, can_end_process
 from llmserve.engine.streaming_input import feed_later_chunks, is_streaming_prompt, split_chunk
 from llmserve.engine.tenant_context import tenant_fields
 from llmserve.engine_args import EngineArgs, UsageContext
@@ -174,6 +175,8 @@ class AsyncLLM(EngineClient):
         self.healer: Optional[EngineHealer] = EngineHealer(
             self._core, self.output_processor, restart, self.model_config.max_model_len,
             self.stat_loggers) if restart.enabled else None
+        # Sleep level 2 ends the engine process; a request or wake_up starts a new one.
+        self._rest = ProcessRest(self._core, self._stop_output_handler, self._run_output_handler)
 
     @property
     def engine_core(self):
@@ -277,6 +280,7 @@ class AsyncLLM(EngineClient):
         refuse_unhonoured("AsyncLLM.add_request", tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text)
         if self.errored:
             raise self.dead_error
+        await self._rest.start()  # after a level-2 sleep: a fresh engine (sleep_process.py)
         lora = check_lora_request(lora_request, self.vllm_config.lora_config)  # the adapter (llmserve/lora)
         if data_parallel_rank is not None:
             dp = self.vllm_config.parallel_config.data_parallel_size
@@ -557,6 +561,8 @@ class AsyncLLM(EngineClient):
 
     # ---- utilities -----------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
+        if self._rest.at_rest:  # an ended engine has no prefix cache
+            return True
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
     # ---- sleep mode (vLLM's AsyncLLM.sleep / wake_up / is_sleeping) -------------
@@ -570,15 +576,29 @@ class AsyncLLM(EngineClient):
             raise
 
     async def sleep(self, level: int = 1) -> None:
-        """Free the engine's weights and KV cache (EngineCore.sleep). ValueError: sleep mode
-        off, level not 1 or 2, or requests in flight."""
+        """Free the engine's weights and KV cache (EngineCore.sleep). Level 2 then ends the
+        engine process when this client owns it (llmserve/engine/sleep_process.py).
+        ValueError: sleep mode off, level not 1 or 2, or requests in flight."""
+        from llmserve.worker.sleep_mode import check_level
+
+        if self._rest.at_rest:  # already ended: deeper than any level
+            check_level(level)
+            return
         await self._sleep_utility("sleep", level)
+        if level == 2 and can_end_process(self.engine_core):
+            stats = await self.engine_core.call_utility_async("get_stats")
+            await self._rest.end(stats, busy=lambda: bool(self.output_processor.states))
 
     async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Reload them (``tags``: "weights", "kv_cache"; None: both)."""
+        """Reload them (``tags``: "weights", "kv_cache"; None: both). An engine ended by a
+        level-2 sleep starts again whole, whatever ``tags`` says."""
+        if await self._rest.start():
+            return
         await self._sleep_utility("wake_up", tags)
 
     async def is_sleeping(self) -> bool:
+        if self._rest.at_rest:
+            return True
         return bool(await self._sleep_utility("is_sleeping"))
 
     # ---- LoRA adapters (vLLM's AsyncLLM utilities; llmserve/lora) --------------
@@ -610,7 +630,10 @@ class AsyncLLM(EngineClient):
         return await self._lora_utility("pin_lora", lora_id)
 
     async def get_engine_stats(self) -> dict:
-        """Engine-side counters: num_running_reqs, num_waiting_reqs, num_used_blocks..."""
+        """Engine-side counters: num_running_reqs, num_waiting_reqs, num_used_blocks...
+        (an engine ended by a level-2 sleep: its last figures, with nothing in use)."""
+        if self._rest.at_rest:
+            return dict(self.engine_core.stats)
         return await self.engine_core.call_utility_async("get_stats")
 
     # ---- output handler -------------------------------------------------------
@@ -666,6 +689,15 @@ class AsyncLLM(EngineClient):
         self.output_handler = loop.create_task(output_handler())
         if healer is not None and healer.config.stall_timeout > 0:
             self._stall_watcher = loop.create_task(healer.watch_stalls())
+
+    async def _stop_output_handler(self) -> None:
+        """Cancel the output handler (and the stall watcher) and wait for them to end (a
+        level-2 sleep ends the engine they watch); ``_run_output_handler`` starts new ones."""
+        tasks = [t for t in (self.output_handler, self._stall_watcher) if t is not None and not t.done()]
+        self.output_handler = self._stall_watcher = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Cancel the output handler, stop the engine process (SHUTDOWN, then SIGTERM /

@@ -1,11 +1,13 @@
 """vLLM's sleep-mode dev endpoints on the shared ``tiny_server`` (--enable-sleep-mode,
 VLLM_SERVER_DEV_MODE=1): POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping;
 /health and /metrics answer without waking the engine; the next completion wakes it and
-its greedy text is the same as before the sleep; bad level/tags are 400s; the routes need
-the API key like every engine route."""
+its greedy text is the same as before the sleep; level 1 keeps the engine process, level
+2 ends it (llmserve/engine/sleep_process.py) and the wake starts a new one; bad
+level/tags are 400s; the routes need the API key like every engine route."""
 from __future__ import annotations
 
 import httpx
+import psutil
 import pytest
 
 GREEDY = dict(model="tiny", prompt="The sleepy cat", max_tokens=6, temperature=0.0,
@@ -18,19 +20,48 @@ def _asleep(srv) -> bool:
     return r.json()["is_sleeping"]
 
 
+def _engine_pids(srv) -> set[int]:
+    """The server's engine processes (its descendants running llmserve.engine.core)."""
+    pids = set()
+    for p in psutil.Process(srv.proc.pid).children(recursive=True):
+        try:
+            if "llmserve.engine.core" in " ".join(p.cmdline()):
+                pids.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_then_request_wakes(tiny_server, level):
     client = tiny_server.client()
     before = client.completions.create(**GREEDY).choices[0].text
     assert not _asleep(tiny_server)
+    engines = _engine_pids(tiny_server)
+    assert len(engines) == 1
     assert tiny_server.http.post(f"/sleep?level={level}").status_code == 200
     assert _asleep(tiny_server)
+    assert _engine_pids(tiny_server) == (engines if level == 1 else set())  # level 2: the process ended
     assert tiny_server.http.get("/health").status_code == 200
     assert tiny_server.http.get("/metrics").status_code == 200
     assert _asleep(tiny_server)  # neither woke it
+    assert tiny_server.http.post(f"/sleep?level={level}").status_code == 200  # asleep already: a no-op
     after = client.completions.create(**GREEDY).choices[0].text
     assert after == before and len(after) > 0
     assert not _asleep(tiny_server)
+    woken = _engine_pids(tiny_server)
+    assert len(woken) == 1 and (woken == engines) == (level == 1)
+
+
+def test_wake_up_endpoint_starts_an_ended_engine(tiny_server):
+    """POST /wake_up after a level-2 sleep starts the engine (any tags: it starts whole)."""
+    http = tiny_server.http
+    before = tiny_server.client().completions.create(**GREEDY).choices[0].text
+    assert http.post("/sleep?level=2").status_code == 200
+    assert _engine_pids(tiny_server) == set()
+    assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    assert not _asleep(tiny_server) and len(_engine_pids(tiny_server)) == 1
+    assert tiny_server.client().completions.create(**GREEDY).choices[0].text == before
 
 
 def test_wake_up_endpoint_and_bad_input(tiny_server):

@@ -7,7 +7,8 @@ As in vLLM they exist only on a development server (``VLLM_SERVER_DEV_MODE=1``, 
 ``--sleep-idle-seconds``). A sleep while requests are in flight is refused with 400 (the
 engine does not abort or pause them); bad levels and tags are 400s naming the field.
 ``/health`` and ``/metrics`` answer without waking the engine; the next generation request
-wakes it (EngineCore.add_request).
+wakes it (EngineCore.add_request; after level 2, which ends the engine process, AsyncLLM
+starts a new one: llmserve/engine/sleep_process.py).
 """
 from __future__ import annotations
 
