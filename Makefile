@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= SmolLM2-135M-Instruct
 
-.PHONY: venv serve test test-all bench clean
+.PHONY: venv serve test test-all agent-clis bench clean
 
 venv: $(STAMP)
 
@@ -32,12 +32,24 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(VENV)/bin/llmserve serve $(MODEL) --host $(HOST) --port $(PORT)
 
+# The real agent CLIs for tests/e2e/test_agent_clis_real.py, pinned, in the venv (no global
+# install): 658 MB (their native binaries), 6-14 s from the npm registry; the tests ~23 s.
+AGENT_CLIS := $(VENV)/agent-clis
+AGENT_CLIS_STAMP := $(AGENT_CLIS)/.installed-claude-code-2.1.197-codex-0.171.0
+
+agent-clis: $(AGENT_CLIS_STAMP)
+
+$(AGENT_CLIS_STAMP):
+	npm install --prefix $(AGENT_CLIS) --no-save --no-audit --no-fund \
+		@anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+	touch $@
+
 # `make test` keeps under 15 minutes on 2 cores: tests marked slow (bench options and cases
 # covered in process too) run with `make test-all`.
-test: $(STAMP)
+test: $(STAMP) $(AGENT_CLIS_STAMP)
 	$(PY) -m pytest -q -x --durations=15 -m "not slow" tests
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(AGENT_CLIS_STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
 clean:

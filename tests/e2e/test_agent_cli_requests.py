@@ -8,8 +8,7 @@ Recorded in ``tests/data/agent_clis/`` through a logging proxy in front of llmse
 ``tool_result``) and Codex CLI 0.171.0's second request after an ``exec_command`` call
 (developer messages with ids, ``function_call`` / ``function_call_output`` items, a
 ``namespace`` and a ``web_search`` tool, ``store: false``, ``include``,
-``client_metadata``). ``tests/e2e/test_agent_clis_real.py`` (slow) drives the CLIs
-themselves.
+``client_metadata``). ``tests/e2e/test_agent_clis_real.py`` drives the CLIs themselves.
 """
 from __future__ import annotations
 
