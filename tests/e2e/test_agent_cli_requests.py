@@ -152,3 +152,15 @@ def test_codex_oss_ollama_handshake(server):
     assert tuple(int(p) for p in version.split(".")) >= (0, 13, 4), version
     names = [m["name"] for m in server.http.get("/api/tags").json()["models"]]
     assert MODEL in names
+
+
+def test_head_requests_claude_code_and_ollama_clients_send(server):
+    # Claude Code sends HEAD / before its first request; Ollama's Go client checks the
+    # server with HEAD / (Heartbeat). Both were 405s: GET routes now answer HEAD too, with
+    # the GET's headers and no body, behind the same authentication.
+    get, head = server.http.get("/"), server.http.head("/")
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == get.headers["content-length"]
+    assert server.http.head("/v1/models").status_code == 200
+    assert server.http.head("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert server.http.head("/v1/chat/completions").status_code == 405

@@ -53,7 +53,7 @@ from llmserve.entrypoints.openai.json_depth import JsonDepthMiddleware
 from llmserve.entrypoints.openai.frontend import (add_edge_middleware, add_frontend_routes, configure_handlers,
                                                   fastapi_kwargs, uvicorn_kwargs)
 from llmserve.entrypoints.openai.openapi import install_openapi
-from llmserve.entrypoints.openai.method_not_allowed import install_method_not_allowed_handler
+from llmserve.entrypoints.openai.method_not_allowed import HeadAsGetMiddleware, install_method_not_allowed_handler
 from llmserve.entrypoints.openai.models.api_router import register_models_api_routers
 from llmserve.entrypoints.openai.models.lora import start_lora_adapters
 from llmserve.entrypoints.openai.models.lora_router import register_lora_api_routers
@@ -130,6 +130,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     register_lora_api_routers(app, args)  # /v1/load_lora_adapter... when run-time updating is allowed
     register_webui_routes(app, args)  # the built-in page at / and /live (--no-webui: off)
     app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
+    app.add_middleware(HeadAsGetMiddleware, router=app.router)  # HEAD on every GET route (inside auth)
     app.add_middleware(DataParallelRankMiddleware)  # X-data-parallel-rank for the handlers (dp_rank.py)
     app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
     app.add_middleware(TenantQuotaMiddleware, state=app.state)  # a tenant over its quota: 429 before admission

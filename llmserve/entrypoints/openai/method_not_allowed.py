@@ -1,4 +1,5 @@
-"""405 Method Not Allowed with an ``Allow`` header that lists every method of the path.
+"""405 Method Not Allowed with an ``Allow`` header that lists every method of the path, and
+HEAD answered on every GET route (:class:`HeadAsGetMiddleware`).
 
 Starlette answers a 405 from the first route whose path matches, so with one route per
 method on the same path (``GET`` and ``DELETE /v1/responses/{response_id}``) its
@@ -8,7 +9,7 @@ every route of the app whose path pattern matches.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Awaitable, Callable, Iterable, MutableMapping
 
 from fastapi import FastAPI, Request
 from fastapi.routing import iter_route_contexts
@@ -51,3 +52,32 @@ def install_method_not_allowed_handler(app: FastAPI) -> None:
     """Answer every 405 with :func:`method_not_allowed` (a status handler: it takes
     precedence over the app's HTTPException handler for this status only)."""
     app.add_exception_handler(405, method_not_allowed)
+
+
+class HeadAsGetMiddleware:
+    """HEAD on a path with a GET route and no HEAD route is served as that GET with the
+    body left out: the same status and header fields (``Content-Length`` included), as
+    RFC 9110 section 9.3.2 asks. FastAPI's routes answer only the methods they list
+    (Starlette's own ``Route`` adds HEAD to GET; ``APIRoute`` does not), so ``HEAD /`` was a
+    405: Claude Code 2.1.197 sends it before its first request, and Ollama's Go client
+    checks the server with it (``Heartbeat``). ``router``: the app's router, read on each
+    HEAD request (routes added after the middleware count)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], router: Any) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+        methods = allowed_methods(self.router.routes, get_route_path(scope))
+        if "GET" not in methods or "HEAD" in methods:
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
