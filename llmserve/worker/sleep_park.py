@@ -65,12 +65,16 @@ class Parked:
         return sum(n for _, n in self.ranges)
 
 
+# Where parked files go; None: the start-up cache's root. Tests point it elsewhere.
+PARK_DIR: Optional[str] = None
+
+
 def park_dir() -> Optional[str]:
-    """A directory on a disk for the parked file (``LLMSERVE_SLEEP_PARK_DIR``, else the
-    start-up cache's root), or None when it is on tmpfs/ramfs or cannot be created."""
+    """A directory on a disk for the parked file (the start-up cache's root, where the
+    converted weights already live), or None when it is on tmpfs/ramfs or cannot be created."""
     from llmserve.model_loader.startup_cache import cache_root
 
-    path = os.environ.get("LLMSERVE_SLEEP_PARK_DIR") or cache_root()
+    path = PARK_DIR or cache_root()
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

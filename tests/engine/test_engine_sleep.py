@@ -37,16 +37,14 @@ def sleepy(tmp_path_factory, save_tiny_model_fn):
 
     path = str(tmp_path_factory.mktemp("sleepy"))
     hf = save_tiny_model_fn("llama", path, seed=3)
-    old = os.environ.get("LLMSERVE_SLEEP_PARK_DIR")
-    os.environ["LLMSERVE_SLEEP_PARK_DIR"] = str(tmp_path_factory.mktemp("park"))
+    from llmserve.worker import sleep_park
+
+    old, sleep_park.PARK_DIR = sleep_park.PARK_DIR, str(tmp_path_factory.mktemp("park"))
     llm = LLM(path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
               kv_cache_memory="64MiB", enable_sleep_mode=True, sleep_idle_seconds=0.2)
     yield llm, hf
     llm.shutdown()
-    if old is None:
-        os.environ.pop("LLMSERVE_SLEEP_PARK_DIR", None)
-    else:
-        os.environ["LLMSERVE_SLEEP_PARK_DIR"] = old
+    sleep_park.PARK_DIR = old
 
 
 def resident_pages(ranges) -> int:
@@ -112,7 +110,9 @@ def test_level_1_parks_the_gguf_weights(tmp_path, monkeypatch):
     makes the wake rebuild the model, again with the same tokens."""
     from llmserve import LLM, SamplingParams
 
-    monkeypatch.setenv("LLMSERVE_SLEEP_PARK_DIR", str(tmp_path))
+    from llmserve.worker import sleep_park
+
+    monkeypatch.setattr(sleep_park, "PARK_DIR", str(tmp_path))
     llm = LLM("SmolLM2-135M-Instruct", multiprocess_mode=False, kv_cache_memory="16MiB", max_model_len=256,
               enable_sleep_mode=True)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)

@@ -89,7 +89,7 @@ def test_opaque_weights_decline(tmp_path):
 
 def test_park_dir_refuses_ram_filesystems(tmp_path, monkeypatch):
     assert sleep_park._fs_type("/proc/self") == "proc"
-    monkeypatch.setenv("LLMSERVE_SLEEP_PARK_DIR", str(tmp_path))
+    monkeypatch.setattr(sleep_park, "PARK_DIR", str(tmp_path))
     assert sleep_park.park_dir() == str(tmp_path)
     monkeypatch.setattr(sleep_park, "_fs_type", lambda path: "tmpfs")
     assert sleep_park.park_dir() is None
