@@ -33,7 +33,7 @@ serve: $(STAMP)
 	$(VENV)/bin/llmserve serve $(MODEL) --host $(HOST) --port $(PORT)
 
 # The real agent CLIs for tests/e2e/test_agent_clis_real.py, pinned, in the venv (no global
-# install): 658 MB (their native binaries), 6-14 s from the npm registry; the tests ~23 s.
+# install): 658 MB (their native binaries), 6-7 s from the npm registry (13-31 s seen); the tests ~23 s.
 AGENT_CLIS := $(VENV)/agent-clis
 AGENT_CLIS_STAMP := $(AGENT_CLIS)/.installed-claude-code-2.1.197-codex-0.171.0
 

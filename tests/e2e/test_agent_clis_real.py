@@ -1,12 +1,13 @@
 """The real agent CLIs against a real server: Claude Code (npm ``@anthropic-ai/claude-code``,
 ``claude -p``) on ``/v1/messages`` and Codex CLI (npm ``@openai/codex``, ``codex exec``) on
 ``/v1/responses``, as a custom model provider and as ``--oss`` Ollama. Pinned versions are
-installed by ``make agent-clis`` into ``.venv/agent-clis`` (658 MB, 13 s here); a missing
+installed by ``make agent-clis`` into ``.venv/agent-clis`` (658 MB); a missing
 install fails these tests (it does not skip them).
 
-In ``make test`` (which installs them first): the install took 6.3 s with an empty npm
-cache (13.5 s the first time here) and this module 23 s (its server's start 12.6 s, the five
-CLI runs ~10 s), under the 40 s ``make test`` could spare. ``test_agent_cli_requests.py``
+In ``make test`` (which installs them first): the install took 6.3-6.7 s with an empty npm
+cache (13.5 s the first time here, once 31 s with the machine loaded) and this module 23 s
+(its server's start 12.6 s, the five CLI runs ~10 s): ~30 s, under the 40 s ``make test``
+could spare. ``test_agent_cli_requests.py``
 replays the CLIs' recorded requests, without the CLIs.
 
 The server (default 2048-token context) finds tool calls (Codex always sends ``tool_choice:
@@ -112,7 +113,8 @@ def codex_answer(out: subprocess.CompletedProcess) -> tuple[str, dict]:
     """The agent's message and the turn's usage of a ``codex exec --json`` run."""
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     events = json_lines(out.stdout)
-    texts = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+    texts = [e["item"]["text"] for e in events
+             if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
     done = [e for e in events if e["type"] == "turn.completed"]
     assert texts and done, events
     return texts[-1], done[-1]["usage"]
