@@ -94,6 +94,7 @@ def test_claude_code_prints_the_models_answer(cli_server, tmp_path):
     assert result["usage"]["output_tokens"] >= 1 and result["stop_reason"] == "end_turn"
 
 
+@pytest.mark.slow  # the recorded request's 400 is replayed in make test (test_agent_cli_requests.py)
 def test_claude_code_shows_prompt_too_long(cli_server, tmp_path):
     # A ~3000-token prompt: past the 2048-token context. The CLI recognises Anthropic's
     # wording and says so, with the sizes, instead of a bare "API Error: 400".
@@ -130,6 +131,7 @@ def test_codex_exec_on_a_responses_provider(cli_server, tmp_path):
     assert text.strip() and usage["input_tokens"] > 0 and usage["output_tokens"] >= 1
 
 
+@pytest.mark.slow  # its handshake is replayed in make test (test_agent_cli_requests.py)
 def test_codex_exec_oss_ollama(cli_server, tmp_path):
     # --oss asks /v1/models, /api/version (refused below 0.13.4) and /api/tags (the model
     # must be listed) before it uses /v1/responses.

@@ -41,7 +41,10 @@ def _wait(predicate, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("path", sorted(BODIES))
+# /api/generate in make test; /api/chat goes through the same cancellation wrapper (test-all:
+# each case holds the shared server for ~11 s).
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p == "/api/chat" else [])
+                                  for p in sorted(BODIES)])
 def test_a_client_that_leaves_aborts_the_ollama_request(server, path):
     lab = {"model_name": MODEL}
     aborts0 = _metric(server, "vllm:request_success_total", finished_reason="abort", **lab)
