@@ -173,3 +173,13 @@ def finish_reasons(chunks: list[dict], index: int = 0) -> list[Optional[str]]:
     return [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["index"] == index]
 
 
+
+
+def metric_sum(server: RemoteServer, name: str, **labels: str) -> float:
+    """The sum of the /metrics samples of ``name`` whose labels include ``labels``."""
+    text = httpx.get(server.url_for("metrics"), timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from e2e_utils import RemoteServer
+from e2e_utils import RemoteServer, metric_sum
 
 MODEL = "tiny"
 LONG = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -57,15 +57,6 @@ def frozen(srv: RemoteServer):
         engine.send_signal(signal.SIGCONT)
 
 
-def _metric(srv: RemoteServer, name: str, **labels: str) -> float:
-    text = httpx.get(srv.url_for("metrics"), timeout=30).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def _wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -93,8 +84,8 @@ def _stream_frozen_mid_request(srv: RemoteServer, attempt: int):
     aborts0), or None when the tiny model had already made all 400 tokens by the freeze (a
     loaded machine can leave the stream's reader that far behind): nothing ran frozen, the
     run is tried again."""
-    deadlines0 = _metric(srv, "vllm:request_deadline_exceeded_total")
-    aborts0 = _metric(srv, "vllm:request_success_total", finished_reason="abort")
+    deadlines0 = metric_sum(srv, "vllm:request_deadline_exceeded_total")
+    aborts0 = metric_sum(srv, "vllm:request_success_total", finished_reason="abort")
     rid = f"deadline-stream-{attempt}"
     body = dict(LONG, messages=[{"role": "user", "content": "Count."}], stream=True,
                 stream_options={"include_usage": True})
@@ -158,8 +149,8 @@ def test_deadline_aborts_running_and_queued_requests_and_stall_is_detected(adm_s
     assert 3 <= usage["completion_tokens"] < 400
     assert "".join(texts)
     _wait_for(lambda: _status(srv, "health") == 200 and _status(srv, "ready") == 200, what="recovery")
-    assert _metric(srv, "vllm:request_deadline_exceeded_total") - deadlines0 == 2
-    assert _metric(srv, "vllm:request_success_total", finished_reason="abort") - aborts0 == 2
+    assert metric_sum(srv, "vllm:request_deadline_exceeded_total") - deadlines0 == 2
+    assert metric_sum(srv, "vllm:request_success_total", finished_reason="abort") - aborts0 == 2
 
 
 def test_non_streamed_deadline_keeps_tokens(adm_server):
@@ -169,7 +160,7 @@ def test_non_streamed_deadline_keeps_tokens(adm_server):
     # tried again, up to 5 runs. A request frozen mid-way can only end at its deadline, so a
     # "length" answer while frozen means it had finished before; what is asserted is unchanged.
     for _ in range(5):
-        gen0 = _metric(srv, "vllm:generation_tokens_total")
+        gen0 = metric_sum(srv, "vllm:generation_tokens_total")
         result = {}
 
         def send():
@@ -180,7 +171,7 @@ def test_non_streamed_deadline_keeps_tokens(adm_server):
         t = threading.Thread(target=send)
         t.start()
         end = time.monotonic() + 60
-        while _metric(srv, "vllm:generation_tokens_total") - gen0 < 2 and time.monotonic() < end:
+        while metric_sum(srv, "vllm:generation_tokens_total") - gen0 < 2 and time.monotonic() < end:
             time.sleep(0.01)
         with frozen(srv):
             t.join(60)
@@ -196,7 +187,7 @@ def test_non_streamed_deadline_keeps_tokens(adm_server):
 
 def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
     srv = adm_server
-    rejected0 = _metric(srv, "vllm:request_rejected_total", reason="queue_full")
+    rejected0 = metric_sum(srv, "vllm:request_rejected_total", reason="queue_full")
     results = []
     body = dict(LONG, prompt="Hi", max_tokens=8)
 
@@ -208,7 +199,7 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
         for t in threads:
             t.start()
         _wait_for(lambda: _status(srv, "ready") == 503, what="/ready 503 over the limit")
-        assert _metric(srv, "vllm:admission_waiting_requests") == 2
+        assert metric_sum(srv, "vllm:admission_waiting_requests") == 2
         r = srv.post("/v1/completions", body)
         assert r.status_code == 429, r.text
         assert r.headers["content-type"] == "application/json" and int(r.headers["Retry-After"]) >= 1
@@ -222,7 +213,7 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
         t.join(60)
     assert [x.status_code for x in results] == [200] * 4
     assert all(x.json()["choices"][0]["finish_reason"] == "length" for x in results)
-    assert _metric(srv, "vllm:request_rejected_total", reason="queue_full") - rejected0 == 2
+    assert metric_sum(srv, "vllm:request_rejected_total", reason="queue_full") - rejected0 == 2
     _wait_for(lambda: _status(srv, "ready") == 200, what="/ready 200 after the burst")
     assert _status(srv, "health") == 200
     assert srv.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4}).status_code == 200
@@ -235,7 +226,7 @@ def test_requests_holding_the_batch_are_not_counted_as_waiting(adm_server):
     with fewer than N waiting. 3 requests on 2 slots: 1 waits, the bound (2) is not
     reached, a malformed request gets its own 400 and the gauge says 1."""
     srv = adm_server
-    rejected0 = _metric(srv, "vllm:request_rejected_total", reason="queue_full")
+    rejected0 = metric_sum(srv, "vllm:request_rejected_total", reason="queue_full")
     results = []
 
     def send():
@@ -245,8 +236,8 @@ def test_requests_holding_the_batch_are_not_counted_as_waiting(adm_server):
         threads = [threading.Thread(target=send) for _ in range(3)]
         for t in threads:
             t.start()
-        _wait_for(lambda: _metric(srv, "vllm:admission_in_flight_requests") == 3, what="3 requests admitted")
-        assert _metric(srv, "vllm:admission_waiting_requests") == 1
+        _wait_for(lambda: metric_sum(srv, "vllm:admission_in_flight_requests") == 3, what="3 requests admitted")
+        assert metric_sum(srv, "vllm:admission_waiting_requests") == 1
         bad = srv.http.post("/v1/completions", content=b'{"model": 1', headers={"Content-Type": "application/json"})
         assert bad.status_code == 400, bad.text
         # one more may still wait (/ready may be 503 for the frozen engine's stall, not the queue)
@@ -254,7 +245,7 @@ def test_requests_holding_the_batch_are_not_counted_as_waiting(adm_server):
     for t in threads:
         t.join(60)
     assert [x.status_code for x in results] == [200] * 3
-    assert _metric(srv, "vllm:request_rejected_total", reason="queue_full") == rejected0
+    assert metric_sum(srv, "vllm:request_rejected_total", reason="queue_full") == rejected0
 
 
 def test_unfinished_bodies_hold_no_waiting_slot(adm_server):
@@ -270,11 +261,11 @@ def test_unfinished_bodies_hold_no_waiting_slot(adm_server):
             s = socket.create_connection(("127.0.0.1", srv.port))
             s.sendall(head + b" " * 8000)  # JSON whitespace: 8000 bytes keep it above the rate floor for 18 s
             socks.append(s)
-        _wait_for(lambda: _metric(srv, "vllm:admission_receiving_requests") == 4, what="4 bodies arriving")
-        assert _metric(srv, "vllm:admission_in_flight_requests") == 0
+        _wait_for(lambda: metric_sum(srv, "vllm:admission_receiving_requests") == 4, what="4 bodies arriving")
+        assert metric_sum(srv, "vllm:admission_in_flight_requests") == 0
         r = srv.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 200, r.text
     finally:
         for s in socks:
             s.close()
-    _wait_for(lambda: _metric(srv, "vllm:admission_receiving_requests") == 0, what="the bodies gone")
+    _wait_for(lambda: metric_sum(srv, "vllm:admission_receiving_requests") == 0, what="the bodies gone")

@@ -11,10 +11,9 @@ import json
 import socket
 import time
 
-import httpx
 import pytest
 
-from e2e_utils import MODEL
+from e2e_utils import MODEL, metric_sum
 
 LONG_FORMAT = {"type": "array", "items": {"type": "integer"}, "minItems": 5000}
 BODIES = {
@@ -22,16 +21,6 @@ BODIES = {
     "/api/chat": {"model": MODEL, "messages": [{"role": "user", "content": "List numbers."}], "stream": False,
                   "format": LONG_FORMAT},
 }
-
-
-def _metric(server, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    text = httpx.get(server.url_for("metrics"), timeout=30).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _wait(predicate, what: str, timeout: float = 60.0) -> None:
@@ -47,17 +36,17 @@ def _wait(predicate, what: str, timeout: float = 60.0) -> None:
                                   for p in sorted(BODIES)])
 def test_a_client_that_leaves_aborts_the_ollama_request(server, path):
     lab = {"model_name": MODEL}
-    aborts0 = _metric(server, "vllm:request_success_total", finished_reason="abort", **lab)
+    aborts0 = metric_sum(server, "vllm:request_success_total", finished_reason="abort", **lab)
     payload = json.dumps(BODIES[path]).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    gen0 = _metric(server, "vllm:generation_tokens_total", **lab)
-    _wait(lambda: _metric(server, "vllm:generation_tokens_total", **lab) >= gen0 + 8, "tokens generated")
+    gen0 = metric_sum(server, "vllm:generation_tokens_total", **lab)
+    _wait(lambda: metric_sum(server, "vllm:generation_tokens_total", **lab) >= gen0 + 8, "tokens generated")
     sock.close()  # the client gives up before the answer
-    _wait(lambda: _metric(server, "vllm:num_requests_running", **lab) == 0, "the request to end")
-    assert _metric(server, "vllm:request_success_total", finished_reason="abort", **lab) == aborts0 + 1
-    stopped = _metric(server, "vllm:generation_tokens_total", **lab)
+    _wait(lambda: metric_sum(server, "vllm:num_requests_running", **lab) == 0, "the request to end")
+    assert metric_sum(server, "vllm:request_success_total", finished_reason="abort", **lab) == aborts0 + 1
+    stopped = metric_sum(server, "vllm:generation_tokens_total", **lab)
     time.sleep(1.0)
-    assert _metric(server, "vllm:generation_tokens_total", **lab) == stopped  # nothing still generating
+    assert metric_sum(server, "vllm:generation_tokens_total", **lab) == stopped  # nothing still generating
     assert stopped - gen0 < 5000  # ended at the disconnect, long before the format's 5000 items
