@@ -1,11 +1,13 @@
 """LoRA throughput and latency, same run, side by side with the base model (issue 28):
 
     python -m llmserve.benchmarks.lora [--model M] [--num-adapters 8] [--rank 16]
+        [--targets q_proj,v_proj] [--max-lora-rank 64]
         [--concurrency 16] [--input-len 32] [--output-len 64] [--repeats 3]
 
-Random rank-``r`` adapters on all seven projections are written as PEFT directories and
-loaded (``add_lora``). Then, ``--repeats`` times, alternating so both see the same
-machine load: ``--concurrency`` prompts of fresh random tokens (no prefix-cache hits)
+Random rank-``r`` adapters on ``--targets`` (default: all seven projections; PEFT's
+default for Llama is q_proj,v_proj) are written as PEFT directories and loaded
+(``add_lora``) into slots sized for ``--max-lora-rank`` (default: ``--rank``). Then,
+``--repeats`` times, alternating so both see the same machine load: ``--concurrency`` prompts of fresh random tokens (no prefix-cache hits)
 generated to ``--output-len`` tokens (``ignore_eos``) on the base model and spread
 round-robin over the adapters (output tok/s each), and one prompt at c=1 (TPOT =
 (latency(output_len + 1) - latency(1)) / output_len, base and one adapter). Prints the
@@ -23,17 +25,22 @@ from typing import Any, Optional, Sequence
 import torch
 
 
-def write_random_adapter(hf_config: Any, path: str, rank: int, seed: int, alpha: Optional[int] = None) -> str:
-    """A random PEFT LoRA directory (all seven projections of every layer) for a model of
-    ``hf_config``; returns ``path``."""
+def write_random_adapter(hf_config: Any, path: str, rank: int, seed: int, alpha: Optional[int] = None,
+                         targets: Optional[Sequence[str]] = None) -> str:
+    """A random PEFT LoRA directory for a model of ``hf_config`` on ``targets`` (HF
+    projection names, e.g. ``("q_proj", "v_proj")``, PEFT's default for Llama; None: all
+    seven) of every layer; returns ``path``."""
     from safetensors.torch import save_file
 
     from llmserve.lora.layers import target_shapes
 
+    shapes = target_shapes(hf_config)
+    targets = list(shapes) if targets is None else list(targets)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(hf_config.num_hidden_layers):
-        for target, (out, inp) in target_shapes(hf_config).items():
+        for target in targets:
+            out, inp = shapes[target]
             part = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             name = f"base_model.model.model.layers.{layer}.{part}.{target}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inp, generator=g) / inp ** 0.5
@@ -42,7 +49,7 @@ def write_random_adapter(hf_config: Any, path: str, rank: int, seed: int, alpha:
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "bias": "none",
-                   "target_modules": list(target_shapes(hf_config))}, f)
+                   "target_modules": targets}, f)
     return path
 
 
@@ -63,12 +70,15 @@ def run(args: argparse.Namespace) -> dict:
     from llmserve import LLM
     from llmserve.lora.request import LoRARequest
 
-    llm = LLM(args.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
+    llm = LLM(args.model, enable_lora=True, max_loras=args.num_adapters,
+              max_lora_rank=args.max_lora_rank or args.rank,
               kv_cache_memory="1GiB", dtype=args.dtype, multiprocess_mode=not args.in_process,
               num_threads=args.num_threads)
     cfg = llm.llm_engine.model_config.hf_config
     tmp = tempfile.mkdtemp(prefix="lora_bench_")
-    loras = [LoRARequest(f"a{i}", i, write_random_adapter(cfg, os.path.join(tmp, f"a{i}"), args.rank, seed=i))
+    targets = args.targets.split(",") if args.targets else None
+    loras = [LoRARequest(f"a{i}", i, write_random_adapter(cfg, os.path.join(tmp, f"a{i}"), args.rank, seed=i,
+                                                          targets=targets))
              for i in range(1, args.num_adapters + 1)]
     for lr in loras:
         llm.llm_engine.add_lora(lr)
@@ -89,7 +99,8 @@ def run(args: argparse.Namespace) -> dict:
             res[key].append(1000 * (tn - t1) / n_out)
     llm.shutdown()
     med = {k: statistics.median(v) for k, v in res.items()}
-    return {"model": args.model, "adapters": args.num_adapters, "rank": args.rank, "concurrency": c,
+    return {"model": args.model, "adapters": args.num_adapters, "rank": args.rank, "targets": targets or "all",
+            "max_lora_rank": args.max_lora_rank or args.rank, "concurrency": c,
             "output_len": n_out, "repeats": args.repeats, "runs": res, "median": med,
             "throughput_ratio": med["lora_tok_s"] / med["base_tok_s"],
             "tpot_overhead": med["lora_tpot_ms"] / med["base_tpot_ms"] - 1}
@@ -101,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--targets", default=None, help="comma-separated HF projections (default: all seven)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="slot size (default: --rank)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from llmserve.ops import batch_invariant
-from llmserve.ops.lora_ops import LoRAMapping, column_ranges, get_lora_kernel, kernel_supports, lora_add_torch
+from llmserve.ops.lora_ops import (LoRAMapping, column_ranges, get_lora_kernel, kernel_supports, lora_add_torch,
+                                   slot_weights)
 
 
 class LoRAStepContext:
@@ -35,7 +36,8 @@ class LinearWithLoRA(nn.Module):
     """``base(x)`` plus the rows' deltas. slices: ``(offset, size)`` of each LoRA target in
     the module's full (unsharded) output; in_full: its full input size. Weights: ``a_stack
     [slots, in_local, len(slices) * rank]`` and ``b_stack [slots, rank, out_local]`` in
-    ``dtype`` (layout: ``llmserve.ops.lora_ops``)."""
+    ``dtype``, sized for ``rank`` (max_lora_rank), each slot at its adapter's own rank
+    ``ranks[slot]`` (int32; 0: not targeted; layout: ``llmserve.ops.lora_ops``)."""
 
     def __init__(self, base: nn.Module, slices: list[tuple[int, int]], in_full: int, num_slots: int,
                  rank: int, dtype: torch.dtype, ctx: LoRAStepContext, device: torch.device) -> None:
@@ -52,56 +54,62 @@ class LinearWithLoRA(nn.Module):
         out_local = self.out_full if self.out_index is None else len(self.out_index)
         self.a_stack = torch.zeros(num_slots, in_local, len(slices) * rank, dtype=dtype, device=device)
         self.b_stack = torch.zeros(num_slots, rank, out_local, dtype=dtype, device=device)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32)  # on the CPU: the kernel reads it per call
         self.ranges = column_ranges(slices, None if self.out_index is None else self.out_index.cpu())
         self.slot_used = [False] * num_slots
         self.used = False  # any slot holds weights for this module (else the delta is skipped)
         self.__dict__["_add"] = get_lora_kernel() if kernel_supports(dtype, device) else lora_add_torch
 
     def pack(self, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """One adapter's ``(A [r, in], B [out_i, r])`` per slice (None: not targeted) in a
-        slot's layout: ``(a [in_local, n * rank], b [rank, out_local])`` in the stacks'
-        dtype, or None when no slice is targeted. Touches no layer state (runs in the
-        loading thread); shapes were checked when the adapter was read."""
+        """One adapter's ``(A [r_i, in], B [out_i, r_i])`` per slice (None: not targeted) in a
+        slot's layout at the adapter's rank ``r = max r_i`` (not the slots' rank: only r is
+        read per step): ``(a [in_local, n * r], b [r, out_local])`` in the stacks' dtype, or
+        None when no slice is targeted. Touches no layer state (runs in the loading thread);
+        shapes and ``r <= rank`` were checked when the adapter was read."""
         if all(p is None for p in parts):
             return None
-        a_full = torch.zeros(self.in_full, self.a_stack.shape[2])
-        b_full = torch.zeros(self.rank, self.out_full)
+        rank = max(p[0].shape[0] for p in parts if p is not None)
+        a_full = torch.zeros(self.in_full, len(self.slices) * rank)
+        b_full = torch.zeros(rank, self.out_full)
         for i, part in enumerate(parts):
             if part is not None:
                 a, b = part
                 r, (off, size) = a.shape[0], self.slices[i]
-                a_full[:, i * self.rank:i * self.rank + r] = a.t()
+                a_full[:, i * rank:i * rank + r] = a.t()
                 b_full[:r, off:off + size] = b.t()
         a_loc = a_full if self.in_index is None else a_full[self.in_index.cpu()]
         b_loc = b_full if self.out_index is None else b_full[:, self.out_index.cpu()]
         return a_loc.to(self.a_stack.dtype).contiguous(), b_loc.to(self.b_stack.dtype).contiguous()
 
     def set_slot(self, slot: int, packed: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write a packed adapter (``pack``; None: this module not targeted) into ``slot``."""
-        if packed is None:
-            self.a_stack[slot].zero_()
-            self.b_stack[slot].zero_()
-        else:
-            self.a_stack[slot].copy_(packed[0])
-            self.b_stack[slot].copy_(packed[1])
+        """Write a packed adapter (``pack``; None: this module not targeted, rank 0) into
+        ``slot``. The slot's storage past the adapter's rank keeps whatever it held: it is
+        never read (``lora_ops.slot_weights``)."""
+        rank = 0 if packed is None else packed[1].shape[0]
+        if packed is not None:
+            a, b = slot_weights(self.a_stack, self.b_stack, slot, rank)
+            a.copy_(packed[0])
+            b.copy_(packed[1])
+        self.ranks[slot] = rank
         self.slot_used[slot] = packed is not None
         self.used = any(self.slot_used)
 
     def clear_slot(self, slot: int) -> None:
+        self.ranks[slot] = 0
         self.slot_used[slot] = False
         self.used = any(self.slot_used)
 
     def _delta_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = self.ctx.mapping
         if m is not None and self.used:
-            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges)
+            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges, self.ranks)
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base_forward(x)
         m = self.ctx.mapping  # inline, not _delta_into: one Python call less in 120 modules a step
         if m is not None and self.used:
-            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges)
+            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges, self.ranks)
         return y
 
 

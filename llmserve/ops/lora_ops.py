@@ -1,15 +1,22 @@
 """Batched LoRA deltas for a step that mixes adapters (in the spirit of punica's SGMV
 kernel, Chen et al. 2023), over stacked per-slot weights:
 
-    a_stack [slots, in, n * R]  (each slice's lora_A transposed, side by side; rank padded to R)
-    b_stack [slots, R, out]     (each slice's lora_B transposed over its own columns only,
-                                 scale folded in; no zero blocks)
+    a_stack [slots, in, n * R]  (storage sized for the largest rank R, ``--max-lora-rank``)
+    b_stack [slots, R, out]
+    ranks   [slots] int32       (slot s's rank r_s <= R; 0: the slot's adapter skips the module)
+
+Slot s holds its adapter at its own rank (:func:`slot_weights`): A is the first
+``in * n * r_s`` elements of ``a_stack[s]`` read as ``[in, n * r_s]`` (each slice's lora_A
+transposed, side by side), B the first ``r_s`` rows of ``b_stack[s]`` (each slice's lora_B
+transposed over its own columns only, scale folded in; no zero blocks). Both are
+contiguous, so a rank-8 adapter in slots sized for rank 64 reads 1/8 of its slot (with the
+rank padded to R it read, and multiplied, the zeros too).
 
 A fused module (q/k/v, gate/up) has ``n`` slices; ``ranges`` (int32 ``[P, 3]``: ``c0, c1,
 slice``) says which slice owns each run of output columns. Each token row t with slot s
-gets ``y[t, c0:c1] += (x[t] @ a_stack[s])[i*R:(i+1)*R] @ b_stack[s, :, c0:c1]`` for every
-range ``(c0, c1, i)``; the base GEMM ran once for all rows before, and rows of no adapter
-(the base model) get nothing.
+gets ``y[t, c0:c1] += (x[t] @ A_s)[i*r_s:(i+1)*r_s] @ B_s[:, c0:c1]`` for every range
+``(c0, c1, i)``; the base GEMM ran once for all rows before, and rows of no adapter (the
+base model) get nothing.
 
 The step's grouping (:class:`LoRAMapping`: segments of rows sharing a slot, as an int32
 tensor) is built once per step and used by every layer. On the CPU the delta is one call
@@ -70,9 +77,10 @@ def _load_built(build_dir: str) -> Optional[Any]:
 
 @functools.lru_cache(maxsize=1)
 def get_lora_kernel() -> Optional[Callable]:
-    """``lora_add(y, x, a, b, segs, ranges)`` of ``csrc/lora.cpp`` (in place; y/x ``[T, N]`` /
-    ``[T, K]`` float32, bfloat16 or float16; a ``[S, K, W]``, b ``[S, R, N]`` float32 or
-    bfloat16; segs int32 ``[G, 3]`` of ``(slot, start, end)``; ranges int32 ``[P, 3]``;
+    """``lora_add(y, x, a, b, segs, ranges, ranks=None)`` of ``csrc/lora.cpp`` (in place; y/x
+    ``[T, N]`` / ``[T, K]`` float32, bfloat16 or float16; a ``[S, K, W]``, b ``[S, R, N]``
+    float32 or bfloat16; segs int32 ``[G, 3]`` of ``(slot, start, end)``; ranges int32
+    ``[P, 3]``; ranks int32 ``[S]`` (None: all R; the layout in the module docstring);
     RuntimeError on a shape, dtype or bound mismatch), or None: no compiler, or
     ``LLMSERVE_CPU_OPS=0`` (then :func:`lora_add_torch` runs). Built on first use (~20 s on
     2 cores) into ``~/.cache/llmserve/torch_extensions/lora_ops_<hash>``."""
@@ -118,30 +126,51 @@ def column_ranges(slices: Sequence[tuple[int, int]], out_index: Optional[torch.T
     return torch.tensor(runs, dtype=torch.int32).reshape(-1, 3)
 
 
+def slot_weights(a_stack: torch.Tensor, b_stack: torch.Tensor, slot: int,
+                 rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(A [in, n * rank], B [rank, out])`` of ``slot`` at ``rank`` (the layout in the
+    module docstring; writing them writes the stacks)."""
+    inp, width = a_stack.shape[1], a_stack.shape[2]
+    n = width // b_stack.shape[1]
+    a = a_stack[slot].view(-1)[:inp * n * rank].view(inp, n * rank)
+    return a, b_stack[slot, :rank]
+
+
+def _slot_rank(ranks: Optional[torch.Tensor], b_stack: torch.Tensor, slot: int) -> int:
+    return b_stack.shape[1] if ranks is None else int(ranks[slot])
+
+
 def lora_delta_reference(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                         token_slots: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+                         token_slots: torch.Tensor, ranges: torch.Tensor,
+                         ranks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The delta ``[T, out]`` (float32) row by row, by the definition in the module
-    docstring; ``token_slots`` int64 ``[T]`` (-1: no delta)."""
-    rank = b_stack.shape[1]
+    docstring; ``token_slots`` int64 ``[T]`` (-1: no delta); ``ranks`` int32 ``[slots]``
+    (None: every slot at the stacks' full rank)."""
     out = torch.zeros(x.shape[0], b_stack.shape[-1])
     for t, s in enumerate(token_slots.tolist()):
-        if s < 0:
+        r = _slot_rank(ranks, b_stack, s) if s >= 0 else 0
+        if r == 0:
             continue
-        h = x[t:t + 1].float() @ a_stack[s].float()
+        a, b = slot_weights(a_stack, b_stack, s, r)
+        h = x[t:t + 1].float() @ a.float()
         for c0, c1, i in ranges.tolist():
-            out[t, c0:c1] = (h[:, i * rank:(i + 1) * rank] @ b_stack[s, :, c0:c1].float())[0]
+            out[t, c0:c1] = (h[:, i * r:(i + 1) * r] @ b[:, c0:c1].float())[0]
     return out
 
 
 def lora_add_torch(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                   segs: torch.Tensor, ranges: torch.Tensor) -> None:
+                   segs: torch.Tensor, ranges: torch.Tensor, ranks: Optional[torch.Tensor] = None) -> None:
     """The kernel's contract in torch ops (any device or dtype): per segment one shrink GEMM
-    and one expand GEMM per column range, computed in the weights' dtype and added into y."""
-    rank = b_stack.shape[1]
+    and one expand GEMM per column range at the slot's rank, computed in the weights' dtype
+    and added into y."""
     for slot, start, end in segs.tolist():
-        h = x[start:end].to(a_stack.dtype) @ a_stack[slot]
+        r = _slot_rank(ranks, b_stack, slot)
+        if r == 0:
+            continue
+        a, b = slot_weights(a_stack, b_stack, slot, r)
+        h = x[start:end].to(a_stack.dtype) @ a
         for c0, c1, i in ranges.tolist():
-            y[start:end, c0:c1] += h[:, i * rank:(i + 1) * rank] @ b_stack[slot, :, c0:c1]
+            y[start:end, c0:c1] += h[:, i * r:(i + 1) * r] @ b[:, c0:c1]
 
 
 class LoRAMapping:

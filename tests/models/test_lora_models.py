@@ -100,6 +100,54 @@ def test_peft_adapters_mixed_with_base_match_peft(tiny_lora, model_config_fn, st
     check_mixed_steps(step_runner_cls(model), mgr, {"e": hf_logits(models[2], alone["e"])}, alone, {"e": 2})
 
 
+def test_adapters_of_their_own_rank_and_targets_match_peft(tiny_lora, model_config_fn, step_runner_cls, tokens_fn,
+                                                         make_lora_adapter_fn, tmp_path):
+    """In slots sized for rank 16, each slot read at its own rank: a rank-4 adapter on
+    PEFT's default Llama targets (q_proj, v_proj: its o/gate_up/down slots at rank 0, its
+    k slice zero), the rank-8 and rank-16 all-linear ones and the base model in the same
+    steps: logits within 1e-4 of peft's; then the q,v adapter's slot, once it is removed,
+    taken by the rank-16 all-linear adapter (under a new id): peft's logits again."""
+    arch, base, hf, adapters = tiny_lora
+    model, mgr = our_model(base, model_config_fn, max_loras=3)
+    qv_path = str(tmp_path / "qv")
+    qv = make_lora_adapter_fn(hf, qv_path, 4, seed=7, targets=("q_proj", "v_proj"))
+    for lid, (path, _) in adapters.items():
+        assert mgr.add(LoRARequest(f"a{lid}", lid, path))
+    assert mgr.add(LoRARequest("qv", 3, qv_path))
+    seqs = {"a": tokens_fn(13, 1), "b": tokens_fn(9, 2), "c": tokens_fn(11, 3), "d": tokens_fn(7, 4)}
+    owners = {"a": 3, "b": 1, "c": 0, "d": 2}
+    models = {0: hf, 1: adapters[1][1], 2: adapters[2][1], 3: qv}
+    refs = {rid: hf_logits(models[owners[rid]], s) for rid, s in seqs.items()}
+    assert not torch.allclose(refs["a"], hf_logits(hf, seqs["a"]), atol=1e-2)  # the q,v adapter matters
+    check_mixed_steps(step_runner_cls(model), mgr, refs, seqs, owners)
+    qkv = next(w for (li, key), w in mgr.wrappers.items() if key == "self_attn.qkv_proj")
+    down = next(w for (li, key), w in mgr.wrappers.items() if key == "mlp.down_proj")
+    slot = mgr.slot(3)
+    assert int(qkv.ranks[slot]) == 4 and int(down.ranks[slot]) == 0
+    assert mgr.remove(3)
+    assert mgr.add(LoRARequest("again", 4, adapters[2][0]))
+    alone = {"e": tokens_fn(10, 5)}
+    check_mixed_steps(step_runner_cls(model), mgr, {"e": hf_logits(models[2], alone["e"])}, alone, {"e": 4})
+    assert mgr.slot(4) == slot and int(qkv.ranks[slot]) == 16 and int(down.ranks[slot]) == 16
+
+
+def test_benchmark_adapters_target_what_they_are_given(tmp_path):
+    """llmserve.benchmarks.lora writes PEFT's default Llama targets (q_proj, v_proj) when
+    asked, all seven by default; load_adapter reads back exactly those at the rank given."""
+    from types import SimpleNamespace
+
+    from llmserve.benchmarks.lora import write_random_adapter
+    from llmserve.lora.models import load_adapter
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                          num_hidden_layers=2)
+    qv = load_adapter(write_random_adapter(cfg, str(tmp_path / "qv"), 8, seed=0, targets=("q_proj", "v_proj")), 64)
+    assert qv.targets == {"q_proj", "v_proj"} and qv.rank == 8
+    assert qv.weights[(1, "v_proj")][1].shape == (32, 8)  # B [out = 2 kv heads x 16, r]
+    every = load_adapter(write_random_adapter(cfg, str(tmp_path / "all"), 4, seed=0), 16)
+    assert every.targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
 def test_merged_adapter_and_gguf_lora_match_peft(tiny_lora, model_config_fn, step_runner_cls, tokens_fn,
                                                  tmp_path):
     """The rank-16 adapter merged into the base weights (peft's merge_and_unload) gives

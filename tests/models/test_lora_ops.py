@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmserve.ops.lora_ops import (LoRAMapping, column_ranges, get_lora_kernel, lora_add_torch,
-                                   lora_delta_reference, segments_of)
+                                   lora_delta_reference, segments_of, slot_weights)
 
 RANK = 8
 SLICES = [(0, 40), (40, 8), (48, 8)]  # a fused q/k/v: three slices of 56 output columns
@@ -128,3 +128,72 @@ def test_kernel_rejects_mismatched_shapes():
         k(torch.zeros(4, 50), torch.zeros(4, a.shape[1]), a, b, m.segs, column_ranges(SLICES))
     with pytest.raises(RuntimeError, match="segment 0 out of bounds"):
         k(torch.zeros(2, 56), torch.zeros(2, a.shape[1]), a, b, m.segs, column_ranges(SLICES))
+
+
+def _per_slot_rank_stacks(wdt, ranks, max_rank, inp, slices, g):
+    """The same adapters twice: padded to ``max_rank`` (slice i at columns i*max_rank, zeros
+    past each slot's rank, read with ranks=None) and at each slot's own rank (slot_weights),
+    the slot storage past that rank filled with NaN (any read of it would show)."""
+    n, out = len(slices), sum(s for _, s in slices)
+    slots = len(ranks)
+    pad_a = torch.zeros(slots, inp, n * max_rank)
+    pad_b = torch.zeros(slots, max_rank, out)
+    own_a = torch.full((slots, inp, n * max_rank), float("nan"), dtype=wdt)
+    own_b = torch.full((slots, max_rank, out), float("nan"), dtype=wdt)
+    for s, r in enumerate(ranks):
+        a = (torch.randn(inp, n * r, generator=g) / 25).to(wdt)
+        b = (torch.randn(r, out, generator=g) / 6).to(wdt)
+        for i in range(n):
+            pad_a[s, :, i * max_rank:i * max_rank + r] = a[:, i * r:(i + 1) * r].float()
+        pad_b[s, :r] = b.float()
+        va, vb = slot_weights(own_a, own_b, s, r)
+        va.copy_(a)
+        vb.copy_(b)
+    return pad_a.to(wdt), pad_b.to(wdt), own_a, own_b
+
+
+@pytest.mark.parametrize("dtype,wdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                       (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                       (torch.float16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("max_rank", [16, 64])
+def test_slots_read_only_their_own_rank_with_the_padded_bits(dtype, wdt, max_rank):
+    """Slots of ranks 8, 3, 16, 0, 5, 1, 16, 12 (mixed in one batch) in storage sized for
+    ``max_rank``: the kernel reading each slot's own rank gives the bits of the same
+    adapters zero-padded to ``max_rank`` (what it read before), for 1..30 rows; the NaN
+    past each slot's rank is never read, and rank 0 (a module the adapter does not
+    target) leaves its rows untouched. The torch path agrees with the reference."""
+    k = _kernel()
+    g = torch.Generator().manual_seed(2)
+    slices = [(0, 40), (40, 24), (64, 24)]
+    ranks = [8, 3, 16, 0, 5, 1, 16, 12]
+    pad_a, pad_b, own_a, own_b = _per_slot_rank_stacks(wdt, ranks, max_rank, 600, slices, g)
+    rk = torch.tensor(ranks, dtype=torch.int32)
+    rng = column_ranges(slices)
+    for rows in range(1, 31):
+        x = torch.randn(rows, 600, generator=g).to(dtype)
+        y0 = torch.randn(rows, 88, generator=g).to(dtype)
+        slots = [(3 * t + rows) % len(ranks) for t in range(rows)]  # runs of one row and longer mixes
+        m = LoRAMapping(segments_of(sorted(slots), [1] * rows), rows)
+        want, got = y0.clone(), y0.clone()
+        k(want, x, pad_a, pad_b, m.segs, rng)
+        k(got, x, own_a, own_b, m.segs, rng, rk)
+        assert torch.equal(got, want), rows
+        untouched = torch.tensor([ranks[s] == 0 for s in sorted(slots)])
+        assert torch.equal(got[untouched], y0[untouched])
+    ref = y0.float() + lora_delta_reference(x, own_a, own_b, m.token_slots(), rng, rk)
+    tol = 1e-5 if dtype == torch.float32 and wdt == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    via_torch = y0.float().clone()
+    lora_add_torch(via_torch, x.float(), own_a.float(), own_b.float(), m.segs, rng, rk)
+    torch.testing.assert_close(via_torch, ref, atol=tol, rtol=tol)
+
+
+def test_kernel_rejects_bad_ranks():
+    k = _kernel()
+    a, b = _weights()
+    m = LoRAMapping([(0, 0, 4)], 4)
+    y, x, rng = torch.zeros(4, 56), torch.zeros(4, a.shape[1]), column_ranges(SLICES)
+    with pytest.raises(RuntimeError, match=r"ranks\[1\] = 9 is outside 0..8"):
+        k(y, x, a, b, m.segs, rng, torch.tensor([8, 9, 0, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="ranks must be a contiguous int32"):
+        k(y, x, a, b, m.segs, rng, torch.tensor([8, 8], dtype=torch.int32))

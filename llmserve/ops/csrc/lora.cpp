@@ -4,7 +4,10 @@
 // module at once: A's columns are the slices' ranks side by side), then for each column
 // range (c0, c1, slice i) of the output, y[rows, c0:c1] += t[:, i*R:(i+1)*R] @ B[slot, :, c0:c1]
 // (the expand). B holds each slice's rows only over its own columns ([S, R, N], no zero
-// blocks: a block-diagonal B of q/k/v or gate/up is 2-3x larger).
+// blocks: a block-diagonal B of q/k/v or gate/up is 2-3x larger). R is the slots' size
+// (--max-lora-rank); each slot holds its adapter at its own rank r <= R, A as [K, n*r] and B
+// as [r, N] at the start of the slot, and only those are read: zero padding up to R was read
+// (and multiplied) before, 8x the bytes for a rank-8 adapter in slots sized for 64.
 //
 // Weights float32 or bfloat16, activations float32 / bfloat16 / float16, all sums in
 // float32; the delta is added into y once per element (y + delta rounded once, as torch's
@@ -42,7 +45,7 @@ template <typename T>
 inline T from_f(float v) { return static_cast<T>(v); }
 
 struct Item {
-  int64_t slot, start, end;
+  int64_t slot, start, end, r;  // r: the slot's rank (> 0)
 };
 
 // The arithmetic, fixed for every row whatever the batch, path or thread count:
@@ -456,16 +459,23 @@ void shrink_block(float* t, float* tmp, const XT* x, const WT* a, int64_t nr, in
   }
 }
 
+// The call's shapes: x [T, K], y [T, N]; a slot's A is K x (n * r) and its B r x N at its
+// rank r (Item::r) at the start of the slot's storage, which is sized for the largest rank
+// R (A: K * W elements a slot, W = n * R; B: R * N).
+struct Dims {
+  int64_t K, W, R, N, n, P, ldx, ldy;
+};
+
 // One block (rows sharing a slot), start to end: its shrink into t, then every column range.
+// Reads only the slot's own rank: A's K x n*r (contiguous) and B's first r rows.
 template <typename XT, typename WT>
 inline void run_item(const Item& it, float* t, XT* yp, const XT* xp, const WT* ap, const WT* bp, const int32_t* rp,
-                     int64_t P, int64_t K, int64_t W, int64_t R, int64_t N, int64_t ldx, int64_t ldy) {
-  const int64_t nr = it.end - it.start;
-  shrink_block<XT, WT>(t, t + RB * W, xp + it.start * ldx, ap + it.slot * K * W, nr, K, W, ldx, bp + it.slot * R * N,
-                       R * N);
-  for (int64_t p = 0; p < P; ++p)
-    expand_cols<XT, WT>(yp + it.start * ldy, t, bp + it.slot * R * N, nr, W, R, N, ldy, rp[3 * p], rp[3 * p + 1],
-                        rp[3 * p + 2] * R);
+                     const Dims& d) {
+  const int64_t nr = it.end - it.start, r = it.r, w = d.n * r;
+  const WT* b = bp + it.slot * d.R * d.N;
+  shrink_block<XT, WT>(t, t + RB * w, xp + it.start * d.ldx, ap + it.slot * d.K * d.W, nr, d.K, w, d.ldx, b, r * d.N);
+  for (int64_t p = 0; p < d.P; ++p)
+    expand_cols<XT, WT>(yp + it.start * d.ldy, t, b, nr, w, r, d.N, d.ldy, rp[3 * p], rp[3 * p + 1], rp[3 * p + 2] * r);
 }
 
 // The whole call on the calling thread, block by block: no OpenMP region. Below
@@ -474,10 +484,10 @@ inline void run_item(const Item& it, float* t, XT* yp, const XT* xp, const WT* a
 // base model serial against +25.8% threaded (same run, 2 cores).
 template <typename XT, typename WT>
 void run_serial(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vector<Item>& items, const int32_t* rp,
-                int64_t P, int64_t K, int64_t W, int64_t R, int64_t N, int64_t ldx, int64_t ldy) {
+                const Dims& d) {
   thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < 2 * RB * W) buf.resize(2 * RB * W);
-  for (const Item& it : items) run_item<XT, WT>(it, buf.data(), yp, xp, ap, bp, rp, P, K, W, R, N, ldx, ldy);
+  if (static_cast<int64_t>(buf.size()) < 2 * RB * d.W) buf.resize(2 * RB * d.W);
+  for (const Item& it : items) run_item<XT, WT>(it, buf.data(), yp, xp, ap, bp, rp, d);
 }
 
 // Whole blocks per thread, one parallel region and no barrier between the shrink and the
@@ -488,7 +498,7 @@ void run_serial(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vec
 // run_serial: a row's bits do not depend on the path.
 template <typename XT, typename WT>
 void run_blocks(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vector<Item>& items, const int32_t* rp,
-                int64_t P, int64_t K, int64_t W, int64_t R, int64_t N, int64_t ldx, int64_t ldy, int nt) {
+                const Dims& d, int nt) {
   const int64_t n = static_cast<int64_t>(items.size());
   thread_local std::vector<int64_t> order;
   thread_local std::vector<int> owner;
@@ -496,22 +506,22 @@ void run_blocks(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vec
   owner.resize(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t u, int64_t v) {
-    return items[u].end - items[u].start > items[v].end - items[v].start;
+    return (items[u].end - items[u].start) * items[u].r > (items[v].end - items[v].start) * items[v].r;
   });
   std::vector<int64_t> load(nt, 0);
   for (int64_t i : order) {
     const int t = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
     owner[i] = t;
-    load[t] += items[i].end - items[i].start;
+    load[t] += (items[i].end - items[i].start) * items[i].r;
   }
   const int* op = owner.data();
 #pragma omp parallel num_threads(nt)
   {
     const int me = omp_get_thread_num(), got = omp_get_num_threads();  // got < nt: the runtime gave fewer
     thread_local std::vector<float> buf;
-    if (static_cast<int64_t>(buf.size()) < 2 * RB * W) buf.resize(2 * RB * W);
+    if (static_cast<int64_t>(buf.size()) < 2 * RB * d.W) buf.resize(2 * RB * d.W);
     for (int64_t i = 0; i < n; ++i)
-      if (op[i] % got == me) run_item<XT, WT>(items[i], buf.data(), yp, xp, ap, bp, rp, P, K, W, R, N, ldx, ldy);
+      if (op[i] % got == me) run_item<XT, WT>(items[i], buf.data(), yp, xp, ap, bp, rp, d);
   }
 }
 
@@ -522,8 +532,9 @@ void run_blocks(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vec
 template <typename XT, typename WT>
 void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
          const std::vector<Item>& items, const torch::Tensor& ranges, int64_t work) {
-  const int64_t K = x.size(1), W = a.size(2), R = b.size(1), N = y.size(1), P = ranges.size(0);
-  const int64_t ldx = x.stride(0), ldy = y.stride(0);
+  const Dims d{x.size(1), a.size(2), b.size(1), y.size(1), a.size(2) / b.size(1), ranges.size(0), x.stride(0),
+               y.stride(0)};
+  const int64_t K = d.K, W = d.W, N = d.N, P = d.P, ldx = d.ldx, ldy = d.ldy;
   XT* yp = y.data_ptr<XT>();
   const XT* xp = x.data_ptr<XT>();
   const WT* ap = a.data_ptr<WT>();
@@ -531,20 +542,20 @@ void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const
   const int32_t* rp = ranges.data_ptr<int32_t>();
   const int nt = omp_get_max_threads();
   if (work < kParMinWork || nt == 1) {
-    run_serial<XT, WT>(yp, xp, ap, bp, items, rp, P, K, W, R, N, ldx, ldy);
+    run_serial<XT, WT>(yp, xp, ap, bp, items, rp, d);
     return;
   }
   if (static_cast<int64_t>(items.size()) >= 2 * nt) {
-    run_blocks<XT, WT>(yp, xp, ap, bp, items, rp, P, K, W, R, N, ldx, ldy, nt);
+    run_blocks<XT, WT>(yp, xp, ap, bp, items, rp, d, nt);
     return;
   }
   const int64_t kc = chunk_rows(K);
   const int64_t n = static_cast<int64_t>(items.size()), nkc = (K + kc - 1) / kc;
-  thread_local std::vector<Cols> cols;
+  thread_local std::vector<Cols> cols;  // slice offsets in t are slice * r: scaled per block below
   cols.clear();
   for (int64_t p = 0; p < P; ++p)
     for (int64_t c = rp[3 * p]; c < rp[3 * p + 1]; c += CG)
-      cols.push_back({c, std::min<int64_t>(rp[3 * p + 1], c + CG), rp[3 * p + 2] * R});
+      cols.push_back({c, std::min<int64_t>(rp[3 * p + 1], c + CG), rp[3 * p + 2]});
   const int64_t ncol = static_cast<int64_t>(cols.size());
   thread_local std::vector<float> parts;
   if (static_cast<int64_t>(parts.size()) < n * nkc * RB * W) parts.resize(n * nkc * RB * W);
@@ -556,8 +567,8 @@ void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const
     for (int64_t i = 0; i < n * nkc; ++i) {
       const Item& it = items[i / nkc];
       const int64_t k0 = (i % nkc) * kc;
-      shrink_part<XT, WT>(pp + i * RB * W, xp + it.start * ldx, ap + it.slot * K * W, it.end - it.start, W, ldx, k0,
-                          std::min(K, k0 + kc), bp + it.slot * R * N, R * N, K);
+      shrink_part<XT, WT>(pp + i * RB * W, xp + it.start * ldx, ap + it.slot * K * W, it.end - it.start, d.n * it.r,
+                          ldx, k0, std::min(K, k0 + kc), bp + it.slot * d.R * N, it.r * N, K);
     }
     thread_local std::vector<float> tv;  // one block's t [RB, W]
     if (static_cast<int64_t>(tv.size()) < RB * W) tv.resize(RB * W);
@@ -565,25 +576,30 @@ void run(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n * ncol; ++i) {
       const Item& it = items[i / ncol];
-      const int64_t nr = it.end - it.start;
+      const int64_t nr = it.end - it.start, w = d.n * it.r;
       const float* part = pp + (i / ncol) * nkc * RB * W;
-      std::copy(part, part + nr * W, t);
+      std::copy(part, part + nr * w, t);
       for (int64_t c = 1; c < nkc; ++c)
-        for (int64_t e = 0; e < nr * W; ++e) t[e] += part[c * RB * W + e];
+        for (int64_t e = 0; e < nr * w; ++e) t[e] += part[c * RB * W + e];
       const Cols& cc = cp[i % ncol];
-      expand_cols<XT, WT>(yp + it.start * ldy, t, bp + it.slot * R * N, nr, W, R, N, ldy, cc.c0, cc.c1, cc.off);
+      expand_cols<XT, WT>(yp + it.start * ldy, t, bp + it.slot * d.R * N, nr, w, it.r, N, ldy, cc.c0, cc.c1,
+                          cc.off * it.r);
     }
   }
 }
 
 }  // namespace
 
-// y [T, N] += per segment (slot, start, end) of segs (int32 [G, 3]): x[start:end] @ a[slot] then
-// per range (c0, c1, slice) of ranges (int32 [P, 3]) the expand through b[slot, :, c0:c1].
-// x [T, K] and y in one dtype (float32 / bfloat16 / float16); a [S, K, W], b [S, R, N]
+// y [T, N] += per segment (slot, start, end) of segs (int32 [G, 3]): x[start:end] @ A of the
+// slot, then per range (c0, c1, slice) of ranges (int32 [P, 3]) the expand through B's columns
+// c0:c1. x [T, K] and y in one dtype (float32 / bfloat16 / float16); a [S, K, W], b [S, R, N]
 // float32 or bfloat16, W = slices * R, contiguous; x and y contiguous along rows (any row stride).
+// ranks (int32 [S], or None: every slot at R): slot s's rank r_s in 0..R; its A is the first
+// K * slices * r_s elements of a[s] read as [K, slices * r_s] (slice i in columns i*r_s..),
+// its B the first r_s rows of b[s]; the rest of the slot is never read (an adapter of rank 8
+// in slots sized for 64 reads 1/8 of them), and rank 0 skips the slot's rows (no delta).
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor segs,
-              torch::Tensor ranges) {
+              torch::Tensor ranges, c10::optional<torch::Tensor> ranks) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 3 && b.dim() == 3, "lora_add: y, x 2-D; a, b 3-D");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1 && a.is_contiguous() && b.is_contiguous(),
               "lora_add: a and b must be contiguous, the rows of x and y too");
@@ -591,12 +607,21 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
               "lora_add: shapes do not match: y ", y.sizes(), " x ", x.sizes(), " a ", a.sizes(), " b ", b.sizes());
   TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == b.scalar_type(),
               "lora_add: x and y, a and b must share a dtype");
-  TORCH_CHECK(a.size(2) % b.size(1) == 0, "lora_add: a's width must be a multiple of b's rank");
+  TORCH_CHECK(b.size(1) > 0 && a.size(2) % b.size(1) == 0, "lora_add: a's width must be a multiple of b's rank");
   TORCH_CHECK(segs.scalar_type() == at::kInt && ranges.scalar_type() == at::kInt && segs.is_contiguous() &&
                   ranges.is_contiguous() && segs.dim() == 2 && segs.size(1) == 3 && ranges.dim() == 2 &&
                   ranges.size(1) == 3,
               "lora_add: segs and ranges must be contiguous int32 [*, 3]");
-  const int64_t T = y.size(0), S = a.size(0), N = y.size(1), slices = a.size(2) / b.size(1);
+  const int64_t T = y.size(0), S = a.size(0), N = y.size(1), R = b.size(1), slices = a.size(2) / R;
+  const int32_t* kp = nullptr;
+  if (ranks.has_value()) {
+    const torch::Tensor& rk = *ranks;
+    TORCH_CHECK(rk.scalar_type() == at::kInt && rk.is_contiguous() && rk.dim() == 1 && rk.size(0) == S,
+                "lora_add: ranks must be a contiguous int32 [", S, "] (one per slot), got ", rk.sizes());
+    kp = rk.data_ptr<int32_t>();
+    for (int64_t s = 0; s < S; ++s)
+      TORCH_CHECK(kp[s] >= 0 && kp[s] <= R, "lora_add: ranks[", s, "] = ", kp[s], " is outside 0..", R);
+  }
   const int32_t* rp = ranges.data_ptr<int32_t>();
   for (int64_t p = 0; p < ranges.size(0); ++p)
     TORCH_CHECK(rp[3 * p] >= 0 && rp[3 * p] <= rp[3 * p + 1] && rp[3 * p + 1] <= N && rp[3 * p + 2] >= 0 &&
@@ -605,14 +630,15 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
   thread_local std::vector<Item> items;  // reused: no allocation per call
   items.clear();
   const int32_t* sp = segs.data_ptr<int32_t>();
-  int64_t rows = 0;
+  int64_t work = 0;
   for (int64_t g = 0; g < segs.size(0); ++g) {
     const int64_t slot = sp[3 * g], s = sp[3 * g + 1], e = sp[3 * g + 2];
     TORCH_CHECK(slot >= 0 && slot < S && s >= 0 && s <= e && e <= T, "lora_add: segment ", g, " out of bounds");
-    for (int64_t r = s; r < e; r += RB) items.push_back({slot, r, std::min(e, r + RB)});
-    rows += e - s;
+    const int64_t r = kp ? kp[slot] : R;
+    if (r == 0) continue;  // the adapter does not target this module
+    for (int64_t i = s; i < e; i += RB) items.push_back({slot, i, std::min(e, i + RB), r});
+    work += (e - s) * r * (a.size(1) * slices + N);
   }
-  const int64_t work = rows * (a.size(1) * a.size(2) + b.size(1) * N);
   const bool wbf = a.scalar_type() == at::kBFloat16;
   TORCH_CHECK(wbf || a.scalar_type() == at::kFloat, "lora_add: weights must be float32 or bfloat16");
   switch (x.scalar_type()) {
@@ -634,6 +660,6 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as torch's own ops: an adapter-loading thread runs meanwhile.
   m.def("lora_add", &lora_add, "y += LoRA deltas per segment (see lora.cpp)", py::arg("y"), py::arg("x"),
-        py::arg("a"), py::arg("b"), py::arg("segs"), py::arg("ranges"),
+        py::arg("a"), py::arg("b"), py::arg("segs"), py::arg("ranges"), py::arg("ranks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 }
