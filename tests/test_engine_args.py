@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 import cloudpickle
 import pytest
@@ -249,3 +250,19 @@ def test_llm_from_engine_args_applies_the_init_guards(caplog):
         caplog.clear()
         llm_mod._warn_renderer_workers(7)
     assert "renderer_num_workers=7" not in caplog.text
+
+
+def test_a_kv_tier_folder_that_cannot_be_made_is_a_config_error(tiny_dir, tmp_path):
+    """A shared_storage_path that is a file or lies under /proc fails at config time, naming
+    the field, not in the engine after the model has loaded (fresh-user trial)."""
+    a_file = tmp_path / "kvfile"
+    a_file.write_text("x")
+    for path in (str(a_file), "/proc/no_kv_here", str(a_file / "below")):
+        kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": path}}
+        with pytest.raises(ValueError, match="shared_storage_path .*cannot be used as the KV tier's folder"):
+            _args(tiny_dir, kv_transfer_config=kv).create_engine_config()
+    fine = str(tmp_path / "new" / "tier")
+    kv["kv_connector_extra_config"]["shared_storage_path"] = fine
+    _args(tiny_dir, kv_transfer_config=kv).create_engine_config()
+    assert os.path.isdir(fine)

@@ -189,6 +189,21 @@ class SharedStorageConnector(KVConnectorBase_V1):
         logger.info("KV tier (%s): %s%s", type(self).__name__, self.folder,
                     "" if self.max_bytes is None else f", at most {self.max_bytes / 2**30:.2f} GiB")
 
+    @staticmethod
+    def _make_folder(path: str) -> None:
+        """Create the tier's folder now, so a path that cannot hold one (a file, /proc, no
+        permission) is a one-line config error, not an engine that dies after loading the
+        model (fresh-user trial: two tracebacks from os.makedirs in the engine).
+
+        Raises:
+            ValueError: naming ``kv_connector_extra_config.shared_storage_path``."""
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            why = "it is not a directory" if isinstance(e, FileExistsError) else (e.strerror or str(e))
+            raise ValueError(f"kv_connector_extra_config.shared_storage_path {path!r} cannot be used as the "
+                             f"KV tier's folder: {why}") from None
+
     @classmethod
     def _storage_path(cls, extra: dict) -> str:
         path = extra.get("shared_storage_path") or cls.DEFAULT_PATH
@@ -228,7 +243,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
     @classmethod
     def check_config(cls, kv_transfer_config: Any) -> None:
         extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-        cls._storage_path(extra)
+        cls._make_folder(cls._storage_path(extra))
         cls._max_bytes(extra)
         cls._restore_share(extra)
 
