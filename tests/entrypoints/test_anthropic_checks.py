@@ -137,6 +137,8 @@ def test_a_bad_tool_is_named_by_its_anthropic_path(tool, param):
     ([{"role": "user", "content": [{"type": "text", "text": ""}]}], "messages.0.content.0.text"),
     ([ASK, {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": ""}]}],
      "messages.1.content.1.text"),
+    ([{"role": "user", "content": "   \n"}], "messages.0"),  # whitespace only (fresh-user trial)
+    ([{"role": "user", "content": [{"type": "text", "text": " \t"}]}], "messages.0.content.0.text"),
 ])
 def test_empty_contents_are_refused_as_anthropic_refuses_them(messages, param):
     with pytest.raises(SamplingParamsError) as e:
@@ -148,3 +150,18 @@ def test_a_final_empty_assistant_message_is_a_prefill():
     for last in ({"role": "assistant", "content": ""}, {"role": "assistant", "content": []}):
         to_chat_request(_request([ASK, last]), auto_tools=False)
     to_chat_request(_request([ASK, {"role": "system", "content": ""}]), auto_tools=False)  # Claude Code's, unchecked
+
+
+def test_stop_sequences_are_named_as_anthropic_names_them():
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(_request([ASK], stop_sequences=["END", ""]), auto_tools=False)
+    assert e.value.param == "stop_sequences.1" and "stop sequence cannot be empty" in str(e.value)
+    to_chat_request(_request([ASK], stop_sequences=["END"]), auto_tools=False)
+
+
+def test_a_missing_budget_is_said_in_json_terms_not_python_ones():
+    with pytest.raises(SamplingParamsError) as e:
+        check_thinking({"type": "enabled"}, 4096)
+    assert "none was given" in str(e.value) and "None" not in str(e.value)
+    with pytest.raises(SamplingParamsError, match='got "2000"'):
+        check_thinking({"type": "enabled", "budget_tokens": "2000"}, 4096)

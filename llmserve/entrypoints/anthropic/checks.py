@@ -17,14 +17,17 @@ the same answer here, naming the field):
   assistant turn with ``tool_use`` blocks that ends the conversation is a continuation
   and needs no result.
 
-- Contents: every message but a final assistant one (a prefill) has non-empty content,
-  and a text block's ``text`` is not empty.
+- Contents: every message but a final assistant one (a prefill) has content with
+  non-whitespace text where it is text ("text content blocks must contain non-whitespace
+  text"), whether given as a string or as text blocks.
+- ``stop_sequences``: no empty string (it would stop before the first token).
 
 Raises SamplingParamsError (400) with ``param`` the Anthropic path of the fault
 (``thinking.budget_tokens``, ``messages.3.content.0``...).
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Optional, Sequence
 
@@ -54,8 +57,9 @@ def check_thinking(thinking: Optional[dict[str, Any]], max_tokens: Optional[int]
         return
     budget = thinking.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int):
+        got = "none was given" if budget is None else f"got {json.dumps(budget)}"
         raise SamplingParamsError(f"thinking.budget_tokens: thinking of type 'enabled' needs an integer "
-                                  f"budget_tokens (>= {MIN_BUDGET_TOKENS}); got {budget!r}.",
+                                  f"budget_tokens (>= {MIN_BUDGET_TOKENS}); {got}.",
                                   "thinking.budget_tokens")
     if budget < MIN_BUDGET_TOKENS:
         raise SamplingParamsError(f"thinking.budget_tokens must be >= {MIN_BUDGET_TOKENS}; got {budget}.",
@@ -163,10 +167,23 @@ def check_contents(messages: Sequence[Any]) -> None:
     for i, m in enumerate(messages):
         if m.role == "system":
             continue
-        if not m.content and not (i == last and m.role == "assistant"):
+        prefill = i == last and m.role == "assistant"
+        if not m.content and not prefill:
             raise SamplingParamsError(f"messages.{i}: all messages must have non-empty content except for the "
                                       "optional final assistant message.", f"messages.{i}")
+        if isinstance(m.content, str) and m.content and not m.content.strip() and not prefill:
+            raise SamplingParamsError(f"messages.{i}: text content blocks must contain non-whitespace text.",
+                                      f"messages.{i}")
         for j, block in enumerate(m.content if isinstance(m.content, list) else []):
-            if block.get("type") == "text" and block.get("text") == "":
+            text = block.get("text") if block.get("type") == "text" else None
+            if isinstance(text, str) and not text.strip():
                 at = f"messages.{i}.content.{j}.text"
-                raise SamplingParamsError(f"{at}: text content blocks must be non-empty.", at)
+                what = "be non-empty" if text == "" else "contain non-whitespace text"
+                raise SamplingParamsError(f"{at}: text content blocks must {what}.", at)
+
+
+def check_stop_sequences(stop_sequences: Optional[Sequence[str]]) -> None:
+    """No empty stop sequence (named ``stop_sequences.<i>``, not the chat field ``stop``)."""
+    for i, seq in enumerate(stop_sequences or ()):
+        if seq == "":
+            raise SamplingParamsError(f"stop_sequences.{i}: a stop sequence cannot be empty.", f"stop_sequences.{i}")
