@@ -194,13 +194,15 @@ def recent_chains(folder: str, key: bytes, nbytes: int, max_blocks: int) -> list
     not bump them); from each one not taken yet the chain is followed up through the
     parent hashes in the headers to a first block, and the blocks not taken yet are taken,
     first block first (only the first ones when the bound cuts the chain). A chain with a
-    missing, torn or foreign ancestor (a header that does not check) is skipped.
+    missing, torn or foreign ancestor (a header that does not check) is skipped. Files of
+    the wrong size are removed, with a warning.
 
     Returns pieces ``(anchor, hashes)``: ``hashes`` in chain order; ``anchor`` the parent
     of ``hashes[0]``, 0 or the last hash of an earlier piece. Costs one ``stat`` per file
     (``scandir``) and one header read (~10 us) per block looked at, at most
     ``4 * max_blocks + 1024`` of them."""
     files: dict[int, int] = {}  # hash -> mtime (ns), files of the right size
+    torn: list[str] = []  # files of the wrong size: removed (a zero-length one stayed forever)
     for entry in os.scandir(folder):
         name = entry.name
         if len(name) != 16 + len(SUFFIX) or not name.endswith(SUFFIX):
@@ -212,6 +214,13 @@ def recent_chains(folder: str, key: bytes, nbytes: int, max_blocks: int) -> list
             continue
         if st.st_size == HEADER_SIZE + nbytes:
             files[h] = st.st_mtime_ns
+        else:  # written whole or not at all (os.replace), and the folder is one layout's: damaged
+            torn.append(entry.path)
+    for path in torn:
+        _unlink(path)
+    if torn:
+        logger.warning("KV tier: removed %d block files of the wrong size (truncated or damaged) in %s",
+                       len(torn), folder)
     parents: dict[int, Optional[int]] = {}
     taken: set[int] = set()
     dead: set[int] = set()  # blocks whose chain does not reach a first block

@@ -15,7 +15,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.core.kv_cache_manager import BlockPool, hash_block_tokens
 from llmserve.kv_transfer import disk_store
-from llmserve.kv_transfer.disk_store import block_dir, encode_header, layout_key, recent_chains
+from llmserve.kv_transfer.disk_store import SUFFIX, block_dir, encode_header, layout_key, recent_chains
 from llmserve.kv_transfer.tier_restore import make_tier_restore
 
 PROMPT = [int(t) for t in torch.randint(5, 250, (100,), generator=torch.Generator().manual_seed(2))]
@@ -194,8 +194,10 @@ def test_recent_chains_takes_whole_chains_newest_first(tmp_path):
                              (12, 11, 240)):
         _write(folder, key, h, parent, payload, mtime)
     _write(folder, layout_key({"model": "other"}), 9, 0, payload, 400)
-    _write(folder, key, 5, 0, b"short", 500)  # the wrong size: not one of this layout's blocks
+    _write(folder, key, 5, 0, b"short", 500)  # the wrong size: damaged, removed
+    names = set(os.listdir(folder))
     assert recent_chains(folder, key, len(payload), 100) == [(0, [1, 4]), (1, [2, 3])]
+    assert names - set(os.listdir(folder)) == {f"{5:016x}{SUFFIX}"}
     assert recent_chains(folder, key, len(payload), 3) == [(0, [1, 4]), (1, [2])]
     assert recent_chains(folder, key, len(payload), 1) == [(0, [1])]
     assert recent_chains(folder, key, len(payload), 0) == []
