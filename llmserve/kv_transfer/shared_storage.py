@@ -186,8 +186,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._pool: Any = None  # the second load thread (_load_split), made on the first load
         self.writer: Optional[BlockWriter] = None
         self._layer_saves: dict[int, Any] = {}
-        logger.info("KV tier (%s): %s%s", type(self).__name__, self.folder,
-                    "" if self.max_bytes is None else f", at most {self.max_bytes / 2**30:.2f} GiB")
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per half
+            logger.info("KV tier (%s): %s%s", type(self).__name__, self.folder,
+                        "" if self.max_bytes is None else f", at most {self.max_bytes / 2**30:.2f} GiB")
 
     @staticmethod
     def _make_folder(path: str) -> None:
