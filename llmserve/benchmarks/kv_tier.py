@@ -185,7 +185,7 @@ def replay(args: argparse.Namespace, tier: str | None) -> dict:
 def _serve(args: argparse.Namespace, tier: str, restore: bool, port: int, log) -> subprocess.Popen:
     """``llmserve serve`` over ``tier`` on ``port`` (this process's niceness), once its
     /health answers. Raises RuntimeError when it exits or is not up in 600 s."""
-    import httpx
+    from llmserve.benchmarks.router_trace import wait_healthy
 
     cfg = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"shared_storage_path": tier, "restore_on_start": restore}}
@@ -193,16 +193,12 @@ def _serve(args: argparse.Namespace, tier: str, restore: bool, port: int, log) -
                              "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port", str(port),
                              "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(cfg)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600  # a fresh machine builds the CPU kernels first (~4 min)
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    _stop(proc)
-    raise RuntimeError(f"llmserve serve did not come up on port {port}; see its log {log.name}")
+    try:  # 600 s: a fresh machine builds the CPU kernels first (~4 min)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=600)
+    except RuntimeError as e:
+        _stop(proc)
+        raise RuntimeError(f"llmserve serve did not come up on port {port} ({e}); see its log {log.name}") from None
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
