@@ -219,7 +219,7 @@ def recent_chains(folder: str, key: bytes, nbytes: int, max_blocks: int) -> list
     for path in torn:
         _unlink(path)
     if torn:
-        logger.warning("KV tier: removed %d block files of the wrong size (truncated or damaged) in %s",
+        logger.warning("KV tier: removed %d block file(s) of the wrong size (truncated or damaged) in %s",
                        len(torn), folder)
     parents: dict[int, Optional[int]] = {}
     taken: set[int] = set()

@@ -165,3 +165,12 @@ def test_a_missing_budget_is_said_in_json_terms_not_python_ones():
     assert "none was given" in str(e.value) and "None" not in str(e.value)
     with pytest.raises(SamplingParamsError, match='got "2000"'):
         check_thinking({"type": "enabled", "budget_tokens": "2000"}, 4096)
+
+
+@pytest.mark.parametrize("content", ["Hello ", "  ", [{"type": "text", "text": "Hi\n"}],
+                                     [{"type": "text", "text": "ok"}, {"type": "text", "text": " "}]])
+def test_a_prefill_ending_in_whitespace_is_refused_in_either_form(content):
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(_request([ASK, {"role": "assistant", "content": content}]), auto_tools=False)
+    assert e.value.param == "messages.1" and "trailing whitespace" in str(e.value)
+    to_chat_request(_request([ASK, {"role": "assistant", "content": "Hello"}]), auto_tools=False)

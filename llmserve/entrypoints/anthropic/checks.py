@@ -20,6 +20,8 @@ the same answer here, naming the field):
 - Contents: every message but a final assistant one (a prefill) has content with
   non-whitespace text where it is text ("text content blocks must contain non-whitespace
   text"), whether given as a string or as text blocks.
+- A final assistant message (a prefill) does not end with whitespace ("final assistant
+  content cannot end with trailing whitespace").
 - ``stop_sequences``: no empty string (it would stop before the first token).
 
 Raises SamplingParamsError (400) with ``param`` the Anthropic path of the fault
@@ -171,6 +173,9 @@ def check_contents(messages: Sequence[Any]) -> None:
         if not m.content and not prefill:
             raise SamplingParamsError(f"messages.{i}: all messages must have non-empty content except for the "
                                       "optional final assistant message.", f"messages.{i}")
+        if prefill and _final_text(m.content) != _final_text(m.content).rstrip():
+            raise SamplingParamsError(f"messages.{i}: final assistant content cannot end with trailing "
+                                      "whitespace.", f"messages.{i}")
         if isinstance(m.content, str) and m.content and not m.content.strip() and not prefill:
             raise SamplingParamsError(f"messages.{i}: text content blocks must contain non-whitespace text.",
                                       f"messages.{i}")
@@ -180,6 +185,15 @@ def check_contents(messages: Sequence[Any]) -> None:
                 at = f"messages.{i}.content.{j}.text"
                 what = "be non-empty" if text == "" else "contain non-whitespace text"
                 raise SamplingParamsError(f"{at}: text content blocks must {what}.", at)
+
+
+def _final_text(content: Any) -> str:
+    """The text a message ends with: a string content, or its last block's text ("" when
+    that block is not text)."""
+    if isinstance(content, str):
+        return content
+    last = content[-1] if content else {}
+    return last.get("text") or "" if last.get("type") == "text" else ""
 
 
 def check_stop_sequences(stop_sequences: Optional[Sequence[str]]) -> None:
