@@ -28,9 +28,10 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-import torch
+if TYPE_CHECKING:  # the API server reads configs and tokenizers from here without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
