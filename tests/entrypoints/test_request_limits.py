@@ -231,3 +231,24 @@ def test_openapi_documents_400_not_422_and_the_role_set(app_and_engine):  # noqa
     assert f'"maxItems": {limits.MAX_STOP_STRINGS}' in __import__("json").dumps(stop)
     chat_ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert "text/event-stream" in chat_ok
+
+
+def test_vocabulary_pass_decodes_each_token_as_transformers_does():
+    """The start-up vocabulary pass decodes all ids in the Rust backend in one call; its
+    texts equal transformers' ``batch_decode`` of each id (SmolLM2's 49k tokens), and a
+    tokenizer without a backend takes transformers' path."""
+    from llmserve.model_loader import resolve_model
+    from llmserve.tokenizer import get_tokenizer
+
+    r = resolve_model("SmolLM2-135M-Instruct")
+    tok = get_tokenizer(r.path, r.gguf_file)
+    ids = sorted(set(tok.get_vocab().values()))
+    expected = tok.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert limits._decode_each(tok, ids) == expected
+
+    class NoBackend:
+        def batch_decode(self, seqs, **kw):
+            return [f"<{s[0]}>" for s in seqs]
+
+    assert limits._decode_each(NoBackend(), [3, 10]) == ["<3>", "<10>"]
+    assert limits.longest_token_chars(tok) == 81  # a newline and 80 spaces

@@ -90,8 +90,7 @@ def _token_chars(tokenizer: Any) -> tuple[int, bool]:
         pass
     vocab = tokenizer.get_vocab()
     ids = sorted(set(vocab.values()))
-    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    texts = _decode_each(tokenizer, ids)
     longest = max(1, max(map(len, texts)), max(map(len, vocab)))
     kept = all(len(tokenizer.encode(ch * (_PROBE_CHARS // len(ch)), add_special_tokens=False)) * longest
                >= _PROBE_CHARS // len(ch) * len(ch) for ch in _WHITESPACE_PROBES)
@@ -100,6 +99,22 @@ def _token_chars(tokenizer: Any) -> tuple[int, bool]:
     except TypeError:  # not weak-referenceable: computed again next time
         pass
     return longest, kept
+
+
+def _decode_each(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each id decoded alone. A fast tokenizer's Rust backend decodes the batch in one
+    call: 0.04 s for SmolLM2's 49k ids against 0.41 s through ``batch_decode``, which
+    loops in Python (measured; this pass runs at every server start). transformers'
+    decode of a fast tokenizer is the backend's plus an optional clean-up that only
+    removes characters, so the backend's texts are never shorter."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            return backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        except Exception:  # noqa: BLE001 - an unusual backend: transformers' path below
+            pass
+    return tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False,
+                                  clean_up_tokenization_spaces=False)
 
 
 def non_whitespace_chars(text: str) -> int:
