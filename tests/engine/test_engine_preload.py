@@ -1,5 +1,6 @@
 """Issue 31: the engine process imports what reading its config needs before the config
-arrives (``llmserve.engine.core._preload`` / ``_preload_ahead``), and trims its heap once
+arrives (``llmserve.engine.core._preload`` / ``_preload_ahead``), freezes those imports' objects
+out of the GC while it waits (``_freeze_preloaded``), and trims its heap once
 it has gone idle after steps (``EngineCoreProc._trim_idle_heap``)."""
 import queue
 import subprocess
@@ -118,3 +119,25 @@ def test_idle_engine_without_steps_never_trims(monkeypatch):
     proc.input_queue.put("x")
     t.join(10)
     assert trims == []
+
+
+def test_freeze_preloaded_collects_garbage_then_freezes_the_rest():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.self = garbage  # a cycle: only the collector frees it
+    dead = weakref.ref(garbage)
+    del garbage
+    kept = Node()
+    gc.unfreeze()
+    try:
+        core._freeze_preloaded()
+        assert dead() is None  # collected before the freeze, not frozen for good
+        assert gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects())  # frozen objects are out of the GC's view
+    finally:
+        gc.unfreeze()
