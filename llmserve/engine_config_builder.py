@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llmserve.config import (CacheConfig, CompilationMode, KVTransferConfig, ModelConfig, ObservabilityConfig,
@@ -69,8 +70,26 @@ def _default_kv_cache_bytes(default: int) -> int:
         raise ValueError(f"LLMSERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {gib!r}") from None
 
 
+def _torch_is_cpu_build() -> bool:
+    """True when the installed torch distribution is a CPU-only build: its version carries
+    the ``+cpu`` local label of PyTorch's CPU wheels (e.g. ``2.13.0+cpu``). False when the
+    label is absent (a CUDA or other build) or torch's metadata cannot be found."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def _device(device: str) -> str:
+    """``device`` ("cpu", "cuda" or "auto") resolved to "cpu" or "cuda". Raises ValueError
+    (naming ``device``) for any other value."""
     if device == "auto":
+        # A CPU build of torch has no CUDA: answered from its version label, without the
+        # import (~3 s and ~150 MiB in the API server, which never runs a model; issue 31).
+        if sys.modules.get("torch") is None and _torch_is_cpu_build():
+            return "cpu"
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -76,7 +76,7 @@ def _load_tokenizer(path: str, gguf_file: Optional[str],
             from llmserve.model_loader.startup_cache import load_hf_object
             tok = load_hf_object(os.path.join(path, gguf_file), "tokenizer_config.json",
                                  lambda d: AutoTokenizer.from_pretrained(d, local_files_only=True),
-                                 lambda: AutoTokenizer.from_pretrained(path, **kwargs))
+                                 lambda: _tokenizer_from_gguf(path, kwargs))
         else:
             tok = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
@@ -85,6 +85,16 @@ def _load_tokenizer(path: str, gguf_file: Optional[str],
     if gguf_file:  # after the start-up cache too: entries written before this fix lack it
         _split_digits_first(tok, os.path.join(path, gguf_file))
     return tok
+
+
+def _tokenizer_from_gguf(path: str, kwargs: dict) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(path, **kwargs)`` (kwargs naming ``gguf_file``): the
+    vocabulary converted from the GGUF metadata, also where transformers runs without
+    torch (the API server, issue 31: ``gguf_metadata_reads``)."""
+    from llmserve.torch_hiding import gguf_metadata_reads
+
+    with gguf_metadata_reads():
+        return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 # llama.cpp's ``tokenizer.ggml.pre`` names whose pre-tokenizer is "each digit alone, then

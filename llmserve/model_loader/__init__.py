@@ -2,29 +2,32 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Optional
 
 from llmserve.model_loader.resolve import (DEFAULT_MODEL, ResolvedModel, diff_sampling_param,
                                            generation_eos_token_ids, load_generation_config,
                                            load_hf_config, read_generation_config, resolve_model)
 
+if TYPE_CHECKING:  # torch is imported where a model is built: the API server resolves the
+    # model and reads its configs through this package without importing torch (issue 31)
+    import torch
+    from torch import nn
+
 __all__ = ["DEFAULT_MODEL", "ResolvedModel", "diff_sampling_param", "generation_eos_token_ids",
            "get_model", "load_generation_config", "load_hf_config", "read_generation_config",
            "resolve_model", "torch_dtype"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> "torch.dtype":
     """"float32" / "bfloat16" / "float16" -> torch dtype; ValueError (field ``dtype``)
     otherwise."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {name!r}")
+    import torch
+
+    return getattr(torch, name)
 
 
 def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
@@ -37,6 +40,8 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
     or a checkpoint that does not fit the config. On CPU the linears' weights end packed
     for oneDNN (``ops/onednn_linear.py``) unless ``pack_weights`` is False.
     """
+    import torch
+
     from llmserve.models.registry import get_model_class
 
     hf_config = model_config.hf_config
@@ -85,6 +90,8 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
 def _packed_sink(model: Any, dtype: torch.dtype) -> Optional[dict]:
     """The dict the loaders fill with quantized blocks (issue 16), or None: float32 models
     keep exact dense GEMMs only, and models without the packed path take none."""
+    import torch
+
     return {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
 
 

@@ -14,10 +14,13 @@ packing itself is the compressed-tensors library's (``unpack_from_int32``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are made: the API server reads weight_scheme
+    # (a dict check) at start and does not import torch (issue 31)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ def _gguf_blocks(q: torch.Tensor, scale: torch.Tensor, bits: int) -> Optional[np
 
 def _layer(name: str, parts: dict, scheme: dict, dtype: torch.dtype,
            packed: Optional[dict]) -> tuple[str, torch.Tensor]:
+    import torch
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     shape = torch.Size(int(x) for x in parts["weight_shape"].tolist())
@@ -122,6 +126,8 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torc
     if bits not in (4, 8) or group_size <= 0 or group_size % 32 or k % group_size:
         raise ValueError(f"bits must be 4 or 8 and group_size a multiple of 32 dividing the layer's {k} inputs "
                          f"(what the engine runs), got bits={bits}, group_size={group_size}")
+    import torch
+
     w = weight.float().reshape(n, k // group_size, group_size)
     qmax = (1 << (bits - 1)) - 1
     scale = (w.abs().amax(-1) / qmax).clamp_min(1e-8).half()
@@ -140,6 +146,7 @@ def save_rtn_checkpoint(src: str, dst: str, bits: int = 4, group_size: int = 32,
     import json
     import os
 
+    import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM

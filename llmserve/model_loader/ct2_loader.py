@@ -21,10 +21,13 @@ import hashlib
 import json
 import os
 import struct
-from typing import BinaryIO, Iterator, Optional
+from typing import TYPE_CHECKING, BinaryIO, Iterator, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are made: the API server resolves a CTranslate2
+    # model (hf_view_dir) at start and does not import torch (issue 31)
+    import torch
 
 CT2_MANIFEST = "ct2_weights.json"
 _DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16, 5: "bfloat16"}
@@ -98,6 +101,8 @@ def read_ct2_variables(paths: list[str], with_data: bool = True) -> Iterator[tup
             value = None
             if with_data:
                 if _DTYPES[dt] == "bfloat16":
+                    import torch
+
                     value = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).reshape(shape)
                 else:
                     value = np.frombuffer(raw, dtype=_DTYPES[dt]).reshape(shape)
@@ -152,6 +157,8 @@ def iterate_ct2_weights(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for the Whisper weights of a CTranslate2 ``model.bin``
     (its pieces ``paths``), in the stored dtype (float16 / float32). Quantized (int8)
     CTranslate2 checkpoints raise ValueError."""
+    import torch
+
     for name, shape, value in read_ct2_variables(paths):
         if isinstance(value, str) or not shape:
             continue  # aliases (the tied projection) and scalar settings

@@ -13,10 +13,13 @@ import logging
 import os
 import re
 import struct
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are made: the API server reads GGUF metadata
+    # (read_gguf_tensors) at start and does not import torch (issue 31)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +210,7 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
     the file's blocks with the same row un-permutation (for ``llmserve.models.packed``).
     Raises ValueError for a tensor type the gguf package cannot dequantize.
     """
+    import torch
     from gguf.quants import dequantize
 
     try:
@@ -283,6 +287,8 @@ def supported_tensor_types() -> list[str]:
 
 def _keep_packed(packed: dict, hf_name: str, t: GGUFTensorInfo, arch: str, n_head: int, n_kv: int) -> None:
     """Store a quantized 2-d tensor's raw blocks (rows un-permuted like the floats)."""
+    import torch
+
     from llmserve.ops.kquant import KQUANT_TYPES
     from llmserve.ops.quant_ops import PACKED_TYPES
 

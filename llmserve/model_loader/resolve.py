@@ -206,8 +206,10 @@ def _config_from_gguf(path: str, gguf_file: str) -> Any:
     from transformers import AutoConfig
 
     from llmserve.model_loader.gguf_config import check_gguf_architecture, complete_gguf_config
+    from llmserve.torch_hiding import gguf_metadata_reads
     check_gguf_architecture(os.path.join(path, gguf_file))
-    config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    with gguf_metadata_reads():  # also in the API server, whose transformers runs without torch
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     return complete_gguf_config(config, os.path.join(path, gguf_file))
 
 

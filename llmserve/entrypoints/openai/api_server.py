@@ -18,6 +18,11 @@ Run: ``llmserve serve [MODEL]`` or ``python -m llmserve.entrypoints.openai.api_s
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # this process is the server: transformers without torch (issue 31)
+    from llmserve.torch_hiding import import_transformers_without_torch
+
+    import_transformers_without_torch()
+
 import argparse
 import asyncio
 import contextlib

@@ -303,7 +303,11 @@ def _api_server_main(run_server: RunServer) -> None:
 
 if __name__ == "__main__":
     # Run as a script this file is ``__main__``, not the module api_server imports, so
-    # importing api_server here makes no circle.
+    # importing api_server here makes no circle. An API server runs no model: its
+    # transformers runs without torch (issue 31, torch_hiding.py).
+    from llmserve.torch_hiding import import_transformers_without_torch
+
+    import_transformers_without_torch()
     from llmserve.entrypoints.openai.api_server import run_server as _run_server
 
     _api_server_main(_run_server)

@@ -6,8 +6,6 @@ head through the score activation (sigmoid by default: sentence-transformers'
 CrossEncoder and vLLM)."""
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from llmserve.entrypoints.openai.common.pooling import PoolingBaseServing
 from llmserve.entrypoints.openai.common.protocol import UsageInfo
 from llmserve.entrypoints.openai.score.protocol import (RerankDocument, RerankRequest, RerankResponse,
@@ -18,6 +16,11 @@ from llmserve.sampling_params import SamplingParamsError
 
 
 def _cosine(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
+    """Cosine similarity of two embeddings (1-D tensors of any float dtype) as a float."""
+    # imported here: the API server does not import torch at start (issue 31); the
+    # embeddings are tensors already, so torch is in sys.modules by now
+    import torch.nn.functional as F
+
     return float(F.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0))
 
 
