@@ -220,6 +220,15 @@ def _prometheus_logger(engine_client: Any) -> Any:
                 None)
 
 
+def _import_torch_for_pooling(model_config: Any) -> None:
+    """Import torch now when the model pools (``runner == "pooling"``): its outputs reach
+    this process as tensors (engine/serial.py decodes them with torch), so the import is
+    paid at start, as before issue 31, not by the first /v1/embeddings request (~2-3 s on
+    2 cores). A generating model's server never imports torch."""
+    if getattr(model_config, "runner", "generate") == "pooling":
+        import torch  # noqa: F401
+
+
 async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespace,
                          stat_logger: Any = None) -> None:
     """Put on ``state``: the engine client, the served model names, the online renderer
@@ -231,6 +240,7 @@ async def init_app_state(engine_client: Any, state: Any, args: argparse.Namespac
     renderer_num_workers.
     """
     model_config = engine_client.model_config
+    _import_torch_for_pooling(model_config)
     names = list(model_config.served_model_name or getattr(args, "served_model_name", None) or [args.model])
     models = OpenAIServingModels([BaseModelPath(n, model_config.model) for n in names], model_config.max_model_len)
     state.lora_adapters = await start_lora_adapters(engine_client, names, getattr(args, "lora_modules", None))
