@@ -1,76 +1,27 @@
-"""Issue 31: the engine process imports what reading its config needs before the config
-arrives (``llmserve.engine.core._preload`` / ``_preload_ahead``), freezes those imports' objects
-out of the GC while it waits (``_freeze_preloaded``), and trims its heap once
-it has gone idle after steps (``EngineCoreProc._trim_idle_heap``)."""
+"""Issue 31: the engine process imports transformers without torch
+(``llmserve.engine.core._transformers_without_torch``) and what reading its config needs
+before the config arrives (``_preload``), freezes those imports' objects out of the GC while
+it waits (``_freeze_preloaded``), and trims its heap once it has gone idle after steps
+(``EngineCoreProc._trim_idle_heap``)."""
 import queue
 import subprocess
 import sys
 import threading
 import time
 
-import pytest
-
 from llmserve.engine import core
 from llmserve.engine.core import EngineCoreProc
-
-_PROBE = "from llmserve.engine.core import _stdin_ready; print(_stdin_ready(), flush=True)"
-
-
-def test_stdin_ready_is_false_while_the_config_has_not_been_written():
-    proc = subprocess.Popen([sys.executable, "-c", _PROBE + "; import sys; sys.stdin.read()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "False"
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=60)
-
-
-def test_stdin_ready_is_true_once_the_config_was_written():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); " + _PROBE],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    proc.stdin.write("config")
-    proc.stdin.close()
-    out = proc.stdout.read()
-    proc.wait(timeout=60)
-    assert out.strip() == "True"
-
-
-@pytest.fixture
-def fresh_module(tmp_path, monkeypatch):
-    """The name of an importable module that nothing has imported yet."""
-    (tmp_path / "preload_probe_mod.py").write_text("VALUE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "preload_probe_mod", raising=False)
-    return "preload_probe_mod"
-
-
-def test_preload_ahead_imports_the_default_config_module_while_waiting(fresh_module, monkeypatch):
-    monkeypatch.setattr(core, "_PRELOAD_AHEAD_MODULES", (fresh_module,))
-    monkeypatch.setattr(core, "_stdin_ready", lambda: False)
-    core._preload_ahead()
-    assert fresh_module in sys.modules
-
-
-def test_preload_ahead_skips_it_when_the_config_is_already_there(fresh_module, monkeypatch):
-    monkeypatch.setattr(core, "_PRELOAD_AHEAD_MODULES", (fresh_module,))
-    monkeypatch.setattr(core, "_stdin_ready", lambda: True)
-    core._preload_ahead()
-    assert fresh_module not in sys.modules
-
-
-def test_preload_ahead_survives_a_module_that_is_missing(monkeypatch):
-    monkeypatch.setattr(core, "_PRELOAD_AHEAD_MODULES", ("no_such_module_for_preload",))
-    monkeypatch.setattr(core, "_stdin_ready", lambda: False)
-    core._preload_ahead()
-    assert "no_such_module_for_preload" not in sys.modules
-
 
 def test_preload_modules_name_real_modules():
     import importlib.util
 
-    for name in core._PRELOAD_MODULES + core._PRELOAD_AHEAD_MODULES:
+    for name in core._PRELOAD_MODULES:
         assert importlib.util.find_spec(name) is not None, name
+
+
+def test_preload_survives_a_module_that_is_missing():
+    core._import_best_effort(("no_such_module_for_preload", "colorsys"))  # no error; the rest still imported
+    assert "no_such_module_for_preload" not in sys.modules and "colorsys" in sys.modules
 
 
 def _idle_proc(monkeypatch, trims):
@@ -141,3 +92,36 @@ def test_freeze_preloaded_collects_garbage_then_freezes_the_rest():
         assert not any(o is kept for o in gc.get_objects())  # frozen objects are out of the GC's view
     finally:
         gc.unfreeze()
+
+
+_ENGINE_IMPORTS = r"""
+import json, pickle, sys
+from llmserve.engine import core
+core._transformers_without_torch()
+core._preload()
+import torch
+from transformers import LlamaConfig
+from transformers.utils import is_torch_available
+cfg = pickle.loads(sys.stdin.buffer.read())
+print(json.dumps({"transformers_sees_torch": bool(is_torch_available()), "sympy": "sympy" in sys.modules,
+                  "config": [type(cfg).__name__, cfg.hidden_size, cfg.num_hidden_layers],
+                  "torch_works": float(torch.ones(3).sum())}))
+"""
+
+
+def test_engine_imports_transformers_without_torch_and_reads_a_pickled_config():
+    """The engine process's transformers runs without torch (no type_validators ->
+    activations -> sympy chain for a LlamaConfig), while the engine's torch works and a
+    config pickled by a process whose transformers sees torch (this one) unpickles."""
+    import json
+    import pickle
+
+    from transformers import LlamaConfig
+
+    data = pickle.dumps(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=128, vocab_size=100))
+    out = subprocess.run([sys.executable, "-c", _ENGINE_IMPORTS], input=data, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    got = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    assert got == {"transformers_sees_torch": False, "sympy": False, "config": ["LlamaConfig", 64, 2],
+                   "torch_works": 3.0}
