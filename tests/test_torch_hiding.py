@@ -81,11 +81,35 @@ def _server_side(model: str, env: dict | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_server_process_transformers_without_torch_equals_with_torch():
+def _private_warm_home(home, monkeypatch) -> None:
+    """A start-up cache under ``home`` holding the default model's config and tokenizer
+    entry (copied from this user's, else converted here, with torch): the server side then
+    reads them warm whatever another process does to the shared cache meanwhile."""
+    import shutil
+
+    from llmserve.model_loader import resolve_model, startup_cache
+    from llmserve.model_loader.resolve import _load_hf_config_cached
+    from llmserve.tokenizer import _load_tokenizer
+
+    r = resolve_model(MODEL)
+    gguf = os.path.join(r.path, r.gguf_file)
+    shared = os.path.join(startup_cache.entry_dir(gguf), "hf")
+    monkeypatch.setattr(startup_cache, "cache_root",
+                        lambda: str(home / ".cache" / "llmserve" / "models"))
+    private = os.path.join(startup_cache.entry_dir(gguf), "hf")
+    try:
+        shutil.copytree(shared, private)
+    except OSError:  # no shared entry (a fresh machine): convert into the private cache
+        _load_hf_config_cached.__wrapped__(r.path, r.gguf_file)
+        _load_tokenizer.__wrapped__(r.path, r.gguf_file, None)
+
+
+def test_server_process_transformers_without_torch_equals_with_torch(tmp_path, monkeypatch):
     """Warm start-up cache (the default model's GGUF config and tokenizer, as every start
     after the first): same answers as with torch, and torch never imported for them."""
-    expected = snapshot(MODEL)  # first: it fills the start-up cache on a fresh machine
-    got = _server_side(MODEL)
+    expected = snapshot(MODEL)
+    _private_warm_home(tmp_path, monkeypatch)
+    got = _server_side(MODEL, env={"HOME": str(tmp_path)})
     assert got["without_torch"] is True
     assert got["torch_after_snapshot"] is False
     assert got["torch_works"] == 3.0
