@@ -99,9 +99,26 @@ def make_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+# Flags after which the engine may be started otherwise (data parallel, several API
+# servers, engines only) or that may set those (--config), or that start nothing.
+_NOT_PLAIN_SERVE = ("-h", "--help", "--config", "--headless", "-dp", "--data-parallel", "-asc", "--api-server-count")
+
+
+def _plain_serve(argv: list[str]) -> bool:
+    """Whether ``argv`` is ``serve`` with one engine for sure, whose interpreter can then
+    start before the flags are even parsed: the engine's imports (torch, transformers,
+    ~2 s on 2 cores) are the longest part of a warm start. Any other case starts it in
+    ``_run_serve`` as before; an interpreter left unused exits with the server."""
+    return bool(argv) and argv[0] == "serve" and not any(a.startswith(_NOT_PLAIN_SERVE) for a in argv[1:])
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point of the ``llmserve`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if _plain_serve(argv):
+        from llmserve.engine.core_process import prestart_engine_process
+
+        prestart_engine_process()  # before the parser: its imports (fastapi) take ~0.5 s
     parser = make_parser(argv)
     if argv and argv[0] == "serve":  # --config FILE: its flags first, the command line's win
         from llmserve.entrypoints.openai.vllm_compat_args import expand_config_file

@@ -119,6 +119,28 @@ def test_serve_error_leaves_no_prestarted_engine():
     assert not _engine_interpreters(mark)
 
 
+def test_bad_flag_leaves_no_prestarted_engine():
+    """A plain ``serve`` starts the engine's interpreter before its flags are parsed; a
+    flag argparse refuses (exit 2) takes that interpreter with it."""
+    import os
+    import uuid
+    mark = f"LLMSERVE_TEST_MARK={uuid.uuid4().hex}"
+    key, value = mark.split("=")
+    proc = _run("serve", "--port", "not-a-port", env={**os.environ, key: value})
+    assert proc.returncode == 2 and "--port" in proc.stderr
+    assert not _engine_interpreters(mark)
+
+
+def test_engine_starts_before_the_parser_only_for_one_engine():
+    from llmserve.entrypoints.cli import _plain_serve
+
+    assert _plain_serve(["serve"]) and _plain_serve(["serve", "--model", "m", "--port", "8001"])
+    for argv in (["serve", "--help"], ["serve", "-h"], ["serve", "--data-parallel-size", "2"], ["serve", "-dp", "2"],
+                 ["serve", "--api-server-count=2"], ["serve", "--headless"], ["serve", "--config", "c.yaml"],
+                 ["bench", "serve"], []):
+        assert not _plain_serve(argv), argv
+
+
 def test_batching_defaults_follow_usage_context():
     """vLLM's CPU defaults: the offline LLM takes 4096-token steps over up to 256 requests,
     the server 2048 over 128; explicit values always win."""
