@@ -1,6 +1,8 @@
-"""transformers without torch in the API server process (issue 31).
+"""transformers without torch in llmserve's own processes: the API servers and the engine
+(issue 31).
 
-The ``llmserve serve`` API server never runs a model, but ``import transformers`` imports
+The ``llmserve serve`` API server never runs a model, and the engine runs llmserve's own
+models (it needs transformers only for configs), but ``import transformers`` imports
 torch whenever torch is installed (``modeling_rope_utils``, the config validators), which
 cost its start ~3 s (2 cores, contended with the engine's own imports) and ~150 MiB of
 resident memory. transformers 5 works without torch for what the server uses
