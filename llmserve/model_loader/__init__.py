@@ -53,14 +53,10 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
         path, gguf_file = os.path.split(path)
     with torch.no_grad():
         model = model_cls(hf_config, dtype)
+        device = getattr(model_config, "device", "cpu") or "cpu"
         if gguf_file is not None:
-            from llmserve.model_loader.gguf_loader import iterate_gguf_weights
             gguf_path = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
-            packed = _packed_sink(model, dtype)
-            from llmserve.model_loader.startup_cache import cached_gguf_weights
-            model.load_weights(cached_gguf_weights(
-                gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
-            _attach_packed(model, packed, pack_weights)
+            _load_gguf(model, gguf_path, hf_config, dtype, pack_weights and device == "cpu")
         else:
             from llmserve.model_loader.compressed_tensors_loader import (iterate_compressed_tensors_weights,
                                                                          weight_scheme)
@@ -75,7 +71,6 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
                 packed = _packed_sink(model, dtype)
                 model.load_weights(iterate_compressed_tensors_weights(weights, scheme, dtype, packed))
                 _attach_packed(model, packed, pack_weights)
-    device = getattr(model_config, "device", "cpu") or "cpu"
     if device != "cpu":
         return model.to(device).eval()
     if getattr(model, "is_causal", True):  # build (or load the cached) C++ decode kernel now, not at the first request
@@ -95,9 +90,60 @@ def _packed_sink(model: Any, dtype: torch.dtype) -> Optional[dict]:
     return {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
 
 
-def _attach_packed(model: Any, packed: Optional[dict], drop_dense: bool) -> None:
+def _attach_packed(model: Any, packed: Optional[dict], drop_dense: bool,
+                   max_rows: Optional[int] = None) -> None:
     """Give the model its packed blocks; ``drop_dense`` False for tensor-parallel workers,
-    which shard the dense weights first."""
+    which shard the dense weights first. ``max_rows``: as ``attach_packed_weights``."""
     if packed:
         from llmserve.models.packed import attach_packed_weights
-        attach_packed_weights(model, packed, drop_dense=drop_dense)
+        attach_packed_weights(model, packed, max_rows=max_rows, drop_dense=drop_dense)
+
+
+def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, blocks_may_run: bool) -> None:
+    """Load a GGUF file's weights into ``model`` through the start-up cache.
+
+    ``blocks_may_run``: the model will run on CPU with its dense copies of packed layers
+    freed (one worker, ``pack_weights``). Then, when this CPU runs the blocks at every step
+    (``packed_switch_point`` = ``ALL_STEPS``), the cache's ``-blocks`` entry holds no dense
+    copy of those layers (nor of a tied embedding, whose rows the blocks give:
+    ``pack_tied_head``): a warm start attaches the blocks first and loads the other
+    weights. Measured on SmolLM2-135M Q4_1: the entry 365 -> ~100 MB, and ~270 MB of dense
+    copies are neither read nor copied nor freed at start (see the issue 31 commit).
+    Otherwise (tensor-parallel workers, probed switch points, float32) the entry holds
+    every dense weight, as before. Raises ValueError as ``load_weights``."""
+    from llmserve.model_loader import startup_cache
+    from llmserve.model_loader.gguf_loader import iterate_gguf_weights
+    from llmserve.models.packed import blocks_only_names, drop_tied_embedding, packed_max_rows
+    from llmserve.ops.quant_ops import ALL_STEPS
+
+    packed = _packed_sink(model, dtype)
+    if packed is None or not blocks_may_run:
+        model.load_weights(startup_cache.cached_gguf_weights(
+            gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
+        _attach_packed(model, packed, blocks_may_run)
+        return
+    max_rows = packed_max_rows(model)
+    if max_rows < ALL_STEPS:  # dense copies serve the larger steps: the entry keeps them all
+        model.load_weights(startup_cache.cached_gguf_weights(
+            gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
+        _attach_packed(model, packed, True, max_rows)
+        return
+    path = startup_cache.weights_path(gguf_path, dtype, True, blocks_only=True)
+    cached = startup_cache.read_weights(path, packed)
+    if cached is not None:
+        _attach_packed(model, packed, True, max_rows)  # frees the packed layers' dense weights
+        drop_tied_embedding(model)
+        model.load_weights(cached)  # the rest; load_weights skips the freed (0-row) weights
+        return
+    packed.clear()  # blocks a failed read may have left
+    dense: dict[str, torch.Tensor] = {}
+
+    def fresh():
+        for name, tensor in iterate_gguf_weights(gguf_path, hf_config, dtype, packed):
+            dense[name] = tensor
+            yield name, tensor
+
+    model.load_weights(fresh())
+    _attach_packed(model, packed, True, max_rows)
+    if path is not None:
+        startup_cache.save_weights(path, dense, packed, omit=blocks_only_names(model))

@@ -10,10 +10,13 @@ transformers version, which does the conversion):
 
 - ``hf/``: ``config.json`` and the tokenizer files (``save_pretrained``), so later starts
   load them as from a Hugging Face directory;
-- ``weights-<dtype>[-packed].safetensors``: the dequantized tensors under their HF names
-  (``w.<name>``) and, when packed small-step weights were kept, the file's raw blocks
-  (``p.<name>``, ggml type ids in the metadata), exactly what
-  ``gguf_loader.iterate_gguf_weights`` yields.
+- ``weights-<dtype>[-packed|-blocks].safetensors``: the dequantized tensors under their HF
+  names (``w.<name>``) and, when packed small-step weights were kept, the file's raw blocks
+  (``p.<name>``, ggml type ids in the metadata), what ``gguf_loader.iterate_gguf_weights``
+  yields. ``-blocks`` (issue 31: the model runs its packed layers on the blocks at every
+  step and frees their dense copies) leaves out the dense copies of those layers (names
+  listed by the loader, ``model_loader._blocks_only_names``): SmolLM2-135M Q4_1's entry
+  is ~365 MB with them, ~100 MB without, and a warm start neither reads nor copies them.
 
 The content hash is computed once per (path, size, mtime, inode) and remembered in
 ``stat/``. Every entry is written to a temporary name and renamed into place, so
@@ -36,7 +39,8 @@ if TYPE_CHECKING:  # the API server reads configs and tokenizers from here witho
 logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for the same file changes (names, permutations, dtypes).
-FORMAT_VERSION = "2"  # 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30)
+# 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30); 3: ``-blocks`` entries (issue 31)
+FORMAT_VERSION = "3"
 
 
 def cache_root() -> str:
@@ -140,9 +144,36 @@ def load_hf_object(gguf_path: str, marker: str, load_cached: Callable[[str], Any
     return obj
 
 
-def _weights_file(gguf_path: str, dtype: torch.dtype, packed: bool) -> str:
-    name = f"weights-{str(dtype).removeprefix('torch.')}{'-packed' if packed else ''}.safetensors"
-    return os.path.join(entry_dir(gguf_path), name)
+def weights_path(gguf_path: str, dtype: torch.dtype, packed: bool, blocks_only: bool = False
+                 ) -> Optional[str]:
+    """The cache file of the GGUF file's weights in ``dtype``: with the raw blocks when
+    ``packed``; ``blocks_only``: without the dense copies of the layers that run on the
+    blocks at every step (each kind its own file, so a tensor-parallel worker, which needs
+    every dense weight, never reads a file that lacks some). None (logged) when the cache
+    directory cannot be found (e.g. the GGUF file cannot be hashed)."""
+    suffix = "-blocks" if packed and blocks_only else "-packed" if packed else ""
+    try:
+        return os.path.join(entry_dir(gguf_path),
+                            f"weights-{str(dtype).removeprefix('torch.')}{suffix}.safetensors")
+    except OSError as e:
+        logger.warning("start-up cache unavailable for %s: %s", gguf_path, e)
+        return None
+
+
+def read_weights(path: Optional[str], packed: Optional[dict]) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """The ``(hf_name, tensor)`` pairs saved in the cache file ``path`` (filling ``packed``
+    with its blocks, ``hf_name -> (ggml type id, uint8 [rows, row_bytes])``, when given),
+    or None when there is no such file or it cannot be read (logged; ``packed`` may then
+    hold part of the file's blocks: the caller's fresh read overwrites them)."""
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        items = _read_weights(path, packed)
+    except Exception as e:
+        logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", path, e)
+        return None
+    logger.info("weights from the start-up cache %s", path)
+    return items
 
 
 def cached_gguf_weights(gguf_path: str, dtype: torch.dtype, packed: Optional[dict],
@@ -150,27 +181,18 @@ def cached_gguf_weights(gguf_path: str, dtype: torch.dtype, packed: Optional[dic
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """``iterate_gguf_weights``' ``(hf_name, tensor)`` pairs (and its ``packed`` entries,
     filled in as it would), from the cache when present, else from ``load_fresh()`` while
-    saving them for the next start."""
-    try:
-        path = _weights_file(gguf_path, dtype, packed is not None)
-    except OSError as e:
-        logger.warning("start-up cache unavailable for %s: %s", gguf_path, e)
-        yield from load_fresh()
+    saving them for the next start (every dense weight: ``-packed`` / plain entries)."""
+    path = weights_path(gguf_path, dtype, packed is not None)
+    items = read_weights(path, packed)
+    if items is not None:
+        yield from items
         return
-    if os.path.isfile(path):
-        try:
-            items = _read_weights(path, packed)
-        except Exception as e:
-            logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", path, e)
-        else:
-            logger.info("weights from the start-up cache %s", path)
-            yield from items
-            return
     saved: dict[str, torch.Tensor] = {}
     for name, tensor in load_fresh():
-        saved[f"w.{name}"] = tensor
+        saved[name] = tensor
         yield name, tensor
-    _save_weights(path, saved, packed)
+    if path is not None:
+        save_weights(path, saved, packed)
 
 
 def _read_weights(path: str, packed: Optional[dict]) -> list[tuple[str, torch.Tensor]]:
@@ -188,9 +210,14 @@ def _read_weights(path: str, packed: Optional[dict]) -> list[tuple[str, torch.Te
     return items
 
 
-def _save_weights(path: str, saved: dict[str, torch.Tensor], packed: Optional[dict]) -> None:
+def save_weights(path: str, dense: dict[str, torch.Tensor], packed: Optional[dict],
+                 omit: frozenset = frozenset()) -> None:
+    """Write ``dense`` (``hf_name -> tensor``) but the names in ``omit``, and the blocks in
+    ``packed``, to the cache file ``path`` (a temporary name renamed into place). Failures
+    are logged, not raised: the next start reads the GGUF file again."""
     from safetensors.torch import save_file
 
+    saved = {f"w.{name}": t for name, t in dense.items() if name not in omit}
     meta = {}
     for name, (qtype, raw) in (packed or {}).items():
         saved[f"p.{name}"] = raw

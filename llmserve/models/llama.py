@@ -447,7 +447,10 @@ class LlamaForCausalLM(nn.Module):
         q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``.
 
         Raises ValueError for a tensor of the wrong shape or when a parameter got no
-        weight; unknown names (e.g. ``rotary_emb.inv_freq``) are ignored.
+        weight; unknown names (e.g. ``rotary_emb.inv_freq``) are ignored. Weights with no
+        rows need none: ``set_packed`` / ``packed.drop_tied_embedding`` freed them before
+        loading, their GGUF blocks taking every step (the start-up cache's ``-blocks``
+        entries hold no dense copy of them).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -481,6 +484,8 @@ class LlamaForCausalLM(nn.Module):
                         loaded.update(f"{name}#{s}" for s in ("q", "k", "v", 0, 1))
         missing = []
         for pname in params:
+            if params[pname].dim() == 2 and params[pname].shape[0] == 0:
+                continue  # freed before loading: its GGUF blocks run every step (model_loader._load_gguf)
             if ".qkv_proj." in pname:
                 need = [f"{pname}#{s}" for s in "qkv"]
             elif ".gate_up_proj." in pname:

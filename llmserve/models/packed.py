@@ -80,6 +80,55 @@ def _on_huge_pages(weights: list) -> list:
     return [rebuilt(w) for w in weights]
 
 
+def packed_max_rows(model: nn.Module) -> int:
+    """Steps of up to how many tokens ``model``'s packed blocks take on this CPU
+    (``packed_switch_point`` at its MLP's shape; ``ALL_STEPS``: every step), 0 when the
+    packed kernels are unavailable."""
+    from llmserve.ops.quant_ops import get_quant_ops, packed_switch_point
+
+    if get_quant_ops() is None:
+        return 0
+    cfg = model.config
+    return packed_switch_point(cfg.hidden_size, 2 * cfg.intermediate_size, getattr(model, "dtype", torch.bfloat16))
+
+
+def _tied_head_runs_blocks(model: nn.Module) -> bool:
+    """A tied head whose blocks take every step: ``pack_tied_head`` frees the dense
+    embedding then (its rows come from the blocks)."""
+    from llmserve.ops.quant_ops import ALL_STEPS
+
+    head = getattr(model, "packed_head", None)
+    return (head is not None and head[1] >= ALL_STEPS and getattr(model, "lm_head", 0) is None
+            and getattr(model, "tp_lm_head", None) is None and hasattr(model, "pack_tied_head"))
+
+
+def blocks_only_names(model: nn.Module) -> frozenset:
+    """The checkpoint names (HF, as ``iterate_gguf_weights`` yields them) whose dense copies
+    ``model`` freed after :func:`attach_packed_weights` (its ``Linear`` layers that run on
+    the blocks at every step, fused parts included), plus the tied embedding when its
+    head runs on the blocks at every step: what the start-up cache's ``-blocks`` entry
+    leaves out (``model_loader._load_gguf``)."""
+    from llmserve.models.llama import Linear
+
+    names = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.packed_only and mod.weight.shape[0] == 0:
+            prefix, _, leaf = name.rpartition(".")
+            names.update(f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in _FUSED.get(leaf, (leaf,)))
+    if _tied_head_runs_blocks(model):
+        names.add("model.embed_tokens.weight")
+    return frozenset(names)
+
+
+def drop_tied_embedding(model: nn.Module) -> None:
+    """Free the dense embedding before loading when the tied head's blocks take every step
+    (as ``pack_tied_head`` would after loading), so a ``-blocks`` cache entry, which has no
+    dense copy of it, loads: ``load_weights`` skips 0-row weights."""
+    if _tied_head_runs_blocks(model):
+        emb = model.model.embed_tokens
+        emb.weight = nn.Parameter(emb.weight.new_empty(0, emb.weight.shape[1]), requires_grad=False)
+
+
 def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int] = None,
                           drop_dense: bool = True) -> int:
     """Give the model's ``Linear`` layers their packed weights from ``packed``
