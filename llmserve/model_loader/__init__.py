@@ -106,14 +106,17 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
     freed (one worker, ``pack_weights``). Then, when this CPU runs the blocks at every step
     (``packed_switch_point`` = ``ALL_STEPS``), the cache's ``-blocks`` entry holds no dense
     copy of those layers (nor of a tied embedding, whose rows the blocks give:
-    ``pack_tied_head``): a warm start attaches the blocks first and loads the other
-    weights. Measured on SmolLM2-135M Q4_1: the entry 365 -> ~100 MB, and ~270 MB of dense
-    copies are neither read nor copied nor freed at start (see the issue 31 commit).
+    ``pack_tied_head``) but their packed weights in the kernels' layout: a warm start
+    attaches those first (read onto huge pages, not repacked) and loads the other weights.
+    Measured on SmolLM2-135M Q4_1: the entry 365 -> ~97 MB, and ~270 MB of dense copies
+    are neither read nor copied nor freed at start (see the issue 31 commits).
     Otherwise (tensor-parallel workers, probed switch points, float32) the entry holds
     every dense weight, as before. Raises ValueError as ``load_weights``."""
     from llmserve.model_loader import startup_cache
     from llmserve.model_loader.gguf_loader import iterate_gguf_weights
-    from llmserve.models.packed import blocks_only_names, drop_tied_embedding, packed_max_rows
+    from llmserve.models.packed import (attach_repacked, blocks_only_names, drop_tied_embedding,
+                                        packed_max_rows, repacked_weights, weight_from_tensors,
+                                        weight_tensors)
     from llmserve.ops.quant_ops import ALL_STEPS
 
     packed = _packed_sink(model, dtype)
@@ -129,13 +132,13 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
         _attach_packed(model, packed, True, max_rows)
         return
     path = startup_cache.weights_path(gguf_path, dtype, True, blocks_only=True)
-    cached = startup_cache.read_weights(path, packed)
+    stored: dict = {}
+    cached = startup_cache.read_weights(path, None, stored)
     if cached is not None:
-        _attach_packed(model, packed, True, max_rows)  # frees the packed layers' dense weights
+        attach_repacked(model, {m: weight_from_tensors(d, t) for m, (d, t) in stored.items()}, max_rows)
         drop_tied_embedding(model)
         model.load_weights(cached)  # the rest; load_weights skips the freed (0-row) weights
         return
-    packed.clear()  # blocks a failed read may have left
     dense: dict[str, torch.Tensor] = {}
 
     def fresh():
@@ -146,4 +149,5 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
     model.load_weights(fresh())
     _attach_packed(model, packed, True, max_rows)
     if path is not None:
-        startup_cache.save_weights(path, dense, packed, omit=blocks_only_names(model))
+        startup_cache.save_weights(path, dense, None, omit=blocks_only_names(model),
+                                   repacked={m: weight_tensors(w) for m, w in repacked_weights(model).items()})

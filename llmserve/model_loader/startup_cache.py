@@ -14,9 +14,12 @@ transformers version, which does the conversion):
   names (``w.<name>``) and, when packed small-step weights were kept, the file's raw blocks
   (``p.<name>``, ggml type ids in the metadata), what ``gguf_loader.iterate_gguf_weights``
   yields. ``-blocks`` (issue 31: the model runs its packed layers on the blocks at every
-  step and frees their dense copies) leaves out the dense copies of those layers (names
-  listed by the loader, ``model_loader._blocks_only_names``): SmolLM2-135M Q4_1's entry
-  is ~365 MB with them, ~100 MB without, and a warm start neither reads nor copies them.
+  step and frees their dense copies) holds neither the dense copies of those layers nor
+  their raw blocks, but the packed weights in the kernels' layout by module
+  (``k.<module>#<part>.<field>``, descriptions in the metadata under ``k.<module>``; see
+  ``models/packed.py``), read straight onto huge pages: a warm start neither dequantizes,
+  copies nor repacks them. SmolLM2-135M Q4_1's entry: ~365 MB with the dense copies, ~97
+  MB without.
 
 The content hash is computed once per (path, size, mtime, inode) and remembered in
 ``stat/``. Every entry is written to a temporary name and renamed into place, so
@@ -39,8 +42,9 @@ if TYPE_CHECKING:  # the API server reads configs and tokenizers from here witho
 logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for the same file changes (names, permutations, dtypes).
-# 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30); 3: ``-blocks`` entries (issue 31)
-FORMAT_VERSION = "3"
+# 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30); 3: ``-blocks`` entries (issue
+# 31); 4: ``-blocks`` entries hold the kernels' layout (``k.*``), not the raw blocks
+FORMAT_VERSION = "4"
 
 
 def cache_root() -> str:
@@ -160,15 +164,18 @@ def weights_path(gguf_path: str, dtype: torch.dtype, packed: bool, blocks_only: 
         return None
 
 
-def read_weights(path: Optional[str], packed: Optional[dict]) -> Optional[list[tuple[str, torch.Tensor]]]:
+def read_weights(path: Optional[str], packed: Optional[dict], repacked: Optional[dict] = None
+                 ) -> Optional[list[tuple[str, torch.Tensor]]]:
     """The ``(hf_name, tensor)`` pairs saved in the cache file ``path`` (filling ``packed``
-    with its blocks, ``hf_name -> (ggml type id, uint8 [rows, row_bytes])``, when given),
-    or None when there is no such file or it cannot be read (logged; ``packed`` may then
-    hold part of the file's blocks: the caller's fresh read overwrites them)."""
+    with its blocks, ``hf_name -> (ggml type id, uint8 [rows, row_bytes])``, and
+    ``repacked`` with its weights in the kernels' layout, ``module -> (description,
+    {"<part>.<field>": tensor})`` read straight onto 2 MiB pages, when given), or None when
+    there is no such file or it cannot be read (logged; ``packed`` / ``repacked`` may then
+    hold part of the file's entries: the caller clears them)."""
     if path is None or not os.path.isfile(path):
         return None
     try:
-        items = _read_weights(path, packed)
+        items = _read_weights(path, packed, repacked)
     except Exception as e:
         logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", path, e)
         return None
@@ -195,10 +202,11 @@ def cached_gguf_weights(gguf_path: str, dtype: torch.dtype, packed: Optional[dic
         save_weights(path, saved, packed)
 
 
-def _read_weights(path: str, packed: Optional[dict]) -> list[tuple[str, torch.Tensor]]:
+def _read_weights(path: str, packed: Optional[dict], repacked: Optional[dict] = None
+                  ) -> list[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    items = []
+    items, k_keys = [], []
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
         for key in f.keys():
@@ -207,14 +215,66 @@ def _read_weights(path: str, packed: Optional[dict]) -> list[tuple[str, torch.Te
                 items.append((name, f.get_tensor(key)))
             elif kind == "p" and packed is not None:
                 packed[name] = (int(meta[key]), f.get_tensor(key))
+            elif kind == "k" and repacked is not None:
+                k_keys.append(key)
+    if k_keys:
+        tensors = _read_onto_huge_pages(path, k_keys)
+        for key, desc in meta.items():
+            if key.startswith("k."):
+                prefix = f"{key}#"
+                repacked[key[2:]] = (desc, {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)})
     return items
 
 
+# safetensors dtype names of the tensors stored in the kernels' layout (uint8 codes, int8
+# scales, int16 float16 bits) and a few more.
+_ST_DTYPES = {"U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+              "F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+
+def _read_onto_huge_pages(path: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The safetensors file's tensors ``keys``, read (``preadv``) straight into one buffer
+    on 2 MiB pages (``ops/huge_pages.py``, each tensor 64-byte aligned as
+    ``to_huge_pages`` places them): one copy from the page cache, where ``get_tensor`` and
+    ``to_huge_pages`` made two. OSError for a short read, KeyError / ValueError for a
+    header that does not list a key or names an unknown dtype."""
+    import json
+    import struct
+
+    import torch
+
+    from llmserve.ops.huge_pages import huge_page_buffer
+
+    with open(path, "rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        spans, total = [], 0
+        for key in keys:
+            entry = header[key]
+            start, end = entry["data_offsets"]
+            if entry["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"{key}: unknown dtype {entry['dtype']!r}")
+            spans.append((key, entry, 8 + n + start, end - start, total))
+            total += -(-(end - start) // 64) * 64
+        arena = huge_page_buffer(total)
+        for key, _, at, nbytes, off in spans:
+            view, done = memoryview(arena[off:off + nbytes]), 0
+            while done < nbytes:
+                got = os.preadv(f.fileno(), [view[done:]], at + done)
+                if got <= 0:
+                    raise OSError(f"{path}: short read of {key}")
+                done += got
+    flat = torch.from_numpy(arena)
+    return {key: flat[off:off + nbytes].view(getattr(torch, _ST_DTYPES[e["dtype"]])).view(e["shape"])
+            for key, e, _, nbytes, off in spans}
+
+
 def save_weights(path: str, dense: dict[str, torch.Tensor], packed: Optional[dict],
-                 omit: frozenset = frozenset()) -> None:
-    """Write ``dense`` (``hf_name -> tensor``) but the names in ``omit``, and the blocks in
-    ``packed``, to the cache file ``path`` (a temporary name renamed into place). Failures
-    are logged, not raised: the next start reads the GGUF file again."""
+                 omit: frozenset = frozenset(), repacked: Optional[dict] = None) -> None:
+    """Write ``dense`` (``hf_name -> tensor``) but the names in ``omit``, the blocks in
+    ``packed`` and the weights in ``repacked`` (``module -> (description, {"<part>.<field>":
+    tensor})``, see ``read_weights``) to the cache file ``path`` (a temporary name renamed
+    into place). Failures are logged, not raised: the next start reads the GGUF file again."""
     from safetensors.torch import save_file
 
     saved = {f"w.{name}": t for name, t in dense.items() if name not in omit}
@@ -222,6 +282,10 @@ def save_weights(path: str, dense: dict[str, torch.Tensor], packed: Optional[dic
     for name, (qtype, raw) in (packed or {}).items():
         saved[f"p.{name}"] = raw
         meta[f"p.{name}"] = str(int(qtype))
+    for module, (desc, tensors) in (repacked or {}).items():
+        meta[f"k.{module}"] = desc
+        for suffix, t in tensors.items():  # views of one huge-page buffer: safetensors refuses shared memory
+            saved[f"k.{module}#{suffix}"] = t.clone()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")

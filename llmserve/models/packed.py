@@ -129,6 +129,94 @@ def drop_tied_embedding(model: nn.Module) -> None:
         emb.weight = nn.Parameter(emb.weight.new_empty(0, emb.weight.shape[1]), requires_grad=False)
 
 
+_HEAD = "@head"  # the tied head's key among the repacked weights (no module has this name)
+
+
+def repacked_weights(model: nn.Module) -> dict[str, Any]:
+    """The packed weights ``model`` runs at every step with no dense copy, by module name
+    (``Linear`` layers; the tied head under ``"@head"``): what the start-up cache's
+    ``-blocks`` entry stores in the kernels' layout (:func:`weight_tensors`), so a warm
+    start skips ``quant_repack``."""
+    from llmserve.models.llama import Linear
+
+    out: dict[str, Any] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.packed_only and mod.weight.shape[0] == 0:
+            out[name] = mod.qweight
+    if _tied_head_runs_blocks(model):
+        out[_HEAD] = model.packed_head[0]
+    return out
+
+
+def weight_tensors(weight: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """A packed weight (``QuantWeight`` / ``KQuantWeight`` / ``ConcatQuantWeight``) as a
+    JSON description (each part's class and int fields) and its tensors by
+    ``"<part>.<field>"``; :func:`weight_from_tensors` inverts it."""
+    import json
+
+    parts = weight.parts if hasattr(weight, "parts") else (weight,)
+    desc, tensors = [], {}
+    for i, part in enumerate(parts):
+        ints = {}
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, torch.Tensor):
+                tensors[f"{i}.{f.name}"] = value
+            else:
+                ints[f.name] = int(value)
+        desc.append({"class": type(part).__name__, "ints": ints})
+    return json.dumps({"concat": hasattr(weight, "parts"), "parts": desc}), tensors
+
+
+def weight_from_tensors(desc: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """The packed weight :func:`weight_tensors` described (the tensors used as they are,
+    not copied). ValueError naming the field for an unknown class or a missing tensor."""
+    import json
+
+    from llmserve.ops.kquant import ConcatQuantWeight, KQuantWeight
+    from llmserve.ops.quant_ops import QuantWeight
+
+    classes = {"QuantWeight": QuantWeight, "KQuantWeight": KQuantWeight}
+    d = json.loads(desc)
+    parts = []
+    for i, part in enumerate(d["parts"]):
+        cls = classes.get(part["class"])
+        if cls is None:
+            raise ValueError(f"packed weight part {i}: unknown class {part['class']!r}")
+        kw = dict(part["ints"])
+        for f in dataclasses.fields(cls):
+            if f.name not in kw:
+                if f"{i}.{f.name}" not in tensors:
+                    raise ValueError(f"packed weight part {i}: no tensor {f.name!r}")
+                kw[f.name] = tensors[f"{i}.{f.name}"]
+        parts.append(cls(**kw))
+    return ConcatQuantWeight(tuple(parts)) if d["concat"] else parts[0]
+
+
+def attach_repacked(model: nn.Module, weights: dict[str, Any], max_rows: int) -> int:
+    """As :func:`attach_packed_weights` (``drop_dense``) from weights already in the
+    kernels' layout (:func:`repacked_weights` of an earlier start, ``"@head"``: the tied
+    head). Returns the number of layers given one; ValueError naming a module that is
+    not a ``Linear`` or whose rows differ."""
+    from llmserve.models.llama import Linear
+    from llmserve.ops.quant_ops import ALL_STEPS
+
+    mods = dict(model.named_modules())
+    for name, weight in weights.items():
+        if name == _HEAD:
+            model.packed_head = (weight, max_rows)
+            continue
+        mod = mods.get(name)
+        if not isinstance(mod, Linear) or weight.shape[0] != mod.weight.shape[0]:
+            raise ValueError(f"packed weight {name!r} does not fit the model's layer")
+        mod.set_packed(weight, max_rows, drop_dense=True)
+        if name == "lm_head" and hasattr(model, "packed_head"):
+            model.packed_head = (weight, max_rows)
+    logger.info("packed weights: %d layers run %s from their GGUF blocks (repacked by an earlier start)",
+                len(weights), "every step" if max_rows >= ALL_STEPS else f"steps of <= {max_rows} tokens")
+    return len(weights)
+
+
 def attach_packed_weights(model: nn.Module, packed: dict, max_rows: Optional[int] = None,
                           drop_dense: bool = True) -> int:
     """Give the model's ``Linear`` layers their packed weights from ``packed``

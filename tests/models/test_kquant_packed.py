@@ -169,6 +169,8 @@ def _write_tiny_q4_k_m(path: str, cfg) -> dict[str, str]:
     g = torch.Generator().manual_seed(0)
     tensors = []
     for name, p in _tiny_state_shapes(cfg).items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied file has no output.weight: the head runs on token_embd
         w = (torch.randn(p, generator=g) * (0.05 if len(p) == 2 else 0.1) + (1.0 if len(p) == 1 else 0)).numpy()
         if ".q_proj." in name:
             w = _permute(w, cfg.num_attention_heads)
@@ -249,6 +251,52 @@ def test_tiny_q4_k_m_runs_packed_and_matches_dequantized(tiny_q4_k_m, step_runne
     err = (seqs["packed"] - seqs["ref"]).abs()
     assert float(err.mean()) < 0.05 * float(seqs["ref"].std())
     assert torch.equal(seqs["packed"].argmax(-1), seqs["ref"].argmax(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("tied", [False, True])
+def test_blocks_cache_entry_warm_start_equals_cold(tmp_path, tied, step_runner_cls):
+    """Issue 31: where the blocks run every step, the start-up cache's ``-blocks`` entry
+    holds the packed layers in the kernels' layout (``k.*``) and no dense copy of them (nor
+    of a tied embedding), nor raw blocks; a warm start from it gives the same packed
+    weights, byte for byte, and the same logits as the cold start that wrote it."""
+    import glob
+
+    from safetensors import safe_open
+
+    from llmserve.models.llama import Linear
+    from llmserve.models.packed import weight_tensors
+    cfg = _tiny_llama_config()
+    cfg.tie_word_embeddings = tied
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    _write_tiny_q4_k_m(str(path), cfg)
+    cold = _load(cfg, path, "bfloat16")
+    (entry,) = glob.glob(str(tmp_path / "cache" / "*" / "weights-bfloat16-blocks.safetensors"))
+    warm = _load(cfg, path, "bfloat16")
+    with safe_open(entry, framework="pt") as f:
+        keys = set(f.keys())
+    linears = {n for n, m in cold.named_modules() if isinstance(m, Linear)}
+    assert len(linears) == 2 * 4 + (0 if tied else 1)  # + an untied lm_head
+    norms = {"model.norm.weight"} | {f"model.layers.{L}.{n}.weight" for L in range(2)
+                                     for n in ("input_layernorm", "post_attention_layernorm")}
+    assert {k[2:] for k in keys if k.startswith("w.")} == norms | (set() if tied else {"model.embed_tokens.weight"})
+    assert {k[2:].split("#")[0] for k in keys if k.startswith("k.")} == linears | ({"@head"} if tied else set())
+    assert not any(k.startswith("p.") for k in keys)
+    assert warm.embed_from_packed == tied and warm.model.embed_tokens.weight.numel() == (0 if tied else 512 * 256)
+    for name in sorted(linears):
+        a, b = cold.get_submodule(name), warm.get_submodule(name)
+        assert b.packed_only and b.weight.numel() == 0
+        (da, ta), (db, tb) = weight_tensors(a.qweight), weight_tensors(b.qweight)
+        assert da == db and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+    prompt = [57, 93, 86, 369, 173, 315, 257, 217, 36, 162, 441, 402]
+    seqs = {}
+    for label, model in (("cold", cold), ("warm", warm)):
+        runner = step_runner_cls(model, num_blocks=16, block_size=16)
+        logits = [runner.step([("p", prompt)])["p"][-1]]
+        for _ in range(4):
+            logits.append(runner.step([("p", [int(logits[-1].argmax())])])["p"][-1])
+        seqs[label] = torch.stack(logits)
+    assert torch.equal(seqs["cold"], seqs["warm"])
 
 
 def test_unsupported_tensor_type_is_refused_at_load(tmp_path):
