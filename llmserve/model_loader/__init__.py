@@ -1,6 +1,7 @@
 """Model id -> local files -> a torch model with loaded weights (vLLM's ``model_loader``)."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:  # torch is imported where a model is built: the API server re
 __all__ = ["DEFAULT_MODEL", "ResolvedModel", "diff_sampling_param", "generation_eos_token_ids",
            "get_model", "load_generation_config", "load_hf_config", "read_generation_config",
            "resolve_model", "torch_dtype"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -135,7 +138,12 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
     stored: dict = {}
     cached = startup_cache.read_weights(path, None, stored)
     if cached is not None:
-        attach_repacked(model, {m: weight_from_tensors(d, t) for m, (d, t) in stored.items()}, max_rows)
+        try:
+            attach_repacked(model, {m: weight_from_tensors(d, t) for m, (d, t) in stored.items()}, max_rows)
+        except (ValueError, KeyError, TypeError) as e:  # a damaged description: the model is unchanged
+            logger.warning("start-up cache %s unusable (%s); reading the GGUF file", path, e)
+            cached = None
+    if cached is not None:
         drop_tied_embedding(model)
         model.load_weights(cached)  # the rest; load_weights skips the freed (0-row) weights
         return

@@ -197,18 +197,20 @@ def attach_repacked(model: nn.Module, weights: dict[str, Any], max_rows: int) ->
     """As :func:`attach_packed_weights` (``drop_dense``) from weights already in the
     kernels' layout (:func:`repacked_weights` of an earlier start, ``"@head"``: the tied
     head). Returns the number of layers given one; ValueError naming a module that is
-    not a ``Linear`` or whose rows differ."""
+    not a ``Linear`` or whose rows differ (then no layer was changed)."""
     from llmserve.models.llama import Linear
     from llmserve.ops.quant_ops import ALL_STEPS
 
     mods = dict(model.named_modules())
+    for name, weight in weights.items():  # check all first: a misfit leaves the model as it was
+        mod = mods.get(name)
+        if name != _HEAD and (not isinstance(mod, Linear) or weight.shape[0] != mod.weight.shape[0]):
+            raise ValueError(f"packed weight {name!r} does not fit the model's layer")
     for name, weight in weights.items():
         if name == _HEAD:
             model.packed_head = (weight, max_rows)
             continue
-        mod = mods.get(name)
-        if not isinstance(mod, Linear) or weight.shape[0] != mod.weight.shape[0]:
-            raise ValueError(f"packed weight {name!r} does not fit the model's layer")
+        mod = mods[name]
         mod.set_packed(weight, max_rows, drop_dense=True)
         if name == "lm_head" and hasattr(model, "packed_head"):
             model.packed_head = (weight, max_rows)

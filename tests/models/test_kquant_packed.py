@@ -259,7 +259,8 @@ def test_blocks_cache_entry_warm_start_equals_cold(tmp_path, tied, step_runner_c
     """Issue 31: where the blocks run every step, the start-up cache's ``-blocks`` entry
     holds the packed layers in the kernels' layout (``k.*``) and no dense copy of them (nor
     of a tied embedding), nor raw blocks; a warm start from it gives the same packed
-    weights, byte for byte, and the same logits as the cold start that wrote it."""
+    weights, byte for byte, and the same logits as the cold start that wrote it; a
+    damaged entry is read from the GGUF file instead and written again."""
     import glob
 
     from safetensors import safe_open
@@ -288,15 +289,30 @@ def test_blocks_cache_entry_warm_start_equals_cold(tmp_path, tied, step_runner_c
         assert b.packed_only and b.weight.numel() == 0
         (da, ta), (db, tb) = weight_tensors(a.qweight), weight_tensors(b.qweight)
         assert da == db and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), name
+    with open(entry, "wb") as f:  # a damaged entry: read from the GGUF file, and written again
+        f.write(b"not a safetensors file")
+    again = _load(cfg, path, "bfloat16")
+    with safe_open(entry, framework="pt") as f:
+        assert set(f.keys()) == keys
     prompt = [57, 93, 86, 369, 173, 315, 257, 217, 36, 162, 441, 402]
     seqs = {}
-    for label, model in (("cold", cold), ("warm", warm)):
+    for label, model in (("cold", cold), ("warm", warm), ("again", again)):
         runner = step_runner_cls(model, num_blocks=16, block_size=16)
         logits = [runner.step([("p", prompt)])["p"][-1]]
         for _ in range(4):
             logits.append(runner.step([("p", [int(logits[-1].argmax())])])["p"][-1])
         seqs[label] = torch.stack(logits)
-    assert torch.equal(seqs["cold"], seqs["warm"])
+    assert torch.equal(seqs["cold"], seqs["warm"]) and torch.equal(seqs["cold"], seqs["again"])
+    # An entry whose weights do not fit the model is refused before any layer changes.
+    from llmserve.models.llama import LlamaForCausalLM
+    from llmserve.models.packed import attach_repacked
+    fresh = LlamaForCausalLM(cfg, torch.bfloat16)  # as a warm start finds it: dense weights not loaded yet
+    o1 = fresh.get_submodule("model.layers.1.self_attn.o_proj")
+    misfit = {"model.layers.1.self_attn.o_proj": cold.get_submodule("model.layers.1.self_attn.o_proj").qweight,
+              "model.layers.0.self_attn.o_proj": cold.get_submodule("model.layers.0.mlp.gate_up_proj").qweight}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj"):
+        attach_repacked(fresh, misfit, 1 << 30)
+    assert o1.qweight is None and o1.weight.shape == (256, 256)
 
 
 def test_unsupported_tensor_type_is_refused_at_load(tmp_path):
