@@ -21,6 +21,7 @@ from starlette.datastructures import Headers
 from llmserve.entrypoints.openai.common.errors import make_error
 from llmserve.entrypoints.openai.common.limits import MAX_JSON_DEPTH
 from llmserve.gc_utils import release_free_heap
+from llmserve.structured_output.backend_import import prepare_grammar_backend
 
 # After a request body this large (bytes) the heap's free pages are handed back to the OS.
 TRIM_AFTER_BODY_BYTES = 1 << 20
@@ -80,7 +81,8 @@ class JsonDepthMiddleware:
     """Pure ASGI middleware: reads a JSON request body whole, answers 400 (OpenAI's error
     body, ``param`` the top-level field, code 400) when it nests more than ``max_depth``
     levels, else replays the body to the app unchanged (later messages, such as the
-    client's disconnect, pass through). The body size is bounded before this runs
+    client's disconnect, pass through). A body that may ask for a grammar first waits for
+    xgrammar's first import, made off the event loop (``structured_output/backend_import.py``). The body size is bounded before this runs
     (``BodyLimitMiddleware``, outside it)."""
 
     def __init__(self, app: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -101,6 +103,7 @@ class JsonDepthMiddleware:
         field = body_too_deep(body, self.max_depth)
         if field is not None:
             return await _refuse(send, field, self.max_depth)
+        await prepare_grammar_backend(body)  # xgrammar's first import, off the event loop
         try:
             await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
                            send)
