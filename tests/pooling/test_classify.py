@@ -230,3 +230,15 @@ def test_truncation_keeps_the_query_and_the_special_tokens(tiny):
     out = llm.classify(text, pooling_params=PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)[0]
     assert out.prompt_token_ids == list(enc["input_ids"]) and out.prompt_token_ids[0] == tok.cls_token_id
     assert abs(out.outputs.probs[0] - torch.sigmoid(_bert_ref_ids(hf, enc))[0].item()) < ATOL
+
+
+def test_classify_refusal_names_convert_embed_only_when_it_was_set():
+    """/classify on an embedding model: the 400's hint asks for a classification model;
+    it names `--convert embed` only when the server runs with it (a fresh-user trial got
+    "start the server without --convert embed" from a plain BERT embedding server)."""
+    from llmserve.entrypoints.openai.common.pooling import _refusal_hint
+
+    plain = _refusal_hint("classify", ("embed", "score"))
+    assert "--convert embed" not in plain and "ForSequenceClassification" in plain
+    converted = _refusal_hint("classify", ("embed", "score"), convert="embed")
+    assert "--convert embed" in converted

@@ -33,11 +33,13 @@ _API_NAMES = {"embed": "Embeddings API", "encode": "Pooling API", "score": "Scor
               "classify": "Classification API", "token_classify": "Pooling API's token_classify task"}
 
 
-def _refusal_hint(task: str, tasks: Any) -> str:
-    """What would serve ``task`` (the end of check_task's 400)."""
+def _refusal_hint(task: str, tasks: Any, convert: str = "auto") -> str:
+    """What would serve ``task`` (the end of check_task's 400); ``convert``: the model
+    config's ``--convert``."""
     if task in ("classify", "token_classify"):
-        if "embed" in tasks:  # a classifier served with --convert embed
-            return "This model's classification head is off: start the server without `--convert embed`."
+        if "embed" in tasks and convert == "embed":  # perhaps a classifier with its head off
+            return ("The server runs with `--convert embed`: start it without that flag to use a "
+                    "*ForSequenceClassification model's head.")
         return ("Start the server with a *ForSequenceClassification model (`--runner pooling`; "
                 "`--convert classify`).")
     if "classify" in tasks and task in ("score", "rerank"):
@@ -113,7 +115,8 @@ class PoolingBaseServing(BaseServing):
         needs = ("score", "embed") if task in ("score", "rerank") else (task,)
         if not any(t in tasks for t in needs):
             raise SamplingParamsError(f"This model does not support the {_API_NAMES[task]}: it is served for "
-                                      f"{list(tasks)}. {_refusal_hint(task, tasks)}", "model")
+                                      f"{list(tasks)}. {_refusal_hint(task, tasks, getattr(self.model_config, 'convert', 'auto'))}",
+                                      "model")
         return name
 
     def truncation(self, truncate_prompt_tokens: Optional[int]) -> Optional[int]:
