@@ -131,6 +131,24 @@ def test_bad_flag_leaves_no_prestarted_engine():
     assert not _engine_interpreters(mark)
 
 
+def test_taken_port_fails_before_the_engine_loads():
+    """As vLLM, the server binds its port before starting the engine: a taken port is a
+    one-line error (exit 2) naming the address, and no engine interpreter is left."""
+    import os
+    import socket
+    import uuid
+    mark = f"LLMSERVE_TEST_MARK={uuid.uuid4().hex}"
+    key, value = mark.split("=")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = _run("serve", "--host", "127.0.0.1", "--port", str(port), env={**os.environ, key: value})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Serving" not in proc.stderr
+    assert not _engine_interpreters(mark)
+
+
 def test_engine_starts_before_the_parser_only_for_one_engine():
     from llmserve.entrypoints.cli import _plain_serve
 

@@ -38,7 +38,7 @@ from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.gc_utils import freeze_gc_heap
 from llmserve.entrypoints.anthropic.api_router import ANTHROPIC_ERROR_SHAPE, register_anthropic_api_routers
 from llmserve.entrypoints.ollama.api_router import OLLAMA_ERROR_SHAPE, register_ollama_api_routers
-from llmserve.entrypoints.launcher import serve_http
+from llmserve.entrypoints.launcher import bind_listening_socket, serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
@@ -300,8 +300,12 @@ async def run_server(args: argparse.Namespace, sock: Any = None,
     the engine down. Returns the process exit code: 0 after a signal,
     ``ENGINE_DEAD_EXIT_CODE`` (1) when the server stopped because the engine died.
     sock / client_config: one of several API servers (``multi_api_server.py``): serve on
-    this already-bound socket, over engines started by the launcher."""
+    this already-bound socket, over engines started by the launcher. Alone, the server
+    binds its socket before the engine starts (``bind_listening_socket``; ValueError when
+    the host/port cannot be bound)."""
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
+    if sock is None and not getattr(args, "uds", None):
+        sock = bind_listening_socket(args.host, args.port)
     async with build_async_engine_client(args, client_config=client_config) as engine_client, \
             build_extra_engine_clients(args, build_async_engine_client_from_engine_args) as extras:
         app = build_app(args)
@@ -315,8 +319,9 @@ async def run_server(args: argparse.Namespace, sock: Any = None,
 
             app.add_middleware(ApiServerIndexMiddleware, index=client_config["client_index"])
         host = args.host if args.host is not None else "0.0.0.0"
+        port = sock.getsockname()[1] if sock is not None else args.port  # --port 0: the one bound
         logger.info("Serving %s on http://%s:%d (OpenAI API at /v1)",
-                    ", ".join(app.state.openai_serving_models.model_names), host, args.port)
+                    ", ".join(app.state.openai_serving_models.model_names), host, port)
         freeze_gc_heap("API server")  # no full-GC pauses of the event loop (gc_utils)
         engine_died = False
         try:
