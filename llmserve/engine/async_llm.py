@@ -256,9 +256,20 @@ class AsyncLLM(EngineClient):
     async def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def start_error(self) -> Optional[BaseException]:
+        """The EngineStartError of the last failed start after a level-2 sleep, while the
+        engine stays ended (the next request or wake_up tries again); else None."""
+        return self._rest.start_error
+
     async def check_health(self) -> None:
+        """Raises EngineDeadError when the engine is dead, EngineStartError while an engine
+        ended by a level-2 sleep cannot be started again (vLLM's /health: is the engine
+        alive; a sleeping engine that can still start is)."""
         if self.errored:
             raise self.dead_error
+        if self._rest.start_error is not None:
+            raise self._rest.start_error
 
     # ---- requests ------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Union[PromptType, EngineCoreRequest],

@@ -19,3 +19,12 @@ class EngineRestartedError(EngineDeadError):
     """The engine was restarted (``--restart-engine-on-failure``) and this request could
     not resume on the new one (e.g. a streaming-input session); the engine is running
     again, so the request may be retried. A 503 on the server."""
+
+
+class EngineStartError(EngineDeadError):
+    """A fresh engine process (after a level-2 sleep ended the last one) failed to start:
+    e.g. its model file was moved away. Not final: the next request or ``/wake_up`` tries
+    the start again, so the server answers 503 with ``Retry-After`` (``retry_after``,
+    seconds) and ``/health`` and ``/ready`` answer 503 until a start succeeds."""
+
+    retry_after = 10  # seconds: about one engine start of a small model, plus margin

@@ -19,6 +19,9 @@ while the process is gone. ``/health`` (``check_health``), ``/metrics``
 from the stand-in; ``wake_up`` and the first request after the sleep start the engine
 again (one start for any number of callers). A partial wake (``tags``) of an ended
 engine starts all of it: a fresh engine loads the weights and the KV cache together.
+A start that fails (e.g. the model file was moved away) raises EngineStartError: the
+request or ``/wake_up`` gets 503 with Retry-After naming the cause, ``/health`` and
+``/ready`` answer 503 until a later start succeeds (the next request or wake tries again).
 """
 from __future__ import annotations
 
@@ -91,6 +94,15 @@ async def _stop_client(client: Any) -> None:
     await loop.run_in_executor(None, res, 5.0)
 
 
+def _start_error(e: BaseException) -> BaseException:
+    """The EngineStartError for the failed start ``e``, its message naming the cause."""
+    from llmserve.engine.exceptions import EngineStartError
+
+    cause = str(e) if type(e).__name__ in str(e) else f"{type(e).__name__}: {e}"
+    return EngineStartError(f"The engine could not be started again after sleep level 2 ({cause}); "
+                            "the next request or /wake_up tries again")
+
+
 class ProcessRest:
     """Ends and restarts the engine process behind ``holder`` (a CoreHolder; see the
     module docstring). ``stop_output_handler()`` cancels the AsyncLLM's output handler
@@ -102,6 +114,9 @@ class ProcessRest:
         self._stop_handler = stop_output_handler
         self._start_handler = start_output_handler
         self._lock = asyncio.Lock()
+        # The last failed start (an EngineStartError) while the engine stays at rest; None
+        # once a start succeeds. /health and /ready answer 503 with it meanwhile.
+        self.start_error: Optional[BaseException] = None
 
     @property
     def at_rest(self) -> bool:
@@ -131,8 +146,9 @@ class ProcessRest:
     async def start(self) -> bool:
         """Start a fresh engine when the last one was ended; True when this call started
         it. The model loads in a worker thread (the event loop stays free); callers that
-        arrive meanwhile wait for the same start. Raises RuntimeError when the engine fails
-        to start (the server stays at rest, so the next request tries again)."""
+        arrive meanwhile wait for the same start. Raises EngineStartError (a 503 on the
+        server, naming the cause) when the engine fails to start; the server stays at rest
+        and ``start_error`` holds it, so the next request tries again."""
         if not self.at_rest:
             return False
         async with self._lock:
@@ -141,8 +157,14 @@ class ProcessRest:
                 return False
             ended = rest.ended
             t0 = time.perf_counter()
-            client = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: type(ended)(ended.config, ended._executor_class, ended._log_stats))
+            try:
+                client = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: type(ended)(ended.config, ended._executor_class, ended._log_stats))
+            except Exception as e:  # noqa: BLE001 - any start failure is reported the same way
+                self.start_error = _start_error(e)
+                logger.error("Wake-up (level 2) failed: %s", self.start_error)
+                raise self.start_error from e
+            self.start_error = None
             self.holder.client = client
             self._start_handler()
             logger.info("Woke up (level 2): engine process %s started in %.2f s", client.engine_pid,

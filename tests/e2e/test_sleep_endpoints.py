@@ -78,3 +78,41 @@ def test_wake_up_endpoint_and_bad_input(tiny_server):
         assert r.json()["error"]["code"] == 400 and r.json()["error"]["param"] == param
     assert httpx.post(tiny_server.url_for("sleep")).status_code == 401  # no API key
     assert not _asleep(tiny_server)
+
+
+def test_failed_start_after_level_2_is_503_until_the_model_is_back(tiny_server, tiny_model_dir):
+    """An ended engine whose model is gone cannot start: every route answers 503 with
+    Retry-After, in its API's error shape, naming the cause; /health and /ready answer 503
+    meanwhile; once the model is back the next /wake_up starts it and all is 200 again."""
+    import os
+
+    http = tiny_server.http
+    moved = tiny_model_dir + ".moved"
+    assert http.post("/sleep?level=2").status_code == 200
+    os.rename(tiny_model_dir, moved)
+    try:
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 503, chat.text
+        assert chat.headers["Retry-After"] == "10"
+        err = chat.json()["error"]
+        assert err["type"] == "EngineStartError" and err["code"] == 503
+        assert "could not be started again after sleep level 2" in err["message"], err
+        ollama = http.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False})
+        assert ollama.status_code == 503 and "sleep level 2" in ollama.json()["error"], ollama.text
+        anthropic = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+        assert anthropic.status_code == 503, anthropic.text
+        assert anthropic.json()["type"] == "error" and "sleep level 2" in anthropic.json()["error"]["message"]
+        wake = http.post("/wake_up")
+        assert wake.status_code == 503 and wake.headers["Retry-After"] == "10", wake.text
+        for probe in ("/health", "/ready"):
+            r = http.get(probe)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "10", (probe, r.text)
+            assert "sleep level 2" in r.json()["error"]["message"], (probe, r.text)
+        assert _engine_pids(tiny_server) == set()
+    finally:
+        os.rename(moved, tiny_model_dir)
+    assert http.post("/wake_up").status_code == 200
+    assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 200
+    assert len(tiny_server.client().completions.create(**GREEDY).choices[0].text) > 0

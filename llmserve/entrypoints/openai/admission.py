@@ -429,7 +429,8 @@ def engine_stalled_error(state: Any) -> Optional[ErrorResponse]:
 
 def readiness_error(state: Any) -> Optional[tuple[ErrorResponse, Optional[int]]]:
     """Why the app is not ready for new requests (the 503 body and a Retry-After), or
-    None when it is: starting (no engine or controller yet), engine dead or stopped,
+    None when it is: starting (no engine or controller yet), engine dead or stopped, its
+    start after a level-2 sleep failed (Retry-After: the next request tries again),
     engine stalled, or a new request would be refused (draining, over the limit)."""
     engine = getattr(state, "engine_client", None)
     controller = getattr(state, "admission", None)
@@ -437,6 +438,10 @@ def readiness_error(state: Any) -> Optional[tuple[ErrorResponse, Optional[int]]]
         return make_error("The server is starting.", 503), None
     if engine.errored or not getattr(engine, "is_running", True):
         return make_error("The engine is not running.", 503, err_type="EngineDeadError"), None
+    start_error = getattr(engine, "start_error", None)
+    if start_error is not None:  # ended by a level-2 sleep and its last start failed
+        return (make_error(f"The engine is not running: {start_error}", 503, err_type="EngineStartError"),
+                start_error.retry_after)
     stalled = engine_stalled_error(state)
     if stalled is not None:
         return stalled, None

@@ -41,9 +41,15 @@ def json_response(model: Any, status_code: int = 200) -> Response:
 
 
 def error_json(exc: BaseException) -> Response:
-    """The JSON error response of an exception (status and body from the one mapping)."""
+    """The JSON error response of an exception (status and body from the one mapping);
+    a 503 whose exception has an int ``retry_after`` (EngineStartError) carries it as
+    ``Retry-After``."""
     status, body = error_response_from_exception(exc)
-    return json_response(body, status)
+    response = json_response(body, status)
+    retry_after = getattr(exc, "retry_after", None)  # EngineStartError: the next request tries again
+    if status == 503 and isinstance(retry_after, int):
+        response.headers["Retry-After"] = str(retry_after)
+    return response
 
 
 async def _listen_for_disconnect(request: Request) -> None:

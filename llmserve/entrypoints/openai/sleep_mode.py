@@ -8,7 +8,9 @@ As in vLLM they exist only on a development server (``VLLM_SERVER_DEV_MODE=1``, 
 engine does not abort or pause them); bad levels and tags are 400s naming the field.
 ``/health`` and ``/metrics`` answer without waking the engine; the next generation request
 wakes it (EngineCore.add_request; after level 2, which ends the engine process, AsyncLLM
-starts a new one: llmserve/engine/sleep_process.py).
+starts a new one: llmserve/engine/sleep_process.py). When that start fails, the request
+or wake gets 503 with Retry-After (EngineStartError) and /health and /ready answer 503
+until a start succeeds.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 
 import llmserve
-from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.exceptions import EngineDeadError, EngineStartError
 from llmserve.entrypoints.openai.admission import engine_stalled_error, readiness_error
 from llmserve.entrypoints.openai.common.errors import make_error
 from llmserve.entrypoints.openai.server_utils import json_response
@@ -52,11 +52,20 @@ async def health(raw_request: Request) -> Response:
     restart budget spent), or when it has made no progress for ``--engine-stall-timeout``
     seconds while requests are in flight and it will not heal itself (without
     ``--restart-engine-on-failure``; with it, the healer kills and restarts a stalled
-    engine). Readiness (may it get traffic now) is ``/ready``. vLLM answers an empty 200;
+    engine). 503 with ``Retry-After`` too while an engine ended by a level-2 sleep cannot be
+    started again (its last start failed, e.g. the model file is gone): no engine is alive
+    then, as after a death, but the next request or ``/wake_up`` tries again, so it turns
+    200 by itself once the cause is fixed. A sleeping engine not yet woken is healthy.
+    Readiness (may it get traffic now) is ``/ready``. vLLM answers an empty 200;
     a JSON body lets clients and the OpenAPI document agree on what it is."""
     engine = raw_request.app.state.engine_client
     try:
         await engine.check_health()
+    except EngineStartError as e:  # ended by a level-2 sleep and cannot start: not alive, not final
+        response = json_response(make_error(f"The engine is not running: {e}", 503,
+                                            err_type="EngineStartError"), 503)
+        response.headers["Retry-After"] = str(e.retry_after)
+        return response
     except EngineDeadError as e:
         return json_response(make_error(f"The engine is dead: {e}", 503, err_type="EngineDeadError"), 503)
     if engine_healing(engine):

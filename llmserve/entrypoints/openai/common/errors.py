@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError
+from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStartError
 from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
 from llmserve.entrypoints.openai.deadline import RequestDeadlineExceeded
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
@@ -43,6 +43,33 @@ class NotFoundError(LookupError):
         self.param = param
 
 
+# The finish reasons of a generation that ended as the request asked (its stop, its
+# budget, a tool call). Any other ("abort": the server shut down or the engine aborted it;
+# "error") cut it off: the APIs without a finish reason of their own for that (Anthropic
+# Messages, Ollama) answer with RequestAbortedError instead of a normal end.
+NORMAL_FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
+
+
+class RequestAbortedError(EngineGenerateError):
+    """A generation cut off before it finished (finish reason ``finish_reason``, e.g.
+    "abort" on server shutdown); ``output_tokens``: the tokens made before. HTTP 500
+    (Anthropic: api_error; Ollama: ``{"error"}``), or the stream's in-band error."""
+
+    def __init__(self, finish_reason: str, output_tokens: Optional[int] = None) -> None:
+        after = f" after {output_tokens} output tokens" if output_tokens is not None else ""
+        super().__init__(f"The generation was cut off before it finished (finish reason {finish_reason!r}: "
+                         f"the server is shutting down, or the engine aborted the request){after}; "
+                         "retry the request")
+        self.finish_reason = finish_reason
+
+
+def check_finished_normally(finish_reason: Optional[str], output_tokens: Optional[int] = None) -> None:
+    """Raise RequestAbortedError when ``finish_reason`` is set and not a normal end
+    (NORMAL_FINISH_REASONS); None (not finished yet) passes."""
+    if finish_reason is not None and finish_reason not in NORMAL_FINISH_REASONS:
+        raise RequestAbortedError(finish_reason, output_tokens)
+
+
 def error_type_for(status_code: int) -> str:
     """OpenAI/vLLM error ``type`` for an HTTP status (e.g. 404 -> "NotFoundError")."""
     return _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
@@ -60,7 +87,9 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
 
     ModelNotFoundError, NotFoundError, LoRANotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
     the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
-    never a 5xx, which the official clients retry twice); EngineDeadError -> 503;
+    never a 5xx, which the official clients retry twice); EngineDeadError -> 503 (EngineStartError: type "EngineStartError", its
+    ``Retry-After`` added by server_utils.error_json);
+    RequestAbortedError (a generation cut off) -> 500 with its own message; other
     EngineGenerateError and anything else -> 500 (unexpected errors are logged with
     their traceback).
     """
@@ -70,6 +99,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
         return 404, make_error(str(exc.args[0]), 404, exc.param)
     if isinstance(exc, RequestDeadlineExceeded):
         return 408, make_error(str(exc), 408, exc.param)
+    if isinstance(exc, EngineStartError):
+        return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineStartError")
     if isinstance(exc, EngineDeadError):
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineDeadError")
     if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):
@@ -77,6 +108,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     if isinstance(exc, NotImplementedError):
         return 400, make_error(str(exc) or "This feature is not supported by this server.", 400,
                                getattr(exc, "param", None))
+    if isinstance(exc, RequestAbortedError):
+        return 500, make_error(str(exc), 500, err_type="RequestAbortedError")
     if isinstance(exc, EngineGenerateError):
         return 500, make_error(f"The request failed in the engine: {exc}", 500)
     logger.error("Unexpected error while serving a request", exc_info=exc)
