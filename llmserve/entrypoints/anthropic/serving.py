@@ -28,6 +28,7 @@ from llmserve.entrypoints.anthropic.protocol import (
     ToolUseBlock,
 )
 from llmserve.entrypoints.anthropic.streaming import MessageStreamWriter, message_events, stop_reason_of, usage_of
+from llmserve.entrypoints.openai.common.errors import check_finished_normally
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
 from llmserve.entrypoints.openai.common.protocol import random_uuid
 from llmserve.sampling_params import SamplingParamsError
@@ -142,8 +143,10 @@ def _tool_block(call: Any) -> ContentBlock:
 def message_of(response: ChatCompletionResponse, message_id: str, request: AnthropicMessagesRequest,
                clamped: bool = False) -> AnthropicMessagesResponse:
     """The Anthropic message of the chat path's response (its first and only choice);
-    clamped: ``max_tokens`` was clamped to the context."""
+    clamped: ``max_tokens`` was clamped to the context. Raises RequestAbortedError (a 500,
+    Anthropic's api_error) when the generation was cut off (finish reason "abort")."""
     choice = response.choices[0]
+    check_finished_normally(choice.finish_reason, response.usage.completion_tokens if response.usage else None)
     message = choice.message
     content: list[ContentBlock] = []
     if message.reasoning:

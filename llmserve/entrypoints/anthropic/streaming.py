@@ -6,7 +6,9 @@ block ``content_block_start``, ``content_block_delta``s (``thinking_delta``,
 ``text_delta`` or ``input_json_delta``) and ``content_block_stop``, with one ``ping``
 after the first block starts; then ``message_delta`` (``stop_reason``,
 ``stop_sequence``, the final usage) and ``message_stop``. An error after the stream
-started is an ``error`` event (Anthropic's error body), and the stream ends there.
+started is an ``error`` event (Anthropic's error body), and the stream ends there; so is a
+generation cut off before it finished (finish reason "abort": server shutdown), as
+``api_error``, instead of ``message_delta`` with ``end_turn``.
 
 Each SSE event is ``event: <type>`` + ``data: <json>``. ``message_start`` waits for the
 engine's first output (already there when the stream starts), so that its usage carries
@@ -18,7 +20,7 @@ import json
 from typing import Any, AsyncGenerator, Optional
 
 from llmserve.entrypoints.anthropic.protocol import AnthropicUsage, anthropic_error_body
-from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
 
 
 def sse_event(kind: str, data: dict[str, Any]) -> str:
@@ -133,7 +135,10 @@ class MessageStreamWriter:
         return events
 
     def finish_events(self, usage: Any) -> list[str]:
-        """``content_block_stop`` of the open block, ``message_delta``, ``message_stop``."""
+        """``content_block_stop`` of the open block, ``message_delta``, ``message_stop``.
+        Raises RequestAbortedError when the generation was cut off (finish reason "abort":
+        server shutdown), which message_events turns into the ``error`` event."""
+        check_finished_normally(self.finish, usage.completion_tokens if usage is not None else None)
         events = self._close()
         if not self.pinged:
             self.pinged = True

@@ -9,7 +9,9 @@ has ``done: true``, ``done_reason`` ("stop", "length"), ``prompt_eval_count`` /
 ``prompt_eval_duration`` (until the first output), ``eval_duration`` (the rest), in
 nanoseconds. Tool calls go out whole, with their arguments as an object, in one line
 before the last (Ollama sends each call when it is complete). An error after the stream
-started is one line ``{"error": "<message>"}``.
+started is one line ``{"error": "<message>"}``; so is a generation cut off before it finished
+(finish reason "abort": the server shut down), which ``"stream": false`` answers with
+Ollama's error body (HTTP 500) rather than ``done_reason: "stop"``.
 """
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, AsyncGenerator, AsyncIterator, Optional
 
-from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
 
 logger = logging.getLogger("llmserve.entrypoints.ollama")
 
 # OpenAI finish reasons -> Ollama's done_reason (a finished tool call is "stop" there).
-DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "stop"}
+# Any other finish reason ("abort" on shutdown) is an error: deltas() raises it.
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
 
 
 def created_at() -> str:
@@ -117,7 +120,9 @@ def _choice_parts(choice: Any, stats: RunStats) -> tuple[str, str]:
 
 async def deltas(chunks: AsyncIterator[Any], stats: RunStats) -> AsyncGenerator[tuple[str, str], None]:
     """(content, thinking) pieces of the handler's chunk objects, in order; finish
-    reason, usage and tool calls are kept in ``stats``."""
+    reason, usage and tool calls are kept in ``stats``. Raises RequestAbortedError at the
+    end when the generation was cut off (finish reason "abort": server shutdown), so the
+    stream ends with an ``{"error"}`` line and ``"stream": false`` with an error body."""
     async for chunk in chunks:
         if not chunk.choices:  # the last chunk: the usage
             if chunk.usage is not None:
@@ -132,6 +137,7 @@ async def deltas(chunks: AsyncIterator[Any], stats: RunStats) -> AsyncGenerator[
             if stats.first_ns is None:
                 stats.first_ns = time.monotonic_ns()
             yield content, thinking
+    check_finished_normally(stats.finish_reason, stats.output_tokens)
 
 
 class OllamaWire:
