@@ -92,7 +92,10 @@ def bind_listening_socket(host: Optional[str], port: int) -> "socket.socket":
 
     host = host if host is not None else "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY on accepted connections only when the
+    # socket's proto says TCP; with proto 0, Nagle's algorithm held each streamed chunk
+    # until the client's delayed ACK (~40 ms; a 16-token stream arrived in one burst)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -149,6 +149,35 @@ def test_taken_port_fails_before_the_engine_loads():
     assert not _engine_interpreters(mark)
 
 
+def test_listening_sockets_get_nodelay_connections():
+    """The sockets the server binds itself (one server; several API servers) say TCP as
+    their proto, so asyncio turns Nagle's algorithm off on each accepted connection: a
+    streamed chunk is sent at once, not held for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from llmserve.entrypoints.launcher import bind_listening_socket
+    from llmserve.entrypoints.openai.multi_api_server import _bind
+
+    async def accepted_nodelay(sock: socket.socket) -> int:
+        seen = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            flag = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return flag
+
+    for sock in (bind_listening_socket("127.0.0.1", 0), _bind("127.0.0.1", 0, 1)[0]):
+        assert sock.proto == socket.IPPROTO_TCP
+        assert asyncio.run(accepted_nodelay(sock)) != 0
+
+
 def test_engine_starts_before_the_parser_only_for_one_engine():
     from llmserve.entrypoints.cli import _plain_serve
 

@@ -112,7 +112,9 @@ def _bind(host: Optional[str], port: int, count: int) -> list[socket.socket]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
     for _ in range(count):
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the accepted connections only for a
+        # socket whose proto says TCP (with 0, Nagle held streamed chunks ~40 ms; launcher.py)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, socks[0].getsockname()[1] if socks else port))
