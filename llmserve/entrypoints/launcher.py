@@ -81,13 +81,10 @@ async def _shutdown_when_engine_dies(server: Any, engine: Any) -> None:
     server.should_exit = True
 
 
-def bind_listening_socket(host: Optional[str], port: int) -> "socket.socket":
-    """The server's listening socket, bound before the engine starts (vLLM binds first
-    too): a taken port or an unusable host fails the start in a second, not after the
-    model loaded (seen in a fresh-user trial: ~3 s and a "Serving ... on" line first).
-    Clients that connect while the engine loads wait in the backlog, then get answered.
-    SO_REUSEADDR as uvicorn sets it (never SO_REUSEPORT: a second server on a taken port
-    must fail). Raises ValueError naming the address when it cannot be bound."""
+def tcp_listening_socket(host: Optional[str], port: int, reuse_port: bool = False) -> "socket.socket":
+    """A TCP socket bound to (host, port) and listening (host None: all IPv4 addresses).
+    SO_REUSEADDR as uvicorn sets it; ``reuse_port``: SO_REUSEPORT too (several API servers
+    on one port, multi_api_server.py). Raises OSError when it cannot be bound."""
     import socket
 
     host = host if host is not None else "0.0.0.0"
@@ -98,12 +95,28 @@ def bind_listening_socket(host: Optional[str], port: int) -> "socket.socket":
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)  # uvicorn's default backlog
-    except OSError as e:
+    except OSError:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} (--host/--port): {e.strerror or e}") from None
+        raise
     return sock
+
+
+def bind_listening_socket(host: Optional[str], port: int) -> "socket.socket":
+    """The server's listening socket, bound before the engine starts (vLLM binds first
+    too): a taken port or an unusable host fails the start in a second, not after the
+    model loaded (seen in a fresh-user trial: ~3 s and a "Serving ... on" line first).
+    Clients that connect while the engine loads wait in the backlog, then get answered.
+    Never SO_REUSEPORT: a second server on a taken port must fail. Raises ValueError
+    naming the address when it cannot be bound."""
+    try:
+        return tcp_listening_socket(host, port)
+    except OSError as e:
+        where = host if host is not None else "0.0.0.0"
+        raise ValueError(f"cannot listen on {where}:{port} (--host/--port): {e.strerror or e}") from None
 
 
 async def serve_http(app: Any, engine_client: Any, sockets: Optional[list] = None, **uvicorn_kwargs: Any) -> bool:

@@ -108,17 +108,11 @@ def _bind(host: Optional[str], port: int, count: int) -> list[socket.socket]:
     """``count`` listening sockets on one (host, port), one per API server, in one
     ``SO_REUSEPORT`` group (``port`` 0: the first picks a free port, the rest join it).
     Raises OSError when the port is taken."""
-    host = host if host is not None else "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    from llmserve.entrypoints.launcher import tcp_listening_socket
+
     socks: list[socket.socket] = []
     for _ in range(count):
-        # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the accepted connections only for a
-        # socket whose proto says TCP (with 0, Nagle held streamed chunks ~40 ms; launcher.py)
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, socks[0].getsockname()[1] if socks else port))
-        sock.listen(2048)
+        sock = tcp_listening_socket(host, socks[0].getsockname()[1] if socks else port, reuse_port=True)
         sock.set_inheritable(True)
         socks.append(sock)
     return socks

@@ -13,7 +13,7 @@ import llmserve
 from llmserve.engine.exceptions import EngineDeadError, EngineStartError
 from llmserve.entrypoints.openai.admission import engine_stalled_error, readiness_error
 from llmserve.entrypoints.openai.common.errors import make_error
-from llmserve.entrypoints.openai.server_utils import json_response
+from llmserve.entrypoints.openai.server_utils import error_json, json_response
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
 
@@ -62,10 +62,7 @@ async def health(raw_request: Request) -> Response:
     try:
         await engine.check_health()
     except EngineStartError as e:  # ended by a level-2 sleep and cannot start: not alive, not final
-        response = json_response(make_error(f"The engine is not running: {e}", 503,
-                                            err_type="EngineStartError"), 503)
-        response.headers["Retry-After"] = str(e.retry_after)
-        return response
+        return error_json(e)  # the one mapping: 503, its Retry-After
     except EngineDeadError as e:
         return json_response(make_error(f"The engine is dead: {e}", 503, err_type="EngineDeadError"), 503)
     if engine_healing(engine):
