@@ -123,16 +123,11 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
     from llmserve.ops.quant_ops import ALL_STEPS
 
     packed = _packed_sink(model, dtype)
-    if packed is None or not blocks_may_run:
+    max_rows = packed_max_rows(model) if packed is not None and blocks_may_run else None
+    if max_rows is None or max_rows < ALL_STEPS:  # dense copies may run: the entry keeps them all
         model.load_weights(startup_cache.cached_gguf_weights(
             gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
-        _attach_packed(model, packed, blocks_may_run)
-        return
-    max_rows = packed_max_rows(model)
-    if max_rows < ALL_STEPS:  # dense copies serve the larger steps: the entry keeps them all
-        model.load_weights(startup_cache.cached_gguf_weights(
-            gguf_path, dtype, packed, lambda: iterate_gguf_weights(gguf_path, hf_config, dtype, packed)))
-        _attach_packed(model, packed, True, max_rows)
+        _attach_packed(model, packed, blocks_may_run, max_rows)
         return
     path = startup_cache.weights_path(gguf_path, dtype, True, blocks_only=True)
     stored: dict = {}
