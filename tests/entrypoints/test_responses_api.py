@@ -108,6 +108,25 @@ def test_error_after_the_stream_started_is_an_error_event_then_failed(app_and_en
     assert events[-1][1]["response"]["status"] == "failed"
 
 
+def test_generation_cut_off_by_the_engine_is_failed_not_incomplete(app_and_engine):
+    """finish reason "abort" (server shutdown): a 500 server_error when not streamed, an
+    error event then response.failed (error.code server_error) when streamed; never a
+    completed or incomplete answer that looks whole."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Hel", "abort")]
+    r = client.post("/v1/responses", json=BASE)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError", r.text
+    assert "cut off" in r.json()["error"]["message"]
+    engine.outputs = [_output("Hel"), _output("lo", "abort")]
+    events = _events(client.post("/v1/responses", json={**BASE, "stream": True}))
+    assert [e for e, _ in events][-2:] == ["error", "response.failed"]
+    for _, payload in events:
+        EVENT.validate_python(payload)
+    failed = Response.model_validate(events[-1][1]["response"])
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.incomplete_details is None
+    assert client.get(f"/v1/responses/{failed.id}").json()["status"] == "failed"
+
+
 def test_store_false_previous_response_id_and_eviction(app_and_engine):
     client, engine = app_and_engine("--responses-store-max-entries", "2")
     engine.outputs = [_output("Paris", "stop")]

@@ -17,7 +17,10 @@ bounded in-process store (``--responses-store-max-entries``, oldest evicted firs
 
 Errors before a response starts are raised (404 unknown model or response id, 400
 naming the field); a stream that fails later ends with an ``error`` event and
-``response.failed``. A client that disconnects aborts its engine request, as on chat.
+``response.failed``. A generation the engine cut off (finish reason "abort": server
+shutdown) is ``failed`` with a ``server_error``, never a completed or incomplete answer: a
+500 when not streamed, ``response.failed`` when streamed. A client that disconnects
+aborts its engine request, as on chat.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from llmserve.entrypoints.openai.chat_completion.tool_calling import (
     check_tools,
     setup_output_parsing,
 )
-from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
 from llmserve.entrypoints.openai.common.serving import GenerateBaseServing, aclose_all, merge_started
 from llmserve.entrypoints.openai.common.structured import JsonSchemaResponseFormat, ResponseFormat, \
     structured_outputs_params
@@ -308,6 +311,7 @@ class OpenAIServingResponses(GenerateBaseServing):
                 builder.tool_call(i, call.id, call.function.name, call.function.arguments)
         else:
             builder.text(out.text, logprobs)
+        check_finished_normally(out.finish_reason, len(out.token_ids))
         status, details = self._status(out.finish_reason)
         builder.finish("incomplete" if status == "incomplete" else "completed")
         response = job.response.model_copy(update={
@@ -323,11 +327,10 @@ class OpenAIServingResponses(GenerateBaseServing):
 
     @staticmethod
     def _status(finish_reason: Optional[str]) -> tuple[str, Optional[IncompleteDetails]]:
-        """completed, or incomplete (``max_output_tokens`` when the budget ran out)."""
+        """completed, or incomplete (``max_output_tokens`` when the budget ran out). A
+        generation cut off ("abort") never gets here: check_finished_normally made it failed."""
         if finish_reason == "length":
             return "incomplete", IncompleteDetails(reason="max_output_tokens")
-        if finish_reason == "abort":
-            return "incomplete", None
         return "completed", None
 
     def _usage(self, job: ResponsesJob, output_tokens: int, cached: Optional[int], items: list[Any]) -> ResponseUsage:
@@ -389,6 +392,7 @@ class OpenAIServingResponses(GenerateBaseServing):
                     continue
                 if events:  # one write per engine step, as chat's one chunk
                     yield sent(events)
+            check_finished_normally(finish, num_tokens)  # cut off: the except below sends response.failed
             status, details = self._status(finish)
             yield sent(builder.finish("incomplete" if status == "incomplete" else "completed"))
             response = response.model_copy(update={
