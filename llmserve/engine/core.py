@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -329,6 +330,23 @@ _UTILITY_METHODS = {"reset_prefix_cache", "get_stats", "ping", "sleep", "wake_up
 EngineCore.ping = lambda self: "pong"  # type: ignore[attr-defined]
 
 
+# Start-up failures that describe the user's input (no weights, an unsupported
+# architecture or tensor type, a missing file, too little memory): one line, as a bad
+# flag gets; the client repeats it. Any other type is likely our bug: full traceback.
+_INPUT_FAILURES = (ValueError, OSError, NotImplementedError, MemoryError)
+
+
+def _log_startup_failure() -> None:
+    """Log the exception being handled (the engine failed to start): one line for an
+    input failure (_INPUT_FAILURES; its traceback at DEBUG), else the traceback."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, _INPUT_FAILURES):
+        logger.error("EngineCore failed to start: %s: %s", type(exc).__name__, exc)
+        logger.debug("EngineCore start-up traceback:\n%s", traceback.format_exc())
+    else:
+        logger.error("EngineCore failed to start:\n%s", traceback.format_exc())
+
+
 class EngineCoreProc:
     """EngineCore in a child process: an input thread decodes requests from the input
     socket onto a queue, the main thread steps while there is work, an output thread
@@ -399,7 +417,7 @@ class EngineCoreProc:
                 logger.error("EngineCore hit a fatal error:\n%s", traceback.format_exc())
                 proc.output_queue.put(EngineCoreOutputs(dead=EngineCoreDead(traceback.format_exc(limit=3))))
             else:
-                logger.error("EngineCore failed to start:\n%s", traceback.format_exc())
+                _log_startup_failure()
             if proc is None:
                 os._exit(1)
         finally:

@@ -30,7 +30,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine import core_process
 from llmserve.engine.core_process import MPResources, monitor_engine_process, spawn_engine_process
 from llmserve.engine.dp_client import DPLBAsyncMPClient, rank_config
-from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.exceptions import EngineDeadError, EngineInitError
 from llmserve.engine.messages import (
     EngineCoreOutputs,
     EngineCoreReady,
@@ -247,8 +247,8 @@ class MPClient(EngineCoreClient):
         self.wait_until_ready()
 
     def wait_until_ready(self) -> None:
-        """Wait for the engine's READY handshake. Raises RuntimeError with the engine's own
-        start-up error (the process is cleaned up first)."""
+        """Wait for the engine's READY handshake. Raises EngineInitError (a RuntimeError)
+        with the engine's own start-up error (the process is cleaned up first)."""
         if self.ready is not None:
             return
         res = self.resources
@@ -275,15 +275,15 @@ class MPClient(EngineCoreClient):
                 msg: EngineCoreOutputs = self.decoder.decode(out_sock.recv())
                 if msg.dead is not None:
                     proc.join(timeout=10)
-                    raise RuntimeError(msg.dead.message or "Engine start-up failed")
+                    raise EngineInitError(msg.dead.message or "Engine start-up failed")
                 if msg.ready is not None:
                     return msg.ready
             elif proc is not None and not proc.is_alive():
                 if out_sock.poll(1000):  # its start-up error, sent just before it exited, may still be in flight
                     continue
-                raise RuntimeError(f"Engine process exited during start-up (exit code {proc.exitcode}); "
+                raise EngineInitError(f"Engine process exited during start-up (exit code {proc.exitcode}); "
                                    "see the log above for the cause")
-        raise RuntimeError(f"Engine did not start within {timeout:.0f} s")
+        raise EngineInitError(f"Engine did not start within {timeout:.0f} s")
 
     def _check_dead(self, outs: EngineCoreOutputs) -> None:
         if outs.dead is not None:

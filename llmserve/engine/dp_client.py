@@ -36,7 +36,7 @@ import logging
 import os
 from typing import Any, Callable, Optional
 
-from llmserve.engine.exceptions import EngineDeadError
+from llmserve.engine.exceptions import EngineDeadError, EngineInitError
 from llmserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, StreamingInputChunk
 from llmserve.metrics.stats import SchedulerStats
 
@@ -116,7 +116,7 @@ class DPLBAsyncMPClient:
                 self.node_watch.close()
             if self.ray_engines is not None:
                 self.ray_engines.shutdown()
-            raise RuntimeError(f"data parallel: {len(errors)} of {self.dp_size} engines failed to start: {errors[0]}")
+            raise EngineInitError(f"data parallel: {len(errors)} of {self.dp_size} engines failed to start: {errors[0]}")
         self.num_blocks = min(c.num_blocks for c in self.cores)
         self.ready = self.cores[0].ready
         self.req_rank: dict[str, int] = {}

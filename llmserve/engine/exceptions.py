@@ -5,6 +5,15 @@ class EngineGenerateError(Exception):
     """A request failed inside the engine; the engine itself is still healthy."""
 
 
+class EngineInitError(RuntimeError):
+    """The EngineCore never became ready: its model failed to load (no weights, an
+    unsupported architecture or tensor type, a corrupt file), it ran out of memory, its
+    process died or it did not answer within the start-up timeout. The message is the
+    engine's own error in one line (vLLM raises RuntimeError("Engine core initialization
+    failed ...") here). ``llmserve serve`` prints it as one line and exits 1. A start
+    after a level-2 sleep that fails is EngineStartError instead (503, retried)."""
+
+
 class EngineDeadError(Exception):
     """The EngineCore process died or hit an unrecoverable error; every waiting caller
     gets this, and new requests are refused with it."""

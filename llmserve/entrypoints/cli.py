@@ -48,6 +48,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     from llmserve.torch_hiding import import_transformers_without_torch
 
     import_transformers_without_torch()
+    from llmserve.engine.exceptions import EngineInitError
     from llmserve.entrypoints.openai.cli_args import validate_parsed_serve_args
     from llmserve.entrypoints.openai.api_server import run_server
     from llmserve.entrypoints.openai.multi_api_server import run_api_servers
@@ -63,6 +64,9 @@ def _run_serve(args: argparse.Namespace) -> None:
     except ValueError as e:  # a bad flag or model: one line, not a traceback
         print(f"llmserve serve: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except EngineInitError as e:  # the engine's log above has the details
+        print(f"llmserve serve: error: {e}", file=sys.stderr)
+        sys.exit(1)
     if code:  # the engine died: exit non-zero so that a supervisor restarts the server
         sys.exit(code)
 
@@ -80,9 +84,18 @@ def _add_bench(subparsers: argparse._SubParsersAction, chosen: Optional[str]) ->
     bench.set_defaults(dispatch=lambda _args: (bench.print_help(), sys.exit(2)))
 
 
+class _ShortErrorParser(argparse.ArgumentParser):
+    """argparse, except that a bad command line prints the error and where the options
+    are, not the whole usage first (``serve``'s usage is ~200 lines, which pushed the
+    one line that matters off the screen). Exit code 2, as argparse."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}\n(see '{self.prog} --help' for the options)\n")
+
+
 def make_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser; ``argv`` decides which bench module gets imported."""
-    parser = argparse.ArgumentParser(
+    parser = _ShortErrorParser(
         prog="llmserve", description="llmserve: LLM inference and serving engine (vLLM-compatible CLI).")
     from llmserve import __version__
 

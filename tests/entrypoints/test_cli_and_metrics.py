@@ -128,6 +128,9 @@ def test_bad_flag_leaves_no_prestarted_engine():
     key, value = mark.split("=")
     proc = _run("serve", "--port", "not-a-port", env={**os.environ, key: value})
     assert proc.returncode == 2 and "--port" in proc.stderr
+    # the error and where the options are, not ~200 lines of usage in front of it
+    assert proc.stderr.splitlines()[0] == "llmserve serve: error: argument --port: invalid int value: 'not-a-port'"
+    assert len(proc.stderr.splitlines()) == 2 and "usage:" not in proc.stderr
     assert not _engine_interpreters(mark)
 
 
@@ -176,6 +179,21 @@ def test_listening_sockets_get_nodelay_connections():
     for sock in (bind_listening_socket("127.0.0.1", 0), _bind("127.0.0.1", 0, 1)[0]):
         assert sock.proto == socket.IPPROTO_TCP
         assert asyncio.run(accepted_nodelay(sock)) != 0
+
+
+def test_engine_load_failure_is_a_one_line_error(tmp_path):
+    """A model the engine cannot load (a config without weights) fails the start with the
+    engine's reason in one line each from the engine and the CLI, exit 1; no traceback."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 49152, "max_position_embeddings": 256}))
+    proc = _run("serve", str(tmp_path), "--tokenizer", "SmolLM2-135M-Instruct", "--port", "0")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("llmserve serve: error: ") and "no .safetensors weights" in last, last
 
 
 def test_engine_starts_before_the_parser_only_for_one_engine():
