@@ -90,9 +90,25 @@ def _structural_tag(spec: str) -> Any:
     obj = json.loads(spec)
     if isinstance(obj, dict) and "structures" in obj:
         tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                for s in obj["structures"]]
+                for s in _legacy_structures(obj)]
         return xgr.Grammar.from_structural_tag(tags, obj["triggers"])
     return xgr.Grammar.from_structural_tag(spec)
+
+
+def _legacy_structures(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """``obj["structures"]`` checked: a list of ``{"begin": str, "schema": object, "end":
+    str}`` with a list of string ``triggers``; else ValueError naming what is wrong."""
+    structures, triggers = obj["structures"], obj.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+        raise ValueError("structural tag 'triggers' must be a list of strings")
+    if not isinstance(structures, list):
+        raise ValueError("structural tag 'structures' must be a list")
+    for i, s in enumerate(structures):
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), dict)):
+            raise ValueError(f"structural tag structures[{i}] must be an object with string 'begin' and 'end' "
+                             "and a JSON schema object 'schema'")
+    return structures
 
 
 def _short(e: BaseException) -> str:

@@ -59,6 +59,9 @@ def test_tgi_response_format_shapes_enforce_the_schema(server, rf):
     {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "nonsense"}, "strict": True}},  # J4
     {"type": "bogus"},  # J5
     {"type": "json_schema"},  # no schema object
+    {"type": "structural_tag"},  # neither structures+triggers nor format
+    {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]},  # no schema
+    {"type": "structural_tag", "format": {"type": "no_such_format"}},
 ])
 def test_c26_j4_j5_bad_response_format_is_400(server, rf):
     for path, body in (("/v1/chat/completions", {**J1, "response_format": rf}),
@@ -127,3 +130,33 @@ def test_openai_client_parse_with_pydantic_model(server):
                                          max_tokens=64, temperature=0)
     person = done.choices[0].message.parsed
     assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
+
+
+def _tagged_person(text: str, begin: str, end: str) -> dict:
+    assert text.startswith(begin) and text.endswith(end), text
+    return _person(text[len(begin):-len(end)])
+
+
+def test_structural_tag_response_format_both_forms(server):
+    """vLLM's ``response_format`` ``structural_tag``: xgrammar's ``format`` form (here one
+    tag the whole output must be: begin, a schema'd JSON, end) on chat and completions,
+    streamed equal to whole; vLLM's legacy ``structures``/``triggers`` form is accepted."""
+    tag = {"type": "tag", "begin": "<person>", "end": "</person>",
+           "content": {"type": "json_schema", "json_schema": SCHEMA}}
+    rf = {"type": "structural_tag", "format": tag}
+    r = server.post("/v1/chat/completions", {**J1, "response_format": rf})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    _tagged_person(text, "<person>", "</person>")
+    chunks = server.stream_chunks("/v1/chat/completions", {**J1, "response_format": rf, "stream": True})
+    assert stream_text(chunks, chat=True) == text
+    c = server.post("/v1/completions", {"model": MODEL, "prompt": "A person:", "max_tokens": 64, "temperature": 0,
+                                        "response_format": rf})
+    assert c.status_code == 200, c.text
+    _tagged_person(c.json()["choices"][0]["text"], "<person>", "</person>")
+    legacy = {"type": "structural_tag", "triggers": ["<person>"],
+              "structures": [{"begin": "<person>", "schema": SCHEMA, "end": "</person>"}]}
+    r = server.post("/v1/chat/completions", {**J1, "response_format": legacy,
+                                             "messages": [{"role": "user", "content": "Write <person> then a person."}]})
+    assert r.status_code == 200, r.text  # was a 400; what it accepts: tests/structured_output/test_structural_tag.py
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")

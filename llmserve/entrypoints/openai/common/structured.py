@@ -15,6 +15,9 @@ completions.
     ``parse(response_format=Model)`` sends ``additionalProperties: false`` and every
     property required) are enforced exactly; ``strict`` false or absent gets the same
     enforcement (a subset of what the schema allows, as vLLM).
+  ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}``
+    (vLLM's) or ``{"type": "structural_tag", "format": {...}}`` (xgrammar's): free text,
+    and each tagged part that begins with a trigger follows its schema (tool calls in tags).
 ``structured_outputs``: a dict of ``StructuredOutputsParams`` fields (``json``, ``regex``,
 ``choice``, ``grammar``, ``json_object``, ``structural_tag``, options).
 
@@ -24,6 +27,7 @@ that cannot compile is caught here too.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,12 +49,12 @@ class JsonSchemaResponseFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's ``response_format``: ``type`` text, json_object or json_schema; any other
-    type is a 400 (pydantic names ``response_format.type``)."""
+    """OpenAI's ``response_format``: ``type`` text, json_object or json_schema, vLLM's
+    structural_tag; any other type is a 400 (pydantic names ``response_format.type``)."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text", "json_object", "json_schema", "json"]
+    type: Literal["text", "json_object", "json_schema", "json", "structural_tag"]
     json_schema: Optional[JsonSchemaResponseFormat] = None
 
     def tgi_schema(self) -> Optional[Any]:
@@ -60,9 +64,23 @@ class ResponseFormat(BaseModel):
         return extra.get("value", extra.get("schema"))
 
 
+def _structural_tag(rf: ResponseFormat) -> StructuredOutputsParams:
+    """vLLM's ``{"type": "structural_tag", ...}``: the legacy form (``structures`` of
+    ``{"begin", "schema", "end"}`` and ``triggers``: free text until a trigger, then the
+    tagged JSON) or xgrammar's own (``format``). The whole object is the structural tag, as
+    vLLM passes it on."""
+    extra = rf.model_extra or {}
+    if not (("structures" in extra and "triggers" in extra) or "format" in extra):
+        raise SamplingParamsError("response_format of type 'structural_tag' needs 'structures' and 'triggers' "
+                                  "(vLLM's form) or 'format' (xgrammar's).", "response_format")
+    return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", **extra}))
+
+
 def _from_response_format(rf: ResponseFormat) -> Optional[StructuredOutputsParams]:
     if rf.type == "text":
         return None
+    if rf.type == "structural_tag":
+        return _structural_tag(rf)
     if rf.type in ("json_object", "json"):
         schema = rf.tgi_schema()
         if schema is None:
