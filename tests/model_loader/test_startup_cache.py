@@ -122,3 +122,34 @@ def test_smollm2_config_and_tokenizer_from_cache(cache_root):
     msgs = [{"role": "user", "content": "Hi!"}]
     assert (warm_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             == cold_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+
+
+def test_a_new_entry_retires_the_same_files_older_entries(tmp_path, cache_root, monkeypatch):
+    """An upgrade (FORMAT_VERSION or transformers) keys the same file anew: the first
+    cold start of the new key removes the file's old entry, and only that one."""
+    path, other = str(tmp_path / "m.gguf"), str(tmp_path / "o.gguf")
+    _tiny_gguf(path, seed=0)
+    _tiny_gguf(other, seed=1)
+    monkeypatch.setattr(startup_cache, "FORMAT_VERSION", "old")
+    old_entry = startup_cache.entry_dir(path)
+    startup_cache.load_hf_object(path, "obj.txt", lambda d: "cached", lambda: _Saveable())
+    keep = startup_cache.entry_dir(other)
+    startup_cache.load_hf_object(other, "obj.txt", lambda d: "cached", lambda: _Saveable())
+    unmarked = cache_root / "from-before-marks"
+    (unmarked / "hf").mkdir(parents=True)
+    monkeypatch.setattr(startup_cache, "FORMAT_VERSION", "new")
+    new_entry = startup_cache.entry_dir(path)
+    assert new_entry != old_entry and os.path.isdir(old_entry)
+    assert isinstance(startup_cache.load_hf_object(path, "obj.txt", lambda d: "cached", lambda: _Saveable()),
+                      _Saveable)  # cold under the new key
+    assert not os.path.exists(old_entry) and os.path.isdir(new_entry)
+    assert os.path.isdir(keep) and os.path.isdir(unmarked)  # another file's entry; an unmarked one
+    assert startup_cache.load_hf_object(path, "obj.txt", lambda d: "cached", lambda: _Saveable()) == "cached"
+
+
+class _Saveable:
+    """A config/tokenizer stand-in: ``save_pretrained`` writes one marker file."""
+
+    def save_pretrained(self, d: str) -> None:
+        with open(os.path.join(d, "obj.txt"), "w") as f:
+            f.write("x")
