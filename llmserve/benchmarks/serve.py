@@ -240,7 +240,12 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
     rng = np.random.default_rng(args.seed)
     outputs: list[RequestFuncOutput] = []
     send = responses_request_func if api_url.rstrip("/").endswith("/responses") else request_func
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    # the resend of a request that met a closed pooled connection goes on a connection of its
+    # own: through the pool it could take another one the server had closed as well (1-6 of 64
+    # llama-server requests at 32 streams still failed after their resend through the pool)
+    unpooled = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session, \
+            aiohttp.ClientSession(timeout=timeout, connector=unpooled) as resend_session:
         for prompt, plen, olen in requests[:args.num_warmups]:
             await send(session, api_url, model, prompt, plen, olen, chat, extra, headers)
 
@@ -253,7 +258,7 @@ async def benchmark(args: argparse.Namespace, api_url: str, model: str, requests
             out = await send(session, api_url, names[i], *requests[i], chat, extra, headers)
             if never_reached_server(out):
                 retried += 1
-                out = await send(session, api_url, names[i], *requests[i], chat, extra, headers)
+                out = await send(resend_session, api_url, names[i], *requests[i], chat, extra, headers)
             return out
 
         async def one(i: int) -> RequestFuncOutput:
@@ -315,7 +320,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-rounds", type=int, default=2, help="Rounds per endpoint with --compare-endpoint.")
     parser.add_argument("--compare-url-rounds", type=int, default=0,
                         help="With --compare-url: this many rounds per server, alternating, and the medians and "
-                             "ratios of throughput, TPOT, TTFT (0: one run each; llmserve/benchmarks/server_compare.py).")
+                             "ratios of throughput, TPOT, TTFT (0: one run each; llmserve/benchmarks/server_compare.py). "
+                             "Each round draws its own prompts (--seed + round), the same for both servers, so no "
+                             "round measures the prefix cache of an earlier one.")
     parser.add_argument("--compare-url-warm-rounds", type=int, default=1,
                         help="With --compare-url-rounds: untimed rounds per server before the measured ones (the "
                              "first round after a start ran 20-25%% slower than the later ones on the 2-core "
@@ -464,9 +471,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             raise
         tokenizer = get_tokenizer(DEFAULT_MODEL)
     chat = "chat" in args.endpoint or "responses" in args.endpoint  # text prompts
-    sampled = sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                                     args.random_range_ratio, args.seed)
-    requests = [((tokenizer.decode(ids) if chat else ids), len(ids), olen) for ids, olen in sampled]
+
+    def sample(seed: int) -> list[tuple[list[int], int]]:
+        return sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                      args.random_range_ratio, seed)
+
+    def as_requests(picked: list[tuple[list[int], int]]) -> list[tuple[Any, int, int]]:
+        """(prompt: text for chat endpoints, else the ids; prompt length; output length) each."""
+        return [((tokenizer.decode(ids) if chat else ids), len(ids), olen) for ids, olen in picked]
+
+    sampled = sample(args.seed)
+    requests = as_requests(sampled)
     api_url = base_url.rstrip("/") + args.endpoint
     adapters = getattr(args, "lora_modules", None) or []
     spread = f" (spread over LoRA adapters {', '.join(adapters)})" if adapters else ""
@@ -478,7 +493,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
         other = args.compare_url.rstrip("/")
         return compare_servers(args, [api_url, other + args.endpoint], [model, _server_model(other, args.api_key)],
-                               requests, chat, benchmark)
+                               lambda seed: as_requests(sample(seed)), chat, benchmark)
     if args.compare_endpoint:
         from llmserve.benchmarks.endpoint_compare import compare_endpoints
 

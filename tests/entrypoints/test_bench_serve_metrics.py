@@ -61,7 +61,10 @@ async def _one_request_per_connection_server():
 
     async def handle(reader, writer):
         for answered in (True, False):
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:  # the client closed it (an unpooled resend's connection)
+                break
             length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length"))
             await reader.readexactly(length)
@@ -97,7 +100,9 @@ def test_a_request_on_a_connection_the_server_closed_is_sent_again():
 
     result = asyncio.run(run())
     assert result["completed"] == 4 and result["failed"] == 0 and result["errors"] == []
-    assert result["retried_stale_connections"] == 3  # requests 2-4 each met a dropped connection
+    # requests 2 and 4 met a dropped connection; 2's resend went on a connection that is not
+    # pooled, so request 3 opened a new pooled one
+    assert result["retried_stale_connections"] == 2
 
 
 def test_only_failures_before_any_response_are_resent():
@@ -109,3 +114,52 @@ def test_only_failures_before_any_response_are_resent():
     assert not never_reached_server(RequestFuncOutput(error="ClientConnectorError: refused"))
     cut_mid_stream = RequestFuncOutput(error="ServerDisconnectedError: Server disconnected", ttft=0.2)
     assert not never_reached_server(cut_mid_stream)
+
+
+def test_a_resend_takes_a_connection_of_its_own_not_another_pooled_one():
+    """At 8 streams the pool holds 8 connections the server will drop when reused: the 9th
+    request meets one, and its resend must not take another from the pool (it did, and
+    1-6 of 64 llama-server requests at 32 streams still failed after their resend)."""
+    import argparse
+    import asyncio
+
+    from llmserve.benchmarks.serve import benchmark
+
+    async def run():
+        server = await _one_request_per_connection_server()
+        port = server.sockets[0].getsockname()[1]
+        args = argparse.Namespace(ignore_eos=True, temperature=0.0, api_key=None, request_timeout=30,
+                                  max_concurrency=8, seed=0, num_warmups=0, lora_modules=None,
+                                  request_rate=float("inf"), burstiness=1.0, metric_percentiles="99")
+        try:
+            return await benchmark(args, f"http://127.0.0.1:{port}/v1/completions", "m",
+                                   [([1, 2, 3], 3, 1)] * 9, chat=False)
+        finally:
+            server.close()
+
+    result = asyncio.run(run())
+    assert result["completed"] == 9 and result["failed"] == 0 and result["errors"] == []
+    assert result["retried_stale_connections"] == 1
+
+
+def test_server_comparison_rounds_draw_their_own_prompts_same_for_both_servers():
+    """bench serve --compare-url-rounds: every round (and warm-up round) sends prompts no
+    other round sent, so the servers' prefix caches cannot answer a measured round (with one
+    prompt set for all rounds, SmolLM2 at 32 streams measured 742-785 tok/s on repeats
+    against 515-532 fresh); both servers of a round get the same prompts."""
+    import argparse
+
+    from llmserve.benchmarks.server_compare import compare_servers, round_seeds
+
+    sent: list[tuple[str, int]] = []
+
+    async def fake_benchmark(args, url, model, requests, chat):
+        sent.append((url, requests[0][0]))
+        return {"output_throughput": 100.0, "median_tpot_ms": 10.0, "median_ttft_ms": 50.0, "failed": 0}
+
+    args = argparse.Namespace(seed=5, compare_url_rounds=3, compare_url_warm_rounds=1, compare_server_pids=None)
+    out = compare_servers(args, ["A", "B"], ["m", "m"], lambda seed: [(seed, 128, 128)], False, fake_benchmark)
+    assert sent == [("A", 8), ("B", 8), ("A", 5), ("B", 5), ("B", 6), ("A", 6), ("A", 7), ("B", 7)]
+    assert out["ratios"]["output_throughput"] == 1.0 and len(out["rounds"]) == 6
+    measured, warm = round_seeds(5, 3, 2)
+    assert measured == [5, 6, 7] and warm == [8, 9]
