@@ -1,5 +1,5 @@
 """``/v1/embeddings``, ``/pooling``, ``/score`` and ``/rerank`` against a real server on
-all-MiniLM-L6-v2, through the official openai client and raw HTTP; case C32."""
+all-MiniLM-L6-v2, through the official openai client and raw HTTP; cases C32 and C65."""
 from __future__ import annotations
 
 import base64
@@ -159,6 +159,69 @@ def test_pooling_score_and_rerank(emb_server):
     assert len(cohere["results"]) == 3 and cohere["results"][0]["document"] is None
     _err(s.post("/rerank", {"model": MODEL, "query": q, "documents": []}), "documents")
     _err(s.post("/rerank", {"model": MODEL, "query": q, "documents": [{"x": 1}]}), "documents")
+
+
+def _error_json(r, param=None):
+    """The cases' "error JSON": 400, application/json, {"error": {message, type, param, code}}."""
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and isinstance(err["message"], str)
+    return _err(r, param)
+
+
+def _over_long_text(s, limit):
+    """Case C65's ``long``: "The river flows past the old mill. " repeated until the
+    text tokenizes to more than 3 * ``limit`` tokens. Returns (text, its token count)."""
+    unit = "The river flows past the old mill. "
+    per = _tok_count(s, unit * 2) - _tok_count(s, unit)
+    text = unit * (3 * limit // per + 1)
+    n = _tok_count(s, text)
+    assert n > 3 * limit
+    return text, n
+
+
+def test_over_long_input_c65(emb_server):
+    """C65: input past the context is a 400 giving the limit and the length (whole
+    request, no partial data), never cut silently; truncate_prompt_tokens cuts it
+    (k tokens, -1: the limit), and a value past the limit or below -1 is a 400 naming it."""
+    import openai
+
+    s = emb_server
+    limit = s.http.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert s.post("/tokenize", {"model": MODEL, "prompt": "x"}).json()["max_model_len"] == limit == 128
+    long, n = _over_long_text(s, limit)
+    # A1: the limit and the input's length in the message, raw and through the openai client
+    err = _error_json(s.post("/v1/embeddings", {"model": MODEL, "input": long}), "input")
+    assert str(limit) in err["message"] and str(n) in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        s.client().embeddings.create(model=MODEL, input=long)
+    assert e.value.status_code == 400 and e.value.body["param"] == "input"
+    # A2: cut to 32 tokens, the same vector twice (and from the openai client's base64)
+    two = [_emb(s, input=long, truncate_prompt_tokens=32) for _ in range(2)]
+    assert [t["usage"]["prompt_tokens"] for t in two] == [32, 32]
+    assert two[0]["data"][0]["embedding"] == two[1]["data"][0]["embedding"]
+    via_sdk = s.client().embeddings.create(model=MODEL, input=long, extra_body={"truncate_prompt_tokens": 32})
+    assert via_sdk.usage.prompt_tokens == 32
+    assert np.allclose(via_sdk.data[0].embedding, two[0]["data"][0]["embedding"], atol=1e-6)
+    # A3: -1 is the context limit
+    assert _emb(s, input=long, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == limit
+    # A4: one over-long item fails the whole request
+    r = s.post("/v1/embeddings", {"model": MODEL, "input": ["short text", long]})
+    _error_json(r, "input")
+    assert "data" not in r.json()
+    # A5
+    for bad in (limit + 1, -2):
+        _error_json(s.post("/v1/embeddings", {"model": MODEL, "input": long, "truncate_prompt_tokens": bad}),
+                    "truncate_prompt_tokens")
+    # A6: rerank (and score) refuse an over-long document the same way: 400, never a 5xx
+    err = _error_json(s.post("/v1/rerank", {"model": MODEL, "query": "mill", "documents": ["short", long]}),
+                      "documents")
+    assert str(limit) in err["message"]
+    _error_json(s.post("/score", {"model": MODEL, "text_1": "mill", "text_2": ["short", long]}), "text_2")
+    cut = _ok(s.post("/v1/rerank", {"model": MODEL, "query": "mill", "documents": ["short", long],
+                                    "truncate_prompt_tokens": -1}))
+    assert sorted(r["index"] for r in cut["results"]) == [0, 1]
 
 
 def test_generating_model_refuses_pooling_endpoints(server):
