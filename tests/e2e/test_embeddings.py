@@ -1,5 +1,5 @@
 """``/v1/embeddings``, ``/pooling``, ``/score`` and ``/rerank`` against a real server on
-all-MiniLM-L6-v2, through the official openai client and raw HTTP; cases C32 and C65."""
+all-MiniLM-L6-v2, through the official openai client and raw HTTP; cases C32, C65 and C66."""
 from __future__ import annotations
 
 import base64
@@ -222,6 +222,60 @@ def test_over_long_input_c65(emb_server):
     cut = _ok(s.post("/v1/rerank", {"model": MODEL, "query": "mill", "documents": ["short", long],
                                     "truncate_prompt_tokens": -1}))
     assert sorted(r["index"] for r in cut["results"]) == [0, 1]
+
+
+C66_QUERY = "What is the capital of France?"
+C66_DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris.",
+            "Berlin is the capital of Germany."]
+
+
+def _check_ranked(body, n):
+    """``n`` results, by relevance_score high to low, distinct indexes in range, each
+    document's text the one at its index."""
+    res = body["results"]
+    scores = [r["relevance_score"] for r in res]
+    assert len(res) == n and scores == sorted(scores, reverse=True), body
+    idx = [r["index"] for r in res]
+    assert len(set(idx)) == n and all(0 <= i < len(C66_DOCS) for i in idx)
+    assert all(r["document"]["text"] == C66_DOCS[r["index"]] for r in res if r.get("document"))
+    return res
+
+
+def test_rerank_score_c66(emb_server):
+    """C66: rerank honours top_n (absent, null and past the count: all), sorts by score,
+    answers the same on /rerank, /v1/rerank and /v2/rerank; /score takes one-to-many and
+    paired lists (different lengths: 400); an empty list is a 400; the scores are the
+    cosine similarities of the embeddings, with usage."""
+    s = emb_server
+    q, docs = C66_QUERY, C66_DOCS
+    body = {"model": MODEL, "query": q, "documents": docs}
+    # A1 + A3
+    k1 = [_ok(s.post(path, {**body, "top_n": 2})) for path in ("/rerank", "/v1/rerank", "/v2/rerank")]
+    res = _check_ranked(k1[0], 2)
+    assert res[0]["index"] == 0
+    assert k1[1]["results"] == k1[2]["results"] == k1[0]["results"]
+    # A2
+    all4 = [_ok(s.post("/rerank", b)) for b in (body, {**body, "top_n": None}, {**body, "top_n": 10})]
+    for k2 in all4:
+        assert _check_ranked(k2, 4)[:2] == res
+    # A4
+    one_to_many = _ok(s.post("/score", {"model": MODEL, "text_1": q, "text_2": docs}))
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2, 3]
+    paired = _ok(s.post("/score", {"model": MODEL, "text_1": [q, q], "text_2": docs[:2]}))
+    assert [d["index"] for d in paired["data"]] == [0, 1]
+    _error_json(s.post("/score", {"model": MODEL, "text_1": [q, q], "text_2": docs[:3]}), "text_1")
+    # A5
+    _error_json(s.post("/rerank", {**body, "documents": [], "top_n": 2}), "documents")
+    # A6: cosine similarity of the /v1/embeddings vectors, within 1e-4
+    vq = np.array(_emb(s, input=q)["data"][0]["embedding"])
+    vd = np.array([d["embedding"] for d in _emb(s, input=docs)["data"]])
+    cos = vd @ vq / np.linalg.norm(vd, axis=1) / np.linalg.norm(vq)
+    assert np.allclose([d["score"] for d in one_to_many["data"]], cos, atol=1e-4)
+    assert np.allclose([d["score"] for d in paired["data"]], cos[:2], atol=1e-4)
+    for r in all4[0]["results"]:
+        assert abs(r["relevance_score"] - cos[r["index"]]) <= 1e-4
+    for b in (*k1, *all4, one_to_many, paired):
+        assert b["usage"]["prompt_tokens"] > 0 and b["usage"]["total_tokens"] > 0
 
 
 def test_generating_model_refuses_pooling_endpoints(server):
