@@ -43,6 +43,12 @@ class ReasoningParser:
     def vocab(self) -> dict[str, int]:
         return self.model_tokenizer.get_vocab()
 
+    def reasoning_by_default(self) -> bool:
+        """Whether output that opens no reasoning block is reasoning (True) or content
+        (False: the request switched thinking off). A structured-output grammar waits for
+        the end of the reasoning only when this is True (and the prompt did not close it)."""
+        return True
+
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         """True when the reasoning has ended in ``input_ids`` (prompt and output ids)."""
         raise NotImplementedError

@@ -31,10 +31,6 @@ class BaseThinkingReasoningParser(ReasoningParser):
             raise ValueError(f"{type(self).__name__} reasoning parser could not locate the think start/end "
                              f"tokens ({self.start_token!r}, {self.end_token!r}) in the tokenizer")
 
-    def reasoning_by_default(self) -> bool:
-        """Whether output without an end marker is reasoning (True) or content."""
-        return True
-
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         """The last think marker in ``input_ids`` is the end marker."""
         for tok in reversed(input_ids):
@@ -58,11 +54,14 @@ class BaseThinkingReasoningParser(ReasoningParser):
             text = body[len(self.start_token):]
         elif not final and body and self.start_token.startswith(body):
             return ReasoningSplit("", "", False)  # may still be "<think>"
+        elif not self.reasoning_by_default():
+            # Thinking is off and no block was opened: all content, an end marker included.
+            # Splitting at a late marker would turn text already streamed as content into
+            # reasoning (the whole and the streamed splits would differ).
+            return ReasoningSplit("", text, False)
         end = text.find(self.end_token)
         if end >= 0:
             return ReasoningSplit(text[:end], text[end + len(self.end_token):], True)
-        if not self.reasoning_by_default():
-            return ReasoningSplit("", text, False)
         keep = 0 if final else _held_back(text, self.end_token)
         return ReasoningSplit(text[:len(text) - keep], "", False)
 
@@ -76,7 +75,9 @@ class DeepSeekR1ReasoningParser(BaseThinkingReasoningParser):
 @ReasoningParserManager.register_module("qwen3")
 class Qwen3ReasoningParser(BaseThinkingReasoningParser):
     """Qwen3: as DeepSeek-R1, except that with ``chat_template_kwargs.enable_thinking``
-    false an output without ``</think>`` is all content (vLLM's current rule)."""
+    false an output that does not open with ``<think>`` is all content (vLLM's current
+    rule for an output without ``</think>``; a late ``</think>`` stays content too, so
+    the streamed split equals the whole one)."""
 
     def reasoning_by_default(self) -> bool:
         return bool(self.chat_template_kwargs.get("enable_thinking", True))

@@ -134,27 +134,39 @@ class StructuredOutputManager:
             wait(futs, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def should_fill_bitmask(self, request: "Request") -> bool:
+        """Whether the request's grammar masks its next token (compiled, and the reasoning
+        before it has ended). A compiled grammar still waiting for the end of the reasoning
+        gets a row too (see grammar_bitmask): every token but the stop tokens."""
         sor = request.structured_output_request
         return sor.grammar is not None and (sor.reasoning_ended or self.config.enable_in_reasoning)
 
     def grammar_bitmask(self, scheduled: list["ScheduledRequest"]) -> tuple[Any, dict[str, int]]:
         """(int32 bitmask [R, ceil(V/32)], {request_id: bitmask row}) for the constrained
-        requests that sample this step; (None, {}) when there are none. The bitmask is a
+        requests that sample this step; (None, {}) when there are none. A request whose
+        grammar waits for the end of its reasoning gets a row that allows every token but
+        its stop tokens (EOS, ``stop_token_ids``): the reasoning is free, but the request
+        cannot end before the constrained answer, so a finish "stop" always carries an
+        answer the grammar accepted and a reasoning that never ends runs into "length"
+        (case C59: otherwise an EOS while thinking ended the request "stop" with no
+        content to validate). The bitmask is a
         view of a buffer the next call overwrites: the step that gets it must use it (or
         copy it, as the multiprocess executor's pickling does) before the next schedule."""
         rows: list["Request"] = []
         for s in scheduled:
             req = s.request
-            if (req.structured_output_request is not None
-                    and s.num_computed_tokens + s.num_scheduled_tokens >= req.num_tokens
-                    and self.should_fill_bitmask(req)):
+            sor = req.structured_output_request
+            if (sor is not None and sor.grammar is not None
+                    and s.num_computed_tokens + s.num_scheduled_tokens >= req.num_tokens):
                 rows.append(req)
         if not rows:
             return None, {}
         bitmask = self._bitmask_buffer(len(rows))
         index: dict[str, int] = {}
         for i, req in enumerate(rows):
-            req.structured_output_request.grammar.fill_bitmask(bitmask, i)
+            if self.should_fill_bitmask(req):
+                req.structured_output_request.grammar.fill_bitmask(bitmask, i)
+            else:
+                _forbid(bitmask, i, _stop_ids(req))
             index[req.request_id] = i
         return bitmask, index
 
@@ -190,3 +202,23 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _stop_ids(request: "Request") -> set[int]:
+    """The token ids that would end ``request`` now (EOS unless ignored, its stop ids)."""
+    params = request.sampling_params
+    ids = set(params.all_stop_token_ids)
+    if request.eos_token_id is not None and not params.ignore_eos:
+        ids.add(request.eos_token_id)
+    return ids
+
+
+def _forbid(bitmask: Any, row: int, token_ids: set[int]) -> None:
+    """Clear the bits of ``token_ids`` in ``bitmask[row]`` (int32 words, bit ``t % 32`` of
+    word ``t // 32`` is token ``t``); ids past the bitmask's width are left alone."""
+    words = bitmask.shape[1]
+    for t in token_ids:
+        word, bit = divmod(t, 32)
+        if 0 <= word < words:
+            value = (int(bitmask[row, word]) & 0xFFFFFFFF) & ~(1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value

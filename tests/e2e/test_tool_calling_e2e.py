@@ -1,14 +1,16 @@
-"""Tool calling and reasoning on a real server: a tiny random Qwen3 checkpoint with a
+"""Tool calling and reasoning on a real server: a tiny scripted Qwen3 checkpoint with a
 Qwen3-style tool-aware chat template, served with vLLM's flags
-``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3``. A random
+``--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3``. The
 model writes no meaningful calls, so this checks the flags' wiring end to end (tools
-rendered by the template, reasoning fields, thinking switched off by the template); the
-parsers' behaviour on known text is tests/entrypoints/test_tool_calling.py."""
+rendered by the template, reasoning fields, thinking switched off by the template) and,
+case C59, that a JSON schema or forced tool call constrains the answer, never the
+reasoning; the parsers' behaviour on known text is tests/entrypoints/test_tool_calling.py."""
 from __future__ import annotations
 
 import copy
 import json
 
+import jsonschema
 import pytest
 import torch
 
@@ -42,11 +44,50 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
+{% if enable_thinking is defined and enable_thinking is false and not bare_thinking_off %}<think>
 
 </think>
 
 {% endif %}{% endif %}"""
+
+# ``bare_thinking_off`` (a chat_template_kwargs entry): thinking switched off without writing
+# the closed ``<think></think>`` block, as some templates do; then no ``</think>`` ever comes.
+REASONING = "Let me add the two numbers first, then write one short JSON answer."
+# Structural JSON tokens the scripted model prefers wherever its script has no next token,
+# best first: a grammar then closes each value as soon as it may (the answers terminate).
+FALLBACK = {"}": 6.0, "}}": 5.5, "]": 5.0, ",": 4.0, "5": 3.0, '{"': 2.5, "{": 2.0, "[": 1.5}
+
+
+def _script_qwen3(model, tok) -> None:
+    """Make ``model`` (a Qwen3ForCausalLM, hidden size 64) a bigram model: attention and MLP
+    add nothing (o_proj, down_proj zero), so the last hidden state is the last token's
+    embedding and the logits depend on that token only. After the prompt's final newline it
+    writes REASONING (15 tokens) then ``</think>`` (logit 10 each), and everywhere else the
+    FALLBACK tokens rank first (then EOS, then all others at 0). Greedy output is then fixed:
+    thinking on, the 16th token closes the reasoning; under a grammar, the first allowed
+    token of FALLBACK wins, so ``{"answer": 5}`` or a call with ``5`` for each integer."""
+    def one(text):
+        (tid,) = tok.encode(text, add_special_tokens=False)
+        return tid
+
+    # the generation prompt ends with "\n" (one token): the script starts there
+    script = [one("\n"), *tok.encode(REASONING, add_special_tokens=False), one("</think>")]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        emb[:, 63] = 1.0  # dimension 63: on for every token, carries the fallback ranking
+        for text, score in FALLBACK.items():
+            head[one(text), 63] = score
+        head[tok.eos_token_id, 63] = 1.0
+        for k, (cur, nxt) in enumerate(zip(script, script[1:])):  # dimension k: step k of the script
+            emb[cur, k] = 1.0
+            head[nxt, k] = 10.0
+
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -70,7 +111,9 @@ def qwen3_server(tmp_path_factory):
     cfg = tf.Qwen3Config(vocab_size=49216, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
                          tie_word_embeddings=False)
-    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _script_qwen3(model, tok)
+    model.save_pretrained(path)
     srv = RemoteServer(["--model", path, "--served-model-name", "tiny-qwen3", "--dtype", "float32",
                         "--kv-cache-memory", "64MiB", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                         "--reasoning-parser", "qwen3"])
@@ -88,7 +131,7 @@ def test_auto_tools_and_reasoning_flags_end_to_end(qwen3_server):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     msg = choice["message"]
-    # thinking is on and a random model never closes it: all output is reasoning (vLLM's qwen3 rule)
+    # thinking is on and 12 tokens end before the script closes it: all output is reasoning (vLLM's qwen3 rule)
     assert msg["reasoning"] and msg["reasoning"] == msg["reasoning_content"] and msg["content"] is None
     assert msg["tool_calls"] == [] and choice["finish_reason"] == "length"
     with qwen3_server.http.stream("POST", "/v1/chat/completions",
@@ -111,6 +154,111 @@ def test_the_template_sees_the_tools(qwen3_server):
     without = qwen3_server.http.post("/tokenize", json=body).json()["tokens"]
     text = qwen3_server.http.post("/detokenize", json={"model": "tiny-qwen3", "tokens": with_tools}).json()["prompt"]
     assert len(with_tools) > len(without) and '"name": "get_weather"' in text and "<tools>" in text
+
+
+# ---- C59: a JSON schema or a forced tool call constrains the answer, never the reasoning ----
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+Q59 = [{"role": "user", "content": "What is 2 + 3? Reply in JSON."}]
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "ans", "schema": ANSWER}}
+# thinking off, by a template that writes the closed <think></think> block, and by one that writes nothing
+THINKING_OFF = [{"enable_thinking": False}, {"enable_thinking": False, "bare_thinking_off": True}]
+
+
+def _reasoning(msg) -> str:
+    """The cases' reasoning(msg): ``reasoning``, else ``reasoning_content`` ("" for empty)."""
+    extra = msg.model_extra or {}
+    return extra.get("reasoning") or extra.get("reasoning_content") or ""
+
+
+def _chat_stream(client, **body):
+    """(content, reasoning, {index: (name, arguments)}, finish_reason) of a streamed chat."""
+    content = reasoning = ""
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(model="tiny-qwen3", stream=True, **body):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += _reasoning(choice.delta)
+            for tc in choice.delta.tool_calls or []:
+                name, args = calls.get(tc.index, (None, ""))
+                calls[tc.index] = (name or tc.function.name, args + (tc.function.arguments or ""))
+            finish = choice.finish_reason or finish
+    return content, reasoning, calls, finish
+
+
+@pytest.mark.parametrize("off", THINKING_OFF, ids=["closed-block", "bare"])
+def test_json_schema_with_thinking_off_constrains_the_content_c59(qwen3_server, off):
+    client = qwen3_server.client()
+    body = {"messages": Q59, "response_format": JSON_FORMAT, "temperature": 0, "max_tokens": 40,
+            "extra_body": {"chat_template_kwargs": off}}
+    r = client.chat.completions.create(model="tiny-qwen3", **body)  # S1
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and _reasoning(choice.message) == "", choice  # A1
+    jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    content, reasoning, _, finish = _chat_stream(client, **body)  # S2
+    assert (content, reasoning, finish) == (choice.message.content, "", "stop")
+
+
+@pytest.mark.parametrize("off", THINKING_OFF, ids=["closed-block", "bare"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}],
+                         ids=["required", "named"])
+def test_forced_tool_call_with_thinking_off_c59(qwen3_server, off, tool_choice):
+    client = qwen3_server.client()
+    body = {"messages": Q59, "tools": ADD, "tool_choice": tool_choice, "temperature": 0, "max_tokens": 60,
+            "extra_body": {"chat_template_kwargs": off}}
+    r = client.chat.completions.create(model="tiny-qwen3", **body)  # S3
+    msg = r.choices[0].message
+    assert _reasoning(msg) == "" and msg.tool_calls, r  # A2
+    calls = {i: (c.function.name, c.function.arguments) for i, c in enumerate(msg.tool_calls)}
+    for name, arguments in calls.values():
+        args = json.loads(arguments)
+        assert name == "add" and isinstance(args["a"], int) and isinstance(args["b"], int), args
+    _, reasoning, streamed, _ = _chat_stream(client, **body)  # S3 streamed
+    assert reasoning == "" and streamed == calls
+
+
+@pytest.mark.parametrize("off", THINKING_OFF, ids=["closed-block", "bare"])
+def test_responses_text_format_with_thinking_off_c59(qwen3_server, off):
+    r = qwen3_server.client().responses.create(  # S4
+        model="tiny-qwen3", input=Q59[0]["content"], max_output_tokens=40, temperature=0,
+        text={"format": {"type": "json_schema", "name": "ans", "schema": ANSWER}},
+        extra_body={"chat_template_kwargs": off})
+    assert r.status == "completed" and [o.type for o in r.output] == ["message"], r  # A3
+    jsonschema.validate(json.loads(r.output_text), ANSWER)
+
+
+def test_thinking_on_the_constraint_applies_after_the_reasoning_c59(qwen3_server):
+    """S5 (A4): the reasoning is the scripted free text (not JSON), the content after it
+    validates; a budget spent while thinking is a length / incomplete finish, not a stop."""
+    client = qwen3_server.client()
+    r = client.chat.completions.create(model="tiny-qwen3", messages=Q59, response_format=JSON_FORMAT,
+                                       temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and _reasoning(choice.message) == REASONING, choice
+    jsonschema.validate(json.loads(choice.message.content), ANSWER)
+    assert _chat_stream(client, messages=Q59, response_format=JSON_FORMAT, temperature=0, max_tokens=40) == (
+        choice.message.content, REASONING, {}, "stop")
+    text = {"format": {"type": "json_schema", "name": "ans", "schema": ANSWER}}
+    resp = client.responses.create(model="tiny-qwen3", input=Q59[0]["content"], max_output_tokens=40,
+                                   temperature=0, text=text)
+    assert resp.status == "completed" and [o.type for o in resp.output] == ["reasoning", "message"], resp
+    assert resp.output[0].content[0].text == REASONING
+    jsonschema.validate(json.loads(resp.output_text), ANSWER)
+    # an EOS while thinking cannot end the request before its answer (it would be a "stop"
+    # with no content): with EOS pushed far above the rest, the answer is the same
+    eos = qwen3_server.post("/tokenize", {"model": "tiny-qwen3", "prompt": "<|im_end|>",
+                                          "add_special_tokens": False}).json()["tokens"]
+    pushed = client.chat.completions.create(model="tiny-qwen3", messages=Q59, response_format=JSON_FORMAT,
+                                            temperature=0, max_tokens=40, logit_bias={str(eos[0]): 100})
+    assert pushed.choices[0].finish_reason == "stop" and pushed.choices[0].message.content == choice.message.content
+    cut = client.chat.completions.create(model="tiny-qwen3", messages=Q59, response_format=JSON_FORMAT,
+                                         temperature=0, max_tokens=8)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.content
+    cut = client.responses.create(model="tiny-qwen3", input=Q59[0]["content"], max_output_tokens=8,
+                                  temperature=0, text=text)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
 # ---- C25 on the real SmolLM2: required and named choices are forced by structured outputs ----

@@ -66,6 +66,24 @@ def test_qwen3_with_thinking_disabled_is_content():
     assert parser("deepseek_r1").extract_reasoning("Just the answer.", None) == ("Just the answer.", None)
 
 
+def test_qwen3_thinking_disabled_late_end_marker_stays_content_c59():
+    """Thinking off: an output that opens no block is content throughout, a late
+    ``</think>`` included, so the stream (content first) and the whole split agree; an
+    output that opens ``<think>`` is still split. The grammar of a structured-output
+    request then applies from the first token (reasoning_by_default False)."""
+    p = parser("qwen3", chat_template_kwargs={"enable_thinking": False})
+    assert not p.reasoning_by_default() and parser("qwen3").reasoning_by_default()
+    assert parser("deepseek_r1", chat_template_kwargs={"enable_thinking": False}).reasoning_by_default()
+    late = 'Let me add.</think>{"answer": 5}'
+    assert p.extract_reasoning(late, None) == (None, late)
+    for step in (1, 3):
+        assert streamed(p, late, step) == (None, late)
+    opened = "<think>Let me add.</think>5"
+    assert p.extract_reasoning(opened, None) == ("Let me add.", "5")
+    for step in (1, 3):
+        assert streamed(p, opened, step) == ("Let me add.", "5")
+
+
 def test_token_id_methods():
     p = parser("qwen3")
     assert p.is_reasoning_end([1, 7, 1, 2, 8]) and p.is_reasoning_end([8, 1])

@@ -1,8 +1,8 @@
 """StructuredOutputManager with the scheduler (no model): grammars compile off the step
 loop (WAITING_FOR_FSM while others run), one bitmask row per constrained request that
 samples, matchers advance with accepted tokens and finish the request with ``stop``,
-aborts while compiling, preemption, and reasoning (a fake parser: no mask until the
-reasoning ends)."""
+aborts while compiling, preemption, and reasoning (a fake parser: only the stop tokens
+masked until the reasoning ends)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -140,9 +140,11 @@ def test_grammar_waits_for_the_end_of_reasoning(tok):
     seen = []
     while not req.is_finished():
         so, _ = _step(s, toks)
-        seen.append(bool(so.structured_output_request_ids))
-    # Three reasoning tokens sampled unmasked, then the grammar applies.
-    assert seen[:3] == [False, False, False] and all(seen[3:])
+        seen.append(_allowed(so, "r", len(tok)))
+    # Three reasoning tokens sampled free of the grammar but not of their end: every token
+    # except EOS (2), so the request cannot stop before its answer (C59). Then the grammar.
+    assert seen[:3] == [set(range(len(tok))) - {2}] * 3
+    assert all(len(a) < 10 for a in seen[3:])
     assert req.get_finished_reason() == FinishReason.STOP
     # reasoning_ended from the front end: masked from the first token.
     req2 = _add(mgr, s, "r2", 4, SO(choice=["yes"]), reasoning_ended=True)

@@ -356,7 +356,12 @@ def setup_output_parsing(handler: Any, request: Any, plan: ToolPlan, params: Any
         kwargs = reasoning_kwargs(request)
         reasoner = handler.reasoning_parser_cls(handler.tokenizer, **kwargs)
         ended = reasoner.is_reasoning_end(prompt_ids)
-        gen_kwargs = {"reasoning_ended": ended or not request.include_reasoning,
+        # The grammar applies to what the parser will call content: from the first token
+        # when the prompt closed the reasoning, or when the request switched thinking off
+        # (a template may do that without writing the end marker, and then the model never
+        # writes it either: waiting for it left JSON schemas and forced tool calls
+        # unenforced, case C59).
+        gen_kwargs = {"reasoning_ended": ended or not reasoner.reasoning_by_default() or not request.include_reasoning,
                       "reasoning_parser_kwargs": kwargs}
         if ended:  # the template closed the reasoning (e.g. enable_thinking false): all content
             reasoner = None
