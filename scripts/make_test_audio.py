@@ -1,5 +1,7 @@
 """Regenerate tests/data/audio/: 20 known English sentences spoken by Debian's espeak-ng,
-converted by sox to 16 kHz mono FLAC (a few tens of KB each), plus sentences.json.
+converted by sox to 16 kHz mono FLAC (a few tens of KB each), plus sentences.json; and the
+clips of the behaviour cases, made as /work/shared/cases.md says (``espeak-ng -v en -s 150``,
+``sox`` to 16 kHz mono 16-bit, joined with silence): ``CASE_CLIPS``.
 
 Needs ``apt-get install -y espeak-ng sox`` (only to regenerate; tests use the committed
 files). Run: ``python scripts/make_test_audio.py [out_dir]``.
@@ -36,6 +38,42 @@ SENTENCES = [
 ]
 
 
+#: Case clips: file -> what it holds, in order: a sentence (spoken), or seconds of silence.
+CASE_CLIPS: dict[str, list] = {
+    # C67 (speech/response-formats): clip A
+    "c67_fox.flac": ["The quick brown fox jumps over the lazy dog."],
+    # C69 (speech/long-audio): clip L, eight sentences 2.5 s apart (49.3 s; the case asks 45-80 s)
+    "c69_sentences.flac": [x for pair in zip([
+        "Sentence one: the red apple.",
+        "Sentence two: the orange carrot grows slowly in the garden soil.",
+        "Sentence three: the yellow banana is ripe and ready to eat today.",
+        "Sentence four: the green pear fell from the tall tree last night.",
+        "Sentence five: the blue berries were picked early in the morning.",
+        "Sentence six: the white onion made everyone in the kitchen cry.",
+        "Sentence seven: the brown potato was boiled for twenty minutes.",
+        "Sentence eight: the purple plum."], [2.5] * 7 + [None]) for x in pair if x is not None],
+    # C69: clip Z, two sentences 40 s apart (43.8 s)
+    "c69_gap.flac": ["The first word is lantern.", 40, "The final word is zebra."],
+}
+
+
+def make_case_clip(parts: list, path: str, tmp: str) -> None:
+    """Speak each sentence (espeak-ng -v en -s 150, sox to 16 kHz mono 16-bit), make each
+    silence (sox -n ... trim 0 s), join them with sox into ``path``."""
+    pieces = []
+    for i, part in enumerate(parts):
+        out = os.path.join(tmp, f"part{i}.wav")
+        if isinstance(part, str):
+            raw = os.path.join(tmp, "raw.wav")
+            subprocess.run(["espeak-ng", "-v", "en", "-s", "150", "-w", raw, part], check=True)
+            subprocess.run(["sox", raw, "-r", "16000", "-c", "1", "-b", "16", out], check=True)
+        else:
+            subprocess.run(["sox", "-n", "-r", "16000", "-c", "1", "-b", "16", out, "trim", "0", str(part)],
+                           check=True)
+        pieces.append(out)
+    subprocess.run(["sox", *pieces, path] if len(pieces) > 1 else ["sox", pieces[0], path], check=True)
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     meta = []
@@ -47,6 +85,8 @@ def main(out_dir: str) -> None:
             subprocess.run(["sox", wav, "-r", "16000", "-c", "1", "-b", "16",
                             os.path.join(out_dir, name)], check=True)
             meta.append({"file": name, "text": text})
+        for name, parts in CASE_CLIPS.items():
+            make_case_clip(parts, os.path.join(out_dir, name), tmp)
     with open(os.path.join(out_dir, "sentences.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
 

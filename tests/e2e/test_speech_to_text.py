@@ -2,14 +2,16 @@
 official ``openai`` client, on one ``llmserve serve`` hosting SmolLM2 for chat and
 whisper-tiny.en and whisper-base (CTranslate2 weights from their packages) for speech:
 every response format, streaming, timestamps, language detection, the 400s, and chat +
-transcription at once."""
+transcription at once; case C67 (response formats) on whisper-base."""
 from __future__ import annotations
 
 import asyncio
 import io
 import json
 import os
+import re
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -173,3 +175,112 @@ def test_wrong_model_for_the_endpoint_names_model(srv):
         c.audio.transcriptions.create(model=CHAT, file=("c.flac", clip(5)))
     body = e.value.response.json()["error"]
     assert body["param"] == "model" and f"`{STT}`" in body["message"] and f"`{MULTI}`" in body["message"]
+
+
+# ---- case C67 (clip made as cases.md says: scripts/make_test_audio.py CASE_CLIPS) ----
+FOX = "c67_fox.flac"  # C67's clip A: "The quick brown fox jumps over the lazy dog."
+_SRT_TIMING = re.compile(r"(\d\d):(\d\d):(\d\d),(\d{3}) --> (\d\d):(\d\d):(\d\d),(\d{3})")
+_VTT_TIMING = re.compile(r"\d\d:\d\d:\d\d\.\d{3} --> \d\d:\d\d:\d\d\.\d{3}")
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _case_post(srv, name: str, path: str = "/v1/audio/transcriptions", **fields: str) -> tuple:
+    """One case request's arguments: ``file`` (the clip, audio/flac) with ``model`` W
+    (whisper-base), ``language`` en, ``temperature`` 0 and ``fields``."""
+    with open(os.path.join(AUDIO, name), "rb") as f:
+        files = {"file": (name, f.read(), "audio/flac")}
+    return path, {"model": MULTI, "language": "en", "temperature": "0", **fields}, files
+
+
+def _post_all(srv, requests: list[tuple]) -> list[httpx.Response]:
+    """The requests at once (the engine batches their windows), responses in order."""
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.url_root, headers=srv.http.headers, timeout=300) as c:
+            return await asyncio.gather(*(c.post(path, data=data, files=files) for path, data, files in requests))
+    return asyncio.run(run())
+
+
+def _error_json(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["param"] == param, err
+
+
+def _check_segments(v: dict, text: str, duration: float, slack: float) -> list[dict]:
+    """verbose_json: the text, the clip's duration (within ``slack`` s), segments with
+    numeric 0 <= start < end <= duration + slack, rising starts, joined text == text."""
+    assert v["text"] == text and v["language"] in ("en", "english")
+    assert abs(v["duration"] - duration) <= slack
+    segs = v["segments"]
+    assert segs and all(0 <= s["start"] < s["end"] <= v["duration"] + slack for s in segs), segs
+    assert all(a["start"] <= b["start"] for a, b in zip(segs, segs[1:]))
+    assert _norm("".join(s["text"] for s in segs)) == _norm(text)
+    return segs
+
+
+def _srt_cues(body: str) -> list[tuple[float, float, str]]:
+    """SubRip cues numbered 1, 2, ... in order, each ``HH:MM:SS,mmm --> HH:MM:SS,mmm``
+    with start <= end: [(start s, end s, text)]."""
+    cues = []
+    for i, block in enumerate(body.strip().split("\n\n")):
+        lines = block.split("\n")
+        assert lines[0] == str(i + 1), body
+        m = _SRT_TIMING.fullmatch(lines[1])
+        assert m, lines[1]
+        h1, m1, s1, ms1, h2, m2, s2, ms2 = map(int, m.groups())
+        start, end = h1 * 3600 + m1 * 60 + s1 + ms1 / 1000, h2 * 3600 + m2 * 60 + s2 + ms2 / 1000
+        assert start <= end
+        cues.append((start, end, " ".join(lines[2:])))
+    return cues
+
+
+def test_response_formats_c67(srv):
+    """C67: json, text, verbose_json (with and without segment granularity), srt and vtt
+    of one clip agree on the text; a prompt and /translations work; an unknown format and
+    a stream of a format a stream cannot carry (srt, vtt, verbose_json) are 400s."""
+    dur = sf.info(os.path.join(AUDIO, FOX)).duration
+    forms = [{"response_format": f} for f in ("json", "text", "verbose_json", "srt", "vtt")]
+    forms += [{"response_format": "verbose_json", "timestamp_granularities[]": "segment"},
+              {"response_format": "json", "prompt": "Fox. Dog."}]
+    reqs = [_case_post(srv, FOX, **f) for f in forms]
+    reqs += [_case_post(srv, FOX, "/v1/audio/translations", response_format=f) for f in ("json", "text")]
+    y1, y2, y3, y4, y5, y3s, y6, y7j, y7t = _post_all(srv, reqs)
+    # A1
+    assert y1.status_code == 200 and y1.headers["content-type"].startswith("application/json"), y1.text
+    text = y1.json()["text"]
+    assert "fox" in text.lower() and "dog" in text.lower(), text
+    # A2: plain text, not JSON-quoted
+    assert y2.status_code == 200 and y2.headers["content-type"].startswith("text/plain")
+    assert y2.text.strip() == text.strip() and not y2.text.startswith('"')
+    # A3
+    for v in (y3, y3s):
+        assert v.status_code == 200 and v.headers["content-type"].startswith("application/json"), v.text
+        _check_segments(v.json(), text, dur, 0.5)
+    # A4
+    assert y4.status_code == 200, y4.text
+    cues = _srt_cues(y4.text)
+    assert _norm(" ".join(c[2] for c in cues)) == _norm(text)
+    # A5
+    assert y5.status_code == 200 and y5.text.startswith("WEBVTT"), y5.text
+    timings = [line for line in y5.text.splitlines() if "-->" in line]
+    assert timings and all(_VTT_TIMING.fullmatch(t) for t in timings), timings
+    # A6
+    assert y6.status_code == 200 and "fox" in y6.json()["text"].lower(), y6.text
+    # A7: English text
+    assert y7j.status_code == 200 and y7j.headers["content-type"].startswith("application/json"), y7j.text
+    translated = y7j.json()["text"]
+    assert "fox" in translated.lower() and "dog" in translated.lower()
+    assert y7t.headers["content-type"].startswith("text/plain") and y7t.text.strip() == translated.strip()
+    # A8: 400s naming the field, raw and through the official client
+    path, data, files = _case_post(srv, FOX, response_format="docx")
+    _error_json(srv.post(path, data=data, files=files), "response_format")
+    for fmt in ("srt", "vtt", "verbose_json"):
+        path, data, files = _case_post(srv, FOX, response_format=fmt, stream="true")
+        _error_json(srv.post(path, data=data, files=files), "stream")
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().audio.transcriptions.create(model=MULTI, file=files["file"], response_format="srt", stream=True)
+    assert e.value.body["param"] == "stream"

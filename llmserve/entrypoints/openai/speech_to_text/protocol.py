@@ -16,6 +16,9 @@ from llmserve.entrypoints.openai.common.protocol import _warn_ignored_field, ran
 from llmserve.sampling_params import SamplingParamsError
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+#: The formats a stream (``stream=true``) can carry: its events hold text deltas and the
+#: whole text, never segments or cue timings (OpenAI streams json/text transcriptions only).
+STREAMED_FORMATS = ("json", "text")
 
 
 class TranscriptionRequest(BaseModel):
@@ -82,7 +85,8 @@ def _unknown_field(key: str, value: Any) -> None:
 def parse_form(items: list[tuple[str, Any]]) -> tuple[TranscriptionRequest, Any]:
     """(form field, value) pairs -> (request, the ``file`` upload). Raises
     SamplingParamsError naming the field for a missing file, a refused field
-    (REFUSED_FIELDS) or a bad value; other unknown fields are ignored with a warning."""
+    (REFUSED_FIELDS), a bad value or a stream in a format it cannot carry
+    (``check_stream_format``); other unknown fields are ignored with a warning."""
     data: dict[str, Any] = {}
     upload = None
     known = set(TranscriptionRequest.model_fields)
@@ -103,11 +107,25 @@ def parse_form(items: list[tuple[str, Any]]) -> tuple[TranscriptionRequest, Any]
         if data.get(key) == "":
             data.pop(key)
     try:
-        return TranscriptionRequest.model_validate(data), upload
+        request = TranscriptionRequest.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         field = str(err["loc"][0]) if err.get("loc") else None
         raise SamplingParamsError(f"`{field}`: {err['msg']}", field) from None
+    check_stream_format(request)
+    return request, upload
+
+
+def check_stream_format(request: TranscriptionRequest) -> None:
+    """A 400 naming ``stream`` for a stream in a format it cannot carry (srt, vtt,
+    verbose_json: their cue and segment timings are not in the text deltas). Answering
+    such a request with plain text events (as this server did) hands a subtitle
+    pipeline text it then parses as SRT; vLLM and LiteLLM users saw the refusal."""
+    if request.stream and request.response_format not in STREAMED_FORMATS:
+        raise SamplingParamsError(
+            f"`stream`: response_format {request.response_format!r} cannot be streamed (a stream carries "
+            f"text only); use response_format {' or '.join(STREAMED_FORMATS)} to stream, or stream=false "
+            f"for {request.response_format}.", "stream")
 
 
 class TranscriptionUsage(BaseModel):
