@@ -214,8 +214,11 @@ class EngineHealer:
             now = time.monotonic()
             client = self.holder.client
             busy = cpu.advanced(client.engine_pid)
-            if busy or self.restarting or not self.output_processor.states:
-                self.last_output = now  # working, idle or restarting: no stall builds up
+            # No engine process (a level-2 sleep ended it; a wake is starting the next, ~2 s
+            # quiet, 70 s seen on a loaded host): nothing can stall, as while restarting.
+            starting = client.engine_pid is None
+            if busy or starting or self.restarting or not self.output_processor.states:
+                self.last_output = now  # working, idle, starting or restarting: no stall builds up
                 continue
             if now - self.last_output > timeout:
                 logger.error("EngineCore made no progress for %.1f s with %d request(s) in flight: "
@@ -238,13 +241,18 @@ class _EngineCpu:
         self.last = 0.0
 
     def advanced(self, pid: Optional[int]) -> bool:
+        """True when process ``pid`` used CPU since the last look, or is a new process (a
+        start or restart is progress: the stall clock begins again with it)."""
         import psutil
 
+        if pid is None:  # no engine process (psutil would measure this process instead)
+            self.pid = None
+            return False
         try:
             if pid != self.pid:
                 self.pid, self.proc = pid, psutil.Process(pid)
                 self.last = sum(self.proc.cpu_times()[:2])
-                return False
+                return True
             if self.proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
                 return False
             used = sum(self.proc.cpu_times()[:2])

@@ -86,6 +86,45 @@ def test_restart_policy_backs_off_then_gives_up():
         RestartConfig(max_restarts=-1)
 
 
+def test_stall_clock_skips_an_engine_at_rest_and_restarts_with_a_new_process():
+    """A level-2 sleep leaves no engine process (pid None) while requests wait for the
+    wake's start: no stall builds up however long it takes (a trial saw a 72 s start on a
+    loaded host killed 1 s after it came up). A new process starts the clock afresh; a
+    process that then sits without CPU past the timeout is still killed."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from llmserve.engine.self_heal import CoreHolder, EngineHealer
+
+    killed = []
+    client = SimpleNamespace(engine_pid=None, kill_engine=lambda: killed.append(client.engine_pid))
+    healer = EngineHealer(CoreHolder(client), SimpleNamespace(states={"r": object()}),
+                          RestartConfig(enabled=True, stall_timeout=0.4), 512, [])
+
+    async def run(seconds):
+        task = asyncio.ensure_future(healer.watch_stalls())
+        await asyncio.sleep(seconds)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    idle = subprocess.Popen(["sleep", "30"])  # a live process that uses no CPU: a stalled engine
+    try:
+        async def scenario():
+            healer.last_output = time.monotonic() - 60  # the requests came long before the start
+            await run(1.0)  # at rest / starting, 2.5 timeouts: no kill
+            assert killed == []
+            client.engine_pid = idle.pid  # the wake's new process: the clock starts with it
+            await run(0.25)
+            assert killed == []
+            await run(1.0)  # then no CPU and no output past the timeout: a stall
+            assert killed and killed[0] == idle.pid
+
+        asyncio.run(scenario())
+    finally:
+        idle.kill()
+        idle.wait()
+
+
 def test_resume_request_continues_or_refuses(engine):
     """The resumed request carries the prompt and the output so far (same params);
     streaming sessions, half-delivered prompt logprobs and structured outputs mid-output
