@@ -152,6 +152,22 @@ def test_timestamp_segments_follow_whisper_rules():
     assert seg([ts + 10, ts + 20, eot], ts, eot, 5.0) == []
 
 
+def test_resume_point_seeks_as_transcribe():
+    """A window whose output ends in two timestamps goes on from the last one (C69: the
+    49 s clip's first window ended "<|26.00|><|26.00|>" with 3.6 s of speech after it);
+    text or a lone timestamp at the end means the window is done; so do no progress
+    (<|0.00|><|0.00|>) and a tail under 0.5 s."""
+    from llmserve.entrypoints.openai.speech_to_text.serving import resume_point
+    ts, eot = 1000, 999
+    assert resume_point([1, ts + 600, ts + 600, 2, ts + 1300, ts + 1300, eot], ts, eot, 29.65) == 26.0
+    assert resume_point([1, ts + 600, ts + 600, 2, ts + 1300, ts + 1300], ts, eot, 29.65) == 26.0  # length cut
+    assert resume_point([1, ts + 600, ts + 600, 2, ts + 1300, eot], ts, eot, 29.65) is None
+    assert resume_point([1, ts + 600, ts + 600, 2, eot], ts, eot, 29.65) is None
+    assert resume_point([ts, ts, eot], ts, eot, 29.65) is None
+    assert resume_point([1, ts + 1460, ts + 1460, eot], ts, eot, 29.65) is None  # 0.45 s left
+    assert resume_point([eot], ts, eot, 29.65) is None
+
+
 def _encode_av(x: np.ndarray, sr: int, fmt: str, codec: str) -> bytes:
     import io
     import av

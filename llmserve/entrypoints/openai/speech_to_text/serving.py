@@ -5,7 +5,9 @@ together) -> text stitched in order, in the asked ``response_format``.
 Decoder prompt per chunk (as vLLM's ``WhisperForConditionalGeneration.get_decoder_prompt``):
 ``[<|startofprev|> prompt]<|startoftranscript|><|lang|><|transcribe or translate|>`` then
 ``<|notimestamps|>``, except for ``verbose_json``/``srt``/``vtt``, which let the model write
-its timestamp tokens and turn them into segments. English-only checkpoints (``*.en``)
+its timestamp tokens and turn them into segments; a window whose output ends in two
+timestamps is decoded again from the last one (``resume_point``, Whisper's seek), or the
+speech after it would be lost. English-only checkpoints (``*.en``)
 take no language or task token. Temperature 0 by default, as OpenAI. Without ``language`` a
 multilingual model detects it first (Whisper's ``detect_language``: one decoder step after
 ``<|startoftranscript|>`` over the first chunk, the most likely language token).
@@ -31,6 +33,14 @@ from llmserve.sampling_params import RequestOutputKind, SamplingParams, Sampling
 
 DEFAULT_MAX_AUDIO_FILE_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit
 _TIMESTAMP_STEP_S = 0.02
+# Audio after a window's last closed segment shorter than this is not decoded again: too
+# short for a word (espeak's shortest words last ~0.25 s), and a silent scrap invites
+# Whisper's hallucinated "Thank you." on silence.
+_MIN_TAIL_S = 0.5
+# Re-decodes of one window (``resume_point``) at most: each is one more encoder pass over
+# <= 30 s, so a crafted file costs at most (1 + this) times a plain one; the case clips
+# (tests/data/audio/c69_*) need one at most.
+_MAX_SEEKS = 3
 
 
 @dataclass
@@ -89,6 +99,21 @@ def timestamp_segments(token_ids: list[int], ts_begin: int, eot: int,
         last_end = end = min(max(end, start), duration)
         out.append((start, end, text))
     return out
+
+
+def resume_point(token_ids: list[int], ts_begin: int, eot: int, duration: float) -> Optional[float]:
+    """Where to go on decoding a window of ``duration`` s, from its timestamp-mode output
+    tokens, as OpenAI Whisper's ``transcribe()`` seeks: output ending in two timestamps
+    ``<|t|><|t|>`` means the model closed its last segment at t and left the audio after
+    it for the next window (it does so when the window's end cuts speech or leaves too
+    little of it); any other ending (``<|t|>`` after text, or text) consumed the window.
+    Returns t in seconds, or None when the window is done or less than ``_MIN_TAIL_S``
+    (or nothing: t == 0) would be gained."""
+    toks = [t for t in token_ids if t != eot]
+    if len(toks) < 2 or toks[-1] < ts_begin or toks[-2] < ts_begin:
+        return None
+    t = (toks[-1] - ts_begin) * _TIMESTAMP_STEP_S
+    return t if t > 0 and duration - t >= _MIN_TAIL_S else None
 
 
 class OpenAIServingSpeechToText(BaseServing):
@@ -202,12 +227,14 @@ class OpenAIServingSpeechToText(BaseServing):
             return _prepend(first, gen)
         params = self._params(request, n_prompt, RequestOutputKind.FINAL_ONLY)
         beam = beam_params_of(request, params)
-        results = await asyncio.gather(*(self._run_chunk(f"{rid}-{i}", prompt, params, c, i, beam)
+        windows = await asyncio.gather(*(self._run_window(f"{rid}-{i}", prompt, params, c, beam, timestamps)
                                          for i, c in enumerate(chunks)))
-        offset = 0.0
-        for r, c in zip(results, chunks):
-            r.offset, r.duration = offset, c.size / SAMPLE_RATE
-            offset += r.duration
+        results, offset = [], 0.0
+        for pieces, c in zip(windows, chunks):
+            for r in pieces:
+                r.offset += offset
+            results += pieces
+            offset += c.size / SAMPLE_RATE
         text = "".join(r.text for r in results).strip()
         fmt = request.response_format
         if fmt == "json":
@@ -246,12 +273,34 @@ class OpenAIServingSpeechToText(BaseServing):
         return ids[final.outputs[0].token_ids[0]]
 
     async def _run_chunk(self, rid: str, prompt: list[int], params: SamplingParams, chunk: np.ndarray,
-                         index: int, beam: Optional[BeamSearchParams] = None) -> Transcript:
+                         beam: Optional[BeamSearchParams] = None) -> Transcript:
+        """One engine request over ``chunk`` (<= 30 s of 16 kHz samples); offset 0."""
         final = None
         async for out in _generate(self.engine_client, prompt, params, chunk, rid, beam):
             final = out
         o = final.outputs[0]
-        return Transcript(o.text, list(o.token_ids), 0.0, 0.0, len(final.prompt_token_ids or ()))
+        return Transcript(o.text, list(o.token_ids), 0.0, chunk.size / SAMPLE_RATE,
+                          len(final.prompt_token_ids or ()))
+
+    async def _run_window(self, rid: str, prompt: list[int], params: SamplingParams, chunk: np.ndarray,
+                          beam: Optional[BeamSearchParams], timestamps: bool) -> list[Transcript]:
+        """One chunk's transcripts in order, offsets (s) from the chunk's start. With
+        timestamps, a window the model left early (``resume_point``) is decoded again from
+        its last timestamp, as ``transcribe()`` seeks: without that, the speech after it was
+        lost (a 49 s file of eight sentences, cut at 29.65 s, lost its fifth sentence,
+        26.0-29.6 s, from verbose_json, srt and vtt, while json had it). Without timestamps
+        the model writes all it hears (one request). At most ``_MAX_SEEKS`` re-decodes."""
+        pieces: list[Transcript] = []
+        start = 0  # samples into the chunk
+        for seek in range(_MAX_SEEKS + 1):
+            r = await self._run_chunk(f"{rid}-{seek}" if seek else rid, prompt, params, chunk[start:], beam)
+            r.offset = start / SAMPLE_RATE
+            pieces.append(r)
+            resume = resume_point(r.token_ids, self.ts_begin, self.eot, r.duration) if timestamps else None
+            if resume is None:
+                break
+            start += int(round(resume * SAMPLE_RATE))
+        return pieces
 
     def _segments(self, results: list[Transcript], temperature: float) -> list[TranscriptionSegment]:
         segs: list[TranscriptionSegment] = []
