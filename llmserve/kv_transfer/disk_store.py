@@ -47,6 +47,7 @@ VERSION = 3
 _HEADER = struct.Struct("<8sI32sQQQQ")
 _CHECKSUM_FIELD = 6
 HEADER_SIZE = _HEADER.size
+PREFIX_SIZE = struct.calcsize("<8sI32s")  # magic, version, key (44 bytes): the same in every file of a layout
 SUFFIX = ".kv"
 
 
@@ -75,6 +76,21 @@ def encode_header(key: bytes, block_hash: int, parent_hash: int, payload: Any) -
     return _HEADER.pack(MAGIC, VERSION, key, block_hash, parent_hash, mv.nbytes, xxhash.xxh3_64_intdigest(mv))
 
 
+def header_prefix(key: bytes) -> bytes:
+    """The bytes every valid header of layout ``key`` starts with (magic, version, key): what
+    the C++ reader (``llmserve/ops/tier_io.py``) compares; the fields after them it checks
+    itself (block hash, payload bytes, XXH3-64 at the offsets of ``_HEADER``)."""
+    return _HEADER.pack(MAGIC, VERSION, key, 0, 0, 0, 0)[:PREFIX_SIZE]
+
+
+def drop_invalid(folder: str, block_hash: int, why: str) -> None:
+    """Log and remove block ``block_hash``'s file, found invalid for ``why`` (it is written
+    again when its prompt is computed again)."""
+    path = block_path(folder, block_hash)
+    logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
+    _unlink(path)
+
+
 def read_block(folder: str, key: bytes, block_hash: int, out: memoryview) -> bool:
     """Read block ``block_hash``'s payload into ``out`` (a writable buffer of exactly the
     payload size this layout has); True when it is there and valid (see ``read_chain``)."""
@@ -95,11 +111,23 @@ def open_chain(folder: str, block_hashes: list[int]) -> list[int]:
     return fds
 
 
-def count_chain(folder: str, block_hashes: list[int], nbytes: int) -> int:
+def count_chain(folder: str, block_hashes: list[int], nbytes: int,
+                native: Optional[Callable[[str, list[int], int], int]] = None) -> int:
     """How many of ``block_hashes``, from the first, have a file of the size a header and an
     ``nbytes`` payload make: one ``stat`` per block (~1.5 us), the scheduler's check before
     it counts blocks as hits (``read_chain_into`` verifies header and checksum when they are
-    loaded). The first file of another size (a torn write) is logged and removed."""
+    loaded). The first file of another size (a torn write) is logged and removed.
+    ``native``: the C++ count (``tier_io.count_chain``: one ``fstatat`` per block, no GIL;
+    249 files in ~0.5 ms against ~1.5 ms here, at load ~5 on 2 cores)."""
+    if native is not None:
+        n = native(folder, block_hashes, HEADER_SIZE + nbytes)
+        if n >= 0:
+            return n
+        n = -n - 1
+        path = block_path(folder, block_hashes[n])
+        logger.warning("KV tier: ignoring %s (truncated or of the wrong size); it is removed", path)
+        _unlink(path)
+        return n
     for i, h in enumerate(block_hashes):
         path = block_path(folder, h)
         try:
@@ -136,9 +164,7 @@ def read_chain_into(folder: str, key: bytes, block_hashes: list[int], fds: list[
         for i, fd in enumerate(fds):
             why = _read_one(fd, header, pieces_of(i), extra, key, block_hashes[i])
             if why is not None:
-                path = block_path(folder, block_hashes[i])
-                logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
-                _unlink(path)
+                drop_invalid(folder, block_hashes[i], why)
                 break
             if touch:
                 _touch(fd)
@@ -297,6 +323,9 @@ def _unlink(path: str) -> None:
         pass
 
 
+_TOUCH = object()  # BlockWriter queue item tag: an mtime bump (``touch``), not a block
+
+
 @dataclass
 class WriterStats:
     """Cumulative counters of a BlockWriter: blocks and bytes written, blocks skipped
@@ -327,7 +356,7 @@ class BlockWriter:
         self._total = 0
         self._warned = False
         self._scan()
-        self._queue: "queue.Queue[Optional[tuple[int, int, Any]]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()  # blocks, touches (_TOUCH), None: stop
         self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
         self._thread.start()
 
@@ -354,6 +383,13 @@ class BlockWriter:
         a bytes-like object the caller no longer changes)."""
         self._queue.put((block_hash, parent_hash, payload))
 
+    def touch(self, block_hashes: list[int], native: Optional[Callable[[str, list[int]], None]] = None) -> None:
+        """Queue an mtime bump (LRU: loaded, so recently used) of the files of
+        ``block_hashes``, done on the writer's thread, in order with the writes and
+        evictions: off the request path (~2 us a file, 0.5 ms per 249 in a load's loop).
+        ``native``: ``tier_io.touch`` (no GIL), else ``os.utime`` per file."""
+        self._queue.put((_TOUCH, block_hashes, native))
+
     def flush(self) -> None:
         self._queue.join()
 
@@ -368,11 +404,24 @@ class BlockWriter:
             try:
                 if item is None:
                     return
-                self._write(*item)
+                if item[0] is _TOUCH:
+                    self._touch(*item[1:])
+                else:
+                    self._write(*item)
             except Exception:  # never let one block stop the writer
                 logger.exception("KV tier: writing a block failed")
             finally:
                 self._queue.task_done()
+
+    def _touch(self, block_hashes: list[int], native: Optional[Callable[[str, list[int]], None]]) -> None:
+        if native is not None:
+            native(self.folder, block_hashes)
+            return
+        for h in block_hashes:
+            try:
+                os.utime(block_path(self.folder, h))
+            except OSError:  # evicted meanwhile
+                pass
 
     def _write(self, block_hash: int, parent_hash: int, payload: Any) -> None:
         path = block_path(self.folder, block_hash)

@@ -58,9 +58,21 @@ def _files(path) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".kv"))
 
 
-def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path):
+@pytest.mark.parametrize("native", [True, False], ids=["cpp_reader", "python_reads"])
+def test_restart_loads_prompt_from_disk_and_bad_files_are_skipped(tiny, tmp_path, monkeypatch, native):
+    """With the C++ reader (llmserve/ops/tier_io.py) and with disk_store's Python reads
+    (where it cannot be built)."""
+    from llmserve.kv_transfer import shared_storage
+    from llmserve.ops.tier_io import get_tier_io
+
+    assert get_tier_io() is not None, "the C++ tier reader did not build (see the log)"
+    if not native:
+        monkeypatch.setattr(shared_storage, "_native_reader", lambda *a: None)
+        monkeypatch.setattr(shared_storage, "_native_counter", lambda: None)
     model, hf_tokens = tiny
     llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    assert (_connector(llm)._native is not None) == native
+    assert (llm.llm_engine.engine_core.engine_core.scheduler.connector._count_native is not None) == native
     assert _run(llm) == (hf_tokens, 0)  # chunked prefill (64-token steps) saves each chunk's blocks
     llm.shutdown()  # flushes the writer
     files = _files(tmp_path)
@@ -200,7 +212,11 @@ def test_other_dtype_engine_over_the_same_tier_prefills_and_keeps_its_own_blocks
     _connector(bf).flush()
     assert len(os.listdir(tmp_path)) == 2 and len(_files(tmp_path)) == 2 * FULL_BLOCKS
     bf.reset_prefix_cache()
-    assert _run(bf) == (first, FULL_BLOCKS * 16)  # its own blocks, read straight into the cache
+    assert _connector(bf)._native is not None
+    assert _run(bf) == (first, FULL_BLOCKS * 16)  # its own blocks, read straight into the cache (C++)
+    bf.reset_prefix_cache()
+    _connector(bf)._native = None  # no C++ reader: disk_store's readv per file, into the slots
+    assert _run(bf) == (first, FULL_BLOCKS * 16)
     bf.reset_prefix_cache()
     _connector(bf)._slots = None  # a cache off the CPU: staged, then one copy over all layers
     assert _run(bf) == (first, FULL_BLOCKS * 16)
