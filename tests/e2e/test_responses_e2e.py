@@ -219,3 +219,83 @@ def test_output_text_logprobs_equal_chat_streamed_and_whole(rserver):
     assert streamed == [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs]) for lp in lps]
     plain = c.responses.create(model=MODEL, input=Q, max_output_tokens=2, top_logprobs=2)  # not included
     assert plain.output[0].content[0].logprobs == []
+
+
+# ---- C61: previous_response_id continues a stored conversation; what is not stored is a 404 ----
+SECRET = "My secret word is PLUM-42. Reply OK."
+ASK = "What is my secret word?"
+TURN = {"max_output_tokens": 8, "temperature": 0}
+
+
+def _error_json(r, status: int) -> dict:
+    """The OpenAI error body of a ``status`` answer (the cases' "error JSON")."""
+    assert r.status_code == status and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and isinstance(err["type"], str) and err["code"] == status, err
+    assert err["param"] is None or isinstance(err["param"], str)
+    return err
+
+
+def _explicit(srv, first_output: str, system: list) -> dict:
+    """S3: the turns of S1 and S2 sent as one input."""
+    return srv.post("/v1/responses", {"model": MODEL, **TURN, "input": [
+        *system, {"role": "user", "content": SECRET}, {"role": "assistant", "content": first_output},
+        {"role": "user", "content": ASK}]}).json()
+
+
+def test_previous_response_id_continues_the_stored_conversation_c61(rserver):
+    c = rserver.client()
+    s1 = c.responses.create(model=MODEL, input=SECRET, **TURN)  # store at its default
+    s2 = c.responses.create(model=MODEL, input=ASK, previous_response_id=s1.id, **TURN)
+    assert s2.previous_response_id == s1.id and s2.status in ("completed", "incomplete")  # A1
+    s3 = _explicit(rserver, s1.output_text, [])
+    assert s2.usage.input_tokens == s3["usage"]["input_tokens"]
+    assert s2.output_text == s3["output"][0]["content"][0]["text"]
+    with c.responses.stream(model=MODEL, input=ASK, previous_response_id=s1.id, **TURN) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert final.previous_response_id == s1.id and final.usage.input_tokens == s2.usage.input_tokens
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == s2.output_text
+    # a chain of three: each turn brings all the earlier ones
+    s2b = c.responses.create(model=MODEL, input="Say it again.", previous_response_id=s2.id, **TURN)
+    whole = rserver.post("/v1/responses", {"model": MODEL, **TURN, "input": [
+        {"role": "user", "content": SECRET}, {"role": "assistant", "content": s1.output_text},
+        {"role": "user", "content": ASK}, {"role": "assistant", "content": s2.output_text},
+        {"role": "user", "content": "Say it again."}]}).json()
+    assert s2b.usage.input_tokens == whole["usage"]["input_tokens"]
+
+
+def test_unstored_deleted_and_unknown_ids_are_404s_c61(rserver):
+    s4 = rserver.post("/v1/responses", {"model": MODEL, "input": SECRET, **TURN, "store": False}).json()
+    _error_json(rserver.http.get(f"/v1/responses/{s4['id']}"), 404)  # A2
+    for stream in (False, True):
+        r = rserver.post("/v1/responses", {"model": MODEL, "input": ASK, **TURN, "previous_response_id": s4["id"],
+                                           "stream": stream})
+        assert s4["id"] in _error_json(r, 404)["message"]
+    s1 = rserver.post("/v1/responses", {"model": MODEL, "input": SECRET, **TURN}).json()
+    got = rserver.http.get(f"/v1/responses/{s1['id']}")  # A3
+    assert got.status_code == 200 and got.json()["id"] == s1["id"] and got.json()["status"] == s1["status"]
+    assert got.json()["output"][0]["content"][0]["text"] == s1["output"][0]["content"][0]["text"]
+    d = rserver.http.delete(f"/v1/responses/{s1['id']}")
+    assert d.status_code == 200 and d.json()["id"] == s1["id"] and d.json()["deleted"] is True
+    _error_json(rserver.http.get(f"/v1/responses/{s1['id']}"), 404)
+    _error_json(rserver.post("/v1/responses", {"model": MODEL, "input": ASK, **TURN,
+                                               "previous_response_id": s1["id"]}), 404)
+    for stream in (False, True):  # A4
+        r = rserver.post("/v1/responses", {"model": MODEL, "input": ASK, **TURN,
+                                           "previous_response_id": "resp_doesnotexist", "stream": stream})
+        assert "resp_doesnotexist" in _error_json(r, 404)["message"]
+    with pytest.raises(openai.NotFoundError):
+        rserver.client().responses.create(model=MODEL, input=ASK, previous_response_id="resp_doesnotexist", **TURN)
+
+
+def test_instructions_are_not_carried_over_c61(rserver):
+    c = rserver.client()
+    s7 = c.responses.create(model=MODEL, input=SECRET, instructions="Answer in French.", **TURN)
+    s2 = c.responses.create(model=MODEL, input=ASK, previous_response_id=s7.id, **TURN)
+    assert s2.instructions is None  # A5
+    assert s2.usage.input_tokens == _explicit(rserver, s7.output_text, [])["usage"]["input_tokens"]
+    with_system = _explicit(rserver, s7.output_text, [{"role": "system", "content": "Answer in French."}])
+    # (SmolLM2's template puts its own default system prompt where none is given)
+    assert with_system["usage"]["input_tokens"] != s2.usage.input_tokens
+
