@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from e2e_utils import MODEL, RemoteServer
+from e2e_utils import MODEL, RemoteServer, metric_sum
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather of a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -299,3 +299,57 @@ def test_instructions_are_not_carried_over_c61(rserver):
     # (SmolLM2's template puts its own default system prompt where none is given)
     assert with_system["usage"]["input_tokens"] != s2.usage.input_tokens
 
+
+# ---- C63: only background responses can be cancelled; a cancel stops the generation ----
+def _running(srv) -> float:
+    return metric_sum(srv, "vllm:num_requests_running")
+
+
+def test_background_cancel_stops_and_is_idempotent_c63(rserver):
+    c = rserver.client()
+    b1 = c.responses.create(model=MODEL, input="Tell me a long story about a lighthouse.", background=True,
+                            max_output_tokens=800, temperature=0)
+    assert b1.status in ("queued", "in_progress") and b1.background is True  # A1
+    cancelled = rserver.post(f"/v1/responses/{b1.id}/cancel")  # A2
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    first = rserver.http.get(f"/v1/responses/{b1.id}").json()
+    t_end = time.monotonic() + 5
+    while _running(rserver) > 0 and time.monotonic() < t_end:
+        time.sleep(0.1)  # polled: the engine's abort lands within a step or two
+    assert _running(rserver) == 0
+    second = rserver.http.get(f"/v1/responses/{b1.id}").json()
+    assert first["status"] == second["status"] == "cancelled"
+    assert (first["output"], first["usage"]) == (second["output"], second["usage"])  # nothing grew
+    again = rserver.post(f"/v1/responses/{b1.id}/cancel")
+    if again.status_code == 200:
+        assert again.json()["status"] == "cancelled"
+    else:
+        _error_json(again, 400)
+
+
+def test_cancel_of_finished_foreground_and_unknown_responses_c63(rserver):
+    c = rserver.client()
+    b3 = c.responses.create(model=MODEL, input=Q, background=True, max_output_tokens=4)
+    for _ in range(600):  # polled, not timed
+        got = c.responses.retrieve(b3.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.1)
+    assert got.status in ("completed", "incomplete")
+    r = rserver.post(f"/v1/responses/{b3.id}/cancel")  # A3
+    if r.status_code == 200:
+        assert r.json()["status"] == got.status
+    else:
+        assert "synchronous" not in _error_json(r, 400)["message"].lower()
+    assert c.responses.retrieve(b3.id).status == got.status
+    b4 = c.responses.create(model=MODEL, input=Q, max_output_tokens=32, temperature=0)
+    assert b4.status == "completed"
+    _error_json(rserver.post(f"/v1/responses/{b4.id}/cancel"), 400)  # A4
+    assert c.responses.retrieve(b4.id).status == "completed"
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(b4.id)
+    b5 = rserver.post("/v1/responses", {"model": MODEL, "input": Q, "background": True, "store": False})
+    assert _error_json(b5, 400)["param"] in ("store", "background")  # A5
+    _error_json(rserver.post("/v1/responses/resp_doesnotexist/cancel"), 404)  # A6
+    with pytest.raises(openai.NotFoundError):
+        c.responses.cancel("resp_doesnotexist")
