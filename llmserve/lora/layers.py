@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llmserve.ops import batch_invariant
-from llmserve.ops.lora_ops import (LoRAMapping, column_ranges, get_lora_kernel, kernel_supports, lora_add_torch,
+from llmserve.ops.lora_ops import (LoRAMapping, bind_lora_kernel, column_ranges, kernel_supports, lora_add_torch,
                                    slot_weights)
 
 
@@ -58,7 +58,11 @@ class LinearWithLoRA(nn.Module):
         self.ranges = column_ranges(slices, None if self.out_index is None else self.out_index.cpu())
         self.slot_used = [False] * num_slots
         self.used = False  # any slot holds weights for this module (else the delta is skipped)
-        self.__dict__["_add"] = get_lora_kernel() if kernel_supports(dtype, device) else lora_add_torch
+        # add(y, x, segs): the C++ kernel bound to this module's stacks (one pybind call of
+        # three tensors a module: lora_ops.bind_lora_kernel), else the torch path.
+        self.native = bind_lora_kernel(self.a_stack, self.b_stack, self.ranges, self.ranks) \
+            if kernel_supports(dtype, device) else None
+        self.__dict__["_add"] = self.native.add if self.native is not None else self._add_torch
 
     def pack(self, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One adapter's ``(A [r_i, in], B [out_i, r_i])`` per slice (None: not targeted) in a
@@ -99,17 +103,20 @@ class LinearWithLoRA(nn.Module):
         self.slot_used[slot] = False
         self.used = any(self.slot_used)
 
+    def _add_torch(self, y: torch.Tensor, x: torch.Tensor, segs: torch.Tensor) -> None:
+        lora_add_torch(y, x, self.a_stack, self.b_stack, segs, self.ranges, self.ranks)
+
     def _delta_into(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = self.ctx.mapping
         if m is not None and self.used:
-            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges, self.ranks)
+            self._add(y, x, m.segs)
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base_forward(x)
         m = self.ctx.mapping  # inline, not _delta_into: one Python call less in 120 modules a step
         if m is not None and self.used:
-            self._add(y, x, self.a_stack, self.b_stack, m.segs, self.ranges, self.ranks)
+            self._add(y, x, m.segs)
         return y
 
 
@@ -166,3 +173,4 @@ def wrap_model(model: nn.Module, num_slots: int, rank: int, dtype: torch.dtype,
             setattr(parent, attr, w)
             wrappers[(li, key)] = w
     return ctx, wrappers
+

@@ -197,3 +197,57 @@ def test_kernel_rejects_bad_ranks():
         k(y, x, a, b, m.segs, rng, torch.tensor([8, 9, 0, 1], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="ranks must be a contiguous int32"):
         k(y, x, a, b, m.segs, rng, torch.tensor([8, 8], dtype=torch.int32))
+
+
+def _bound(a, b, rng, rk):
+    from llmserve.ops.lora_ops import bind_lora_kernel
+
+    _kernel()
+    return bind_lora_kernel(a, b, rng, rk)
+
+
+@pytest.mark.parametrize("dtype,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                       (torch.float16, torch.float32)])
+def test_bound_module_gives_lora_adds_bits(dtype, wdt):
+    """The kernel bound to a module's stacks (what the wrapped linears call) gives
+    lora_add's bits for 1..24 rows over mixed slots and ranks (the one-thread path at one
+    or two rows, the threaded ones above), reads the ranks tensor at each call (a slot
+    written in place takes effect), and refuses mismatched shapes and segments."""
+    k = _kernel()
+    g = torch.Generator().manual_seed(3)
+    slices = [(0, 40), (40, 24), (64, 24)]
+    ranks = [8, 3, 16, 0, 5, 1, 16, 12]
+    _, _, a, b = _per_slot_rank_stacks(wdt, ranks, 16, 600, slices, g)
+    rk = torch.tensor(ranks, dtype=torch.int32)
+    rng = column_ranges(slices)
+    mod = _bound(a, b, rng, rk)
+    for rows in list(range(1, 25)):
+        x = torch.randn(rows, 600, generator=g).to(dtype)
+        y0 = torch.randn(rows, 88, generator=g).to(dtype)
+        slots = [(5 * t + rows) % len(ranks) for t in range(rows)]
+        m = LoRAMapping(segments_of(sorted(slots), [1] * rows), rows)
+        want, got = y0.clone(), y0.clone()
+        k(want, x, a, b, m.segs, rng, rk)
+        mod.add(got, x, m.segs)
+        assert torch.equal(got, want), rows
+    x, y0 = torch.randn(1, 600, generator=g).to(dtype), torch.zeros(1, 88, dtype=dtype)
+    one = LoRAMapping([(3, 0, 1)], 1).segs  # slot 3 has rank 0: no delta
+    y = y0.clone()
+    mod.add(y, x, one)
+    assert torch.equal(y, y0)
+    rk[3] = 4  # a rank-4 adapter written into slot 3 (its storage holds NaN past rank 4 only)
+    va, vb = slot_weights(a, b, 3, 4)
+    va.copy_(torch.randn(va.shape, generator=g).to(wdt) / 25)
+    vb.copy_(torch.randn(vb.shape, generator=g).to(wdt) / 6)
+    want = y0.clone()
+    k(want, x, a, b, one, rng, rk)
+    mod.add(y, x, one)
+    assert torch.equal(y, want) and not torch.equal(y, y0)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        mod.add(torch.zeros(1, 50, dtype=dtype), x, one)
+    with pytest.raises(RuntimeError, match="segment 0 out of bounds"):
+        mod.add(torch.zeros(1, 88, dtype=dtype), x, LoRAMapping([(9, 0, 1)], 1).segs)
+    rk[3] = 17
+    with pytest.raises(RuntimeError, match=r"ranks\[3\] = 17 is outside 0..16"):
+        mod.add(torch.zeros(1, 88, dtype=dtype), x, one)
+
