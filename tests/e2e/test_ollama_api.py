@@ -149,3 +149,36 @@ def test_errors_in_ollama_shape(server):
     assert loaded["done"] and loaded["done_reason"] == "load"
     unloaded = post("/api/chat", {"model": MODEL, "messages": [], "keep_alive": 0}).json()
     assert unloaded["done"] and unloaded["done_reason"] == "unload"
+
+
+def test_num_predict_past_the_context_fills_it_and_bad_numbers_name_the_option(server):
+    """``num_predict`` above the room the prompt leaves generates until the context is full
+    (Ollama's behaviour), on /api/chat and both /api/generate forms, instead of a 400
+    naming ``max_tokens``; NaN and out-of-range options are one-line errors naming the
+    option, not pydantic's report."""
+    max_len = server.http.get("/v1/models").json()["data"][0]["max_model_len"]
+    def count(n: int) -> int:
+        msgs = [{"role": "user", "content": " ".join(["apple"] * n)}]
+        return server.post("/tokenize", {"model": MODEL, "messages": msgs, "add_generation_prompt": True}).json()["count"]
+
+    per_word = count(101) - count(100)  # " apple": one token
+    n = (max_len - 8 - count(1)) // per_word
+    words = " ".join(["apple"] * n)
+    msgs = [{"role": "user", "content": words}]
+    room = max_len - count(n)
+    assert 0 < room < 40, room
+    cut = len(words)
+    opts = {"temperature": 0, "num_predict": 1000}
+    chat = server.post("/api/chat", {"model": MODEL, "messages": msgs, "stream": False, "options": opts})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["eval_count"] <= room and chat.json()["done"]
+    gen = server.post("/api/generate", {"model": MODEL, "prompt": words[:cut], "stream": False, "options": opts})
+    assert gen.status_code == 200 and gen.json()["eval_count"] <= room, gen.text
+    raw = server.post("/api/generate", {"model": MODEL, "prompt": words[:cut], "raw": True, "stream": False,
+                                        "options": opts})
+    assert raw.status_code == 200 and raw.json()["eval_count"] < max_len, raw.text
+    for key, value in (("temperature", float("nan")), ("seed", 2 ** 70), ("top_k", float("inf"))):
+        body = json.dumps({"model": MODEL, "messages": ASK, "options": {key: value}}).encode()
+        msg = _error(server.http.post("/api/chat", content=body, headers={"content-type": "application/json"}),
+                     400, f"options.{key}")
+        assert "pydantic" not in msg and "\n" not in msg, msg

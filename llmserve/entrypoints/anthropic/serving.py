@@ -7,8 +7,7 @@ Anthropic's message or stream events (``streaming.py``). vLLM's equivalent is
 ``max_tokens`` above the room the prompt leaves in the context is clamped to that room
 (llama.cpp's rule: Claude Code asks for 32000 tokens whatever the model), not a 400; an
 answer cut there stops with ``model_context_window_exceeded`` (Anthropic's reason). The
-prompt is counted for that only when a cheap bound (its UTF-8 bytes; a byte-level
-tokenizer's token never holds less than one byte) says it might not fit.
+prompt is counted only when it might not fit (``context_room.py``).
 """
 from __future__ import annotations
 
@@ -29,30 +28,17 @@ from llmserve.entrypoints.anthropic.protocol import (
 )
 from llmserve.entrypoints.anthropic.streaming import MessageStreamWriter, message_events, stop_reason_of, usage_of
 from llmserve.entrypoints.openai.common.errors import check_finished_normally
+from llmserve.entrypoints.openai.chat_completion.context_room import prompt_tokens, room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
 from llmserve.entrypoints.openai.common.protocol import random_uuid
 from llmserve.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("llmserve.entrypoints.anthropic")
 
-# Template text around each message and the generation prompt, in bytes, for the bound
-# that decides whether a prompt must be counted before max_tokens is clamped.
-TEMPLATE_BYTES_PER_MESSAGE = 64
-TEMPLATE_BYTES_BASE = 1024
-
-
 def _handler(chat: Any, request: ChatCompletionRequest) -> Any:
     """The chat handler that serves ``request`` (one model's, with --extra-model)."""
     pick = getattr(chat, "handler_for", None)
     return pick(request) if callable(pick) else chat
-
-
-def prompt_bytes_bound(request: ChatCompletionRequest) -> int:
-    """An upper bound of the rendered prompt's length in bytes (so in tokens)."""
-    text = json.dumps([m.model_dump(exclude_none=True) for m in request.messages], ensure_ascii=False)
-    tools = json.dumps(request.tools, ensure_ascii=False) if request.tools else ""
-    return (len(text.encode()) + len(tools.encode()) + TEMPLATE_BYTES_BASE
-            + TEMPLATE_BYTES_PER_MESSAGE * len(request.messages))
 
 
 def prompt_too_long(prompt_tokens: int, max_model_len: int) -> SamplingParamsError:
@@ -85,24 +71,15 @@ class AnthropicServingMessages:
             return to_chat_request(request, auto_tools=True, max_tokens=max_tokens)
         return probe
 
-    async def _prompt_tokens(self, request: ChatCompletionRequest) -> int:
-        """The token count of the request's rendered prompt (tools included)."""
-        handler = _handler(self.chat, request)
-        handler._check_model(request)  # a 404 for an unknown model, before any rendering
-        return len((await handler.render(request, request.tools)).token_ids)
-
     async def _clamped(self, request: AnthropicMessagesRequest) -> tuple[ChatCompletionRequest, bool]:
         """The chat request with ``max_tokens`` clamped to the room the prompt leaves,
         and whether it was clamped. Raises SamplingParamsError (a 400) in Anthropic's
         words when the prompt leaves no room at all (:func:`prompt_too_long`)."""
         chat_request = self._chat_request(request)
-        max_len = _handler(self.chat, chat_request).max_model_len
-        if request.max_tokens + prompt_bytes_bound(chat_request) <= max_len:
-            return chat_request, False
-        prompt = await self._prompt_tokens(chat_request)
-        room = max_len - prompt
+        handler = _handler(self.chat, chat_request)
+        room = await room_left(handler, chat_request, request.max_tokens)
         if room < 1:
-            raise prompt_too_long(prompt, max_len)
+            raise prompt_too_long(await prompt_tokens(handler, chat_request), handler.max_model_len)
         if request.max_tokens <= room:
             return chat_request, False
         return self._chat_request(request, max_tokens=room), True
@@ -125,7 +102,7 @@ class AnthropicServingMessages:
         """``input_tokens``: the prompt's tokens as ``/v1/messages`` would render it."""
         chat_request = self._chat_request(request)
         chat_request.check()  # tools and tool_choice, as the messages request checks them
-        return AnthropicCountTokensResponse(input_tokens=await self._prompt_tokens(chat_request))
+        return AnthropicCountTokensResponse(input_tokens=await prompt_tokens(_handler(self.chat, chat_request), chat_request))
 
 
 def _tool_block(call: Any) -> ContentBlock:

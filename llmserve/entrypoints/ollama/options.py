@@ -22,6 +22,7 @@ Ollama's built-in ones (temperature 0.8, top_k 40, ...).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 from llmserve.entrypoints.openai.common.structured import structured_outputs_params
@@ -48,6 +49,8 @@ NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
 def _number(key: str, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SamplingParamsError(f"options.{key} must be a number, got {type(value).__name__}.", f"options.{key}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SamplingParamsError(f"options.{key} must be a finite number, got {value}.", f"options.{key}")
     if key in INTEGER_OPTIONS:
         if value != int(value):
             raise SamplingParamsError(f"options.{key} must be an integer, got {value}.", f"options.{key}")
@@ -112,3 +115,24 @@ def structured_fields(fmt: Any) -> dict[str, Any]:
     except ValueError as e:
         raise SamplingParamsError(f"format: {e}", "format") from e
     return {"structured_outputs": spec}
+
+
+# The common request's field -> the Ollama field or option a client sent it as.
+_SENT_AS = {**{field: f"options.{key}" for key, field in NUMERIC_OPTIONS.items()},
+            "max_tokens": "options.num_predict", "stop": "options.stop"}
+
+
+def build_request(cls: Any, **fields: Any) -> Any:
+    """``cls(**fields)`` (a chat or completion request), its validation errors given in
+    Ollama's terms: the first error's message, naming the option the client sent
+    (``options.seed``), not the common request's field or pydantic's whole report.
+    Raises SamplingParamsError."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else ""
+        name = _SENT_AS.get(field, field or None)
+        raise SamplingParamsError(f"{name}: {err['msg']}" if name else err["msg"], name) from None

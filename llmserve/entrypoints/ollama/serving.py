@@ -28,10 +28,11 @@ import json
 from types import SimpleNamespace
 from typing import Any, AsyncGenerator, Optional
 
-from llmserve.entrypoints.ollama.options import sampling_fields, structured_fields
+from llmserve.entrypoints.ollama.options import build_request, sampling_fields, structured_fields
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaMessage)
 from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats, StreamError
+from llmserve.entrypoints.openai.chat_completion.context_room import room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
@@ -131,7 +132,7 @@ def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatComp
     if req.tools:
         choice = _tool_choice(chat, messages)
         fields.update(tools=req.tools, tool_choice=choice)
-    return ChatCompletionRequest(**fields), choice
+    return build_request(ChatCompletionRequest, **fields), choice
 
 
 def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
@@ -147,11 +148,12 @@ def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
         raise SamplingParamsError("context: earlier answers' token ids are not kept; send the conversation to "
                                   "/api/chat instead.", "context")
     if req.raw or req.suffix is not None:
-        return CompletionRequest(**_common_fields(req, name), prompt=req.prompt or "", suffix=req.suffix,
-                                 stream_options={"include_usage": True})
+        return build_request(CompletionRequest, **_common_fields(req, name), prompt=req.prompt or "",
+                             suffix=req.suffix, stream_options={"include_usage": True})
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
         [{"role": "user", "content": req.prompt or ""}]
-    return ChatCompletionRequest(**_common_fields(req, name), messages=messages, **_think_fields(req.think, chat))
+    return build_request(ChatCompletionRequest, **_common_fields(req, name), messages=messages,
+                         **_think_fields(req.think, chat))
 
 
 # ----------------------------------------------------------------------------- serving
@@ -181,6 +183,17 @@ def _room_left(completion: Any, prompt: str) -> Optional[int]:
     return (min(room, cap) if cap else room) if room > 0 else None
 
 
+async def _clamp_num_predict(chat: Any, common: ChatCompletionRequest) -> None:
+    """``options.num_predict`` above the room the prompt leaves in the context becomes
+    that room: Ollama generates until the context is full rather than refusing (a 400
+    naming ``max_tokens``, a field its clients never sent). A prompt that fills the context
+    alone is left to the engine's "prompt too long" 400."""
+    if common.max_tokens is not None:
+        room = await room_left(chat, common, common.max_tokens)
+        if 0 < room < common.max_tokens:
+            common.max_tokens = room
+
+
 async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
     """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
     name = served_name(state, req.model)
@@ -189,6 +202,7 @@ async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[st
         return wire.loaded(req.keep_alive), {}
     chat = handler(state, "openai_serving_chat", name)
     common, choice = chat_request(req, name, chat)
+    await _clamp_num_predict(chat, common)
     stats = RunStats()
     chunks = await chat.create_chat_completion(common, request_id, wire=False)
     headers = {"X-Llmserve-Tool-Choice": choice} if choice else {}
@@ -206,10 +220,15 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     stats = RunStats()
     if isinstance(common, CompletionRequest):
         completion = handler(state, "openai_serving_completion", name)
+        prompt = common.prompt + (common.suffix or "")
         if common.max_tokens is None:  # Ollama's default is no limit, not the legacy 16
-            common.max_tokens = _room_left(completion, common.prompt + (common.suffix or ""))
+            common.max_tokens = _room_left(completion, prompt)
+        else:  # never past the context (see _clamp_num_predict)
+            room = completion.max_model_len - len(completion.tokenizer.encode(prompt))
+            common.max_tokens = min(common.max_tokens, room) if room > 0 else common.max_tokens
         chunks = completion_chunks(await completion.create_completion(common, request_id))
     else:
+        await _clamp_num_predict(chat, common)
         chunks = await chat.create_chat_completion(common, request_id, wire=False)
     return wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)
 
