@@ -26,6 +26,10 @@ unless
 - ``kv_cache_full`` (429): admitted requests are not running yet and the KV blocks in use
   plus those they will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
+- ``engine_restarting`` (503, ``Retry-After`` ENGINE_RESTART_RETRY_AFTER_S): a self-heal
+  restart is under way, so no engine serves; the requests in flight resume on the new one,
+  a new request is refused at once rather than held for an engine that may not come back
+  (case C71: an error JSON within 2 s while no engine serves).
 
 A refusal carries the OpenAI error body and ``Retry-After``: the seconds the engine needs
 to drain the waiting requests at the rate requests finished over the last
@@ -66,6 +70,8 @@ from llmserve.metrics.stats import IterationStats, SchedulerStats
 DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
 DEFAULT_MAX_QUEUE_DELAY_S = 1.0  # why: see AdmissionConfig.max_queue_delay
 MAX_RETRY_AFTER_S = 60  # never ask a client to wait longer
+# A self-heal restart loads the model again: seconds, not minutes, for the models served here.
+ENGINE_RESTART_RETRY_AFTER_S = 5
 # Until requests finish, a waiting request is assumed to need this many KV blocks.
 _DEFAULT_BLOCKS_PER_REQUEST = 1.0
 _EWMA_WEIGHT = 0.1  # of each finished request in the blocks-per-request estimate
@@ -169,6 +175,7 @@ class AdmissionController:
       clock: monotonic seconds (tests pass their own).
       uses_kv_cache: False for an encoder-only model (no KV kept: no ``kv_cache_full``).
     ``is_draining``: a callable set by the launcher (True once shutdown began).
+    ``is_restarting``: a callable, True while the engine is being restarted (self-heal).
     """
 
     def __init__(self, config: AdmissionConfig, block_size: int = 16, max_num_seqs: int = 128,
@@ -182,6 +189,7 @@ class AdmissionController:
         self.clock = clock
         self.drain = DrainRate(clock=clock)
         self.is_draining: Callable[[], bool] = lambda: False
+        self.is_restarting: Callable[[], bool] = lambda: False
         self.fair_share = False  # the engine shares itself between tenants (see check)
         self.in_flight = 0  # admitted requests whose response has not ended
         self.stats = SchedulerStats()  # the latest, from the engine (summed over data-parallel ranks)
@@ -257,6 +265,10 @@ class AdmissionController:
         if self.is_draining():
             return Rejection("draining", 503, self.drain.retry_after(self.in_flight),
                              "The server is shutting down and takes no new requests.")
+        if self.is_restarting():
+            return Rejection("engine_restarting", 503, ENGINE_RESTART_RETRY_AFTER_S,
+                             "The engine is restarting after a failure (self-heal) and serves no request now; "
+                             f"retry in {ENGINE_RESTART_RETRY_AFTER_S} s.")
         limit = self.config.max_waiting_requests
         # The new request waits too unless a slot is free and nobody is ahead: our own
         # admitted count fills the batch, or the engine's (another API server's requests).
@@ -415,6 +427,23 @@ async def _buffered_body(receive: Any) -> tuple[bytes, Any]:
     return body, replay
 
 
+def _engines(engine_client: Any) -> list[Any]:
+    """The engine clients behind the app's (several with ``--extra-model``: EngineGroup)."""
+    return list(getattr(engine_client, "engines", None) or [engine_client])
+
+
+def engine_healing(engine_client: Any) -> bool:
+    """Whether a self-heal restart (``--restart-engine-on-failure``) of one of the engines
+    is under way: the old process is gone, the new one not yet up (self_heal.EngineHealer)."""
+    return any(getattr(getattr(e, "healer", None), "restarting", False) for e in _engines(engine_client))
+
+
+def engine_restarting_error() -> ErrorResponse:
+    """The 503 body of ``/health`` and ``/ready`` while a self-heal restart is under way."""
+    return make_error("The engine is restarting after a failure (self-heal): no engine serves now; requests in "
+                      "flight resume when it is up.", 503, err_type="EngineRestartingError")
+
+
 def engine_stalled_error(state: Any) -> Optional[ErrorResponse]:
     """The 503 body ``/health`` answers when the app's engine is stalled (see
     :meth:`AdmissionController.stalled_for`), else None."""
@@ -467,6 +496,7 @@ def make_admission_controller(engine_client: Any, args: Any, stat_logger: Any = 
                                      max_num_seqs=max_num_seqs, stat_logger=stat_logger, uses_kv_cache=not encoder)
     # the engine's fair share between tenants (core/fair_share.py): see check()
     controller.fair_share = bool(getattr(getattr(config, "scheduler_config", None), "tenant_fair_share", False))
+    controller.is_restarting = lambda: engine_healing(engine_client)
     loggers = getattr(engine_client, "stat_loggers", None)
     if loggers is not None:  # one controller per engine client: a rebuilt app state replaces it
         loggers[:] = [sl for sl in loggers if not isinstance(sl, AdmissionController)] + [controller]

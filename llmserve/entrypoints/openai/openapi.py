@@ -39,8 +39,8 @@ STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class HealthResponse(BaseModel):
-    """``GET /health``'s body: ``{"status": "ok"}`` while the engine runs, ``{"status":
-    "healing"}`` while a self-heal restart is under way (both 200: the server is alive)."""
+    """``GET /health``'s 200 body: ``{"status": "ok"}``, only while an engine serves (a
+    dead, restarting or stalled engine is a 503 with the error body)."""
 
     status: str
 
