@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, Awaitable, Callable, Optional
 
 logger = logging.getLogger("llmserve.entrypoints.openai.api_server")
@@ -117,6 +118,17 @@ def bind_listening_socket(host: Optional[str], port: int) -> "socket.socket":
     except OSError as e:
         where = host if host is not None else "0.0.0.0"
         raise ValueError(f"cannot listen on {where}:{port} (--host/--port): {e.strerror or e}") from None
+
+
+def check_uds_path(path: str) -> None:
+    """``--uds PATH`` checked before the engine starts: its folder must exist and be
+    writable (uvicorn binds the socket only once the model has loaded, and a missing
+    folder was a FileNotFoundError traceback then). Raises ValueError naming the flag."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot listen on the Unix socket {path!r} (--uds): folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot listen on the Unix socket {path!r} (--uds): folder {folder!r} is not writable")
 
 
 async def serve_http(app: Any, engine_client: Any, sockets: Optional[list] = None, **uvicorn_kwargs: Any) -> bool:

@@ -25,10 +25,13 @@ GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 
 def check_gguf_architecture(gguf_path: str) -> str:
     """The file's ``general.architecture``; ValueError naming it and the supported ones when
-    llmserve cannot run it (before transformers reads the rest of the metadata)."""
-    from llmserve.model_loader.gguf_loader import read_gguf_tensors
+    llmserve cannot run it (before transformers reads the rest of the metadata);
+    GGUFDamagedError (a ValueError) for a file cut short."""
+    from llmserve.model_loader.gguf_loader import GGUFDamagedError, read_gguf_tensors
     try:
         arch = read_gguf_tensors(gguf_path)[0]
+    except GGUFDamagedError:  # cut short: said as such, not as transformers' struct.error
+        raise
     except Exception:  # an odd file: let transformers' reader say what is wrong with it
         return ""
     if arch not in GGUF_ARCHITECTURES:

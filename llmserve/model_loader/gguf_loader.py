@@ -96,7 +96,23 @@ _PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": 
                  "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
+class GGUFDamagedError(ValueError):
+    """A GGUF file cut short or damaged: its header runs past the end of the file, or a
+    tensor's data does. Named at start-up as such (no caller falls back on it)."""
+
+
 def read_gguf_tensors(path: str, metadata: Optional[dict] = None) -> tuple[str, list[GGUFTensorInfo]]:
+    """``(general.architecture, tensors)`` of a little-endian GGUF v2/v3 file
+    (:func:`_parse_gguf`). Raises GGUFDamagedError for a file cut short (a partial
+    download), ValueError for files this parser does not read."""
+    try:
+        return _parse_gguf(path, metadata)
+    except struct.error as e:
+        raise GGUFDamagedError(f"{path} is truncated or damaged: its header ends early ({e}); "
+                               "download it again") from None
+
+
+def _parse_gguf(path: str, metadata: Optional[dict] = None) -> tuple[str, list[GGUFTensorInfo]]:
     """``(general.architecture, tensors)`` of a little-endian GGUF v2/v3 file.
 
     Parses only what loading needs: it skips the metadata values (the 49k-entry tokenizer
@@ -182,10 +198,16 @@ def read_gguf_tensors(path: str, metadata: Optional[dict] = None) -> tuple[str, 
         dtype = _PLAIN_DTYPES.get(ttype.name)
         begin = data_start + rel
         if dtype is not None:
-            data = mm[begin:begin + n_elems * np.dtype(dtype).itemsize].view(dtype).reshape(np_dims)
+            n_bytes = n_elems * np.dtype(dtype).itemsize
         else:
             block, type_size = GGML_QUANT_SIZES[ttype]
             n_bytes = n_elems * type_size // block
+        if begin + n_bytes > len(mm):
+            raise GGUFDamagedError(f"{path} is truncated: tensor {name!r} needs bytes up to {begin + n_bytes:,} "
+                                   f"but the file has {len(mm):,}; download it again")
+        if dtype is not None:
+            data = mm[begin:begin + n_bytes].view(dtype).reshape(np_dims)
+        else:
             data = mm[begin:begin + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, ttype))
         tensors.append(GGUFTensorInfo(name, ttype, data))
     return arch, tensors

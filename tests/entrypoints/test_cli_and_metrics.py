@@ -196,6 +196,12 @@ def test_engine_load_failure_is_a_one_line_error(tmp_path):
     assert last.startswith("llmserve serve: error: ") and "no .safetensors weights" in last, last
 
 
+def test_uds_in_a_missing_folder_fails_before_the_engine_loads():
+    proc = _run("serve", "--uds", "/nonexistent-llmserve-dir/sock")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "(--uds): folder '/nonexistent-llmserve-dir' does not exist" in proc.stderr
+
+
 def test_engine_starts_before_the_parser_only_for_one_engine():
     from llmserve.entrypoints.cli import _plain_serve
 

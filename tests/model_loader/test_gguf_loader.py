@@ -43,6 +43,32 @@ def test_fast_index_matches_gguf_reader(tmp_path, alignment):
         read_gguf_tensors(str(tmp_path / "x.gguf"))
 
 
+def test_a_file_cut_short_is_named_truncated(tmp_path):
+    """A partial download: cut in the header (struct would run off the end) or in the
+    tensor data (numpy would fail to reshape) is GGUFDamagedError saying so, also from
+    the architecture check that runs first at start-up."""
+    import gguf
+
+    from llmserve.model_loader.gguf_config import check_gguf_architecture
+    from llmserve.model_loader.gguf_loader import GGUFDamagedError
+
+    path = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    for cut, words in ((8, "header ends early"), (len(data) - 100, "'token_embd.weight' needs bytes")):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        for read in (read_gguf_tensors, check_gguf_architecture):
+            with pytest.raises(GGUFDamagedError, match=words):
+                read(str(short))
+    assert check_gguf_architecture(str(path)) == "llama"
+
+
 def test_name_mapping():
     assert gguf_to_hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert gguf_to_hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"

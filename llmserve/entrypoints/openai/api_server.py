@@ -38,7 +38,7 @@ from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.gc_utils import freeze_gc_heap
 from llmserve.entrypoints.anthropic.api_router import ANTHROPIC_ERROR_SHAPE, register_anthropic_api_routers
 from llmserve.entrypoints.ollama.api_router import OLLAMA_ERROR_SHAPE, register_ollama_api_routers
-from llmserve.entrypoints.launcher import bind_listening_socket, serve_http
+from llmserve.entrypoints.launcher import bind_listening_socket, check_uds_path, serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
@@ -304,7 +304,9 @@ async def run_server(args: argparse.Namespace, sock: Any = None,
     binds its socket before the engine starts (``bind_listening_socket``; ValueError when
     the host/port cannot be bound)."""
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
-    if sock is None and not getattr(args, "uds", None):
+    if getattr(args, "uds", None):
+        check_uds_path(args.uds)  # uvicorn binds it only after the model loaded
+    elif sock is None:
         sock = bind_listening_socket(args.host, args.port)
     async with build_async_engine_client(args, client_config=client_config) as engine_client, \
             build_extra_engine_clients(args, build_async_engine_client_from_engine_args) as extras:
