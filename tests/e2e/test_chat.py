@@ -274,12 +274,15 @@ def test_continue_final_message_c24(server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_max_tokens_zero(server, stream):
-    """max_tokens 0: nothing generated, finish "length", 200 (no 5xx)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}
-    if stream:
-        chunks = server.stream_chunks("/v1/chat/completions", {**body, "stream": True})
-        assert stream_text(chunks, chat=True) == "" and [r for r in finish_reasons(chunks) if r] == ["length"]
-    else:
-        r = chat(server, **body)
-        assert r["choices"][0]["message"]["content"] == "" and r["usage"]["completion_tokens"] == 0
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_zero_output_tokens_is_a_400_unless_echo(server, stream, field):
+    """OpenAI and vLLM refuse 0 output tokens on chat ("expected a value >= 1"): a 400
+    naming the field, not an empty 200; with ``echo`` (score the prompt) 0 is allowed."""
+    from test_errors import assert_error
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], field: 0, "stream": stream}
+    assert_error(server.post("/v1/chat/completions", body), 400, field)
+    r = server.post("/v1/chat/completions", {**body, "stream": False, "echo": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
+
+
