@@ -353,3 +353,34 @@ def test_cancel_of_finished_foreground_and_unknown_responses_c63(rserver):
     _error_json(rserver.post("/v1/responses/resp_doesnotexist/cancel"), 404)  # A6
     with pytest.raises(openai.NotFoundError):
         c.responses.cancel("resp_doesnotexist")
+
+
+def test_request_timeout_is_a_408_on_the_apis_without_an_abort_reason(rserver):
+    """X-Request-Timeout running out: chat keeps vLLM's 200 + finish_reason "abort"; the
+    Responses API (no such reason) answers 408 naming the header, streamed as an error
+    event then response.failed; never the "server is shutting down" 500."""
+    slow = {"model": MODEL, "input": "Count from 1 to 500.", "max_output_tokens": 400}
+    headers = {"X-Request-Timeout": "0.3"}
+    r = rserver.post("/v1/responses", slow, headers=headers)
+    assert r.status_code == 408, r.text
+    err = r.json()["error"]
+    assert err["param"] == "X-Request-Timeout" and "X-Request-Timeout" in err["message"], err
+    with rserver.http.stream("POST", "/v1/responses", json={**slow, "stream": True}, headers=headers) as s:
+        text = "".join(s.iter_text())
+    assert "event: response.failed" in text and "X-Request-Timeout" in text, text[-500:]
+    chat = rserver.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 400,
+                                                 "messages": [{"role": "user", "content": "Count from 1 to 500."}]},
+                        headers=headers)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] == "abort", chat.text
+
+
+def test_request_timeout_on_anthropic_and_ollama_is_a_timeout_not_a_shutdown(rserver):
+    """The same deadline on /v1/messages (Anthropic's timeout_error) and /api/chat
+    (Ollama's {"error"}): a 408 naming the header, not an api_error 500."""
+    ask = [{"role": "user", "content": "Count from 1 to 500."}]
+    headers = {"X-Request-Timeout": "0.3"}
+    a = rserver.post("/v1/messages", {"model": MODEL, "max_tokens": 400, "messages": ask}, headers=headers)
+    assert a.status_code == 408 and a.json()["error"]["type"] == "timeout_error", a.text
+    o = rserver.post("/api/chat", {"model": MODEL, "messages": ask, "stream": False,
+                                   "options": {"num_predict": 400}}, headers=headers)
+    assert o.status_code == 408 and "X-Request-Timeout" in o.json()["error"], o.text

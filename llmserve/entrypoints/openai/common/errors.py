@@ -11,7 +11,7 @@ from typing import Optional
 
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStartError
 from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
-from llmserve.entrypoints.openai.deadline import RequestDeadlineExceeded
+from llmserve.entrypoints.openai.deadline import REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.lora.errors import LoRANotFoundError
 from llmserve.sampling_params import SamplingParamsError
@@ -65,9 +65,15 @@ class RequestAbortedError(EngineGenerateError):
 
 def check_finished_normally(finish_reason: Optional[str], output_tokens: Optional[int] = None) -> None:
     """Raise RequestAbortedError when ``finish_reason`` is set and not a normal end
-    (NORMAL_FINISH_REASONS); None (not finished yet) passes."""
-    if finish_reason is not None and finish_reason not in NORMAL_FINISH_REASONS:
-        raise RequestAbortedError(finish_reason, output_tokens)
+    (NORMAL_FINISH_REASONS), or RequestDeadlineExceeded (408) when the abort was the
+    request's own ``X-Request-Timeout`` running out; None (not finished yet) passes."""
+    if finish_reason is None or finish_reason in NORMAL_FINISH_REASONS:
+        return
+    deadline = current_deadline()
+    if finish_reason == "abort" and deadline is not None and deadline.remaining() <= 0:
+        after = f" after {output_tokens} output tokens" if output_tokens is not None else ""
+        raise RequestDeadlineExceeded(f"The request ran past its {REQUEST_TIMEOUT_HEADER} and was stopped{after}.")
+    raise RequestAbortedError(finish_reason, output_tokens)
 
 
 def error_type_for(status_code: int) -> str:
