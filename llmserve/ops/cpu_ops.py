@@ -201,3 +201,59 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def build_dir_for(source: str, prefix: str) -> str:
+    """``~/.cache/llmserve/torch_extensions/<prefix>_<hash>`` (created) for one small
+    extension built from ``csrc/<source>``: the hash covers the source, torch's version,
+    the CPU and the environment, so any change builds into a fresh folder."""
+    with open(os.path.join(CSRC_DIR, source)) as f:
+        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions", f"{prefix}_{digest}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def import_built(build_dir: str, name: str) -> Optional[Any]:
+    """The built module ``<build_dir>/<name>.so``, imported without ``cpp_extension.load``'s
+    compiler checks (seconds of every engine start), or None (absent, partial, foreign)."""
+    import importlib.util
+
+    path = os.path.join(build_dir, f"{name}.so")
+    if not os.path.exists(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # a partial or foreign file: rebuild
+        return None
+
+
+def load_small_extension(name: str, source: str, prefix: str, what: str, fallback: str,
+                         cflags: list[str], ldflags: Optional[list[str]] = None) -> Optional[Any]:
+    """One small extension (``csrc/<source>`` as module ``name``): the cached build, else
+    built once under :func:`build_lock`; None when ``LLMSERVE_CPU_OPS=0`` or the build fails
+    (logged: ``what`` is unavailable, ``fallback`` runs instead). The LoRA kernel and the
+    KV tier reader are built this way, apart from the model kernels, so that neither
+    rebuilds the other."""
+    if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
+        return None
+    build_dir = build_dir_for(source, prefix)
+    module = import_built(build_dir, name)
+    if module is not None:
+        return module
+    try:
+        from torch.utils.cpp_extension import load
+        logger.warning("Building the %s for this CPU into %s (once per machine and source; this takes 20 s to "
+                       "minutes)", what, build_dir)
+        with build_lock(build_dir):
+            return import_built(build_dir, name) or load(
+                name=name, sources=[os.path.join(CSRC_DIR, source)], extra_cflags=cflags,
+                extra_ldflags=ldflags or [], build_directory=build_dir, verbose=False)
+    except Exception as e:  # no compiler: the caller's fallback still works
+        logger.warning("%s unavailable (%s: %s); using %s", what[0].upper() + what[1:], type(e).__name__,
+                       str(e).splitlines()[0] if str(e) else "", fallback)
+        return None

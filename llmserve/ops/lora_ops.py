@@ -33,46 +33,17 @@ a step, a third of it zero padding.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
-import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from llmserve import envs
-from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature, build_lock
+from llmserve.ops.cpu_ops import build_dir_for, load_small_extension
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = "lora.cpp"
 _NAME = "llmserve_lora_ops"
-
-
-def _build_dir() -> str:
-    with open(os.path.join(CSRC_DIR, _SOURCE)) as f:
-        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions", f"lora_ops_{digest}")
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _load_built(build_dir: str) -> Optional[Any]:
-    """The built module, imported without ``cpp_extension.load``'s compiler checks (seconds
-    of every engine start; see cpu_ops._load_built), or None."""
-    path = os.path.join(build_dir, f"{_NAME}.so")
-    if not os.path.exists(path):
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location(_NAME, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except Exception:  # a partial or foreign file: rebuild
-        return None
 
 
 def get_lora_kernel() -> Optional[Callable]:
@@ -90,25 +61,7 @@ def get_lora_kernel() -> Optional[Callable]:
 @functools.lru_cache(maxsize=1)
 def _lora_module() -> Optional[Any]:
     """The built extension (``lora_add``, ``LoRAModule``), or None (see get_lora_kernel)."""
-    if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
-        return None
-    build_dir = _build_dir()
-    module = _load_built(build_dir)
-    if module is None:
-        try:
-            from torch.utils.cpp_extension import load
-            logger.warning("Building the LoRA kernel for this CPU into %s (once per machine and source; "
-                           "this takes 20 s to minutes)", build_dir)
-            with build_lock(build_dir):
-                module = _load_built(build_dir) or load(
-                    name=_NAME, sources=[os.path.join(CSRC_DIR, _SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
-        except Exception as e:  # no compiler: the torch path still works
-            logger.warning("LoRA kernel unavailable (%s: %s); using the torch path", type(e).__name__,
-                           str(e).splitlines()[0] if str(e) else "")
-            return None
-    return module
+    return load_small_extension(_NAME, _SOURCE, "lora_ops", "LoRA kernel", "the torch path", ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-fopenmp"])
 
 
 def bind_lora_kernel(a_stack: torch.Tensor, b_stack: torch.Tensor, ranges: torch.Tensor,
@@ -240,7 +193,7 @@ def main() -> None:
     import time
     t0 = time.time()
     ok = get_lora_kernel() is not None
-    print(f"llmserve LoRA kernel: {'built' if ok else 'UNAVAILABLE'} in {time.time() - t0:.1f}s ({_build_dir()})")
+    print(f"llmserve LoRA kernel: {'built' if ok else 'UNAVAILABLE'} in {time.time() - t0:.1f}s ({build_dir_for(_SOURCE, 'lora_ops')})")
 
 
 if __name__ == "__main__":

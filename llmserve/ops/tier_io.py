@@ -16,17 +16,12 @@ model kernels are not rebuilt when this source changes) into
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
-import os
-import sys
 from typing import Any, Optional
 
 import torch
 
-from llmserve import envs
-from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature, build_lock
+from llmserve.ops.cpu_ops import load_small_extension
 
 logger = logging.getLogger(__name__)
 
@@ -49,29 +44,6 @@ STATUS_REASONS = {
 MISSING, SKIPPED = 1, 9
 # Payloads this short take the Python path (the C++ XXH3 covers inputs over 240 bytes only).
 MIN_PAYLOAD = 241
-
-
-def _build_dir() -> str:
-    with open(os.path.join(CSRC_DIR, _SOURCE)) as f:
-        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions", f"tier_io_{digest}")
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def _load_built(build_dir: str) -> Optional[Any]:
-    """The built module, imported without ``cpp_extension.load``'s compiler checks, or None."""
-    path = os.path.join(build_dir, f"{_NAME}.so")
-    if not os.path.exists(path):
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location(_NAME, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except Exception:  # a partial or foreign file: rebuild
-        return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,21 +70,4 @@ def get_tier_io() -> Optional[Any]:
     - ``FORMAT_VERSION``, ``HEADER_SIZE``: the file format it reads (3, 76 bytes).
     Each raises RuntimeError on a shape, dtype or range mismatch.
     """
-    if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
-        return None
-    build_dir = _build_dir()
-    module = _load_built(build_dir)
-    if module is None:
-        try:
-            from torch.utils.cpp_extension import load
-            logger.warning("Building the KV tier reader for this CPU into %s (once per machine and source; "
-                           "this takes 20 s to minutes)", build_dir)
-            with build_lock(build_dir):
-                module = _load_built(build_dir) or load(
-                    name=_NAME, sources=[os.path.join(CSRC_DIR, _SOURCE)],
-                    extra_cflags=["-O3", "-march=native"], build_directory=build_dir, verbose=False)
-        except Exception as e:  # no compiler: disk_store's Python reads still work
-            logger.warning("KV tier reader unavailable (%s: %s); using the Python path", type(e).__name__,
-                           str(e).splitlines()[0] if str(e) else "")
-            return None
-    return module
+    return load_small_extension(_NAME, _SOURCE, "tier_io", "KV tier reader", "the Python path", ["-O3", "-march=native"])
