@@ -311,6 +311,8 @@ C69_WORDS = {SENTENCES: ["apple", "carrot", "banana", "pear", "morning", "onion"
              GAP: ["first", "final"]}
 
 
+@pytest.mark.slow  # 62 s + 15 s quiet (43-49 s of audio on whisper-base, 2 cores); `make test-all`. make test
+# keeps the re-decode's unit test (tests/models/test_whisper.py::test_resume_point_seeks_as_transcribe)
 @pytest.mark.parametrize("name", [SENTENCES, GAP])
 def test_long_audio_c69(srv, name):
     """C69: files past Whisper's 30 s window are transcribed whole, in json, verbose_json
