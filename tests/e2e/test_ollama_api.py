@@ -151,6 +151,7 @@ def test_errors_in_ollama_shape(server):
     assert unloaded["done"] and unloaded["done_reason"] == "unload"
 
 
+@pytest.mark.slow  # 18 s: three prefills of a near-full context; `make test-all`
 def test_num_predict_past_the_context_fills_it_and_bad_numbers_name_the_option(server):
     """``num_predict`` above the room the prompt leaves generates until the context is full
     (Ollama's behaviour), on /api/chat and both /api/generate forms, instead of a 400
