@@ -77,10 +77,9 @@ async def _one_request_per_connection_server():
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
-def test_a_request_on_a_connection_the_server_closed_is_sent_again():
-    """bench serve resends (once) a request that failed before any response because the
-    pooled keep-alive connection was closed by the server: llama-server's HTTP library does
-    this, and the compare script used to count those as llama-server's failed requests."""
+def _bench_against_a_dropping_server(max_concurrency: int, num_requests: int) -> dict:
+    """bench serve's result for ``num_requests`` 3-token completions at ``max_concurrency``
+    against a server that closes each connection after one request."""
     import argparse
     import asyncio
 
@@ -90,15 +89,22 @@ def test_a_request_on_a_connection_the_server_closed_is_sent_again():
         server = await _one_request_per_connection_server()
         port = server.sockets[0].getsockname()[1]
         args = argparse.Namespace(ignore_eos=True, temperature=0.0, api_key=None, request_timeout=30,
-                                  max_concurrency=1, seed=0, num_warmups=0, lora_modules=None,
+                                  max_concurrency=max_concurrency, seed=0, num_warmups=0, lora_modules=None,
                                   request_rate=float("inf"), burstiness=1.0, metric_percentiles="99")
         try:
             return await benchmark(args, f"http://127.0.0.1:{port}/v1/completions", "m",
-                                   [([1, 2, 3], 3, 1)] * 4, chat=False)
+                                   [([1, 2, 3], 3, 1)] * num_requests, chat=False)
         finally:
             server.close()
 
-    result = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_request_on_a_connection_the_server_closed_is_sent_again():
+    """bench serve resends (once) a request that failed before any response because the
+    pooled keep-alive connection was closed by the server: llama-server's HTTP library does
+    this, and the compare script used to count those as llama-server's failed requests."""
+    result = _bench_against_a_dropping_server(max_concurrency=1, num_requests=4)
     assert result["completed"] == 4 and result["failed"] == 0 and result["errors"] == []
     # requests 2 and 4 met a dropped connection; 2's resend went on a connection that is not
     # pooled, so request 3 opened a new pooled one
@@ -120,24 +126,7 @@ def test_a_resend_takes_a_connection_of_its_own_not_another_pooled_one():
     """At 8 streams the pool holds 8 connections the server will drop when reused: the 9th
     request meets one, and its resend must not take another from the pool (it did, and
     1-6 of 64 llama-server requests at 32 streams still failed after their resend)."""
-    import argparse
-    import asyncio
-
-    from llmserve.benchmarks.serve import benchmark
-
-    async def run():
-        server = await _one_request_per_connection_server()
-        port = server.sockets[0].getsockname()[1]
-        args = argparse.Namespace(ignore_eos=True, temperature=0.0, api_key=None, request_timeout=30,
-                                  max_concurrency=8, seed=0, num_warmups=0, lora_modules=None,
-                                  request_rate=float("inf"), burstiness=1.0, metric_percentiles="99")
-        try:
-            return await benchmark(args, f"http://127.0.0.1:{port}/v1/completions", "m",
-                                   [([1, 2, 3], 3, 1)] * 9, chat=False)
-        finally:
-            server.close()
-
-    result = asyncio.run(run())
+    result = _bench_against_a_dropping_server(max_concurrency=8, num_requests=9)
     assert result["completed"] == 9 and result["failed"] == 0 and result["errors"] == []
     assert result["retried_stale_connections"] == 1
 
