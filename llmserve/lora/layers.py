@@ -6,7 +6,8 @@ the base module once for all rows and then adds each row's low-rank delta from s
 per-slot weights (``llmserve.ops.lora_ops``). A fused module's slices (q/k/v, gate/up)
 each have their own A and B: A side by side in ``a_stack [slots, in, n * R]``, each B
 over its own columns of ``b_stack [slots, R, out]`` (no zero blocks), and one kernel call
-per module adds every row's delta (``lora_ops``). Under tensor parallel, a column-parallel module
+per module adds every row's delta (``lora_ops``), or, on a packed GGUF base with one
+adapter in the step, the packed GEMM runs it in its own threads (``fused_weight``). Under tensor parallel, a column-parallel module
 keeps the B columns of its rows (``lora_out_index``, recorded by ``shard_llama``); a
 row-parallel one keeps the A rows of its input columns (``lora_in_index``) and adds its
 partial delta before the all-reduce, as vLLM's ``RowParallelLinearWithLoRA``."""
@@ -18,8 +19,22 @@ import torch
 from torch import nn
 
 from llmserve.ops import batch_invariant
+from llmserve.ops.kquant import KQuantWeight
 from llmserve.ops.lora_ops import (LoRAMapping, bind_lora_kernel, column_ranges, kernel_supports, lora_add_torch,
                                    slot_weights)
+from llmserve.ops.quant_ops import QuantWeight
+
+# Packed weights whose GEMM takes a LinearHook (csrc/quant_gemv.cpp).
+_HOOKABLE = (QuantWeight, KQuantWeight)
+
+
+def fused_weight(base: nn.Module) -> Optional[Any]:
+    """The packed weight whose GEMM can run the deltas in its threads (a ``QuantWeight`` or
+    ``KQuantWeight`` that takes every step of a bias-free ``Linear``), else None."""
+    qw = getattr(base, "qweight", None)
+    if type(qw) in _HOOKABLE and base.packed_only and base.bias is None:
+        return qw
+    return None
 
 
 class LoRAStepContext:
@@ -46,6 +61,7 @@ class LinearWithLoRA(nn.Module):
         # Plain attributes for the hot path: nn.Module.__getattr__ (submodules) costs ~1 us
         # a lookup, ~500 a step with adapters on all four linears of 30 layers.
         self.__dict__["_base_forward"] = base.forward
+        self.__dict__["_base"] = base
         self.slices, self.in_full, self.rank, self.ctx = slices, in_full, rank, ctx
         self.out_full = sum(size for _, size in slices)
         self.out_index: Optional[torch.Tensor] = getattr(base, "lora_out_index", None)
@@ -113,10 +129,15 @@ class LinearWithLoRA(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._base_forward(x)
         m = self.ctx.mapping  # inline, not _delta_into: one Python call less in 120 modules a step
-        if m is not None and self.used:
-            self._add(y, x, m.segs)
+        if m is None or not self.used:
+            return self._base_forward(x)
+        if m.fused and self.native is not None and x.dim() == 2:
+            qw = fused_weight(self._base)
+            if qw is not None:  # the deltas inside the packed GEMM's threads (lora.cpp: hook)
+                return qw.linear(x, False, self.native.hook(x, m.segs))
+        y = self._base_forward(x)
+        self._add(y, x, m.segs)
         return y
 
 

@@ -209,10 +209,12 @@ class KQuantWeight:
     def shape(self) -> tuple[int, int]:
         return self.n, self.codes.shape[1] * 32
 
-    def linear(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
-        """``x [M, K] @ W.T`` -> ``[M, n]`` in x's dtype (float32 with ``out_float``)."""
+    def linear(self, x: torch.Tensor, out_float: bool = False, hook: int = 0) -> torch.Tensor:
+        """``x [M, K] @ W.T`` -> ``[M, n]`` in x's dtype (float32 with ``out_float``);
+        ``hook`` as ``QuantWeight.linear``'s."""
         from llmserve.ops.quant_ops import get_quant_ops
-        return get_quant_ops().kquant_linear(x, self.codes, self.sc, self.dd, self.bits, self.z, self.n, out_float)
+        return get_quant_ops().kquant_linear(x, self.codes, self.sc, self.dd, self.bits, self.z, self.n, out_float,
+                                             hook)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) of W, float32 ``[T, K]``, exactly gguf's values.

@@ -100,9 +100,12 @@ class QuantWeight:
     def shape(self) -> tuple[int, int]:
         return self.n, self.dm.shape[1] * 32
 
-    def linear(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
-        """``x [M, K] @ W.T`` -> ``[M, n]`` in x's dtype (float32 with ``out_float``)."""
-        return get_quant_ops().quant_linear(x, self.codes, self.dm, self.bits, self.n, out_float)
+    def linear(self, x: torch.Tensor, out_float: bool = False, hook: int = 0) -> torch.Tensor:
+        """``x [M, K] @ W.T`` -> ``[M, n]`` in x's dtype (float32 with ``out_float``).
+        ``hook``: the address of a ``LinearHook`` run by each of the GEMM's threads around
+        its output columns (``csrc/quant_gemv.cpp``; made by ``LoRAModule.hook`` for these
+        rows and columns, else RuntimeError), 0 for none."""
+        return get_quant_ops().quant_linear(x, self.codes, self.dm, self.bits, self.n, out_float, hook)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) of W, dequantized exactly: float32 ``[T, K]`` (the

@@ -250,6 +250,12 @@ def test_smollm2_adapters_match_peft_dense_and_packed(smollm2_hf, smollm2_resolv
         return float(torch.corrcoef(torch.stack([(out["l"] - out["b"]).flatten(), ref]))[0, 1])
 
     packed_corr = delta_corr()
+    # One adapter's rows run their deltas inside the packed GEMM's threads (LoRAMapping.fused);
+    # beside a second adapter's rows, as a kernel call of their own: the same bits.
+    mgr.add(LoRARequest("a1", 1, str(tmp_path / "r8")))
+    alone = lora_step(step_runner_cls(packed), mgr, [("l", seqs["a"], 2), ("b", seqs["b"], 0)])
+    mixed = lora_step(step_runner_cls(packed), mgr, [("l", seqs["a"], 2), ("o", seqs["c"], 1)])
+    assert torch.equal(alone["l"], mixed["l"])
     for m in packed.modules():  # the same model on dense bfloat16 weights (the loader dropped them)
         if isinstance(m, Linear) and m.qweight is not None:
             dense = m.qweight.rows(torch.arange(m.qweight.n)).to(torch.bfloat16)

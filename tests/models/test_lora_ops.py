@@ -251,3 +251,60 @@ def test_bound_module_gives_lora_adds_bits(dtype, wdt):
     with pytest.raises(RuntimeError, match=r"ranks\[3\] = 17 is outside 0..16"):
         mod.add(torch.zeros(1, 88, dtype=dtype), x, one)
 
+
+
+def _packed(qtype: int, n: int, k: int, seed: int):
+    """A packed weight [n, k] of GGUF type ``qtype`` quantized (ggml's rounding, gguf's or
+    our K-quant writer) from random normal values."""
+    import numpy as np
+
+    from llmserve.benchmarks.kquant_writer import quantize
+    from llmserve.ops.kquant import quant_weight_from_gguf
+
+    w = np.random.default_rng(seed).normal(0, 0.05, size=(n, k)).astype(np.float32)
+    return quant_weight_from_gguf(torch.from_numpy(quantize(w, qtype)), qtype)
+
+
+@pytest.mark.parametrize("qtype", [3, 12])  # Q4_1 (the default SmolLM2 file), Q4_K
+@pytest.mark.parametrize("dtype,wdt", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                       (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("threads", [2, 1])
+def test_deltas_inside_the_packed_gemm_give_the_same_bits(qtype, dtype, wdt, threads):
+    """``LoRAModule.hook`` runs the deltas inside the packed GEMM's threads (each thread
+    its share of the shrink, then its own output columns): the result is bit for bit the
+    GEMM followed by ``add`` for 1..20 rows of one adapter and of mixed slots and ranks,
+    on two threads and on one (the hook's calls then run one after the other), and a hook
+    made for other rows or columns is refused."""
+    from llmserve.ops.quant_ops import get_quant_ops
+
+    if get_quant_ops() is None:
+        pytest.skip("no AVX512-VNNI: the packed kernels are not built on this CPU")
+    g = torch.Generator().manual_seed(5)
+    slices = [(0, 256), (256, 64), (320, 64)]
+    ranks = [16, 3, 0, 8]
+    _, _, a, b = _per_slot_rank_stacks(wdt, ranks, 16, 256, slices, g)
+    rk = torch.tensor(ranks, dtype=torch.int32)
+    mod = _bound(a, b, column_ranges(slices), rk)
+    qw = _packed(qtype, 384, 256, seed=qtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, 21):
+            x = torch.randn(rows, 256, generator=g).to(dtype)
+            one = LoRAMapping([(rows % 2, 0, rows)], rows).segs
+            mixed = LoRAMapping(segments_of([t % 4 for t in range(rows)], [1] * rows), rows).segs
+            for segs in (one, mixed):
+                want = qw.linear(x)
+                mod.add(want, x, segs)
+                got = qw.linear(x, False, mod.hook(x, segs))
+                assert torch.equal(got, want), (rows, segs.tolist())
+    finally:
+        torch.set_num_threads(before)
+    x = torch.randn(3, 256, generator=g).to(dtype)
+    segs = LoRAMapping([(0, 0, 3)], 3).segs
+    with pytest.raises(RuntimeError, match="the hook does not fit this call"):
+        qw.linear(x[:2], False, mod.hook(x, segs))
+    with pytest.raises(RuntimeError, match="the hook does not fit this call"):
+        qw.linear(x, True, mod.hook(x, segs))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        mod.hook(torch.zeros(3, 100, dtype=dtype), segs)

@@ -18,8 +18,11 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sched.h>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -700,6 +703,16 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b
 // ranges, reads the ranks through a pointer to the caller's tensor (written in place when a
 // slot changes), and keeps the GIL unless the call is split over threads (large steps: an
 // adapter-loading thread runs meanwhile). Tensors are held, so the pointers stay valid.
+// quant_gemv.cpp's LinearHook (the same C ABI, version 1): pre/post run by each thread of
+// the base GEMM around its share of the output columns.
+struct LinearHook {
+  int64_t abi;
+  void (*pre)(void* ctx, int64_t c0, int64_t c1, int64_t n);
+  void (*post)(void* ctx, int64_t c0, int64_t c1, void* out, int64_t ldo);
+  void* ctx;
+  int64_t rows, n;
+};
+
 class LoRAModule {
  public:
   LoRAModule(torch::Tensor a, torch::Tensor b, torch::Tensor ranges, torch::Tensor ranks)
@@ -726,7 +739,132 @@ class LoRAModule {
     run_typed(y, x, ap_, bp_, wbf_, items, rp_, d, work);
   }
 
+  // The deltas of the next base GEMM of x (quant_gemv.cpp's quant_linear(..., hook=)) run
+  // inside its threads: returns the address of a LinearHook valid until the next hook() or
+  // add() call, for x [T, K] (rows contiguous; held until then) and segs as add()'s. The
+  // arithmetic, and so every bit of y, is add()'s: the shrink's (block, chunk) tasks are the
+  // threaded path's, summed in chunk order, and each output column is one FMA chain added
+  // once. What differs is who runs them: each GEMM thread takes its share of the shrink
+  // tasks before its columns (pre), then any task no thread has taken, waits for the
+  // others' to finish, and expands into its own columns only (post), so the adapter is read
+  // by both cores while the base model's weights stream, with no parallel region of its own.
+  // Why (SmolLM2-135M Q4_1, rank 16 on all seven projections, one decode row): add() ran
+  // after the GEMM on one thread (a fork cost more than it saved) and read the 9.8 MB of
+  // adapter a step at ~14 GB/s from one core.
+  int64_t hook(torch::Tensor x, torch::Tensor segs) {
+    check_xy(x, x, d_.K, d_.K);  // rows contiguous, K columns
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                "lora hook: x must be float32, bfloat16 or float16");
+    items_of(segs, x.size(0), S_, d_.R, kp_, d_.K, d_.n, d_.N, fitems_);
+    x_ = x;
+    fd_ = d_;
+    fd_.ldx = x.stride(0);
+    kc_ = chunk_rows(d_.K);
+    nkc_ = (d_.K + kc_ - 1) / kc_;
+    ntask_ = static_cast<int64_t>(fitems_.size()) * nkc_;
+    if (static_cast<int64_t>(parts_.size()) < ntask_ * RB * d_.W) parts_.resize(ntask_ * RB * d_.W);
+    if (ntask_ > nclaimed_) {
+      claimed_.reset(new std::atomic<int32_t>[ntask_]);
+      nclaimed_ = ntask_;
+    }
+    for (int64_t i = 0; i < ntask_; ++i) claimed_[i].store(0, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_release);
+    const bool bf = x.scalar_type() == at::kBFloat16, half = x.scalar_type() == at::kHalf;
+    using BF = c10::BFloat16;
+    if (wbf_) set_fns<BF>(bf, half);
+    else set_fns<float>(bf, half);
+    hook_.abi = 1;
+    hook_.ctx = this;
+    hook_.rows = x.size(0);
+    hook_.n = d_.N;
+    return reinterpret_cast<int64_t>(&hook_);
+  }
+
  private:
+  template <typename WT>
+  void set_fns(bool bf, bool half) {
+    using BF = c10::BFloat16;
+    if (bf) { hook_.pre = &pre_fn<BF, WT>; hook_.post = &post_fn<BF, WT>; }
+    else if (half) { hook_.pre = &pre_fn<c10::Half, WT>; hook_.post = &post_fn<c10::Half, WT>; }
+    else { hook_.pre = &pre_fn<float, WT>; hook_.post = &post_fn<float, WT>; }
+  }
+
+  // Shrink task i: block i / nkc_'s partial over A's rows of chunk i % nkc_ (as run()).
+  template <typename XT, typename WT>
+  void task(int64_t i) {
+    const Item& it = fitems_[i / nkc_];
+    const int64_t k0 = (i % nkc_) * kc_;
+    shrink_part<XT, WT>(parts_.data() + i * RB * fd_.W, static_cast<const XT*>(x_.data_ptr()) + it.start * fd_.ldx,
+                        static_cast<const WT*>(ap_) + it.slot * fd_.K * fd_.W, it.end - it.start, fd_.n * it.r,
+                        fd_.ldx, k0, std::min(fd_.K, k0 + kc_), static_cast<const WT*>(bp_), 0, fd_.K);
+    done_.fetch_add(1, std::memory_order_release);
+  }
+
+  // Runs the shrink tasks [i0, i1) that no thread has claimed yet (a contiguous range: each
+  // thread's A stays one stream, where tasks handed out one at a time interleaved the two
+  // threads' chunks of each adapter's A).
+  template <typename XT, typename WT>
+  void take(int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      if (claimed_[i].exchange(1, std::memory_order_relaxed) == 0) task<XT, WT>(i);
+  }
+
+  // Before a thread's columns [c0, c1) of n: its share of the shrink tasks. Nothing more:
+  // asking its A and B columns into L2 here, for after the GEMM, cost more than it saved
+  // (one decode row, 120 modules: +0.21 ms a step for the prefetches alone, +0.55 against
+  // +0.50 ms with them).
+  template <typename XT, typename WT>
+  static void pre_fn(void* ctx, int64_t c0, int64_t c1, int64_t n) {
+    auto* self = static_cast<LoRAModule*>(ctx);
+    self->take<XT, WT>(self->ntask_ * c0 / n, self->ntask_ * c1 / n);
+  }
+
+  // After a thread's columns: the tasks left, the wait for the others' (each one claimed is
+  // running on a thread that waits for nothing), then each block's t (its chunks summed in
+  // order, as run()) expanded into columns [c0, c1) of every range.
+  template <typename XT, typename WT>
+  static void post_fn(void* ctx, int64_t c0, int64_t c1, void* out, int64_t ldo) {
+    auto* self = static_cast<LoRAModule*>(ctx);
+    self->take<XT, WT>(0, self->ntask_);
+    for (int spins = 0; self->done_.load(std::memory_order_acquire) < self->ntask_; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else sched_yield();  // the other thread lost its core: let it run
+    }
+    const Dims& d = self->fd_;
+    alignas(64) float t[RB * 64 * 3];
+    thread_local std::vector<float> big;
+    float* tp = t;
+    if (RB * d.W > static_cast<int64_t>(sizeof(t) / sizeof(float))) {
+      if (static_cast<int64_t>(big.size()) < RB * d.W) big.resize(RB * d.W);
+      tp = big.data();
+    }
+    const int32_t* rp = self->rp_;
+    for (size_t ii = 0; ii < self->fitems_.size(); ++ii) {
+      const Item& it = self->fitems_[ii];
+      const int64_t nr = it.end - it.start, w = d.n * it.r;
+      const float* part = self->parts_.data() + ii * self->nkc_ * RB * d.W;
+      std::copy(part, part + nr * w, tp);
+      for (int64_t c = 1; c < self->nkc_; ++c)
+        for (int64_t e = 0; e < nr * w; ++e) tp[e] += part[c * RB * d.W + e];
+      const WT* b = static_cast<const WT*>(self->bp_) + it.slot * d.R * d.N;
+      XT* y = static_cast<XT*>(out) + it.start * ldo;
+      for (int64_t p = 0; p < d.P; ++p) {
+        const int64_t lo = std::max<int64_t>(c0, rp[3 * p]), hi = std::min<int64_t>(c1, rp[3 * p + 1]);
+        if (lo < hi) expand_cols<XT, WT>(y, tp, b, nr, w, it.r, d.N, ldo, lo, hi, rp[3 * p + 2] * it.r);
+      }
+    }
+  }
+
+  torch::Tensor x_;  // the hooked call's input, held until the next hook()
+  std::vector<Item> fitems_;
+  std::vector<float> parts_;  // [ntask_, RB, W] partial shrinks
+  Dims fd_{};
+  int64_t kc_ = 0, nkc_ = 0, ntask_ = 0;
+  std::unique_ptr<std::atomic<int32_t>[]> claimed_;  // [ntask_]: 1 once a thread took task i
+  int64_t nclaimed_ = 0;
+  std::atomic<int64_t> done_{0};
+  LinearHook hook_{};
+
   torch::Tensor a_, b_, ranges_, ranks_;
   const void* ap_;
   const void* bp_;
@@ -745,5 +883,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LoRAModule>(m, "LoRAModule", "A linear's adapter stacks bound once: add(y, x, segs) (see lora.cpp)")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>(), py::arg("a"), py::arg("b"),
            py::arg("ranges"), py::arg("ranks"))
-      .def("add", &LoRAModule::add, py::arg("y"), py::arg("x"), py::arg("segs"));
+      .def("add", &LoRAModule::add, py::arg("y"), py::arg("x"), py::arg("segs"))
+      .def("hook", &LoRAModule::hook, py::arg("x"), py::arg("segs"));
 }

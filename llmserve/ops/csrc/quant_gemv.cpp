@@ -36,6 +36,23 @@
 #include <type_traits>
 #include <vector>
 
+// A per-thread hook into a linear's parallel region (the C ABI shared with lora.cpp's
+// LoRAModule::hook; abi must be kLinearHookAbi). Each thread that runs a share of the output
+// columns [c0, c1) calls pre(ctx, c0, c1, n) before its share of the GEMM and post(ctx, c0,
+// c1, out, ldo) after it, out pointing at the whole output (rows ldo elements apart, in x's
+// dtype): the LoRA deltas then run inside the GEMM's threads, each adding into its own
+// columns, instead of in a call of their own after it (see lora.cpp). A thread's calls may
+// run one after another on one thread (a nested or one-thread region): a hook must not wait
+// for another thread's pre unless that thread has started it.
+struct LinearHook {
+  int64_t abi;
+  void (*pre)(void* ctx, int64_t c0, int64_t c1, int64_t n);
+  void (*post)(void* ctx, int64_t c0, int64_t c1, void* out, int64_t ldo);
+  void* ctx;
+  int64_t rows, n;  // the x rows and output columns it was made for (checked)
+};
+constexpr int64_t kLinearHookAbi = 1;
+
 namespace {
 
 constexpr int64_t QK = 32;  // weights per block
@@ -381,13 +398,15 @@ void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT*
 // K=576, stay in L2 while the thread's row groups pass over them: 1.14x -> see
 // benchmarks in the closing note of issue 16).
 template <int BITS, typename P, typename OutT>
-void run(const P& p, const QuantX& xq, int64_t M, OutT* out) {
+void run(const P& p, const QuantX& xq, int64_t M, OutT* out, const LinearHook* hook) {
   constexpr int64_t kChunk = 256;
   // 16 tokens per tile load for the Q4_0..Q8_0 tiles (16 accumulators + 8 code vectors
   // fit the 32 registers; the K-quants' 4 scale vectors per block would not).
   constexpr bool kMT16 = std::is_same<P, Packed>::value;
   const int64_t groups = (p.n + RG - 1) / RG, N = p.n;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * RG, n1 = std::min(N, g1 * RG);
+    if (hook != nullptr) hook->pre(hook->ctx, n0, n1, N);
     for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
       const int64_t c1 = std::min(M, c0 + kChunk);
       for (int64_t g = g0; g < g1; ++g) {
@@ -403,19 +422,20 @@ void run(const P& p, const QuantX& xq, int64_t M, OutT* out) {
         }
       }
     }
+    if (hook != nullptr) hook->post(hook->ctx, n0, n1, out, N);
   });
 }
 
 template <typename P, typename OutT>
-void dispatch(const P& p, const at::Tensor& x, OutT* out) {
+void dispatch(const P& p, const at::Tensor& x, OutT* out, const LinearHook* hook) {
   const int64_t M = x.size(0);
   std::unique_ptr<QuantX> xq;
   if (x.scalar_type() == at::kBFloat16) xq = std::make_unique<QuantX>(x.data_ptr<at::BFloat16>(), M, p.nb);
   else if (x.scalar_type() == at::kHalf) xq = std::make_unique<QuantX>(x.data_ptr<at::Half>(), M, p.nb);
   else xq = std::make_unique<QuantX>(x.data_ptr<float>(), M, p.nb);
-  if (p.bits == 4) run<4>(p, *xq, M, out);
-  else if (p.bits == 5) run<5>(p, *xq, M, out);
-  else run<8>(p, *xq, M, out);
+  if (p.bits == 4) run<4>(p, *xq, M, out, hook);
+  else if (p.bits == 5) run<5>(p, *xq, M, out, hook);
+  else run<8>(p, *xq, M, out, hook);
 }
 
 KPacked kpacked_of(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& dd, int64_t bits, int64_t z,
@@ -433,18 +453,30 @@ KPacked kpacked_of(const at::Tensor& codes, const at::Tensor& sc, const at::Tens
                  reinterpret_cast<const uint16_t*>(dd.data_ptr<int16_t>()), codes.size(1), n, bits, z};
 }
 
+// The hook at address `hook` (0: none), checked against the call: same ABI, made for x's
+// rows and n columns, and an output in x's dtype.
+const LinearHook* hook_at(int64_t hook, const at::Tensor& x, int64_t n, bool out_float, const char* what) {
+  if (hook == 0) return nullptr;
+  const auto* h = reinterpret_cast<const LinearHook*>(hook);
+  TORCH_CHECK(h->abi == kLinearHookAbi && h->rows == x.size(0) && h->n == n && !out_float, what,
+              ": the hook does not fit this call (ABI ", h->abi, ", ", h->rows, " rows, ", h->n,
+              " columns; the call: ", x.size(0), " rows, ", n, " columns, out_float ", out_float, ")");
+  return h;
+}
+
 template <typename P>
-at::Tensor linear_of(const P& p, const at::Tensor& x, int64_t n, bool out_float, const char* what) {
+at::Tensor linear_of(const P& p, const at::Tensor& x, int64_t n, bool out_float, const char* what, int64_t hook) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == p.nb * QK, what, ": x ", x.sizes(), " does not fit a weight of ",
               p.nb * QK, " columns");
   const auto out_type = out_float ? at::kFloat : x.scalar_type();
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               what, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const LinearHook* h = hook_at(hook, x, n, out_float, what);
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_type));
-  if (out_type == at::kFloat) dispatch(p, xc, out.data_ptr<float>());
-  else if (out_type == at::kBFloat16) dispatch(p, xc, out.data_ptr<at::BFloat16>());
-  else dispatch(p, xc, out.data_ptr<at::Half>());
+  if (out_type == at::kFloat) dispatch(p, xc, out.data_ptr<float>(), h);
+  else if (out_type == at::kBFloat16) dispatch(p, xc, out.data_ptr<at::BFloat16>(), h);
+  else dispatch(p, xc, out.data_ptr<at::Half>(), h);
   return out;
 }
 
@@ -495,15 +527,17 @@ std::vector<at::Tensor> quant_repack(at::Tensor w, int64_t qtype) {
 
 // out [M, N] = x [M, K] @ W.T for W repacked by quant_repack (bits 4 or 8, N rows); x
 // float32, bfloat16 or float16, quantized per block to int8; out in x's dtype (float32
-// sums rounded to nearest even once) or float32 with out_float.
-at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t bits, int64_t n, bool out_float) {
-  return linear_of(packed_of(codes, dm, bits, n), x, n, out_float, "quant_linear");
+// sums rounded to nearest even once) or float32 with out_float. hook: the address of a
+// LinearHook run by each thread around its columns (0: none).
+at::Tensor quant_linear(at::Tensor x, at::Tensor codes, at::Tensor dm, int64_t bits, int64_t n, bool out_float,
+                        int64_t hook) {
+  return linear_of(packed_of(codes, dm, bits, n), x, n, out_float, "quant_linear", hook);
 }
 
 // The same for K-quant weights repacked by llmserve/ops/kquant.py (layout above KPacked).
 at::Tensor kquant_linear(at::Tensor x, at::Tensor codes, at::Tensor sc, at::Tensor dd, int64_t bits, int64_t z,
-                         int64_t n, bool out_float) {
-  return linear_of(kpacked_of(codes, sc, dd, bits, z, n), x, n, out_float, "kquant_linear");
+                         int64_t n, bool out_float, int64_t hook) {
+  return linear_of(kpacked_of(codes, sc, dd, bits, z, n), x, n, out_float, "kquant_linear", hook);
 }
 
 // Rows ids [T] of a K-quant weight, float32 [T, K], exactly gguf.quants' values.
@@ -581,13 +615,13 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_repack", &quant_repack, "GGUF rows -> [codes, dm] (see quant_gemv.cpp)", py::arg("w"), py::arg("qtype"));
   m.def("quant_linear", &quant_linear, "x [M, K] @ W.T from repacked codes/dm -> [M, n]", py::arg("x"),
-        py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("out_float") = false);
+        py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("out_float") = false, py::arg("hook") = 0);
   m.def("quant_rows", &quant_rows, "rows ids of a repacked weight -> float32 [T, K]", py::arg("codes"),
         py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("ids"));
   m.def("quant_dequantize", &quant_dequantize, "GGUF rows -> float32 [N, K], exact");
   m.def("kquant_linear", &kquant_linear, "x [M, K] @ W.T from K-quant codes/sc/dd -> [M, n]", py::arg("x"),
         py::arg("codes"), py::arg("sc"), py::arg("dd"), py::arg("bits"), py::arg("z"), py::arg("n"),
-        py::arg("out_float") = false);
+        py::arg("out_float") = false, py::arg("hook") = 0);
   m.def("kquant_rows", &kquant_rows, "rows ids of a K-quant weight -> float32 [T, K]", py::arg("codes"),
         py::arg("sc"), py::arg("dd"), py::arg("bits"), py::arg("z"), py::arg("n"), py::arg("ids"));
 }
