@@ -119,13 +119,16 @@ def test_a_body_below_the_rate_floor_is_cut(monkeypatch):
 
 
 def test_one_address_bounds_its_unfinished_bodies_by_cutting_the_oldest():
+    now = [0.0]  # the middleware's clock: the drips are past the cut grace when the next comes
+
     async def run():
-        mw = _stack(_controller(waiting=100), max_bodies_per_client=2)
+        mw = _stack(_controller(waiting=100), max_bodies_per_client=2, clock=lambda: now[0])
         drips = []
         for _ in range(3):
             receive, send, out = _client([BODY[:3]])
             drips.append((asyncio.ensure_future(mw(_scope(), receive, send)), out))
             await asyncio.sleep(0.02)
+            now[0] += http_edges.BODY_CUT_GRACE_S + 1.0
         other_receive, other_send, other = _client([BODY[:3]])  # another address is not counted with them
         other_task = asyncio.ensure_future(mw(_scope(client="10.0.0.2"), other_receive, other_send))
         await asyncio.sleep(0.02)
@@ -144,6 +147,30 @@ def test_one_address_bounds_its_unfinished_bodies_by_cutting_the_oldest():
     assert "--max-request-bodies-per-client" in json.loads(first["body"])["error"]["message"]
     assert honest["status"] == 200 and honest["body"] == BODY
     assert states == [429, 429, None, None]  # the newest drip and the other address still receive
+
+
+def test_a_burst_of_fresh_bodies_past_the_limit_is_not_cut_but_an_old_drip_is():
+    # Every body counts as unfinished until its task runs, so 128 honest requests sent at
+    # once from one address passed a limit of 64 and about half were cut with 429.
+    now = [0.0]
+
+    async def run():
+        mw = _stack(_controller(waiting=100), max_bodies_per_client=2, clock=lambda: now[0])
+        receive, send, drip = _client([BODY[:3]])
+        drip_task = asyncio.ensure_future(mw(_scope(), receive, send))
+        await asyncio.sleep(0.02)
+        now[0] += http_edges.BODY_CUT_GRACE_S + 1.0  # the drip is now old enough to cut
+        burst = [_client([BODY[:4], BODY[4:]], gap=0.02, then_stall=False) for _ in range(6)]
+        await asyncio.gather(*(mw(_scope(), r, s) for r, s, _ in burst))
+        drip_task.cancel()
+        await asyncio.gather(drip_task, return_exceptions=True)
+        return drip, [out for _, _, out in burst]
+
+    drip, burst = asyncio.run(run())
+    assert [out["status"] for out in burst] == [200] * 6  # 6 fresh bodies at once, limit 2: none cut
+    assert all(out["body"] == BODY for out in burst)
+    assert drip["status"] == 429  # the old drip is cut by the first fresh body past the limit
+    assert "--max-request-bodies-per-client" in json.loads(drip["body"])["error"]["message"]
 
 
 def test_requests_without_a_body_pass_untouched():

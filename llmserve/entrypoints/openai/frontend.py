@@ -26,7 +26,8 @@ from llmserve.entrypoints.openai.chat_completion.tool_args import configure_tool
 from llmserve import envs
 from llmserve.entrypoints.openai.common.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from llmserve.entrypoints.openai.common.usage import UsageOptions
-from llmserve.entrypoints.openai.http_edges import (BODY_RATE_GRACE_S, DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+from llmserve.entrypoints.openai.http_edges import (BODY_CUT_GRACE_S, BODY_RATE_GRACE_S,
+                                                    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                                                     DEFAULT_MAX_REQUEST_BODIES_PER_CLIENT,
                                                     DEFAULT_MIN_REQUEST_BODY_RATE, BodyLimitMiddleware,
                                                     EdgeGuardMiddleware, h11_protocol_with_header_timeout)
@@ -131,7 +132,8 @@ def add_http_edge_args(group: argparse._ArgumentGroup) -> None:
                             "mod_reqtimeout's MinRate; 0: no floor).")
     group.add_argument("--max-request-bodies-per-client", type=int, default=DEFAULT_MAX_REQUEST_BODIES_PER_CLIENT,
                        help="Unfinished request bodies one client address may have at once; one more cuts that "
-                            "address's longest-unfinished body with 429 (0: no bound).")
+                            "address's longest-unfinished body with 429 once it has been unfinished for "
+                            f"{BODY_CUT_GRACE_S:g} s (0: no bound).")
     group.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                        help="Open connections one client address may hold; one more gets 429 with Retry-After and "
                             "is closed (nginx's limit_conn; 0: no bound).")
