@@ -51,6 +51,20 @@ def test_extra_engine_keeps_resources_but_not_model_fields():
     assert (args.port, args.chat_template, args.model) == (1, None, "all-MiniLM-L6-v2")
 
 
+def test_extra_engine_does_not_inherit_the_main_models_lora_flags():
+    # --enable-lora belongs to the main model (its adapters): an extra BERT embedder that
+    # inherited it refused to start ("LoRA adapters run on the Llama family ..., not 'bert'").
+    main = AsyncEngineArgs(model="SmolLM2-135M-Instruct", enable_lora=True, max_loras=4, max_lora_rank=64,
+                           max_cpu_loras=8, lora_dtype="float32", max_num_seqs=8)
+    extra = extra_engine_args(main, {"model": "all-MiniLM-L6-v2"})
+    defaults = AsyncEngineArgs()
+    assert (extra.enable_lora, extra.max_loras, extra.max_lora_rank, extra.max_cpu_loras, extra.lora_dtype) == (
+        defaults.enable_lora, defaults.max_loras, defaults.max_lora_rank, defaults.max_cpu_loras, defaults.lora_dtype)
+    assert extra.max_num_seqs == 8  # resources still shared
+    own = extra_engine_args(main, {"model": "SmolLM2-135M-Instruct", "served_model_name": "b", "enable_lora": True})
+    assert own.enable_lora is True  # an extra Llama may ask for LoRA itself
+
+
 def _served(name: str, tasks: tuple[str, ...], max_len: int) -> ServedModel:
     engine = SimpleNamespace(model_config=SimpleNamespace(supported_tasks=tasks))
     handler = SimpleNamespace(create=lambda request, tag: (name, request.model, tag))

@@ -39,10 +39,14 @@ from llmserve.entrypoints.openai.tenants import watch_tenant_models
 from llmserve.sampling_params import SamplingParamsError
 
 # EngineArgs fields that describe a model, not the engine's resources: an extra model
-# starts from their defaults, never from the main model's values.
+# starts from their defaults, never from the main model's values. The LoRA fields are the
+# main model's too (its --lora-modules, see per_model_args): copied, `--enable-lora
+# --extra-model all-MiniLM-L6-v2` failed at start ("LoRA adapters run on the Llama family
+# ..., not 'bert'"); an extra model's JSON may still set them for itself.
+LORA_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
 MODEL_FIELDS = ("model", "served_model_name", "tokenizer", "tokenizer_mode", "revision", "tokenizer_revision",
                 "max_model_len", "quantization", "load_format", "generation_config", "override_generation_config",
-                "chat_template", "runner", "convert")
+                "chat_template", "runner", "convert") + LORA_FIELDS
 RUNNERS = ("auto", "generate", "pooling")
 
 # Handler attribute on app.state -> (capability the model must have, the flag that gives it).
