@@ -27,8 +27,9 @@ NO_EFFECT = {
                                      "and vLLM ignores it for fast tokenizers too",
     "add_special_tokens": "SmolLM2's tokenizer adds no special tokens (asserted below)",
     # chat only
-    "parallel_tool_calls": "false only caps the number of tool calls at one (the forced schema's maxItems, "
-                           "tests/entrypoints/test_tool_calling.py); this test's requests call no tools",
+    "parallel_tool_calls": "false keeps only the first tool call (the forced schema's maxItems and the parser's "
+                           "cap; case C56 in tests/entrypoints/test_tool_calling.py and "
+                           "tests/e2e/test_tool_calling_e2e.py); this test's requests call no tools",
     "include_reasoning": "only with --reasoning-parser, which SmolLM2 cannot use (no think tokens); "
                          "tests/entrypoints/test_tool_calling.py",
     "length_penalty": "ranks beams that end at different lengths (use_beam_search): this test's 8-token "

@@ -135,6 +135,25 @@ def test_forced_function_tool_then_function_call_output(rserver):
     assert follow.status in ("completed", "incomplete") and follow.output
 
 
+def test_parallel_tool_calls_false_one_function_call_c56(rserver):
+    """C56 P4 (A4): ``"required"`` with ``parallel_tool_calls: false`` on /v1/responses is
+    exactly one ``function_call`` output item, whole and streamed (one item added); the
+    response echoes the flag."""
+    c = rserver.client()
+    body = dict(model=MODEL, input="What is the weather in Paris and in Oslo? Call the tool once for each city.",
+                tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+    r = c.responses.create(**body)
+    assert [o.type for o in r.output] == ["function_call"] and r.status == "completed", r
+    assert r.parallel_tool_calls is False and r.output[0].name == "get_weather"
+    assert isinstance(json.loads(r.output[0].arguments)["city"], str)
+    with c.responses.stream(**body) as s:
+        events = list(s)
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    final = events[-1].response
+    assert added == ["function_call"] and [o.type for o in final.output] == ["function_call"]
+    assert final.output[0].arguments == r.output[0].arguments
+
+
 def test_background_completes_and_cancel_aborts(rserver):
     c = rserver.client()
     queued = c.responses.create(model=MODEL, input=Q, max_output_tokens=4, background=True)

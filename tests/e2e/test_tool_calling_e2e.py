@@ -4,11 +4,14 @@ Qwen3-style tool-aware chat template, served with vLLM's flags
 model writes no meaningful calls, so this checks the flags' wiring end to end (tools
 rendered by the template, reasoning fields, thinking switched off by the template) and,
 case C59, that a JSON schema or forced tool call constrains the answer, never the
-reasoning; the parsers' behaviour on known text is tests/entrypoints/test_tool_calling.py."""
+reasoning, and, case C56, that ``parallel_tool_calls: false`` keeps only the first call
+(there and on the real SmolLM2); the parsers' behaviour on known text is
+tests/entrypoints/test_tool_calling.py."""
 from __future__ import annotations
 
 import copy
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -333,3 +336,87 @@ def test_forced_call_cut_by_max_tokens_is_an_error_not_content(server, choice):
     assert "error" in payloads[-1] and payloads[-1]["error"]["param"] == "max_tokens"
     assert not any(c["choices"] and c["choices"][0].get("finish_reason") for c in payloads[:-1])
     server.assert_healthy()
+
+
+# ---- C56: parallel_tool_calls false keeps only the first call, streamed or not ----
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+C56_QUESTION = "What is the weather in Paris and in Oslo? Call the tool once for each city."
+P1 = {"messages": [{"role": "user", "content": C56_QUESTION}], "tools": [WEATHER_TOOL], "tool_choice": "required",
+      "parallel_tool_calls": False, "temperature": 0, "max_tokens": 200}
+GET_N = {"type": "function", "function": {"name": "get_n", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+# Two hermes calls, get_n first: the model's whole output, forced by a one-option choice
+# (the stand-in for C57's forced output T4; C57 itself is not in cases.md).
+T4 = ('<tool_call>\n{"name": "get_n", "arguments": {"n": 1}}\n</tool_call>\n'
+      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def _tool_call_deltas(client, model, **body):
+    """Every ``tool_calls`` delta of a streamed chat, in order, and the finish reason."""
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(model=model, stream=True, **body):
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    return deltas, finish
+
+
+def _assert_weather_call(call) -> None:
+    assert call.type == "function" and call.function.name == "get_weather", call
+    assert isinstance(json.loads(call.function.arguments)["city"], str), call
+
+
+def test_parallel_tool_calls_false_keeps_one_forced_call_c56(server):
+    """C56 P1 (A1) and P2 (A2) on the real SmolLM2: ``"required"`` with
+    ``parallel_tool_calls: false`` is exactly one valid call, ``tool_calls`` finish;
+    streamed, every fragment has index 0 and the arguments join to P1's."""
+    client = server.client(timeout=600.0)
+    choice = client.chat.completions.create(model=MODEL, **P1).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    _assert_weather_call(choice.message.tool_calls[0])
+    deltas, finish = _tool_call_deltas(client, MODEL, **P1)
+    assert deltas and [d.index for d in deltas] == [0] * len(deltas) and finish == "tool_calls"
+    assert "".join(d.function.arguments or "" for d in deltas) == choice.message.tool_calls[0].function.arguments
+
+
+def test_parallel_tool_calls_true_or_absent_c56(server):
+    """C56 P3 (A3): with the flag true, or left out (OpenAI's default is true), at least
+    one call and every call valid; how many is the model's choice (not asserted)."""
+    client = server.client(timeout=600.0)
+    bodies = [{**P1, "parallel_tool_calls": True}, {k: v for k, v in P1.items() if k != "parallel_tool_calls"}]
+    with ThreadPoolExecutor(2) as pool:  # one batch: the two run together
+        responses = list(pool.map(lambda body: client.chat.completions.create(model=MODEL, **body), bodies))
+    for r in responses:
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            _assert_weather_call(call)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call_c56(qwen3_server):
+    """C56 P5 (A5): ``"auto"`` (hermes parser) on an output of two calls, ``get_n`` then
+    ``get_weather`` (T4, forced through a one-option ``structured_outputs`` choice with
+    thinking off): ``parallel_tool_calls: false`` returns only ``get_n``, whole and
+    streamed (the stream never shows index 1); with the flag true both calls come back,
+    so the cap is the flag's doing."""
+    client = qwen3_server.client()
+    body = {**P1, "tools": [GET_N, WEATHER_TOOL], "tool_choice": "auto",
+            "extra_body": {"structured_outputs": {"choice": [T4]},
+                           "chat_template_kwargs": {"enable_thinking": False}}}
+    with ThreadPoolExecutor(3) as pool:  # one batch: the three run together
+        whole = pool.submit(client.chat.completions.create, model="tiny-qwen3", **body)
+        streamed = pool.submit(_tool_call_deltas, client, "tiny-qwen3", **body)
+        parallel = pool.submit(client.chat.completions.create, model="tiny-qwen3",
+                               **{**body, "parallel_tool_calls": True})
+    choice = whole.result().choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_n" and json.loads(call.function.arguments) == {"n": 1}
+    deltas, finish = streamed.result()
+    assert [d.index for d in deltas] == [0] * len(deltas) and finish == "tool_calls"
+    assert [d.function.name for d in deltas if d.function.name] == ["get_n"]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    both = parallel.result().choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in both.message.tool_calls] == [
+        ("get_n", {"n": 1}), ("get_weather", {"city": "Oslo"})]

@@ -2,7 +2,7 @@
 scripted engine that "generates" known text (a tiny random model writes no tool calls,
 and the forced outputs of ``required``/named choices are the engine's structured outputs,
 tested end to end in tests/e2e/test_tool_calling_e2e.py). Streamed responses are built
-from one-character deltas and must equal the whole responses. Cases C25 and C48."""
+from one-character deltas and must equal the whole responses. Cases C25, C48 and C56."""
 from __future__ import annotations
 
 import argparse
@@ -206,6 +206,60 @@ def test_parallel_tool_calls_false_allows_one_call(app):
     assert r.status_code == 200
     schema = engine.calls[0].params.structured_outputs.json
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+
+
+# C56's output of two calls (get_n first), in hermes form
+TWO_HERMES_CALLS = ('<tool_call>\n{"name": "get_n", "arguments": {"n": 1}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+GET_N = {"type": "function", "function": {"name": "get_n", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}}}}}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call_c56(app, think_tokenizer):
+    """C56 A5 on known text, one character per streamed delta: an ``"auto"`` output of
+    two hermes calls (``get_n`` first) with ``parallel_tool_calls: false`` gives only
+    ``get_n``, whole and streamed, and no fragment of the second call; unset, both.
+    (End to end: tests/e2e/test_tool_calling_e2e.py.)"""
+    client, engine = app("--enable-auto-tool-choice", "--tool-call-parser", "hermes", tokenizer=think_tokenizer)
+    engine.text = TWO_HERMES_CALLS
+    body = {**W1, "tools": [GET_N, WEATHER], "tool_choice": "auto", "parallel_tool_calls": False}
+    choice = post(client, body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+            ] == [("get_n", {"n": 1})]
+    chunks = stream_chunks(client, body)
+    indexes = {tc["index"] for ch in chunks for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []}
+    content, _, calls, finish = assemble(chunks)
+    assert (content, finish, indexes) == ("", "tool_calls", {0})
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    unset = {k: v for k, v in body.items() if k != "parallel_tool_calls"}
+    names = [c["function"]["name"] for c in post(client, unset).json()["choices"][0]["message"]["tool_calls"]]
+    assert names == ["get_n", "get_weather"]
+    assert [c["name"] for c in assemble(stream_chunks(client, unset))[2]] == ["get_n", "get_weather"]
+
+
+def test_parallel_tool_calls_false_on_responses_c56(app, think_tokenizer):
+    """C56 A4 (and A5) on /v1/responses, flat tool form: ``"required"`` with the flag
+    false forces at most one call (the schema's maxItems) and gives one ``function_call``
+    item; ``"auto"`` over two written calls keeps the first, whole and streamed."""
+    client, engine = app("--enable-auto-tool-choice", "--tool-call-parser", "hermes", tokenizer=think_tokenizer)
+    flat = [{"type": "function", **t["function"]} for t in (GET_N, WEATHER)]
+    body = {"model": "m", "input": "n and the weather in Oslo?", "tools": flat, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": 200}
+    engine.text = '[{"name": "get_n", "parameters": {"n": 1}}]'
+    r = client.post("/v1/responses", json=body).json()
+    assert engine.calls[-1].params.structured_outputs.json["maxItems"] == 1
+    assert [(o["type"], o["name"]) for o in r["output"]] == [("function_call", "get_n")], r
+    assert r["parallel_tool_calls"] is False and r["status"] == "completed"
+    engine.text = TWO_HERMES_CALLS
+    r = client.post("/v1/responses", json={**body, "tool_choice": "auto"}).json()
+    assert [(o["type"], o["name"], json.loads(o["arguments"])) for o in r["output"]] == [
+        ("function_call", "get_n", {"n": 1})], r
+    stream = client.post("/v1/responses", json={**body, "tool_choice": "auto", "stream": True})
+    events = [json.loads(block.split("\ndata: ", 1)[1]) for block in stream.text.strip().split("\n\n")]
+    added = [e["item"]["name"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["get_n"] and [o["arguments"] for o in events[-1]["response"]["output"]] == ['{"n": 1}']
 
 
 HERMES_OUT = ('<think>The user wants 9-5.</think>Let me compute. <tool_call>\n{"name": "subtract", '
