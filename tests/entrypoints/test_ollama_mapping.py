@@ -1,13 +1,16 @@
 """Ollama's front door without a server: ``options`` / ``format`` -> the common request's
 fields, messages -> the common messages, the common stream objects -> NDJSON lines (tool
 calls assembled from their fragments, an error after the start as a last ``{"error"}``
-line). The real server and clients are tests/e2e/test_ollama_api.py."""
+line), and /api/tags listing LoRA adapters. The real server and clients are
+tests/e2e/test_ollama_api.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from llmserve.entrypoints.ollama import info
 from llmserve.entrypoints.ollama.options import sampling_fields, structured_fields
 from llmserve.entrypoints.ollama.protocol import OllamaMessage
 from llmserve.entrypoints.ollama.serving import openai_message
@@ -16,6 +19,9 @@ from llmserve.entrypoints.openai.chat_completion.protocol import (ChatCompletion
                                                                   ChatCompletionStreamResponse, DeltaFunctionCall,
                                                                   DeltaMessage, DeltaToolCall)
 from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.entrypoints.openai.models.lora import LoRAAdapters
+from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling_params import SamplingParamsError
 
 
@@ -115,3 +121,26 @@ def test_keep_alive_strings_must_be_durations():
         for bad in ("forever", "", "5 m", "10x"):
             with pytest.raises(pydantic.ValidationError, match="keep_alive"):
                 cls(model="m", keep_alive=bad, **extra)
+
+
+def test_tags_and_ps_list_the_lora_adapters_that_chat_serves(tmp_path):
+    # /api/chat and /api/generate serve an adapter by name, but /api/tags listed only the
+    # base model, so an Ollama client (which offers what /api/tags lists) never saw it.
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"x" * 10)
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"y" * 3)
+    adapters = LoRAAdapters(engine_client=None, base_names=["m"])
+    adapters.lora_requests["sql"] = LoRARequest("sql", 1, str(adapter))
+    adapters.parents["sql"] = "m"
+    config = SimpleNamespace(model_path=str(base), gguf_file=None, quantization=None, dtype="bfloat16",
+                             hf_config=SimpleNamespace(model_type="llama"), max_model_len=64)
+    state = SimpleNamespace(engine_client=SimpleNamespace(model_config=config),
+                            openai_serving_models=OpenAIServingModels([BaseModelPath("m", str(base))], 64,
+                                                                      lora=[adapters]))
+    tags = info.tags(state)["models"]
+    assert [(t["name"], t["size"], t["details"]["parent_model"]) for t in tags] == [("m", 10, ""), ("sql", 3, "m")]
+    assert tags[0]["digest"] != tags[1]["digest"]
+    assert [m["name"] for m in info.ps(state)["models"]] == ["m", "sql"]

@@ -218,6 +218,28 @@ def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_p
     assert hidden.status_code == 404 and "`other`" not in message and "No model served here can be called" in message
 
 
+def test_an_ollama_latest_tag_is_allowed_as_its_model_on_ollama_routes_only(smol_tokenizer, tmp_path):
+    """A key allowed "m" may call "m:latest" on Ollama's routes, where that name serves
+    "m" (the fresh-user trial: a key allowed only a LoRA adapter got 404 for
+    "sql:latest" while "sql" worked); on the OpenAI routes "m:latest" stays a 404."""
+    app, engine, _ = _app(smol_tokenizer, tmp_path, KEYS + [{"key": "key-m", "tenant": "mallory",
+                                                             "allowed_models": ["m"]}])
+
+    async def run():
+        async with _client(app) as c:
+            gen = await c.post("/api/generate", json={"model": "m:latest", "prompt": "hi", "stream": False,
+                                                      "options": {"num_predict": 2}}, headers=_auth("key-m"))
+            other = await c.post("/api/generate", json={"model": "other:latest", "prompt": "hi", "stream": False},
+                                 headers=_auth("key-m"))
+            openai = await c.post("/v1/chat/completions", json={**CHAT, "model": "m:latest"}, headers=_auth("key-m"))
+            return gen, other, openai
+    gen, other, openai = asyncio.run(run())
+    assert gen.status_code == 200 and gen.json()["response"] == "ok", gen.text
+    assert other.status_code == 404 and isinstance(other.json()["error"], str)
+    assert openai.status_code == 404 and openai.json()["error"]["param"] == "model"
+    assert engine.started == 1
+
+
 def test_request_list_shows_only_the_engines_of_the_keys_models(smol_tokenizer, tmp_path):
     """GET /v1/requests: the ``engine`` state is that of the engines serving a model the
     key may use, as /v1/models and /api/ps list only those models; a key allowed no model

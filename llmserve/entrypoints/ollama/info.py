@@ -55,7 +55,11 @@ def _weights_path(config: Any) -> str:
 
 def size_bytes(config: Any) -> int:
     """Bytes of the model's weight files (0 when they cannot be read)."""
-    path = _weights_path(config)
+    return _path_bytes(_weights_path(config))
+
+
+def _path_bytes(path: str) -> int:
+    """Bytes of a weight file, or of the weight files in a folder (0 when unreadable)."""
     try:
         if os.path.isfile(path):
             return os.path.getsize(path)
@@ -96,9 +100,29 @@ def _card(s: Any, name: str) -> dict[str, Any]:
             "digest": digest(config), "details": details(config)}
 
 
+def _adapter_card(s: Any, name: str, lora_path: str, parent: str) -> dict[str, Any]:
+    """A LoRA adapter's card: its base model's details with ``parent_model`` the base,
+    the size and digest of the adapter's own files."""
+    card = _card(s, name)
+    return {**card, "size": _path_bytes(lora_path),
+            "digest": hashlib.sha256(f"{lora_path}|{card['digest']}".encode()).hexdigest(),
+            "details": {**card["details"], "parent_model": parent}}
+
+
+def _cards(s: Any) -> list[dict[str, Any]]:
+    """The cards of one engine's served names: the base model's, then each LoRA adapter's
+    (``--lora-modules`` and run-time loads), which /api/chat and /api/generate serve too."""
+    models = s.openai_serving_models
+    cards = [_card(s, n) for n in models.model_names]
+    for adapters in getattr(models, "lora", ()):
+        cards += [_adapter_card(s, n, req.lora_path, adapters.parents[n]) for n, req in adapters.lora_requests.items()]
+    return cards
+
+
 def tags(state: Any) -> dict[str, Any]:
-    """``GET /api/tags``: every served name."""
-    return {"models": [_card(s, n) for s in model_states(state) for n in s.openai_serving_models.model_names]}
+    """``GET /api/tags``: every served name, LoRA adapters included (an Ollama client
+    offers only the models listed here)."""
+    return {"models": [card for s in model_states(state) for card in _cards(s)]}
 
 
 def ps(state: Any) -> dict[str, Any]:
@@ -107,8 +131,7 @@ def ps(state: Any) -> dict[str, Any]:
     for s in model_states(state):
         config = s.engine_client.model_config
         on_gpu = str(getattr(config, "device", "cpu")).startswith("cuda")
-        for n in s.openai_serving_models.model_names:
-            card = _card(s, n)
+        for card in _cards(s):
             out.append({**card, "expires_at": GO_ZERO_TIME, "size_vram": card["size"] if on_gpu else 0,
                         "context_length": config.max_model_len})
     return {"models": out}

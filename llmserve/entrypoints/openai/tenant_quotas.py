@@ -94,17 +94,23 @@ def _default_model_allowed(tenant: Tenant, state: Any) -> bool:
     return serving is not None and bool(allowed & set(serving.model_names))
 
 
-def model_refusal(tenant: Tenant, model: Optional[str], state: Any) -> Optional[Exception]:
+def model_refusal(tenant: Tenant, model: Optional[str], state: Any,
+                  ollama: bool = False) -> Optional[Exception]:
     """The error for a request of ``tenant`` naming ``model`` (None or "": the default)
     when its ``allowed_models`` does not let it call that model: ModelNotFoundError
     (404, as if the model did not exist, listing what it may call), or, for a request
     that names no model where the default is not one it may call,
     SamplingParamsError (400, param ``model``) asking it to name one. None: allowed.
-    Leaving ``model`` out must not reach a model the key is not allowed (trial of stop 42)."""
+    Leaving ``model`` out must not reach a model the key is not allowed (trial of stop 42).
+    ``ollama``: the request is on Ollama's API, where ``NAME:latest`` calls ``NAME``
+    (ollama/serving.py's served_name), so it is allowed when ``NAME`` is."""
     if tenant.allowed_models is None:
         return None
     if model:
-        return None if model in tenant.allowed_models else ModelNotFoundError(model, callable_models(tenant, state))
+        base, _, tag = model.rpartition(":")
+        if model in tenant.allowed_models or (ollama and tag == "latest" and base in tenant.allowed_models):
+            return None
+        return ModelNotFoundError(model, callable_models(tenant, state))
     if _default_model_allowed(tenant, state):
         return None
     names = ", ".join(f"`{n}`" for n in callable_models(tenant, state))
@@ -265,7 +271,7 @@ class TenantQuotaMiddleware:
         body = b""
         if limited:
             body, receive = await _buffered_body(receive)
-        refused = model_refusal(tenant, await _model_of(scope, body), self.state)
+        refused = model_refusal(tenant, await _model_of(scope, body), self.state, _is_ollama(path))
         if refused is not None:
             return await _refuse(refused, scope, receive, send)
         refusal = quotas.check(tenant, request_cost(body))
@@ -287,7 +293,8 @@ class TenantQuotaMiddleware:
         if tenant.allowed_models is None:
             return await self.app(scope, receive, send)
         body, receive = await _buffered_body(receive)
-        refused = model_refusal(tenant, await _model_of(scope, body, fields), self.state)
+        refused = model_refusal(tenant, await _model_of(scope, body, fields), self.state,
+                                _is_ollama(_route_path(scope)))
         if refused is not None:
             return await _refuse(refused, scope, receive, send)
         return await self.app(scope, receive, send)
@@ -296,6 +303,11 @@ class TenantQuotaMiddleware:
 async def _refuse(error: Exception, scope: dict, receive: Any, send: Any) -> None:
     status, body = error_response_from_exception(error)
     return await json_response(body, status)(scope, receive, send)
+
+
+def _is_ollama(path: str) -> bool:
+    """Whether ``path`` is one of Ollama's routes (``/api/...``)."""
+    return path.startswith("/api/")
 
 
 def _route_path(scope: dict) -> str:
