@@ -9,7 +9,8 @@ inputs) or per channel, no activation quantization. Each layer becomes the GGUF 
 equals (Q4_0 for 4 bits: w = d * (nibble - 8); Q8_0 for 8 bits: w = d * int8), with d the
 group's scale in float16, so it runs through the same packed kernels as a GGUF file
 (:mod:`llmserve.models.packed`), and its dequantized values feed the dense weights. The
-packing itself is the compressed-tensors library's (``unpack_from_int32``).
+packing is the compressed-tensors library's (``pack_to_int32`` writes it); the loader reads
+it itself (:func:`unpack_int32`), since that library's import fails in the engine process.
 """
 from __future__ import annotations
 
@@ -69,14 +70,32 @@ def _gguf_blocks(q: torch.Tensor, scale: torch.Tensor, bits: int) -> Optional[np
     return np.concatenate([d, qs], axis=2).reshape(n, -1)
 
 
+def unpack_int32(packed: torch.Tensor, bits: int, shape: tuple[int, int]) -> torch.Tensor:
+    """int8 ``[N, K]`` values from compressed-tensors' ``pack_to_int32`` of ``bits`` (4 or 8)
+    along the input dimension: ``packed`` int32 ``[N, ceil(K * bits / 32)]``, value i of a
+    row at bit ``i * bits`` of the row's little-endian words, stored plus ``2^(bits-1)``
+    (compressed-tensors 0.20's ``unpack_from_int32``, for the widths this loader runs).
+    Not that library's function: importing it imports transformers' modeling_utils, which
+    raises NameError in the engine process, where transformers was imported with torch
+    hidden (torch_hiding.py), so `llmserve serve` of such a checkpoint failed at start."""
+    import torch
+
+    n, k = shape
+    words = np.ascontiguousarray(packed.numpy().astype("<i4", copy=False))
+    data = words.view(np.uint8).reshape(n, -1)
+    if bits == 4:
+        data = np.stack((data & 0xF, data >> 4), axis=-1).reshape(n, -1)  # low nibble first
+    values = data[:, :k].astype(np.int16) - (1 << (bits - 1))
+    return torch.from_numpy(values.astype(np.int8))
+
+
 def _layer(name: str, parts: dict, scheme: dict, dtype: torch.dtype,
            packed: Optional[dict]) -> tuple[str, torch.Tensor]:
     import torch
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     shape = torch.Size(int(x) for x in parts["weight_shape"].tolist())
     bits = scheme["num_bits"]
-    q = unpack_from_int32(parts["weight_packed"], bits, shape)  # int8 [N, K]
+    q = unpack_int32(parts["weight_packed"], bits, (shape[0], shape[1]))  # int8 [N, K]
     n, k = shape
     group = scheme["group_size"] or k
     scale = parts["weight_scale"].reshape(n, -1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -55,6 +57,32 @@ def test_layer_dequantizes_exactly_and_gives_equal_gguf_blocks(bits, group):
     ops = get_quant_ops()
     if ops is not None:
         assert torch.equal(ops.quant_dequantize(blocks, qtype), want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_layers_load_in_a_process_whose_transformers_has_no_torch(bits, tmp_path):
+    # The engine process imports transformers with torch hidden (torch_hiding.py); the
+    # loader's import of compressed-tensors' unpack_from_int32 then raised NameError ('nn'
+    # in transformers' modeling_utils), so `llmserve serve` of a checkpoint written by
+    # `python -m llmserve.model_loader.compressed_tensors_loader` failed at start.
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    q, scale = quantize_rtn(torch.randn(8, 96, generator=torch.Generator().manual_seed(bits)), bits, 32)
+    torch.save({"packed": pack_to_int32(q, bits), "scale": scale, "want": q.float() * scale.float().repeat_interleave(
+        32, dim=1)}, tmp_path / "layer.pt")
+    code = f"""
+from llmserve.torch_hiding import import_transformers_without_torch
+import_transformers_without_torch()
+import torch
+from llmserve.model_loader.compressed_tensors_loader import iterate_compressed_tensors_weights
+d = torch.load({str(tmp_path / "layer.pt")!r})
+parts = [("l.weight_packed", d["packed"]), ("l.weight_scale", d["scale"]), ("l.weight_shape", torch.tensor([8, 96]))]
+got = dict(iterate_compressed_tensors_weights(iter(parts), {{"num_bits": {bits}, "group_size": 32, "ignore": []}},
+                                              torch.float32))
+print("equal", torch.equal(got["l.weight"], d["want"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["equal", "True"]
 
 
 def test_writer_refuses_what_the_engine_does_not_run():
