@@ -4,6 +4,7 @@ sleeps), and the middleware/routes over a scripted engine (429 body, Retry-After
 /health stall, rejection metrics)."""
 import argparse
 import asyncio
+import json
 import random
 import time
 from types import SimpleNamespace
@@ -414,3 +415,100 @@ def test_data_parallel_ranks_add_their_batches_and_their_stats():
     assert c.num_waiting == 1 and c.admit() is None
     c.record(_stats(running=4), None, engine_idx=1)  # rank 1's newer stats replace its older ones
     assert c.stats.num_waiting_reqs == 0 and c.stats.num_running_reqs == 8
+
+
+# ---- fan-out: one call, several engine requests (tester's fanout.py) ---------------------
+def test_fan_out_is_read_from_lists_and_n_per_route():
+    from llmserve.entrypoints.openai.fan_out import fan_out_of
+
+    def fan(path, **body):
+        return fan_out_of(json.dumps(body).encode(), path)
+    big = fan("/v1/completions", prompt=["hello"] * 1024, n=16)
+    assert (big.sequences, big.field(384)) == (16384, "prompt")
+    assert fan("/v1/completions", prompt=[1, 2, 3], n=2).sequences == 2  # one prompt of token ids
+    assert fan("/v1/completions", prompt=[[1, 2], [3]], best_of=3, n=3).sequences == 6
+    assert fan("/v1/chat/completions", messages=[{"role": "user", "content": "x"}] * 5, n=3).sequences == 3
+    assert fan("/v1/embeddings", input=["a"] * 40).sequences == 40
+    assert fan("/rerank", query="q", documents=["d"] * 7).sequences == 7
+    assert fan("/score", text_1="a", text_2=["b"] * 5).sequences == 5
+    assert fan("/v1/responses", input=[{"role": "user", "content": "x"}] * 9).sequences == 1  # items, not prompts
+    assert fan("/v1/completions", prompt=["a"] * 1025).sequences == 1  # the route's own 400 names the limit
+    assert fan("/v1/completions", n=True).sequences == 1 and fan_out_of(b"not json").sequences == 1
+
+
+def test_a_fan_out_takes_all_its_sequences_of_the_limits_or_is_refused():
+    from llmserve.entrypoints.openai.fan_out import FanOut
+    c = AdmissionController(AdmissionConfig(8, 10.0, 0.0), max_num_seqs=4, clock=Clock())
+    assert c.capacity == 12
+    fan = FanOut(3, "prompt", 4, "n")  # 12 sequences: 4 run, 8 wait
+    assert c.admit(fan=fan, tenant="a") is None
+    assert (c.in_flight, c.num_waiting, c.tenant_in_flight) == (12, 8, {"a": 12})
+    r = c.admit()  # before the fix the call counted 1 and this one was admitted behind 8 queued sequences
+    assert r.reason == "queue_full" and r.status == 429 and r.retry_after >= 1
+    c.release(fan, "a")
+    assert (c.in_flight, c.tenant_in_flight) == (0, {})
+    c.in_flight = 2  # 2 free slots and a queue bound of 8: a fan-out of 11 would leave 9 waiting
+    r = c.admit(fan=FanOut(11, "prompt"))
+    assert r.reason == "queue_full" and "11 sequences" in r.message
+    assert c.admit(fan=FanOut(10, "prompt")) is None and c.num_waiting == 8
+    c.in_flight = 0
+    too_big = c.admit(fan=FanOut(13, "prompt"))  # more than is ever admitted: 400, never a 429 to retry forever
+    assert (too_big.status, too_big.reason, too_big.param, too_big.retry_after) == (400, "fan_out_too_large",
+                                                                                  "prompt", None)
+    assert "13 sequences" in too_big.message and "12" in too_big.message
+    assert c.admit(fan=FanOut(1, None, 13, "n")).param == "n" and c.in_flight == 0
+    unbounded = AdmissionController(AdmissionConfig(-1, 10.0, 0.0), max_num_seqs=4, clock=Clock())
+    assert unbounded.capacity is None and unbounded.admit(fan=FanOut(1000, "prompt")) is None
+
+
+def test_a_small_request_after_a_fan_out_is_answered_at_once_not_queued_behind_it():
+    """The tester's case: a 4-token chat behind a call of many sequences waited 117 s. Now
+    the call's sequences fill the queue, and the chat is either admitted into a free slot
+    or refused at once (429 queue_delay with Retry-After) while they drain."""
+    from llmserve.entrypoints.openai.fan_out import FanOut
+    c = AdmissionController(AdmissionConfig(512, 10.0, 1.0), max_num_seqs=256, clock=Clock())
+    c.record(_stats(running=10), _finished(2.0))  # warm: 128 sequences a second drain
+    assert c.admit(fan=FanOut(300, "prompt", 2, "n")) is None  # 600: 256 run, 344 wait
+    r = c.admit()
+    assert r.reason == "queue_delay" and 1 <= r.retry_after <= MAX_RETRY_AFTER_S  # ~345/128 s ahead
+    c.release(FanOut(300, "prompt", 2, "n"))
+    assert c.admit() is None
+
+
+def test_fair_share_counts_the_tenants_sequences_not_its_calls():
+    from llmserve.entrypoints.openai.admission import _tenant_in_flight
+    from llmserve.entrypoints.openai.fan_out import FanOut
+    from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY
+    c = AdmissionController(AdmissionConfig(8, 10.0, 0.0), max_num_seqs=4, clock=Clock())
+    c.fair_share = True
+    scope = {"state": {TENANT_IN_FLIGHT_KEY: lambda: 2}}  # the flooder's 1 call in flight + this one
+    assert c.admit(fan=FanOut(12, "prompt"), tenant="flood") is None
+    assert _tenant_in_flight(scope, c, "flood") == 12 and _tenant_in_flight(scope, c, "quiet") == 0
+    assert c.admit(_tenant_in_flight(scope, c, "flood")).reason == "queue_full"  # its own 8 waiting
+    assert c.admit(_tenant_in_flight(scope, c, "quiet")) is None  # nobody of its own ahead
+
+
+def test_fan_out_over_http_400_names_the_field_and_small_calls_pass(smol_tokenizer):
+    app, _, prom = _app(smol_tokenizer)
+    controller = app.state.admission
+    client = TestClient(app)
+    assert controller.capacity == 3 * controller.max_num_seqs  # defaults: batch + 2 batches waiting
+    t = time.monotonic()
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ["hello"] * 1024, "n": 16, "max_tokens": 8})
+    assert r.status_code == 400 and time.monotonic() - t < 5 and "Retry-After" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "16384 sequences" in err["message"]
+    assert str(controller.capacity) in err["message"] and "--max-waiting-requests" in err["message"]
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ["a"] * 4, "n": 100})  # 400 > 384
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "400 sequences" in r.text
+    r = client.post("/v1/chat/completions", json={**CHAT, "n": 129})  # past MAX_N: the route's own 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "128" in r.json()["error"]["message"]
+    r = client.post("/v1/embeddings", json={"model": "m", "input": ["x"] * (controller.capacity + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert controller.in_flight == 0
+    text = client.get("/metrics").text
+    assert 'vllm:request_rejected_total{engine="0",model_name="m",reason="fan_out_too_large"} 3.0' in text
+    controller.in_flight = controller.max_num_seqs + 2 * controller.max_num_seqs - 3  # 3 places left in the queue
+    r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 2})  # 4 sequences: no room
+    assert r.status_code == 429 and "Retry-After" in r.headers
+    assert r.json()["error"]["type"] == "RateLimitError" and "4 sequences" in r.json()["error"]["message"]

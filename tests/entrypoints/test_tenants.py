@@ -307,6 +307,8 @@ def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
     body = json.dumps({"max_tokens": 50, "prompt": "x" * 400}).encode()
     assert request_cost(body) == 50 + len(body) // 4  # its output limit + a prompt estimate
     assert request_cost(b'{"prompt": "hi"}') == 256 + 4
+    fanned = json.dumps({"max_tokens": 8, "prompt": ["hello"] * 1024, "n": 16}).encode()
+    assert request_cost(fanned, "/v1/completions") == 8 * 16384 + len(fanned) // 4  # each sequence may write 8
 
 
 def test_api_key_repeatable_and_keys_file_checked_at_start(tmp_path):

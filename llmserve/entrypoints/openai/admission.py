@@ -6,13 +6,21 @@ Each POST to a generation or pooling route (vLLM's load-aware routes,
 :class:`AdmissionMiddleware` once its whole body has arrived (the outer
 :class:`~llmserve.entrypoints.openai.http_edges.BodyLimitMiddleware` receives it within a
 deadline first, so a client that never finishes its body holds no waiting slot), before
-the body is parsed or its prompt rendered. The :class:`AdmissionController` admits it
-unless
+the body is parsed or its prompt rendered. A request counts as the engine requests
+(sequences) it becomes, its fan-out (fan_out.py): a list of prompts, inputs or documents
+times ``n`` / ``best_of`` (one for an ordinary request; 1024 prompts with ``n=16`` are
+16,384, which counted as one held a concurrent chat 117 s behind them). It is admitted
+only when all its sequences fit the limits below, and one whose fan-out alone exceeds
+what is ever admitted (``max_num_seqs`` + ``--max-waiting-requests``) is a 400
+(``fan_out_too_large``) naming the field (``prompt``, ``input``, ``documents``, ``n``...)
+and the limit, with no ``Retry-After`` (it would never fit). The
+:class:`AdmissionController` admits it unless
 
-- ``queue_full`` (429): the requests waiting reach ``--max-waiting-requests``: admitted
-  requests beyond the batch (``max_num_seqs``), or the engine's own queue when longer
-  (vLLM's ``num_requests_waiting``); running requests never count, whatever the last
-  engine snapshot (stale while a step runs) says;
+- ``queue_full`` (429): the requests waiting, with the new request's sequences beyond
+  the free batch slots, exceed ``--max-waiting-requests``: admitted sequences beyond the
+  batch (``max_num_seqs``), or the engine's own queue when longer (vLLM's
+  ``num_requests_waiting``); running requests never count, whatever the last engine
+  snapshot (stale while a step runs) says;
 - ``queue_delay`` (429): the new request would wait for a batch slot (the admitted
   requests fill ``max_num_seqs``, or the engine has a queue) and its predicted wait (its
   place in the queue over the predicted drain rate) exceeds ``--max-queue-delay``. The
@@ -45,7 +53,7 @@ its admission limit, or the engine is dead or stalled.
 ``/metrics`` shows the admission queue: ``vllm:admission_receiving_requests`` (bodies
 still arriving: not yet counted by admission), ``vllm:admission_waiting_requests``
 (admitted, queued behind the batch) and ``vllm:admission_in_flight_requests`` (admitted, response not
-ended).
+ended), both in sequences (a fan-out counts prompts × n).
 """
 from __future__ import annotations
 
@@ -64,7 +72,8 @@ from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, Deadli
                                                   reset_deadline, set_deadline)
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 from llmserve.entrypoints.openai.server_utils import json_response
-from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY
+from llmserve.entrypoints.openai.fan_out import ONE, FanOut, fan_out_of
+from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, tenant_of
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
 DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
@@ -75,6 +84,9 @@ ENGINE_RESTART_RETRY_AFTER_S = 5
 # Until requests finish, a waiting request is assumed to need this many KV blocks.
 _DEFAULT_BLOCKS_PER_REQUEST = 1.0
 _EWMA_WEIGHT = 0.1  # of each finished request in the blocks-per-request estimate
+# Drain-rate records per released request: its sequences finished (a fan-out of 16 frees 16
+# slots), capped so one release stays cheap (capacity is 3 * max_num_seqs by default).
+_MAX_DRAIN_RECORDS = 4096
 
 
 def admission_config_from_args(args: Any, max_num_seqs: int) -> AdmissionConfig:
@@ -90,12 +102,15 @@ def admission_config_from_args(args: Any, max_num_seqs: int) -> AdmissionConfig:
 @dataclass(frozen=True)
 class Rejection:
     """Why a request is refused: ``reason`` (a REJECTION_REASONS label), the HTTP
-    ``status`` (429 or 503), ``retry_after`` (whole seconds) and a message."""
+    ``status`` (429 or 503; 400 for ``fan_out_too_large``), ``retry_after`` (whole
+    seconds; None: no ``Retry-After``, retrying cannot help), a message and ``param``
+    (the body field at fault, for a 400)."""
 
     reason: str
     status: int
-    retry_after: int
+    retry_after: Optional[int]
     message: str
+    param: Optional[str] = None
 
 
 class DrainRate:
@@ -191,7 +206,10 @@ class AdmissionController:
         self.is_draining: Callable[[], bool] = lambda: False
         self.is_restarting: Callable[[], bool] = lambda: False
         self.fair_share = False  # the engine shares itself between tenants (see check)
-        self.in_flight = 0  # admitted requests whose response has not ended
+        # Engine requests (sequences: a call's prompts × n, see fan_out.py) admitted whose
+        # response has not ended; an ordinary request is one.
+        self.in_flight = 0
+        self.tenant_in_flight: dict[str, int] = {}  # the same, per tenant (fair share: see check)
         self.stats = SchedulerStats()  # the latest, from the engine (summed over data-parallel ranks)
         self._rank_stats: dict[int, SchedulerStats] = {}  # the latest of each rank (engine_idx)
         self.blocks_per_request = _DEFAULT_BLOCKS_PER_REQUEST
@@ -255,12 +273,33 @@ class AdmissionController:
     def _engine_busy(self) -> bool:
         return self.in_flight > 0 or self.stats.num_running_reqs > 0 or self.stats.num_waiting_reqs > 0
 
-    def check(self, tenant_in_flight: Optional[int] = None) -> Optional[Rejection]:
+    @property
+    def capacity(self) -> Optional[int]:
+        """The most sequences admitted at once: a full batch plus ``--max-waiting-requests``
+        (None: unbounded, a negative limit)."""
+        limit = self.config.max_waiting_requests
+        return None if limit < 0 else self.max_num_seqs + limit
+
+    def fan_out_refusal(self, fan: FanOut) -> Optional[Rejection]:
+        """The 400 for a call whose fan-out alone exceeds :attr:`capacity` (it could never
+        be admitted, so a 429 would have it retry forever), or None."""
+        capacity = self.capacity
+        if capacity is None or fan.sequences <= capacity:
+            return None
+        return Rejection("fan_out_too_large", 400, None,
+                         f"This request asks for {fan.sequences} sequences ({fan.describe()}), more than the "
+                         f"server admits at once: {capacity} (max_num_seqs {self.max_num_seqs} + "
+                         f"--max-waiting-requests {self.config.max_waiting_requests}). Send fewer prompts "
+                         "or a smaller n per request.", fan.field(capacity))
+
+    def check(self, tenant_in_flight: Optional[int] = None, sequences: int = 1) -> Optional[Rejection]:
         """The rejection a new request would get now, or None (admitted). Changes nothing.
-        ``tenant_in_flight``: requests of the new request's tenant in flight, when the
+        ``tenant_in_flight``: sequences of the new request's tenant in flight, when the
         engine shares itself fairly between tenants (core/fair_share.py): then only those
         can be ahead of it, not another tenant's queue (a flooder's backlog refuses the
-        flooder, not a quiet tenant)."""
+        flooder, not a quiet tenant). ``sequences``: the engine requests the new request
+        becomes (its fan-out, fan_out.py): it is admitted only when all of them fit, those
+        beyond the free batch slots counting as waiting."""
         waiting = self.num_waiting if tenant_in_flight is None else min(self.num_waiting, tenant_in_flight)
         if self.is_draining():
             return Rejection("draining", 503, self.drain.retry_after(self.in_flight),
@@ -272,13 +311,17 @@ class AdmissionController:
         limit = self.config.max_waiting_requests
         # The new request waits too unless a slot is free and nobody is ahead: our own
         # admitted count fills the batch, or the engine's (another API server's requests).
-        would_wait = (waiting > 0 or self.in_flight >= self.max_num_seqs
-                      or self.stats.num_running_reqs >= self.max_num_seqs)
+        # A fan-out's sequences beyond the free slots wait too (one request: 0 or 1).
+        full = (waiting > 0 or self.in_flight >= self.max_num_seqs
+                or self.stats.num_running_reqs >= self.max_num_seqs)
+        free = 0 if full else self.max_num_seqs - max(self.in_flight, self.stats.num_running_reqs)
+        would_wait = max(0, sequences - free)
         if limit >= 0 and waiting + would_wait > limit:
-            return Rejection("queue_full", 429, self.drain.retry_after(waiting),
+            asks = "" if sequences == 1 else f" This request is {sequences} sequences (prompts × n)."
+            return Rejection("queue_full", 429, self.drain.retry_after(waiting + (would_wait if sequences > 1 else 0)),
                              f"The server is overloaded: the batch is full ({self.max_num_seqs} requests "
                              f"run at once) and {waiting} requests are waiting "
-                             f"(--max-waiting-requests {limit}). Retry later.")
+                             f"(--max-waiting-requests {limit}).{asks} Retry later.")
         bound = self.config.max_queue_delay
         delay = self.predicted_delay(tenant_in_flight)
         if limit >= 0 and bound > 0 and delay > bound:
@@ -290,7 +333,7 @@ class AdmissionController:
                                                         f"(--max-queue-delay {bound:g}). Retry later.")
         pending = self.num_pending if tenant_in_flight is None else min(self.num_pending, tenant_in_flight)
         total = self.stats.num_total_blocks
-        need = self.stats.num_used_blocks + (pending + 1) * self.blocks_per_request
+        need = self.stats.num_used_blocks + (pending + sequences) * self.blocks_per_request
         if limit >= 0 and self.uses_kv_cache and pending > 0 and total > 0 and need > total:
             return Rejection("kv_cache_full", 429, self.drain.retry_after(pending),
                              f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
@@ -326,25 +369,39 @@ class AdmissionController:
         if self.stat_logger is not None and hasattr(self.stat_logger, "set_admission_queue"):
             self.stat_logger.set_admission_queue(self.receiving, self.num_waiting, self.in_flight)
 
-    def admit(self, tenant_in_flight: Optional[int] = None) -> Optional[Rejection]:
+    def admit(self, tenant_in_flight: Optional[int] = None, fan: FanOut = ONE,
+              tenant: Optional[str] = None) -> Optional[Rejection]:
         """Admit a request (None) or return why not; a refusal is counted in /metrics.
-        An admitted request must be ``release()``d when its response ends.
-        ``tenant_in_flight``: see :meth:`check`."""
-        rejection = self.check(tenant_in_flight)
+        An admitted request must be ``release()``d (with the same ``fan`` and ``tenant``)
+        when its response ends. ``tenant_in_flight``: see :meth:`check`. ``fan``: the
+        request's fan-out (fan_out.py): it takes ``fan.sequences`` of the limits, and one
+        larger than :attr:`capacity` is refused with a 400 naming its field.
+        ``tenant``: the tenant's name, whose sequences in flight are counted."""
+        rejection = self.fan_out_refusal(fan) or self.check(tenant_in_flight, fan.sequences)
         if rejection is not None:
             if self.stat_logger is not None:
                 self.stat_logger.record_rejection(rejection.reason)
             return rejection
         if not self._engine_busy():
             self.last_progress = self.clock()  # the stall clock starts with the work
-        self.in_flight += 1
+        self.in_flight += fan.sequences
+        if tenant is not None:
+            self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + fan.sequences
         self._report()
         return None
 
-    def release(self) -> None:
-        """An admitted request's response ended (any way): it counts toward the drain rate."""
-        self.in_flight -= 1
-        self.drain.record()
+    def release(self, fan: FanOut = ONE, tenant: Optional[str] = None) -> None:
+        """An admitted request's response ended (any way): its sequences count toward the
+        drain rate (finished requests per second, as the engine's batch frees slots)."""
+        self.in_flight -= fan.sequences
+        if tenant is not None:
+            left = self.tenant_in_flight.get(tenant, 0) - fan.sequences
+            if left > 0:
+                self.tenant_in_flight[tenant] = left
+            else:
+                self.tenant_in_flight.pop(tenant, None)
+        for _ in range(min(fan.sequences, _MAX_DRAIN_RECORDS)):
+            self.drain.record()
         self._report()
 
     def deadline_exceeded(self) -> None:
@@ -388,13 +445,19 @@ class AdmissionMiddleware:
         except ValueError as e:
             status, body = error_response_from_exception(e)
             return await json_response(body, status)(scope, receive, send)
-        if hasattr(controller, "controller_for"):  # several models: the serving engine's controller
-            body, receive = await _buffered_body(receive)
+        # The body arrived whole (BodyLimitMiddleware): its fan-out (prompts × n) is what
+        # the request takes of the limits; several models: the serving engine's controller.
+        body, receive = await _buffered_body(receive)
+        if hasattr(controller, "controller_for"):
             controller = controller.controller_for(path, body)
-        rejection = controller.admit(_tenant_in_flight(scope, controller))
+        fan = fan_out_of(body, path)
+        tenant = tenant_of(scope).name
+        rejection = controller.admit(_tenant_in_flight(scope, controller, tenant), fan, tenant)
         if rejection is not None:
-            response = json_response(make_error(rejection.message, rejection.status), rejection.status)
-            response.headers["Retry-After"] = str(rejection.retry_after)
+            response = json_response(make_error(rejection.message, rejection.status, param=rejection.param),
+                                     rejection.status)
+            if rejection.retry_after is not None:
+                response.headers["Retry-After"] = str(rejection.retry_after)
             return await response(scope, receive, send)
         token = set_deadline(None if timeout is None else
                              Deadline(time.monotonic() + timeout, controller.deadline_exceeded))
@@ -402,14 +465,17 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
         finally:
             reset_deadline(token)
-            controller.release()
+            controller.release(fan, tenant)
 
 
-def _tenant_in_flight(scope: dict, controller: Any) -> Optional[int]:
-    """Requests in flight of the scope's tenant before this one (TenantQuotaMiddleware
-    counts them) when the engine shares itself fairly between tenants, else None."""
-    count = (scope.get("state") or {}).get(TENANT_IN_FLIGHT_KEY)
-    return count() - 1 if count is not None and getattr(controller, "fair_share", False) else None
+def _tenant_in_flight(scope: dict, controller: Any, tenant: str) -> Optional[int]:
+    """Sequences in flight of the scope's tenant (``tenant``) before this request, when the
+    engine shares itself fairly between tenants and TenantQuotaMiddleware tracks tenants,
+    else None. Sequences, not calls: a tenant's fan-out of 16,384 is that many ahead of
+    its next request (it counted as one)."""
+    if (scope.get("state") or {}).get(TENANT_IN_FLIGHT_KEY) is None or not getattr(controller, "fair_share", False):
+        return None
+    return controller.tenant_in_flight.get(tenant, 0)
 
 
 async def _buffered_body(receive: Any) -> tuple[bytes, Any]:

@@ -10,7 +10,8 @@ admission queue (so a flooder's overload is answered to the flooder).
 - ``max_tokens_per_second``: a token bucket of ``burst_tokens`` (default: one second's
   worth). A request costs, as OpenAI's rate limiter counts it, the tokens it may use:
   its ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (256 when
-  absent) plus its body's bytes / 4 (a prompt estimate before any rendering). A request
+  absent), times its fan-out (prompts × ``n``: each sequence may write that many), plus
+  its body's bytes / 4 (a prompt estimate before any rendering). A request
   is admitted while the bucket is above zero and may take it into debt; Retry-After is
   the time to refill the debt at the tenant's rate.
 - ``allowed_models``: another model answers 404, as if it did not exist. This is checked
@@ -36,6 +37,7 @@ from starlette.requests import Request
 
 from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
+from llmserve.entrypoints.openai.fan_out import fan_out_of
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
@@ -61,8 +63,9 @@ class _TenantState:
     drain: DrainRate = field(default_factory=DrainRate)
 
 
-def request_cost(body: bytes) -> int:
-    """Tokens a request may use (see the module docstring): output limit + bytes / 4."""
+def request_cost(body: bytes, path: str = "") -> int:
+    """Tokens a request may use (see the module docstring): output limit × its fan-out
+    (prompts × n, fan_out.py: each sequence may write the limit) + bytes / 4."""
     limit = None
     try:
         parsed = json.loads(body) if body else {}
@@ -70,7 +73,8 @@ def request_cost(body: bytes) -> int:
             limit = next((parsed[k] for k in _MAX_TOKEN_FIELDS if isinstance(parsed.get(k), int)), None)
     except (ValueError, UnicodeDecodeError):
         pass  # the route answers the bad body with its own 400
-    return (limit if limit is not None and limit > 0 else DEFAULT_OUTPUT_ESTIMATE) + len(body) // BYTES_PER_TOKEN
+    output = limit if limit is not None and limit > 0 else DEFAULT_OUTPUT_ESTIMATE
+    return output * fan_out_of(body, path).sequences + len(body) // BYTES_PER_TOKEN
 
 
 def callable_models(tenant: Tenant, state: Any) -> list[str]:
@@ -274,7 +278,7 @@ class TenantQuotaMiddleware:
         refused = model_refusal(tenant, await _model_of(scope, body), self.state, _is_ollama(path))
         if refused is not None:
             return await _refuse(refused, scope, receive, send)
-        refusal = quotas.check(tenant, request_cost(body))
+        refusal = quotas.check(tenant, request_cost(body, path))
         if refusal is not None:
             reason, retry, message = refusal
             quotas.refused(tenant, reason)
