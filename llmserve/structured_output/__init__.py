@@ -5,6 +5,8 @@ config.py: ``StructuredOutputsConfig`` (``--structured-outputs-config``).
 grammar.py: constraint -> grammar key -> xgrammar Grammar; ``validate_structured_outputs``
   (the InputProcessor's check, no tokenizer needed).
 backend_xgrammar.py: TokenizerInfo, GrammarCompiler with a compiled-grammar cache, matchers.
+compile_queue.py: the compile threads (small grammars never wait behind a large one; an
+  aborted request's grammar is skipped or its result dropped).
 request.py: a request's grammar state. manager.py: ``StructuredOutputManager`` (engine side).
 bitmask.py: ``apply_grammar_bitmask`` (the runner's step on the logits).
 """

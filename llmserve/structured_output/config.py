@@ -28,6 +28,9 @@ class StructuredOutputsConfig:
     reasoning_parser: name of the reasoning parser (``--reasoning-parser``) whose
       ``is_reasoning_end`` decides when a request's grammar starts to apply; "" for none.
     enable_in_reasoning: apply the grammar during reasoning too (vLLM's option).
+    max_compile_workers: threads that compile grammars (default 2, >= 1). With 2 or more,
+      large grammars (specs of 16 KiB or more) may hold all but one of them, so one slow
+      grammar (an enum of 20,000 strings compiles ~10 s) does not hold up the small ones.
 
     Raises ValueError naming the field for an unknown backend.
     """
@@ -38,6 +41,7 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
+    max_compile_workers: int = 2
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -47,6 +51,9 @@ class StructuredOutputsConfig:
             v = getattr(self, f.name)
             if f.type in (bool, "bool") and not isinstance(v, bool):
                 raise ValueError(f"structured_outputs_config: {f.name} must be a boolean, got {v!r}")
+        w = self.max_compile_workers
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"structured_outputs_config: max_compile_workers must be an integer >= 1, got {w!r}")
         if not isinstance(self.reasoning_parser, str):
             raise ValueError("structured_outputs_config: reasoning_parser must be a string")
 

@@ -1,8 +1,10 @@
 """``StructuredOutputManager`` (vLLM's ``v1/structured_output/__init__.py``): lives in the
 engine process next to the scheduler.
 
-* ``grammar_init`` starts compiling a request's grammar in a thread pool; the scheduler
-  keeps the request in ``WAITING_FOR_FSM`` until ``StructuredOutputRequest.is_ready``.
+* ``grammar_init`` queues a request's grammar on the ``CompileQueue`` (compile_queue.py:
+  several workers, large grammars kept off one of them, one compile per key, an aborted
+  request's compile skipped or its result dropped); the scheduler keeps the request in
+  ``WAITING_FOR_FSM`` until ``StructuredOutputRequest.is_ready``.
 * ``grammar_bitmask`` builds, once per step, one int32 bitmask with a row per constrained
   request that samples in the step (a chunked prefill that ends mid-prompt samples
   nothing and gets no row); the runner applies it to those logits rows before sampling.
@@ -15,13 +17,15 @@ that never see one pay nothing.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Optional
 
-from llmserve.structured_output.backend_xgrammar import XgrammarBackend
+from llmserve.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+from llmserve.structured_output.compile_queue import CompileQueue
 from llmserve.structured_output.config import StructuredOutputsConfig
 from llmserve.structured_output.grammar import grammar_key
 from llmserve.structured_output.request import StructuredOutputRequest
@@ -32,6 +36,14 @@ if TYPE_CHECKING:
     from llmserve.core.sched_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
+
+# A grammar whose spec (JSON schema text, regex, EBNF, choices) has at least this many
+# characters is "large" for the CompileQueue: it may not take the last worker, which
+# stays free for small ones. Measured (SmolLM2 tokenizer, one thread, this 2-core machine):
+# json_object and choice compile in ~5 ms; a JSON-schema enum of 5,000 strings (~70 KiB)
+# in 0.04 s, of 20,000 (~280 KiB) in 1.3-2.4 s, of 40,000 (~575 KiB) in 3.9 s. The size is
+# only a proxy: a short regex such as [a-z]{1,2000} takes 0.46 s and counts as small.
+LARGE_GRAMMAR_CHARS = 16 * 1024
 
 
 class StructuredOutputManager:
@@ -50,7 +62,7 @@ class StructuredOutputManager:
         self.backend: Optional[XgrammarBackend] = None
         self.reasoner: Any = None
         self._init_lock = threading.Lock()
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._queue: Optional[CompileQueue] = None
         # Seconds spent compiling (not counting cache hits); for the bench's report.
         self.compile_seconds = 0.0
         # One bitmask buffer, reused every step (grown when more rows sample): a fresh
@@ -75,14 +87,29 @@ class StructuredOutputManager:
                     self.reasoner = ReasoningParserManager.get_reasoning_parser(name)(tok)
             return self.backend
 
-    def _compile(self, sor: StructuredOutputRequest, prompt_token_ids: list[int]):
+    def _compile_key(self, key: Any) -> Any:
+        """The CompiledGrammar of ``key`` (in a worker): from the cache, else compiled."""
         backend = self._ensure_backend()
+        hit = backend.cached(key)
+        if hit is not None:
+            return hit
         t0 = time.perf_counter()
-        grammar = backend.new_grammar(sor.key)
+        compiled = backend.compile_uncached(key)
         self.compile_seconds += time.perf_counter() - t0
+        return compiled
+
+    def _matcher(self, sor: StructuredOutputRequest, prompt_token_ids: list[int], compiled: Any) -> XgrammarGrammar:
+        """The request's matcher over ``compiled`` (in the worker that compiled it), after
+        deciding whether its prompt already ended the reasoning."""
         if sor.reasoning_ended is None:  # vLLM: a prompt may already close the reasoning
             sor.reasoning_ended = self._reasoning_ended_in(prompt_token_ids)
-        return grammar
+        return XgrammarGrammar(compiled)
+
+    def _compile_queue(self) -> CompileQueue:
+        if self._queue is None:
+            self._queue = CompileQueue(self._compile_key, lambda key, compiled: self._ensure_backend().keep(key, compiled),
+                                       self.config.max_compile_workers, LARGE_GRAMMAR_CHARS)
+        return self._queue
 
     def _reasoning_ended_in(self, prompt_token_ids: list[int]) -> bool:
         return (self.reasoner is None or self.config.enable_in_reasoning
@@ -98,9 +125,11 @@ class StructuredOutputManager:
             reasoning_ended = True
         sor = StructuredOutputRequest(params, key, reasoning_ended)
         request.structured_output_request = sor
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
-        sor.future = self._executor.submit(self._compile, sor, list(request.prompt_token_ids))
+        prompt = list(request.prompt_token_ids)
+        finish = functools.partial(self._matcher, sor, prompt)
+        hit = self.backend.cached(key) if self.backend is not None else None
+        # A cached grammar is "small" whatever its size: only a matcher to build.
+        sor.future = self._compile_queue().submit(key, 0 if hit is not None else len(key[1]), finish)
 
     def grammar_restart(self, request: "Request") -> None:
         """Streaming input: a new prompt chunk starts a new generation, so its grammar
@@ -200,8 +229,8 @@ class StructuredOutputManager:
         return sor.grammar.is_terminated()
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._queue is not None:
+            self._queue.shutdown()
 
 
 def _stop_ids(request: "Request") -> set[int]:

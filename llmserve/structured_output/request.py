@@ -11,7 +11,8 @@ from llmserve.structured_output.grammar import GrammarKey
 
 class StructuredOutputRequest:
     """params: the request's constraint; key: its grammar key; future: the grammar being
-    compiled in the manager's thread pool (None once taken); grammar: the request's matcher
+    compiled on the manager's CompileQueue (None once taken; cancelling it withdraws the
+    request from that compile); grammar: the request's matcher
     once compiled; reasoning_ended: whether the grammar applies yet (True without a
     reasoning parser); error: the compile error, when compilation failed."""
 

@@ -66,7 +66,10 @@ def test_bench_body_and_config(tmp_path):
     assert structured_body(str(f))["response_format"]["json_schema"]["schema"] == SCHEMA
     cfg = make_structured_outputs_config('{"backend": "xgrammar", "disable_any_whitespace": false}')
     assert cfg.backend == "xgrammar" and not cfg.disable_any_whitespace
-    for bad in ('{"backend": "outlines"}', '{"nope": 1}', "{", '{"disable_any_whitespace": "yes"}'):
+    assert make_structured_outputs_config(None).max_compile_workers == 2
+    assert make_structured_outputs_config('{"max_compile_workers": 3}').max_compile_workers == 3
+    for bad in ('{"backend": "outlines"}', '{"nope": 1}', "{", '{"disable_any_whitespace": "yes"}',
+                '{"max_compile_workers": 0}', '{"max_compile_workers": true}', '{"max_compile_workers": "2"}'):
         with pytest.raises(ValueError, match="structured_outputs_config"):
             make_structured_outputs_config(bad)
 
