@@ -512,3 +512,16 @@ def test_fan_out_over_http_400_names_the_field_and_small_calls_pass(smol_tokeniz
     r = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "n": 2})  # 4 sequences: no room
     assert r.status_code == 429 and "Retry-After" in r.headers
     assert r.json()["error"]["type"] == "RateLimitError" and "4 sequences" in r.json()["error"]["message"]
+
+
+def test_an_encoder_admits_a_fan_out_larger_than_its_queue_only_alone():
+    """Pooling sequences finish within a step and embedding clients send lists of ~1000:
+    an encoder's call past the capacity is no 400, it runs when the engine is idle."""
+    from llmserve.entrypoints.openai.fan_out import FanOut
+    c = AdmissionController(AdmissionConfig(8, 10.0, 1.0), max_num_seqs=4, clock=Clock(), uses_kv_cache=False)
+    c.in_flight = 1
+    r = c.admit(fan=FanOut(1000, "documents"))
+    assert r.reason == "queue_full" and r.status == 429  # busy: retry later, not a 400
+    c.in_flight = 0
+    assert c.admit(fan=FanOut(1000, "documents")) is None and c.in_flight == 1000
+    assert c.admit().reason == "queue_full"  # the next one waits for it

@@ -13,7 +13,8 @@ times ``n`` / ``best_of`` (one for an ordinary request; 1024 prompts with ``n=16
 only when all its sequences fit the limits below, and one whose fan-out alone exceeds
 what is ever admitted (``max_num_seqs`` + ``--max-waiting-requests``) is a 400
 (``fan_out_too_large``) naming the field (``prompt``, ``input``, ``documents``, ``n``...)
-and the limit, with no ``Retry-After`` (it would never fit). The
+and the limit, with no ``Retry-After`` (it would never fit); an encoder's such call is
+admitted instead when its engine is idle (see ``fan_out_refusal``). The
 :class:`AdmissionController` admits it unless
 
 - ``queue_full`` (429): the requests waiting, with the new request's sequences beyond
@@ -282,9 +283,12 @@ class AdmissionController:
 
     def fan_out_refusal(self, fan: FanOut) -> Optional[Rejection]:
         """The 400 for a call whose fan-out alone exceeds :attr:`capacity` (it could never
-        be admitted, so a 429 would have it retry forever), or None."""
+        be admitted, so a 429 would have it retry forever), or None. Not for an encoder
+        (pooling): its sequences finish within the step that runs them, and clients batch
+        embeddings by the thousand (LangChain's default chunk is 1000 inputs), so a list
+        within the documented limit (1024) is admitted, alone on an idle engine (check)."""
         capacity = self.capacity
-        if capacity is None or fan.sequences <= capacity:
+        if capacity is None or fan.sequences <= capacity or not self.uses_kv_cache:
             return None
         return Rejection("fan_out_too_large", 400, None,
                          f"This request asks for {fan.sequences} sequences ({fan.describe()}), more than the "
@@ -316,6 +320,9 @@ class AdmissionController:
                 or self.stats.num_running_reqs >= self.max_num_seqs)
         free = 0 if full else self.max_num_seqs - max(self.in_flight, self.stats.num_running_reqs)
         would_wait = max(0, sequences - free)
+        if (limit >= 0 and not self.uses_kv_cache and sequences > self.max_num_seqs + limit
+                and not self._engine_busy()):
+            would_wait = 0  # an encoder's call larger than the queue: admitted alone (fan_out_refusal)
         if limit >= 0 and waiting + would_wait > limit:
             asks = "" if sequences == 1 else f" This request is {sequences} sequences (prompts × n)."
             return Rejection("queue_full", 429, self.drain.retry_after(waiting + (would_wait if sequences > 1 else 0)),
