@@ -22,8 +22,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 # Why admission control refused a request (the ``reason`` label of request_rejected_total):
 # the waiting queue is full (429), the KV cache cannot take the waiting work (429), the
 # server is shutting down (503).
-REJECTION_REASONS = ("queue_full", "queue_delay", "kv_cache_full", "draining", "engine_restarting",
-                     "fan_out_too_large")  # the last: a 400, a call's prompts × n beyond what is ever admitted
+REJECTION_REASONS = ("queue_full", "queue_delay", "kv_cache_full", "draining", "engine_restarting")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

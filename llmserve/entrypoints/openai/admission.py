@@ -10,11 +10,11 @@ the body is parsed or its prompt rendered. A request counts as the engine reques
 (sequences) it becomes, its fan-out (fan_out.py): a list of prompts, inputs or documents
 times ``n`` / ``best_of`` (one for an ordinary request; 1024 prompts with ``n=16`` are
 16,384, which counted as one held a concurrent chat 117 s behind them). It is admitted
-only when all its sequences fit the limits below, and one whose fan-out alone exceeds
-what is ever admitted (``max_num_seqs`` + ``--max-waiting-requests``) is a 400
-(``fan_out_too_large``) naming the field (``prompt``, ``input``, ``documents``, ``n``...)
-and the limit, with no ``Retry-After`` (it would never fit); an encoder's such call is
-admitted instead when its engine is idle (see ``fan_out_refusal``). The
+only when all its sequences fit the limits below; one whose fan-out alone exceeds what
+is ever admitted (``max_num_seqs`` + ``--max-waiting-requests``) runs alone: it is
+admitted when the engine is idle and refused (429 ``queue_full``) otherwise, so a list of
+up to the documented 1024 prompts still works, as in vLLM, and requests arriving while it
+runs are refused at once rather than queued behind it. The
 :class:`AdmissionController` admits it unless
 
 - ``queue_full`` (429): the requests waiting, with the new request's sequences beyond
@@ -103,9 +103,8 @@ def admission_config_from_args(args: Any, max_num_seqs: int) -> AdmissionConfig:
 @dataclass(frozen=True)
 class Rejection:
     """Why a request is refused: ``reason`` (a REJECTION_REASONS label), the HTTP
-    ``status`` (429 or 503; 400 for ``fan_out_too_large``), ``retry_after`` (whole
-    seconds; None: no ``Retry-After``, retrying cannot help), a message and ``param``
-    (the body field at fault, for a 400)."""
+    ``status`` (429 or 503), ``retry_after`` (whole seconds; None: no ``Retry-After``),
+    a message and ``param`` (the body field at fault, when there is one)."""
 
     reason: str
     status: int
@@ -281,21 +280,6 @@ class AdmissionController:
         limit = self.config.max_waiting_requests
         return None if limit < 0 else self.max_num_seqs + limit
 
-    def fan_out_refusal(self, fan: FanOut) -> Optional[Rejection]:
-        """The 400 for a call whose fan-out alone exceeds :attr:`capacity` (it could never
-        be admitted, so a 429 would have it retry forever), or None. Not for an encoder
-        (pooling): its sequences finish within the step that runs them, and clients batch
-        embeddings by the thousand (LangChain's default chunk is 1000 inputs), so a list
-        within the documented limit (1024) is admitted, alone on an idle engine (check)."""
-        capacity = self.capacity
-        if capacity is None or fan.sequences <= capacity or not self.uses_kv_cache:
-            return None
-        return Rejection("fan_out_too_large", 400, None,
-                         f"This request asks for {fan.sequences} sequences ({fan.describe()}), more than the "
-                         f"server admits at once: {capacity} (max_num_seqs {self.max_num_seqs} + "
-                         f"--max-waiting-requests {self.config.max_waiting_requests}). Send fewer prompts "
-                         "or a smaller n per request.", fan.field(capacity))
-
     def check(self, tenant_in_flight: Optional[int] = None, sequences: int = 1) -> Optional[Rejection]:
         """The rejection a new request would get now, or None (admitted). Changes nothing.
         ``tenant_in_flight``: sequences of the new request's tenant in flight, when the
@@ -320,9 +304,11 @@ class AdmissionController:
                 or self.stats.num_running_reqs >= self.max_num_seqs)
         free = 0 if full else self.max_num_seqs - max(self.in_flight, self.stats.num_running_reqs)
         would_wait = max(0, sequences - free)
-        if (limit >= 0 and not self.uses_kv_cache and sequences > self.max_num_seqs + limit
-                and not self._engine_busy()):
-            would_wait = 0  # an encoder's call larger than the queue: admitted alone (fan_out_refusal)
+        if limit >= 0 and sequences > self.max_num_seqs + limit and not self._engine_busy():
+            # A call larger than all the limits hold runs alone on an idle engine (a 400
+            # would refuse lists within the documented 1024 prompts that vLLM serves, e.g.
+            # LangChain's 1000-input embedding chunks); while it runs, others get a 429.
+            would_wait = 0
         if limit >= 0 and waiting + would_wait > limit:
             asks = "" if sequences == 1 else f" This request is {sequences} sequences (prompts × n)."
             return Rejection("queue_full", 429, self.drain.retry_after(waiting + (would_wait if sequences > 1 else 0)),
@@ -381,10 +367,10 @@ class AdmissionController:
         """Admit a request (None) or return why not; a refusal is counted in /metrics.
         An admitted request must be ``release()``d (with the same ``fan`` and ``tenant``)
         when its response ends. ``tenant_in_flight``: see :meth:`check`. ``fan``: the
-        request's fan-out (fan_out.py): it takes ``fan.sequences`` of the limits, and one
-        larger than :attr:`capacity` is refused with a 400 naming its field.
+        request's fan-out (fan_out.py): it takes ``fan.sequences`` of the limits (one
+        larger than :attr:`capacity` is admitted only on an idle engine, see :meth:`check`).
         ``tenant``: the tenant's name, whose sequences in flight are counted."""
-        rejection = self.fan_out_refusal(fan) or self.check(tenant_in_flight, fan.sequences)
+        rejection = self.check(tenant_in_flight, fan.sequences)
         if rejection is not None:
             if self.stat_logger is not None:
                 self.stat_logger.record_rejection(rejection.reason)
