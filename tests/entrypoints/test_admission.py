@@ -434,6 +434,7 @@ def test_fan_out_is_read_from_lists_and_n_per_route():
     assert fan("/v1/responses", input=[{"role": "user", "content": "x"}] * 9).sequences == 1  # items, not prompts
     assert fan("/v1/completions", prompt=["a"] * 1025).sequences == 1  # the route's own 400 names the limit
     assert fan("/v1/completions", n=True).sequences == 1 and fan_out_of(b"not json").sequences == 1
+    assert fan_out_of(b"[" * 5000 + b"]" * 5000, "/v1/completions").sequences == 1  # RecursionError: one
 
 
 def test_a_fan_out_takes_all_its_sequences_of_the_limits_or_is_refused():

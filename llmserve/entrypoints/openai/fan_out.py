@@ -97,8 +97,8 @@ def fan_out_of(body: bytes, path: str = "") -> FanOut:
         return ONE
     try:
         parsed = msgspec.json.decode(body) if body else None
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return ONE
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return ONE  # not JSON, or nested past msgspec's depth: the route's own guard answers it (400)
     if not isinstance(parsed, dict):
         return ONE
     prompts, list_field = 1, None

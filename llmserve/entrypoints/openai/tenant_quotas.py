@@ -71,7 +71,7 @@ def request_cost(body: bytes, path: str = "") -> int:
         parsed = json.loads(body) if body else {}
         if isinstance(parsed, dict):
             limit = next((parsed[k] for k in _MAX_TOKEN_FIELDS if isinstance(parsed.get(k), int)), None)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         pass  # the route answers the bad body with its own 400
     output = limit if limit is not None and limit > 0 else DEFAULT_OUTPUT_ESTIMATE
     return output * fan_out_of(body, path).sequences + len(body) // BYTES_PER_TOKEN
@@ -132,7 +132,7 @@ async def _model_of(scope: dict, body: bytes, fields: tuple[str, ...] = ("model"
         return await _form_model(scope, body)
     try:
         parsed = json.loads(body) if body else {}
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(parsed, dict):
         return None
