@@ -171,11 +171,23 @@ inline __m512 load16(const at::Half* p) {
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> d, sx, sh;
-  std::vector<int32_t> hb;
+  std::vector<int32_t> hb, zs;
+  int32_t z;
+  // z: the weight's code offset (w = d * (code - z)): 8, 16 or 128 for the symmetric
+  // Q4_0, Q5_0, Q8_0 / IQ4_NL tiles, 32 or 4 for Q6_K / Q3_K, 0 for types with mins. With z,
+  // zs holds -z * sum(q_x) per block (symmetric tiles, [M, nb]) or per half block
+  // (K-quants, [M, nb, 2]): the kernels start each integer dot product there, so the
+  // offset costs no vector op per token (see group_tile).
   template <typename T>
-  QuantX(const T* x, int64_t M, int64_t nb) : q(M * nb * QK), d(M * nb), sx(M * nb), sh(M * nb * 2), hb(M * nb * 2) {
+  QuantX(const T* x, int64_t M, int64_t nb, int32_t z_, bool halves)
+      : q(M * nb * QK), d(M * nb), sx(M * nb), sh(M * nb * 2), hb(M * nb * 2), zs(z_ ? M * nb * (halves ? 2 : 1) : 0), z(z_) {
     at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) block(x + i * QK, i);
+      for (int64_t i = i0; i < i1; ++i) {
+        block(x + i * QK, i);
+        if (!z) continue;
+        if (halves) { zs[2 * i] = -z * hb[2 * i]; zs[2 * i + 1] = -z * hb[2 * i + 1]; }
+        else zs[i] = -z * (hb[2 * i] + hb[2 * i + 1]);
+      }
     });
   }
   // Vectorised; each value as the scalar rule gave it: amax = max |x|, d_x = amax / 127,
@@ -263,13 +275,17 @@ inline void store_rows(OutT* out, __m512 acc, int64_t valid) {
 }
 
 // Rows of group g for tokens t0..t0+MT-1.
-template <int BITS, int MT, typename OutT>
-void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
+// SYM: a symmetric type (d only, w = d * (code - z)): each dot product starts at -z *
+// sum(q_x) (QuantX::zs, exact in int32: |dot| < 2^20), so a token's block costs 8 VNNI and
+// 3 float ops (convert, d * d_x, FMA) instead of 4 with the offset's own FMA of m = -z * d
+// against d_x * sum(q_x). The kernels are bound by those vector ops from 8 rows on (Q5_0
+// at 32 rows ~275 GMAC/s on 2 cores, Q4_K with 16 ops a block ~200). One rounding less:
+// the sum of w * x over the int8-rounded x is the same number, rounded once per block.
+template <int BITS, int MT, bool SYM, typename OutT>
+void group_tile_s(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
   const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
   const uint8_t* codes = p.codes + g * p.nb * tb;
   const uint16_t* dm = p.dm + g * p.nb * p.dms;
-  const bool sym = p.dms == 16;
-  const __m512 moff = _mm512_set1_ps(p.moff);
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.nb; ++b) {
@@ -277,17 +293,18 @@ void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* 
     __m512i v[8];
     load_tile<BITS>(codes + b * tb, v);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * p.dms)));
-    const __m512 m = sym ? _mm512_mul_ps(d, moff)
-                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (!SYM) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
       const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
       // V[j] holds codes 4j..4j+3 of each row (both types), x's word j the same codes of x;
       // from 8 tokens on, one dependency chain per token (their chains overlap; the add of
       // two chains was one more vector op per token and block).
+      const __m512i a_init = SYM ? _mm512_set1_epi32(xq.zs[xi]) : _mm512_setzero_si512();
       __m512i a;
       if (MT < 8) {  // two chains where few tokens overlap theirs
-        __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
+        __m512i a0 = _mm512_dpbusd_epi32(a_init, v[0], _mm512_set1_epi32(xw[0]));
         __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], _mm512_set1_epi32(xw[1]));
         for (int j = 2; j < 8; j += 2) {
           a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
@@ -295,17 +312,23 @@ void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* 
         }
         a = _mm512_add_epi32(a0, a1);
       } else {
-        a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
+        a = _mm512_dpbusd_epi32(a_init, v[0], _mm512_set1_epi32(xw[0]));
         for (int j = 1; j < 8; ++j) a = _mm512_dpbusd_epi32(a, v[j], _mm512_set1_epi32(xw[j]));
       }
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(xq.d[xi])), acc[t]);
-      acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sx[xi]), acc[t]);
+      if constexpr (!SYM) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sx[xi]), acc[t]);
     }
   }
   const int64_t valid = std::min(RG, p.n - g * RG);
   for (int t = 0; t < MT; ++t) store_rows(out + (t0 + t) * N + g * RG, acc[t], valid);
 }
 
+
+template <int BITS, int MT, typename OutT>
+void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* out, int64_t N) {
+  if (p.dms == 16) group_tile_s<BITS, MT, true>(p, xq, g, t0, out, N);
+  else group_tile_s<BITS, MT, false>(p, xq, g, t0, out, N);
+}
 
 // K-quants (Q2_K..Q6_K, super-blocks of 256 = 8 blocks), repacked by llmserve/ops/kquant.py:
 // codes in the tiles above (4-bit for Q2_K, Q3_K, Q4_K; 5-bit Q5_K; 8-bit Q6_K), per
@@ -364,15 +387,13 @@ void group_tile_k(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, Out
       const int64_t xi = (t0 + t) * p.nb + b;
       const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
       // V[0..3]: codes 0..15 (first half), V[4..7]: codes 16..31.
-      __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(xw[0]));
-      __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(xw[4]));
-      for (int j = 1; j < 4; ++j) {
+      // Without mins, each half's dot starts at -z * sum(q_x of the half) (QuantX::zs): the
+      // same int32 sums as subtracting after, with no vector op for it.
+      __m512i a0 = kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(xq.zs[2 * xi]);
+      __m512i a1 = kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(xq.zs[2 * xi + 1]);
+      for (int j = 0; j < 4; ++j) {
         a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
         a1 = _mm512_dpbusd_epi32(a1, v[j + 4], _mm512_set1_epi32(xw[j + 4]));
-      }
-      if constexpr (!kMins) {
-        a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi]));
-        a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(static_cast<int32_t>(p.z) * xq.hb[2 * xi + 1]));
       }
       const __m512 dx = _mm512_set1_ps(xq.d[xi]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), acc[t]);
@@ -426,13 +447,20 @@ void run(const P& p, const QuantX& xq, int64_t M, OutT* out, const LinearHook* h
   });
 }
 
+// The code offset z the kernels fold into their dot products (QuantX::zs): the symmetric
+// tiles' 2^(bits-1) (m = moff * d, moff = -z), the K-quants' own (Q6_K, Q3_K; 0 with mins).
+inline int32_t code_offset(const Packed& p) { return p.dms == 16 ? static_cast<int32_t>(-p.moff) : 0; }
+inline int32_t code_offset(const KPacked& p) { return static_cast<int32_t>(p.z); }
+
 template <typename P, typename OutT>
 void dispatch(const P& p, const at::Tensor& x, OutT* out, const LinearHook* hook) {
   const int64_t M = x.size(0);
+  const int32_t z = code_offset(p);
+  const bool halves = std::is_same<P, KPacked>::value;
   std::unique_ptr<QuantX> xq;
-  if (x.scalar_type() == at::kBFloat16) xq = std::make_unique<QuantX>(x.data_ptr<at::BFloat16>(), M, p.nb);
-  else if (x.scalar_type() == at::kHalf) xq = std::make_unique<QuantX>(x.data_ptr<at::Half>(), M, p.nb);
-  else xq = std::make_unique<QuantX>(x.data_ptr<float>(), M, p.nb);
+  if (x.scalar_type() == at::kBFloat16) xq = std::make_unique<QuantX>(x.data_ptr<at::BFloat16>(), M, p.nb, z, halves);
+  else if (x.scalar_type() == at::kHalf) xq = std::make_unique<QuantX>(x.data_ptr<at::Half>(), M, p.nb, z, halves);
+  else xq = std::make_unique<QuantX>(x.data_ptr<float>(), M, p.nb, z, halves);
   if (p.bits == 4) run<4>(p, *xq, M, out, hook);
   else if (p.bits == 5) run<5>(p, *xq, M, out, hook);
   else run<8>(p, *xq, M, out, hook);
