@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -296,8 +296,13 @@ class PagedAttention:
         """query ``[T, num_heads*head_dim]``, key/value ``[T, num_kv_heads*head_dim]`` ->
         ``[T, num_heads*head_dim]``. ``kv_cache`` None (or empty) runs without a cache:
         every request must then be a whole prompt (seq_len == query_len)."""
-        groups = getattr(attn_metadata, "kv_groups", None)
+        groups = attn_metadata.kv_groups
         md = attn_metadata if groups is None else groups[self.kv_cache_group]
+        if (self.use_kernel and kv_cache is not None and query.dtype is kv_cache.dtype
+                and key.dtype is kv_cache.dtype and value.dtype is kv_cache.dtype):
+            step = _cpu_kernel_step(md, query, kv_cache)
+            if step is not None:
+                return self._forward_cpu_kernels(query, key, value, kv_cache, step)
         t = md.num_actual_tokens
         q = query[:t].view(t, self.num_heads, self.head_dim)
         k = key[:t].view(t, self.num_kv_heads, self.head_dim)
@@ -363,6 +368,24 @@ class PagedAttention:
         v = kv_cache[1][ids].view(nblk * bs, nkv, hd)[:seq_len]
         return k, v
 
+    def _forward_cpu_kernels(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             kv_cache: torch.Tensor, step: "_CpuKernelStep") -> torch.Tensor:
+        """``forward``'s kernel path with the step's checks done once (``_cpu_kernel_step``):
+        the cache write and one ``paged_decode`` call, every token as one query over its own
+        causal context. The general path's per-layer checks, slices and lookups cost ~11 us
+        a layer against ~4 us of kernels at one decode row (SmolLM2: ~0.3 ms of a 5 ms step)."""
+        t, h, d, kvh = step.t, self.num_heads, self.head_dim, self.num_kv_heads
+        if query.shape[0] == t:
+            q, k, v = query.view(t, h, d), key.view(t, kvh, d), value.view(t, kvh, d)
+        else:
+            q, k, v = query[:t].view(t, h, d), key[:t].view(t, kvh, d), value[:t].view(t, kvh, d)
+        ops = step.ops
+        ops.reshape_and_cache(k, v, kv_cache, step.slots)
+        out = torch.empty_like(q)
+        ops.paged_decode(out, q, kv_cache, step.tables, step.lens, t, self.scale, self.sliding_window or 0,
+                         self.logits_soft_cap or 0.0)
+        return out.view(t, h * d)
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                 out: torch.Tensor) -> None:
         """Attention of the ``num_decodes`` one-token requests, written into ``out``, by the
@@ -376,6 +399,34 @@ class PagedAttention:
         out.copy_(decode_attention_torch(q, kv_cache, md.block_tables, md.seq_lens, max_len,
                                          self.scale, self.sliding_window, md._derived,
                                          self.logits_soft_cap))
+
+
+class _CpuKernelStep:
+    """What every layer's kernel path needs from one step's metadata, built once."""
+
+    __slots__ = ("t", "slots", "tables", "lens", "ops")
+
+    def __init__(self, t: int, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, ops: Any) -> None:
+        self.t, self.slots, self.tables, self.lens, self.ops = t, slots, tables, lens, ops
+
+
+def _cpu_kernel_step(md: AttentionMetadata, query: torch.Tensor,
+                     kv_cache: torch.Tensor) -> Optional[_CpuKernelStep]:
+    """The step's kernel inputs when the CPU kernels can run it (CPU tensors, a non-empty
+    cache, int64 slots, kernels built), else None; cached in ``md._derived`` by the cache's
+    dtype (the caller checked query's dtype against it), so layers after the first pay a
+    dict lookup. The kernels check shapes and strides themselves (RuntimeError)."""
+    key = ("cpu_kernel_step", kv_cache.dtype)
+    if key in md._derived:
+        return md._derived[key]
+    step = None
+    ops = cpu_ops.get_cpu_ops() if query.device.type == "cpu" and kv_cache.device.type == "cpu" else None
+    if ops is not None and kv_cache.numel() > 0 and md.slot_mapping.dtype == torch.long:
+        t = md.num_actual_tokens
+        tables, lens = _token_tables(md)
+        step = _CpuKernelStep(t, md.slot_mapping[:t].contiguous(), tables, lens, ops)
+    md._derived[key] = step
+    return step
 
 
 def _token_tables(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
