@@ -79,6 +79,11 @@ class LinearWithLoRA(nn.Module):
         self.native = bind_lora_kernel(self.a_stack, self.b_stack, self.ranges, self.ranks) \
             if kernel_supports(dtype, device) else None
         self.__dict__["_add"] = self.native.add if self.native is not None else self._add_torch
+        # The packed weight whose GEMM runs the deltas in its threads (None: never fused),
+        # and the bound hook maker: looked up once here, not per call (the base is packed
+        # before it is wrapped: ModelRunner.load_model, Worker.load_model).
+        self.__dict__["_fused_qw"] = fused_weight(base) if self.native is not None else None
+        self.__dict__["_hook"] = self.native.hook if self.native is not None else None
 
     def pack(self, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One adapter's ``(A [r_i, in], B [out_i, r_i])`` per slice (None: not targeted) in a
@@ -132,10 +137,10 @@ class LinearWithLoRA(nn.Module):
         m = self.ctx.mapping  # inline, not _delta_into: one Python call less in 120 modules a step
         if m is None or not self.used:
             return self._base_forward(x)
-        if m.fused and self.native is not None and x.dim() == 2:
-            qw = fused_weight(self._base)
-            if qw is not None:  # the deltas inside the packed GEMM's threads (lora.cpp: hook)
-                return qw.linear(x, False, self.native.hook(x, m.segs))
+        if m.fused:
+            qw = self._fused_qw
+            if qw is not None and x.dim() == 2:  # the deltas inside the packed GEMM's threads (lora.cpp: hook)
+                return qw.linear(x, False, self._hook(x, m.segs))
         y = self._base_forward(x)
         self._add(y, x, m.segs)
         return y
