@@ -29,6 +29,7 @@ from llmserve.config import (AdmissionConfig, CacheConfig, CompilationConfig, Co
 # Who builds the engine, its batching defaults and the KV cache size parser live in
 # engine_defaults.py (the config builder reads them too); re-exported under these names.
 from llmserve.engine_defaults import UsageContext, default_batching, parse_bytes  # noqa: F401
+from llmserve.served_names import check_served_name
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +258,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
+        for name in self.served_model_name or ():
+            # the served-name rule (llmserve.served_names): names reach logs and metric labels
+            check_served_name(name, "served_model_name")
         self.compilation_config = make_compilation_config(self.compilation_config)
         self.kv_transfer_config = make_kv_transfer_config(self.kv_transfer_config)
         self.speculative_config = make_speculative_config(self.speculative_config)

@@ -266,3 +266,15 @@ def test_a_kv_tier_folder_that_cannot_be_made_is_a_config_error(tiny_dir, tmp_pa
     kv["kv_connector_extra_config"]["shared_storage_path"] = fine
     _args(tiny_dir, kv_transfer_config=kv).create_engine_config()
     assert os.path.isdir(fine)
+
+
+def test_served_model_name_follows_the_served_name_rule():
+    """A served name reaches log lines and the ``model_name`` label of every metric: the
+    rule of llmserve.served_names, as for LoRA adapter names (also through --extra-model
+    JSON, which builds its EngineArgs the same way)."""
+    names = ["org/model:tag", "gpt-4o-mini", "llama3.2:1b-q4_K_M"]
+    assert EngineArgs(model="m", served_model_name=names).served_model_name == names
+    for bad in ("a\nINFO forged", "tab\there", " lead", "a,b", "", "x" * 257, "zero\u200bwidth"):
+        with pytest.raises(ValueError, match="served_model_name") as e:
+            EngineArgs(model="m", served_model_name=["ok", bad])
+        assert "\n" not in str(e.value)

@@ -51,7 +51,7 @@ class LoRARegistry:
         self.removing.discard(lid)
         self.loaded[lid] = request
         self.loaded.move_to_end(lid)
-        logger.info("LoRA adapter %r (id %d) loaded from %s", request.lora_name, lid, request.lora_path)
+        logger.info("LoRA adapter %r (id %d) loaded from %r", request.lora_name, lid, request.lora_path)
         return True
 
     def _make_room(self, room: int = 1) -> None:

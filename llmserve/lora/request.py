@@ -10,6 +10,8 @@ from typing import Optional
 
 import msgspec
 
+from llmserve.served_names import check_served_name
+
 
 class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True, gc=False):
     """An adapter for one request (vLLM's fields and order).
@@ -20,7 +22,9 @@ class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True, gc=False)
     base_model_name: the model it was trained on (shown as ``parent`` by /v1/models).
     long_lora_max_len, tensorizer_config_dict, load_inplace: vLLM's, kept for
     compatibility (load_inplace: a load under a live id replaces its weights).
-    Raises ValueError for an id below 1 (vLLM's rule)."""
+    Raises ValueError for an id below 1 (vLLM's rule) and for a ``lora_name`` that breaks
+    the served-name rule (``llmserve.served_names``: the name reaches logs and metric
+    labels), so the offline API refuses it as the server does."""
 
     lora_name: str
     lora_int_id: int
@@ -32,6 +36,7 @@ class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True, gc=False)
     load_inplace: bool = False
 
     def __post_init__(self) -> None:
+        check_served_name(self.lora_name, "lora_name")
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be an integer > 0, got {self.lora_int_id!r}")
         if not self.lora_path and self.lora_local_path:

@@ -27,6 +27,7 @@ from llmserve.entrypoints.openai.common.errors import NotFoundError
 from llmserve.entrypoints.openai.models.protocol import (LoadLoRAAdapterRequest, ModelCard,
                                                          UnloadLoRAAdapterRequest)
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.served_names import check_served_name
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
 
@@ -66,7 +67,9 @@ def lora_call(start: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 class LoRAModulePath:
     """One ``--lora-modules`` entry (vLLM's): served ``name``, the adapter's ``path``
     (PEFT directory or GGUF LoRA file) and the base model it belongs to (``parent`` in
-    ``/v1/models``; None: the first served name)."""
+    ``/v1/models``; None: the first served name). Raises ValueError naming
+    ``--lora-modules`` for an empty field or a ``name`` that breaks the served-name rule
+    (``llmserve.served_names``), so a bad name stops the server at start-up."""
 
     name: str
     path: str
@@ -77,6 +80,7 @@ class LoRAModulePath:
             value = getattr(self, field)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"--lora-modules: '{field}' must be a non-empty string, got {value!r}")
+        check_served_name(self.name, "--lora-modules name")
 
 
 def parse_lora_module(value: str) -> LoRAModulePath:
@@ -101,7 +105,10 @@ def parse_lora_module(value: str) -> LoRAModulePath:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"invalid --lora-modules value {value!r}: expected 'name=path' or JSON "
                                          "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
-    return LoRAModulePath(name, path)
+    try:
+        return LoRAModulePath(name, path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Tracked:
@@ -177,27 +184,30 @@ class LoRAAdapters:
             try:
                 await self.load(LoadLoRAAdapterRequest(lora_name=m.name, lora_path=m.path), m.base_model_name)
             except (ValueError, NotFoundError) as e:
-                raise ValueError(f"--lora-modules {m.name}={m.path}: {e}") from e
+                raise ValueError(f"--lora-modules {m.name!r}={m.path!r}: {e}") from e
 
     async def load(self, request: LoadLoRAAdapterRequest, base_model_name: Optional[str] = None) -> str:
         """Load an adapter into the engine and serve it as ``request.lora_name``; returns
-        vLLM's success text. Raises SamplingParamsError (400) naming the field."""
+        vLLM's success text. Raises SamplingParamsError (400) naming the field, also for a
+        name that breaks the served-name rule (``llmserve.served_names``). Names and paths
+        are quoted with ``repr`` in messages and logs: a path is the client's text too."""
         from llmserve.lora.request import LoRARequest
 
         name, path = request.lora_name, request.lora_path
         if not name or not path:
             raise SamplingParamsError("Both 'lora_name' and 'lora_path' must be provided.",
                                       "lora_name" if not name else "lora_path")
+        check_served_name(name, "lora_name")
         if name in self.base_names:
-            raise SamplingParamsError(f"The lora adapter name '{name}' is the base model's served name.", "lora_name")
+            raise SamplingParamsError(f"The lora adapter name {name!r} is the base model's served name.", "lora_name")
         if base_model_name is not None and base_model_name not in self.base_names:
-            raise SamplingParamsError(f"base_model_name '{base_model_name}' is not served here (served: "
+            raise SamplingParamsError(f"base_model_name {base_model_name!r} is not served here (served: "
                                       f"{', '.join(self.base_names)}).", "base_model_name")
         async with self._lock:
             old = self.lora_requests.get(name)
             if old is not None and not request.load_inplace:
                 raise SamplingParamsError(
-                    f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                    f"The lora adapter {name!r} has already been loaded. If you want to load the adapter in "
                     "place, set 'load_inplace' to True.", "lora_name")
             parent = base_model_name or self.base_names[0]
             lora = LoRARequest(lora_name=name, lora_int_id=self._next_id, lora_path=path, base_model_name=parent)
@@ -207,7 +217,7 @@ class LoRAAdapters:
             self.parents[name] = parent
             if old is not None:
                 await self._retire(old.lora_int_id)
-        logger.info("Loaded LoRA adapter %r (id %d) from %s", name, lora.lora_int_id, path)
+        logger.info("Loaded LoRA adapter %r (id %d) from %r", name, lora.lora_int_id, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def _add_to_engine(self, lora: Any) -> None:
@@ -220,7 +230,7 @@ class LoRAAdapters:
         except EngineDeadError:
             raise
         except Exception as e:
-            raise SamplingParamsError(f"Cannot load the LoRA adapter '{lora.lora_name}': {e}",
+            raise SamplingParamsError(f"Cannot load the LoRA adapter {lora.lora_name!r}: {e}",
                                       getattr(e, "param", None) or "lora_path") from e
 
     async def unload(self, request: UnloadLoRAAdapterRequest) -> str:
@@ -232,9 +242,9 @@ class LoRAAdapters:
         async with self._lock:
             lora = self.lora_requests.get(name)
             if lora is None:
-                raise NotFoundError(f"The lora adapter '{name}' cannot be found.", "lora_name")
+                raise NotFoundError(f"The lora adapter {name!r} cannot be found.", "lora_name")
             if request.lora_int_id is not None and request.lora_int_id != lora.lora_int_id:
-                raise SamplingParamsError(f"The lora adapter '{name}' has id {lora.lora_int_id}, not "
+                raise SamplingParamsError(f"The lora adapter {name!r} has id {lora.lora_int_id}, not "
                                           f"{request.lora_int_id}.", "lora_int_id")
             del self.lora_requests[name], self.parents[name]
             await self._retire(lora.lora_int_id)
