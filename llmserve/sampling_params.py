@@ -61,7 +61,9 @@ class StructuredOutputsParams:
 
     The engine compiles the constraint with its backend (xgrammar) off the step loop and
     masks each step's logits with it. Raises SamplingParamsError (param
-    ``structured_outputs``) when no constraint or more than one is given.
+    ``structured_outputs``, the message naming ``structured_outputs.<field>``) for a field
+    of the wrong type (:data:`_STRUCTURED_FIELD_TYPES`) and when no constraint or more
+    than one is given. :meth:`from_dict` builds one from a request's JSON object.
     """
 
     json: Optional[Union[str, dict]] = None
@@ -75,12 +77,82 @@ class StructuredOutputsParams:
     whitespace_pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, k) not in (None, False)]
+        for name, (types, what) in _STRUCTURED_FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and not _is_structured_value(value, types):
+                raise _err("structured_outputs", f"structured_outputs.{name} must be {what}, got "
+                                                 f"{_json_type_name(value)}.")
+        given = [k for k in STRUCTURED_CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise _err("structured_outputs",
                        "structured_outputs needs exactly one of json, regex, choice, grammar, "
                        f"json_object or structural_tag; got {given or 'none'}.")
+
+    @classmethod
+    def from_dict(cls, value: object, param: str = "structured_outputs") -> "StructuredOutputsParams":
+        """The constraint of a JSON object of this class's fields (vLLM's request field
+        ``structured_outputs``, the offline ``SamplingParams(structured_outputs={...})``).
+        Raises SamplingParamsError naming ``param`` for anything but an object, for unknown
+        keys (all of them, with the known ones) and for a field of the wrong type: never
+        Python's own ``__init__() got an unexpected keyword argument`` text."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise _err(param, f"{param} must be an object with one of {', '.join(STRUCTURED_CONSTRAINT_KINDS)}, "
+                              f"got {_json_type_name(value)}.")
+        unknown = [k for k in value if k not in _STRUCTURED_FIELD_TYPES]
+        if unknown:
+            names = ", ".join(f"{param}.{k}" if isinstance(k, str) and k.isidentifier() else f"{param}[{k!r}]"
+                              for k in unknown)
+            raise _err(param, f"unknown field(s) {names}; {param} takes {', '.join(_STRUCTURED_FIELD_TYPES)}.")
+        return cls(**value)
+
+
+# Each StructuredOutputsParams field -> (the types it takes, how a message says so); None
+# is always allowed (unset). bool is checked apart from int (True is an int in Python).
+# A string regex/grammar is required: str(5) would have compiled as the regex "5".
+_STRUCTURED_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "json": ((dict, str, bool), "a JSON schema (an object, or its JSON text)"),
+    "regex": ((str,), "a string"),
+    "choice": ((list, tuple), "a non-empty list of strings"),
+    "grammar": ((str,), "a string"),
+    "json_object": ((bool,), "a boolean"),
+    "structural_tag": ((dict, str), "a structural tag (an object, or its JSON text)"),
+    "disable_any_whitespace": ((bool,), "a boolean"),
+    "disable_additional_properties": ((bool,), "a boolean"),
+    "whitespace_pattern": ((str,), "a string"),
+}
+STRUCTURED_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _is_structured_value(value: object, types: tuple[type, ...]) -> bool:
+    """Whether ``value`` is one of ``types`` (bool only where bool is listed); a
+    list/tuple (``choice``) must be non-empty and hold strings only."""
+    if isinstance(value, bool) and bool not in types:
+        return False
+    if not isinstance(value, types):
+        return False
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(c, str) for c in value)
+    return True
+
+
+def _json_type_name(value: object) -> str:
+    """The JSON name of a decoded value's type (``5`` -> "a number"), for messages
+    that should not echo the value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an empty list" if not value else "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
 
 
 def _clamp_logit_bias(bias: dict) -> dict:
@@ -194,6 +266,8 @@ class SamplingParams:
             self.bad_words = []
         if self.logit_bias:
             self.logit_bias = _clamp_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:  # a dict of its fields offline, as the server takes
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if 0 < self.temperature < _SAMPLING_EPS:
             # Tiny temperatures are numerically unstable; treat them as greedy.
             self.temperature = 0.0

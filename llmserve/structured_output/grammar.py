@@ -151,12 +151,15 @@ def validate_structured_outputs(params: StructuredOutputsParams, param: str = "s
     per key), so a bad schema/regex/grammar is refused before the request runs.
 
     Returns the grammar key. Raises SamplingParamsError naming ``param`` (the OpenAI field
-    the constraint came from: ``response_format`` or ``structured_outputs``)."""
+    the constraint came from: ``response_format`` or ``structured_outputs``); for
+    ``structured_outputs`` the message names the key too (``structured_outputs.regex``)."""
     try:
         key = grammar_key(params, any_whitespace)
-        _check_key(key)
     except SamplingParamsError as e:
         raise SamplingParamsError(str(e), param) from None
+    try:
+        _check_key(key)
     except ValueError as e:
-        raise SamplingParamsError(f"Invalid {param}: {e}", param) from None
+        where = f"{param}.{key[0]}" if param == "structured_outputs" else param
+        raise SamplingParamsError(f"Invalid {where}: {e}", param) from None
     return key

@@ -97,24 +97,16 @@ def _from_response_format(rf: ResponseFormat) -> Optional[StructuredOutputsParam
     return StructuredOutputsParams(json=schema)
 
 
-def _from_dict(value: dict[str, Any]) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(**value)
-    except TypeError as e:
-        raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
-    except SamplingParamsError as e:
-        raise SamplingParamsError(str(e), "structured_outputs") from None
-
-
 def structured_outputs_params(response_format: Optional[ResponseFormat],
                               structured_outputs: Optional[dict[str, Any]]) -> Optional[StructuredOutputsParams]:
     """The request's constraint, checked (it compiles), or None.
 
     Raises SamplingParamsError naming ``response_format`` or ``structured_outputs`` for a
-    missing schema, an unknown field, both fields constraining at once, or a schema,
-    regex, choice or grammar that cannot compile."""
+    missing schema, an unknown field or one of the wrong type (the message names
+    ``structured_outputs.<field>``), both fields constraining at once, or a schema, regex,
+    choice or grammar that cannot compile."""
     from_rf = _from_response_format(response_format) if response_format is not None else None
-    from_so = _from_dict(structured_outputs) if structured_outputs is not None else None
+    from_so = StructuredOutputsParams.from_dict(structured_outputs) if structured_outputs is not None else None
     if from_rf is not None and from_so is not None:
         raise SamplingParamsError("Set either response_format (json_object / json_schema) or "
                                   "structured_outputs, not both.", "structured_outputs")

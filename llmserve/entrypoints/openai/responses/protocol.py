@@ -4,7 +4,7 @@ The request keeps OpenAI's field names (``input``, ``instructions``,
 ``max_output_tokens``, ``text.format``, flat function ``tools``, ``tool_choice``,
 ``previous_response_id``, ``store``, ``background``...) plus a few of vLLM's sampling
 extras (``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``ignore_eos``,
-``priority``). The
+``priority``, ``structured_outputs``: vLLM's Responses takes it too). The
 response object and its output items follow ``openai.types.responses`` (the official
 client validates them with ``Response.model_validate``; the tests do too).
 """
@@ -115,6 +115,9 @@ class ResponsesRequest(OpenAIRequestModel):
     ignore_eos: bool = False
     priority: Int64 = 0
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's constraint object, as on chat and completions (common/structured.py); it was an
+    # ignored unknown field here, so a client's regex/choice silently ran unconstrained
+    structured_outputs: Optional[dict[str, Any]] = None
     # OpenAI fields this server refuses (REFUSED_FIELDS): declared so they are never an
     # ignored unknown field
     conversation: Optional[Any] = None

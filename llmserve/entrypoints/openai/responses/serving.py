@@ -129,8 +129,15 @@ class OpenAIServingResponses(GenerateBaseServing):
 
     # ---- preparing -------------------------------------------------------------------
     def _text_format(self, request: ResponsesRequest) -> tuple[Any, dict[str, Any]]:
-        """The StructuredOutputsParams of ``text.format`` (None for text) and its echo."""
+        """The StructuredOutputsParams of ``text.format`` or vLLM's ``structured_outputs``
+        (None for text) and the ``text.format`` echo. Raises SamplingParamsError naming
+        ``text.format``, or ``structured_outputs`` for that field and for both at once."""
         fmt = request.text.format if request.text is not None else None
+        if request.structured_outputs is not None:
+            if fmt is not None and fmt.type != "text":
+                raise SamplingParamsError("Set either text.format (json_object / json_schema) or "
+                                          "structured_outputs, not both.", "structured_outputs")
+            return structured_outputs_params(None, request.structured_outputs), {"type": "text"}
         if fmt is None or fmt.type == "text":
             return None, {"type": "text"}
         if fmt.type == "json_schema" and (not fmt.name or fmt.schema_ is None):
