@@ -2,6 +2,8 @@
 #include "cpu_types.h"
 #include "ops.h"
 
+#include <atomic>
+
 // Token position -> (block, offset) in a paged table. Block sizes are powers of two in
 // practice (16 by default): shifts and masks then replace two 64-bit divisions per K/V row,
 // which otherwise cost more than the attention arithmetic itself on short contexts.
@@ -173,6 +175,29 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
 }
 #endif
 
+// Rows [0, n) of a step over the threads. A decode step's rows cost about the same: split
+// in contiguous ranges (each thread's prefetch stream stays one run). A step of prompt
+// tokens is one query per token over its causal context, so a prompt's cost grows with the
+// position: contiguous halves left one of 2 threads ~75% of a long prompt's work. Past
+// kStaticRows rows, threads claim kClaim rows at a time from the end (the longest contexts
+// first, so the last claims are the cheapest). Each row's arithmetic is the same either way.
+template <typename F>
+static void run_balanced(int64_t n, const F& body) {
+  constexpr int64_t kStaticRows = 64, kClaim = 16;
+  if (n <= kStaticRows) {
+    at::parallel_for(0, n, 1, body);
+    return;
+  }
+  const int64_t chunks = (n + kClaim - 1) / kClaim;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t end = n - c * kClaim;
+      body(std::max<int64_t>(0, end - kClaim), end);
+    }
+  });
+}
+
 template <typename scalar_t>
 static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                         const at::Tensor& bt, const at::Tensor& sl, int64_t n,
@@ -197,7 +222,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
     if (hd == 64 || hd == 128) {
       // One task per request (all its KV heads, so each K/V row is read once).
-      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      auto body = [&](int64_t begin, int64_t end) {
         std::vector<float> scores, accm;
         std::vector<uint16_t> pbuf;
         // Prefetch cursor over this thread's stream of 16-token chunks: request by request,
@@ -245,7 +270,8 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
             decode_one_bf16<8>(qp + r * q_s0, q_s1, kp, vp, btp + r * bt_s0, start, len, bs, nkv, g,
                                fscale, cap, orow, scores, accm, pbuf, prefetch_next);
         }
-      });
+      };
+      run_balanced(n, body);
       return;
     }
   }
