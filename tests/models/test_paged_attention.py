@@ -162,6 +162,36 @@ def test_bf16_chunked_prompt_is_bitwise_equal_to_whole_prompt():
     assert torch.equal(torch.cat([first, second]), whole)
 
 
+@pytest.mark.parametrize("nkv,hd,nh,bs,ctx,cap", [(3, 64, 9, 16, 0, 0.0), (2, 128, 8, 16, 37, 0.0),
+                                                  (3, 64, 9, 16, 5, 30.0), (1, 64, 4, 8, 0, 0.0)])
+def test_bf16_prompt_tiles_and_balanced_rows_give_each_tokens_own_bits(nkv, hd, nh, bs, ctx, cap):
+    """Consecutive prompt tokens of a request run as tiles that read each K/V chunk once, and
+    steps past 64 rows are split by claims from the end: each token's output is bit for bit
+    what the kernel gives it alone (one query, one row). Two prompts side by side, the
+    second after ctx cached tokens, 200+ rows in all."""
+    ops = get_cpu_ops()
+    if ops is None or get_decode_kernel() is None:
+        pytest.fail("the C++ kernel did not build on this machine")
+    g = torch.Generator().manual_seed(3)
+    nb = 64
+    kv = torch.randn(2, nb, bs, nkv, hd, generator=g).to(torch.bfloat16)
+    lens_a, lens_b = list(range(1, 151)), list(range(ctx + 1, ctx + 71))
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    width = (max(lens_a[-1], lens_b[-1]) + bs - 1) // bs
+    ta, tb = perm[:width], perm[nb - width:]
+    tables = torch.stack([ta] * len(lens_a) + [tb] * len(lens_b)).contiguous()
+    lens = torch.tensor(lens_a + lens_b, dtype=torch.int32)
+    t = len(lens)
+    q = torch.randn(t, nh, hd, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    ops.paged_decode(out, q, kv, tables, lens, t, hd ** -0.5, 0, cap)
+    for i in range(t):
+        one = torch.empty(1, nh, hd, dtype=torch.bfloat16)
+        ops.paged_decode(one, q[i:i + 1].contiguous(), kv, tables[i:i + 1].contiguous(), lens[i:i + 1].contiguous(),
+                         1, hd ** -0.5, 0, cap)
+        assert torch.equal(out[i], one[0]), f"row {i}"
+
+
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_soft_cap_in_every_path(use_kernel, dtype):

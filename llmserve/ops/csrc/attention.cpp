@@ -173,6 +173,111 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
     for (int c = 0; c < NV; ++c) store16(orow + h * hd + c * 16, _mm512_mul_ps(nat[c], d));
   }
 }
+
+// Up to kTile consecutive prompt tokens of one request (query i sees positions 0 ..
+// lens[i] - 1, lens consecutive, no window), each with decode_one_bf16's arithmetic, but
+// each 16-token chunk of K and V is read once for all of them: one query per token re-read
+// its whole context (1.5 MB a layer at 4000 tokens, past L2) from L3 for every token.
+// Lanes past a query's count are computed from rows of the longest query's chunk and
+// dropped, as decode_one_bf16 drops its clamped ones (hsum16x16's lanes do not mix).
+constexpr int64_t kTile = 8;
+
+template <int NV>
+static void prefill_tile_bf16(const at::BFloat16* q0, int64_t q_s0, int64_t q_s1, const at::BFloat16* kp,
+                              const at::BFloat16* vp, const int32_t* table, const int32_t* lens, int64_t nq,
+                              int64_t bs, int64_t nkv, int64_t g, float scale, float cap, at::BFloat16* o0,
+                              int64_t o_s0, std::vector<float>& scores, std::vector<float>& accm,
+                              std::vector<uint16_t>& pbuf) {
+  constexpr int64_t hd = NV * 16;
+  const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd, nh = nkv * g;
+  const BlockPos bp(bs);
+  int64_t so[kTile + 1] = {0};
+  for (int64_t i = 0; i < nq; ++i) so[i + 1] = so[i] + nh * lens[i];
+  scores.resize(so[nq]);
+  accm.assign(nq * nh * hd, 0.f);
+  const int64_t lmax = lens[nq - 1];
+  auto row_of = [&](const at::BFloat16* base, int64_t p) {
+    return base + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride;
+  };
+  const at::BFloat16* rows[16];
+  for (int64_t p0 = 0; p0 < lmax; p0 += 16) {
+    const int64_t cmax = std::min<int64_t>(16, lmax - p0);
+    for (int64_t j = 0; j < 16; ++j) rows[j] = row_of(kp, p0 + std::min<int64_t>(j, cmax - 1));
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t L = lens[qi];
+      if (p0 >= L) continue;
+      const int64_t cnt = std::min<int64_t>(16, L - p0);
+      const at::BFloat16* qrow = q0 + qi * q_s0;
+      for (int64_t kh = 0; kh < nkv; ++kh) {
+        for (int64_t i = 0; i < g; ++i) {
+          const int64_t h = kh * g + i;
+          __m512bh qv[NV / 2];
+          for (int c = 0; c < NV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + h * q_s1 + c * 32);
+          __m512 acc[16];
+          for (int j = 0; j < 16; ++j) {
+            acc[j] = _mm512_setzero_ps();
+            for (int c = 0; c < NV / 2; ++c)
+              acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * hd + c * 32));
+          }
+          const __m512 sv = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(scores.data() + so[qi] + h * L + p0, (__mmask16)((1u << cnt) - 1u), sv);
+        }
+      }
+    }
+  }
+  std::vector<float> denom(nq * nh);
+  for (int64_t qi = 0; qi < nq; ++qi)
+    for (int64_t h = 0; h < nh; ++h) {
+      float* sc = scores.data() + so[qi] + h * lens[qi];
+      soft_cap(sc, lens[qi], cap);
+      denom[qi * nh + h] = 1.f / softmax_numerator(sc, lens[qi]);
+    }
+  pbuf.resize(nh * 16 + 2);
+  uint16_t* pb = pbuf.data();
+  for (int64_t p0 = 0; p0 < lmax; p0 += 16) {
+    const int64_t cmax = std::min<int64_t>(16, lmax - p0);
+    for (int64_t j = 0; j < cmax; ++j) rows[j] = row_of(vp, p0 + j);
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t L = lens[qi];
+      if (p0 >= L) continue;
+      const int64_t cnt = std::min<int64_t>(16, L - p0);
+      const __mmask16 valid = (__mmask16)((1u << cnt) - 1u);
+      for (int64_t h = 0; h < nh; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + h * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, scores.data() + so[qi] + h * L + p0)));
+      float* am = accm.data() + qi * nh * hd;
+      for (int64_t kh = 0; kh < nkv; ++kh) {
+        for (int64_t i0 = 0; i0 < g;) {
+          const int64_t nqh = std::min<int64_t>(g - i0, NV > 4 ? 2 : 3);
+          const int64_t h0 = kh * g + i0;
+          if (nqh == 3) pv_pairs<NV, 3>(am + h0 * hd, pb + h0 * 16, rows, kh * hd, cnt);
+          else if (nqh == 2) pv_pairs<NV, 2>(am + h0 * hd, pb + h0 * 16, rows, kh * hd, cnt);
+          else pv_pairs<NV, 1>(am + h0 * hd, pb + h0 * 16, rows, kh * hd, cnt);
+          i0 += nqh;
+        }
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi)
+    for (int64_t h = 0; h < nh; ++h) {
+      const __m512 d = _mm512_set1_ps(denom[qi * nh + h]);
+      __m512 nat[NV];
+      unpermute_pairs<NV>(accm.data() + (qi * nh + h) * hd, nat);
+      for (int c = 0; c < NV; ++c) store16(o0 + qi * o_s0 + h * hd + c * 16, _mm512_mul_ps(nat[c], d));
+    }
+}
+
+// How many rows from r (at most kTile, below end) are consecutive tokens of one prompt: the
+// same table over their context and lengths one apart (no window).
+static int64_t tile_rows(const int32_t* btp, int64_t bt_s0, const int32_t* slp, int64_t r, int64_t end,
+                         int64_t bs, int64_t window) {
+  if (window > 0) return 1;
+  int64_t k = 1;
+  while (k < kTile && r + k < end && slp[r + k] == slp[r] + k &&
+         std::memcmp(btp + (r + k) * bt_s0, btp + r * bt_s0, sizeof(int32_t) * ((slp[r + k] + bs - 1) / bs)) == 0)
+    ++k;
+  return k;
+}
 #endif
 
 // Rows [0, n) of a step over the threads. A decode step's rows cost about the same: split
@@ -261,6 +366,18 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
           scalar_t* orow = op + r * nh * hd;
           if (len - start <= 0) {
             for (int64_t d = 0; d < nh * hd; ++d) orow[d] = static_cast<scalar_t>(0.f);
+            continue;
+          }
+          const int64_t k = tile_rows(btp, bt_s0, slp, r, end, bs, window);
+          if (k > 1) {  // a prompt's tokens: K/V chunks read once for k queries
+            if (hd == 64)
+              prefill_tile_bf16<4>(qp + r * q_s0, q_s0, q_s1, kp, vp, btp + r * bt_s0, slp + r, k, bs, nkv, g,
+                                   fscale, cap, orow, nh * hd, scores, accm, pbuf);
+            else
+              prefill_tile_bf16<8>(qp + r * q_s0, q_s0, q_s1, kp, vp, btp + r * bt_s0, slp + r, k, bs, nkv, g,
+                                   fscale, cap, orow, nh * hd, scores, accm, pbuf);
+            r += k - 1;
+            pr = r + 1, ppass = 0, pc = 0;  // the prefetch cursor skips the tile's rows
             continue;
           }
           if (hd == 64)
