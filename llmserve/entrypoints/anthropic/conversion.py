@@ -60,7 +60,25 @@ def _block_text(block: dict[str, Any], where: str) -> str:
     return text
 
 
-def _refuse_block(kind: Any, where: str) -> SamplingParamsError:
+def _block_type(block: Any, where: str) -> str:
+    """The ``type`` of the content block at ``where`` (``messages.<i>.content.<j>``,
+    ``system.<j>``, ``...content.<k>`` inside a tool_result). Blocks reach this module as
+    plain JSON values, so a block that is not an object, or whose ``type`` is missing or
+    not a string, is refused here, before any code hashes or compares it (a list ``type``
+    was a 500 ``unhashable type``, a number inside a tool_result's content list a 500
+    ``'int' object has no attribute 'get'``). Raises SamplingParamsError naming the block
+    or its ``type`` (Anthropic answers such bodies with a 400 naming the path too)."""
+    if not isinstance(block, dict):
+        raise SamplingParamsError(f"{where}: a content block must be an object with a string `type`; got "
+                                  f"{json.dumps(block)[:80]}.", where)
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        got = "none was given" if kind is None else f"got {json.dumps(kind)[:80]}"
+        raise SamplingParamsError(f"{where}.type: a content block needs a string `type`; {got}.", f"{where}.type")
+    return kind
+
+
+def _refuse_block(kind: str, where: str) -> SamplingParamsError:
     if kind in _MEDIA_BLOCKS:
         return SamplingParamsError(f"{where}: {kind} blocks are not supported: this server runs a text-only model "
                                    "(send the content as text).", where)
@@ -74,8 +92,9 @@ def system_text(system: Any, where: str = "system") -> str:
         return system
     texts = []
     for j, block in enumerate(system):
-        if block.get("type") != "text":
-            raise _refuse_block(block.get("type"), f"{where}.{j}")
+        kind = _block_type(block, f"{where}.{j}")
+        if kind != "text":
+            raise _refuse_block(kind, f"{where}.{j}")
         texts.append(_block_text(block, f"{where}.{j}"))
     return "\n".join(texts)
 
@@ -110,7 +129,8 @@ def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
-        kind, at = block.get("type"), f"{where}.{j}"
+        at = f"{where}.{j}"
+        kind = _block_type(block, at)
         if kind == "text":
             texts.append(_block_text(block, at))
         elif kind == "tool_use" and role == "assistant":
