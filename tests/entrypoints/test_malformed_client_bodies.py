@@ -7,6 +7,8 @@ refused body the same client is served normally, so a fault never leaves the ser
 unable to answer."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_app import _output, app_and_engine  # noqa: F401  (fixture)
 
@@ -66,3 +68,59 @@ def test_a_tool_result_content_item_that_is_not_a_block_is_a_400(app_and_engine,
     assert engine.prompts == []
     engine.outputs = [_output("ok", "stop")]
     assert client.post(route, json=ANTHROPIC).status_code == 200
+
+
+RESPONSES = {"model": "m", "input": "hi", "max_output_tokens": 3}
+
+
+def _openai_error(r, words):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert {"message", "type", "param", "code"} <= set(err) and err["param"] == "input", err
+    assert words in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("kind", [[], ["input_text"], {}, {"a": 1}])
+def test_responses_input_part_type_or_role_that_is_unhashable_is_a_400(app_and_engine, kind):  # noqa: F811
+    client, engine = app_and_engine()
+    part = {**RESPONSES, "input": [{"role": "user", "content": [{"type": kind, "text": "hi"}]}]}
+    _openai_error(client.post("/v1/responses", json=part), "input[0].content[0]")
+    role = {**RESPONSES, "input": [{"role": kind, "content": "hi"}]}
+    _openai_error(client.post("/v1/responses", json=role), "input[0].role")
+    assert engine.prompts == []
+    engine.outputs = [_output("ok", "stop")]
+    assert client.post("/v1/responses", json=RESPONSES).status_code == 200
+
+
+# h11's field-value grammar (RFC 9110 field-content): visible ASCII, inner spaces/tabs
+# only, and obs-text bytes; uvicorn refuses to send anything else and drops the connection
+FIELD_VALUE = re.compile(r"([\x21-\x7e](?:[ \t]*[\x21-\x7e])*)?")
+HOSTILE_LABELS = ["a\nb", "x\r\nSet-Cookie: s=1", "\x00\x1b[31m", "中文", "trailing ", "a,b", "100%", "é", ""]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_dropped_tools_header_carries_any_tool_name_and_the_answer_arrives(app_and_engine, stream):  # noqa: F811
+    from urllib.parse import unquote
+
+    client, engine = app_and_engine()
+    tools = [{"type": "web_search", "name": name} for name in HOSTILE_LABELS] + [{"type": "a\nb"}]
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post("/v1/responses", json={**RESPONSES, "tools": tools, "stream": stream})
+    assert r.status_code == 200, r.text
+    value = r.headers["x-llmserve-dropped-tools"]
+    assert FIELD_VALUE.fullmatch(value), value
+    want = [f"web_search:{name}" if name else "web_search" for name in HOSTILE_LABELS] + ["a\nb"]
+    assert [unquote(label) for label in value.split(",")] == want
+    assert "ok" in r.text
+
+
+def test_dropped_tools_header_is_bounded_without_cutting_an_escape():
+    from urllib.parse import unquote
+
+    from llmserve.entrypoints.openai.responses.serving import MAX_DROPPED_TOOLS_HEADER_CHARS, dropped_tools_header
+
+    for pad in range(3):  # the limit falls on each byte of a %XX escape in turn
+        value = dropped_tools_header(["a" * (MAX_DROPPED_TOOLS_HEADER_CHARS - 2 + pad) + "\n" * 10])
+        assert len(value) <= MAX_DROPPED_TOOLS_HEADER_CHARS and FIELD_VALUE.fullmatch(value)
+        assert re.fullmatch(r"a+(%0A)*", value) and unquote(value).startswith("a")

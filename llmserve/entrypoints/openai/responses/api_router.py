@@ -11,7 +11,8 @@ from starlette.responses import Response
 
 from llmserve.entrypoints.openai.responses.protocol import DeletedResponse, ResponsesRequest, ResponsesResponse
 from llmserve.entrypoints.openai.responses.listing import DEFAULT_LIMIT, ResponseItemList
-from llmserve.entrypoints.openai.responses.serving import DROPPED_TOOLS_HEADER, OpenAIServingResponses
+from llmserve.entrypoints.openai.responses.serving import DROPPED_TOOLS_HEADER, OpenAIServingResponses, \
+    dropped_tools_header
 from llmserve.entrypoints.openai.server_utils import json_response, request_id_of, result_response, \
     with_cancellation
 
@@ -29,7 +30,7 @@ async def create_responses(request: ResponsesRequest, raw_request: Request) -> R
         raw_request, handler.create_responses(request, request_id_of(raw_request))))
     dropped = handler.dropped_tools(request)
     if dropped:  # --responses-unsupported-tools drop: say which tools the model never saw
-        response.headers[DROPPED_TOOLS_HEADER] = ",".join(dropped)[:4096]
+        response.headers[DROPPED_TOOLS_HEADER] = dropped_tools_header(dropped)
     return response
 
 

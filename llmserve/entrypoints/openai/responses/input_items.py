@@ -105,7 +105,8 @@ def _content_text(content: Any, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        key = _TEXT_PARTS.get(kind)
+        # a list or object `type` is unhashable: looked up as it came, it was a 500
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise SamplingParamsError(f"input[{i}].content[{j}]: content part of type {kind!r} is not supported "
                                       "(this model takes text only: input_text).", "input")
@@ -133,7 +134,7 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise SamplingParamsError(f"input[{i}].role must be one of {list(_ROLES)}, got {role!r}.", "input")
             messages.append({"role": role, "content": _content_text(item.get("content"), i)})
         elif kind == "function_call":

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import functools
 import logging
+import urllib.parse
 from typing import Any, AsyncGenerator, Optional, Union
 
 from llmserve.entrypoints.openai.chat_completion.tool_calling import (
@@ -86,6 +87,28 @@ def _warn_dropped_tool(label: str) -> None:
 
 
 DROPPED_TOOLS_HEADER = "x-llmserve-dropped-tools"
+MAX_DROPPED_TOOLS_HEADER_CHARS = 4096
+# Characters a label keeps as they are: visible ASCII (RFC 9110's VCHAR; h11 refuses a
+# value that ends in a space, so spaces are escaped too) but '%' (the escape itself) and
+# ',' (the separator between labels)
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7f) if chr(c) not in "%,")
+
+
+def dropped_tools_header(labels: list[str]) -> str:
+    """The ``x-llmserve-dropped-tools`` value: the labels joined with ',', each
+    percent-encoded (UTF-8, ``urllib.parse.unquote`` reverses it) outside visible ASCII
+    and for '%' and ','; at most MAX_DROPPED_TOOLS_HEADER_CHARS characters. A label is the
+    client's own tool type and name: sent raw, a newline or control character made h11
+    refuse the header after the request had run (an empty reply to the client) and a
+    character beyond latin-1 was a 400 with Python's codec text."""
+    value = ",".join(urllib.parse.quote(label, safe=_HEADER_SAFE) for label in labels)
+    if len(value) <= MAX_DROPPED_TOOLS_HEADER_CHARS:
+        return value
+    value = value[:MAX_DROPPED_TOOLS_HEADER_CHARS]
+    escape = value.rfind("%", len(value) - 2)  # never end inside a %XX escape
+    return value[:escape] if escape >= 0 else value
+
+
 MAX_EVENT_LOGS = 64  # streamed responses whose events GET ...?stream=true can replay
 
 
