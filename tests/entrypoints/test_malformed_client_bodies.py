@@ -124,3 +124,27 @@ def test_dropped_tools_header_is_bounded_without_cutting_an_escape():
         value = dropped_tools_header(["a" * (MAX_DROPPED_TOOLS_HEADER_CHARS - 2 + pad) + "\n" * 10])
         assert len(value) <= MAX_DROPPED_TOOLS_HEADER_CHARS and FIELD_VALUE.fullmatch(value)
         assert re.fullmatch(r"a+(%0A)*", value) and unquote(value).startswith("a")
+
+
+def test_anthropic_sdk_lists_and_retrieves_models_with_every_required_field(app_and_engine):  # noqa: F811
+    # the SDK's ModelInfo requires type, id, display_name and created_at (a datetime);
+    # OpenAI's model list had none but id, so they came back None (constructed unvalidated)
+    import datetime
+
+    import anthropic
+    import openai
+
+    client, _ = app_and_engine()
+    sdk = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=client, max_retries=0)
+    page = sdk.models.list()
+    assert [m.id for m in page.data] == ["m"] and page.has_more is False
+    assert page.first_id == page.last_id == "m"
+    for info in (page.data[0], sdk.models.retrieve("m")):
+        assert info.type == "model" and info.display_name == "m"
+        assert isinstance(info.created_at, datetime.datetime) and info.created_at.tzinfo is not None
+        anthropic.types.ModelInfo.model_validate(info.model_dump())  # validated, not just constructed
+    # the same body still parses as OpenAI's list, with the same creation time
+    oa = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+    card = oa.models.list().data[0]
+    assert card.id == "m" and card.object == "model"
+    assert datetime.datetime.fromtimestamp(card.created, datetime.timezone.utc) == page.data[0].created_at

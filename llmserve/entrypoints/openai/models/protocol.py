@@ -1,16 +1,23 @@
 """Protocol of ``GET /v1/models``."""
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, computed_field
 
 from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel
 
 
 class ModelCard(OpenAIBaseModel):
-    """One entry of ``GET /v1/models``; ``created`` is a Unix time in seconds."""
+    """One entry of ``GET /v1/models``; ``created`` is a Unix time in seconds.
+
+    OpenAI's fields, and also those Anthropic's ``ModelInfo`` requires (``type``,
+    ``display_name``, ``lifecycle``, ``created_at`` as RFC 3339), so the ``anthropic`` SDK's
+    ``models.list()`` / ``models.retrieve()`` against this server give complete objects
+    (without them ``created_at`` and ``display_name`` came back None; ``created_at`` is a
+    required datetime there). Extra fields are ignored by the ``openai`` SDK."""
 
     id: str
     object: Literal["model"] = "model"
@@ -19,11 +26,37 @@ class ModelCard(OpenAIBaseModel):
     root: Optional[str] = None
     parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    type: Literal["model"] = "model"
+    lifecycle: Literal["active"] = "active"  # Anthropic's: a served model is callable
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def display_name(self) -> str:
+        return self.id
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def created_at(self) -> str:
+        return datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 class ModelList(OpenAIBaseModel):
+    """The body of ``GET /v1/models``: OpenAI's list, with Anthropic's page fields
+    (``has_more`` false: every model is on the one page; ``first_id``, ``last_id``)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+    has_more: bool = False
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def first_id(self) -> Optional[str]:
+        return self.data[0].id if self.data else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def last_id(self) -> Optional[str]:
+        return self.data[-1].id if self.data else None
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
