@@ -148,3 +148,26 @@ def test_anthropic_sdk_lists_and_retrieves_models_with_every_required_field(app_
     card = oa.models.list().data[0]
     assert card.id == "m" and card.object == "model"
     assert datetime.datetime.fromtimestamp(card.created, datetime.timezone.utc) == page.data[0].created_at
+
+
+OLLAMA_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+
+
+@pytest.mark.parametrize("stop,words", [
+    (["y" * 1025], "at most 1024 characters"),  # a list: was "Input should be a valid string"
+    (["ok", "y" * 5000], "at most 1024 characters"),
+    ("y" * 1025, "at most 1024 characters"),
+    (["s"] * 65, "at most 64 items"),  # was "Input should be a valid string" too
+])
+@pytest.mark.parametrize("route", ["/api/chat", "/api/generate"])
+def test_ollama_stop_errors_say_why_not_the_other_union_branch(app_and_engine, route, stop, words):  # noqa: F811
+    client, engine = app_and_engine()
+    body = OLLAMA_CHAT if route == "/api/chat" else {"model": "m", "prompt": "hi", "stream": False}
+    r = client.post(route, json={**body, "options": {"num_predict": 3, "stop": stop}})
+    assert r.status_code == 400 and list(r.json()) == ["error"], r.text
+    message = r.json()["error"]
+    assert message.startswith("options.stop: ") and words in message, message
+    assert "valid string" not in message
+    assert engine.prompts == []
+    engine.outputs = [_output("ok", "stop")]
+    assert client.post(route, json={**body, "options": {"num_predict": 3, "stop": ["y" * 1024]}}).status_code == 200

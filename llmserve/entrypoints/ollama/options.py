@@ -122,6 +122,19 @@ _SENT_AS = {**{field: f"options.{key}" for key, field in NUMERIC_OPTIONS.items()
             "max_tokens": "options.num_predict", "stop": "options.stop"}
 
 
+def _deepest_first_field_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of pydantic's errors for the first failing field, the one that says why: a union
+    field (``stop``: a string or a list of strings) fails once per branch, the string
+    branch first, so the first error alone told a client who sent a list of strings that
+    it should send a string. Preferred: an error other than a branch's type mismatch
+    (``string_type``, ``list_type``...: the value has the other branch's shape), then the
+    deepest location (``stop.list[...].0``: the branch that matched went further)."""
+    first = errors[0]
+    head = tuple(first.get("loc") or ())[:1]
+    same = [err for err in errors if tuple(err.get("loc") or ())[:1] == head]
+    return max(same, key=lambda err: (not str(err.get("type", "")).endswith("_type"), len(err.get("loc") or ())))
+
+
 def build_request(cls: Any, **fields: Any) -> Any:
     """``cls(**fields)`` (a chat or completion request), its validation errors given in
     Ollama's terms: the first error's message, naming the option the client sent
@@ -132,7 +145,7 @@ def build_request(cls: Any, **fields: Any) -> Any:
     try:
         return cls(**fields)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = _deepest_first_field_error(e.errors())
         field = str(err["loc"][0]) if err.get("loc") else ""
         name = _SENT_AS.get(field, field or None)
         raise SamplingParamsError(f"{name}: {err['msg']}" if name else err["msg"], name) from None
