@@ -171,3 +171,21 @@ def test_ollama_stop_errors_say_why_not_the_other_union_branch(app_and_engine, r
     assert engine.prompts == []
     engine.outputs = [_output("ok", "stop")]
     assert client.post(route, json={**body, "options": {"num_predict": 3, "stop": ["y" * 1024]}}).status_code == 200
+
+
+@pytest.mark.parametrize("route,body,message_of", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, lambda j: j["error"]["message"]),
+    ("/v1/completions", {"prompt": "hi"}, lambda j: j["error"]["message"]),
+    ("/v1/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+     lambda j: j["error"]["message"]),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}, lambda j: j["error"]),
+    ("/api/show", {}, lambda j: j["error"]),
+])
+def test_an_unknown_model_name_is_echoed_bounded(app_and_engine, route, body, message_of):  # noqa: F811
+    client, _ = app_and_engine()
+    r = client.post(route, json={**body, "model": "q" * 100_000})
+    assert r.status_code == 404, r.text[:300]
+    message = message_of(r.json())
+    assert len(r.content) < 2000 and "q" * 256 + "... (100000 characters)" in message, message[:400]
+    short = client.post(route, json={**body, "model": "nope:\u202e\n"})  # a short name is echoed whole
+    assert short.status_code == 404 and "`nope:\u202e\n`" in message_of(short.json())

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from llmserve.entrypoints.openai.models.protocol import ModelCard, ModelList
+from llmserve.served_names import MAX_SERVED_NAME_CHARS
 
 if TYPE_CHECKING:  # lora.py imports common.errors, which imports this module
     from llmserve.entrypoints.openai.models.lora import LoRAAdapters
@@ -26,7 +27,11 @@ class ModelNotFoundError(LookupError):
 
     def __init__(self, model: str, served: Sequence[str]):
         listed = ", ".join(f"`{n}`" for n in served)
-        super().__init__(f"The model `{model}` does not exist. " +
+        # a served name is at most MAX_SERVED_NAME_CHARS long, so a longer one is unknown
+        # for sure; echoed whole, a 100,000-character name made a 100 kB error body
+        shown = model if len(model) <= MAX_SERVED_NAME_CHARS else \
+            f"{model[:MAX_SERVED_NAME_CHARS]}... ({len(model)} characters)"
+        super().__init__(f"The model `{shown}` does not exist. " +
                          (f"Models served here: {listed}." if listed else "No model served here can be called."))
         self.model = model
 
