@@ -2,6 +2,7 @@
 cannot hold 8 full-length sequences at once (cases C12, C13), then a graceful SIGTERM."""
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -80,6 +81,45 @@ def test_prompt_too_long_c13(server_512):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
     _err(s.post("/v1/completions", {"model": MODEL, "prompt": [h] * MAXLEN, "max_tokens": 1}))
     assert n_long > MAXLEN
+    s.assert_healthy()
+
+
+def test_ollama_over_long_prompts_are_shortened_unless_truncate_false(server_512):
+    """Ollama's routes answer a prompt longer than the context as Ollama does (``truncate``
+    defaults to true): /api/chat drops the oldest whole turns (system and the current turn
+    stay; a tool round trip keeps its call), /api/generate keeps the last half context of
+    tokens (templated and raw); ``truncate: false`` is Ollama's 400 instead."""
+    s = server_512
+    words = "apple " * 150
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for i in range(4):
+        msgs += [{"role": "user", "content": f"{i} {words}"}, {"role": "assistant", "content": f"{i} {words}"}]
+    msgs.append({"role": "user", "content": "Say yes."})
+    opts = {"temperature": 0, "num_predict": 4}
+    chat = s.post("/api/chat", {"model": MODEL, "messages": msgs, "stream": False, "options": opts})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert body["done"] and 0 < body["prompt_eval_count"] < MAXLEN and body["eval_count"] >= 1, body
+    refused = s.post("/api/chat", {"model": MODEL, "messages": msgs, "stream": False, "truncate": False})
+    assert refused.status_code == 400 and set(refused.json()) == {"error"}, refused.text
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    trip = msgs[:-1] + [{"role": "user", "content": "Weather in Paris?"}, call,
+                        {"role": "tool", "content": "Sunny, 21 C."}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tool = s.post("/api/chat", {"model": MODEL, "messages": trip, "tools": tools, "stream": False, "options": opts})
+    assert tool.status_code == 200 and tool.json()["prompt_eval_count"] < MAXLEN, tool.text
+    long = "apple " * (2 * MAXLEN)
+    for extra in ({}, {"raw": True}):
+        gen = s.post("/api/generate", {"model": MODEL, "prompt": long, "stream": False, "options": opts, **extra})
+        assert gen.status_code == 200, gen.text
+        assert 0 < gen.json()["prompt_eval_count"] <= MAXLEN // 2 and gen.json()["done"], gen.json()
+        refused = s.post("/api/generate", {"model": MODEL, "prompt": long, "truncate": False, **extra})
+        assert refused.status_code == 400 and set(refused.json()) == {"error"}, refused.text
+    with s.http.stream("POST", "/api/chat", json={"model": MODEL, "messages": msgs, "options": opts}) as r:
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert r.status_code == 200 and lines[-1]["done"] and "error" not in lines[-1], lines[-1]
     s.assert_healthy()
 
 

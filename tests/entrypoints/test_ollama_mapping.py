@@ -144,3 +144,42 @@ def test_tags_and_ps_list_the_lora_adapters_that_chat_serves(tmp_path):
     assert [(t["name"], t["size"], t["details"]["parent_model"]) for t in tags] == [("m", 10, ""), ("sql", 3, "m")]
     assert tags[0]["digest"] != tags[1]["digest"]
     assert [m["name"] for m in info.ps(state)["models"]] == ["m", "sql"]
+
+
+def _roles(messages):
+    return [m.role for m in messages]
+
+
+def test_context_fit_drops_whole_turns_and_keeps_the_template_valid():
+    """Ollama's truncation of an over-long chat drops whole messages from the front: system
+    messages and the last message stay, a dropped call takes its tool results with it,
+    and what is kept starts with a user turn (never an assistant or a tool result)."""
+    from llmserve.entrypoints.ollama.context_fit import _drop_oldest
+
+    m = [SimpleNamespace(role=r) for r in ("system", "user", "assistant", "tool", "tool", "user", "assistant", "user")]
+    once = _drop_oldest(m)
+    assert _roles(once) == ["system", "user", "assistant", "user"]
+    assert once[1] is m[5] and once[-1] is m[-1]
+    assert _roles(_drop_oldest(once)) == ["system", "user"] and _drop_oldest(once)[-1] is m[-1]
+    assert _drop_oldest([m[0], m[-1]]) is None and _drop_oldest([m[-1]]) is None
+    # a tool round trip keeps its question, call and result: nothing before them to drop
+    trip = [SimpleNamespace(role=r) for r in ("system", "user", "assistant", "tool")]
+    assert _drop_oldest(trip) is None
+    older = [SimpleNamespace(role=r) for r in ("user", "assistant")] + trip[1:]
+    assert _drop_oldest(older) == trip[1:]
+
+
+def test_context_fit_of_a_raw_prompt_keeps_half_the_context():
+    from llmserve.entrypoints.ollama.context_fit import fit_completion, truncating
+    from llmserve.entrypoints.ollama.protocol import OllamaGenerateRequest
+    from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
+
+    comp = SimpleNamespace(max_model_len=512)
+    req = CompletionRequest(model="m", prompt="x", max_tokens=None)
+    assert fit_completion(comp, req, 511) is req
+    cut = fit_completion(comp, req, 900)
+    assert (cut.truncate_prompt_tokens, cut.max_tokens) == (256, 256)
+    cut = fit_completion(comp, CompletionRequest(model="m", prompt="x", max_tokens=20), 900)
+    assert (cut.truncate_prompt_tokens, cut.max_tokens) == (256, 20)
+    assert truncating(OllamaGenerateRequest(model="m")) and truncating(OllamaGenerateRequest(model="m", truncate=True))
+    assert not truncating(OllamaGenerateRequest(model="m", truncate=False))

@@ -64,6 +64,9 @@ class OllamaBaseGenerate(OpenAIRequestModel):
     think: Optional[Union[bool, str]] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    # An over-long prompt is shortened (default) or refused (false): context_fit.py.
+    truncate: Optional[bool] = None
+    shift: Optional[bool] = None  # Ollama's context shift; accepted, no effect (context_fit.py)
 
 
 class OllamaChatRequest(OllamaBaseGenerate):

@@ -28,6 +28,7 @@ import json
 from types import SimpleNamespace
 from typing import Any, AsyncGenerator, Optional
 
+from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, truncating
 from llmserve.entrypoints.ollama.options import build_request, sampling_fields, structured_fields
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaMessage)
@@ -174,11 +175,11 @@ async def completion_chunks(events: AsyncGenerator[str, None]) -> AsyncGenerator
         await events.aclose()
 
 
-def _room_left(completion: Any, prompt: str) -> Optional[int]:
-    """The tokens left in the context after ``prompt`` (with the suffix of a FIM request), capped by the model's default
+def _room_left(completion: Any, prompt_len: int) -> Optional[int]:
+    """The tokens left in the context after a prompt of ``prompt_len`` tokens (with the suffix of a FIM request), capped by the model's default
     budget (what the chat path leaves to the engine); None when nothing is left (the
     engine then reports the prompt as too long)."""
-    room = completion.max_model_len - len(completion.tokenizer.encode(prompt))
+    room = completion.max_model_len - prompt_len
     cap = completion.default_sampling_params.get("max_tokens")
     return (min(room, cap) if cap else room) if room > 0 else None
 
@@ -202,6 +203,8 @@ async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[st
         return wire.loaded(req.keep_alive), {}
     chat = handler(state, "openai_serving_chat", name)
     common, choice = chat_request(req, name, chat)
+    if truncating(req):
+        common = await fit_chat(chat, common)
     await _clamp_num_predict(chat, common)
     stats = RunStats()
     chunks = await chat.create_chat_completion(common, request_id, wire=False)
@@ -221,13 +224,18 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     if isinstance(common, CompletionRequest):
         completion = handler(state, "openai_serving_completion", name)
         prompt = common.prompt + (common.suffix or "")
-        if common.max_tokens is None:  # Ollama's default is no limit, not the legacy 16
-            common.max_tokens = _room_left(completion, prompt)
+        n = len(completion.tokenizer.encode(prompt))
+        if truncating(req) and n >= completion.max_model_len:
+            common = fit_completion(completion, common, n)
+        elif common.max_tokens is None:  # Ollama's default is no limit, not the legacy 16
+            common.max_tokens = _room_left(completion, n)
         else:  # never past the context (see _clamp_num_predict)
-            room = completion.max_model_len - len(completion.tokenizer.encode(prompt))
+            room = completion.max_model_len - n
             common.max_tokens = min(common.max_tokens, room) if room > 0 else common.max_tokens
         chunks = completion_chunks(await completion.create_completion(common, request_id))
     else:
+        if truncating(req):
+            common = await fit_chat(chat, common)
         await _clamp_num_predict(chat, common)
         chunks = await chat.create_chat_completion(common, request_id, wire=False)
     return wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)
