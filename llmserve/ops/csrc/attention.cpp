@@ -99,6 +99,23 @@ static inline void unpermute_pairs(const float* acc, __m512* out) {
   }
 }
 
+// Lane j = scale * (q . k_j) for one query head q (bf16 [NV * 16]) and the chunk's 16 keys
+// (rows[j] + off): products exact in float32 (AVX512-BF16), each key's 16 lane partials
+// summed by hsum16x16. Decode rows and prompt tiles both take their scores from here, so
+// a token's scores do not depend on how its step was cut.
+template <int NV>
+static inline __m512 chunk_scores(const at::BFloat16* q, const at::BFloat16* const* rows, int64_t off, float scale) {
+  __m512bh qv[NV / 2];
+  for (int c = 0; c < NV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < NV / 2; ++c)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + off + c * 32));
+  }
+  return _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
+}
+
 template <int NV, typename Prefetch>
 static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BFloat16* kp,
                             const at::BFloat16* vp, const int32_t* table, int64_t start, int64_t len,
@@ -123,17 +140,8 @@ static void decode_one_bf16(const at::BFloat16* qrow, int64_t q_s1, const at::BF
     for (int64_t kh = 0; kh < nkv; ++kh) {
       for (int64_t i = 0; i < g; ++i) {
         const int64_t h = kh * g + i;
-        __m512bh qv[NV / 2];
-        for (int c = 0; c < NV / 2; ++c)
-          qv[c] = (__m512bh)_mm512_loadu_si512(qrow + h * q_s1 + c * 32);
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) {
-          acc[j] = _mm512_setzero_ps();
-          for (int c = 0; c < NV / 2; ++c)
-            acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * hd + c * 32));
-        }
-        const __m512 s = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(scores.data() + h * L + (p0 - start), (__mmask16)((1u << cnt) - 1u), s);
+        _mm512_mask_storeu_ps(scores.data() + h * L + (p0 - start), (__mmask16)((1u << cnt) - 1u),
+                              chunk_scores<NV>(qrow + h * q_s1, rows, kh * hd, scale));
       }
     }
   }
@@ -211,16 +219,8 @@ static void prefill_tile_bf16(const at::BFloat16* q0, int64_t q_s0, int64_t q_s1
       for (int64_t kh = 0; kh < nkv; ++kh) {
         for (int64_t i = 0; i < g; ++i) {
           const int64_t h = kh * g + i;
-          __m512bh qv[NV / 2];
-          for (int c = 0; c < NV / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + h * q_s1 + c * 32);
-          __m512 acc[16];
-          for (int j = 0; j < 16; ++j) {
-            acc[j] = _mm512_setzero_ps();
-            for (int c = 0; c < NV / 2; ++c)
-              acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * hd + c * 32));
-          }
-          const __m512 sv = _mm512_mul_ps(hsum16x16(acc), _mm512_set1_ps(scale));
-          _mm512_mask_storeu_ps(scores.data() + so[qi] + h * L + p0, (__mmask16)((1u << cnt) - 1u), sv);
+          _mm512_mask_storeu_ps(scores.data() + so[qi] + h * L + p0, (__mmask16)((1u << cnt) - 1u),
+                                chunk_scores<NV>(qrow + h * q_s1, rows, kh * hd, scale));
         }
       }
     }
