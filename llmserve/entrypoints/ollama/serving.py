@@ -195,6 +195,17 @@ async def _clamp_num_predict(chat: Any, common: ChatCompletionRequest) -> None:
             common.max_tokens = room
 
 
+async def _fit(req: Any, chat: Any, common: ChatCompletionRequest) -> ChatCompletionRequest:
+    """``common`` shortened to the context when Ollama's ``truncate`` allows
+    (context_fit.py), then ``num_predict`` clamped to the room left; a prompt cut to its
+    last tokens already has its budget, so it is not rendered again for the clamp."""
+    if truncating(req):
+        common = await fit_chat(chat, common)
+    if common.truncate_prompt_tokens is None:
+        await _clamp_num_predict(chat, common)
+    return common
+
+
 async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
     """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
     name = served_name(state, req.model)
@@ -203,9 +214,7 @@ async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[st
         return wire.loaded(req.keep_alive), {}
     chat = handler(state, "openai_serving_chat", name)
     common, choice = chat_request(req, name, chat)
-    if truncating(req):
-        common = await fit_chat(chat, common)
-    await _clamp_num_predict(chat, common)
+    common = await _fit(req, chat, common)
     stats = RunStats()
     chunks = await chat.create_chat_completion(common, request_id, wire=False)
     headers = {"X-Llmserve-Tool-Choice": choice} if choice else {}
@@ -234,9 +243,7 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
             common.max_tokens = min(common.max_tokens, room) if room > 0 else common.max_tokens
         chunks = completion_chunks(await completion.create_completion(common, request_id))
     else:
-        if truncating(req):
-            common = await fit_chat(chat, common)
-        await _clamp_num_predict(chat, common)
+        common = await _fit(req, chat, common)
         chunks = await chat.create_chat_completion(common, request_id, wire=False)
     return wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)
 
