@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	# on the CPU its own C++ matcher and torch's masked_fill are all we use.
 	$(PIP) install -q --no-deps xgrammar==0.2.9
 	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
-	# Build the C++ CPU kernels once (cached under ~/.cache/llmserve).
-	$(PY) -m llmserve.ops.cpu_ops || echo "CPU kernels not built; the torch paths will be used"
+	# Build the C++ CPU kernels once, the four extensions side by side (cached under
+	# ~/.cache/llmserve; any that cannot be built leave their ops on the torch paths).
+	$(PY) -m llmserve.ops || echo "CPU kernels not built; the torch paths will be used"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -19,7 +19,7 @@ torch version, CPU and Python environment (so checkouts with their own venvs do 
 each other's). If it fails (no compiler, no ninja), ``get_cpu_ops``
 returns None and the model and ``PagedAttention`` use their pure-torch paths, which the
 tests compare with the kernels. ``LLMSERVE_CPU_OPS=0`` turns the kernels off.
-Prebuild with ``python -m llmserve.ops.cpu_ops`` (``make`` does). This module imports
+Prebuild with ``python -m llmserve.ops`` (``make`` does, all four extensions at once). This module imports
 nothing of llmserve: models, attention and the sampler import it.
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def get_cpu_ops() -> Optional[Any]:
       bm_rows [K] int64)``: logits[rows[i], t] <- -inf where bitmask[bm_rows[i]] has bit t
       clear (xgrammar's layout), for t < min(V, 32 W); float32/bfloat16/float16 logits.
     Each raises RuntimeError on a shape, dtype or range mismatch.
-    The first build takes ~1 min on 2 cores; later processes load the cached .so.
+    The first build takes ~40 s on 2 cores; later processes load the cached .so.
     """
     if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
         return None

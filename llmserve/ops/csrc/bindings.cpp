@@ -1,5 +1,7 @@
 // Python bindings of the llmserve CPU ops (the module torch.utils.cpp_extension builds).
 #include "ops.h"
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/Exceptions.h>
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");

@@ -1,7 +1,9 @@
 // Shared helpers of the llmserve CPU ops: element loads/stores, rounding to the model
 // dtype, fast exp2/exp, horizontal sums, and the dtype dispatch macro.
 #pragma once
-#include <torch/extension.h>
+// ATen's core headers, not <torch/extension.h> (all of libtorch's C++ API): ~25-40 s of
+// compiling a file with it, 4-9 s without, on 2 cores; only the bindings need pybind11.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

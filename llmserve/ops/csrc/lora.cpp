@@ -15,7 +15,9 @@
 // read once per block of rows: at decode a step is bound by reading the adapters' weights
 // (SmolLM2-135M, rank 16, all seven projections: 9.8 MB per adapter in bfloat16).
 // Each row's result depends only on its own x and slot (batch invariant).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
@@ -587,7 +589,7 @@ void run(XT* yp, const XT* xp, const WT* ap, const WT* bp, const std::vector<Ite
 // The step's blocks of rows (Item) from segs (int32 [G, 3] of (slot, start, end)), checked
 // against T rows and S slots; kp: the slots' ranks (nullptr: all R; each read is checked to
 // lie in 0..R); rank-0 slots are left out. Returns the work (rows x weights read).
-int64_t items_of(const torch::Tensor& segs, int64_t T, int64_t S, int64_t R, const int32_t* kp, int64_t K,
+int64_t items_of(const at::Tensor& segs, int64_t T, int64_t S, int64_t R, const int32_t* kp, int64_t K,
                  int64_t slices, int64_t N, std::vector<Item>& items) {
   TORCH_CHECK(segs.scalar_type() == at::kInt && segs.is_contiguous() && segs.dim() == 2 && segs.size(1) == 3,
               "lora_add: segs must be a contiguous int32 [*, 3]");
@@ -608,7 +610,7 @@ int64_t items_of(const torch::Tensor& segs, int64_t T, int64_t S, int64_t R, con
 
 // run<XT, WT> for y's dtype (x's, checked by the callers) and the weights' (wbf: bfloat16,
 // else float32).
-void run_typed(torch::Tensor& y, const torch::Tensor& x, const void* ap, const void* bp, bool wbf,
+void run_typed(at::Tensor& y, const at::Tensor& x, const void* ap, const void* bp, bool wbf,
                const std::vector<Item>& items, const int32_t* rp, const Dims& d, int64_t work) {
   using BF = c10::BFloat16;
   const auto* af = static_cast<const float*>(ap);
@@ -636,8 +638,8 @@ void run_typed(torch::Tensor& y, const torch::Tensor& x, const void* ap, const v
 // Weights a [S, K, W] and b [S, R, N] (float32 or bfloat16, one dtype, contiguous, W a
 // multiple of R) and ranges (int32 [P, 3] within N columns and W / R slices) as the kernel
 // takes them; the ranks tensor, when given, int32 [S] contiguous.
-void check_weights(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& ranges,
-                   const torch::Tensor* ranks) {
+void check_weights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& ranges,
+                   const at::Tensor* ranks) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0),
               "lora_add: a [S, K, W] and b [S, R, N] must be contiguous with one S, got a ", a.sizes(), " b ",
               b.sizes());
@@ -659,7 +661,7 @@ void check_weights(const torch::Tensor& a, const torch::Tensor& b, const torch::
 }
 
 // y [T, N] and x [T, K] for weights of K inputs and N outputs: one dtype, rows contiguous.
-void check_xy(const torch::Tensor& y, const torch::Tensor& x, int64_t K, int64_t N) {
+void check_xy(const at::Tensor& y, const at::Tensor& x, int64_t K, int64_t N) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.stride(1) == 1 && x.stride(1) == 1 && x.size(0) == y.size(0) &&
                   x.size(1) == K && y.size(1) == N,
               "lora_add: shapes do not match: y [T, ", N, "] and x [T, ", K,
@@ -677,8 +679,8 @@ void check_xy(const torch::Tensor& y, const torch::Tensor& x, int64_t K, int64_t
 // K * slices * r_s elements of a[s] read as [K, slices * r_s] (slice i in columns i*r_s..),
 // its B the first r_s rows of b[s]; the rest of the slot is never read (an adapter of rank 8
 // in slots sized for 64 reads 1/8 of them), and rank 0 skips the slot's rows (no delta).
-void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor segs,
-              torch::Tensor ranges, c10::optional<torch::Tensor> ranks) {
+void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor segs,
+              at::Tensor ranges, c10::optional<at::Tensor> ranks) {
   check_weights(a, b, ranges, ranks.has_value() ? &*ranks : nullptr);
   check_xy(y, x, a.size(1), b.size(2));
   const int64_t R = b.size(1), slices = a.size(2) / R;
@@ -715,7 +717,7 @@ struct LinearHook {
 
 class LoRAModule {
  public:
-  LoRAModule(torch::Tensor a, torch::Tensor b, torch::Tensor ranges, torch::Tensor ranks)
+  LoRAModule(at::Tensor a, at::Tensor b, at::Tensor ranges, at::Tensor ranks)
       : a_(a), b_(b), ranges_(ranges), ranks_(ranks) {
     check_weights(a, b, ranges, &ranks);
     ap_ = a.data_ptr();
@@ -727,7 +729,7 @@ class LoRAModule {
     d_ = Dims{a.size(1), a.size(2), b.size(1), b.size(2), a.size(2) / b.size(1), ranges.size(0), 0, 0};
   }
 
-  void add(torch::Tensor y, torch::Tensor x, torch::Tensor segs) {
+  void add(at::Tensor y, at::Tensor x, at::Tensor segs) {
     check_xy(y, x, d_.K, d_.N);
     thread_local std::vector<Item> items;
     const int64_t work = items_of(segs, y.size(0), S_, d_.R, kp_, d_.K, d_.n, d_.N, items);
@@ -751,7 +753,7 @@ class LoRAModule {
   // Why (SmolLM2-135M Q4_1, rank 16 on all seven projections, one decode row): add() ran
   // after the GEMM on one thread (a fork cost more than it saved) and read the 9.8 MB of
   // adapter a step at ~14 GB/s from one core.
-  int64_t hook(torch::Tensor x, torch::Tensor segs) {
+  int64_t hook(at::Tensor x, at::Tensor segs) {
     check_xy(x, x, d_.K, d_.K);  // rows contiguous, K columns
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
                 "lora hook: x must be float32, bfloat16 or float16");
@@ -855,7 +857,7 @@ class LoRAModule {
     }
   }
 
-  torch::Tensor x_;  // the hooked call's input, held until the next hook()
+  at::Tensor x_;  // the hooked call's input, held until the next hook()
   std::vector<Item> fitems_;
   std::vector<float> parts_;  // [ntask_, RB, W] partial shrinks
   Dims fd_{};
@@ -865,7 +867,7 @@ class LoRAModule {
   std::atomic<int64_t> done_{0};
   LinearHook hook_{};
 
-  torch::Tensor a_, b_, ranges_, ranks_;
+  at::Tensor a_, b_, ranges_, ranks_;
   const void* ap_;
   const void* bp_;
   const int32_t* rp_;
@@ -881,7 +883,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("a"), py::arg("b"), py::arg("segs"), py::arg("ranges"), py::arg("ranks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   py::class_<LoRAModule>(m, "LoRAModule", "A linear's adapter stacks bound once: add(y, x, segs) (see lora.cpp)")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>(), py::arg("a"), py::arg("b"),
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("a"), py::arg("b"),
            py::arg("ranges"), py::arg("ranks"))
       .def("add", &LoRAModule::add, py::arg("y"), py::arg("x"), py::arg("segs"))
       .def("hook", &LoRAModule::hook, py::arg("x"), py::arg("segs"));

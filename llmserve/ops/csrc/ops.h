@@ -1,7 +1,7 @@
 // Declarations of the llmserve CPU ops (bound to Python in bindings.cpp; documented in
 // llmserve/ops/cpu_ops.py). All write their outputs in place.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                   at::Tensor seq_lens, int64_t n, double scale, int64_t window, double softcap);

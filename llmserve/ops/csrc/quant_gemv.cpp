@@ -26,7 +26,11 @@
 // m = -2^(bits-1) d (exact in float32, as the stored m was): 2 bytes less per 32 weights,
 // which brought the weights of llama-quantize's Q4_K_M of SmolLM2 (mostly Q5_0) from
 // 1.114x to 1.050x its file size in memory. Rows past N in the last group are zeros.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>

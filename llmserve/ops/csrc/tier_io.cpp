@@ -9,7 +9,9 @@
 // File format (little endian, 76-byte header, then the payload): magic[8] "LLMSKV\0\1",
 // version u32, layout key[32], block hash u64, parent hash u64, payload bytes u64, XXH3-64 of
 // the payload u64. The payload is the block's K and V slot of every layer, in cache order.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
