@@ -1,6 +1,9 @@
 """What Responses clients (Codex CLI, the openai SDK) sent that the server tripped over:
 tools it cannot run, fields that change the answer, ``GET .../input_items`` and
 ``GET /v1/responses/{id}?stream=true`` (``starting_after``). On the shared ``server``."""
+import json
+import time
+
 import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -69,3 +72,43 @@ def test_retrieve_stream_replays_events(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
     r = server.http.get(f"/v1/responses/{rid}", params={"starting_after": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
+
+
+def _read_then_hang_up(server, body, n):
+    """POST a streamed response, read its first ``n`` events and disconnect: their payloads."""
+    got = []
+    with server.http.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got.append(json.loads(line[6:]))
+                if len(got) == n:
+                    break
+    return got
+
+
+def test_stream_resumed_after_a_disconnect_ends_with_its_terminal_event(server):
+    """OpenAI's resumable stream (background + stream): the client hangs up, the response
+    runs on, and ``retrieve(stream=True, starting_after=N)`` gives exactly the events after
+    N, ending with the terminal one. A plain stream's disconnect cancels it: its replay
+    still ends, with response.failed carrying status "cancelled"."""
+    client = server.client()
+    body = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 8, "stream": True}
+    head = _read_then_hang_up(server, {**body, "background": True}, 5)
+    rid, last = head[0]["response"]["id"], head[-1]["sequence_number"]
+    tail = list(client.responses.retrieve(rid, stream=True, starting_after=last))  # live, then the end
+    whole = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in whole] == list(range(len(whole))) and [e["type"] for e in head] == \
+        [e.type for e in whole[:5]]
+    assert [e.model_dump() for e in tail] == [e.model_dump() for e in whole[last + 1:]]
+    assert tail[-1].type in ("response.completed", "response.incomplete") and tail[-1].response.background
+    assert client.responses.retrieve(rid).status == tail[-1].response.status
+    head = _read_then_hang_up(server, {**body, "max_output_tokens": 512}, 5)
+    rid = head[0]["response"]["id"]
+    for _ in range(100):  # the server notices the hang-up at its next write
+        if client.responses.retrieve(rid).status == "cancelled":
+            break
+        time.sleep(0.05)
+    tail = list(client.responses.retrieve(rid, stream=True, starting_after=4))
+    assert tail[-1].type == "response.failed" and tail[-1].response.status == "cancelled", tail[-1]
+    assert [e.sequence_number for e in tail] == list(range(5, 5 + len(tail)))

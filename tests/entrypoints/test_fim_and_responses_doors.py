@@ -103,9 +103,21 @@ def test_audio_form_fields_follow_the_one_policy():
         assert e.value.param == param
 
 
-def test_event_log_bounds_its_memory():
-    log = EventLog(max_events=3)
-    log.extend(["a", "b"])
-    assert log.replayable and log.events == ["a", "b"]
-    log.extend(["c", "d"])  # past the bound: nothing is kept, and a replay is refused by the handler
+def test_event_log_bounds_its_memory_and_keeps_its_newest_events():
+    """Past max_events the older half goes: a follower still gets every newer event, the
+    terminal one included; one behind what is kept stops (a resume there is the handler's 400)."""
+    async def run():
+        log = EventLog(max_events=4)
+        live, behind = log.follow(-1), log.follow(-1)
+        log.extend(["e0", "e1", "e2", "e3"])
+        got = [await live.__anext__() for _ in range(4)]
+        log.extend(["e4", "e5"])  # 6 > 4: e0..e3 go, the newest half stays
+        log.extend(["done"])
+        log.close()
+        return got + [e async for e in live], [e async for e in behind], log
+    followed, lagging, log = asyncio.run(run())
+    assert followed == ["e0", "e1", "e2", "e3", "e4", "e5", "done"]
+    assert log.first == 4 and log.events == ["e4", "e5", "done"] and log.count == 7 and log.replayable
+    assert lagging == []
+    log.drop()
     assert not log.replayable and log.events == [] and log.done

@@ -189,7 +189,6 @@ def test_store_evicts_oldest_first():
     ({"reasoning": {"effort": "extreme"}}, "reasoning"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"background": True, "store": False}, "store"),
-    ({"background": True, "stream": True}, "stream"),
     ({"stream": "yes"}, "stream"),
 ])
 def test_bad_requests_are_400s_naming_the_field(app_and_engine, body, param):
@@ -229,6 +228,69 @@ def test_background_then_cancel(app_and_engine):
         engine.outputs = [_output("x", "stop")]
         done = client.post("/v1/responses", json=BASE).json()
         _err(client.post(f"/v1/responses/{done['id']}/cancel"), 400, "response_id")  # not a background one
+
+
+def test_background_stream_resumes_after_any_event_to_the_terminal_one(app_and_engine):
+    """background + stream (OpenAI's resumable stream): the events validate, and
+    ``GET ?stream=true&starting_after=N`` gives exactly the events after N (same
+    sequence numbers) ending with the terminal event; a bad cursor is a 400 naming it."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("Hel"), _output("lo", "length")]
+    with client:  # one event loop, as on a server: the background task outlives the request
+        r = client.post("/v1/responses", json={**BASE, "background": True, "stream": True})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+        events = _events(r)
+        for _, payload in events:
+            EVENT.validate_python(payload)
+        assert [e for e, _ in events][:3] == ["response.created", "response.queued", "response.in_progress"]
+        assert events[0][1]["response"]["status"] == "queued" and events[-1][0] == "response.incomplete"
+        assert [p["sequence_number"] for _, p in events] == list(range(len(events)))
+        rid = events[0][1]["response"]["id"]
+        for n in range(len(events)):
+            r = client.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": n})
+            assert r.status_code == 200 and (_events(r) if r.text else []) == events[n + 1:], (n, r.text)
+        assert client.get(f"/v1/responses/{rid}").json()["status"] == "incomplete"
+        for bad in (-1, len(events), "two", 1.5):
+            _err(client.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": bad}),
+                 400, "starting_after")
+        _err(client.get("/v1/responses/resp_unknown", params={"stream": "true", "starting_after": 1}),
+             404, "response_id")
+
+
+def test_cancelled_background_stream_ends_with_its_terminal_event(app_and_engine):
+    """A background stream cancelled mid-output (or before it ran) still ends, for the
+    follower and for a resume, with response.failed carrying status "cancelled"."""
+    from llmserve.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    client, engine = app_and_engine()
+    handler = client.app.state.openai_serving_responses
+
+    async def hang(prompt, params, request_id, priority=0):
+        yield _output("Hel")
+        await asyncio.sleep(3600)
+
+    async def run():
+        engine.generate = hang
+        body = {**BASE, "background": True, "stream": True}
+        follower = await handler.create_responses(ResponsesRequest(**body))
+        seen = [await follower.__anext__() for _ in range(6)]  # ... the first text delta
+        rid = json.loads(seen[0].split("data: ", 1)[1])["response"]["id"]
+        assert '"response.output_text.delta"' in seen[-1]
+        assert (await handler.cancel_responses(rid)).status == "cancelled"
+        rest = [e async for e in follower]
+        resumed = [e async for e in handler.retrieve_responses(rid, True, 5)]
+        early = await handler.create_responses(ResponsesRequest(**body))  # cancelled before its task ran
+        early_id = json.loads((await early.__anext__()).split("data: ", 1)[1])["response"]["id"]
+        await handler.cancel_responses(early_id)
+        return rest, resumed, [e async for e in early]
+    rest, resumed, early = asyncio.run(run())
+    assert rest == resumed and len(rest) == 4
+    for tail in (rest, early):
+        payloads = [json.loads(e.split("data: ", 1)[1]) for e in tail]
+        for payload in payloads:
+            EVENT.validate_python(payload)
+        assert payloads[-1]["type"] == "response.failed" and payloads[-1]["response"]["status"] == "cancelled"
+    assert json.loads(rest[-1].split("data: ", 1)[1])["response"]["output"][0]["content"][0]["text"] == "Hel"
 
 
 def test_output_builder_reasoning_text_and_calls_stream_like_whole():

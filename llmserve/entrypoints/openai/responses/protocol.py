@@ -146,9 +146,6 @@ class ResponsesRequest(OpenAIRequestModel):
         check_max_logprobs(self.top_logprobs, "top_logprobs")
         if self.background and not self.store:
             raise SamplingParamsError("background responses must be stored: set store to true.", "store")
-        if self.background and self.stream:
-            raise SamplingParamsError("Streaming background responses is not supported by this server: "
-                                      "poll GET /v1/responses/{id} instead.", "stream")
         if self.reasoning is not None and self.reasoning.get("effort") not in (None, "none", "minimal", "low",
                                                                              "medium", "high", "xhigh"):
             raise SamplingParamsError(f"reasoning.effort: unknown value {self.reasoning.get('effort')!r}.",

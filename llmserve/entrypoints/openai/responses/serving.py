@@ -13,14 +13,20 @@ State (store.py): ``store`` (default true) keeps the response and its conversati
 bounded in-process store (``--responses-store-max-entries``, oldest evicted first) for
 ``GET``/``DELETE /v1/responses/{id}`` and ``previous_response_id``;
 ``background: true`` answers ``queued`` at once and runs in a task that
-``POST /v1/responses/{id}/cancel`` aborts (``cancelled``).
+``POST /v1/responses/{id}/cancel`` aborts (``cancelled``). With ``stream: true`` too, the
+task writes the events into the response's log and the request follows that log: a
+client that disconnects leaves the response running, and ``GET
+/v1/responses/{id}?stream=true&starting_after=N`` (OpenAI's way to resume) gives the
+events after N, live until the terminal one.
 
 Errors before a response starts are raised (404 unknown model or response id, 400
 naming the field); a stream that fails later ends with an ``error`` event and
 ``response.failed``. A generation the engine cut off (finish reason "abort": server
 shutdown) is ``failed`` with a ``server_error``, never a completed or incomplete answer: a
 500 when not streamed, ``response.failed`` when streamed. A client that disconnects
-aborts its engine request, as on chat.
+aborts its engine request, as on chat (not a background one); every stored stream's
+log still ends with a terminal event (``response.failed`` with ``status: "cancelled"``
+for one cut short), so a replay never hangs up without one.
 """
 from __future__ import annotations
 
@@ -204,12 +210,22 @@ class OpenAIServingResponses(GenerateBaseServing):
         return job
 
     def _new_event_log(self) -> EventLog:
-        """A log for a streamed, stored response; the oldest of more than MAX_EVENT_LOGS
-        is dropped (its response stays stored, only its events go)."""
+        """A log for a streamed, stored response. Past MAX_EVENT_LOGS logs the oldest
+        finished ones are dropped (their responses stay stored, only the events go); a log
+        still being written stays, since its request (or a background stream's client) is
+        following it, so the count past the bound is at most the running streams."""
         log = EventLog()
         self._event_logs.append(log)
-        while len(self._event_logs) > MAX_EVENT_LOGS:
-            self._event_logs.popleft().drop()
+        excess = len(self._event_logs) - MAX_EVENT_LOGS
+        if excess > 0:
+            kept: collections.deque = collections.deque()
+            for old in self._event_logs:
+                if excess > 0 and old.done:
+                    old.drop()
+                    excess -= 1
+                else:
+                    kept.append(old)
+            self._event_logs = kept
         return log
 
     def dropped_tools(self, request: ResponsesRequest) -> list[str]:
@@ -297,10 +313,9 @@ class OpenAIServingResponses(GenerateBaseServing):
             self._check_input(job)
             job.response.status = "queued"
             entry = StoredResponse(job.response.model_copy(deep=True), input_items=job.input_items)
-            entry.task = asyncio.get_running_loop().create_task(self._run_background(job, entry))
-            self._background.add(entry.task)
-            entry.task.add_done_callback(self._background.discard)
-            self.store.put(entry)
+            if request.stream:
+                return self._start_background_stream(job, entry)
+            self._start_task(entry, self._run_background(job, entry))
             return entry.response.model_copy(deep=True)  # as it was queued (the task changes the stored one)
         gens = self._start(job)
         firsts = await self.start_generation(gens, PARAM_NAMES)
@@ -384,24 +399,32 @@ class OpenAIServingResponses(GenerateBaseServing):
         self.store.put(entry)
 
     # ---- streaming -----------------------------------------------------------------------
-    async def _stream(self, job: ResponsesJob, merged: Any, gens: list[Any]) -> AsyncGenerator[str, None]:
-        builder = OutputBuilder(stream=True)
+    async def _stream(self, job: ResponsesJob, merged: Optional[Any], gens: list[Any],
+                      background: Optional[tuple[OutputBuilder, EventLog]] = None) -> AsyncGenerator[str, None]:
+        """The SSE strings of a streamed response, each also written to its log (stored
+        responses). ``background``: the builder and log of a background stream, whose
+        created/queued events are already written; its generation starts here (``merged``
+        None), so an error before the first token is in-band too. However it ends (done,
+        failed, client gone, task cancelled), a log ends with the terminal event."""
+        builder, log = background or (OutputBuilder(stream=True), None)
         response = job.response
         num_tokens, cached, finish, ended = 0, 0, None, False
-        log = self._new_event_log() if response.store else None  # replayed by GET ...?stream=true
 
         def sent(events: list[str]) -> str:
             if log is not None:
                 log.extend(events)
             return "".join(events)
 
-        if response.store:
+        if background is None and response.store:
+            log = self._new_event_log()  # replayed by GET ...?stream=true
             self.store.put(StoredResponse(response.model_copy(deep=True), list(job.messages),
                                           input_items=job.input_items, events=log))
         try:
             head = response.model_dump(mode="json")  # dumped once for both opening events
-            yield sent(builder.event("response.created", response=head)
-                       + builder.event("response.in_progress", response=head))
+            opening = [] if background else builder.event("response.created", response=head)
+            yield sent(opening + builder.event("response.in_progress", response=head))
+            if merged is None:
+                merged = merge_started(await self.start_generation(gens, PARAM_NAMES), gens)
             logprobs, parsed = None, job.parsing.active
             async for _, res in merged:
                 cached = res.num_cached_tokens
@@ -424,34 +447,83 @@ class OpenAIServingResponses(GenerateBaseServing):
                     yield sent(events)
             check_finished_normally(finish, num_tokens)  # cut off: the except below sends response.failed
             status, details = self._status(finish)
-            yield sent(builder.finish("incomplete" if status == "incomplete" else "completed"))
+            closing = builder.finish("incomplete" if status == "incomplete" else "completed")
             response = response.model_copy(update={
                 "status": status, "incomplete_details": details, "output": builder.items,
                 "usage": self._usage(job, num_tokens, cached, builder.items)})
             self._store(job, response)
-            ended = True
-            for event in builder.response_event(f"response.{status}", response):
-                yield sent([event])
+            ended = True  # the closing events are logged whole before the one write that may not arrive
+            yield sent(closing + builder.response_event(f"response.{status}", response))
         except Exception as e:  # the stream already started: report in-band
             _, body = error_response_from_exception(e)
-            for event in builder.event("error", code=str(body.error.code), message=body.error.message,
-                                       param=body.error.param):
-                yield sent([event])
+            error = builder.event("error", code=str(body.error.code), message=body.error.message,
+                                  param=body.error.param)
             failed = response.model_copy(update={"status": "failed", "output": builder.items, "error": ResponseError(
                 code="server_error" if body.error.code >= 500 else "invalid_request", message=body.error.message)})
             self._store(job, failed)
             ended = True
-            for event in builder.response_event("response.failed", failed):
-                yield sent([event])
+            yield sent(error + builder.response_event("response.failed", failed))
         finally:
+            if not ended:  # the client went away (its request is aborted) or the task was cancelled
+                sent(self._cancelled(job, builder, response))
             if log is not None:
                 log.close()
-            if not ended and response.id in self.store:  # the client went away: its request was aborted
-                self.store.get(response.id).response.status = "cancelled"
-            await merged.aclose()
+            if merged is not None:
+                await merged.aclose()
             await aclose_all(gens)
 
+    def _cancelled(self, job: ResponsesJob, builder: OutputBuilder, response: ResponsesResponse) -> list[str]:
+        """The closing events of a stream cut short: its open item done as "incomplete",
+        then ``response.failed`` carrying the response with ``status: "cancelled"`` and
+        the output so far (OpenAI's event types have no ``response.cancelled``; failed is
+        the terminal event of an unfinished one). The stored response becomes that one,
+        unless it was deleted meanwhile."""
+        events = builder.stop()
+        cancelled = response.model_copy(update={"status": "cancelled", "output": builder.items})
+        if response.id in self.store:
+            self._store(job, cancelled)
+        return events + builder.response_event("response.failed", cancelled)
+
     # ---- background ----------------------------------------------------------------------
+    def _start_task(self, entry: StoredResponse, run: Any) -> None:
+        """Run ``run`` (a coroutine) as ``entry``'s background task and store ``entry``."""
+        entry.task = asyncio.get_running_loop().create_task(run)
+        self._background.add(entry.task)
+        entry.task.add_done_callback(self._background.discard)
+        self.store.put(entry)
+
+    def _start_background_stream(self, job: ResponsesJob, entry: StoredResponse) -> AsyncGenerator[str, None]:
+        """``background`` with ``stream``: write response.created and response.queued to a
+        new log, start the task that writes the rest, and answer with a follower of the log
+        (its disconnect stops only the follower; the response keeps running)."""
+        builder, log = OutputBuilder(stream=True), self._new_event_log()
+        head = job.response.model_dump(mode="json")
+        log.extend(builder.event("response.created", response=head) + builder.event("response.queued", response=head))
+        entry.events = log
+        job.response.status = "in_progress"  # the task's events and stored objects from here on
+        self._start_task(entry, self._run_background_stream(job, entry, builder, log))
+
+        def settle(_: asyncio.Task) -> None:  # a task cancelled before its first step never ran _stream
+            if not log.done:
+                log.extend(self._cancelled(job, builder, job.response))
+                log.close()
+        entry.task.add_done_callback(settle)
+        return log.follow()
+
+    async def _run_background_stream(self, job: ResponsesJob, entry: StoredResponse, builder: OutputBuilder,
+                                     log: EventLog) -> None:
+        """The task of a background stream: drive :meth:`_stream` to its end (the events
+        go to the log; a cancel ends it with the cancelled terminal event)."""
+        entry.response.status = "in_progress"
+        stream = self._stream(job, None, self._start(job), (builder, log))
+        try:
+            async for _ in stream:
+                pass
+        except asyncio.CancelledError:
+            pass  # cancel / DELETE: the stream already logged and stored the cancelled response
+        finally:
+            await stream.aclose()
+
     async def _run_background(self, job: ResponsesJob, entry: StoredResponse) -> None:
         entry.response.status = "in_progress"
         gens = self._start(job)
@@ -478,8 +550,9 @@ class OpenAIServingResponses(GenerateBaseServing):
         events again (those after sequence number ``starting_after``; a response still
         running goes on streaming live). Only a response created with ``stream: true`` has
         events to replay (OpenAI streams back only responses that were streamed): any
-        other is a 400 naming ``stream``. Raises ResponseNotFoundError (404),
-        SamplingParamsError (400 naming ``stream`` or ``starting_after``)."""
+        other is a 400 naming ``stream``; a resume ends with the terminal event whether the
+        response still runs or not. Raises ResponseNotFoundError (404), SamplingParamsError
+        (400 naming ``stream`` or ``starting_after``: see :meth:`_resume_point`)."""
         entry = self.store.get(response_id)
         if starting_after is not None and not stream:
             raise SamplingParamsError("starting_after is only used with stream=true.", "starting_after")
@@ -492,12 +565,35 @@ class OpenAIServingResponses(GenerateBaseServing):
         if not entry.events.replayable:
             raise SamplingParamsError(
                 f"The events of response '{response_id}' are no longer kept (this server keeps those of the last "
-                f"{MAX_EVENT_LOGS} streamed responses, up to {MAX_LOGGED_EVENTS} events each); GET it without "
-                "stream=true.", "stream")
-        if starting_after is not None and starting_after < -1:
+                f"{MAX_EVENT_LOGS} finished streamed responses); GET it without stream=true.", "stream")
+        return entry.events.follow(self._resume_point(response_id, entry.events, starting_after))
+
+    @staticmethod
+    def _resume_point(response_id: str, log: EventLog, starting_after: Optional[int]) -> int:
+        """The sequence number a replay starts after (-1: from the first event). Raises
+        SamplingParamsError (400 naming ``starting_after``, or ``stream`` for a whole
+        replay) for a negative one, one past the last event written so far (a client
+        resumes from a number it received), or one before what the log still keeps."""
+        if starting_after is None:
+            if log.first > 0:
+                raise SamplingParamsError(
+                    f"The first events of response '{response_id}' are no longer kept (up to "
+                    f"{MAX_LOGGED_EVENTS} events a response): resume with starting_after >= {log.first - 1}.",
+                    "stream")
+            return -1
+        if starting_after < 0:
             raise SamplingParamsError(f"starting_after must be a sequence number >= 0, got {starting_after}.",
                                       "starting_after")
-        return entry.events.follow(-1 if starting_after is None else starting_after)
+        if starting_after >= log.count:
+            raise SamplingParamsError(
+                f"starting_after {starting_after} is past the last event of response '{response_id}' "
+                f"(sequence number {log.count - 1}).", "starting_after")
+        if starting_after + 1 < log.first:
+            raise SamplingParamsError(
+                f"The events of response '{response_id}' before sequence number {log.first} are no longer kept "
+                f"(up to {MAX_LOGGED_EVENTS} events a response): resume with starting_after >= {log.first - 1}.",
+                "starting_after")
+        return starting_after
 
     def list_input_items(self, response_id: str, after: Optional[str] = None, limit: int = 20,
                          order: str = "desc") -> ResponseItemList:

@@ -13,7 +13,11 @@ the output items; with ``stream`` it also writes the SSE events of each piece:
                  response.content_part.done
       function_call: response.function_call_arguments.delta..., response.function_call_arguments.done
     response.output_item.done, ..., then one of response.completed / response.incomplete /
-    response.failed (after an ``error`` event).
+    response.failed (after an ``error`` event; or, without one, carrying ``status:
+    "cancelled"`` when the response was cancelled or its client went away).
+
+A ``background: true`` stream opens with response.created and response.queued (status
+"queued"), then response.in_progress when it starts running.
 
 Every event carries ``sequence_number`` (0, 1, 2, ...). With ``include:
 ["message.output_text.logprobs"]`` the ``output_text`` part holds the tokens' logprobs and
@@ -46,22 +50,34 @@ class EventLog:
     """The SSE events of one streamed, stored response, in order (event i carries
     ``sequence_number`` i), for ``GET /v1/responses/{id}?stream=true``: :meth:`follow`
     replays them from a point and, while the response still runs, waits for the next.
-    A log past ``max_events``, or dropped by its owner (:meth:`drop`), keeps nothing and
-    is no longer ``replayable`` (memory stays bounded)."""
+
+    Memory stays bounded: past ``max_events`` the older half is forgotten (``first`` is
+    then the sequence number of the oldest event kept), so a long response keeps its
+    newest events, its terminal one included, for followers and resumes; a log dropped by
+    its owner (:meth:`drop`, the oldest finished ones past MAX_EVENT_LOGS) keeps nothing
+    and is no longer ``replayable``."""
 
     def __init__(self, max_events: int = MAX_LOGGED_EVENTS) -> None:
         self.events: list[str] = []
+        self.first = 0
         self.done = False
         self.replayable = True
         self.max_events = max_events
         self._changed = asyncio.Event()
 
+    @property
+    def count(self) -> int:
+        """How many events were logged in all (the next event's sequence number)."""
+        return self.first + len(self.events)
+
     def extend(self, events: list[str]) -> None:
-        """Append the events just sent (each one whole SSE event)."""
+        """Append the events just written (each one whole SSE event)."""
         if events and self.replayable:
             self.events.extend(events)
             if len(self.events) > self.max_events:
-                self.drop()
+                cut = len(self.events) - self.max_events // 2  # halving: amortised O(1) an event
+                del self.events[:cut]
+                self.first += cut
             self._wake()
 
     def drop(self) -> None:
@@ -81,13 +97,13 @@ class EventLog:
 
     async def follow(self, starting_after: int = -1) -> AsyncGenerator[str, None]:
         """The events after sequence number ``starting_after``, then the new ones as
-        they come, until the log is closed."""
+        they come, until the log is closed (or a follower fell behind what is kept)."""
         i = starting_after + 1
         while True:
-            while i < len(self.events):
-                yield self.events[i]
+            while self.replayable and self.first <= i < self.count:
+                yield self.events[i - self.first]
                 i += 1
-            if self.done or not self.replayable:
+            if self.done or not self.replayable or i < self.first:
                 return
             await self._changed.wait()
 
@@ -225,6 +241,10 @@ class OutputBuilder:
         if not self._items:
             events += self.text("")
         return events + self._close(status)
+
+    def stop(self) -> list[str]:
+        """Close the open item as "incomplete" (the response was cancelled mid-output)."""
+        return self._close("incomplete")
 
     # ---- items -----------------------------------------------------------------------
     def _open_item(self, item: OutputItem) -> list[str]:
