@@ -9,6 +9,7 @@ import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import ollama
 import psutil
 
 from e2e_utils import MODEL, no_nonfinite
@@ -120,6 +121,41 @@ def test_ollama_over_long_prompts_are_shortened_unless_truncate_false(server_512
     with s.http.stream("POST", "/api/chat", json={"model": MODEL, "messages": msgs, "options": opts}) as r:
         lines = [json.loads(x) for x in r.iter_lines() if x]
     assert r.status_code == 200 and lines[-1]["done"] and "error" not in lines[-1], lines[-1]
+    s.assert_healthy()
+
+
+def test_ollama_num_ctx_is_the_context_of_the_request(server_512):
+    """``options.num_ctx`` is the request's context, as in Ollama, capped by the server's:
+    the answer stops where prompt + answer fill it (``done_reason`` "length", with or
+    without ``num_predict``), an over-long chat drops its oldest turns to fit it and
+    ``truncate: false`` is a 400 naming it; below 4 it is 4 (Ollama's scheduler), above
+    the server's context the server's; not an integer, a 400 naming it."""
+    s = server_512
+    client = ollama.Client(host=s.url_root, headers={"Authorization": f"Bearer {s.api_key}"}, timeout=300)
+    count = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+    ctx = s.tok(count)["count"] + 3
+    raw = client.generate(MODEL, prompt=count, raw=True, options={"num_ctx": ctx, "num_predict": 50, "temperature": 0})
+    assert raw.prompt_eval_count + raw.eval_count == ctx and raw.done_reason == "length", raw
+    ask = [{"role": "user", "content": "Count from 1 to 50, separated by commas."}]
+    ctx = s.post("/tokenize", {"model": MODEL, "messages": ask, "add_generation_prompt": True}).json()["count"] + 3
+    chat = client.chat(MODEL, messages=ask, options={"num_ctx": ctx, "temperature": 0})  # no num_predict
+    assert chat.prompt_eval_count + chat.eval_count == ctx and chat.done_reason == "length", chat
+    words = "apple " * 30
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for i in range(3):
+        msgs += [{"role": "user", "content": f"{i} {words}"}, {"role": "assistant", "content": f"{i} {words}"}]
+    msgs.append({"role": "user", "content": "Say yes."})
+    opts = {"num_ctx": 96, "num_predict": 2, "temperature": 0}
+    fitted = client.chat(MODEL, messages=msgs, options=opts)
+    assert 0 < fitted.prompt_eval_count < 96 and fitted.done, fitted
+    refused = s.post("/api/chat", {"model": MODEL, "messages": msgs, "options": opts, "truncate": False})
+    assert refused.status_code == 400 and "options.num_ctx" in refused.json()["error"], refused.text
+    tiny = client.generate(MODEL, prompt="Hello there", options={"num_ctx": 0, "temperature": 0})
+    assert tiny.prompt_eval_count == 2 and tiny.eval_count <= 2, tiny
+    wide = client.chat(MODEL, messages=ask, options={"num_ctx": 10 ** 9, "num_predict": 1})
+    assert wide.eval_count == 1
+    bad = s.post("/api/chat", {"model": MODEL, "messages": ask, "options": {"num_ctx": "big"}})
+    assert bad.status_code == 400 and "options.num_ctx" in bad.json()["error"], bad.text
     s.assert_healthy()
 
 

@@ -151,6 +151,28 @@ def test_errors_in_ollama_shape(server):
     assert unloaded["done"] and unloaded["done_reason"] == "unload"
 
 
+def test_model_names_match_as_ollama_and_an_unknown_one_is_its_404(server):
+    """Ollama compares names without regard to case, ``:latest`` being the tag of a name
+    without one (its getExistingName), and answers with the name as the request wrote it;
+    an unknown name is its 404 body, worded per route as its routes.go does."""
+    client = _client(server)
+    lower, upper = MODEL.lower(), f"{MODEL.upper()}:LATEST"
+    resp = client.chat(lower, messages=ASK, options={"temperature": 0, "num_predict": 1})
+    assert resp.model == lower and resp.eval_count == 1
+    gen = client.generate(upper, prompt="Hi", options={"temperature": 0, "num_predict": 1})
+    assert gen.model == upper and gen.eval_count == 1
+    assert client.show(f"{lower}:latest").template == client.show(MODEL).template
+    _error(server.post("/api/chat", {"model": f"{MODEL}:1b", "messages": ASK}), 404)  # another tag: another model
+    for path, body, message in (
+            ("/api/chat", {"messages": ASK}, "model 'no-such' not found"),
+            ("/api/generate", {"prompt": "x"}, "model 'no-such' not found"),
+            ("/api/show", {}, "model 'no-such' not found"),
+            ("/api/embed", {"input": "x"}, 'model "no-such" not found, try pulling it first'),
+            ("/api/embeddings", {"prompt": "x"}, 'model "no-such" not found, try pulling it first')):
+        r = server.post(path, {"model": "no-such", **body})
+        assert r.status_code == 404 and r.json() == {"error": message}, (path, r.text)
+
+
 @pytest.mark.slow  # 18 s: three prefills of a near-full context; `make test-all`
 def test_num_predict_past_the_context_fills_it_and_bad_numbers_name_the_option(server):
     """``num_predict`` above the room the prompt leaves generates until the context is full

@@ -188,4 +188,5 @@ def test_an_unknown_model_name_is_echoed_bounded(app_and_engine, route, body, me
     message = message_of(r.json())
     assert len(r.content) < 2000 and "q" * 256 + "... (100000 characters)" in message, message[:400]
     short = client.post(route, json={**body, "model": "nope:\u202e\n"})  # a short name is echoed whole
-    assert short.status_code == 404 and "`nope:\u202e\n`" in message_of(short.json())
+    quoted = "'nope:\u202e\n'" if route.startswith("/api/") else "`nope:\u202e\n`"  # Ollama's quotes
+    assert short.status_code == 404 and quoted in message_of(short.json())

@@ -174,12 +174,53 @@ def test_context_fit_of_a_raw_prompt_keeps_half_the_context():
     from llmserve.entrypoints.ollama.protocol import OllamaGenerateRequest
     from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
 
-    comp = SimpleNamespace(max_model_len=512)
     req = CompletionRequest(model="m", prompt="x", max_tokens=None)
-    assert fit_completion(comp, req, 511) is req
-    cut = fit_completion(comp, req, 900)
+    assert fit_completion(req, 511, 512) is req
+    cut = fit_completion(req, 900, 512)
     assert (cut.truncate_prompt_tokens, cut.max_tokens) == (256, 256)
-    cut = fit_completion(comp, CompletionRequest(model="m", prompt="x", max_tokens=20), 900)
+    cut = fit_completion(CompletionRequest(model="m", prompt="x", max_tokens=20), 900, 512)
     assert (cut.truncate_prompt_tokens, cut.max_tokens) == (256, 20)
+    cut = fit_completion(req, 100, 64)  # options.num_ctx 64: half of that context
+    assert (cut.truncate_prompt_tokens, cut.max_tokens) == (32, 32)
     assert truncating(OllamaGenerateRequest(model="m")) and truncating(OllamaGenerateRequest(model="m", truncate=True))
     assert not truncating(OllamaGenerateRequest(model="m", truncate=False))
+
+
+def test_num_ctx_is_the_request_context_within_the_servers():
+    """``options.num_ctx``: the request's context, as Ollama: below 4 raised to 4 (its
+    scheduler), above the server's context the server's (its cap at the trained context);
+    absent, the server's; not an integer, a 400 naming it."""
+    from llmserve.entrypoints.ollama.options import context_size
+
+    assert context_size(None, 512) == 512 and context_size({"num_ctx": None}, 512) == 512
+    assert context_size({"num_ctx": 64}, 512) == 64 and context_size({"num_ctx": 64.0}, 512) == 64
+    assert context_size({"num_ctx": 0}, 512) == 4 and context_size({"num_ctx": -9}, 512) == 4
+    assert context_size({"num_ctx": 10 ** 30}, 512) == 512
+    for bad in ("big", 64.5, True, float("inf")):
+        with pytest.raises(SamplingParamsError) as e:
+            context_size({"num_ctx": bad}, 512)
+        assert e.value.param == "options.num_ctx"
+    with pytest.raises(SamplingParamsError) as e:
+        sampling_fields({"num_ctx": "big"})
+    assert e.value.param == "options.num_ctx"
+
+
+def test_ollama_names_match_without_case_and_with_latest_as_the_default_tag():
+    """Ollama's rule (names.py): case does not matter, ``name`` is ``name:latest`` both
+    ways, another tag is another model, a ``:`` before the last ``/`` is a port, and the
+    exact name wins; an unknown one is Ollama's 404 message for the route."""
+    from llmserve.entrypoints.ollama.names import OllamaModelNotFound, match_name, resolve
+    from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+
+    served = ["SmolLM2", "llama3:latest", "host:5000/team/m", "Qwen/Qwen2.5-0.5B-Instruct"]
+    assert match_name("smollm2", served) == "SmolLM2" and match_name("SMOLLM2:latest", served) == "SmolLM2"
+    assert match_name("llama3", served) == "llama3:latest" and match_name("Llama3:LATEST", served) == "llama3:latest"
+    assert match_name("qwen/qwen2.5-0.5b-instruct:latest", served) == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert match_name("host:5000/team/m:latest", served) == "host:5000/team/m"
+    assert match_name("smollm2:1b", served) is None and match_name("llama3:8b", served) is None
+    assert match_name("smollm2", ["SMOLLM2", "smollm2"]) == "smollm2"  # the exact name first
+    with pytest.raises(OllamaModelNotFound) as e:
+        resolve("x", served)
+    assert error_response_from_exception(e.value)[0] == 404 and str(e.value) == "model 'x' not found"
+    assert str(OllamaModelNotFound("x", pull_hint=True)) == 'model "x" not found, try pulling it first'
+    assert len(str(OllamaModelNotFound("y" * 100_000))) < 300

@@ -188,7 +188,10 @@ def test_every_route_that_names_a_model_honours_allowed_models(smol_tokenizer, t
     got = asyncio.run(run())
     for name in [(p, "key-c") for p in json_routes] + ["/api/show model", "form m"]:
         assert got[name].status_code == 404, (name, got[name].text)
-        assert "No model served here can be called" in got[name].text, (name, got[name].text)
+        # Ollama's route answers Ollama's 404 body (ollama/names.py), the others OpenAI's
+        want = "model 'm' not found" if name in (("/api/show", "key-c"), "/api/show model") \
+            else "No model served here can be called"
+        assert want in got[name].text, (name, got[name].text)
     for name in ("form none", "tokenize none"):
         assert got[name].status_code == 400 and "none of the models served here" in got[name].text, got[name].text
     assert got[("/tokenize", "key-m")].status_code == 200 and got[("/tokenize", "key-m")].json()["count"] >= 1
@@ -219,7 +222,7 @@ def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_p
 
 
 def test_an_ollama_latest_tag_is_allowed_as_its_model_on_ollama_routes_only(smol_tokenizer, tmp_path):
-    """A key allowed "m" may call "m:latest" on Ollama's routes, where that name serves
+    """A key allowed "m" may call "m:latest" (and "M") on Ollama's routes, where that name serves
     "m" (the fresh-user trial: a key allowed only a LoRA adapter got 404 for
     "sql:latest" while "sql" worked); on the OpenAI routes "m:latest" stays a 404."""
     app, engine, _ = _app(smol_tokenizer, tmp_path, KEYS + [{"key": "key-m", "tenant": "mallory",
@@ -231,13 +234,16 @@ def test_an_ollama_latest_tag_is_allowed_as_its_model_on_ollama_routes_only(smol
                                                       "options": {"num_predict": 2}}, headers=_auth("key-m"))
             other = await c.post("/api/generate", json={"model": "other:latest", "prompt": "hi", "stream": False},
                                  headers=_auth("key-m"))
+            upper = await c.post("/api/generate", json={"model": "M", "prompt": "hi", "stream": False,
+                                                        "options": {"num_predict": 2}}, headers=_auth("key-m"))
             openai = await c.post("/v1/chat/completions", json={**CHAT, "model": "m:latest"}, headers=_auth("key-m"))
-            return gen, other, openai
-    gen, other, openai = asyncio.run(run())
+            return gen, other, openai, upper
+    gen, other, openai, upper = asyncio.run(run())
     assert gen.status_code == 200 and gen.json()["response"] == "ok", gen.text
-    assert other.status_code == 404 and isinstance(other.json()["error"], str)
+    assert upper.status_code == 200 and upper.json()["model"] == "M", upper.text  # Ollama ignores case
+    assert other.status_code == 404 and other.json() == {"error": "model 'other:latest' not found"}
     assert openai.status_code == 404 and openai.json()["error"]["param"] == "model"
-    assert engine.started == 1
+    assert engine.started == 2
 
 
 def test_request_list_shows_only_the_engines_of_the_keys_models(smol_tokenizer, tmp_path):

@@ -14,14 +14,18 @@ How it is shortened, as Ollama does:
   context of tokens (Ollama's runner keeps ``num_ctx / 2`` tokens of an over-long input:
   its issue #17427), so the answer has room; here through vLLM's
   ``truncate_prompt_tokens`` (the last k tokens).
-The context is the server's ``--max-model-len`` (``options.num_ctx`` is not a per-request
-setting here). ``shift`` (Ollama's context shift during generation) is accepted and has
-no effect: an answer stops at the context's end with ``done_reason`` "length"."""
+The context is the request's: ``options.num_ctx`` when given, as Ollama's runner is sized
+by it, but never more than the server's ``--max-model-len`` (options.py ``context_size``),
+else the server's. Past it, ``truncate: false`` is a 400 (:func:`over_context`; the
+engine's own past the server's context). ``shift`` (Ollama's context shift during
+generation) is accepted and has no effect: an answer stops at the context's end with
+``done_reason`` "length"."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from llmserve.entrypoints.openai.chat_completion.context_room import prompt_bytes_bound, prompt_tokens
+from llmserve.sampling_params import SamplingParamsError
 
 
 def truncating(req: Any) -> bool:
@@ -55,30 +59,42 @@ def _drop_oldest(messages: list[Any]) -> Optional[list[Any]]:
         out = out[:j] + out[j + 1:]
 
 
-async def fit_chat(chat: Any, common: Any) -> Any:
-    """``common`` (a ChatCompletionRequest) shortened to fit ``chat``'s context as above:
+def over_context(prompt_len: int, context: int) -> SamplingParamsError:
+    """The 400 of a prompt of ``prompt_len`` tokens that fills an ``options.num_ctx`` of
+    ``context`` tokens under ``truncate: false``: the engine's words for the server's
+    context (input_processor.py), naming the option."""
+    return SamplingParamsError(
+        f"This request's context (options.num_ctx) is {context} tokens. However, your request has {prompt_len} "
+        f"input tokens, which leaves no room for output. Please reduce the length of the input, raise "
+        f"options.num_ctx or leave truncate on.", "options.num_ctx")
+
+
+def _keep_last_half(common: Any, context: int) -> Any:
+    """``common`` cut to the last ``context // 2`` tokens of its prompt (Ollama's runner),
+    its budget the rest of the context, or less when it asked for less."""
+    keep = max(1, context // 2)
+    budget = context - keep if common.max_tokens is None else min(common.max_tokens, context - keep)
+    return common.model_copy(update={"truncate_prompt_tokens": keep, "max_tokens": budget})
+
+
+async def fit_chat(chat: Any, common: Any, context: int) -> Any:
+    """``common`` (a ChatCompletionRequest) shortened to fit ``context`` tokens as above:
     the same object when it fits (a cheap byte bound first, then the rendered count)."""
-    max_len = chat.max_model_len
-    if prompt_bytes_bound(common) < max_len or await prompt_tokens(chat, common) < max_len:
+    if prompt_bytes_bound(common) < context or await prompt_tokens(chat, common) < context:
         return common
     messages = list(common.messages)
     while (shorter := _drop_oldest(messages)) is not None:
         messages = shorter
         common = common.model_copy(update={"messages": messages})
-        if await prompt_tokens(chat, common) < max_len:
+        if await prompt_tokens(chat, common) < context:
             return common
-    keep = max(1, max_len // 2)
-    budget = max_len - keep if common.max_tokens is None else min(common.max_tokens, max_len - keep)
-    return common.model_copy(update={"truncate_prompt_tokens": keep, "max_tokens": budget})
+    return _keep_last_half(common, context)
 
 
-def fit_completion(completion: Any, common: Any, prompt_len: int) -> Any:
+def fit_completion(common: Any, prompt_len: int, context: int) -> Any:
     """A raw ``/api/generate`` request (a CompletionRequest) whose prompt of ``prompt_len``
-    tokens does not fit: its last half context of tokens, and the rest of the context as
-    the budget when none was asked or more was."""
-    max_len = completion.max_model_len
-    if prompt_len < max_len:
+    tokens does not fit ``context`` tokens: its last half context of tokens, and the rest
+    of the context as the budget when none was asked or more was."""
+    if prompt_len < context:
         return common
-    keep = max(1, max_len // 2)
-    budget = max_len - keep if common.max_tokens is None else min(common.max_tokens, max_len - keep)
-    return common.model_copy(update={"truncate_prompt_tokens": keep, "max_tokens": budget})
+    return _keep_last_half(common, context)

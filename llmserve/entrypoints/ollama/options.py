@@ -6,8 +6,11 @@ Ollama's runner options (``docs/modelfile.md``, ``api/types.go`` ``Options``):
   (-> ``max_tokens``; -1 "no limit" and -2 "fill the context" leave the budget to the
   engine: the room left in the context), ``stop``, ``repeat_penalty`` (->
   ``repetition_penalty``), ``presence_penalty``, ``frequency_penalty``;
+- ``num_ctx``: the context of this request in tokens (:func:`context_size`): the prompt
+  is shortened to fit it (``truncate``) and the answer stops at it, as in Ollama, whose
+  runner is sized by it;
 - accepted and ignored, since they describe Ollama's own runner, not the answer:
-  ``num_ctx`` (the server's ``--max-model-len`` is the context), ``num_batch``,
+  ``num_batch``,
   ``num_gpu``, ``main_gpu``, ``num_thread``, ``numa``, ``low_vram``, ``f16_kv``,
   ``use_mmap``, ``use_mlock``, ``vocab_only``, ``logits_all``, ``embedding_only``,
   ``num_keep``, ``repeat_last_n`` (the penalties see the whole sequence, as vLLM's),
@@ -38,10 +41,13 @@ NUMERIC_OPTIONS = {
 }
 INTEGER_OPTIONS = frozenset({"top_k", "seed", "num_predict", "num_ctx"})
 IGNORED_OPTIONS = frozenset({
-    "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "f16_kv", "use_mmap",
+    "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "f16_kv", "use_mmap",
     "use_mlock", "vocab_only", "logits_all", "embedding_only", "num_keep", "repeat_last_n", "penalize_newline",
     "mirostat_tau", "mirostat_eta",
 })
+# Ollama's scheduler raises a smaller num_ctx to 4 tokens (server/sched.go getRunner), with
+# no error: 0 and negative values included.
+MIN_NUM_CTX = 4
 # Options whose only value honoured here is the neutral one (Ollama's "off").
 NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
 
@@ -88,6 +94,8 @@ def sampling_fields(options: Optional[dict[str, Any]]) -> dict[str, Any]:
             out["max_tokens"] = _max_tokens(value)
         elif key == "stop":
             out["stop"] = _stop(value) or None
+        elif key == "num_ctx":
+            _number(key, value)  # checked here; the context itself is context_size's
         elif key in NEUTRAL_OPTIONS:
             if _number(key, value) != NEUTRAL_OPTIONS[key]:
                 raise SamplingParamsError(
@@ -96,6 +104,18 @@ def sampling_fields(options: Optional[dict[str, Any]]) -> dict[str, Any]:
         elif key not in IGNORED_OPTIONS:
             logger.warning("Ollama option %r is not known here; it is ignored.", key)
     return out
+
+
+def context_size(options: Optional[dict[str, Any]], max_model_len: int) -> int:
+    """The context of one request in tokens: ``options.num_ctx`` when given (an integer;
+    below :data:`MIN_NUM_CTX` raised to it, as Ollama does), never more than the server's
+    ``max_model_len`` (tokens; Ollama likewise caps it at the model's trained context,
+    with a warning, not an error), else ``max_model_len``. Raises SamplingParamsError
+    naming ``options.num_ctx`` for a value that is not an integer."""
+    value = (options or {}).get("num_ctx")
+    if value is None:
+        return max_model_len
+    return min(max(_number("num_ctx", value), MIN_NUM_CTX), max_model_len)
 
 
 def structured_fields(fmt: Any) -> dict[str, Any]:

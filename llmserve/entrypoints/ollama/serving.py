@@ -28,31 +28,27 @@ import json
 from types import SimpleNamespace
 from typing import Any, AsyncGenerator, Optional
 
-from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, truncating
-from llmserve.entrypoints.ollama.options import build_request, sampling_fields, structured_fields
+from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, over_context, truncating
+from llmserve.entrypoints.ollama.names import resolve
+from llmserve.entrypoints.ollama.options import build_request, context_size, sampling_fields, structured_fields
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaMessage)
 from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats, StreamError
-from llmserve.entrypoints.openai.chat_completion.context_room import room_left
+from llmserve.entrypoints.openai.chat_completion.context_room import prompt_bytes_bound, prompt_tokens, room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
-from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def served_name(state: Any, name: str) -> str:
-    """The served model ``name`` refers to: itself, or without Ollama's default tag
-    ``:latest``; a LoRA adapter's name too. Raises ModelNotFoundError (404)."""
+def served_name(state: Any, name: str, pull_hint: bool = False) -> str:
+    """The served model (or LoRA adapter) ``name`` calls by Ollama's rule (names.py: case
+    and the default tag ``:latest`` do not matter). Raises OllamaModelNotFound (404, Ollama's
+    words; ``pull_hint`` for the embedding routes')."""
     names = state.openai_serving_models.model_names + state.openai_serving_models.lora_names
-    if name in names:
-        return name
-    base, _, tag = name.rpartition(":")
-    if base and tag == "latest" and base in names:
-        return base
-    raise ModelNotFoundError(name, names)
+    return resolve(name, names, pull_hint)
 
 
 def handler(state: Any, attr: str, model: str) -> Any:
@@ -175,56 +171,94 @@ async def completion_chunks(events: AsyncGenerator[str, None]) -> AsyncGenerator
         await events.aclose()
 
 
-def _room_left(completion: Any, prompt_len: int) -> Optional[int]:
-    """The tokens left in the context after a prompt of ``prompt_len`` tokens (with the suffix of a FIM request), capped by the model's default
-    budget (what the chat path leaves to the engine); None when nothing is left (the
-    engine then reports the prompt as too long)."""
-    room = completion.max_model_len - prompt_len
-    cap = completion.default_sampling_params.get("max_tokens")
+def _default_budget(handler: Any, room: int) -> Optional[int]:
+    """The output budget of a request that sets none, with ``room`` tokens left in its
+    context: that room, capped by the model's default budget (what the engine does with
+    the server's context); None when nothing is left (the engine then reports the prompt
+    as too long)."""
+    cap = handler.default_sampling_params.get("max_tokens")
     return (min(room, cap) if cap else room) if room > 0 else None
 
 
-async def _clamp_num_predict(chat: Any, common: ChatCompletionRequest) -> None:
-    """``options.num_predict`` above the room the prompt leaves in the context becomes
-    that room: Ollama generates until the context is full rather than refusing (a 400
-    naming ``max_tokens``, a field its clients never sent). A prompt that fills the context
-    alone is left to the engine's "prompt too long" 400."""
+async def _budget(chat: Any, common: ChatCompletionRequest, context: int) -> None:
+    """``common.max_tokens`` so that prompt + answer fit ``context`` tokens: a
+    ``num_predict`` above the room the prompt leaves becomes that room (Ollama generates
+    until the context is full rather than refusing: a 400 naming ``max_tokens``, a field
+    its clients never sent), and no ``num_predict`` under an ``options.num_ctx`` smaller
+    than the server's context is that room (the engine's default would be the server's).
+    A prompt that fills the context alone is left to the engine's "prompt too long" 400."""
     if common.max_tokens is not None:
-        room = await room_left(chat, common, common.max_tokens)
+        room = await room_left(chat, common, common.max_tokens, context)
         if 0 < room < common.max_tokens:
             common.max_tokens = room
+    elif context < chat.max_model_len:
+        common.max_tokens = _default_budget(chat, context - await prompt_tokens(chat, common))
 
 
-async def _fit(req: Any, chat: Any, common: ChatCompletionRequest) -> ChatCompletionRequest:
-    """``common`` shortened to the context when Ollama's ``truncate`` allows
-    (context_fit.py), then ``num_predict`` clamped to the room left; a prompt cut to its
-    last tokens already has its budget, so it is not rendered again for the clamp."""
+async def _refuse_over_context(chat: Any, common: ChatCompletionRequest, context: int) -> None:
+    """``truncate: false`` with a prompt that fills an ``options.num_ctx`` smaller than the
+    server's context: the 400 the engine gives for the server's (over_context). Raises
+    SamplingParamsError."""
+    if context < chat.max_model_len and prompt_bytes_bound(common) >= context:
+        n = await prompt_tokens(chat, common)
+        if n >= context:
+            raise over_context(n, context)
+
+
+async def _fit(req: Any, chat: Any, common: ChatCompletionRequest, context: int) -> ChatCompletionRequest:
+    """``common`` shortened to the request's ``context`` (tokens: context_size) when
+    Ollama's ``truncate`` allows (context_fit.py), refused past it when not, then its
+    budget set to the room left (_budget); a prompt cut to its last tokens already has
+    its budget, so it is not rendered again."""
     if truncating(req):
-        common = await fit_chat(chat, common)
+        common = await fit_chat(chat, common, context)
+    else:
+        await _refuse_over_context(chat, common, context)
     if common.truncate_prompt_tokens is None:
-        await _clamp_num_predict(chat, common)
+        await _budget(chat, common, context)
     return common
 
 
 async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
     """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
     name = served_name(state, req.model)
-    wire = OllamaWire(name, chat=True)
+    wire = OllamaWire(req.model, chat=True)  # Ollama answers with the name as the request wrote it
     if not req.messages:
         return wire.loaded(req.keep_alive), {}
     chat = handler(state, "openai_serving_chat", name)
     common, choice = chat_request(req, name, chat)
-    common = await _fit(req, chat, common)
+    common = await _fit(req, chat, common, context_size(req.options, chat.max_model_len))
     stats = RunStats()
     chunks = await chat.create_chat_completion(common, request_id, wire=False)
     headers = {"X-Llmserve-Tool-Choice": choice} if choice else {}
     return (wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)), headers
 
 
+def _fit_raw(req: OllamaGenerateRequest, completion: Any, common: CompletionRequest) -> CompletionRequest:
+    """A raw or fill-in-the-middle ``/api/generate`` request fitted to its context
+    (context_size): over it, its last half context of tokens (``truncate``) or the 400 of
+    over_context (``truncate: false``; past the server's context the engine's own);
+    within it, the budget set to the room left (no ``num_predict``: Ollama's default is
+    no limit, not the legacy 16) or capped by it."""
+    context = context_size(req.options, completion.max_model_len)
+    n = len(completion.tokenizer.encode(common.prompt + (common.suffix or "")))
+    if n >= context:
+        if truncating(req):
+            return fit_completion(common, n, context)
+        if context < completion.max_model_len:
+            raise over_context(n, context)
+        return common  # the engine's "prompt too long" 400
+    if common.max_tokens is None:
+        common.max_tokens = _default_budget(completion, context - n)
+    else:
+        common.max_tokens = min(common.max_tokens, context - n)
+    return common
+
+
 async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Optional[str]) -> Any:
     """``/api/generate``: an async generator of NDJSON lines, or the one object."""
     name = served_name(state, req.model)
-    wire = OllamaWire(name, chat=False)
+    wire = OllamaWire(req.model, chat=False)  # Ollama answers with the name as the request wrote it
     if not req.prompt and req.suffix is None:
         return wire.loaded(req.keep_alive)
     chat = handler(state, "openai_serving_chat", name)
@@ -232,38 +266,32 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     stats = RunStats()
     if isinstance(common, CompletionRequest):
         completion = handler(state, "openai_serving_completion", name)
-        prompt = common.prompt + (common.suffix or "")
-        n = len(completion.tokenizer.encode(prompt))
-        if truncating(req) and n >= completion.max_model_len:
-            common = fit_completion(completion, common, n)
-        elif common.max_tokens is None:  # Ollama's default is no limit, not the legacy 16
-            common.max_tokens = _room_left(completion, n)
-        else:  # never past the context (see _clamp_num_predict)
-            room = completion.max_model_len - n
-            common.max_tokens = min(common.max_tokens, room) if room > 0 else common.max_tokens
+        common = _fit_raw(req, completion, common)
         chunks = completion_chunks(await completion.create_completion(common, request_id))
     else:
-        common = await _fit(req, chat, common)
+        common = await _fit(req, chat, common, context_size(req.options, chat.max_model_len))
         chunks = await chat.create_chat_completion(common, request_id, wire=False)
     return wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)
 
 
 async def _embed(state: Any, model: str, inputs: list[str], truncate: bool,
-                 dimensions: Optional[int] = None) -> tuple[str, Any]:
-    name = served_name(state, model)
+                 dimensions: Optional[int] = None) -> Any:
+    name = served_name(state, model, pull_hint=True)
     common = EmbeddingRequest(model=name, input=inputs, dimensions=dimensions,
                               truncate_prompt_tokens=-1 if truncate else None)
-    return name, await handler(state, "openai_serving_embedding", name).create_embedding(common)
+    return await handler(state, "openai_serving_embedding", name).create_embedding(common)
 
 
 async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
-    """``/api/embed``: ``{"model", "embeddings": [[float]], "prompt_eval_count", durations}``."""
+    """``/api/embed``: ``{"model", "embeddings": [[float]], "prompt_eval_count", durations}``,
+    ``model`` as the request wrote it (Ollama's answer)."""
     stats = RunStats()
     inputs = [req.input] if isinstance(req.input, str) else list(req.input)
     if not inputs:
-        return {"model": served_name(state, req.model), "embeddings": []}
-    name, resp = await _embed(state, req.model, inputs, req.truncate is not False, req.dimensions)
-    return {"model": name, "embeddings": [d.embedding for d in resp.data],
+        served_name(state, req.model, pull_hint=True)
+        return {"model": req.model, "embeddings": []}
+    resp = await _embed(state, req.model, inputs, req.truncate is not False, req.dimensions)
+    return {"model": req.model, "embeddings": [d.embedding for d in resp.data],
             "total_duration": stats.final_fields()["total_duration"], "load_duration": 0,
             "prompt_eval_count": resp.usage.prompt_tokens}
 
@@ -272,7 +300,7 @@ async def serve_embeddings(state: Any, req: OllamaEmbeddingsRequest) -> dict[str
     """``/api/embeddings`` (Ollama's older route): ``{"embedding": [float]}``; an empty
     prompt gives an empty vector, as Ollama answers."""
     if not req.prompt:
-        served_name(state, req.model)
+        served_name(state, req.model, pull_hint=True)
         return {"embedding": []}
-    _, resp = await _embed(state, req.model, [req.prompt], truncate=True)
+    resp = await _embed(state, req.model, [req.prompt], truncate=True)
     return {"embedding": resp.data[0].embedding}

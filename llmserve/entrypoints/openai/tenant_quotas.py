@@ -38,6 +38,7 @@ from starlette.requests import Request
 from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.fan_out import fan_out_of
+from llmserve.entrypoints.ollama.names import PULL_HINT_ROUTES, OllamaModelNotFound, match_name
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
@@ -99,20 +100,25 @@ def _default_model_allowed(tenant: Tenant, state: Any) -> bool:
 
 
 def model_refusal(tenant: Tenant, model: Optional[str], state: Any,
-                  ollama: bool = False) -> Optional[Exception]:
+                  ollama_route: Optional[str] = None) -> Optional[Exception]:
     """The error for a request of ``tenant`` naming ``model`` (None or "": the default)
     when its ``allowed_models`` does not let it call that model: ModelNotFoundError
     (404, as if the model did not exist, listing what it may call), or, for a request
     that names no model where the default is not one it may call,
     SamplingParamsError (400, param ``model``) asking it to name one. None: allowed.
     Leaving ``model`` out must not reach a model the key is not allowed (trial of stop 42).
-    ``ollama``: the request is on Ollama's API, where ``NAME:latest`` calls ``NAME``
-    (ollama/serving.py's served_name), so it is allowed when ``NAME`` is."""
+    ``ollama_route``: the path of an Ollama route (``/api/chat``...) the request is on,
+    where names match by Ollama's rule (ollama/names.py: ``NAME:latest`` and ``name``
+    call ``NAME``), so it is allowed when the name it calls is, and refused with Ollama's
+    404 for that route."""
     if tenant.allowed_models is None:
         return None
     if model:
-        base, _, tag = model.rpartition(":")
-        if model in tenant.allowed_models or (ollama and tag == "latest" and base in tenant.allowed_models):
+        if ollama_route is not None:
+            if match_name(model, tenant.allowed_models) is not None:
+                return None
+            return OllamaModelNotFound(model, ollama_route in PULL_HINT_ROUTES)
+        if model in tenant.allowed_models:
             return None
         return ModelNotFoundError(model, callable_models(tenant, state))
     if _default_model_allowed(tenant, state):
@@ -275,7 +281,7 @@ class TenantQuotaMiddleware:
         body = b""
         if limited:
             body, receive = await _buffered_body(receive)
-        refused = model_refusal(tenant, await _model_of(scope, body), self.state, _is_ollama(path))
+        refused = model_refusal(tenant, await _model_of(scope, body), self.state, _ollama_route(path))
         if refused is not None:
             return await _refuse(refused, scope, receive, send)
         refusal = quotas.check(tenant, request_cost(body, path))
@@ -298,7 +304,7 @@ class TenantQuotaMiddleware:
             return await self.app(scope, receive, send)
         body, receive = await _buffered_body(receive)
         refused = model_refusal(tenant, await _model_of(scope, body, fields), self.state,
-                                _is_ollama(_route_path(scope)))
+                                _ollama_route(_route_path(scope)))
         if refused is not None:
             return await _refuse(refused, scope, receive, send)
         return await self.app(scope, receive, send)
@@ -309,9 +315,9 @@ async def _refuse(error: Exception, scope: dict, receive: Any, send: Any) -> Non
     return await json_response(body, status)(scope, receive, send)
 
 
-def _is_ollama(path: str) -> bool:
-    """Whether ``path`` is one of Ollama's routes (``/api/...``)."""
-    return path.startswith("/api/")
+def _ollama_route(path: str) -> Optional[str]:
+    """``path`` when it is one of Ollama's routes (``/api/...``), else None."""
+    return path if path.startswith("/api/") else None
 
 
 def _route_path(scope: dict) -> str:

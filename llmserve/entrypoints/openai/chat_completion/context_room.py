@@ -7,7 +7,7 @@ might not fit."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 # Template text around each message and the generation prompt, in bytes, for the bound.
 TEMPLATE_BYTES_PER_MESSAGE = 64
@@ -30,10 +30,11 @@ async def prompt_tokens(handler: Any, request: Any) -> int:
     return len((await handler.render(request, request.tools)).token_ids)
 
 
-async def room_left(handler: Any, request: Any, max_tokens: int) -> int:
+async def room_left(handler: Any, request: Any, max_tokens: int, context: Optional[int] = None) -> int:
     """``max_tokens`` (tokens), or the room ``request``'s prompt leaves in the model's
-    context when that is less (0 or below: the prompt alone fills it; the caller refuses)."""
-    max_len = handler.max_model_len
+    context (or in ``context`` tokens: Ollama's per-request ``options.num_ctx``) when that
+    is less (0 or below: the prompt alone fills it; the caller refuses)."""
+    max_len = handler.max_model_len if context is None else context
     if max_tokens + prompt_bytes_bound(request) <= max_len:
         return max_tokens
     return min(max_tokens, max_len - await prompt_tokens(handler, request))
