@@ -80,10 +80,11 @@ class LinearWithLoRA(nn.Module):
             if kernel_supports(dtype, device) else None
         self.__dict__["_add"] = self.native.add if self.native is not None else self._add_torch
         # The packed weight whose GEMM runs the deltas in its threads (None: never fused),
-        # and the bound hook maker: looked up once here, not per call (the base is packed
+        # and the address of the hook it runs, armed once a step for every such module
+        # (lora_ops.arm_hooks): looked up once here, not per call (the base is packed
         # before it is wrapped: ModelRunner.load_model, Worker.load_model).
         self.__dict__["_fused_qw"] = fused_weight(base) if self.native is not None else None
-        self.__dict__["_hook"] = self.native.hook if self.native is not None else None
+        self.__dict__["_hook"] = self.native.hook_address() if self._fused_qw is not None else 0
 
     def pack(self, parts: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One adapter's ``(A [r_i, in], B [out_i, r_i])`` per slice (None: not targeted) in a
@@ -139,8 +140,8 @@ class LinearWithLoRA(nn.Module):
             return self._base_forward(x)
         if m.fused:
             qw = self._fused_qw
-            if qw is not None and x.dim() == 2:  # the deltas inside the packed GEMM's threads (lora.cpp: hook)
-                return qw.linear(x, False, self._hook(x, m.segs))
+            if qw is not None and x.dim() == 2:  # the deltas inside the packed GEMM's threads (lora.cpp: arm)
+                return qw.linear(x, False, self._hook)
         y = self._base_forward(x)
         self._add(y, x, m.segs)
         return y

@@ -21,7 +21,7 @@ from llmserve.lora.errors import LoRAAdapterError, LoRANotFoundError
 from llmserve.lora.layers import MODULE_TARGETS, target_shapes, wrap_model
 from llmserve.lora.models import LoRAAdapter, load_adapter
 from llmserve.lora.request import LoRARequest
-from llmserve.ops.lora_ops import maybe_mapping
+from llmserve.ops.lora_ops import arm_hooks, maybe_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class LoRAModelManager:
         self.num_layers = len(model.model.layers)
         self.shapes = target_shapes(model.config)
         self.ctx, self.wrappers = wrap_model(model, config.max_loras, config.max_lora_rank, self.dtype, device)
+        # The bound kernels whose packed GEMM runs their deltas (armed once a fused step).
+        self.hooked = [w.native for w in self.wrappers.values() if w._fused_qw is not None]
         self.adapters: dict[int, LoRAAdapter] = {}
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
 
@@ -134,7 +136,10 @@ class LoRAModelManager:
             return
         self._activate(ids)
         slots = [self.slot_of[i] if i else -1 for i in row_ids]
-        self.ctx.mapping = maybe_mapping(slots, row_lens)
+        mapping = maybe_mapping(slots, row_lens)
+        if mapping is not None and mapping.fused:
+            arm_hooks(self.hooked, mapping)
+        self.ctx.mapping = mapping
 
     def end_step(self) -> None:
         self.ctx.mapping = None

@@ -24,9 +24,9 @@ of the C++ kernel ``csrc/lora.cpp`` per module (shrink and expand fused, added i
 place, float32 sums over float32 or bfloat16 weights); elsewhere, or when the kernel cannot
 be built, :func:`lora_add_torch` (two GEMMs per segment and range). When the base is a
 packed GGUF weight and the step's rows share one adapter (:attr:`LoRAMapping.fused`), the
-same arithmetic runs inside the packed GEMM's threads instead (``LoRAModule.hook``): each
-thread takes its share of the shrink before its output columns and expands into those
-columns after them.
+same arithmetic runs inside the packed GEMM's threads instead (``LoRAModule.arm``, once a
+step for every such module: :func:`arm_hooks`): each thread takes its share of the shrink
+before its output columns and expands into those columns after them.
 ``lora_delta_reference`` is the per-row definition both are tested against.
 
 Why a kernel: at one decode row of SmolLM2-135M the torch path took two oneDNN GEMMs
@@ -78,6 +78,16 @@ def bind_lora_kernel(a_stack: torch.Tensor, b_stack: torch.Tensor, ranges: torch
     for a shape or dtype the kernel does not take."""
     module = _lora_module()
     return None if module is None else module.LoRAModule(a_stack, b_stack, ranges, ranks)
+
+
+def arm_hooks(modules: Sequence[Any], mapping: LoRAMapping) -> None:
+    """Arm the GEMM hooks of ``modules`` (bound kernels, :func:`bind_lora_kernel`, of every
+    wrapped module whose packed GEMM runs its deltas) for a fused step's ``mapping``, in one
+    call: each module's ``hook_address()`` then runs this step's deltas inside the GEMM of
+    its ``mapping.num_tokens`` rows, until the next arm. RuntimeError for segments outside
+    the rows or slots."""
+    if modules:
+        _lora_module().arm_all(list(modules), mapping.segs, mapping.num_tokens)
 
 
 def kernel_supports(weight_dtype: torch.dtype, device: torch.device) -> bool:
@@ -168,7 +178,7 @@ class LoRAMapping:
         self.num_tokens = num_tokens
         self.slots = sorted({s for s, _, _ in self.segments})
         self.segs = torch.tensor(self.segments, dtype=torch.int32).reshape(-1, 3)
-        # Whether the deltas run inside a packed base GEMM's threads (LoRAModule.hook): one
+        # Whether the deltas run inside a packed base GEMM's threads (LoRAModule.arm): one
         # adapter's rows only. Same bits either way. One decode row of SmolLM2-135M Q4_1,
         # rank 16 on all seven projections, 120 modules, cold adapters, paired medians of
         # 300 alternating steps (three runs): +0.51-0.74 ms a step fused against

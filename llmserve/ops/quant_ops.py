@@ -103,8 +103,8 @@ class QuantWeight:
     def linear(self, x: torch.Tensor, out_float: bool = False, hook: int = 0) -> torch.Tensor:
         """``x [M, K] @ W.T`` -> ``[M, n]`` in x's dtype (float32 with ``out_float``).
         ``hook``: the address of a ``LinearHook`` run by each of the GEMM's threads around
-        its output columns (``csrc/quant_gemv.cpp``; made by ``LoRAModule.hook`` for these
-        rows and columns, else RuntimeError), 0 for none."""
+        its output columns (``csrc/quant_gemv.cpp``; ``LoRAModule.hook_address()``, armed by
+        ``LoRAModule.arm`` for these rows and columns, else RuntimeError), 0 for none."""
         return get_quant_ops().quant_linear(x, self.codes, self.dm, self.bits, self.n, out_float, hook)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,45 @@ def test_benchmark_adapters_target_what_they_are_given(tmp_path):
     assert every.targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+def test_one_adapters_step_runs_inside_the_packed_gemms_with_the_same_bits(tiny_lora, model_config_fn,
+                                                                         step_runner_cls, tokens_fn):
+    """On a packed base (every linear's weight in Q8_0 blocks, every step on them), a step
+    whose adapter rows all run one adapter takes the deltas inside the GEMMs' threads
+    (``begin_step`` arms each module's hook for the step) and gives, bit for bit, the rows
+    that the same tokens give beside another adapter's rows (the kernel's own call after the
+    GEMM); decode-sized steps switching adapter every step re-arm each step."""
+    from llmserve.benchmarks.kquant_writer import quantize
+    from llmserve.models.llama import Linear
+    from llmserve.ops.kquant import quant_weight_from_gguf
+    from llmserve.ops.quant_ops import ALL_STEPS, get_quant_ops
+
+    if get_quant_ops() is None:
+        pytest.skip("no AVX512-VNNI: the packed kernels are not built on this CPU")
+    _, base, _, adapters = tiny_lora
+    resolved = resolve_model(base)
+    model = get_model(model_config_fn(resolved, load_hf_config(resolved), "float32"))
+    for m in model.model.layers.modules():
+        if isinstance(m, Linear):
+            w = m.weight.to_dense() if m.weight.is_mkldnn else m.weight  # oneDNN-packed at load
+            blocks = quantize(w.detach().float().numpy(), 8)  # Q8_0
+            m.set_packed(quant_weight_from_gguf(torch.from_numpy(blocks), 8), ALL_STEPS)
+    mgr = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=16), torch.float32, torch.device("cpu"))
+    # Every bias-free packed module's GEMM runs its deltas (a module with a bias, as some of
+    # these checkpoints' attention projections, takes the kernel's own call every step).
+    assert len(mgr.hooked) >= 2 * len(model.model.layers)  # gate_up and down at least
+    assert all((w._fused_qw is not None) == (w.base.bias is None) for w in mgr.wrappers.values())
+    for lid, (path, _) in adapters.items():
+        mgr.add(LoRARequest(f"a{lid}", lid, path))
+    runner = step_runner_cls(model)
+    seq, other = tokens_fn(6, 1), tokens_fn(5, 2)
+    for lid, partner in ((1, 2), (2, 1), (1, 2)):  # the same row count each step: a stale arm would pass the checks
+        fused = lora_step(runner, mgr, [(f"f{lid}", seq, lid), ("base", other, 0)])
+        apart = lora_step(runner, mgr, [(f"a{lid}", seq, lid), ("o", other, partner)])
+        assert torch.equal(fused[f"f{lid}"], apart[f"a{lid}"]), lid
+    base_rows = lora_step(runner, mgr, [("b", seq, 0), ("base", other, 0)])["b"]
+    assert not torch.equal(base_rows, fused[f"f{lid}"])  # the adapter changed the rows
+
+
 def test_merged_adapter_and_gguf_lora_match_peft(tiny_lora, model_config_fn, step_runner_cls, tokens_fn,
                                                  tmp_path):
     """The rank-16 adapter merged into the base weights (peft's merge_and_unload) gives
@@ -245,23 +284,28 @@ def test_smollm2_adapters_match_peft_dense_and_packed(smollm2_hf, smollm2_resolv
     mgr.add(LoRARequest("a2", 2, str(tmp_path / "r16")))
     ref = (hf_logits(pms[2], seqs["a"]) - hf_logits(smollm2_hf, seqs["a"])).flatten()
 
-    def delta_corr() -> float:
-        out = lora_step(step_runner_cls(packed), mgr, [("l", seqs["a"], 2), ("b", seqs["a"], 0)])
+    def delta_corr(model, mgr) -> float:
+        out = lora_step(step_runner_cls(model), mgr, [("l", seqs["a"], 2), ("b", seqs["a"], 0)])
         return float(torch.corrcoef(torch.stack([(out["l"] - out["b"]).flatten(), ref]))[0, 1])
 
-    packed_corr = delta_corr()
+    packed_corr = delta_corr(packed, mgr)
     # One adapter's rows run their deltas inside the packed GEMM's threads (LoRAMapping.fused);
     # beside a second adapter's rows, as a kernel call of their own: the same bits.
     mgr.add(LoRARequest("a1", 1, str(tmp_path / "r8")))
     alone = lora_step(step_runner_cls(packed), mgr, [("l", seqs["a"], 2), ("b", seqs["b"], 0)])
     mixed = lora_step(step_runner_cls(packed), mgr, [("l", seqs["a"], 2), ("o", seqs["c"], 1)])
     assert torch.equal(alone["l"], mixed["l"])
-    for m in packed.modules():  # the same model on dense bfloat16 weights (the loader dropped them)
+    # The same model on dense bfloat16 weights (the loader dropped them), made dense before
+    # it is wrapped: a wrapper keeps the packed GEMM it found (LinearWithLoRA._fused_qw).
+    dense = get_model(model_config_fn(smollm2_resolved, smollm2_config, "bfloat16"))
+    for m in dense.modules():
         if isinstance(m, Linear) and m.qweight is not None:
-            dense = m.qweight.rows(torch.arange(m.qweight.n)).to(torch.bfloat16)
-            m.weight = torch.nn.Parameter(dense, requires_grad=False)
+            w = m.qweight.rows(torch.arange(m.qweight.n)).to(torch.bfloat16)
+            m.weight = torch.nn.Parameter(w, requires_grad=False)
             m.set_packed(None, 0)
-    dense_corr = delta_corr()
+    dense_mgr = LoRAModelManager(dense, LoRAConfig(max_loras=2, max_lora_rank=16), torch.bfloat16, torch.device("cpu"))
+    dense_mgr.add(LoRARequest("a2", 2, str(tmp_path / "r16")))
+    dense_corr = delta_corr(dense, dense_mgr)
     print(f"SmolLM2 bf16 LoRA delta vs peft's: correlation packed {packed_corr:.4f}, dense {dense_corr:.4f}")
     # Measured: packed 0.972 (int8 activations in the packed kernel), dense bfloat16 0.993
     # (bfloat16 adapter weights, the LoRA kernel);

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.ops.lora_ops import (LoRAMapping, column_ranges, get_lora_kernel, lora_add_torch,
+from llmserve.ops.lora_ops import (LoRAMapping, arm_hooks, column_ranges, get_lora_kernel, lora_add_torch,
                                    lora_delta_reference, segments_of, slot_weights)
 
 RANK = 8
@@ -270,11 +270,12 @@ def _packed(qtype: int, n: int, k: int, seed: int):
                                        (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("threads", [2, 1])
 def test_deltas_inside_the_packed_gemm_give_the_same_bits(qtype, dtype, wdt, threads):
-    """``LoRAModule.hook`` runs the deltas inside the packed GEMM's threads (each thread
-    its share of the shrink, then its own output columns): the result is bit for bit the
-    GEMM followed by ``add`` for 1..20 rows of one adapter and of mixed slots and ranks,
-    on two threads and on one (the hook's calls then run one after the other), and a hook
-    made for other rows or columns is refused."""
+    """A ``LoRAModule`` armed for a step (``arm``) runs the deltas inside the packed GEMM's
+    threads (each thread its share of the shrink, then its own output columns): the result
+    is bit for bit the GEMM followed by ``add`` for 1..20 rows of one adapter and of mixed
+    slots and ranks, on two threads and on one (the hook's calls then run one after the
+    other), again on a second GEMM of the same step; and a hook never armed, or armed for
+    other rows, columns or an out_float call, is refused."""
     from llmserve.ops.quant_ops import get_quant_ops
 
     if get_quant_ops() is None:
@@ -286,25 +287,34 @@ def test_deltas_inside_the_packed_gemm_give_the_same_bits(qtype, dtype, wdt, thr
     rk = torch.tensor(ranks, dtype=torch.int32)
     mod = _bound(a, b, column_ranges(slices), rk)
     qw = _packed(qtype, 384, 256, seed=qtype)
+    x = torch.randn(3, 256, generator=g).to(dtype)
+    with pytest.raises(RuntimeError, match="the hook does not fit this call"):
+        qw.linear(x, False, mod.hook_address())  # never armed
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for rows in range(1, 21):
-            x = torch.randn(rows, 256, generator=g).to(dtype)
-            one = LoRAMapping([(rows % 2, 0, rows)], rows).segs
-            mixed = LoRAMapping(segments_of([t % 4 for t in range(rows)], [1] * rows), rows).segs
-            for segs in (one, mixed):
-                want = qw.linear(x)
-                mod.add(want, x, segs)
-                got = qw.linear(x, False, mod.hook(x, segs))
-                assert torch.equal(got, want), (rows, segs.tolist())
+            one = LoRAMapping([(rows % 2, 0, rows)], rows)
+            mixed = LoRAMapping(segments_of([t % 4 for t in range(rows)], [1] * rows), rows)
+            for m in (one, mixed):
+                arm_hooks([mod], m)
+                for _ in range(2):  # two GEMMs of one step, each with its own x
+                    x = torch.randn(rows, 256, generator=g).to(dtype)
+                    want = qw.linear(x)
+                    mod.add(want, x, m.segs)
+                    got = qw.linear(x, False, mod.hook_address())
+                    assert torch.equal(got, want), (rows, m.segments)
     finally:
         torch.set_num_threads(before)
     x = torch.randn(3, 256, generator=g).to(dtype)
-    segs = LoRAMapping([(0, 0, 3)], 3).segs
+    arm_hooks([mod], LoRAMapping([(0, 0, 3)], 3))
     with pytest.raises(RuntimeError, match="the hook does not fit this call"):
-        qw.linear(x[:2], False, mod.hook(x, segs))
+        qw.linear(x[:2], False, mod.hook_address())
     with pytest.raises(RuntimeError, match="the hook does not fit this call"):
-        qw.linear(x, True, mod.hook(x, segs))
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        mod.hook(torch.zeros(3, 100, dtype=dtype), segs)
+        qw.linear(x, True, mod.hook_address())
+    with pytest.raises(RuntimeError, match="the hook does not fit this call"):
+        _packed(qtype, 384, 512, seed=qtype).linear(torch.zeros(3, 512, dtype=dtype), False, mod.hook_address())
+    with pytest.raises(RuntimeError):
+        arm_hooks([mod], LoRAMapping([(0, 0, 5)], 3))  # rows past the step's
+    with pytest.raises(RuntimeError, match="the hook does not fit this call"):
+        qw.linear(x, False, mod.hook_address())  # a failed arm leaves it unarmed

@@ -705,15 +705,19 @@ void lora_add(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor
 // ranges, reads the ranks through a pointer to the caller's tensor (written in place when a
 // slot changes), and keeps the GIL unless the call is split over threads (large steps: an
 // adapter-loading thread runs meanwhile). Tensors are held, so the pointers stay valid.
-// quant_gemv.cpp's LinearHook (the same C ABI, version 1): pre/post run by each thread of
-// the base GEMM around its share of the output columns.
+// quant_gemv.cpp's LinearHook (the same C ABI, version 2): begin on the calling thread with
+// the GEMM's input, then pre/post run by each thread of the base GEMM around its share of the
+// output columns.
 struct LinearHook {
   int64_t abi;
   void (*pre)(void* ctx, int64_t c0, int64_t c1, int64_t n);
   void (*post)(void* ctx, int64_t c0, int64_t c1, void* out, int64_t ldo);
   void* ctx;
-  int64_t rows, n;
+  int64_t rows, n, k;
+  void (*begin)(void* ctx, const void* x, int64_t ldx, int64_t xtype);
 };
+constexpr int64_t kLinearHookAbi = 2;
+constexpr int64_t kHookF32 = 0, kHookBF16 = 1, kHookF16 = 2;
 
 class LoRAModule {
  public:
@@ -741,26 +745,24 @@ class LoRAModule {
     run_typed(y, x, ap_, bp_, wbf_, items, rp_, d, work);
   }
 
-  // The deltas of the next base GEMM of x (quant_gemv.cpp's quant_linear(..., hook=)) run
-  // inside its threads: returns the address of a LinearHook valid until the next hook() or
-  // add() call, for x [T, K] (rows contiguous; held until then) and segs as add()'s. The
-  // arithmetic, and so every bit of y, is add()'s: the shrink's (block, chunk) tasks are the
-  // threaded path's, summed in chunk order, and each output column is one FMA chain added
-  // once. What differs is who runs them: each GEMM thread takes its share of the shrink
-  // tasks before its columns (pre), then any task no thread has taken, waits for the
-  // others' to finish, and expands into its own columns only (post), so the adapter is read
-  // by both cores while the base model's weights stream, with no parallel region of its own.
+  // The deltas of this step's base GEMMs (quant_gemv.cpp's quant_linear(..., hook=)) run
+  // inside their threads: arms the hook at hook_address() for a step of `rows` rows and segs
+  // as add()'s, until the next arm(); each GEMM passes its x (begin_fn). The arithmetic, and
+  // so every bit of y, is add()'s: the shrink's (block, chunk) tasks are the threaded path's,
+  // summed in chunk order, and each output column is one FMA chain added once. What differs
+  // is who runs them: each GEMM thread takes its share of the shrink tasks before its
+  // columns (pre), then any task no thread has taken, waits for the others' to finish, and
+  // expands into its own columns only (post), so the adapter is read by both cores while
+  // the base model's weights stream, with no parallel region of its own.
   // Why (SmolLM2-135M Q4_1, rank 16 on all seven projections, one decode row): add() ran
   // after the GEMM on one thread (a fork cost more than it saved) and read the 9.8 MB of
-  // adapter a step at ~14 GB/s from one core.
-  int64_t hook(at::Tensor x, at::Tensor segs) {
-    check_xy(x, x, d_.K, d_.K);  // rows contiguous, K columns
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-                "lora hook: x must be float32, bfloat16 or float16");
-    items_of(segs, x.size(0), S_, d_.R, kp_, d_.K, d_.n, d_.N, fitems_);
-    x_ = x;
+  // adapter a step at ~14 GB/s from one core. Armed once a step for all modules (arm_all),
+  // not made per call from x and segs: that pybind call of two tensors cost ~1.5 us a
+  // module cold, 0.15-0.22 ms of a ~5 ms step (the call alone, its hook unused; 4 runs).
+  void arm(const at::Tensor& segs, int64_t rows) {
+    hook_.abi = 0;  // refused by the GEMM until armed
+    items_of(segs, rows, S_, d_.R, kp_, d_.K, d_.n, d_.N, fitems_);
     fd_ = d_;
-    fd_.ldx = x.stride(0);
     kc_ = chunk_rows(d_.K);
     nkc_ = (d_.K + kc_ - 1) / kc_;
     ntask_ = static_cast<int64_t>(fitems_.size()) * nkc_;
@@ -769,18 +771,17 @@ class LoRAModule {
       claimed_.reset(new std::atomic<int32_t>[ntask_]);
       nclaimed_ = ntask_;
     }
-    for (int64_t i = 0; i < ntask_; ++i) claimed_[i].store(0, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_release);
-    const bool bf = x.scalar_type() == at::kBFloat16, half = x.scalar_type() == at::kHalf;
-    using BF = c10::BFloat16;
-    if (wbf_) set_fns<BF>(bf, half);
-    else set_fns<float>(bf, half);
-    hook_.abi = 1;
     hook_.ctx = this;
-    hook_.rows = x.size(0);
+    hook_.rows = rows;
     hook_.n = d_.N;
-    return reinterpret_cast<int64_t>(&hook_);
+    hook_.k = d_.K;
+    hook_.begin = &begin_fn;
+    hook_.abi = kLinearHookAbi;
   }
+
+  // The address of this module's LinearHook (fixed for its lifetime; refused by the GEMM
+  // until arm()).
+  int64_t hook_address() const { return reinterpret_cast<int64_t>(&hook_); }
 
  private:
   template <typename WT>
@@ -792,11 +793,24 @@ class LoRAModule {
   }
 
   // Shrink task i: block i / nkc_'s partial over A's rows of chunk i % nkc_ (as run()).
+  // A GEMM's start, on its calling thread: its x (rows ldx apart), the functions for its
+  // dtype, and no shrink task taken yet.
+  static void begin_fn(void* ctx, const void* x, int64_t ldx, int64_t xtype) {
+    auto* self = static_cast<LoRAModule*>(ctx);
+    self->x_ = x;
+    self->fd_.ldx = ldx;
+    for (int64_t i = 0; i < self->ntask_; ++i) self->claimed_[i].store(0, std::memory_order_relaxed);
+    self->done_.store(0, std::memory_order_release);
+    using BF = c10::BFloat16;
+    if (self->wbf_) self->set_fns<BF>(xtype == kHookBF16, xtype == kHookF16);
+    else self->set_fns<float>(xtype == kHookBF16, xtype == kHookF16);
+  }
+
   template <typename XT, typename WT>
   void task(int64_t i) {
     const Item& it = fitems_[i / nkc_];
     const int64_t k0 = (i % nkc_) * kc_;
-    shrink_part<XT, WT>(parts_.data() + i * RB * fd_.W, static_cast<const XT*>(x_.data_ptr()) + it.start * fd_.ldx,
+    shrink_part<XT, WT>(parts_.data() + i * RB * fd_.W, static_cast<const XT*>(x_) + it.start * fd_.ldx,
                         static_cast<const WT*>(ap_) + it.slot * fd_.K * fd_.W, it.end - it.start, fd_.n * it.r,
                         fd_.ldx, k0, std::min(fd_.K, k0 + kc_), static_cast<const WT*>(bp_), 0, fd_.K);
     done_.fetch_add(1, std::memory_order_release);
@@ -857,7 +871,7 @@ class LoRAModule {
     }
   }
 
-  at::Tensor x_;  // the hooked call's input, held until the next hook()
+  const void* x_ = nullptr;  // the running GEMM's input (begin_fn)
   std::vector<Item> fitems_;
   std::vector<float> parts_;  // [ntask_, RB, W] partial shrinks
   Dims fd_{};
@@ -886,5 +900,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(), py::arg("a"), py::arg("b"),
            py::arg("ranges"), py::arg("ranks"))
       .def("add", &LoRAModule::add, py::arg("y"), py::arg("x"), py::arg("segs"))
-      .def("hook", &LoRAModule::hook, py::arg("x"), py::arg("segs"));
+      .def("arm", &LoRAModule::arm, py::arg("segs"), py::arg("rows"))
+      .def("hook_address", &LoRAModule::hook_address);
+  m.def(
+      "arm_all",
+      [](const py::list& modules, const at::Tensor& segs, int64_t rows) {
+        for (const auto& mod : modules) mod.cast<LoRAModule&>().arm(segs, rows);
+      },
+      "LoRAModule.arm(segs, rows) of each module in the list (one call a step)", py::arg("modules"),
+      py::arg("segs"), py::arg("rows"));
 }

@@ -41,21 +41,25 @@
 #include <vector>
 
 // A per-thread hook into a linear's parallel region (the C ABI shared with lora.cpp's
-// LoRAModule::hook; abi must be kLinearHookAbi). Each thread that runs a share of the output
-// columns [c0, c1) calls pre(ctx, c0, c1, n) before its share of the GEMM and post(ctx, c0,
-// c1, out, ldo) after it, out pointing at the whole output (rows ldo elements apart, in x's
-// dtype): the LoRA deltas then run inside the GEMM's threads, each adding into its own
-// columns, instead of in a call of their own after it (see lora.cpp). A thread's calls may
-// run one after another on one thread (a nested or one-thread region): a hook must not wait
-// for another thread's pre unless that thread has started it.
+// LoRAModule, armed once a step by LoRAModule::arm; abi must be kLinearHookAbi). The GEMM
+// first calls begin(ctx, x, ldx, xtype) on the calling thread with its input (rows ldx
+// elements apart; xtype: kHookF32, kHookBF16 or kHookF16). Then each thread that runs a
+// share of the output columns [c0, c1) calls pre(ctx, c0, c1, n) before its share of the
+// GEMM and post(ctx, c0, c1, out, ldo) after it, out pointing at the whole output (rows ldo
+// elements apart, in x's dtype): the LoRA deltas then run inside the GEMM's threads, each
+// adding into its own columns, instead of in a call of their own after it (see lora.cpp).
+// A thread's calls may run one after another on one thread (a nested or one-thread
+// region): a hook must not wait for another thread's pre unless that thread has started it.
 struct LinearHook {
   int64_t abi;
   void (*pre)(void* ctx, int64_t c0, int64_t c1, int64_t n);
   void (*post)(void* ctx, int64_t c0, int64_t c1, void* out, int64_t ldo);
   void* ctx;
-  int64_t rows, n;  // the x rows and output columns it was made for (checked)
+  int64_t rows, n, k;  // the x rows, output columns and input columns it was armed for (checked)
+  void (*begin)(void* ctx, const void* x, int64_t ldx, int64_t xtype);
 };
-constexpr int64_t kLinearHookAbi = 1;
+constexpr int64_t kLinearHookAbi = 2;
+constexpr int64_t kHookF32 = 0, kHookBF16 = 1, kHookF16 = 2;
 
 namespace {
 
@@ -490,9 +494,10 @@ KPacked kpacked_of(const at::Tensor& codes, const at::Tensor& sc, const at::Tens
 const LinearHook* hook_at(int64_t hook, const at::Tensor& x, int64_t n, bool out_float, const char* what) {
   if (hook == 0) return nullptr;
   const auto* h = reinterpret_cast<const LinearHook*>(hook);
-  TORCH_CHECK(h->abi == kLinearHookAbi && h->rows == x.size(0) && h->n == n && !out_float, what,
-              ": the hook does not fit this call (ABI ", h->abi, ", ", h->rows, " rows, ", h->n,
-              " columns; the call: ", x.size(0), " rows, ", n, " columns, out_float ", out_float, ")");
+  TORCH_CHECK(h->abi == kLinearHookAbi && h->rows == x.size(0) && h->n == n && h->k == x.size(1) && !out_float,
+              what, ": the hook does not fit this call (ABI ", h->abi, ", ", h->rows, " rows, ", h->n, " x ", h->k,
+              " weights; the call: ", x.size(0), " rows, ", n, " x ", x.size(1), ", out_float ", out_float,
+              "; a hook is armed for a step's rows by LoRAModule.arm)");
   return h;
 }
 
@@ -506,6 +511,9 @@ at::Tensor linear_of(const P& p, const at::Tensor& x, int64_t n, bool out_float,
   const LinearHook* h = hook_at(hook, x, n, out_float, what);
   at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_type));
+  if (h != nullptr)
+    h->begin(h->ctx, xc.data_ptr(), xc.size(1),
+             x.scalar_type() == at::kFloat ? kHookF32 : x.scalar_type() == at::kBFloat16 ? kHookBF16 : kHookF16);
   if (out_type == at::kFloat) dispatch(p, xc, out.data_ptr<float>(), h);
   else if (out_type == at::kBFloat16) dispatch(p, xc, out.data_ptr<at::BFloat16>(), h);
   else dispatch(p, xc, out.data_ptr<at::Half>(), h);
