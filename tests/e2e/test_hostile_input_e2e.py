@@ -51,6 +51,6 @@ def test_deep_json_and_many_prompts_are_400s(server):
     err = assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 100_000, "max_tokens": 1}),
                        400, "prompt")
     assert "1024" in err["message"]
-    assert_error(server.post("/detokenize", {"model": MODEL, "tokens": ["1", True]}), 400, "tokens")
-    assert_error(server.post("/v1/chat/completions", {**chat, "messages": [{"role": ""}]}), 400, "messages")
+    assert_error(server.post("/detokenize", {"model": MODEL, "tokens": ["1", True]}), 400, "tokens.0")
+    assert_error(server.post("/v1/chat/completions", {**chat, "messages": [{"role": ""}]}), 400, "messages.0.role")
     server.assert_healthy()

@@ -3,7 +3,9 @@ validation error bodies (vLLM's location format, small, no echo of the body), no
 for unsupported features. The app runs over the scripted engine stub of test_app."""
 from __future__ import annotations
 
+import importlib
 import json
+import re
 
 from test_app import CHAT, _output, app_and_engine  # noqa: F401 (fixture)
 
@@ -51,13 +53,14 @@ def test_validation_errors_are_small_and_never_echo_the_body(app_and_engine):  #
     assert r.status_code == 400
     assert len(r.content) < 4096
     err = r.json()["error"]
-    assert err["param"] == "messages"
-    assert err["message"].startswith("messages.0.content.str: Input should be a valid string")
+    assert err["param"] == "messages.0.content"
+    assert err["message"].startswith("messages.0.content: must be a string or a list of objects; "
+                                     "messages.1.content: must be"), err["message"]
     assert "12345678" not in err["message"]
     assert err["message"].endswith("more errors")
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": "lots"})
     assert r.status_code == 400
-    assert r.json()["error"] == {"message": "max_tokens: Input should be a valid integer, unable to parse "
+    assert r.json()["error"] == {"message": "max_tokens: must be a valid integer, unable to parse "
                                             "string as an integer", "type": "BadRequestError",
                                  "param": "max_tokens", "code": 400}
 
@@ -105,3 +108,63 @@ def test_score_with_one_side_names_every_accepted_pairing(app_and_engine):  # no
         assert pairings in err["message"], err
     none = client.post("/v1/score", json={"model": "m"}).json()["error"]
     assert none["param"] == "text_1" and pairings in none["message"]
+
+
+# pydantic-core's names for union members and schemas, which a client never wrote
+PYDANTIC_TOKENS = re.compile(r"constrained-|function-(after|before|wrap|plain)|tagged-union|union\[|json-or-python|"
+                             r"lax-or-strict|nullable\[|literal\[|(list|dict|set|tuple)\[|is-instance|Value error")
+ROUTE_MODELS = {  # route: (its pydantic request model, a valid body)
+    "/v1/chat/completions": ("llmserve.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest", CHAT),
+    "/v1/completions": ("llmserve.entrypoints.openai.completion.protocol:CompletionRequest",
+                        {"model": "m", "prompt": "hi", "max_tokens": 3}),
+    "/v1/responses": ("llmserve.entrypoints.openai.responses.protocol:ResponsesRequest",
+                      {"model": "m", "input": "hi", "max_output_tokens": 3}),
+    "/v1/embeddings": ("llmserve.entrypoints.openai.embeddings.protocol:EmbeddingRequest", {"model": "m", "input": "hi"}),
+    "/v1/messages": ("llmserve.entrypoints.anthropic.protocol:AnthropicMessagesRequest",
+                     {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}),
+}
+
+
+def _request_model(spec):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _message(r):
+    err = r.json()["error"]
+    return err["message"], err.get("param")
+
+
+def test_validation_errors_name_the_field_as_sent_and_say_what_it_accepts(app_and_engine):  # noqa: F811
+    """No pydantic union-member label (``stop.constrained-str``, ``list[...]``, a tag) in
+    a message or param: the field as the client wrote it, the problem of the member that
+    matched best, or what the field accepts when none did."""
+    client, engine = app_and_engine()
+    cases = [  # (route, field, value, param, message)
+        ("/v1/chat/completions", "stop", "y" * 2000, "stop", "stop: string should have at most 1024 characters"),
+        ("/v1/completions", "stop", 5, "stop", "stop: must be a string or a list of strings"),
+        ("/v1/responses", "stop", ["ok", 5], "stop.1", "stop.1: must be a valid string"),
+        ("/v1/chat/completions", "messages", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                              {"role": "user", "content": 12}],
+         "messages.2.content", "messages.2.content: must be a string or a list of objects"),
+        ("/v1/completions", "prompt", {"a": 1}, "prompt",
+         "prompt: must be a list of integers, a list of lists of integers, a string or a list of strings"),
+        ("/v1/chat/completions", "early_stopping", "soon", "early_stopping", "early_stopping: must be a boolean or 'never'"),
+        ("/v1/embeddings", "input", True, "input", "input: must be a string, a list of strings, a list of integers "
+                                                   "or a list of lists of integers"),
+        ("/v1/messages", "system", 5, None, "system: must be a string or a list of objects"),
+    ]
+    for route, field, value, param, message in cases:
+        r = client.post(route, json={**ROUTE_MODELS[route][1], field: value})
+        assert r.status_code == 400 and _message(r) == (message, param), (route, r.text)
+    # every top-level field of each route, sent with values of the wrong shape
+    engine.outputs = [_output("x", "stop")]  # for the values a field accepts
+    for route, (spec, body) in ROUTE_MODELS.items():
+        model = _request_model(spec)
+        for name, info in model.model_fields.items():
+            for value in (123456789, [{"x": 1}]):
+                r = client.post(route, json={**body, info.alias or name: value})
+                assert r.status_code in (200, 400, 404), (route, name, r.status_code)
+                if r.status_code == 400:
+                    message, param = _message(r)
+                    assert not PYDANTIC_TOKENS.search(message + str(param)), (route, name, value, message, param)

@@ -19,6 +19,7 @@ from llmserve.engine.exceptions import EngineDeadError
 from llmserve.engine.tenant_context import reset_current_tenant, set_current_tenant
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.tenants import KeyRing, set_tenant
+from llmserve.entrypoints.openai.validation_errors import dotted, human, problems_of, resolve_unions
 from llmserve.entrypoints.web.webui import ASSETS_PREFIX, WEBUI_PUBLIC_PATHS
 
 REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
@@ -207,34 +208,37 @@ def _field_loc(loc: tuple) -> tuple:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    """The message and ``param`` of a pydantic validation error: ``<loc>: <msg>`` for
-    each problem, with the location as pydantic and vLLM write it (``messages.0.content``,
-    without the leading ``body``). The input values are never echoed back."""
-    # a limit passed ("too_long": a list or string over its documented maximum) is the
-    # clearest problem to report, before the other union members' type errors
-    errors = sorted(exc.errors(), key=lambda err: err.get("type") != "too_long")
+    """The message and ``param`` of a pydantic validation error: ``<field>: <problem>`` for
+    each problem, the field as the client wrote it (``stop.0``, ``messages.2.content``:
+    no ``body`` source, no pydantic union-member labels), one union's problems cut to the
+    member that matched best or to what the field accepts (validation_errors.py); ``param``
+    is the first problem's field. The input values are never echoed back."""
+    body = getattr(exc, "body", None)
+    found = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        from_body = bool(loc) and loc[0] == "body"
+        found += problems_of([{**err, "loc": _field_loc(loc)}], body if from_body else None)
+    problems = resolve_unions(found)
     parts, param = [], None
-    for err in errors[:MAX_VALIDATION_ERRORS]:
-        loc = [str(x) for x in _field_loc(err.get("loc", ()))]
-        msg = err.get("msg", "invalid value")
-        if err.get("type") == "json_invalid":
-            detail = (err.get("ctx") or {}).get("error")
-            parts.append(f"Invalid JSON in the request body: {detail or msg}")
+    for p in problems[:MAX_VALIDATION_ERRORS]:
+        if p.type == "json_invalid":
+            parts.append(f"Invalid JSON in the request body: {p.ctx.get('error') or p.msg}")
             continue
-        named = (err.get("ctx") or {}).get("param")
-        if not loc and named:  # a model-level check that names its field (NEVER_IGNORED_FIELDS)
+        named = p.ctx.get("param")
+        if not p.path and named:  # a model-level check that names its field (NEVER_IGNORED_FIELDS)
             param = param or named
-            parts.append(msg)
+            parts.append(p.msg)
             continue
-        if not loc:
-            parts.append(f"The request body must be a JSON object with the request fields ({msg}).")
+        if not p.path:
+            parts.append(f"The request body must be a JSON object with the request fields ({p.msg}).")
             continue
         if param is None:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc)}: {msg}")
+            param = dotted(p.path)
+        parts.append(f"{dotted(p.path)}: {human(p.msg)}")
     parts = [p if len(p) <= MAX_PART_CHARS else p[:MAX_PART_CHARS] + "..." for p in parts]
-    if len(errors) > MAX_VALIDATION_ERRORS:
-        parts.append(f"and {len(errors) - MAX_VALIDATION_ERRORS} more errors")
+    if len(problems) > MAX_VALIDATION_ERRORS:
+        parts.append(f"and {len(problems) - MAX_VALIDATION_ERRORS} more errors")
     return "; ".join(parts) or "Invalid request.", param
 
 
