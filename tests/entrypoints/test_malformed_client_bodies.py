@@ -190,3 +190,68 @@ def test_an_unknown_model_name_is_echoed_bounded(app_and_engine, route, body, me
     short = client.post(route, json={**body, "model": "nope:\u202e\n"})  # a short name is echoed whole
     quoted = "'nope:\u202e\n'" if route.startswith("/api/") else "`nope:\u202e\n`"  # Ollama's quotes
     assert short.status_code == 404 and quoted in message_of(short.json())
+
+
+def _surrogate_placements(bad):
+    """``(path, body)``: the text ``bad`` in every kind of text field of a messages
+    request (contents as strings and blocks, a mid-conversation system message, system,
+    a tool_use input, a tool_result, a tool's description)."""
+    user = {"role": "user", "content": "hi"}
+    turns = _tool_turns("sunny")
+    use_input = [turns[0], {**turns[1], "content": [{**turns[1]["content"][0], "input": {"q": bad}}]}, turns[2]]
+    return [
+        ("messages.0.content", {**ANTHROPIC, "messages": [{"role": "user", "content": bad}]}),
+        ("messages.0.content.1.text", {**ANTHROPIC, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "ok"}, {"type": "text", "text": bad}]}]}),
+        ("system", {**ANTHROPIC, "system": bad}),
+        ("system.0.text", {**ANTHROPIC, "system": [{"type": "text", "text": bad}]}),
+        ("messages.1.content", {**ANTHROPIC, "messages": [user, {"role": "system", "content": bad}, user]}),
+        ("messages.1.content.0.input.q", {**ANTHROPIC, "messages": use_input}),
+        ("messages.2.content.0.content", {**ANTHROPIC, "messages": _tool_turns(bad)}),
+        ("tools.0.description", {**ANTHROPIC, "tools": [
+            {"name": "w", "description": bad, "input_schema": {"type": "object"}}]}),
+    ]
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_lone_surrogate_is_a_400_naming_its_field_in_the_openai_routes_words(app_and_engine, route):  # noqa: F811
+    # JSON's "\ud800" escape is valid JSON but no tokenizer can encode it: the 400 was
+    # Python's "'utf-8' codec can't encode character '\ud800' ... surrogates not allowed",
+    # naming no field (the prompt's byte bound encoded the whole request). Raw bodies: the
+    # anthropic SDK cannot send such text (its JSON encoder raises UnicodeEncodeError).
+    import json
+
+    client, engine = app_and_engine()
+    bad = "ab\ud800x"
+    for path, body in _surrogate_placements(bad):
+        r = client.post(route, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        message = _anthropic_error(r, path)["error"]["message"]
+        assert message == (f"{path}: the text contains a lone surrogate code point U+D800 at position 2, "
+                           "which is not valid Unicode; send UTF-8 text."), message
+    assert engine.prompts == []
+    engine.outputs = [_output("ok", "stop")]
+    assert client.post(route, json=ANTHROPIC).status_code == 200
+
+
+@pytest.mark.parametrize("route,fields", [
+    ("/v1/messages", "model: field required; messages: field required; max_tokens: field required"),
+    ("/v1/messages/count_tokens", "model: field required; messages: field required"),
+    ("/v1/chat/completions", "messages: field required"),  # `model` may be left out here (vLLM's rule)
+])
+def test_an_empty_object_body_names_each_missing_field_and_nothing_else(app_and_engine, route, fields):  # noqa: F811
+    # `{}` was "The request body must be a JSON object with the request fields (Field
+    # required).; messages: ...": the missing `model` looked like pydantic's "model" label
+    client, _ = app_and_engine()
+    r = client.post(route, json={})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    message = body["error"]["message"]
+    assert message == fields, message
+    if route.startswith("/v1/messages"):
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error"]["param"] == "messages"
+    # a body that is not an object still says so
+    for not_object in ([], "x", 3):
+        r = client.post(route, json=not_object)
+        assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text

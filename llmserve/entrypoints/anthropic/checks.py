@@ -23,6 +23,10 @@ the same answer here, naming the field):
 - A final assistant message (a prefill) does not end with whitespace ("final assistant
   content cannot end with trailing whitespace").
 - ``stop_sequences``: no empty string (it would stop before the first token).
+- Text: every string of the request (message contents, text blocks, ``system``, tool
+  inputs, schemas, descriptions...) is valid Unicode; JSON's ``"\\ud800"`` escape gives a
+  lone surrogate that no tokenizer can encode, refused naming the string's path
+  (``messages.0.content.1.text``) with the OpenAI routes' words (``tokenizer.check_encodable``).
 
 Raises SamplingParamsError (400) with ``param`` the Anthropic path of the fault
 (``thinking.budget_tokens``, ``messages.3.content.0``...).
@@ -33,7 +37,10 @@ import json
 import re
 from typing import Any, Optional, Sequence
 
+from pydantic import BaseModel
+
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.tokenizer import check_encodable
 
 THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
 THINKING_DISPLAYS = ("summarized", "omitted")
@@ -201,3 +208,35 @@ def check_stop_sequences(stop_sequences: Optional[Sequence[str]]) -> None:
     for i, seq in enumerate(stop_sequences or ()):
         if seq == "":
             raise SamplingParamsError(f"stop_sequences.{i}: a stop sequence cannot be empty.", f"stop_sequences.{i}")
+
+
+# The request fields whose strings reach the prompt or the engine (``metadata`` does not).
+TEXT_FIELDS = ("model", "system", "messages", "tools", "tool_choice", "stop_sequences", "thinking",
+               "output_config")
+
+
+def check_texts(request: Any) -> None:
+    """Every string of the request (an AnthropicCountTokensRequest or its subclass) in
+    TEXT_FIELDS, object keys too, is valid Unicode: SamplingParamsError naming the path of
+    the first one holding a lone surrogate (``messages.0.content``, ``tools.1.input_schema.
+    properties.q.description``), as the OpenAI routes name theirs. Walked with a stack, not
+    recursion: a deeply nested tool input cannot exhaust Python's stack here."""
+    stack: list[tuple[str, Any]] = [(name, getattr(request, name, None)) for name in reversed(TEXT_FIELDS)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            check_encodable(value, path)
+            continue
+        if isinstance(value, BaseModel):
+            items = [(k, getattr(value, k)) for k in type(value).model_fields]
+        elif isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
+        else:
+            continue
+        for key, item in reversed(items):  # reversed: the first string in the body is named first
+            at = f"{path}.{key}"
+            if isinstance(key, str):
+                check_encodable(key, at)
+            stack.append((at, item))

@@ -39,8 +39,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from llmserve.entrypoints.anthropic.checks import (check_contents, check_stop_sequences, check_thinking,
-                                                   check_tool_turns)
+from llmserve.entrypoints.anthropic.checks import (check_contents, check_stop_sequences, check_texts,
+                                                   check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
@@ -246,6 +246,7 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     (clamped) output budget. A stream asks for usage on every chunk (Anthropic's
     ``message_start`` carries the input tokens). Raises SamplingParamsError naming the
     Anthropic field."""
+    check_texts(request)
     messages = chat_messages(request)
     check_contents(request.messages)
     check_tool_turns(request.messages)

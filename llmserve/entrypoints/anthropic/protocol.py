@@ -25,8 +25,9 @@ StopSequence = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
 class AnthropicMessageParam(OpenAIBaseModel):
-    """One input message. ``role`` "system" is not in Anthropic's documented set, but
-    Claude Code sends it inside ``messages``; it becomes a system message."""
+    """One input message. ``role`` "system" is Anthropic's mid-conversation system message
+    (``anthropic.types.SystemMessageParam`` in the SDK's MessageParam since 2.x; Claude
+    Code 2.1.197 sends one after the first user turn); it becomes a system message."""
 
     role: Literal["user", "assistant", "system"]
     content: Union[str, Blocks]

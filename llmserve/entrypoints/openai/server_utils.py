@@ -197,6 +197,11 @@ MAX_VALIDATION_ERRORS = 5
 MAX_PART_CHARS = 300
 
 
+# The pathless errors that are about the body itself: no body at all ("missing" at the
+# body's own location) or one that is not a JSON object (``[]``, ``"x"``, ``3``). Other
+# pathless errors are checks of the whole object (a model validator): said as they are.
+BODY_ERRORS = frozenset({"missing", "model_type", "model_attributes_type", "dict_type"})
+
 # FastAPI's first location item says where a field came from; the field is what follows
 # (a body field named "query", as rerank's, stays: only the first item is dropped).
 _LOCATION_KINDS = ("body", "query", "path", "header", "cookie")
@@ -230,8 +235,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
             param = param or named
             parts.append(p.msg)
             continue
-        if not p.path:
+        if not p.path and p.type in BODY_ERRORS:
             parts.append(f"The request body must be a JSON object with the request fields ({p.msg}).")
+            continue
+        if not p.path:  # a check of the whole object: its own words, no field to name
+            parts.append(human(p.msg))
             continue
         if param is None:
             param = dotted(p.path)

@@ -75,10 +75,10 @@ _MISSING = object()
 def client_path(loc: tuple, body: Any, err_type: str) -> tuple[list[Any], list[tuple[int, str]]]:
     """Split a location (without FastAPI's leading ``body``) into the client's path and the
     union labels, walking ``body`` (the parsed request, or None when unknown): a key that is
-    in the object at that point, or an index, is the client's; a label (:func:`is_label`),
-    or a string the object does not hold (a tagged union's tag), is pydantic's. A last key
-    the object lacks is still the client's for "missing" and "extra_forbidden"; without a
-    body only the label's look decides."""
+    in the object at that point, or an index, is the client's, and so is the last key of a
+    "missing" or "extra_forbidden" error even when it looks like a label (the required
+    ``model`` of a ``{}`` body); a label (:func:`is_label`), or a string the object does not
+    hold (a tagged union's tag), is pydantic's; without a body only the label's look decides."""
     path: list[Any] = []
     labels: list[tuple[int, str]] = []
     cur = body if isinstance(body, (dict, list)) else _MISSING
@@ -90,11 +90,13 @@ def client_path(loc: tuple, body: Any, err_type: str) -> tuple[list[Any], list[t
         elif isinstance(cur, dict) and item in cur:  # the body's own key, whatever it looks like
             path.append(item)
             cur = cur[item]
+        elif last and err_type in ("missing", "extra_forbidden"):
+            # pydantic ends these locations with the field's own name, never a label: a
+            # missing field called like a label ("model") is still the client's field
+            path.append(item)
         elif is_label(item):
             labels.append((len(path), str(item)))
         elif cur is _MISSING:  # nothing to check it against (no body, or below a missing item)
-            path.append(item)
-        elif last and err_type in ("missing", "extra_forbidden"):
             path.append(item)
         else:  # a string the body does not hold here: a tagged union's tag
             labels.append((len(path), str(item)))

@@ -19,8 +19,10 @@ def prompt_bytes_bound(request: Any) -> int:
     tokens): its messages and tools as JSON plus the template's share."""
     text = json.dumps([m.model_dump(exclude_none=True) for m in request.messages], ensure_ascii=False)
     tools = json.dumps(request.tools, ensure_ascii=False) if request.tools else ""
-    return (len(text.encode()) + len(tools.encode()) + TEMPLATE_BYTES_BASE
-            + TEMPLATE_BYTES_PER_MESSAGE * len(request.messages))
+    # surrogatepass: a bound must not raise; a lone surrogate is refused, naming its field,
+    # where the prompt is checked and rendered
+    return (len(text.encode("utf-8", "surrogatepass")) + len(tools.encode("utf-8", "surrogatepass"))
+            + TEMPLATE_BYTES_BASE + TEMPLATE_BYTES_PER_MESSAGE * len(request.messages))
 
 
 async def prompt_tokens(handler: Any, request: Any) -> int:
