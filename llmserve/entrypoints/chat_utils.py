@@ -18,25 +18,47 @@ _RESERVED_KWARGS = frozenset({
 })
 
 
+# Content part types whose text the model reads, and the field holding it.
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+_JSON_TYPE_NAMES = ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string"),
+                    ((int, float), "a number"))
+
+
+def json_type_name(value: Any) -> str:
+    """A JSON value's type as a client reads it ("an object", "null", ...), never the value."""
+    if value is None:
+        return "null"
+    return next((name for kind, name in _JSON_TYPE_NAMES if isinstance(value, kind)), type(value).__name__)
+
+
 def content_to_text(content: Any, index: int) -> Optional[str]:
     """Text of a message's ``content``: a string as is; text parts joined with newlines
-    (vLLM's behaviour); None stays None. Raises SamplingParamsError for other parts."""
+    (vLLM's behaviour); None stays None. Raises SamplingParamsError naming the part's
+    field (``messages.<index>.content.<j>.text`` / ``.type``) for a text that is missing
+    or not a string, a part without a type, or a part type other than text."""
     if content is None or isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
+        where = f"messages.{index}.content.{j}"
         kind = part.get("type")
-        key = "refusal" if kind == "refusal" else "text"
-        if kind in ("text", "input_text", "output_text", "refusal"):
-            if not isinstance(part.get(key), str):  # the text is missing, not the part type
-                raise SamplingParamsError(
-                    f"messages[{index}].content[{j}]: a content part of type {kind!r} needs a string "
-                    f"`{key}` field (the text is missing).", "messages")
-            texts.append(part[key])
-        else:
-            raise SamplingParamsError(
-                f"messages[{index}].content: content part of type {kind!r} is not supported "
-                "(this model takes text only).", "messages")
+        if "type" not in part:
+            raise SamplingParamsError(f"{where}: a content part needs a `type` (\"text\").", f"{where}.type")
+        if not isinstance(kind, str):  # a value that is no type name (nor hashable, for the lookup below)
+            raise SamplingParamsError(f"{where}.type: must be a string (\"text\"), not {json_type_name(kind)}.",
+                                      f"{where}.type")
+        if kind not in _TEXT_PARTS:
+            raise SamplingParamsError(f"{where}: content part of type {kind!r} is not supported "
+                                      "(this model takes text only).", f"{where}.type")
+        key = _TEXT_PARTS[kind]
+        text = part.get(key)
+        if key not in part:
+            raise SamplingParamsError(f"{where}: a content part of type {kind!r} needs a `{key}` field "
+                                      "(a string).", f"{where}.{key}")
+        if not isinstance(text, str):
+            raise SamplingParamsError(f"{where}.{key}: must be a string, not {json_type_name(text)}.",
+                                      f"{where}.{key}")
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -74,15 +96,18 @@ def _postprocess_assistant(msg: dict[str, Any], index: int) -> None:
     if not calls:
         msg.pop("tool_calls", None)
     elif isinstance(calls, list):
-        msg["tool_calls"] = [_template_tool_call(c, index) for c in calls]
+        msg["tool_calls"] = [_template_tool_call(c, index, j) for j, c in enumerate(calls)]
     reasoning = msg.get("reasoning", msg.get("reasoning_content"))
     if isinstance(reasoning, str):
         msg["reasoning"] = msg["reasoning_content"] = reasoning
 
 
-def _template_tool_call(call: Any, index: int) -> Any:
+def _template_tool_call(call: Any, index: int, j: int) -> Any:
+    """Call ``j`` of message ``index`` with its ``arguments`` as a dict. Raises
+    SamplingParamsError naming ``messages.<index>.tool_calls.<j>.function[.arguments]``."""
+    call_at = f"messages.{index}.tool_calls.{j}"
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise SamplingParamsError(f"messages[{index}].tool_calls: each call needs a 'function' object.", "messages")
+        raise SamplingParamsError(f"{call_at}: each call needs a 'function' object.", f"{call_at}.function")
     fn = dict(call["function"])
     args = fn.get("arguments")
     if not args:
@@ -91,8 +116,8 @@ def _template_tool_call(call: Any, index: int) -> Any:
         try:
             fn["arguments"] = json.loads(args)
         except ValueError:
-            raise SamplingParamsError(f"messages[{index}].tool_calls: function.arguments is not valid JSON: "
-                                      f"{args[:100]!r}", "messages") from None
+            raise SamplingParamsError(f"{call_at}.function.arguments: not valid JSON: {args[:100]!r}",
+                                      f"{call_at}.function.arguments") from None
     return {**call, "function": fn}
 
 

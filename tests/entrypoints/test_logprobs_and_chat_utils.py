@@ -90,7 +90,7 @@ def test_render_chat_prompt(smol_tokenizer):
 def test_render_chat_prompt_errors(smol_tokenizer):
     with pytest.raises(SamplingParamsError) as e:
         render_chat_prompt(smol_tokenizer, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
-    assert e.value.param == "messages"
+    assert e.value.param == "messages.0.content.0.type"
     with pytest.raises(SamplingParamsError) as e:
         render_chat_prompt(smol_tokenizer, [{"role": "user", "content": "x"}], add_generation_prompt=False,
                            continue_final_message=True)

@@ -157,13 +157,14 @@ def test_booleans_are_strict(app_and_engine, path, body, field, value):  # noqa:
     assert err["param"] == field and "boolean" in err["message"]
 
 
-def test_text_part_without_text_says_the_text_is_missing(app_and_engine):  # noqa: F811
+def test_text_part_without_a_string_text_names_the_text(app_and_engine):  # noqa: F811
     client, _ = app_and_engine()
-    for part in ({"type": "text"}, {"type": "text", "text": None}, {"type": "text", "text": 5}):
+    for part, words in (({"type": "text"}, "needs a `text` field"), ({"type": "text", "text": None}, "not null"),
+                        ({"type": "text", "text": 5}, "must be a string, not a number")):
         for path, body in (("/v1/chat/completions", CHAT), ("/tokenize", {"model": "m"})):
             err = _error(client.post(path, json={**body, "messages": [{"role": "user", "content": [part]}]}))
-            assert err["param"] == "messages" and "text is missing" in err["message"], err
-            assert "not supported" not in err["message"]
+            assert err["param"] == "messages.0.content.0.text" and words in err["message"], err
+            assert "not supported" not in err["message"] and "missing" not in err["message"]
     err = _error(client.post("/v1/chat/completions", json={**CHAT, "messages": [
         {"role": "user", "content": [{"type": "bogus"}]}]}))
     assert "'bogus'" in err["message"]

@@ -168,3 +168,88 @@ def test_validation_errors_name_the_field_as_sent_and_say_what_it_accepts(app_an
                 if r.status_code == 400:
                     message, param = _message(r)
                     assert not PYDANTIC_TOKENS.search(message + str(param)), (route, name, value, message, param)
+
+
+def test_a_json_body_sent_as_text_is_told_the_content_type(app_and_engine):  # noqa: F811
+    """Fresh-user trial: valid chat JSON sent with ``Content-Type: text/plain`` got pydantic's
+    "valid dictionary" message. The 400 says the body must be sent as application/json and
+    names the type received; Ollama's routes read JSON from any content type, as Ollama does."""
+    client, engine = app_and_engine()
+    raw = json.dumps(CHAT)
+    for headers, received in (({"content-type": "text/plain"}, "(the Content-Type received: `text/plain`)"),
+                              ({}, "(the Content-Type received: none)")):
+        r = client.post("/v1/chat/completions", content=raw, headers=headers)
+        assert r.status_code == 400, r.text
+        message, param = _message(r)
+        assert message == ("The request body must be JSON sent with `Content-Type: application/json` "
+                           + received + "."), message
+        assert param is None
+    engine.outputs = [_output("Hi", "stop")]
+    ollama = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    r = client.post("/api/chat", content=json.dumps(ollama), headers={"content-type": "text/plain"})
+    assert r.status_code == 200 and r.json()["message"]["content"] == "Hi", r.text
+
+
+def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # noqa: F811
+    """Fresh-user trial: each of these was a 200 (an unknown effort passed on, a string of
+    tool calls dropped, ``true`` read as 1). Numeric strings stay integers (vLLM's lax ints)
+    and a custom role reaches the template, as in vLLM."""
+    client, engine = app_and_engine()
+    cases = [  # (route, changes to the route's body, param, message)
+        ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort",
+         "reasoning_effort: must be 'none', 'minimal', 'low', 'medium', 'high' or 'xhigh'"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": "x"}]}, "messages.0.tool_calls",
+         "messages.0.tool_calls: must be a valid list"),
+        ("/v1/chat/completions", {"max_tokens": True}, "max_tokens", "max_tokens: must be an integer, not a boolean"),
+        ("/v1/chat/completions", {"max_completion_tokens": True}, "max_completion_tokens", None),
+        ("/v1/chat/completions", {"n": True}, "n", None),
+        ("/v1/chat/completions", {"seed": False}, "seed", None),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": True}, "top_logprobs", None),
+        ("/v1/chat/completions", {"stop_token_ids": [2, True]}, "stop_token_ids.1", None),
+        ("/v1/completions", {"logprobs": True}, "logprobs", "logprobs: must be an integer, not a boolean"),
+        ("/v1/responses", {"max_output_tokens": True}, "max_output_tokens", None),
+        ("/v1/embeddings", {"dimensions": True}, "dimensions", None),
+    ]
+    for route, changes, param, message in cases:
+        r = client.post(route, json={**ROUTE_MODELS[route][1], **changes})
+        assert r.status_code == 400, (changes, r.text)
+        got_message, got_param = _message(r)
+        assert got_param == param and got_message == (message or f"{param}: must be an integer, not a boolean"), \
+            (changes, got_message, got_param)
+    assert engine.prompts == []
+    for changes in ({"reasoning_effort": "xhigh"}, {"max_tokens": "2"},
+                    {"messages": [{"role": "wizard", "content": "abracadabra"}]}):
+        engine.outputs = [_output("Hi", "stop")]
+        r = client.post("/v1/chat/completions", json={**CHAT, **changes})
+        assert r.status_code == 200, (changes, r.text)
+    assert engine.params[1].max_tokens == 2
+    assert "<|im_start|>wizard\nabracadabra" in engine.prompts[2]["prompt"]
+
+
+def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engine):  # noqa: F811
+    """Fresh-user trial: a text part whose ``text`` was an object was told "the text is
+    missing", with param ``messages``. Each problem now says what is wrong and names the
+    part's own field."""
+    client, engine = app_and_engine()
+    cases = [  # (the message's changes, param, message)
+        ({"content": [{"type": "text", "text": {"nested": 1}}]}, "messages.0.content.0.text",
+         "messages.0.content.0.text: must be a string, not an object."),
+        ({"content": [{"type": "text"}]}, "messages.0.content.0.text",
+         "messages.0.content.0: a content part of type 'text' needs a `text` field (a string)."),
+        ({"content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": None}]},
+         "messages.0.content.1.refusal", "messages.0.content.1.refusal: must be a string, not null."),
+        ({"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, "messages.0.content.0.type",
+         "messages.0.content.0: content part of type 'image_url' is not supported (this model takes text only)."),
+        ({"content": [{"text": "hi"}]}, "messages.0.content.0.type",
+         'messages.0.content.0: a content part needs a `type` ("text").'),
+        ({"content": [{"type": ["text"], "text": "hi"}]}, "messages.0.content.0.type",
+         'messages.0.content.0.type: must be a string ("text"), not a list.'),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": "f"}]},
+         "messages.0.tool_calls.0.function", "messages.0.tool_calls.0: each call needs a 'function' object."),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
+         "messages.0.tool_calls.0.function.arguments", "messages.0.tool_calls.0.function.arguments: not valid JSON: '{x'"),
+    ]
+    for changes, param, message in cases:
+        r = client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", **changes}]})
+        assert r.status_code == 400 and _message(r) == (message, param), (changes, r.text)
+    assert engine.prompts == []

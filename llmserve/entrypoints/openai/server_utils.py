@@ -212,12 +212,24 @@ def _field_loc(loc: tuple) -> tuple:
     return loc[1:] if loc and loc[0] in _LOCATION_KINDS else loc
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+def _not_json_message(content_type: Optional[str]) -> str:
+    """The 400 for a body FastAPI did not read as JSON: its Content-Type is not
+    ``application/json`` (nor ``+json``), so the body reached validation as raw bytes,
+    and pydantic's "valid dictionary" message hid why (a fresh-user trial sent
+    ``text/plain``). The received type is named, cut to 100 characters."""
+    received = f"`{content_type[:100]}`" if content_type else "none"
+    return ("The request body must be JSON sent with `Content-Type: application/json` "
+            f"(the Content-Type received: {received}).")
+
+
+def _validation_message(exc: RequestValidationError,
+                        content_type: Optional[str] = None) -> tuple[str, Optional[str]]:
     """The message and ``param`` of a pydantic validation error: ``<field>: <problem>`` for
     each problem, the field as the client wrote it (``stop.0``, ``messages.2.content``:
     no ``body`` source, no pydantic union-member labels), one union's problems cut to the
     member that matched best or to what the field accepts (validation_errors.py); ``param``
-    is the first problem's field. The input values are never echoed back."""
+    is the first problem's field. The input values are never echoed back. A body that
+    was not read as JSON (raw bytes: ``content_type`` is not a JSON type) is said so."""
     body = getattr(exc, "body", None)
     found = []
     for err in exc.errors():
@@ -229,6 +241,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     for p in problems[:MAX_VALIDATION_ERRORS]:
         if p.type == "json_invalid":
             parts.append(f"Invalid JSON in the request body: {p.ctx.get('error') or p.msg}")
+            continue
+        if not p.path and isinstance(body, (bytes, bytearray)):
+            parts.append(_not_json_message(content_type))
             continue
         named = p.ctx.get("param")
         if not p.path and named:  # a model-level check that names its field (NEVER_IGNORED_FIELDS)
@@ -252,8 +267,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 def install_exception_handlers(app: FastAPI) -> None:
     """Every error, raised anywhere, answers with the OpenAI error body and its status."""
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc, request.headers.get("content-type"))
         return json_response(make_error(message, 400, param), 400)
 
     async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:

@@ -14,6 +14,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     Int64,
     OpenAIBaseModel,
     PromptLogprobs,
+    ReasoningEffort,
     SamplingRequest,
     UsageInfo,
     check_max_logprobs,
@@ -59,7 +60,7 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: Optional[dict[str, Any]] = None
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
-    reasoning_effort: Optional[str] = None
+    reasoning_effort: Optional[ReasoningEffort] = None
 
     def requested_max_tokens(self) -> Optional[int]:
         """``max_completion_tokens`` wins over the legacy ``max_tokens``."""

@@ -13,7 +13,7 @@ from pydantic import Field, StrictInt, model_validator
 
 from llmserve.engine.pooling_inputs import resolve_truncation
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
-from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, random_uuid
+from llmserve.entrypoints.openai.common.protocol import Int64, OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
 from llmserve.entrypoints.openai.models.lora import lora_call
 from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline,
@@ -59,7 +59,7 @@ class PoolingFields(OpenAIRequestModel):
     truncate_prompt_tokens: Optional[StrictInt] = Field(default=None, ge=-1)  # true is not 1
     normalize: Optional[bool] = None
     add_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     user: Optional[str] = None
 
 

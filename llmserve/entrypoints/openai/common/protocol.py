@@ -29,7 +29,7 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic_core import PydanticCustomError
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from llmserve.entrypoints.openai.common.structured import ResponseFormat, structured_outputs_params
 from llmserve.entrypoints.openai.common.limits import (
@@ -52,8 +52,27 @@ MAX_TEMPERATURE = 2.0
 # The most completions one request may ask for (``n``; per prompt for completions): MAX_N,
 # imported from common/limits.py with the other limits.
 
+
+def _not_a_boolean(value: Any) -> Any:
+    """An integer field's value as given, unless it is a JSON boolean: pydantic's lax mode
+    reads ``true`` as 1 (``"max_tokens": true`` asked for one token); OpenAI answers 400.
+    Numeric strings and integral floats stay accepted, as vLLM accepts them (lax ints).
+    Raises PydanticCustomError ``int_type`` (a 400 naming the field)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be an integer, not a boolean")
+    return value
+
+
+# An integer request field: ``true`` is refused (_not_a_boolean). Every integer field of the
+# request models has this type or Int64, so all refuse it alike.
+JSONInt = Annotated[int, BeforeValidator(_not_a_boolean)]
 # Integers that cross the process boundary must fit in 64 bits (vLLM bounds ``seed`` alike).
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Int64 = Annotated[JSONInt, Field(ge=-(2**63), le=2**63 - 1)]
+
+# OpenAI's reasoning effort values (chat's ``reasoning_effort``, the Responses API's
+# ``reasoning.effort``); another value is a 400, as OpenAI answers (vLLM: a Literal too).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+ReasoningEffort = Literal[REASONING_EFFORTS]
 
 
 def timing_field() -> Any:
@@ -379,11 +398,15 @@ _CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "tool", "function"})
 class ChatMessageParam(OpenAIBaseModel):
     """One input message: ``content`` is a string, a list of at most MAX_CONTENT_PARTS
     content parts (``{"type": "text", "text": ...}``), or null (assistant messages with
-    tool calls)."""
+    tool calls). ``tool_calls`` (an assistant's calls) is a list of call objects: a string
+    there was kept as an unknown field and never reached the template (a fresh-user trial
+    got a 200); each call's ``function`` is checked where the messages are rendered
+    (chat_utils)."""
 
     role: ChatRole
     content: Optional[Union[str, Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_validator(mode="after")
     def _content_for_role(self) -> "ChatMessageParam":

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.pooling import PoolingFields, PoolingInput
-from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
+from llmserve.entrypoints.openai.common.protocol import JSONInt, OpenAIBaseModel, UsageInfo
 
 
 class EmbeddingRequest(PoolingFields):
@@ -19,7 +19,7 @@ class EmbeddingRequest(PoolingFields):
     input: Optional[PoolingInput] = None
     messages: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_MESSAGES)
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(default=None, ge=1)
+    dimensions: Optional[JSONInt] = Field(default=None, ge=1)
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = False

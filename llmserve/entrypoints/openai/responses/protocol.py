@@ -22,6 +22,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     Int64,
     OpenAIBaseModel,
     OpenAIRequestModel,
+    REASONING_EFFORTS,
     random_uuid,
 )
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -146,8 +147,7 @@ class ResponsesRequest(OpenAIRequestModel):
         check_max_logprobs(self.top_logprobs, "top_logprobs")
         if self.background and not self.store:
             raise SamplingParamsError("background responses must be stored: set store to true.", "store")
-        if self.reasoning is not None and self.reasoning.get("effort") not in (None, "none", "minimal", "low",
-                                                                             "medium", "high", "xhigh"):
+        if self.reasoning is not None and self.reasoning.get("effort") not in (None, *REASONING_EFFORTS):
             raise SamplingParamsError(f"reasoning.effort: unknown value {self.reasoning.get('effort')!r}.",
                                       "reasoning")
 

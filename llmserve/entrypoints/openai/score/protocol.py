@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPTS_PER_REQUEST
 from llmserve.entrypoints.openai.common.pooling import ActivationFields, PoolingTexts
-from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, UsageInfo
+from llmserve.entrypoints.openai.common.protocol import JSONInt, OpenAIBaseModel, UsageInfo
 
 
 #: The names a /score request may give its two sides, as vLLM's ``ScoreRequest`` union
@@ -103,7 +103,7 @@ class RerankRequest(ActivationFields):
 
     query: str
     documents: Annotated[list[Union[str, dict[str, Any]]], Field(max_length=MAX_PROMPTS_PER_REQUEST)]
-    top_n: Optional[int] = None
+    top_n: Optional[JSONInt] = None
     return_documents: bool = True
 
 
