@@ -6,9 +6,11 @@ tests/e2e/test_ollama_api.py."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
+from test_app import _output, app_and_engine  # noqa: F401  (fixture)
 
 from llmserve.entrypoints.ollama import info
 from llmserve.entrypoints.ollama.options import sampling_fields, structured_fields
@@ -224,3 +226,59 @@ def test_ollama_names_match_without_case_and_with_latest_as_the_default_tag():
     assert error_response_from_exception(e.value)[0] == 404 and str(e.value) == "model 'x' not found"
     assert str(OllamaModelNotFound("x", pull_hint=True)) == 'model "x" not found, try pulling it first'
     assert len(str(OllamaModelNotFound("y" * 100_000))) < 300
+
+
+def test_details_name_the_file_type_and_parameter_count_as_ollama_does(tmp_path):
+    # /api/show said quantization_level "gguf" and parameter_size "" for the packaged
+    # Q4_1 file; Ollama says "Q4_1" and "134.52M" (format.HumanNumber) for it
+    import torch
+    from safetensors.torch import save_file
+
+    from llmserve.entrypoints.ollama.weight_facts import human_number
+    from llmserve.model_loader.resolve import resolve_model
+
+    assert [human_number(n) for n in (999, 12_345, 135_000_000, 134_515_008, 1_240_000_000, 2_000_000_000)] == \
+        ["999", "12K", "135M", "134.52M", "1.2B", "2B"]
+    hf = SimpleNamespace(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, vocab_size=1000, tie_word_embeddings=True)
+    smol = resolve_model("SmolLM2-135M-Instruct")
+    gguf = SimpleNamespace(model_path=smol.path, gguf_file=smol.gguf_file, quantization=None, dtype="float32",
+                           hf_config=hf)
+    assert {k: info.details(gguf)[k] for k in ("format", "parameter_size", "quantization_level")} == \
+        {"format": "gguf", "parameter_size": "134.52M", "quantization_level": "Q4_1"}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"a": torch.zeros(1000, 1500, dtype=torch.bfloat16), "n": torch.zeros(10)}, str(folder / "m.safetensors"))
+    config = SimpleNamespace(model_path=str(folder), gguf_file=None, quantization=None, dtype="float32", hf_config=hf,
+                             max_model_len=64)
+    assert (info.details(config)["quantization_level"], info.details(config)["parameter_size"]) == ("BF16", "1.50M")
+    state = SimpleNamespace(engine_client=SimpleNamespace(model_config=config),
+                            openai_serving_models=OpenAIServingModels([BaseModelPath("m", str(folder))], 64))
+    assert info.tags(state)["models"][0]["details"] == info.ps(state)["models"][0]["details"] == info.details(config)
+    bare = tmp_path / "bin"  # a .bin checkpoint: both from the config, never empty
+    bare.mkdir()
+    (bare / "pytorch_model.bin").write_bytes(b"x")
+    fallback = info.details(SimpleNamespace(model_path=str(bare), gguf_file=None, quantization=None,
+                                            dtype="bfloat16", hf_config=hf))
+    # 1000*64 embeddings + 2 layers * (64*16*(8+4) attention + 3*64*128 MLP) = 137,728
+    assert (fallback["quantization_level"], fallback["parameter_size"]) == ("BF16", "138K")
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/api/chat", '{"model":"m","messages":[{"role":"user","content":"\\ud800x"}],"stream":false}'),
+    ("/api/generate", '{"model":"m","prompt":"a\\udc00\\ud800\\ud83d\\ude00b","system":"\\ud800","stream":false}'),
+])
+def test_ollama_reads_lone_surrogate_escapes_as_go_does(app_and_engine, route, body):  # noqa: F811
+    # valid JSON (RFC 8259 allows any \uXXXX escape) that pydantic's parser refused as
+    # "unexpected end of hex escape": Ollama (Go's encoding/json) reads each lone
+    # surrogate as U+FFFD and keeps a valid pair (here U+1F600)
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post(route, content=body.encode())
+    assert r.status_code == 200, r.text
+    prompt = str(engine.prompts[-1])
+    assert ("\ufffdx" in prompt) if route == "/api/chat" else ("a\ufffd\ufffd\U0001F600b" in prompt), prompt
+    assert not re.search("[\ud800-\udfff]", prompt)
+    for bad in ('{"model":"m","prompt":"\\ud800', '{"model":"m","prompt":"\\ud800",}', '{"model":"m",,}'):
+        r = client.post("/api/generate", content=bad.encode())  # still invalid JSON: the same 400
+        assert r.status_code == 400 and r.json()["error"].startswith("Invalid JSON in the request body: "), r.text

@@ -10,6 +10,8 @@ Ollama's body ``{"error": "<message>"}`` through :data:`OLLAMA_ERROR_SHAPE` (reg
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
@@ -44,12 +46,41 @@ OLLAMA_ERROR_SHAPE = ErrorShape(prefixes=("/api/",), shape=ollama_error_body)
 
 async def _body(raw_request: Request, model: type[T]) -> T:
     """The request body as ``model``, whatever its Content-Type: Ollama reads JSON from
-    any body (its documented ``curl -d '{...}'`` sends a form content type). Invalid
-    JSON or fields are a 400 naming them (the validation handler's message)."""
+    any body (its documented ``curl -d '{...}'`` sends a form content type). Valid JSON
+    that pydantic's parser refuses (a lone UTF-16 surrogate escape, ``"\\ud800x"``) is read
+    as Go's encoding/json reads it (:func:`_go_json`). Invalid JSON or fields are a 400
+    naming them (the validation handler's message: invalid JSON keeps the first parser's)."""
+    body = await raw_request.body() or b"{}"
     try:
-        return model.model_validate_json(await raw_request.body() or b"{}")
+        return model.model_validate_json(body)
     except ValidationError as e:
+        if any(err.get("type") == "json_invalid" for err in e.errors()):
+            repaired = _go_json(body)
+            if repaired is not None:
+                try:
+                    return model.model_validate_json(repaired)
+                except ValidationError as e2:
+                    raise RequestValidationError(e2.errors()) from None
         raise RequestValidationError(e.errors()) from None
+
+
+# A UTF-16 surrogate code point left in a parsed string: Python's json pairs the valid
+# high+low escapes into one character, so any left is a lone one.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _go_json(body: bytes) -> bytes | None:
+    """``body`` re-encoded as strict UTF-8 JSON with each lone surrogate escape (and each
+    invalid UTF-8 byte) replaced by U+FFFD, as Go's encoding/json (Ollama) decodes them;
+    None when the body is not JSON for another reason (so the caller keeps the first
+    parser's error). pydantic's parser (jiter) rejects ``"\\ud800"`` as "unexpected end
+    of hex escape" although RFC 8259 allows it; only such bodies take this slower path."""
+    try:
+        value = json.loads(body.decode("utf-8", "replace"))  # NaN too, as pydantic's parser takes it
+    except (ValueError, RecursionError):
+        return None
+    text = json.dumps(value, ensure_ascii=False)
+    return _LONE_SURROGATE.sub("\ufffd", text).encode("utf-8")
 
 
 def _respond(result: Any, headers: dict[str, str] | None = None) -> Response:

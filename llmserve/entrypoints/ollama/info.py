@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from llmserve.entrypoints.ollama.serving import served_name
+from llmserve.entrypoints.ollama.weight_facts import human_number, weight_facts
 
 # The Ollama API version these routes follow (clients compare it with their minimum).
 # 0.13.4: Ollama serves /v1/responses since 0.13.3 (so does this server), and Codex CLI
@@ -87,11 +88,15 @@ def architecture(config: Any) -> str:
 
 
 def details(config: Any) -> dict[str, Any]:
-    """Ollama's ``details``: format, family, quantization level."""
+    """Ollama's ``details`` (the same in /api/show, /api/tags and /api/ps): format,
+    family, parameter size ("135M", "134.52M", "1.2B") and quantization level (the GGUF
+    file type, "Q4_1", or the safetensors dtype, "BF16"), from the weights served
+    (``weight_facts``)."""
     arch = architecture(config)
-    quant = config.quantization or ("gguf" if getattr(config, "gguf_file", None) else config.dtype)
+    facts = weight_facts(config, _weights_path(config))
     return {"parent_model": "", "format": "gguf" if getattr(config, "gguf_file", None) else "safetensors",
-            "family": arch, "families": [arch], "parameter_size": "", "quantization_level": str(quant)}
+            "family": arch, "families": [arch], "parameter_size": human_number(facts.params),
+            "quantization_level": facts.level}
 
 
 def _card(s: Any, name: str) -> dict[str, Any]:
