@@ -112,6 +112,15 @@ class TimelineRecord:
                 "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens}
 
 
+def _child_id(request_id: str, parent_id: str, shown_parent: str) -> str:
+    """The id shown for choice i of an n > 1 request: vLLM's name of its sub-request,
+    ``"<i>_<id>"`` (parallel_sampling.py), with the id the client knows (``shown_parent``,
+    e.g. ``cmpl-...``) as ``<id>``, so that each choice is a row of its own (they all
+    showed the parent's id: 128 rows of one id for n=128)."""
+    prefix = request_id[:-len(parent_id)] if request_id.endswith(parent_id) else ""
+    return f"{prefix}{shown_parent}" if prefix else request_id
+
+
 class RequestTimelines:
     """Timelines of the live requests and a ring of the last ``max_finished`` finished
     ones, looked up by any of a request's ids, per tenant. Also a stat logger (``record``)
@@ -144,14 +153,19 @@ class RequestTimelines:
         if labels is None:
             labels = RequestLabels()
         response_id = labels.response_ids.get(parent_id or request_id)
-        aliases = tuple(a for a in (response_id, *labels.aliases) if a)
+        shared = tuple(a for a in (response_id, *labels.aliases) if a)
+        own = _child_id(request_id, parent_id, shared[0]) if parent_id and shared else None
+        aliases = (own, *shared) if own else shared
         rec = TimelineRecord(aliases[0] if aliases else request_id, request_id,
                              model or self.default_model,
                              labels.tenant, arrival_time, prompt_tokens, params, labels.trace_headers, aliases)
         rec.events.append({"event": "arrived", "time": arrival_time})
         self.live[id(rec)] = rec
         for key in (request_id, *aliases):
-            self._index[key] = rec
+            if own and key in shared:
+                self._index.setdefault(key, rec)  # the ids of the whole request find its first choice
+            else:
+                self._index[key] = rec
         return rec
 
     def observe(self, rec: TimelineRecord, events: Optional[list], num_new_tokens: int, num_cached_tokens: int,
