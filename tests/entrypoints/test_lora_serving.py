@@ -163,3 +163,16 @@ def test_lora_load_and_unload_logs_quote_the_clients_text(lora_client, caplog):
     messages = [rec.getMessage() for rec in caplog.records]
     assert any("Loaded LoRA adapter 'a'" in m for m in messages) and any("Unloaded" in m for m in messages)
     assert all("\n" not in m for m in messages), messages
+
+
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_load_routes_when_not_allowed_are_a_404_that_names_the_switches(app_and_engine, path):  # noqa: F811
+    # vLLM's status, but it was Starlette's bare {"detail": "Not Found"}: nothing said why
+    client, _ = app_and_engine("--no-allow-runtime-lora-updating")
+    r = client.post(path, json={"lora_name": "a", "lora_path": "/nowhere"})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["type"] == "NotFoundError" and error["code"] == 404, error
+    for switch in ("--allow-runtime-lora-updating", "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+                   "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING=1", path):
+        assert switch in error["message"], error["message"]

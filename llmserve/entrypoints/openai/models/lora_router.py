@@ -3,8 +3,8 @@ serve flags of LoRA serving (``--lora-modules``, ``--allow-runtime-lora-updating
 
 As in vLLM the two routes exist only when run-time updating is allowed: vLLM's switch
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (or ``LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING``), or
-the flag ``--allow-runtime-lora-updating``; otherwise they are 404s like any unknown
-path. Success is vLLM's plain-text 200 (``Success: LoRA adapter 'x' added
+the flag ``--allow-runtime-lora-updating``; otherwise they are 404s with the OpenAI
+error body naming those switches. Success is vLLM's plain-text 200 (``Success: LoRA adapter 'x' added
 successfully.``); errors are the OpenAI body from the one exception mapping.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 
 from llmserve import envs
+from llmserve.entrypoints.openai.common.errors import NotFoundError
 from llmserve.entrypoints.openai.models.lora import LoRAAdapters, parse_lora_module
 from llmserve.entrypoints.openai.models.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from llmserve.sampling_params import SamplingParamsError
@@ -66,9 +67,27 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
     return Response(await adapters(raw_request).unload(request), status_code=200)
 
 
+DISABLED_MESSAGE = ("Run-time LoRA updating is off on this server: {path} is served when it is started with "
+                    "--allow-runtime-lora-updating or with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                    f"(or {RUNTIME_LORA_ENV}=1) in its environment.")
+
+
+def _disabled(path: str) -> Any:
+    """The route at ``path`` while run-time updating is off: vLLM's 404, with the OpenAI
+    error body naming the switches (it was Starlette's bare "Not Found", which told a user
+    nothing of why a documented route is missing). Reads no body."""
+    async def route() -> None:
+        raise NotFoundError(DISABLED_MESSAGE.format(path=path))
+    return route
+
+
 def register_lora_api_routers(app: FastAPI, args: Any) -> None:
-    """Mount the two routes when run-time LoRA updating is allowed (vLLM's gate)."""
+    """Mount the two routes when run-time LoRA updating is allowed (vLLM's gate), else
+    their 404 stand-ins (:func:`_disabled`, left out of the OpenAPI schema as vLLM does)."""
     if getattr(args, "allow_runtime_lora_updating", False):
         logger.warning("Run-time LoRA loading and unloading is enabled (/v1/load_lora_adapter, "
                        "/v1/unload_lora_adapter): anyone with API access can load files from this host.")
         app.include_router(router)
+        return
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        app.add_api_route(path, _disabled(path), methods=["POST"], include_in_schema=False)
