@@ -233,13 +233,14 @@ def import_built(build_dir: str, name: str) -> Optional[Any]:
 
 
 def load_small_extension(name: str, source: str, prefix: str, what: str, fallback: str,
-                         cflags: list[str], ldflags: Optional[list[str]] = None) -> Optional[Any]:
+                         cflags: list[str], ldflags: Optional[list[str]] = None,
+                         env_switch: Optional[str] = "LLMSERVE_CPU_OPS") -> Optional[Any]:
     """One small extension (``csrc/<source>`` as module ``name``): the cached build, else
-    built once under :func:`build_lock`; None when ``LLMSERVE_CPU_OPS=0`` or the build fails
-    (logged: ``what`` is unavailable, ``fallback`` runs instead). The LoRA kernel and the
-    KV tier reader are built this way, apart from the model kernels, so that neither
-    rebuilds the other."""
-    if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
+    built once under :func:`build_lock`; None when ``env_switch`` (an environment variable,
+    None: none) is "0" or the build fails (logged: ``what`` is unavailable, ``fallback``
+    runs instead). The LoRA kernel, the KV tier reader and the packed-weight kernels are
+    built this way, apart from the model kernels, so that none rebuilds another."""
+    if env_switch is not None and envs.get(env_switch, "1") == "0":
         return None
     build_dir = build_dir_for(source, prefix)
     module = import_built(build_dir, name)

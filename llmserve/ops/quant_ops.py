@@ -15,11 +15,8 @@ dot products on AVX512-VNNI, as llama.cpp does. Needs AVX512-VNNI; elsewhere
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,23 +24,14 @@ from typing import Any, Optional
 import torch
 
 from llmserve import envs
-from llmserve.ops.cpu_ops import CSRC_DIR, _cpu_signature, build_lock
+from llmserve.ops.cpu_ops import _cpu_signature, load_small_extension
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = "quant_gemv.cpp"
+_NAME = "llmserve_quant_ops"
 # ggml type id -> (bytes per 32-weight block); gguf.GGMLQuantizationType values.
 PACKED_TYPES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 20: 18}  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
-
-
-def _build_dir() -> str:
-    with open(os.path.join(CSRC_DIR, _SOURCE)) as f:
-        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions",
-                        f"quant_ops_{digest}")
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,16 +49,12 @@ def get_quant_ops() -> Optional[Any]:
     """
     if envs.get("LLMSERVE_PACKED_WEIGHTS", "1") == "0" or "avx512_vnni" not in _cpu_signature():
         return None
-    try:
-        from torch.utils.cpp_extension import load
-        with build_lock(_build_dir()):
-            return load(name="llmserve_quant_ops", sources=[os.path.join(CSRC_DIR, _SOURCE)],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                        extra_ldflags=["-fopenmp"], build_directory=_build_dir(), verbose=False)
-    except Exception as e:  # no compiler: the bfloat16 GEMMs still work
-        logger.warning("packed-weight kernels unavailable (%s: %s)", type(e).__name__,
-                       str(e).splitlines()[0] if str(e) else "")
-        return None
+    # The shared loader (as the LoRA and KV tier extensions): the cached .so without
+    # cpp_extension's checks, else a build announced as the others are (`make` printed no
+    # "Building ..." line for this one). Its own switch is LLMSERVE_PACKED_WEIGHTS, above.
+    return load_small_extension(_NAME, _SOURCE, "quant_ops", "packed-weight kernels", "the bfloat16 GEMMs",
+                                ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-fopenmp"],
+                                env_switch=None)
 
 
 @dataclass(frozen=True)

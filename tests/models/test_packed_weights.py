@@ -231,3 +231,26 @@ def test_smollm2_packed_logits_do_not_depend_on_the_step(smollm2_bf16, smollm2_t
     other = smollm2_tokenizer("An unrelated longer prompt that shares nothing").input_ids
     batched = step_runner_cls(smollm2_bf16, num_blocks=32, block_size=16)
     assert torch.equal(batched.step([("b", other), ("a", prompt)])["a"][-1], whole)
+
+
+def test_a_fresh_build_is_announced_as_the_other_extensions_are(monkeypatch, tmp_path, caplog):
+    # `make` (python -m llmserve.ops) printed "Building ..." for three of the four
+    # extensions: this one built through cpp_extension.load directly, silently. It now
+    # takes the shared loader; LLMSERVE_CPU_OPS=0 still leaves it on (its switch is
+    # LLMSERVE_PACKED_WEIGHTS), as before.
+    import torch.utils.cpp_extension as cpp_extension
+
+    import llmserve.ops.quant_ops as quant_ops
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no cached build: a fresh cache folder
+    monkeypatch.setenv("LLMSERVE_CPU_OPS", "0")
+    monkeypatch.delenv("LLMSERVE_PACKED_WEIGHTS", raising=False)
+    monkeypatch.setattr(quant_ops, "_cpu_signature", lambda: "avx512_vnni")
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw) or "module")
+    with caplog.at_level("WARNING", logger="llmserve.ops.cpu_ops"):
+        assert quant_ops.get_quant_ops.__wrapped__() == "module"
+    assert [kw["name"] for kw in built] == ["llmserve_quant_ops"]
+    assert built[0]["build_directory"].startswith(str(tmp_path / ".cache" / "llmserve" / "torch_extensions"))
+    assert any(r.getMessage().startswith("Building the packed-weight kernels for this CPU into ")
+               for r in caplog.records), caplog.text
