@@ -153,7 +153,10 @@ def _resolve_one(members: list[Problem]) -> list[Problem]:
         return int(matched), deepest
 
     best = max(by_member.values(), key=score)
-    if score(best)[0]:
+    # One member got furthest: its problems. Several as far (``input: [1.5]`` is a list
+    # element that is neither a string nor a token id): which one the client meant is
+    # unknown, so the field is named with what it accepts, as when none matched.
+    if score(best)[0] and sum(score(ps) == score(best) for ps in by_member.values()) == 1:
         inner = [Problem(p.path, p.labels[1:], p.type, p.msg, p.ctx) for p in best]
         return resolve_unions(inner)
     nouns = []
