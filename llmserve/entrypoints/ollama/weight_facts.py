@@ -13,7 +13,6 @@ neither is ever empty.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import struct
@@ -26,7 +25,6 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F16", "bfloat16": "BF16",
                 "float64": "F64"}
 # A safetensors header is JSON of at most this many bytes (the format's own 100 MB limit).
-_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
 
 class WeightFacts(NamedTuple):
@@ -88,14 +86,17 @@ def _gguf_facts(path: str, mtime: float) -> WeightFacts:
     return WeightFacts(gguf_file_type_name(meta["general.file_type"], types), params)
 
 
-def _safetensors_header(path: str) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets).
-    Raises OSError/ValueError for an unreadable or malformed file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > _MAX_SAFETENSORS_HEADER:
-            raise ValueError(f"{path}: header of {n} bytes is over the format's limit")
-        return json.loads(f.read(n))
+def _safetensors_shapes(path: str) -> list[tuple[str, list[int]]]:
+    """``(dtype, shape)`` of each tensor of a safetensors file, from its header only
+    (the safetensors library's ``safe_open``; no tensor data is read). Raises
+    OSError, or ValueError for a malformed file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return [(f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()]
+    except SafetensorError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 @functools.lru_cache(maxsize=16)
@@ -106,13 +107,11 @@ def _safetensors_facts(folder: str, mtime: float) -> WeightFacts:
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".safetensors"):
             continue
-        for key, t in _safetensors_header(os.path.join(folder, name)).items():
-            if key == "__metadata__":
-                continue
+        for dtype, shape in _safetensors_shapes(os.path.join(folder, name)):
             n = 1
-            for d in t["shape"]:
+            for d in shape:
                 n *= int(d)
-            by_dtype[str(t["dtype"])] += n
+            by_dtype[str(dtype)] += n
     level = by_dtype.most_common(1)[0][0] if by_dtype else ""
     return WeightFacts(level, sum(by_dtype.values()))
 
