@@ -174,3 +174,13 @@ def test_a_prefill_ending_in_whitespace_is_refused_in_either_form(content):
         to_chat_request(_request([ASK, {"role": "assistant", "content": content}]), auto_tools=False)
     assert e.value.param == "messages.1" and "trailing whitespace" in str(e.value)
     to_chat_request(_request([ASK, {"role": "assistant", "content": "Hello"}]), auto_tools=False)
+
+
+def test_a_boolean_max_tokens_is_refused_not_read_as_one_token():
+    """``"max_tokens": true`` ran as a 1-token answer (pydantic's lax ints); Anthropic's
+    API refuses it, as the OpenAI routes now do. Integers stay accepted."""
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="not a boolean"):
+        _request([ASK], max_tokens=True)
+    assert _request([ASK], max_tokens=7).max_tokens == 7

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator
 
 from llmserve.entrypoints.openai.common.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRING_CHARS, \
     MAX_STOP_STRINGS
-from llmserve.entrypoints.openai.common.protocol import Int64, OpenAIBaseModel, OpenAIRequestModel, random_uuid
+from llmserve.entrypoints.openai.common.protocol import Int64, JSONInt, OpenAIBaseModel, OpenAIRequestModel, random_uuid
 
 # Block lists: at most MAX_CONTENT_PARTS blocks in one message or in ``system``.
 Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
@@ -69,7 +69,7 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     whatever the model). ``temperature`` is in [0, 1] (Anthropic's range)."""
 
     # Annotated alone: Int64's own bounds would override a Field(ge=1) given beside it
-    max_tokens: Annotated[int, Field(ge=1, le=2**63 - 1)]
+    max_tokens: Annotated[JSONInt, Field(ge=1, le=2**63 - 1)]  # JSONInt: true is not 1 token
     stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_STRINGS)]] = None
     stream: Optional[bool] = False
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
