@@ -176,19 +176,47 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A thread's scratch memory for its calls' quantized activations: kept from call to call
+// and never cleared, since QuantX writes every value before a kernel reads it. Fresh zeroed
+// vectors per call were a serial memset (and page faults for prefill-sized ones) on the
+// calling thread while the other threads spun: 4% of the engine thread's perf samples in a
+// c=32 chat bench (SmolLM2 Q4_K_M), the largest serial cost of a step after Python.
+struct Scratch {
+  std::unique_ptr<uint8_t[]> buf;
+  size_t cap = 0;
+  uint8_t* get(size_t bytes) {
+    if (bytes > cap) {
+      cap = std::max(bytes, cap + cap / 2);
+      buf.reset(new uint8_t[cap]);  // default-initialised: not zeroed
+    }
+    return buf.get();
+  }
+};
+
 struct QuantX {
-  std::vector<int8_t> q;
-  std::vector<float> d, sx, sh;
-  std::vector<int32_t> hb, zs;
+  int8_t* q;
+  float *d, *sx, *sh;
+  int32_t *hb, *zs;
   int32_t z;
   // z: the weight's code offset (w = d * (code - z)): 8, 16 or 128 for the symmetric
   // Q4_0, Q5_0, Q8_0 / IQ4_NL tiles, 32 or 4 for Q6_K / Q3_K, 0 for types with mins. With z,
   // zs holds -z * sum(q_x) per block (symmetric tiles, [M, nb]) or per half block
   // (K-quants, [M, nb, 2]): the kernels start each integer dot product there, so the
   // offset costs no vector op per token (see group_tile).
+  // The arrays live in this thread's Scratch, valid until its next QuantX.
   template <typename T>
-  QuantX(const T* x, int64_t M, int64_t nb, int32_t z_, bool halves)
-      : q(M * nb * QK), d(M * nb), sx(M * nb), sh(M * nb * 2), hb(M * nb * 2), zs(z_ ? M * nb * (halves ? 2 : 1) : 0), z(z_) {
+  QuantX(const T* x, int64_t M, int64_t nb, int32_t z_, bool halves) : z(z_) {
+    const size_t n = static_cast<size_t>(M * nb);
+    // q [n * 32] int8, then d, sx [n] and sh [2n] float, hb [2n] and zs [2n] int32: offsets
+    // stay multiples of 4 bytes (q's size is a multiple of 32).
+    static thread_local Scratch scratch;
+    uint8_t* base = scratch.get(n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t));
+    q = reinterpret_cast<int8_t*>(base);
+    d = reinterpret_cast<float*>(base + n * QK);
+    sx = d + n;
+    sh = sx + n;
+    hb = reinterpret_cast<int32_t*>(sh + 2 * n);
+    zs = hb + 2 * n;
     at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         block(x + i * QK, i);
@@ -214,8 +242,8 @@ struct QuantX {
       q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_mul_ps(x0, s), a)), lo), hi);
       q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_mul_ps(x1, s), a)), lo), hi);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtepi32_epi8(q1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK + 16), _mm512_cvtepi32_epi8(q1));
     hb[2 * i] = _mm512_reduce_add_epi32(q0);
     hb[2 * i + 1] = _mm512_reduce_add_epi32(q1);
     sx[i] = d[i] * static_cast<float>(hb[2 * i] + hb[2 * i + 1]);
@@ -305,7 +333,7 @@ void group_tile_s(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT
     if constexpr (!SYM) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
-      const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
+      const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q + (t0 + t) * K + b * QK);
       // V[j] holds codes 4j..4j+3 of each row (both types), x's word j the same codes of x;
       // from 8 tokens on, one dependency chain per token (their chains overlap; the add of
       // two chains was one more vector op per token and block).
@@ -393,7 +421,7 @@ void group_tile_k(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, Out
     }
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
-      const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q.data() + (t0 + t) * K + b * QK);
+      const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q + (t0 + t) * K + b * QK);
       // V[0..3]: codes 0..15 (first half), V[4..7]: codes 16..31.
       // Without mins, each half's dot starts at -z * sum(q_x of the half) (QuantX::zs): the
       // same int32 sums as subtracting after, with no vector op for it.
