@@ -308,14 +308,23 @@ def supported_tensor_types() -> list[str]:
 
 
 def _keep_packed(packed: dict, hf_name: str, t: GGUFTensorInfo, arch: str, n_head: int, n_kv: int) -> None:
-    """Store a quantized 2-d tensor's raw blocks (rows un-permuted like the floats)."""
+    """Store a quantized 2-d tensor's raw blocks (rows un-permuted like the floats), and a
+    3-d expert stack's (``[experts, rows, row_bytes]``, llama.cpp's ``ffn_*_exps``) as one
+    2-d entry per expert, under the per-expert names the floats are loaded by."""
     import torch
 
     from llmserve.ops.kquant import KQUANT_TYPES
     from llmserve.ops.quant_ops import PACKED_TYPES
 
     qtype = int(t.tensor_type)
-    if (qtype not in PACKED_TYPES and qtype not in KQUANT_TYPES) or t.data.ndim != 2:
+    if qtype not in PACKED_TYPES and qtype not in KQUANT_TYPES:
+        return
+    if t.data.ndim == 3 and ".mlp.experts." in hf_name:
+        for e in range(t.data.shape[0]):
+            packed[hf_name.replace(".experts.", f".experts.{e}.")] = (
+                qtype, torch.from_numpy(np.array(t.data[e], dtype=np.uint8, copy=True)))
+        return
+    if t.data.ndim != 2:
         return
     raw = t.data
     if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):

@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 
 # Bump when what the loader yields for the same file changes (names, permutations, dtypes).
 # 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30); 3: ``-blocks`` entries (issue
-# 31); 4: ``-blocks`` entries hold the kernels' layout (``k.*``), not the raw blocks
-FORMAT_VERSION = "4"
+# 31); 4: ``-blocks`` entries hold the kernels' layout (``k.*``), not the raw blocks; 5:
+# quantized MoE expert stacks kept packed, one entry per expert (an older entry would leave a
+# Mixtral file's experts dense)
+FORMAT_VERSION = "5"
 
 
 def cache_root() -> str:

@@ -15,6 +15,7 @@ import torch
 
 from llmserve.model_loader import get_model, load_hf_config, resolve_model
 from llmserve.models import moe
+from llmserve.models.llama import Linear
 from tests.models.tiny_arch import (assert_chunked_steps_match_hf, checkpoints_fixture, finish_gguf, gguf_writer,
                                     hf_logits, load_ours, save_random, tiny_engine)
 
@@ -183,9 +184,10 @@ def write_mixtral_gguf(hf, path: str, qtype: str) -> None:
 def test_mixtral_gguf_matches_hf_on_its_weights(checkpoints, tmp_path, tokens_fn, step_runner_cls, model_config_fn,
                                                 qtype):
     """Mixtral written as llama.cpp does (``llama`` architecture with ``expert_count``, 3-D
-    ``ffn_*_exps`` stacks, ``ffn_gate_inp`` router) loads as Mixtral, experts dequantized,
-    and its logits equal transformers' on the file's (round-tripped) weights within 1e-4
-    (in bfloat16 within 0.1)."""
+    ``ffn_*_exps`` stacks, ``ffn_gate_inp`` router) loads as Mixtral, and its logits equal
+    transformers' on the file's (round-tripped) weights within 1e-4 in float32 (weights
+    dequantized); in bfloat16 every linear, each expert's too, runs the file's blocks
+    (packed, dense copies freed), within 0.1."""
     import copy
 
     import gguf
@@ -210,6 +212,11 @@ def test_mixtral_gguf_matches_hf_on_its_weights(checkpoints, tmp_path, tokens_fn
     got = torch.cat([runner.step([("a", prompt[:16])])["a"]] + [runner.step([("a", [t])])["a"] for t in prompt[16:]])
     want = hf_logits(ref, prompt)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
-    if qtype == "Q8_0":  # bfloat16, the GGUF default: 2-d blocks packed, experts dequantized
+    if qtype == "Q8_0":  # bfloat16, the GGUF default: every linear runs its blocks, the experts' too
         bf16 = get_model(model_config_fn(resolved, config, "bfloat16"))
+        linears = {n: m for n, m in bf16.named_modules() if isinstance(m, Linear)}
+        experts = [n for n in linears if ".mlp.experts." in n]
+        assert len(experts) == 2 * 8 * config.num_hidden_layers  # gate_up and down of 8 experts a layer
+        unpacked = [n for n, m in linears.items() if m.qweight is None or m.weight.numel()]
+        assert unpacked == [], f"dense (not run from the file's blocks): {unpacked}"
         assert (step_runner_cls(bf16).step([("a", prompt)])["a"] - want).abs().max() < 0.1
