@@ -240,6 +240,21 @@ def test_retry_after_follows_the_measured_drain_rate():
     assert rate.retry_after(10) == 30
 
 
+def test_retry_after_after_idling_counts_from_the_new_work():
+    """A burst after a quiet minute: the engine has been busy for a second, not stalled for
+    the whole window, so a refused client is asked to wait about that second (it was told 30
+    s, the window, as if the engine had stalled), and a stall then grows it again."""
+    clock = Clock()
+    c = _controller_seqs(2, 2, clock=clock)
+    clock.t += 90  # idle: nothing admitted, nothing finished
+    assert [c.admit() for _ in range(4)] == [None] * 4  # the burst: a full batch and 2 waiting
+    clock.t += 1.0
+    rej = c.admit()
+    assert rej is not None and rej.reason == "queue_full" and rej.retry_after == 1
+    clock.t += 12.0  # no request finishes: the work looks stalled
+    assert c.admit().retry_after == 13
+
+
 def test_stall_clock_runs_only_while_busy():
     clock = Clock()
     c = _controller(stall=10.0, clock=clock)

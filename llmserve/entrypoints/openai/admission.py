@@ -120,7 +120,15 @@ class DrainRate:
         self.window_s = window_s
         self.clock = clock
         self.started = clock()
+        self.work_started = self.started
         self.finished: collections.deque[float] = collections.deque()
+
+    def start_work(self) -> None:
+        """Work began on an idle engine. Until a request finishes, the wait asked of a
+        refused client is the time spent since then without one: counted from the server's
+        start instead, a burst after a quiet minute was told ``Retry-After: 30`` (the whole
+        window) by an engine that had been busy for a second."""
+        self.work_started = self.clock()
 
     def record(self) -> None:
         """One request finished now."""
@@ -142,15 +150,15 @@ class DrainRate:
 
     def retry_after(self, backlog: int) -> int:
         """Seconds (1..MAX_RETRY_AFTER_S) to finish ``backlog`` requests at the measured
-        rate. With nothing finished in the window, the time already spent without one
-        (a stalled engine earns long waits, a cold start short ones)."""
+        rate. With nothing finished in the window, the time the current work has run
+        without one (since :meth:`start_work`; a stalled engine earns long waits, a cold
+        start or a burst after idling short ones)."""
         now = self.clock()
         self._prune(now)
-        span = max(min(self.window_s, now - self.started), 1e-3)
         if not self.finished:
-            seconds = span
+            seconds = min(self.window_s, now - self.work_started)
         else:
-            seconds = max(backlog, 1) * span / len(self.finished)
+            seconds = max(backlog, 1) * max(min(self.window_s, now - self.started), 1e-3) / len(self.finished)
         return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
 
 
@@ -377,6 +385,7 @@ class AdmissionController:
             return rejection
         if not self._engine_busy():
             self.last_progress = self.clock()  # the stall clock starts with the work
+            self.drain.start_work()
         self.in_flight += fan.sequences
         if tenant is not None:
             self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + fan.sequences
