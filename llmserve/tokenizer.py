@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -20,21 +20,59 @@ if TYPE_CHECKING:  # annotation only
 _TEMPLATE_CHARS = "{}\n"
 
 
-def check_encodable(text: str, param: str) -> None:
-    """Raise ``SamplingParamsError`` (a ValueError naming ``param``) when ``text`` cannot be
-    UTF-8 encoded, i.e. it holds a lone UTF-16 surrogate such as ``"\\ud800"`` (valid JSON,
-    but no tokenizer can encode it). The OpenAI server turns it into a 400."""
+def lone_surrogate_problem(text: str) -> Optional[str]:
+    """What is wrong with ``text`` when it cannot be UTF-8 encoded, i.e. it holds a lone
+    UTF-16 surrogate such as ``"\\ud800"`` (valid JSON, but no tokenizer can encode it):
+    the code point and its position in ``text`` (0-based, in code points); None when it
+    is valid Unicode."""
     if text.isascii():
-        return
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
+        return (f"the text contains a lone surrogate code point U+{ord(text[e.start]):04X} at "
+                f"position {e.start}, which is not valid Unicode; send UTF-8 text.")
+    return None
+
+
+def check_encodable(text: str, param: str) -> None:
+    """Raise ``SamplingParamsError`` (a ValueError naming ``param``) when ``text`` holds a
+    lone surrogate (:func:`lone_surrogate_problem`). The servers turn it into a 400."""
+    problem = lone_surrogate_problem(text)
+    if problem is not None:
         from llmserve.sampling_params import SamplingParamsError
 
-        bad = text[e.start]
-        raise SamplingParamsError(
-            f"{param}: the text contains a lone surrogate code point U+{ord(bad):04X} at "
-            f"position {e.start}, which is not valid Unicode; send UTF-8 text.", param) from None
+        raise SamplingParamsError(f"{param}: {problem}", param)
+
+
+def check_texts(fields: Iterable[tuple[str, Any]]) -> None:
+    """Every string under ``fields`` ((name, value) pairs: a request's fields that reach
+    the prompt), object keys too, is valid Unicode: :func:`check_encodable` naming the
+    client's path of the first one holding a lone surrogate (``messages.0.content``,
+    ``input.1.content.0.text``, ``prompt.1``) and the position within that string (not
+    within the rendered prompt, which the client never wrote). Walks strings, lists,
+    dicts and pydantic models (their declared fields, then their extra ones) with a stack,
+    not recursion: a deeply nested tool schema cannot exhaust Python's stack here."""
+    stack: list[tuple[str, Any]] = list(reversed(list(fields)))
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            check_encodable(value, path)
+            continue
+        if isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
+        elif hasattr(type(value), "model_fields"):  # a pydantic model
+            items = [(k, getattr(value, k)) for k in type(value).model_fields]
+            items += list((getattr(value, "model_extra", None) or {}).items())
+        else:
+            continue
+        for key, item in reversed(items):  # reversed: the first string in the body is named first
+            at = f"{path}.{key}"
+            if isinstance(key, str):
+                check_encodable(key, at)
+            stack.append((at, item))
 
 
 def resolve_chat_template(chat_template: Optional[str]) -> Optional[str]:

@@ -171,9 +171,10 @@ def test_lone_surrogates_are_400_not_500(app_and_engine):
     bad = '"a\\ud800b"'
     cases = [
         ("/v1/completions", '{"model": "m", "prompt": %s, "max_tokens": 2}' % bad, "prompt"),
-        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": %s}]}' % bad, "messages"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": %s}]}' % bad,
+         "messages.0.content"),
         ("/tokenize", '{"model": "m", "prompt": %s}' % bad, "prompt"),
-        ("/tokenize", '{"model": "m", "messages": [{"role": "user", "content": %s}]}' % bad, "messages"),
+        ("/tokenize", '{"model": "m", "messages": [{"role": "user", "content": %s}]}' % bad, "messages.0.content"),
     ]
     for path, body, param in cases:
         r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})

@@ -282,3 +282,41 @@ def test_ollama_reads_lone_surrogate_escapes_as_go_does(app_and_engine, route, b
     for bad in ('{"model":"m","prompt":"\\ud800', '{"model":"m","prompt":"\\ud800",}', '{"model":"m",,}'):
         r = client.post("/api/generate", content=bad.encode())  # still invalid JSON: the same 400
         assert r.status_code == 400 and r.json()["error"].startswith("Invalid JSON in the request body: "), r.text
+
+
+def test_ollama_type_errors_name_the_field_in_gos_words(app_and_engine):  # noqa: F811
+    """Last review: ``/api/show {"model": 5}`` was told "must be an object", naming no
+    field (``model`` read as a pydantic label), and ``context: [true]`` reached the
+    handler as token 1. Ollama answers Go's encoding/json error: the JSON kind, the
+    innermost Go struct, the field's path without indexes and the Go type; a field Go
+    decodes itself (keep_alive) keeps its own message, which names it."""
+    client, engine = app_and_engine()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    cases = [  # (route, body, error)
+        ("/api/show", {"model": 5},
+         "json: cannot unmarshal number into Go struct field ShowRequest.model of type string"),
+        ("/api/show", [1], "json: cannot unmarshal array into Go value of type api.ShowRequest"),
+        ("/api/show", {"model": "m", "verbose": "yes"},
+         "json: cannot unmarshal string into Go struct field ShowRequest.verbose of type bool"),
+        ("/api/generate", {"model": "m", "prompt": "hi", "context": [1, True]},
+         "json: cannot unmarshal bool into Go struct field GenerateRequest.context of type int"),
+        ("/api/generate", {"model": "m", "prompt": "hi", "top_logprobs": 1.5},
+         "json: cannot unmarshal number 1.5 into Go struct field GenerateRequest.top_logprobs of type int"),
+        ("/api/chat", {**chat, "messages": 5},
+         "json: cannot unmarshal number into Go struct field ChatRequest.messages of type []api.Message"),
+        ("/api/chat", {**chat, "messages": [{"role": 5, "content": "x"}]},
+         "json: cannot unmarshal number into Go struct field Message.messages.role of type string"),
+        # Go reports the first error in the body's order
+        ("/api/chat", {"stream": "no", "model": 7, "messages": []},
+         "json: cannot unmarshal string into Go struct field ChatRequest.stream of type bool"),
+        ("/api/embed", {"model": "m", "input": "x", "dimensions": True},
+         "json: cannot unmarshal bool into Go struct field EmbedRequest.dimensions of type int"),
+        ("/api/embeddings", {"model": "m", "prompt": 5},
+         "json: cannot unmarshal number into Go struct field EmbeddingRequest.prompt of type string"),
+        ("/api/chat", {**chat, "keep_alive": "forever"},
+         'keep_alive: time: invalid duration "forever" (a Go duration such as "5m", "1h30m" or "-1s")'),
+    ]
+    for route, body, error in cases:
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and r.json() == {"error": error}, (route, body, r.text)
+    assert engine.prompts == []

@@ -253,3 +253,76 @@ def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engin
         r = client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", **changes}]})
         assert r.status_code == 400 and _message(r) == (message, param), (changes, r.text)
     assert engine.prompts == []
+
+
+def test_booleans_are_not_numbers_in_token_id_lists_or_number_fields(app_and_engine):  # noqa: F811
+    """Last review: ``prompt: [true]`` ran as token id 1 (pydantic's lax int), and
+    ``temperature: true`` / a ``logit_bias`` value of ``true`` were 1.0. Each is a 400
+    naming the item; token ids as numbers, and numeric strings (vLLM's lax numbers), still run."""
+    client, engine = app_and_engine()
+    integer, number = "must be an integer, not a boolean", "must be a number, not a boolean"
+    cases = [  # (route, changes to the route's body, param, problem)
+        ("/v1/completions", {"prompt": [True]}, "prompt.0", integer),
+        ("/v1/completions", {"prompt": [1, False]}, "prompt.1", integer),
+        ("/v1/completions", {"prompt": [[1, 2], [3, True]]}, "prompt.1.1", integer),
+        ("/v1/embeddings", {"input": [True]}, "input.0", integer),
+        ("/v1/embeddings", {"input": [[5, True]]}, "input.0.1", integer),
+        ("/v1/chat/completions", {"allowed_token_ids": [1, True]}, "allowed_token_ids.1", integer),
+        ("/v1/chat/completions", {"logit_bias": {"5": True}}, "logit_bias.5", number),
+        ("/v1/chat/completions", {"temperature": True}, "temperature", number),
+        ("/v1/completions", {"top_p": False}, "top_p", number),
+        ("/v1/responses", {"temperature": True}, "temperature", number),
+        ("/v1/messages", {"top_p": True}, "top_p", number),
+    ]
+    for route, changes, param, problem in cases:
+        r = client.post(route, json={**ROUTE_MODELS[route][1], **changes})
+        assert r.status_code == 400, (changes, r.text)
+        if route == "/v1/messages":  # Anthropic's error body: no param
+            assert r.json()["error"]["message"] == f"{param}: {problem}", r.text
+        else:
+            assert _message(r) == (f"{param}: {problem}", param), (changes, r.text)
+    assert engine.prompts == []
+    for prompt in ([1, 2], [[1, 2]]):
+        engine.outputs = [_output("Hi", "stop")]
+        r = client.post("/v1/completions", json={**ROUTE_MODELS["/v1/completions"][1], "prompt": prompt})
+        assert r.status_code == 200, (prompt, r.text)
+    assert [p.get("prompt_token_ids") for p in engine.prompts] == [[1, 2], [1, 2]]
+    engine.outputs = [_output("Hi", "stop")]
+    r = client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": ["5"], "temperature": "0.5"})
+    assert r.status_code == 200, r.text  # numeric strings: vLLM's lax numbers, unchanged
+    assert (engine.params[-1].stop_token_ids, engine.params[-1].temperature) == ([5], 0.5)
+
+
+def test_a_lone_surrogate_is_named_at_the_clients_field_and_position(app_and_engine):  # noqa: F811
+    """Last review: a lone surrogate in a chat message was told at position 115 of the
+    rendered prompt, with param ``messages`` (``input`` on /v1/responses, whose message
+    said ``messages``); stop strings got pydantic's "unable to parse raw data" wording.
+    Each route now names the client's own field and the position within its string."""
+    client, engine = app_and_engine()
+    surrogate = "ab\\ud800c"  # U+D800 at position 2 of the field's string, as JSON escapes it
+    said = "the text contains a lone surrogate code point U+D800 at position 2, which is not valid Unicode; " \
+           "send UTF-8 text."
+    cases = [  # (route, the body's fields as JSON text, param)
+        ("/v1/chat/completions", '"messages":[{"role":"system","content":"s"},{"role":"user","content":"%s"}]',
+         "messages.1.content"),
+        ("/v1/chat/completions", '"messages":[{"role":"user","content":[{"type":"text","text":"%s"}]}]',
+         "messages.0.content.0.text"),
+        ("/v1/chat/completions", '"messages":[{"role":"user","content":"hi"}],"stop":["x","%s"]', "stop.1"),
+        ("/v1/completions", '"prompt":["x","%s"]', "prompt.1"),
+        ("/v1/completions", '"prompt":"hi","stop":"%s"', "stop"),
+        ("/v1/responses", '"input":"%s"', "input"),
+        ("/v1/responses", '"input":[{"role":"user","content":[{"type":"input_text","text":"%s"}]}]',
+         "input.0.content.0.text"),
+        ("/v1/responses", '"input":"hi","instructions":"%s"', "instructions"),
+        ("/tokenize", '"messages":[{"role":"user","content":"%s"}]', "messages.0.content"),
+    ]
+    for route, fields, param in cases:
+        body = '{"model":"m","max_tokens":2,%s}' % (fields % surrogate)
+        r = client.post(route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and _message(r) == (f"{param}: {said}", param), (route, fields, r.text)
+    for fields, field in (('"messages":[{"role":"user","content":"%s"}]', "messages.0.content"),
+                          ('"messages":[{"role":"user","content":"hi"}],"stop_sequences":["%s"]', "stop_sequences.0")):
+        body = '{"model":"m","max_tokens":2,%s}' % (fields % surrogate)
+        r = client.post("/v1/messages", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"{field}: {said}", r.text
+    assert engine.prompts == []

@@ -37,10 +37,8 @@ import json
 import re
 from typing import Any, Optional, Sequence
 
-from pydantic import BaseModel
-
 from llmserve.sampling_params import SamplingParamsError
-from llmserve.tokenizer import check_encodable
+from llmserve.tokenizer import check_texts as check_texts_of
 
 THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
 THINKING_DISPLAYS = ("summarized", "omitted")
@@ -219,24 +217,6 @@ def check_texts(request: Any) -> None:
     """Every string of the request (an AnthropicCountTokensRequest or its subclass) in
     TEXT_FIELDS, object keys too, is valid Unicode: SamplingParamsError naming the path of
     the first one holding a lone surrogate (``messages.0.content``, ``tools.1.input_schema.
-    properties.q.description``), as the OpenAI routes name theirs. Walked with a stack, not
-    recursion: a deeply nested tool input cannot exhaust Python's stack here."""
-    stack: list[tuple[str, Any]] = [(name, getattr(request, name, None)) for name in reversed(TEXT_FIELDS)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            check_encodable(value, path)
-            continue
-        if isinstance(value, BaseModel):
-            items = [(k, getattr(value, k)) for k in type(value).model_fields]
-        elif isinstance(value, dict):
-            items = list(value.items())
-        elif isinstance(value, (list, tuple)):
-            items = list(enumerate(value))
-        else:
-            continue
-        for key, item in reversed(items):  # reversed: the first string in the body is named first
-            at = f"{path}.{key}"
-            if isinstance(key, str):
-                check_encodable(key, at)
-            stack.append((at, item))
+    properties.q.description``) and its position in that string, as the OpenAI routes name
+    theirs (``tokenizer.check_texts``, the one walker for all routes)."""
+    check_texts_of([(name, getattr(request, name, None)) for name in TEXT_FIELDS])

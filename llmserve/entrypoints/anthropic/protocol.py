@@ -17,7 +17,8 @@ from pydantic import Field, field_validator
 
 from llmserve.entrypoints.openai.common.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRING_CHARS, \
     MAX_STOP_STRINGS
-from llmserve.entrypoints.openai.common.protocol import Int64, JSONInt, OpenAIBaseModel, OpenAIRequestModel, random_uuid
+from llmserve.entrypoints.openai.common.protocol import (Int64, JSONFloat, JSONInt, OpenAIBaseModel, OpenAIRequestModel,
+                                                         random_uuid)
 
 # Block lists: at most MAX_CONTENT_PARTS blocks in one message or in ``system``.
 Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
@@ -72,8 +73,8 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     max_tokens: Annotated[JSONInt, Field(ge=1, le=2**63 - 1)]  # JSONInt: true is not 1 token
     stop_sequences: Optional[Annotated[list[StopSequence], Field(max_length=MAX_STOP_STRINGS)]] = None
     stream: Optional[bool] = False
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    temperature: Optional[JSONFloat] = Field(default=None, ge=0.0, le=1.0)
+    top_p: Optional[JSONFloat] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[Int64] = Field(default=None, ge=0)
     metadata: Optional[dict[str, Any]] = None  # user_id: nothing for a local server to do with it
     output_config: Optional[dict[str, Any]] = None  # format: structured outputs; effort: ignored

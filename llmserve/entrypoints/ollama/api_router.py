@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import llmserve
 from llmserve.entrypoints.ollama import info
+from llmserve.entrypoints.ollama.go_errors import go_type_error
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaShowRequest)
 from llmserve.entrypoints.ollama.serving import (serve_chat, serve_embed, serve_embeddings, serve_generate)
@@ -60,8 +61,27 @@ async def _body(raw_request: Request, model: type[T]) -> T:
                 try:
                     return model.model_validate_json(repaired)
                 except ValidationError as e2:
-                    raise RequestValidationError(e2.errors()) from None
-        raise RequestValidationError(e.errors()) from None
+                    _refuse(model, e2.errors(), repaired)
+        _refuse(model, e.errors(), body)
+
+
+def _refuse(model: type[BaseModel], errors: list[dict[str, Any]], body: bytes) -> NoReturn:
+    """Raise the 400 of a body that ``model`` refused. A value of the wrong JSON type first
+    (in the body's order) gets Go's decoder message, as Ollama answers it (go_errors.py:
+    ``json: cannot unmarshal number into Go struct field ShowRequest.model of type
+    string``); anything else gets the validation handler's ``<field>: <problem>`` message.
+    The location gets FastAPI's ``body`` source and the parsed body goes with it, so the
+    handler tells a field called like a pydantic label (``model``) from a label."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):  # invalid JSON: pydantic's json_invalid error says where
+        parsed = None
+    if parsed is not None:
+        go = go_type_error(model.__name__, errors, parsed)
+        if go is not None:
+            raise SamplingParamsError(*go)
+    located = [{**err, "loc": ("body", *err.get("loc", ()))} for err in errors]
+    raise RequestValidationError(located, body=parsed)
 
 
 # A UTF-16 surrogate code point left in a parsed string: Python's json pairs the valid

@@ -5,6 +5,8 @@
 Requests are pydantic models with Ollama's field names; unknown fields are accepted and
 ignored (logged once, as the OpenAI requests do). ``options`` stays a plain dict: it is
 mapped to sampling by ``options.py``, which names ``options.<key>`` in its errors.
+Integer fields are Go ints (StrictInt: ``"5"``, ``1.5`` and ``true`` are refused, as Go's
+decoder refuses them; go_errors.py words the 400 as Ollama does).
 Responses are built as plain dicts in ``serving.py`` (Ollama's JSON leaves unset fields
 out, and its clients read them as optional).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, StrictInt
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
@@ -63,7 +65,7 @@ class OllamaBaseGenerate(OpenAIRequestModel):
     keep_alive: KeepAlive = None
     think: Optional[Union[bool, str]] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[StrictInt] = None  # Go's int: "5", 1.5 and true are type errors
     # An over-long prompt is shortened (default) or refused (false): context_fit.py.
     truncate: Optional[bool] = None
     shift: Optional[bool] = None  # Ollama's context shift; accepted, no effect (context_fit.py)
@@ -86,7 +88,7 @@ class OllamaGenerateRequest(OllamaBaseGenerate):
     suffix: Optional[str] = None
     system: Optional[str] = None
     template: Optional[str] = None
-    context: Optional[list[int]] = None
+    context: Optional[list[StrictInt]] = None
     raw: Optional[bool] = False
     images: Optional[list[Any]] = None
 
@@ -98,7 +100,7 @@ class OllamaEmbedRequest(OpenAIRequestModel):
     model: str = Field(min_length=1)
     input: Union[str, list[str]] = ""
     truncate: Optional[bool] = True
-    dimensions: Optional[int] = Field(default=None, ge=1)
+    dimensions: Optional[StrictInt] = Field(default=None, ge=1)
     options: Optional[dict[str, Any]] = None
     keep_alive: KeepAlive = None
 

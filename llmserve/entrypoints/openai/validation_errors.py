@@ -109,8 +109,14 @@ def problems_of(errors: list[dict[str, Any]], body: Any, strip: int = 0) -> list
     for err in errors:
         loc = tuple(err.get("loc", ()))[strip:]
         path, labels = client_path(loc, body, err.get("type", ""))
-        out.append(Problem(path, labels, err.get("type", ""), err.get("msg", "invalid value"),
-                           dict(err.get("ctx") or {})))
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "string_unicode" and isinstance(err.get("input"), str):
+            # a lone surrogate in a constrained string (stop, stop_sequences): the words and
+            # position every other field gets (tokenizer.check_encodable), not pydantic's
+            from llmserve.tokenizer import lone_surrogate_problem
+
+            msg = lone_surrogate_problem(err["input"]) or msg
+        out.append(Problem(path, labels, err.get("type", ""), msg, dict(err.get("ctx") or {})))
     return out
 
 
@@ -147,10 +153,13 @@ def _resolve_one(members: list[Problem]) -> list[Problem]:
     for p in members:
         by_member.setdefault(p.labels[0][1], []).append(p)
 
-    def score(ps: list[Problem]) -> tuple[int, int]:
+    def score(ps: list[Problem]) -> tuple[int, int, int]:
         deepest = max(len(p.path) for p in ps)
         matched = any(len(p.path) > depth or p.type not in _TYPE_ERRORS for p in ps)
-        return int(matched), deepest
+        # a JSON boolean where a number goes (common.protocol.BOOLEAN_REFUSED): the number
+        # member names it ("prompt.0: must be an integer, not a boolean"), not the string one
+        refused = any(p.ctx.get("refused") == "boolean" for p in ps)
+        return int(matched), deepest, int(refused)
 
     best = max(by_member.values(), key=score)
     # One member got furthest: its problems. Several as far (``input: [1.5]`` is a list

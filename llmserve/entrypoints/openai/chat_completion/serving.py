@@ -49,6 +49,7 @@ from llmserve.entrypoints.openai.chat_completion.tool_calling import (
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import check_texts
 
 
 class OpenAIServingChat(GenerateBaseServing):
@@ -75,7 +76,9 @@ class OpenAIServingChat(GenerateBaseServing):
                      ) -> RenderedPrompt:
         """The request's messages (and ``tools``, for the template) as a prompt (text and
         token ids), rendered in the renderer's pool. Raises SamplingParamsError (param
-        ``messages`` or the flag)."""
+        ``messages`` or the flag); a lone surrogate is named at its own field and
+        position (``messages.0.content``), not at the rendered prompt's."""
+        check_texts([("messages", request.messages), ("tools", request.tools)])
         return await self.renderer.render_chat(
             request.messages, add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message, chat_template=request.chat_template,

@@ -13,7 +13,7 @@ from pydantic import Field, StrictInt, model_validator
 
 from llmserve.engine.pooling_inputs import resolve_truncation
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST
-from llmserve.entrypoints.openai.common.protocol import Int64, OpenAIRequestModel, random_uuid
+from llmserve.entrypoints.openai.common.protocol import Int64, JSONInt, OpenAIRequestModel, random_uuid
 from llmserve.entrypoints.openai.common.serving import BaseServing, aclose_all, first_items
 from llmserve.entrypoints.openai.models.lora import lora_call
 from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline,
@@ -23,9 +23,10 @@ from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.tokenizer import check_texts
 
 # What ``input`` may be (OpenAI's embeddings input).
-_TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+_TokenIds = Annotated[list[JSONInt], Field(max_length=MAX_PROMPT_TOKEN_IDS)]  # JSONInt: [true] is not token 1
 PoolingInput = Union[str, Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)], _TokenIds,
                      Annotated[list[_TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 
@@ -139,6 +140,7 @@ class PoolingBaseServing(BaseServing):
             items = list(value)
         if not items:
             raise SamplingParamsError(f"{param} cannot be empty.", param)
+        check_texts([(param, value)])  # a lone surrogate named at its item (input.1), not at `input`
         return await self.renderer.render_prompts(items, add_special_tokens=add_special_tokens,
                                                   check_length=truncate_prompt_tokens is None, param=param,
                                                   truncate=self.truncation(truncate_prompt_tokens))

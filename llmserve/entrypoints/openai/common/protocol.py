@@ -53,19 +53,38 @@ MAX_TEMPERATURE = 2.0
 # imported from common/limits.py with the other limits.
 
 
+# The context of the errors below: validation_errors.resolve_unions reads it to report the
+# integer member of a union (``prompt: [true]`` -> ``prompt.0``) rather than "must be a list
+# of integers or ...": a boolean is refused by name only by the member that reads numbers.
+BOOLEAN_REFUSED = {"refused": "boolean"}
+
+
 def _not_a_boolean(value: Any) -> Any:
     """An integer field's value as given, unless it is a JSON boolean: pydantic's lax mode
-    reads ``true`` as 1 (``"max_tokens": true`` asked for one token); OpenAI answers 400.
-    Numeric strings and integral floats stay accepted, as vLLM accepts them (lax ints).
+    reads ``true`` as 1 (``"max_tokens": true`` asked for one token, ``"prompt": [true]``
+    ran token id 1); OpenAI answers 400. Numeric strings and integral floats stay
+    accepted, as vLLM accepts them (lax ints).
     Raises PydanticCustomError ``int_type`` (a 400 naming the field)."""
     if isinstance(value, bool):
-        raise PydanticCustomError("int_type", "Input should be an integer, not a boolean")
+        raise PydanticCustomError("int_type", "Input should be an integer, not a boolean", BOOLEAN_REFUSED)
+    return value
+
+
+def _not_a_boolean_number(value: Any) -> Any:
+    """A number field's value as given, unless it is a JSON boolean: pydantic's lax mode
+    reads ``true`` as 1.0 (``"temperature": true``, a ``logit_bias`` value of ``true``);
+    OpenAI answers 400. Raises PydanticCustomError ``float_type`` (a 400 naming the field)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("float_type", "Input should be a number, not a boolean", BOOLEAN_REFUSED)
     return value
 
 
 # An integer request field: ``true`` is refused (_not_a_boolean). Every integer field of the
-# request models has this type or Int64, so all refuse it alike.
+# request models, and every integer in a list of them (token ids: a completions prompt,
+# embeddings input, stop_token_ids), has this type or Int64, so all refuse it alike.
 JSONInt = Annotated[int, BeforeValidator(_not_a_boolean)]
+# A number (float) request field: ``true`` is refused alike (_not_a_boolean_number).
+JSONFloat = Annotated[float, BeforeValidator(_not_a_boolean_number)]
 # Integers that cross the process boundary must fit in 64 bits (vLLM bounds ``seed`` alike).
 Int64 = Annotated[JSONInt, Field(ge=-(2**63), le=2**63 - 1)]
 
@@ -164,7 +183,9 @@ class OpenAIRequestModel(OpenAIBaseModel):
     @classmethod
     def _strict_bool(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None and not isinstance(value, bool) and info.field_name in cls.bool_fields():
-            raise ValueError(f"must be a JSON boolean (true or false), got {type(value).__name__}")
+            # bool_type: a type error, as Ollama's routes tell it in Go's words (ollama/go_errors.py)
+            raise PydanticCustomError("bool_type", "must be a JSON boolean (true or false), got {got}",
+                                      {"got": type(value).__name__})
         return value
 
     @classmethod
@@ -252,11 +273,11 @@ class SamplingRequest(OpenAIRequestModel):
     model: Optional[str] = None
     n: Optional[Int64] = 1
     max_tokens: Optional[Int64] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    temperature: Optional[JSONFloat] = None
+    top_p: Optional[JSONFloat] = None
+    presence_penalty: Optional[JSONFloat] = None
+    frequency_penalty: Optional[JSONFloat] = None
+    logit_bias: Optional[Annotated[dict[str, JSONFloat], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     seed: Optional[Int64] = None
     stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
                          Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
@@ -268,8 +289,8 @@ class SamplingRequest(OpenAIRequestModel):
     # vLLM extras
     structured_outputs: Optional[dict[str, Any]] = None
     top_k: Optional[Int64] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    min_p: Optional[JSONFloat] = None
+    repetition_penalty: Optional[JSONFloat] = None
     min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[Annotated[list[Int64], Field(max_length=MAX_TOKEN_ID_LIST_ITEMS)]] = None
@@ -290,7 +311,7 @@ class SamplingRequest(OpenAIRequestModel):
     truncation_side: Optional[Literal["left", "right"]] = None
     # vLLM's beam search (common/beam.py): n beams, transformers' length_penalty / early_stopping
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: JSONFloat = 1.0
     early_stopping: Union[bool, Literal["never"]] = False
 
     @model_validator(mode="before")

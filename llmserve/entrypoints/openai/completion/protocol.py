@@ -10,6 +10,7 @@ from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_
 from llmserve.entrypoints.openai.common.protocol import (
     CompletionLogProbs,
     Int64,
+    JSONInt,
     OpenAIBaseModel,
     PromptLogprobs,
     SamplingRequest,
@@ -24,7 +25,7 @@ from llmserve.sampling_params import SamplingParams, SamplingParamsError
 DEFAULT_MAX_TOKENS = 16
 
 
-TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+TokenIds = Annotated[list[JSONInt], Field(max_length=MAX_PROMPT_TOKEN_IDS)]  # JSONInt: [true] is not token 1
 PromptType = Union[TokenIds, Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS_PER_REQUEST)], str,
                    Annotated[list[str], Field(max_length=MAX_PROMPTS_PER_REQUEST)]]
 

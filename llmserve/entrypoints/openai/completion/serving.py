@@ -45,7 +45,7 @@ from llmserve.entrypoints.openai.logprobs import build_completion_logprobs, buil
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
-from llmserve.tokenizer import check_encodable
+from llmserve.tokenizer import check_encodable, check_texts
 
 
 class _Prompt:
@@ -92,6 +92,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
     async def _prepare(self, request: CompletionRequest) -> tuple[str, list[_Prompt]]:
         model_name = self._check_model(request)
         request.check()
+        check_texts([("prompt", request.prompt)])  # a lone surrogate named at its item (prompt.1)
         items = _prompt_items(request.prompt)
         fim = None
         if request.suffix:  # fill-in-the-middle: each prompt is the text before the cursor

@@ -14,6 +14,7 @@ from llmserve.entrypoints.openai.embeddings.protocol import (EmbeddingRequest, E
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.tokenizer import check_texts
 
 
 class OpenAIServingEmbedding(PoolingBaseServing):
@@ -25,6 +26,7 @@ class OpenAIServingEmbedding(PoolingBaseServing):
         if (request.input is None) == (request.messages is None):
             raise SamplingParamsError("Give exactly one of `input` or `messages`.", "input")
         if request.messages is not None:
+            check_texts([("messages", request.messages)])  # named at the message, not the rendered prompt
             return [await self.renderer.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, chat_template=request.chat_template,

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_STOP_STRING_CHARS, \
     MAX_STOP_STRINGS
-from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, OpenAIBaseModel, \
+from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, JSONFloat, OpenAIBaseModel, \
     OpenAIRequestModel
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -49,13 +49,13 @@ class InfillRequest(OpenAIRequestModel):
     input_extra: Annotated[list[ExtraChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
     prompt: str = ""
     n_predict: Optional[Int64] = None  # -1: no limit but the context (llama-server)
-    temperature: Optional[float] = None
+    temperature: Optional[JSONFloat] = None
     top_k: Optional[Int64] = None
-    top_p: Optional[float] = None
-    min_p: Optional[float] = None
-    repeat_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
+    top_p: Optional[JSONFloat] = None
+    min_p: Optional[JSONFloat] = None
+    repeat_penalty: Optional[JSONFloat] = None
+    presence_penalty: Optional[JSONFloat] = None
+    frequency_penalty: Optional[JSONFloat] = None
     seed: Optional[Int64] = None
     stop: Optional[Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
                              Field(max_length=MAX_STOP_STRINGS)]] = None

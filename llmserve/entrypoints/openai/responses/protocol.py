@@ -20,6 +20,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     MAX_TEMPERATURE,
     check_max_logprobs,
     Int64,
+    JSONFloat,
     OpenAIBaseModel,
     OpenAIRequestModel,
     REASONING_EFFORTS,
@@ -89,8 +90,8 @@ class ResponsesRequest(OpenAIRequestModel):
     input: Union[str, Annotated[list[Any], Field(max_length=MAX_MESSAGES)]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[Int64] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    temperature: Optional[JSONFloat] = None
+    top_p: Optional[JSONFloat] = None
     text: Optional[ResponseTextConfig] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
@@ -107,8 +108,8 @@ class ResponsesRequest(OpenAIRequestModel):
     truncation: Optional[Literal["auto", "disabled"]] = "disabled"
     # vLLM extras
     top_k: Optional[Int64] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    min_p: Optional[JSONFloat] = None
+    repetition_penalty: Optional[JSONFloat] = None
     seed: Optional[Int64] = None
     stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
                          Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],

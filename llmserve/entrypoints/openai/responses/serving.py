@@ -76,6 +76,7 @@ from llmserve.entrypoints.openai.responses.streaming import MAX_LOGGED_EVENTS, E
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.tokenizer import check_texts
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
 
@@ -119,7 +120,14 @@ MAX_EVENT_LOGS = 64  # streamed responses whose events GET ...?stream=true can r
 
 
 def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
-    return SamplingParamsError(str(e), names.get(e.param, e.param)) if e.param in names else e
+    """``e`` with the Responses API's name for its field (``messages`` -> ``input``), in
+    ``param`` and in a message that starts with the field (``messages: ...``), so the two agree."""
+    if e.param not in names:
+        return e
+    message, name = str(e), names[e.param]
+    if message.startswith(f"{e.param}:"):
+        message = name + message[len(e.param):]
+    return SamplingParamsError(message, name)
 
 
 class ResponsesJob:
@@ -183,6 +191,9 @@ class OpenAIServingResponses(GenerateBaseServing):
     async def _prepare(self, request: ResponsesRequest, model_name: str, request_id: Optional[str]) -> ResponsesJob:
         """Check and render the request (everything that can fail before it runs)."""
         request.check()
+        # a lone surrogate named at the client's field and position (input.0.content), not
+        # at the rendered prompt's, which the error would otherwise call ``messages``
+        check_texts([("instructions", request.instructions), ("input", request.input), ("tools", request.tools)])
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             history = list(self.store.get(request.previous_response_id, "previous_response_id").messages)

@@ -19,6 +19,7 @@ from llmserve.entrypoints.openai.tokenize.protocol import (
 )
 from llmserve.entrypoints.renderer import AsyncRenderer
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.tokenizer import check_texts
 
 
 class OpenAIServingTokenization(BaseServing):
@@ -37,6 +38,7 @@ class OpenAIServingTokenization(BaseServing):
         /v1/chat/completions would send them). Raises ModelNotFoundError / SamplingParamsError."""
         self._check_model(request)
         request.check()
+        check_texts([("prompt", request.prompt), ("messages", request.messages), ("tools", request.tools)])
         if request.messages is not None:
             rendered = await self.renderer.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
