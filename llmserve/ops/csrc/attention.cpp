@@ -280,17 +280,34 @@ static int64_t tile_rows(const int32_t* btp, int64_t bt_s0, const int32_t* slp, 
 }
 #endif
 
-// Rows [0, n) of a step over the threads. A decode step's rows cost about the same: split
-// in contiguous ranges (each thread's prefetch stream stays one run). A step of prompt
-// tokens is one query per token over its causal context, so a prompt's cost grows with the
-// position: contiguous halves left one of 2 threads ~75% of a long prompt's work. Past
-// kStaticRows rows, threads claim kClaim rows at a time from the end (the longest contexts
-// first, so the last claims are the cheapest). Each row's arithmetic is the same either way.
-template <typename F>
-static void run_balanced(int64_t n, const F& body) {
-  constexpr int64_t kStaticRows = 64, kClaim = 16;
+// Rows [0, n) of a step over the threads; cost(r): row r's context in tokens. Up to
+// kStaticRows rows (decode steps), contiguous ranges of about equal cost, one a thread (each
+// thread's prefetch stream stays one run): a step's requests entered the batch at different
+// times, oldest first, so equal row counts gave the first thread the longest contexts (at
+// c=32 with 128-token answers, contexts 159..287: ~1.14x the balanced time, the other
+// thread waiting). A step of prompt tokens is one query per token over its causal context,
+// so a prompt's cost grows with the position: contiguous halves left one of 2 threads ~75%
+// of a long prompt's work. Past kStaticRows rows, threads claim kClaim rows at a time from
+// the end (the longest contexts first, so the last claims are the cheapest). Each row's
+// arithmetic is the same either way.
+template <typename C, typename F>
+static void run_balanced(int64_t n, const C& cost, const F& body) {
+  constexpr int64_t kStaticRows = 64, kClaim = 16, kRowCost = 16;  // kRowCost: a row's own work, in tokens
   if (n <= kStaticRows) {
-    at::parallel_for(0, n, 1, body);
+    const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+    int64_t total = 0;
+    for (int64_t r = 0; r < n; ++r) total += cost(r) + kRowCost;
+    int64_t bounds[kStaticRows + 1];
+    bounds[0] = 0;
+    for (int64_t t = 1, r = 0, acc = 0; t <= nt; ++t) {  // range t ends once its share of the total is in
+      const int64_t goal = t == nt ? total : total * t / nt;
+      while (r < n && acc < goal) acc += cost(r++) + kRowCost;
+      bounds[t] = t == nt ? n : r;
+    }
+    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        if (bounds[t] < bounds[t + 1]) body(bounds[t], bounds[t + 1]);
+    });
     return;
   }
   const int64_t chunks = (n + kClaim - 1) / kClaim;
@@ -388,7 +405,9 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
                                fscale, cap, orow, scores, accm, pbuf, prefetch_next);
         }
       };
-      run_balanced(n, body);
+      run_balanced(n, [&](int64_t r) {
+        return window > 0 ? std::min<int64_t>(slp[r], window) : static_cast<int64_t>(slp[r]);
+      }, body);
       return;
     }
   }
