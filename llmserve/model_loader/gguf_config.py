@@ -12,7 +12,10 @@ where llama.cpp hard-codes a value instead of writing it, so does this (with the
   ``rope.scaling.type`` / ``factor`` for the global ones;
 - phi3: ``rope.dimension_count`` (partial rotary), ``rope.scaling.original_context_length``,
   ``rope.scaling.attn_factor`` and the ``rope_factors_long`` / ``rope_factors_short``
-  tensors (LongRoPE), ``attention.sliding_window``.
+  tensors (LongRoPE), ``attention.sliding_window``;
+- qwen2moe / qwen3moe: ``expert_feed_forward_length`` (the experts' width) and, qwen2moe,
+  ``expert_shared_feed_forward_length`` (the shared expert's); the top-k normalisation
+  llama.cpp hard-codes per architecture.
 """
 from __future__ import annotations
 
@@ -20,7 +23,12 @@ from typing import Any, Optional
 
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # GGUF ``general.architecture`` values llmserve runs (Mistral files say "llama").
-GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
+# Whether llama.cpp renormalises the top-k routing weights to sum 1 (the ``norm_w`` argument
+# of ``build_moe_ffn`` in src/models/qwen2moe.cpp: false, qwen3moe.cpp: true; the files carry
+# no key for it). The same as the released models' config.json: Qwen1.5-MoE-A2.7B and
+# Qwen2-57B-A14B have ``norm_topk_prob: false``, Qwen3-30B-A3B / 235B-A22B ``true``.
+_QWEN_MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 
 
 def check_gguf_architecture(gguf_path: str) -> str:
@@ -64,14 +72,16 @@ class _Meta:
 
 def complete_gguf_config(config: Any, gguf_path: str) -> Any:
     """Fill in ``config`` (from ``AutoConfig.from_pretrained(..., gguf_file=...)``) with the
-    metadata above for gemma2 / gemma3 / phi3 files; other architectures are returned as
-    they are. Returns ``config`` (changed in place), or for a ``llama`` file with experts
-    (Mixtral) a new ``MixtralConfig``."""
+    metadata above for gemma2 / gemma3 / phi3 / qwen2moe / qwen3moe files; other architectures
+    are returned as they are. Returns ``config`` (changed in place), or for a ``llama`` file
+    with experts (Mixtral) a new ``MixtralConfig``."""
     meta = _Meta(gguf_path)
     if meta.arch in ("gemma2", "gemma3"):
         _complete_gemma(config, meta)
     elif meta.arch == "phi3":
         _complete_phi3(config, meta)
+    elif meta.arch in _QWEN_MOE_NORM_TOPK:
+        _complete_qwen_moe(config, meta)
     elif meta.arch == "llama" and int(meta.arch_key("expert_count", 0) or 0) > 0:
         return _as_mixtral(config, meta)
     return config
@@ -87,6 +97,24 @@ def _as_mixtral(config: Any, meta: _Meta) -> Any:
     return MixtralConfig(**fields, num_local_experts=int(meta.arch_key("expert_count")),
                          num_experts_per_tok=int(meta.arch_key("expert_used_count", 2)),
                          architectures=["MixtralForCausalLM"])
+
+
+def _complete_qwen_moe(config: Any, meta: _Meta) -> None:
+    """The expert widths transformers' GGUF reader leaves at its config class defaults
+    (Qwen2MoeConfig's 1408 / 5632, whatever the file says), llama.cpp's routing
+    normalisation, and every layer sparse: llama.cpp's qwen2moe / qwen3moe load a router
+    and experts in every block (no ``mlp_only_layers`` / ``decoder_sparse_step`` key).
+    Without ``expert_feed_forward_length`` (files converted before llama.cpp's PR #7835)
+    the widths are llama.cpp's fallbacks: ``feed_forward_length / expert_used_count`` for
+    the experts, ``feed_forward_length`` for the shared expert."""
+    n_ff = int(meta.arch_key("feed_forward_length", 0) or config.intermediate_size)
+    used = int(meta.arch_key("expert_used_count", 0) or config.num_experts_per_tok)
+    config.moe_intermediate_size = int(meta.arch_key("expert_feed_forward_length", 0) or n_ff // used)
+    if meta.arch == "qwen2moe":
+        config.shared_expert_intermediate_size = int(meta.arch_key("expert_shared_feed_forward_length", 0) or n_ff)
+    config.norm_topk_prob = _QWEN_MOE_NORM_TOPK[meta.arch]
+    config.mlp_only_layers = []
+    config.decoder_sparse_step = 1
 
 
 def _complete_gemma(config: Any, meta: _Meta) -> None:

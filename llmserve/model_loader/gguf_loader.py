@@ -4,7 +4,8 @@ Indexes the file's tensors with a small header parser (``gguf.GGUFReader`` as th
 fallback; it takes seconds parsing tokenizer metadata we do not need here), dequantizes with ``gguf.quants.dequantize`` (float32), maps
 llama.cpp tensor names to HF names and, for the ``llama`` GGUF architecture, undoes the
 q/k row permutation ``convert_hf_to_gguf.py`` applies, exactly as transformers'
-``LlamaTensorProcessor`` does, so the weights equal those of
+``LlamaTensorProcessor`` does (the converter permutes no other architecture's rows, the
+Qwen ones included), so the weights equal those of
 ``AutoModelForCausalLM.from_pretrained(path, gguf_file=...)``.
 """
 from __future__ import annotations
@@ -46,6 +47,12 @@ _BLOCK_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # Qwen2-MoE's shared expert (llama.cpp's qwen2moe) and its sigmoid gate, which
+    # convert_hf_to_gguf.py may write 1-D [hidden] (HF's is [1, hidden]; see iterate_gguf_weights).
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Per-architecture names (llama.cpp's gguf.constants.MODEL_TENSORS): Gemma's norms around
 # attention and the MLP; Phi-3's fused q/k/v and gate/up ("ffn_up" holds both, gate first).
@@ -263,6 +270,8 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
                 w = reverse_permute(w, n_head)
             elif ".attn_k." in t.name:
                 w = reverse_permute(w, n_kv)
+        if hf_name.endswith(".shared_expert_gate.weight") and w.ndim == 1:  # [hidden] -> HF's [1, hidden]
+            w = w.reshape(1, -1)
         if packed is not None:
             _keep_packed(packed, hf_name, t, arch, n_head, n_kv)
         if w.ndim == 3 and ".mlp.experts." in hf_name:  # [E, out, in]: one tensor per expert
@@ -318,6 +327,8 @@ def _keep_packed(packed: dict, hf_name: str, t: GGUFTensorInfo, arch: str, n_hea
 
     qtype = int(t.tensor_type)
     if qtype not in PACKED_TYPES and qtype not in KQUANT_TYPES:
+        return
+    if hf_name.endswith(".shared_expert_gate.weight"):  # one output row: stays a dense GEMV
         return
     if t.data.ndim == 3 and ".mlp.experts." in hf_name:
         for e in range(t.data.shape[0]):

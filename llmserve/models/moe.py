@@ -22,7 +22,10 @@ down) and Qwen3-MoE's ``mlp.gate`` / ``mlp.experts.{e}.gate_proj|up_proj|down_pr
 into ``mlp.gate`` and ``mlp.experts[e].gate_up_proj|down_proj`` (each expert is a ``LlamaMLP``,
 so its linears are packed for oneDNN like the dense ones). Mixtral GGUF files (llama.cpp's
 ``ffn_gate_inp`` router and 3-D ``ffn_*_exps`` stacks) arrive under the same names, split per
-expert by ``model_loader.gguf_loader``.
+expert by ``model_loader.gguf_loader``, as do Qwen2-MoE / Qwen3-MoE GGUF files (llama.cpp's
+``qwen2moe`` / ``qwen3moe``; the shared expert's ``ffn_*_shexp`` and its gate
+``ffn_gate_inp_shexp``), whose config ``model_loader.gguf_config`` completes (expert widths,
+``norm_topk_prob`` as llama.cpp routes each).
 """
 from __future__ import annotations
 

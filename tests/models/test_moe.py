@@ -4,7 +4,9 @@ Tiny random checkpoints written by transformers' own model classes (``save_pretr
 on-disk per-expert names, Mixtral's ``block_sparse_moe.experts.{e}.w1|w2|w3``): 2 layers, 8
 experts, top-2; Qwen2-MoE with its sigmoid-gated shared expert and ``norm_topk_prob`` on;
 Qwen3-MoE with ``norm_topk_prob`` off and its first layer dense (``mlp_only_layers``), so
-both normalisations and both layer kinds run.
+both normalisations and both layer kinds run. As GGUF files (Mixtral; Qwen2-MoE / Qwen3-MoE as
+llama.cpp's ``qwen2moe`` / ``qwen3moe``, every layer sparse, routing normalised as llama.cpp
+does) they must give the same logits as transformers on the file's weights.
 """
 from __future__ import annotations
 
@@ -27,8 +29,21 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attent
               num_hidden_layers=2, num_experts_per_tok=2, tie_word_embeddings=False)
 
 
+# The Qwen-MoE checkpoints written as GGUF files: every layer sparse and the routing
+# normalisation llama.cpp hard-codes (qwen2moe: off, qwen3moe: on), experts 64 wide (the rows
+# of ffn_down_exps must be whole 32-value Q8_0 blocks).
+GGUF_QWEN = {"qwen2moe": ("qwen2_moe", dict(norm_topk_prob=False, moe_intermediate_size=64)),
+             "qwen3moe": ("qwen3_moe", dict(norm_topk_prob=True, moe_intermediate_size=64, mlp_only_layers=[]))}
+
+
 def tiny_config(arch: str):
     import transformers as tf
+    if arch in GGUF_QWEN:
+        base, changes = GGUF_QWEN[arch]
+        cfg = tiny_config(base)
+        for key, value in changes.items():
+            setattr(cfg, key, value)
+        return cfg
     if arch == "mixtral":
         return tf.MixtralConfig(**COMMON, num_local_experts=8)
     if arch == "qwen2_moe":
@@ -220,3 +235,138 @@ def test_mixtral_gguf_matches_hf_on_its_weights(checkpoints, tmp_path, tokens_fn
         unpacked = [n for n, m in linears.items() if m.qweight is None or m.weight.numel()]
         assert unpacked == [], f"dense (not run from the file's blocks): {unpacked}"
         assert (step_runner_cls(bf16).step([("a", prompt)])["a"] - want).abs().max() < 0.1
+
+
+# ---- Qwen2-MoE / Qwen3-MoE as GGUF files (llama.cpp's qwen2moe / qwen3moe architectures) ----
+
+_QWEN_GGUF_PARTS = {**_GGUF_PARTS, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+
+
+def _qwen_gguf_tensors(hf):
+    """(llama.cpp name, float32 array) of a Qwen-MoE checkpoint as convert_hf_to_gguf.py
+    names them: q/k rows not permuted (only ``llama`` is), q/k/v biases and q/k norms kept,
+    the shared expert's gate 1-D ``[hidden]`` (llama.cpp's ``{n_embd}``), experts stacked."""
+    cfg, sd = hf.config, {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"]),
+           ("output.weight", sd["lm_head.weight"])]
+    for L in range(cfg.num_hidden_layers):
+        p = f"model.layers.{L}."
+        for part, g in _QWEN_GGUF_PARTS.items():
+            for suffix in ("weight", "bias"):
+                arr = sd.get(f"{p}{part}.{suffix}")
+                if arr is not None:
+                    out.append((f"blk.{L}.{g}.{suffix}", arr.reshape(-1) if g == "ffn_gate_inp_shexp" else arr))
+        gu, down, i = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"], cfg.moe_intermediate_size
+        out += [(f"blk.{L}.ffn_gate_exps.weight", gu[:, :i]), (f"blk.{L}.ffn_up_exps.weight", gu[:, i:]),
+                (f"blk.{L}.ffn_down_exps.weight", down)]
+    return out
+
+
+def write_qwen_moe_gguf(hf, path: str, arch: str, qtype: str) -> None:
+    """Write ``hf`` as llama.cpp's converter writes a ``qwen2moe`` / ``qwen3moe`` file (the
+    weights it quantizes in ``qtype``)."""
+    import gguf
+    import numpy as np
+    cfg = hf.config
+    w = gguf_writer(path, arch, cfg)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    for name, arr in _qwen_gguf_tensors(hf):
+        # convert_hf_to_gguf.py writes 1-D tensors (norms, biases, the shared expert's gate) and
+        # the routers (FFN_GATE_INP) in F32 whatever the file's type; llama-quantize leaves them so
+        if arr.ndim == 1 or qtype == "F32" or ".ffn_gate_inp." in name:
+            w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr), t), raw_dtype=t)
+    finish_gguf(w)
+
+
+def _round_tripped(hf, qtype: str):
+    """A copy of ``hf`` whose weights the file quantizes are quantized and dequantized."""
+    import copy
+
+    import gguf
+    ref = copy.deepcopy(hf)
+    if qtype != "F32":
+        t = gguf.GGMLQuantizationType[qtype]
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if p.ndim >= 2 and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                    p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), t), t)))
+    return ref
+
+
+@pytest.mark.parametrize("qtype", [pytest.param("F32", marks=pytest.mark.slow), "Q8_0"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
+def test_qwen_moe_gguf_matches_hf_on_its_weights(checkpoints, tmp_path, tokens_fn, step_runner_cls, model_config_fn,
+                                                 arch, qtype):
+    """A Qwen2-MoE / Qwen3-MoE checkpoint written as llama.cpp's converter does (its router and
+    the shared expert's 1-D gate in F32) loads with the experts' widths and llama.cpp's routing
+    normalisation, and its float32 logits equal transformers' on the file's round-tripped
+    weights within 1e-4 (prefill, then decodes); in bfloat16 every linear but those F32 ones
+    runs the file's blocks, each expert's too, within 0.1."""
+    hf = checkpoints(arch)[1]
+    gpath = str(tmp_path / f"{arch}-{qtype}.gguf")
+    write_qwen_moe_gguf(hf, gpath, arch, qtype)
+    resolved = resolve_model(gpath)
+    config = load_hf_config(resolved)
+    assert config.architectures == [type(hf).__name__] and config.num_experts == 8 and config.num_experts_per_tok == 2
+    assert config.moe_intermediate_size == 64 and config.norm_topk_prob == (arch == "qwen3moe")
+    if arch == "qwen2moe":
+        assert config.shared_expert_intermediate_size == 32
+    else:
+        assert config.head_dim == 16
+    model = get_model(model_config_fn(resolved, config, "float32"))
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert all(isinstance(b, moe.SparseMoeBlock) and b.renormalize == (arch == "qwen3moe") for b in blocks)
+    assert all((b.shared_expert is not None) == (arch == "qwen2moe") for b in blocks)
+    prompt = tokens_fn(24, 8)
+    want = hf_logits(_round_tripped(hf, qtype), prompt)
+    runner = step_runner_cls(model)
+    got = torch.cat([runner.step([("a", prompt[:16])])["a"]] + [runner.step([("a", [t])])["a"] for t in prompt[16:]])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    if qtype == "Q8_0":  # bfloat16, the GGUF default
+        bf16 = get_model(model_config_fn(resolved, config, "bfloat16"))
+        linears = {n: m for n, m in bf16.named_modules() if isinstance(m, Linear)}
+        assert len([n for n in linears if ".mlp.experts." in n]) == 2 * 8 * config.num_hidden_layers
+        unpacked = sorted(n for n, m in linears.items() if m.qweight is None or m.weight.numel())
+        f32_linears = ("gate", "shared_expert_gate") if arch == "qwen2moe" else ("gate",)
+        floats = sorted(f"model.layers.{L}.mlp.{g}" for L in range(config.num_hidden_layers) for g in f32_linears)
+        assert unpacked == floats, "only the F32 routers and shared-expert gates may run dense"
+        assert (step_runner_cls(bf16).step([("a", prompt)])["a"] - want).abs().max() < 0.1
+
+
+def test_qwen_moe_gguf_widths_fallback_and_unsupported_moe_refused(tmp_path):
+    """Without ``expert_feed_forward_length`` (files converted before llama.cpp took it) the
+    widths are llama.cpp's fallbacks; a MoE architecture llmserve does not run (DeepSeek-V2's
+    ``deepseek2``) is refused naming it and listing the supported ones, the Qwen-MoE ones too."""
+    import gguf
+    import transformers as tf
+
+    from llmserve.model_loader.gguf_config import complete_gguf_config
+    path = str(tmp_path / "old-qwen2moe.gguf")
+    w = gguf.GGUFWriter(path, "qwen2moe")
+    w.add_feed_forward_length(960)
+    w.add_expert_used_count(4)
+    finish_gguf(w)
+    config = complete_gguf_config(tf.Qwen2MoeConfig(), path)  # its defaults: 1408 and 5632
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (240, 960)
+    assert config.norm_topk_prob is False
+    path = str(tmp_path / "deepseek2.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_expert_count(64)
+    finish_gguf(w)
+    with pytest.raises(ValueError, match=r"GGUF architecture 'deepseek2'.*supported GGUF architectures.*"
+                                         r"'qwen2moe'.*'qwen3moe'"):
+        load_hf_config(resolve_model(path))
