@@ -31,9 +31,11 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attent
 
 # The Qwen-MoE checkpoints written as GGUF files: every layer sparse and the routing
 # normalisation llama.cpp hard-codes (qwen2moe: off, qwen3moe: on), experts 64 wide (the rows
-# of ffn_down_exps must be whole 32-value Q8_0 blocks).
+# of ffn_down_exps must be whole 32-value Q8_0 blocks); Qwen3-MoE's heads 32 wide, not
+# hidden / heads (as Qwen3-30B-A3B's 128 against 2048 / 32): attention.key_length says so.
 GGUF_QWEN = {"qwen2moe": ("qwen2_moe", dict(norm_topk_prob=False, moe_intermediate_size=64)),
-             "qwen3moe": ("qwen3_moe", dict(norm_topk_prob=True, moe_intermediate_size=64, mlp_only_layers=[]))}
+             "qwen3moe": ("qwen3_moe", dict(norm_topk_prob=True, moe_intermediate_size=64, mlp_only_layers=[],
+                                            head_dim=32))}
 
 
 def tiny_config(arch: str):
@@ -326,7 +328,7 @@ def test_qwen_moe_gguf_matches_hf_on_its_weights(checkpoints, tmp_path, tokens_f
     if arch == "qwen2moe":
         assert config.shared_expert_intermediate_size == 32
     else:
-        assert config.head_dim == 16
+        assert config.head_dim == 32
     model = get_model(model_config_fn(resolved, config, "float32"))
     blocks = [layer.mlp for layer in model.model.layers]
     assert all(isinstance(b, moe.SparseMoeBlock) and b.renormalize == (arch == "qwen3moe") for b in blocks)
