@@ -228,20 +228,9 @@ def _read_with_gguf_reader(path: str) -> tuple[str, list[GGUFTensorInfo]]:
     return arch, [GGUFTensorInfo(t.name, t.tensor_type, t.data) for t in reader.tensors]
 
 
-def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
-                         packed: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for the GGUF file's tensors, dequantized to ``dtype``.
-
-    hf_config supplies ``num_attention_heads`` / ``num_key_value_heads`` for the q/k
-    un-permutation (applied when the GGUF ``general.architecture`` is ``llama``).
-    ``packed``: when given, 2-d tensors of a type in ``packed_types`` (ggml type id ->
-    block bytes) are also stored there as ``hf_name -> (type id, uint8 [rows, row_bytes])``,
-    the file's blocks with the same row un-permutation (for ``llmserve.models.packed``).
-    Raises ValueError for a tensor type the gguf package cannot dequantize.
-    """
-    import torch
-    from gguf.quants import dequantize
-
+def _indexed(gguf_path: str, hf_config: Any) -> tuple[str, list, int, int]:
+    """The file's architecture, tensors (types checked: ``check_tensor_types``) and the
+    config's query / key-value head counts (for the q/k un-permutation)."""
     try:
         arch, tensors = read_gguf_tensors(gguf_path)
     except (ValueError, struct.error) as e:
@@ -249,14 +238,57 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
         arch, tensors = _read_with_gguf_reader(gguf_path)
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
-    kinds = sorted({t.tensor_type.name for t in tensors})
     check_tensor_types(tensors)
+    return arch, tensors, n_head, n_kv
+
+
+def read_gguf_blocks(gguf_path: str, hf_config: Any, packed: dict) -> None:
+    """Fill ``packed`` as :func:`iterate_gguf_weights` does (quantized tensors' blocks by HF
+    name), dequantizing nothing: a first start whose packed layers run at every step
+    attaches them from these before any dense weight is made (``model_loader._load_gguf``).
+    Raises ValueError as :func:`iterate_gguf_weights`."""
+    arch, tensors, n_head, n_kv = _indexed(gguf_path, hf_config)
+    for t in tensors:
+        hf_name = gguf_to_hf_name(t.name, arch)
+        if hf_name is not None:
+            _keep_packed(packed, hf_name, t, arch, n_head, n_kv)
+
+
+def _all_skipped(hf_name: str, t: GGUFTensorInfo, skip: frozenset) -> bool:
+    """Whether every tensor ``t`` yields (one per expert for a 3-d expert stack) is in ``skip``."""
+    if not skip:
+        return False
+    if t.data.ndim == 3 and ".mlp.experts." in hf_name:
+        return all(hf_name.replace(".experts.", f".experts.{e}.") in skip for e in range(t.data.shape[0]))
+    return hf_name in skip
+
+
+def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
+                         packed: Optional[dict] = None,
+                         skip: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for the GGUF file's tensors, dequantized to ``dtype``.
+
+    hf_config supplies ``num_attention_heads`` / ``num_key_value_heads`` for the q/k
+    un-permutation (applied when the GGUF ``general.architecture`` is ``llama``).
+    ``packed``: when given, 2-d tensors of a type in ``packed_types`` (ggml type id ->
+    block bytes) are also stored there as ``hf_name -> (type id, uint8 [rows, row_bytes])``,
+    the file's blocks with the same row un-permutation (for ``llmserve.models.packed``).
+    ``skip``: HF names neither dequantized nor yielded (layers already running on their blocks).
+    Raises ValueError for a tensor type the gguf package cannot dequantize.
+    """
+    import torch
+    from gguf.quants import dequantize
+
+    arch, tensors, n_head, n_kv = _indexed(gguf_path, hf_config)
+    kinds = sorted({t.tensor_type.name for t in tensors})
     logger.info("GGUF %s: tensor types %s, dequantized to %s", os.path.basename(gguf_path),
                 ", ".join(kinds), str(dtype).removeprefix("torch."))
     for t in tensors:
         hf_name = gguf_to_hf_name(t.name, arch)
         if hf_name is None:
             logger.debug("skipping GGUF tensor %s", t.name)
+            continue
+        if _all_skipped(hf_name, t, skip):
             continue
         try:
             w = dequantize(t.data, t.tensor_type)
