@@ -173,23 +173,24 @@ def _complete_phi3(config: Any, meta: _Meta) -> None:
 
 
 # Token texts llama.cpp's vocabulary loader (llama-vocab.cpp) adds to its end-of-generation
-# set whatever the metadata says: Phi-3's <|end|> and <|endoftext|>, Gemma's <end_of_turn>.
-_EOG_TEXTS = ("<|end|>", "<|endoftext|>", "<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>")
-_EOG_BY_TEXT_ARCHS = ("gemma2", "gemma3", "phi3")
+# set whatever the metadata says, for every architecture: Phi-3's <|end|> and
+# <|endoftext|>, Gemma's <end_of_turn>, ChatML's <|im_end|> (Qwen, SmolLM2), Llama 3's
+# <|eot_id|> / <|eom_id|> / <|end_of_text|>, CodeLlama's <EOT>. A Qwen file whose EOS is
+# <|endoftext|> (some conversions) stops at <|im_end|> in llama-server; it ran on here.
+_EOG_TEXTS = ("<|end|>", "<|endoftext|>", "<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>")
 
 
 def gguf_eos_token_ids(gguf_path: str) -> tuple[int, ...]:
     """Stop ids of a GGUF file besides its EOS (the ids llama-server stops at):
-    ``tokenizer.ggml.eot_token_id`` / ``eom_token_id`` when set, and for gemma2 / gemma3 /
-    phi3 files the vocabulary's end-of-turn tokens by text (``_EOG_TEXTS``; converted files
-    often leave ``eot_token_id`` out). A GGUF carries no generation_config.json, whose
+    ``tokenizer.ggml.eot_token_id`` / ``eom_token_id`` when set, and the vocabulary's
+    end-of-turn tokens by text (``_EOG_TEXTS``; converted files often leave
+    ``eot_token_id`` out). A GGUF carries no generation_config.json, whose
     ``eos_token_id`` list plays this part for HF directories. Sorted tuple."""
     from llmserve.model_loader.gguf_loader import read_gguf_tensors
-    meta: dict = {"tokenizer.ggml.eot_token_id": None, "tokenizer.ggml.eom_token_id": None}
-    arch, _ = read_gguf_tensors(gguf_path, meta)
-    ids = {v for v in meta.values() if isinstance(v, int)}
-    if arch in _EOG_BY_TEXT_ARCHS:
-        vocab: dict = {"tokenizer.ggml.tokens": None}
-        read_gguf_tensors(gguf_path, vocab)
-        ids |= {i for i, text in enumerate(vocab["tokenizer.ggml.tokens"] or []) if text in _EOG_TEXTS}
+    meta: dict = {"tokenizer.ggml.eot_token_id": None, "tokenizer.ggml.eom_token_id": None,
+                  "tokenizer.ggml.tokens": None}
+    read_gguf_tensors(gguf_path, meta)
+    ids = {v for k, v in meta.items() if k != "tokenizer.ggml.tokens" and isinstance(v, int)}
+    ids |= {i for i, text in enumerate(meta["tokenizer.ggml.tokens"] or []) if text in _EOG_TEXTS}
     return tuple(sorted(ids))

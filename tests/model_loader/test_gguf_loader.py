@@ -88,3 +88,23 @@ def test_reverse_permute_undoes_llama_cpp_permute():
                 .reshape(w.shape))
     assert not np.array_equal(permuted, w)
     assert np.array_equal(reverse_permute(permuted, n_head), w)
+
+
+@pytest.mark.parametrize("arch,tokens,want", [
+    # a Qwen conversion whose EOS is <|endoftext|>: llama.cpp stops at <|im_end|> by its text
+    ("qwen2", ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"], (0, 2)),
+    ("llama", ["<|begin_of_text|>", "<|end_of_text|>", "x", "<|eot_id|>", "<|eom_id|>"], (1, 3, 4)),
+    ("qwen3moe", ["a", "b"], ()),
+])
+def test_end_of_turn_tokens_by_text_for_every_architecture(tmp_path, arch, tokens, want):
+    """llama.cpp's vocabulary loader adds its end-of-generation texts to the stop set for
+    every architecture, not only Gemma and Phi-3 (as here before)."""
+    import gguf
+
+    from llmserve.model_loader.gguf_config import gguf_eos_token_ids
+    path = str(tmp_path / "meta.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_token_list(tokens)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    assert gguf_eos_token_ids(path) == want
