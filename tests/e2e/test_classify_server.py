@@ -20,6 +20,8 @@ from classify_utils import hf_logits, save_bert_classifier  # noqa: E402
 
 MODEL = "tiny-cross-encoder"
 QUERY = "what is a cat"
+#: The served chat template (the BERT tokenizer has none): each message's text and a space.
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 DOCS = ["Paris is in France.", "A cat is a small animal that purrs.", "Bananas.", "Cats and dogs."]
 ATOL = 1e-4
 
@@ -33,7 +35,7 @@ def ce(tmp_path_factory):
     hf = save_bert_classifier(path, 1)
     srv = RemoteServer(["--model", path, "--served-model-name", MODEL, "--dtype", "float32",
                         "--max-model-len", "128", "--kv-cache-memory", "16MiB",
-                        "--max-finished-request-timelines", "4096"])
+                        "--max-finished-request-timelines", "4096", "--chat-template", TEMPLATE])
     yield srv, hf, AutoTokenizer.from_pretrained(path)
     srv.stop()
 
@@ -236,3 +238,17 @@ def test_pooling_runs_the_classifier_head_per_token(ce):
         assert out["usage"]["prompt_tokens"] == len(enc.input_ids)
     err = _err(srv.post("/pooling", {"model": MODEL, "input": QUERY, "task": "embed"}), "model")
     assert "token_classify" in err["message"]
+
+
+def test_classify_takes_chat_messages(ce):
+    """vLLM's chat-form classify request: ``messages`` through the chat template (the
+    server's --chat-template) into one prompt, added special tokens off as the template owns
+    them; was a 400 "input: field required"."""
+    srv, _, _ = ce
+    msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": QUERY}]
+    got = _ok(srv.post("/classify", {"model": MODEL, "messages": msgs}))
+    want = _ok(srv.post("/classify", {"model": MODEL, "input": f"be kind {QUERY} ", "add_special_tokens": False}))
+    assert [d["probs"] for d in got["data"]] == [d["probs"] for d in want["data"]] and len(got["data"]) == 1
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    _err(srv.post("/classify", {"model": MODEL}), "input")
+    _err(srv.post("/classify", {"model": MODEL, "input": "x", "messages": msgs}), "input")

@@ -9,7 +9,10 @@ from llmserve.entrypoints.openai.classify.protocol import (ClassificationData, C
                                                            ClassificationResponse)
 from llmserve.entrypoints.openai.common.pooling import PoolingBaseServing
 from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import PoolingRequestOutput
+from llmserve.sampling_params import SamplingParamsError
+from llmserve.tokenizer import check_texts
 
 
 def label_of(id2label: Any, index: int) -> Optional[str]:
@@ -32,12 +35,27 @@ class OpenAIServingClassification(PoolingBaseServing):
         labels = getattr(self.model_config.hf_config, "id2label", None)
         return ClassificationData(index=index, label=label_of(labels, best), probs=probs, num_classes=len(probs))
 
+    async def _prompts(self, request: ClassificationRequest) -> list[RenderedPrompt]:
+        """The request's prompts: each ``input`` item, or its ``messages`` through the chat
+        template (one prompt, as vLLM's chat-form classify request). Raises
+        SamplingParamsError naming ``input`` when neither or both are given."""
+        if (request.input is None) == (request.messages is None):
+            raise SamplingParamsError("Give exactly one of `input` or `messages`.", "input")
+        if request.messages is None:
+            return await self.render_input(request.input, request.add_special_tokens,
+                                           truncate_prompt_tokens=request.truncate_prompt_tokens)
+        check_texts([("messages", request.messages)])  # named at the message, not the rendered prompt
+        return [await self.renderer.render_chat(
+            request.messages, add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs, check_length=request.truncate_prompt_tokens is None)]
+
     async def create_classify(self, request: ClassificationRequest) -> ClassificationResponse:
         name = self.check_task(request, "classify")
-        prompts = await self.render_input(request.input, request.add_special_tokens,
-                                          truncate_prompt_tokens=request.truncate_prompt_tokens)
+        prompts = await self._prompts(request)
         rid = self.new_request_id()
-        outs = await self.encode_all(prompts, self.pooling_params(request, "classify"), rid, request.priority)
+        param = "messages" if request.messages is not None else "input"
+        outs = await self.encode_all(prompts, self.pooling_params(request, "classify"), rid, request.priority, param)
         n = sum(len(o.prompt_token_ids) for o in outs)
         return ClassificationResponse(id=rid, created=self.now(), model=name,
                                       data=[self._data(i, o) for i, o in enumerate(outs)],
