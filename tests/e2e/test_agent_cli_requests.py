@@ -8,7 +8,9 @@ Recorded in ``tests/data/agent_clis/`` through a logging proxy in front of llmse
 ``tool_result``) and Codex CLI 0.171.0's second request after an ``exec_command`` call
 (developer messages with ids, ``function_call`` / ``function_call_output`` items, a
 ``namespace`` and a ``web_search`` tool, ``store: false``, ``include``,
-``client_metadata``). ``tests/e2e/test_agent_clis_real.py`` drives the CLIs themselves.
+``client_metadata``). Claude Code 2.1.332's first request of a ``--output-format
+stream-json --verbose`` turn (``thinking.display: "updates"``). ``tests/e2e/test_agent_clis_real.py``
+drives the CLIs themselves.
 """
 from __future__ import annotations
 
@@ -102,6 +104,26 @@ def test_claude_code_tool_result_turn_streams_events_the_sdk_parses(server):
     assert start["model"] == MODEL
     used = start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"]
     assert used == count_tokens(server, headers, body)
+
+
+def test_claude_code_2_1_332_thinking_display_updates_is_served(server):
+    # Claude Code 2.1.332 with --output-format stream-json --verbose sends thinking
+    # {"type": "adaptive", "display": "updates"} (beta thinking-display-updates-2026-08-18).
+    # It was a 400 naming thinking.display; the CLI retried twice, then dropped display.
+    # The recorded request as sent, but for the 9117-character agent list and the long
+    # system block (to fit 2048 tokens), max_tokens and the model (served as "smol" then).
+    rec = recorded("claude_code_2.1.332.json")
+    body, headers = rec["body"], {**rec["headers"], "x-api-key": API_KEY}
+    assert body["thinking"] == {"type": "adaptive", "display": "updates"}
+    assert [m["role"] for m in body["messages"]] == ["user", "system"]
+    body = {**body, "model": MODEL, "messages": body["messages"][:1], "system": body["system"][:2], "max_tokens": 8}
+    with server.http.stream("POST", rec["path"], json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        events = sse(r)
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert count_tokens(server, headers, body) == (events[0][1]["message"]["usage"]["input_tokens"]
+                                                   + events[0][1]["message"]["usage"]["cache_read_input_tokens"])
 
 
 def codex() -> tuple[str, dict, dict]:

@@ -33,7 +33,7 @@ BAD = [  # (create() arguments, the field the message must name)
     (dict(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 100}), "thinking.budget_tokens"),
     (dict(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 2048}), "thinking.budget_tokens"),
     (dict(max_tokens=2048, thinking={"type": "enabled"}), "thinking.budget_tokens"),
-    (dict(max_tokens=2048, thinking={"type": "adaptive", "display": "loud"}), "thinking.display"),
+    (dict(max_tokens=2048, thinking={"type": "adaptive", "display": 5}), "thinking.display"),
     (dict(messages=[ASK, _use("toolu_1"), _result("toolu_2")], tools=[WEATHER]), "messages.2.content.0"),
     (dict(messages=[_result("toolu_1")], tools=[WEATHER]), "messages.0.content.0"),
     (dict(messages=[ASK, _use("toolu_1"), {"role": "user", "content": "Thanks"}], tools=[WEATHER]), "messages.2"),

@@ -36,7 +36,11 @@ def _param(fn, *args):
 @pytest.mark.parametrize("thinking", [None, {"type": "adaptive"}, {"type": "disabled"}, {"type": "between_tools"},
                                       {"type": "enabled", "budget_tokens": 1024},
                                       {"type": "enabled", "budget_tokens": 4095, "display": "omitted"},
-                                      {"type": "adaptive", "display": "summarized"}])
+                                      {"type": "adaptive", "display": "summarized"},
+                                      # Claude Code 2.1.332's (beta thinking-display-updates-2026-08-18)
+                                      {"type": "adaptive", "display": "updates"},
+                                      # a value newer than this server: logged, not refused
+                                      {"type": "enabled", "budget_tokens": 1024, "display": "sparkles"}])
 def test_valid_thinking_passes(thinking):
     check_thinking(thinking, 4096)
 
@@ -53,8 +57,10 @@ def test_valid_thinking_passes(thinking):
     ({"type": "enabled", "budget_tokens": True}, 4096, "thinking.budget_tokens", "needs an integer"),
     ({"type": "on"}, 4096, "thinking.type", "'on'"),
     ({}, 4096, "thinking.type", "None"),
-    ({"type": "adaptive", "display": "loud"}, 4096, "thinking.display", "'loud'"),
+    ({"type": "adaptive", "display": 5}, 4096, "thinking.display", "got 5"),
+    ({"type": "adaptive", "display": ["omitted"]}, 4096, "thinking.display", "got [\"omitted\"]"),
     ({"type": "disabled", "display": "omitted"}, 4096, "thinking.display", "'disabled'"),
+    ({"type": "between_tools", "display": "sparkles"}, 4096, "thinking.display", "'between_tools'"),
 ])
 def test_bad_thinking_names_the_field(thinking, max_tokens, param, words):
     got, message = _param(check_thinking, thinking, max_tokens)

@@ -5,8 +5,13 @@ the same answer here, naming the field):
 - ``thinking``: ``type`` one of ``enabled``, ``adaptive``, ``between_tools``,
   ``disabled``; ``enabled`` needs ``budget_tokens``, an integer >= 1024 and (on
   ``/v1/messages``) less than ``max_tokens``, the request's own value before any clamp;
-  ``display``, when given, is ``summarized`` or ``omitted``
-  (``anthropic.types.ThinkingConfigEnabledParam``).
+  ``display``, when given, is a string and only with ``enabled`` or ``adaptive``. Its
+  vocabulary grows with Anthropic's betas (``summarized`` and ``omitted`` in
+  ``anthropic.types.ThinkingConfigEnabledParam``; Claude Code 2.1.332 sends ``updates``
+  with the beta ``thinking-display-updates-2026-08-18``, and refused, it retried twice and
+  dropped the field), and it only says how the client shows the thinking, which this server
+  returns as the reasoning parser finds it whatever the value: a value not in
+  :data:`THINKING_DISPLAYS` is accepted and logged once, not refused.
 - Tool turns: a ``tool_use`` block's ``id`` matches ``^[a-zA-Z0-9_-]+$`` and is unique in
   the request; a ``tool_result`` block answers a ``tool_use`` of the previous turn (an
   assistant turn), at most once; the turn after an assistant turn with ``tool_use``
@@ -33,7 +38,9 @@ Raises SamplingParamsError (400) with ``param`` the Anthropic path of the fault
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 from typing import Any, Optional, Sequence
 
@@ -41,9 +48,17 @@ from llmserve.sampling_params import SamplingParamsError
 from llmserve.tokenizer import check_texts as check_texts_of
 
 THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
-THINKING_DISPLAYS = ("summarized", "omitted")
+THINKING_DISPLAYS = ("summarized", "omitted", "updates")  # the values known here (see the module docstring)
 MIN_BUDGET_TOKENS = 1024  # Anthropic's floor for thinking.budget_tokens
 TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
+logger = logging.getLogger("llmserve.entrypoints.anthropic")
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_unknown_display(display: str) -> None:
+    """Log a ``thinking.display`` value not known here once per value (the cache bounds it)."""
+    logger.warning("thinking.display %r is not one of %s known to this server; it is accepted and has no effect "
+                   "(the thinking is returned as the reasoning parser finds it).", display, ", ".join(THINKING_DISPLAYS))
 
 
 def check_thinking(thinking: Optional[dict[str, Any]], max_tokens: Optional[int]) -> None:
@@ -55,11 +70,7 @@ def check_thinking(thinking: Optional[dict[str, Any]], max_tokens: Optional[int]
     if kind not in THINKING_TYPES:
         raise SamplingParamsError(f"thinking.type must be one of {', '.join(THINKING_TYPES)}; got {kind!r}.",
                                   "thinking.type")
-    display = thinking.get("display")
-    if display is not None and (kind not in ("enabled", "adaptive") or display not in THINKING_DISPLAYS):
-        raise SamplingParamsError(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)} (with type "
-                                  f"'enabled' or 'adaptive'); got {display!r} with type {kind!r}.",
-                                  "thinking.display")
+    _check_display(thinking.get("display"), kind)
     if kind != "enabled":
         return
     budget = thinking.get("budget_tokens")
@@ -75,6 +86,19 @@ def check_thinking(thinking: Optional[dict[str, Any]], max_tokens: Optional[int]
         raise SamplingParamsError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                   f"({max_tokens}): thinking tokens count toward max_tokens.",
                                   "thinking.budget_tokens")
+
+
+def _check_display(display: Any, kind: str) -> None:
+    """``thinking.display``: absent, or a string with type ``enabled`` / ``adaptive``; an
+    unknown string is logged, not refused (see the module docstring)."""
+    if display is None:
+        return
+    if not isinstance(display, str) or kind not in ("enabled", "adaptive"):
+        raise SamplingParamsError(f"thinking.display must be a string such as {', '.join(THINKING_DISPLAYS)} "
+                                  f"(with type 'enabled' or 'adaptive'); got {json.dumps(display)} with type "
+                                  f"{kind!r}.", "thinking.display")
+    if display not in THINKING_DISPLAYS:
+        _warn_unknown_display(display)
 
 
 def _blocks(turn: Sequence[tuple[int, Any]]) -> list[tuple[str, dict[str, Any]]]:
