@@ -320,3 +320,29 @@ def test_ollama_type_errors_name_the_field_in_gos_words(app_and_engine):  # noqa
         r = client.post(route, json=body)
         assert r.status_code == 400 and r.json() == {"error": error}, (route, body, r.text)
     assert engine.prompts == []
+
+
+@pytest.mark.parametrize("file_arch,model_type", [("gemma3", "gemma3_text"), ("llama", "mixtral")])
+def test_a_gguf_models_family_is_the_files_architecture(tmp_path, file_arch, model_type):
+    # /api/show of a Gemma 3 GGUF said family and general.architecture "gemma3_text" (and
+    # keys "gemma3_text.context_length"), of a Mixtral GGUF "mixtral": Ollama reads the
+    # file's general.architecture ("gemma3", "llama")
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), file_arch)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf = SimpleNamespace(model_type=model_type, hidden_size=4, num_hidden_layers=1)
+    config = SimpleNamespace(model_path=str(path), gguf_file=str(path), quantization=None, dtype="float32",
+                             hf_config=hf, max_model_len=64, model=str(path))
+    assert (info.details(config)["family"], info.details(config)["families"]) == (file_arch, [file_arch])
+    shown = info.model_info(config)
+    assert shown["general.architecture"] == file_arch
+    assert (shown[f"{file_arch}.context_length"], shown[f"{file_arch}.embedding_length"]) == (64, 4)
+    folder = SimpleNamespace(**{**vars(config), "gguf_file": None, "model_path": str(tmp_path)})
+    assert info.details(folder)["family"] == model_type  # a safetensors folder keeps its model_type

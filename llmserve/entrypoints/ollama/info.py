@@ -84,7 +84,12 @@ def digest(config: Any) -> str:
 
 
 def architecture(config: Any) -> str:
-    return getattr(config.hf_config, "model_type", None) or "unknown"
+    """Ollama's architecture name (``details.family``, ``model_info``'s
+    ``general.architecture`` and key prefix): a GGUF file's own ``general.architecture``,
+    as Ollama reads it (the transformers model_type differs: "gemma3_text" for a "gemma3"
+    file, "mixtral" for llama.cpp's "llama" Mixtral), else the config's model_type."""
+    arch = weight_facts(config, _weights_path(config)).arch if getattr(config, "gguf_file", None) else ""
+    return arch or getattr(config.hf_config, "model_type", None) or "unknown"
 
 
 def details(config: Any) -> dict[str, Any]:

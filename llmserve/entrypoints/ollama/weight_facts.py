@@ -29,9 +29,12 @@ _DTYPE_NAMES = {"float32": "F32", "float": "F32", "float16": "F16", "half": "F16
 
 class WeightFacts(NamedTuple):
     """``level``: Ollama's ``quantization_level`` ("Q4_1", "BF16", ...), "" if unknown;
-    ``params``: number of weights (elements of every tensor), 0 if unknown."""
+    ``params``: number of weights (elements of every tensor), 0 if unknown; ``arch``: a
+    GGUF file's ``general.architecture`` ("gemma3" where transformers says "gemma3_text",
+    "llama" for a Mixtral file), "" for other weights or when unread."""
     level: str
     params: int
+    arch: str = ""
 
 
 def human_number(n: int) -> str:
@@ -73,7 +76,7 @@ def _gguf_facts(path: str, mtime: float) -> WeightFacts:
     from llmserve.model_loader.gguf_loader import read_gguf_tensors
 
     meta: dict[str, Any] = {"general.file_type": None}
-    _, tensors = read_gguf_tensors(path, meta)
+    arch, tensors = read_gguf_tensors(path, meta)
     types: Counter = Counter()
     params = 0
     for t in tensors:
@@ -83,7 +86,7 @@ def _gguf_facts(path: str, mtime: float) -> WeightFacts:
             params += t.data.nbytes * block // type_size  # data holds the raw blocks
         else:
             params += t.data.size
-    return WeightFacts(gguf_file_type_name(meta["general.file_type"], types), params)
+    return WeightFacts(gguf_file_type_name(meta["general.file_type"], types), params, arch or "")
 
 
 def _safetensors_shapes(path: str) -> list[tuple[str, list[int]]]:
@@ -152,4 +155,5 @@ def weight_facts(config: Any, weights_path: str) -> WeightFacts:
     level = facts.level
     if config.quantization and not getattr(config, "gguf_file", None):
         level = str(config.quantization).upper()  # packed ints (GPTQ/AWQ) say nothing of the scheme
-    return WeightFacts(level or _dtype_name(config), facts.params or _count_from_config(config.hf_config))
+    return WeightFacts(level or _dtype_name(config), facts.params or _count_from_config(config.hf_config),
+                       facts.arch)
