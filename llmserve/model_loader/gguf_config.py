@@ -48,6 +48,29 @@ def check_gguf_architecture(gguf_path: str) -> str:
     return arch
 
 
+# Hyper-parameters llama.cpp's loader requires of every architecture (``llama_model::
+# load_hparams``: ``get_key(LLM_KV_CONTEXT_LENGTH)``, ``EMBEDDING_LENGTH`` and ``BLOCK_COUNT``
+# with required=true); without them transformers' GGUF reader falls back on its config
+# class's defaults (Llama's 4096 wide, 32 layers) and loading failed later on a tensor shape.
+REQUIRED_GGUF_KEYS = ("context_length", "embedding_length", "block_count")
+
+
+def check_gguf_hyperparameters(gguf_path: str, arch: str) -> None:
+    """ValueError naming the ``{arch}.*`` keys of REQUIRED_GGUF_KEYS the file lacks (as
+    llama.cpp's "key not found in model"), before a config is built from defaults. ``arch``:
+    the file's ``general.architecture`` (""/unread: nothing is checked)."""
+    from llmserve.model_loader.gguf_loader import read_gguf_tensors
+    if not arch:
+        return
+    keys = {f"{arch}.{k}": None for k in REQUIRED_GGUF_KEYS}
+    read_gguf_tensors(gguf_path, keys)
+    missing = [k for k, v in keys.items() if v is None]
+    if missing:
+        raise ValueError(f"GGUF file {gguf_path} lacks the metadata key(s) {missing} (llama.cpp refuses it too: "
+                         f"'key not found in model'): its writer left out the model's hyper-parameters; "
+                         f"convert the checkpoint again with llama.cpp's convert_hf_to_gguf.py")
+
+
 class _Meta:
     """Typed access to one GGUF file's metadata and small tensors (``gguf.GGUFReader``)."""
 

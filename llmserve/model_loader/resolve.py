@@ -202,12 +202,15 @@ _CAUSAL_LM_ARCHS = {
 
 def _config_from_gguf(path: str, gguf_file: str) -> Any:
     """transformers' config of a GGUF file, completed with the metadata it leaves out
-    (``gguf_config.complete_gguf_config``: Gemma 2/3, Phi-3)."""
+    (``gguf_config.complete_gguf_config``: Gemma 2/3, Phi-3). Raises ValueError for an
+    unsupported architecture or a file without the hyper-parameters llama.cpp requires."""
     from transformers import AutoConfig
 
-    from llmserve.model_loader.gguf_config import check_gguf_architecture, complete_gguf_config
+    from llmserve.model_loader.gguf_config import (check_gguf_architecture, check_gguf_hyperparameters,
+                                                   complete_gguf_config)
     from llmserve.torch_hiding import gguf_metadata_reads
-    check_gguf_architecture(os.path.join(path, gguf_file))
+    arch = check_gguf_architecture(os.path.join(path, gguf_file))
+    check_gguf_hyperparameters(os.path.join(path, gguf_file), arch)
     with gguf_metadata_reads():  # also in the API server, whose transformers runs without torch
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     return complete_gguf_config(config, os.path.join(path, gguf_file))

@@ -108,3 +108,22 @@ def test_end_of_turn_tokens_by_text_for_every_architecture(tmp_path, arch, token
     for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
         step()
     assert gguf_eos_token_ids(path) == want
+
+
+def test_a_file_without_its_hyperparameters_is_refused_naming_the_keys(tmp_path):
+    # a Q4_K file written without llama.* keys loaded with transformers' LlamaConfig defaults and
+    # failed on "weight 'model.embed_tokens.weight' has shape (512, 256), expected (32000, 4096)"
+    import gguf
+
+    from llmserve.model_loader import load_hf_config, resolve_model
+
+    path = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(32)  # one of the three: the other two are named
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"lacks the metadata key\(s\) \['llama.context_length', 'llama.block_count'\]"):
+        load_hf_config(resolve_model(str(path)))
