@@ -119,10 +119,38 @@ def _load_tokenizer(path: str, gguf_file: Optional[str],
             tok = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         where = os.path.join(path, gguf_file) if gguf_file else path
-        raise ValueError(f"cannot load a tokenizer from {where!r}: {e}") from e
+        raise ValueError(f"cannot load a tokenizer from {where!r}: {_no_tokenizer_hint(path, gguf_file) or e}") from e
     if gguf_file:  # after the start-up cache too: entries written before this fix lack it
         _split_digits_first(tok, os.path.join(path, gguf_file))
     return tok
+
+
+# Files any transformers tokenizer is built from (fast, sentencepiece, BPE, WordPiece vocabularies).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                    "vocab.txt", "merges.txt", "tiktoken.model")
+
+
+def _no_tokenizer_hint(path: str, gguf_file: Optional[str]) -> str:
+    """What to do when the model has no tokenizer at all: a folder without any of
+    _TOKENIZER_FILES, or a GGUF file without ``tokenizer.ggml.model`` (a writer that stored
+    only the weights); "" when it has one (the loader's own error then says what is wrong).
+    transformers' words for these were "...You need to have sentencepiece or tiktoken
+    installed..." and "stating tokenizer None", which do not say the files are missing."""
+    if gguf_file:
+        from llmserve.model_loader.gguf_loader import read_gguf_tensors
+        meta: dict = {"tokenizer.ggml.model": None}
+        try:
+            read_gguf_tensors(os.path.join(path, gguf_file), meta)
+        except ValueError:
+            return ""
+        if meta["tokenizer.ggml.model"] is not None:
+            return ""
+        what = "the file has no tokenizer.ggml.* vocabulary"
+    else:
+        if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+            return ""
+        what = f"the folder has none of {list(_TOKENIZER_FILES)}"
+    return f"{what}; give the model's tokenizer with --tokenizer NAME_OR_PATH"
 
 
 def _tokenizer_from_gguf(path: str, kwargs: dict) -> PreTrainedTokenizerBase:

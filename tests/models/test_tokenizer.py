@@ -89,3 +89,27 @@ def test_gguf_tokenizer_splits_digits_first(smollm2_resolved, smollm2_tokenizer)
     assert _pieces(stale, text)[2:5] == ["ĊĊĠ", "Ġ", "0"]
     _split_digits_first(stale, os.path.join(smollm2_resolved.path, smollm2_resolved.gguf_file))
     assert _pieces(stale, text) == fixed
+
+
+def test_a_model_without_a_tokenizer_is_told_to_pass_one(tmp_path):
+    # a weights-only folder said transformers' "...You need to have sentencepiece or tiktoken
+    # installed...", a GGUF file without tokenizer.ggml.* "stating tokenizer None"
+    import json
+
+    import gguf
+    import numpy as np
+
+    folder = tmp_path / "weights_only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"has none of \['tokenizer.json'.*--tokenizer NAME_OR_PATH"):
+        get_tokenizer(str(folder))
+    path = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"no tokenizer.ggml.\* vocabulary; give .* --tokenizer NAME_OR_PATH"):
+        get_tokenizer(str(path))
