@@ -199,8 +199,8 @@ def test_score_takes_vllms_newer_field_names(ce):
 
 def test_invocations_routes_pooling_bodies_of_a_classifier(ce):
     """SageMaker's /invocations on a classifier, as vLLM's pooling invocation types: query +
-    documents -> rerank, a score body (any naming) -> score, input -> classify (no
-    embeddings handler for a classification model); other bodies stay 400s."""
+    documents -> rerank, a score body (any naming) -> score, input or messages -> classify
+    (no embeddings or chat handler for a classification model); other bodies stay 400s."""
     srv = ce[0]
     rr = {"model": MODEL, "query": QUERY, "documents": DOCS, "top_n": 2}
     assert _ok(srv.post("/invocations", rr))["results"] == _ok(srv.post("/rerank", rr))["results"]
@@ -214,7 +214,9 @@ def test_invocations_routes_pooling_bodies_of_a_classifier(ce):
     assert got["id"].startswith("classify-") and got["data"] == direct["data"]
     _err(srv.post("/invocations", {"model": MODEL, "text_1": QUERY, "documents": DOCS}), "documents")
     _err(srv.post("/invocations", {"model": MODEL, "query": QUERY}), "documents")
-    _err(srv.post("/invocations", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}), "model")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # vLLM's ClassificationChatRequest
+    got, direct = _ok(srv.post("/invocations", chat)), _ok(srv.post("/classify", chat))
+    assert got["id"].startswith("classify-") and got["data"] == direct["data"]
     r = srv.post("/invocations", {"model": MODEL, "foo": 1})
     assert r.status_code == 400 and "RerankRequest" in r.json()["error"]["message"]
 

@@ -7,8 +7,9 @@ endpoint's request model and served by that endpoint's own route, so the answer 
 or not, errors) is the same as on the endpoint itself:
 
 - ``messages`` -> chat completions (embeddings with messages for a model that does not
-  generate but embeds: vLLM has no chat handler for a pooling model, so its
-  ``EmbeddingRequest`` takes the body);
+  generate but embeds, classify for a classification model: vLLM has no chat handler for
+  a pooling model, so its ``EmbeddingRequest`` or ``ClassificationChatRequest`` takes the
+  body);
 - ``prompt`` -> completions;
 - ``query`` (with ``documents``) -> rerank;
 - a score request's side names (``text_1``/``text_2``, ``queries``/``documents``,
@@ -77,7 +78,9 @@ def invocation_kind(body: dict, tasks: tuple[str, ...]) -> str | None:
     """The INVOCATION_TYPES key for ``body`` served by a model with ``tasks`` (see the
     module docstring), or None for a body of no known shape."""
     if "messages" in body:
-        return "embed" if "generate" not in tasks and "embed" in tasks else "chat"
+        if "generate" in tasks or not ({"embed", "classify"} & set(tasks)):
+            return "chat"
+        return "embed" if "embed" in tasks else "classify"
     if "prompt" in body:
         return "completion"
     if "query" in body:
