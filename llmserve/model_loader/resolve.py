@@ -203,14 +203,12 @@ _CAUSAL_LM_ARCHS = {
 def _config_from_gguf(path: str, gguf_file: str) -> Any:
     """transformers' config of a GGUF file, completed with the metadata it leaves out
     (``gguf_config.complete_gguf_config``: Gemma 2/3, Phi-3). Raises ValueError for an
-    unsupported architecture or a file without the hyper-parameters llama.cpp requires."""
+    unsupported architecture."""
     from transformers import AutoConfig
 
-    from llmserve.model_loader.gguf_config import (check_gguf_architecture, check_gguf_hyperparameters,
-                                                   complete_gguf_config)
+    from llmserve.model_loader.gguf_config import check_gguf_architecture, complete_gguf_config
     from llmserve.torch_hiding import gguf_metadata_reads
-    arch = check_gguf_architecture(os.path.join(path, gguf_file))
-    check_gguf_hyperparameters(os.path.join(path, gguf_file), arch)
+    check_gguf_architecture(os.path.join(path, gguf_file))
     with gguf_metadata_reads():  # also in the API server, whose transformers runs without torch
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     return complete_gguf_config(config, os.path.join(path, gguf_file))
@@ -221,7 +219,9 @@ def _load_hf_config_cached(path: str, gguf_file: Optional[str]) -> Any:
     from transformers import AutoConfig
     if gguf_file:
         # The GGUF metadata -> config conversion takes seconds: cached on disk (issue 16).
+        from llmserve.model_loader.gguf_config import check_gguf_hyperparameters
         from llmserve.model_loader.startup_cache import load_hf_object
+        check_gguf_hyperparameters(os.path.join(path, gguf_file))  # before the cache: old entries hold defaults
         config = load_hf_object(
             os.path.join(path, gguf_file), "config.json",
             lambda d: AutoConfig.from_pretrained(d, local_files_only=True),
