@@ -190,6 +190,25 @@ def test_a_json_body_sent_as_text_is_told_the_content_type(app_and_engine):  # n
     assert r.status_code == 200 and r.json()["message"]["content"] == "Hi", r.text
 
 
+def test_a_body_that_is_not_utf8_is_told_so(app_and_engine):  # noqa: F811
+    """Fresh-user trial: a chat body with the bytes ``\\xff\\xfe`` in a message answered
+    FastAPI's bare "There was an error parsing the body" (on /v1 and /v1/messages). The 400
+    names the bad byte and its offset, in each API's error body, and nothing reaches the engine."""
+    client, engine = app_and_engine()
+    head = b'{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"'
+    raw = head + b'\xff\xfe"}]}'
+    expected = (f"The request body is not valid UTF-8: byte 0xff at offset {len(head)} "
+                "(invalid start byte); send JSON encoded as UTF-8.")
+    seen = len(engine.prompts)
+    r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and _message(r) == (expected, None), r.text
+    r = client.post("/v1/messages", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"] == {
+        "type": "invalid_request_error", "message": expected}, r.text
+    assert len(engine.prompts) == seen
+
+
 def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # noqa: F811
     """Fresh-user trial: each of these was a 200 (an unknown effort passed on, a string of
     tool calls dropped, ``true`` read as 1). Numeric strings stay integers (vLLM's lax ints)

@@ -222,6 +222,16 @@ def _not_json_message(content_type: Optional[str]) -> str:
             f"(the Content-Type received: {received}).")
 
 
+def _not_utf8_message(error: UnicodeDecodeError) -> str:
+    """The 400 for a JSON body whose bytes are not UTF-8 (FastAPI raises its bare "There
+    was an error parsing the body" from the UnicodeDecodeError of ``json.loads``; a
+    fresh-user trial sent ``\\xff\\xfe`` inside a message and could not tell why). Names
+    the byte offset and the byte, never more of the body."""
+    bad = error.object[error.start:error.start + 1].hex()
+    return (f"The request body is not valid UTF-8: byte 0x{bad} at offset {error.start} "
+            f"({error.reason}); send JSON encoded as UTF-8.")
+
+
 def _validation_message(exc: RequestValidationError,
                         content_type: Optional[str] = None) -> tuple[str, Optional[str]]:
     """The message and ``param`` of a pydantic validation error: ``<field>: <problem>`` for
@@ -273,6 +283,8 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+            detail = _not_utf8_message(exc.__cause__)
         response = json_response(make_error(detail, exc.status_code), exc.status_code)
         for k, v in (exc.headers or {}).items():
             response.headers[k] = v
