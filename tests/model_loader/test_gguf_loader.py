@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.models.tiny_arch import finish_gguf
+
 from llmserve.model_loader.gguf_loader import (_read_with_gguf_reader, gguf_to_hf_name,
                                                read_gguf_tensors, reverse_permute)
 
@@ -105,8 +107,7 @@ def test_end_of_turn_tokens_by_text_for_every_architecture(tmp_path, arch, token
     path = str(tmp_path / "meta.gguf")
     w = gguf.GGUFWriter(path, arch)
     w.add_token_list(tokens)
-    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
-        step()
+    finish_gguf(w)
     assert gguf_eos_token_ids(path) == want
 
 
@@ -121,9 +122,6 @@ def test_a_file_without_its_hyperparameters_is_refused_naming_the_keys(tmp_path)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_embedding_length(32)  # one of the three: the other two are named
     w.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match=r"lacks the metadata key\(s\) \['llama.context_length', 'llama.block_count'\]"):
         load_hf_config(resolve_model(str(path)))

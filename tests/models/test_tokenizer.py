@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.models.tiny_arch import finish_gguf
+
 from llmserve.tokenizer import get_tokenizer, resolve_chat_template
 
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -107,9 +109,6 @@ def test_a_model_without_a_tokenizer_is_told_to_pass_one(tmp_path):
     path = tmp_path / "bare.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match=r"no tokenizer.ggml.\* vocabulary; give .* --tokenizer NAME_OR_PATH"):
         get_tokenizer(str(path))
