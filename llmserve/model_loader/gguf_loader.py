@@ -254,13 +254,19 @@ def read_gguf_blocks(gguf_path: str, hf_config: Any, packed: dict) -> None:
             _keep_packed(packed, hf_name, t, arch, n_head, n_kv)
 
 
+def _expert_names(hf_name: str, t: GGUFTensorInfo) -> Optional[list[str]]:
+    """The per-expert HF names of a 3-d expert stack (``[experts, rows, ...]``, llama.cpp's
+    ``ffn_*_exps``), in expert order; None for any other tensor."""
+    if t.data.ndim == 3 and ".mlp.experts." in hf_name:
+        return [hf_name.replace(".experts.", f".experts.{e}.") for e in range(t.data.shape[0])]
+    return None
+
+
 def _all_skipped(hf_name: str, t: GGUFTensorInfo, skip: frozenset) -> bool:
     """Whether every tensor ``t`` yields (one per expert for a 3-d expert stack) is in ``skip``."""
     if not skip:
         return False
-    if t.data.ndim == 3 and ".mlp.experts." in hf_name:
-        return all(hf_name.replace(".experts.", f".experts.{e}.") in skip for e in range(t.data.shape[0]))
-    return hf_name in skip
+    return all(n in skip for n in _expert_names(hf_name, t) or [hf_name])
 
 
 def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
@@ -306,9 +312,10 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
             w = w.reshape(1, -1)
         if packed is not None:
             _keep_packed(packed, hf_name, t, arch, n_head, n_kv)
-        if w.ndim == 3 and ".mlp.experts." in hf_name:  # [E, out, in]: one tensor per expert
-            for e in range(w.shape[0]):
-                yield hf_name.replace(".experts.", f".experts.{e}."), torch.from_numpy(np.array(w[e])).to(dtype)
+        experts = _expert_names(hf_name, t)
+        if experts is not None:  # [E, out, in]: one tensor per expert
+            for e, name in enumerate(experts):
+                yield name, torch.from_numpy(np.array(w[e])).to(dtype)
             continue
         w = np.ascontiguousarray(w)
         if not w.flags.writeable:  # float32 tensors come straight from the read-only memmap
@@ -362,10 +369,10 @@ def _keep_packed(packed: dict, hf_name: str, t: GGUFTensorInfo, arch: str, n_hea
         return
     if hf_name.endswith(".shared_expert_gate.weight"):  # one output row: stays a dense GEMV
         return
-    if t.data.ndim == 3 and ".mlp.experts." in hf_name:
-        for e in range(t.data.shape[0]):
-            packed[hf_name.replace(".experts.", f".experts.{e}.")] = (
-                qtype, torch.from_numpy(np.array(t.data[e], dtype=np.uint8, copy=True)))
+    experts = _expert_names(hf_name, t)
+    if experts is not None:
+        for e, name in enumerate(experts):
+            packed[name] = (qtype, torch.from_numpy(np.array(t.data[e], dtype=np.uint8, copy=True)))
         return
     if t.data.ndim != 2:
         return

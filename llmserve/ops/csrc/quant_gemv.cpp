@@ -193,6 +193,13 @@ struct Scratch {
   }
 };
 
+// The calling thread's Scratch, one for every activation dtype (a static inside QuantX's
+// templated constructor would be one per dtype, each as large as its largest call).
+inline uint8_t* thread_scratch(size_t bytes) {
+  static thread_local Scratch scratch;
+  return scratch.get(bytes);
+}
+
 struct QuantX {
   int8_t* q;
   float *d, *sx, *sh;
@@ -209,8 +216,7 @@ struct QuantX {
     const size_t n = static_cast<size_t>(M * nb);
     // q [n * 32] int8, then d, sx [n] and sh [2n] float, hb [2n] and zs [2n] int32: offsets
     // stay multiples of 4 bytes (q's size is a multiple of 32).
-    static thread_local Scratch scratch;
-    uint8_t* base = scratch.get(n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t));
+    uint8_t* base = thread_scratch(n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t));
     q = reinterpret_cast<int8_t*>(base);
     d = reinterpret_cast<float*>(base + n * QK);
     sx = d + n;
