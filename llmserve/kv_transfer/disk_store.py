@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import struct
 import threading
 import time
@@ -229,7 +230,12 @@ def recent_chains(folder: str, key: bytes, nbytes: int, max_blocks: int) -> list
     ``4 * max_blocks + 1024`` of them."""
     files: dict[int, int] = {}  # hash -> mtime (ns), files of the right size
     torn: list[str] = []  # files of the wrong size: removed (a zero-length one stayed forever)
-    for entry in os.scandir(folder):
+    try:
+        entries = list(os.scandir(folder))
+    except OSError as e:  # removed or unreadable: nothing to restore
+        logger.error("KV tier: cannot list %s (%s); nothing restored", folder, e)
+        return []
+    for entry in entries:
         name = entry.name
         if len(name) != 16 + len(SUFFIX) or not name.endswith(SUFFIX):
             continue
@@ -355,20 +361,39 @@ class BlockWriter:
         self._lru: OrderedDict[str, tuple[float, int]] = OrderedDict()  # name -> (mtime, bytes)
         self._total = 0
         self._warned = False
+        # Temporary file names carry the process id and a random tag: two engines on one
+        # folder (containers on a shared volume often both run as pid 1) never write to
+        # the same temporary file.
+        self._tmp_tag = f"{os.getpid()}.{secrets.token_hex(4)}"
         self._scan()
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()  # blocks, touches (_TOUCH), None: stop
         self._thread = threading.Thread(target=self._run, name="kv-tier-writer", daemon=True)
         self._thread.start()
 
+    # A temporary file older than this is a crashed write's leftover; a younger one may be
+    # another engine's write in progress (several servers on one tier folder).
+    STALE_TMP_SECONDS = 600.0
+
     def _scan(self) -> None:
-        """Index the files already in the folder (a previous run's), oldest first; remove
-        leftover temporary files of a crashed write."""
+        """Index the files already in the folder (a previous run's, or another engine's on
+        the same folder), oldest first; remove leftover temporary files of crashed writes.
+        A file that another engine removes meanwhile is skipped, not an error."""
         found = []
-        for entry in os.scandir(self.folder):
-            if entry.name.endswith(".tmp"):
-                _unlink(entry.path)
-            elif entry.name.endswith(SUFFIX):
+        stale = time.time() - self.STALE_TMP_SECONDS
+        try:
+            entries = list(os.scandir(self.folder))
+        except OSError as e:
+            logger.error("KV tier: cannot list %s (%s); starting with an empty index", self.folder, e)
+            entries = []
+        for entry in entries:
+            try:
                 st = entry.stat()
+            except OSError:  # removed by another engine's eviction since the listing
+                continue
+            if entry.name.endswith(".tmp"):
+                if st.st_mtime < stale:
+                    _unlink(entry.path)
+            elif entry.name.endswith(SUFFIX):
                 found.append((st.st_mtime, entry.name, st.st_size))
         for mtime, name, size in sorted(found):
             self._lru[name] = (mtime, size)
@@ -433,12 +458,13 @@ class BlockWriter:
         size = len(header) + memoryview(payload).nbytes
         if self.max_bytes is not None and (size > self.max_bytes or not self._make_room(size)):
             return
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{self._tmp_tag}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, path)
+            try:
+                self._write_file(tmp, path, header, payload)
+            except FileNotFoundError:  # the folder was removed (an operator clearing the cache): made again
+                os.makedirs(self.folder, exist_ok=True)
+                self._write_file(tmp, path, header, payload)
         except OSError as e:
             _unlink(tmp)
             self.stats.write_errors += 1
@@ -451,6 +477,13 @@ class BlockWriter:
         self._total += size
         self.stats.blocks_stored += 1
         self.stats.bytes_stored += size
+
+    @staticmethod
+    def _write_file(tmp: str, path: str, header: bytes, payload: Any) -> None:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, path)
 
     def _make_room(self, size: int) -> bool:
         """Evict least recently used files until ``size`` more bytes fit. A file whose mtime

@@ -198,9 +198,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
                              * _ELEMENT_BYTES.get(mc.dtype, 4))
         self.key = layout_key(layout_fields(vllm_config))
         role_name = vllm_config.kv_transfer_config.kv_role
-        self.can_load = role_name in ("kv_consumer", "kv_both")
-        self.can_save = role_name in ("kv_producer", "kv_both")
-        self.folder = block_dir(self.root, self.key)
+        self.folder = self._layout_folder(role)
+        self.can_load = self.folder is not None and role_name in ("kv_consumer", "kv_both")
+        self.can_save = self.folder is not None and role_name in ("kv_producer", "kv_both")
         # scheduler side: the last lookup (request id, first block, hashes found on disk),
         # loads of the step being built, counters since get_stats
         self._matched: Optional[tuple[str, int, list[int]]] = None
@@ -222,9 +222,24 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._layer_saves: dict[int, Any] = {}
         if role == KVConnectorRole.SCHEDULER and self.can_load:  # built (once per machine) at start, not on a request
             self._count_native = _native_counter()
-        if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per half
+        if role == KVConnectorRole.SCHEDULER and self.folder is not None:  # once per engine, not once per half
             logger.info("KV tier (%s): %s%s", type(self).__name__, self.folder,
                         "" if self.max_bytes is None else f", at most {self.max_bytes / 2**30:.2f} GiB")
+
+    def _layout_folder(self, role: KVConnectorRole) -> Optional[str]:
+        """This layout's folder under the tier's root (``disk_store.block_dir``), or None
+        when it cannot be made: a read-only or full tier shared by a fleet, written by
+        another model or dtype, or mounted read-only before this layout wrote there. The
+        engine then runs with a cold cache (nothing loaded or saved) and says so once,
+        instead of dying after the model loaded."""
+        try:
+            return block_dir(self.root, self.key)
+        except OSError as e:
+            if role == KVConnectorRole.SCHEDULER:
+                logger.error("KV tier: cannot create this model's folder under %s (%s); the tier is off for this "
+                             "engine (a cold cache: nothing is loaded from or saved to disk)",
+                             self.root, e.strerror or e)
+            return None
 
     @staticmethod
     def _make_folder(path: str) -> None:
@@ -372,7 +387,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._kv_all = _one_view(kv_caches)
         self._slots = _slot_regions(self._kv_all)
         self._native = _native_reader(self._kv_all, self.block_nbytes) if self._slots is not None else None
-        self.writer = BlockWriter(self.folder, self.key, self.max_bytes)
+        if self.folder is not None:  # None: the tier is off (_layout_folder)
+            self.writer = BlockWriter(self.folder, self.key, self.max_bytes)
 
     def start_load_kv(self, **kwargs: Any) -> None:
         """Read this step's loaded blocks into the cache (synchronously: every layer is in

@@ -20,7 +20,8 @@ from llmserve.kv_transfer.tier_restore import make_tier_restore
 
 PROMPT = [int(t) for t in torch.randint(5, 250, (100,), generator=torch.Generator().manual_seed(2))]
 FULL_BLOCKS = (len(PROMPT) - 1) // 16  # 6 blocks of 16 tokens a hit can take
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# with logprobs: a restored or loaded block must give the cold run's numbers, not only its tokens
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,10 @@ def _core(llm: LLM):
 
 
 def _run(llm: LLM):
+    """((greedy token ids, each step's top logprobs), cached prompt tokens)."""
     out = llm.generate([{"prompt_token_ids": PROMPT}], GREEDY, use_tqdm=False)[0]
-    return out.outputs[0].token_ids, out.num_cached_tokens
+    logprobs = [sorted((t, lp.logprob) for t, lp in step.items()) for step in out.outputs[0].logprobs]
+    return (list(out.outputs[0].token_ids), logprobs), out.num_cached_tokens
 
 
 def _files(path) -> list[str]:
