@@ -345,3 +345,21 @@ def test_a_lone_surrogate_is_named_at_the_clients_field_and_position(app_and_eng
         r = client.post("/v1/messages", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"] == f"{field}: {said}", r.text
     assert engine.prompts == []
+
+
+def test_a_tool_message_without_tool_call_id_is_a_400_naming_it(app_and_engine):  # noqa: F811
+    """OpenAI answers 400 "Missing required parameter: 'messages[2].tool_call_id'"; it was a
+    200 here (vLLM's lenience), the result reaching the template unpaired with its call."""
+    client, engine = app_and_engine()
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    for extra in ({}, {"tool_call_id": None}):
+        messages = [{"role": "user", "content": "hi"}, call, {"role": "tool", "content": "42", **extra}]
+        r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages.2.tool_call_id" and "field required" in err["message"], err
+    assert engine.prompts == []
+    engine.outputs = [_output("ok", "stop")]
+    messages[2]["tool_call_id"] = "call_1"
+    assert client.post("/v1/chat/completions", json={**CHAT, "messages": messages}).status_code == 200

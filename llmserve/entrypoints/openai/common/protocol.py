@@ -428,6 +428,20 @@ class ChatMessageParam(OpenAIBaseModel):
     content: Optional[Union[str, Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    # Checked even when absent (validate_default): OpenAI requires it on a tool message
+    # (400 "Missing required parameter: 'messages[N].tool_call_id'"); vLLM lets it pass to
+    # the template, where it is lost or breaks templates that pair results with calls.
+    tool_call_id: Optional[str] = Field(default=None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_for_tool(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        """A ``tool`` message needs the ``tool_call_id`` of the call it answers (missing
+        or null: a 400 naming ``messages.N.tool_call_id``)."""
+        if value is None and info.data.get("role") == "tool":
+            raise PydanticCustomError("missing", "field required: a message with role 'tool' needs the "
+                                                 "`tool_call_id` of the tool call it answers")
+        return value
 
     @model_validator(mode="after")
     def _content_for_role(self) -> "ChatMessageParam":
