@@ -402,3 +402,42 @@ def test_truncation_auto_drops_the_oldest_items_and_keeps_instructions(app_and_e
     assert len(engine.prompts[-1]["prompt_token_ids"]) <= 64 - 3
     # one message that alone does not fit stays the context-length 400
     _err(client.post("/v1/responses", json={**BASE, "input": "word " * 150_000, "truncation": "auto"}), 400, "input")
+
+
+def test_stream_cut_by_its_request_timeout_fails_with_code_timeout(smol_tokenizer):
+    """X-Request-Timeout running out mid-stream: the error event carries the 408 (as the
+    answer that is not streamed) and response.failed OpenAI's "server_error" (it said
+    "invalid_request": a timeout is not a refused request, and that code is not one of
+    OpenAI's, so the openai package's own Response type refused the failed response)."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+    from test_app import ScriptedEngine
+
+    from llmserve.entrypoints.openai.api_server import build_app, init_app_state
+    from llmserve.entrypoints.openai.cli_args import make_arg_parser
+    from llmserve.entrypoints.openai.responses.protocol import ResponseError
+
+    class SlowEngine(ScriptedEngine):
+        async def generate(self, prompt, params, request_id, priority=0):
+            yield _output("Hel")
+            await asyncio.sleep(0.3)  # past the 0.1 s deadline: the server aborts the request
+            yield _output("lo", "abort")
+
+        async def abort(self, *request_ids):
+            pass
+
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([])
+    app = build_app(args)
+    asyncio.run(init_app_state(SlowEngine(smol_tokenizer), app.state, args))
+    client = TestClient(app)
+    headers = {"X-Request-Timeout": "0.1"}
+    events = _events(client.post("/v1/responses", json={**BASE, "stream": True}, headers=headers))
+    (_, error), (_, failed) = events[-2:]
+    assert error["type"] == "error" and error["code"] == "408" and error["param"] == "X-Request-Timeout", error
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["code"] == "server_error", failed
+    assert Response.model_validate(failed["response"]).error.message == error["message"]
+    r = client.post("/v1/responses", json=BASE, headers=headers)
+    assert r.status_code == 408 and r.json()["error"]["type"] == "RequestTimeoutError", r.text
+    assert [ResponseError.of(s, "m").code for s in (400, 404, 429, 500, 503)] == [
+        "invalid_prompt", "invalid_prompt", "rate_limit_exceeded", "server_error", "server_error"]

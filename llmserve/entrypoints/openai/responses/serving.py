@@ -469,8 +469,8 @@ class OpenAIServingResponses(GenerateBaseServing):
             _, body = error_response_from_exception(e)
             error = builder.event("error", code=str(body.error.code), message=body.error.message,
                                   param=body.error.param)
-            failed = response.model_copy(update={"status": "failed", "output": builder.items, "error": ResponseError(
-                code="server_error" if body.error.code >= 500 else "invalid_request", message=body.error.message)})
+            failed = response.model_copy(update={"status": "failed", "output": builder.items,
+                                                  "error": ResponseError.of(body.error.code, body.error.message)})
             self._store(job, failed)
             ended = True
             yield sent(error + builder.response_event("response.failed", failed))
@@ -547,8 +547,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         except Exception as e:  # nobody waits on the task: the stored response says what failed
             status, body = error_response_from_exception(e)
             entry.response.status = "failed"
-            entry.response.error = ResponseError(code="server_error" if status >= 500 else "invalid_request",
-                                                 message=body.error.message)
+            entry.response.error = ResponseError.of(status, body.error.message)
         finally:
             if merged is not None:
                 await merged.aclose()
