@@ -11,8 +11,10 @@ llama.cpp permutes Llama's q/k weights (undone here). The scale is PEFT's:
 
 Everything the engine cannot honour is refused with a ``LoRAAdapterError`` naming the
 field: a rank above ``max_lora_rank`` (``r``), ``modules_to_save``, an unknown target
-(``target_modules``), DoRA (``use_dora``), trained biases (``bias``), per-module rank or
-alpha patterns, a missing or unreadable file (``lora_path``)."""
+(``target_modules``), DoRA (``use_dora``) and the other forward-changing PEFT options
+(``lora_bias``, ``alora_invocation_tokens``, ``layer_replication``...: ``_UNSUPPORTED_VARIANTS``),
+trained biases (``bias``), per-module rank or alpha patterns, a missing or unreadable file
+(``lora_path``)."""
 from __future__ import annotations
 
 import json
@@ -35,6 +37,24 @@ TARGETS = {
 }
 _GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
                  "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+# PEFT LoraConfig fields that change what an adapter computes at inference beyond A, B and
+# the scale (peft 0.21's "is_lora_variant" fields, less VeLoRA, which changes only the
+# backward pass; plus the other forward-changing fields). Refused by name: run as plain
+# LoRA, such an adapter gives other tokens than peft does, and its extra tensors would
+# otherwise be refused under a misleading name (lora_B.bias as an unsupported target).
+_UNSUPPORTED_VARIANTS = {
+    "use_dora": "DoRA",
+    "lora_bias": "a trained bias on lora_B",
+    "alora_invocation_tokens": "activated LoRA: applied only after the invocation tokens",
+    "layer_replication": "layers repeated into a deeper model",
+    "trainable_token_indices": "trained embedding rows",
+    "target_parameters": "LoRA on parameters rather than linear modules",
+    "use_qalora": "QALoRA: lora_A on pooled inputs",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing over adapters",
+    "kasa_config": "KaSA: singular values between A and B",
+    "monteclora_config": "MonteCLoRA: sampled factors",
+}
 _PEFT_RE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_(A|B)(?:\.default)?\.weight$")
 _GGUF_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight\.lora_(a|b)$")
 
@@ -91,9 +111,10 @@ def _check_peft_config(cfg: dict, max_lora_rank: int) -> tuple[int, float]:
         raise LoRAAdapterError(f"modules_to_save {cfg['modules_to_save']} is not supported: the adapter "
                                "replaces whole modules, which a batch shared with other adapters cannot do",
                                "modules_to_save")
-    for name in ("use_dora",):
+    for name, what in _UNSUPPORTED_VARIANTS.items():
         if cfg.get(name):
-            raise LoRAAdapterError(f"{name}=true (DoRA) is not supported", name)
+            raise LoRAAdapterError(f"{name}={cfg[name]!r} ({what}) is not supported: the engine runs plain "
+                                   "LoRA (x A^T B^T scale)", name)
     if cfg.get("bias", "none") not in ("none", None):
         raise LoRAAdapterError(f"bias={cfg['bias']!r} is not supported (only 'none')", "bias")
     for name in ("rank_pattern", "alpha_pattern"):

@@ -234,6 +234,18 @@ def test_refused_adapters_name_their_field(tiny_lora, model_config_fn, make_lora
     cfg = json.load(open(os.path.join(path16, "adapter_config.json")))
     json.dump({**cfg, "modules_to_save": ["lm_head"]}, open(bad_cfg / "adapter_config.json", "w"))
     assert "modules_to_save" in refused(str(bad_cfg), "modules_to_save")
+    # PEFT options that change the forward beyond A, B and the scale are refused by name (a
+    # real lora_bias adapter was refused as an unsupported target_modules, its lora_B.bias)
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    biased = get_peft_model(copy.deepcopy(hf), LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
+    biased.save_pretrained(str(tmp_path / "lora_bias"))
+    assert "lora_bias" in refused(str(tmp_path / "lora_bias"), "lora_bias")
+    for name, value in (("alora_invocation_tokens", [5, 6]), ("layer_replication", [[0, 2], [1, 2]]),
+                        ("trainable_token_indices", [3]), ("use_qalora", True)):
+        json.dump({**cfg, name: value}, open(bad_cfg / "adapter_config.json", "w"))
+        refused(str(bad_cfg), name)
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     json.dump(cfg, open(corrupt / "adapter_config.json", "w"))
