@@ -7,6 +7,7 @@ the float32 server is batch-invariant, so a streamed answer equals the same requ
 whole answer, and a stop sequence taken from an answer cuts that answer there.
 """
 import json
+import re
 
 import anthropic
 import pytest
@@ -95,10 +96,12 @@ def test_tool_round_trip_and_count_tokens(client, server):
     assert call.stop_reason == "tool_use"
     use = call.content[-1]
     assert use.type == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    assert re.fullmatch(r"toolu_01[0-9A-Za-z]{22}", use.id), use.id  # Anthropic's form, not chatcmpl-tool-<hex>
     # the same call streamed: input_json_delta fragments that join to the same input
     events = sse_events(server, dict(model=MODEL, max_tokens=48, messages=ask, **GREEDY, **forced))
     start = next(d for k, d in events if k == "content_block_start")
     assert start["content_block"]["type"] == "tool_use" and start["content_block"]["name"] == "get_weather"
+    assert re.fullmatch(r"toolu_01[0-9A-Za-z]{22}", start["content_block"]["id"]), start
     fragments = [d["delta"]["partial_json"] for k, d in events
                  if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
     assert json.loads("".join(fragments)) == use.input
@@ -112,6 +115,11 @@ def test_tool_round_trip_and_count_tokens(client, server):
     assert answer.content and answer.content[0].type == "text" and answer.content[0].text.strip()
     counted = client.messages.count_tokens(model=MODEL, messages=turn, tools=[WEATHER])
     assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    # a history written before (OpenAI-style ids from the chat path) still goes through
+    old_id = "chatcmpl-tool-" + "0123456789abcdef" * 2
+    old = json.loads(json.dumps(turn).replace(use.id, old_id))
+    again = client.messages.create(model=MODEL, max_tokens=4, messages=old, tools=[WEATHER], extra_body=GREEDY)
+    assert again.content and again.content[0].type == "text"
 
 
 def test_stop_sequences_end_the_answer_where_they_match(client):

@@ -190,3 +190,21 @@ def test_a_boolean_max_tokens_is_refused_not_read_as_one_token():
     with pytest.raises(pydantic.ValidationError, match="not a boolean"):
         _request([ASK], max_tokens=True)
     assert _request([ASK], max_tokens=7).max_tokens == 7
+
+
+def test_tool_use_ids_take_anthropics_form_and_come_back_through_the_checks():
+    """tool_use ids were the chat path's ``chatcmpl-tool-<hex>``; Anthropic's are
+    ``toolu_01`` + 22 base-62 characters. The same call id gives the same block id (stream
+    and whole answer agree), and a conversation that sends it back passes the pairing
+    checks and reaches the chat request, as one with OpenAI-style ids from before does."""
+    import re
+
+    from llmserve.entrypoints.anthropic.streaming import tool_use_id
+
+    call_id = "chatcmpl-tool-" + "0123456789abcdef" * 2
+    ids = [tool_use_id(call_id), tool_use_id("call_abc123"), tool_use_id(None)]
+    assert all(re.fullmatch(r"toolu_01[0-9A-Za-z]{22}", i) for i in ids), ids
+    assert tool_use_id(call_id) == ids[0] and len(set(ids)) == 3 and tool_use_id(ids[1]) == ids[1]
+    for tid in (ids[0], call_id, "call_abc123"):
+        chat = to_chat_request(_request([ASK, use(tid), result(tid)]), auto_tools=False)
+        assert chat.messages[1].tool_calls[0]["id"] == tid and chat.messages[2].tool_call_id == tid

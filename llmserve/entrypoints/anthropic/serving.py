@@ -26,7 +26,8 @@ from llmserve.entrypoints.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from llmserve.entrypoints.anthropic.streaming import MessageStreamWriter, message_events, stop_reason_of, usage_of
+from llmserve.entrypoints.anthropic.streaming import (MessageStreamWriter, message_events, stop_reason_of,
+                                                      tool_use_id, usage_of)
 from llmserve.entrypoints.openai.common.errors import check_finished_normally
 from llmserve.entrypoints.openai.chat_completion.context_room import prompt_tokens, room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -114,7 +115,7 @@ def _tool_block(call: Any) -> ContentBlock:
         args = None
     if not isinstance(args, dict):
         return TextBlock(text=call.function.arguments)
-    return ToolUseBlock(id=call.id, name=call.function.name, input=args)
+    return ToolUseBlock(id=tool_use_id(call.id), name=call.function.name, input=args)
 
 
 def message_of(response: ChatCompletionResponse, message_id: str, request: AnthropicMessagesRequest,

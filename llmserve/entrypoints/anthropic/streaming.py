@@ -16,7 +16,9 @@ the prefix-cache hits.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import uuid
 from typing import Any, AsyncGenerator, Optional
 
 from llmserve.entrypoints.anthropic.protocol import AnthropicUsage, anthropic_error_body
@@ -26,6 +28,31 @@ from llmserve.entrypoints.openai.common.errors import check_finished_normally, e
 def sse_event(kind: str, data: dict[str, Any]) -> str:
     """One Anthropic SSE event."""
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+_BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def tool_use_id(call_id: Optional[str]) -> str:
+    """The ``tool_use`` block id of a chat tool call: Anthropic's form, ``toolu_01`` and 22
+    base-62 characters (``toolu_01A09q90qw90lq917835lq9``), not the chat path's
+    ``chatcmpl-tool-<hex>``. The same call id always gives the same block id (its 128
+    bits, or a hash of another form); an id already in Anthropic's form is kept, and no
+    id gets a random one. A client sends it back as it got it (``tool_use.id``,
+    ``tool_result.tool_use_id``), and the chat path takes any id."""
+    if call_id is not None and call_id.startswith("toolu_"):
+        return call_id
+    if call_id is None:
+        n = uuid.uuid4().int
+    else:
+        tail = call_id.rsplit("-", 1)[-1]
+        n = int(tail, 16) if len(tail) == 32 and all(c in "0123456789abcdef" for c in tail) else \
+            int.from_bytes(hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).digest()[:16], "big")
+    digits = []
+    for _ in range(22):  # 62**22 > 2**128
+        n, r = divmod(n, 62)
+        digits.append(_BASE62[r])
+    return "toolu_01" + "".join(reversed(digits))
 
 
 def usage_of(usage: Any) -> AnthropicUsage:
@@ -106,7 +133,7 @@ class MessageStreamWriter:
             name = call.function.name if call.function is not None else ""
             self.tool_called = True
             events += self._open(("tool_use", call.index),
-                                 {"type": "tool_use", "id": call.id or f"toolu_{self.message_id}_{call.index}",
+                                 {"type": "tool_use", "id": tool_use_id(call.id),
                                   "name": name or "", "input": {}})
         args = call.function.arguments if call.function is not None else None
         if args and self.block == ("tool_use", call.index):
