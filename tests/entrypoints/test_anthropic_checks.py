@@ -83,7 +83,7 @@ def test_budget_is_checked_against_the_requests_own_max_tokens():
     [ASK, use("toolu_1"), result("toolu_1")],
     [ASK, use("toolu_1", "toolu_2"), result("toolu_2", "toolu_1"), {"role": "assistant", "content": "Both sunny."}],
     [ASK, use("toolu_1")],  # a continuation of the assistant's turn: no result yet
-    [ASK, use("toolu_1"), {"role": "system", "content": "Be brief."}, result("toolu_1")],  # Claude Code's system
+    [ASK, use("toolu_1"), result("toolu_1"), {"role": "system", "content": "Be brief."}],  # Claude Code's system
     # consecutive messages of one role are one turn (Anthropic combines them)
     [ASK, use("toolu_1"), use("toolu_2"), {"role": "user", "content": result("toolu_1")["content"][:1]},
      result("toolu_2")],
@@ -208,3 +208,21 @@ def test_tool_use_ids_take_anthropics_form_and_come_back_through_the_checks():
     for tid in (ids[0], call_id, "call_abc123"):
         chat = to_chat_request(_request([ASK, use(tid), result(tid)]), auto_tools=False)
         assert chat.messages[1].tool_calls[0]["id"] == tid and chat.messages[2].tool_call_id == tid
+
+
+def test_a_system_message_stands_only_after_a_user_turn():
+    """Anthropic takes role "system" inside ``messages`` right after a user turn (its
+    mid-conversation system messages; Claude Code sends [user, system, assistant, user]);
+    first, or after an assistant turn, it was accepted here and is a 400 about the role,
+    as Anthropic answers a misplaced one."""
+    brief = {"role": "system", "content": "Be brief."}
+    for ok in ([ASK, brief], [ASK, brief, brief, use("toolu_1"), result("toolu_1"), brief, ASK]):
+        to_chat_request(_request(ok), auto_tools=False)
+    for bad, i, where in (([brief, ASK], 0, "as the first message"),
+                          ([ASK, {"role": "assistant", "content": "Hi."}, brief, ASK], 2, "after an assistant"),
+                          ([ASK, use("toolu_1"), brief, result("toolu_1")], 2, "after an assistant")):
+        for request in (_request(bad), AnthropicCountTokensRequest(model="m", messages=bad)):
+            with pytest.raises(SamplingParamsError) as e:
+                to_chat_request(request, auto_tools=False)
+            assert e.value.param == f"messages.{i}.role" and where in str(e.value), str(e.value)
+            assert 'Unexpected role "system"' in str(e.value) and "top-level `system`" in str(e.value)

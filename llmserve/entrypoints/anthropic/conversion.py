@@ -4,7 +4,8 @@ Only the mapping lives here; templates, tool-call and reasoning parsing, structu
 outputs and sampling are the chat path's. Rules (Anthropic's documented meaning):
 
 - ``system`` (a string or text blocks) and ``role: "system"`` messages inside
-  ``messages`` (Claude Code sends one) become system messages, in place.
+  ``messages`` (Claude Code sends one; only after a user turn: ``checks.py``) become
+  system messages, in place.
 - Text blocks become the message's text (joined with newlines); ``tool_use`` blocks of an
   assistant message become its ``tool_calls``; ``tool_result`` blocks of a user message
   become ``tool`` messages (``tool_call_id``) before that message's remaining text.
@@ -39,8 +40,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from llmserve.entrypoints.anthropic.checks import (check_contents, check_stop_sequences, check_texts,
-                                                   check_thinking, check_tool_turns)
+from llmserve.entrypoints.anthropic.checks import (check_contents, check_stop_sequences, check_system_messages,
+                                                   check_texts, check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
@@ -248,6 +249,7 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     Anthropic field."""
     check_texts(request)
     messages = chat_messages(request)
+    check_system_messages(request.messages)
     check_contents(request.messages)
     check_tool_turns(request.messages)
     check_thinking(request.thinking, request.max_tokens if isinstance(request, AnthropicMessagesRequest) else None)
