@@ -19,7 +19,14 @@ logger = logging.getLogger(__name__)
 def run_headless(args: Any) -> int:
     """``llmserve serve --headless``: start this node's ranks connected to the head, join
     it, and wait. Returns the exit code: 0 when the head went away (its engines are
-    stopped first), 1 when an engine died or the head could not be reached."""
+    stopped first), 1 when an engine died or the head could not be reached.
+
+    Raises:
+        ValueError: ``--api-server-count`` above 1 (vLLM's refusal: a headless node serves
+            no HTTP, and the flag was silently dropped), or a topology the config refuses."""
+    if (getattr(args, "api_server_count", 1) or 1) > 1:
+        raise ValueError("api_server_count can't be set in headless mode: a --headless node runs engines only "
+                         "(the head's API servers reach them); drop --api-server-count")
     from llmserve.engine.core_process import spawn_engine_process
     from llmserve.engine.dp_client import rank_config, with_data_parallel_rank
     from llmserve.engine_args import AsyncEngineArgs, UsageContext
@@ -27,7 +34,8 @@ def run_headless(args: Any) -> int:
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
     pc = config.parallel_config
     if pc.data_parallel_external_lb:
-        raise ValueError("--headless runs internal load balancing ranks; drop --data-parallel-external-lb")
+        raise ValueError("--headless runs internal load balancing ranks; drop --data-parallel-external-lb "
+                         "and --data-parallel-rank (with external load balancing each rank is a whole server)")
     cfg = rank_config(config, pc.data_parallel_size_local)
     ranks = range(pc.data_parallel_start_rank, pc.data_parallel_start_rank + pc.data_parallel_size_local)
     procs = []

@@ -221,3 +221,16 @@ def test_a_lost_engines_rejection_is_an_engine_error_not_a_bad_request():
         got[rid] = e.value
     assert type(got["bad"]) is ValueError and isinstance(got["lost"], EngineGenerateError)
     assert error_response_from_exception(got["lost"])[0] == 500
+
+
+def test_headless_refuses_api_server_count_before_starting_anything(monkeypatch):
+    """vLLM's run_headless refuses it; it was dropped silently (the node ran engines only)."""
+    import argparse
+
+    from llmserve.engine import core_process
+    from llmserve.entrypoints.headless import run_headless
+
+    monkeypatch.setattr(core_process, "spawn_engine_process", lambda *a, **kw: pytest.fail("an engine started"))
+    args = argparse.Namespace(**NODE, headless=True, data_parallel_start_rank=1, api_server_count=2)
+    with pytest.raises(ValueError, match="api_server_count can't be set in headless mode"):
+        run_headless(args)
