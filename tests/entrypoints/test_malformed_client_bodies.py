@@ -255,3 +255,28 @@ def test_an_empty_object_body_names_each_missing_field_and_nothing_else(app_and_
     for not_object in ([], "x", 3):
         r = client.post(route, json=not_object)
         assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("route,required", [
+    ("/v1/chat/completions", ["messages"]), ("/v1/completions", ["prompt"]), ("/v1/responses", ["input"]),
+    ("/v1/embeddings", ["input"]), ("/v1/messages", ["model", "messages", "max_tokens"]),
+])
+def test_a_body_that_is_empty_or_not_an_object_names_the_required_fields(app_and_engine, route, required):  # noqa: F811
+    """An empty body, ``null``, ``[]`` or ``"x"`` said "...request fields (Field required)."
+    or "(Input should be a valid dictionary...)": which fields were missing went unsaid. Now
+    each names the route's required fields, in the route's own error body, and ``param``
+    is the first, as for ``{}``."""
+    client, engine = app_and_engine()
+    names = ", ".join(f"`{n}`" for n in required)
+    for raw, what in ((b"", "is empty: send a JSON object with the request fields"),
+                      (b"null", "must be a JSON object with the request fields, not null"),
+                      (b"[]", "must be a JSON object with the request fields, not an array"),
+                      (b'"x"', "must be a JSON object with the request fields, not a string")):
+        r = client.post(route, content=raw, headers={"content-type": "application/json"})
+        expected = f"The request body {what} (required: {names})."
+        if route == "/v1/messages":
+            assert _anthropic_error(r, expected)["error"]["message"] == expected
+        else:
+            assert r.status_code == 400 and r.json()["error"]["message"] == expected, r.text
+            assert r.json()["error"]["param"] == required[0]
+    assert engine.prompts == []

@@ -9,6 +9,7 @@ import uuid
 from typing import Any, Awaitable, Optional
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from starlette._utils import get_route_path
 from starlette.datastructures import Headers, MutableHeaders
@@ -232,14 +233,44 @@ def _not_utf8_message(error: UnicodeDecodeError) -> str:
             f"({error.reason}); send JSON encoded as UTF-8.")
 
 
-def _validation_message(exc: RequestValidationError,
-                        content_type: Optional[str] = None) -> tuple[str, Optional[str]]:
+def required_fields(request: Request) -> list[str]:
+    """The required body fields of the route that ``request`` matched (its pydantic body
+    model's fields without a default, by the name a client writes); [] when the route has
+    no single body model (``/invocations`` takes several shapes). A model whose required
+    field is checked by its handler rather than its type (``/v1/embeddings``: ``input`` or
+    ``messages``) names it in a ``REQUIRED_FIELDS`` class attribute."""
+    field = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(field, "field_info", None), "annotation", None)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    named = list(getattr(model, "REQUIRED_FIELDS", ()))
+    return named + [f.alias or name for name, f in model.model_fields.items() if f.is_required()]
+
+
+def _body_message(err_type: str, body: Any, required: list[str]) -> str:
+    """The 400 of a body that is no JSON object: empty (``missing``), or null, an array,
+    a string, a number; it names the route's required fields, since every one is missing."""
+    if err_type == "missing":
+        head = "The request body is empty: send a JSON object with the request fields"
+    else:
+        kind = {type(None): "null", list: "an array", str: "a string", bool: "a boolean"}.get(type(body), "a number")
+        head = f"The request body must be a JSON object with the request fields, not {kind}"
+    if not required:
+        return head + "."
+    names = ", ".join(f"`{name}`" for name in required)
+    return f"{head} (required: {names})."
+
+
+def _validation_message(exc: RequestValidationError, content_type: Optional[str] = None,
+                        required: Optional[list[str]] = None) -> tuple[str, Optional[str]]:
     """The message and ``param`` of a pydantic validation error: ``<field>: <problem>`` for
     each problem, the field as the client wrote it (``stop.0``, ``messages.2.content``:
     no ``body`` source, no pydantic union-member labels), one union's problems cut to the
     member that matched best or to what the field accepts (validation_errors.py); ``param``
     is the first problem's field. The input values are never echoed back. A body that
-    was not read as JSON (raw bytes: ``content_type`` is not a JSON type) is said so."""
+    was not read as JSON (raw bytes: ``content_type`` is not a JSON type) is said so; one
+    that is empty or not a JSON object names the route's ``required`` fields (the first
+    is ``param``, as it is for ``{}``)."""
     body = getattr(exc, "body", None)
     found = []
     for err in exc.errors():
@@ -261,7 +292,8 @@ def _validation_message(exc: RequestValidationError,
             parts.append(p.msg)
             continue
         if not p.path and p.type in BODY_ERRORS:
-            parts.append(f"The request body must be a JSON object with the request fields ({p.msg}).")
+            parts.append(_body_message(p.type, body, required or []))
+            param = param or (required[0] if required else None)
             continue
         if not p.path:  # a check of the whole object: its own words, no field to name
             parts.append(human(p.msg))
@@ -278,7 +310,7 @@ def _validation_message(exc: RequestValidationError,
 def install_exception_handlers(app: FastAPI) -> None:
     """Every error, raised anywhere, answers with the OpenAI error body and its status."""
     async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc, request.headers.get("content-type"))
+        message, param = _validation_message(exc, request.headers.get("content-type"), required_fields(request))
         return json_response(make_error(message, 400, param), 400)
 
     async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:

@@ -2,7 +2,7 @@
 ``POST /pooling`` (vLLM's raw pooling output)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -15,6 +15,10 @@ class EmbeddingRequest(PoolingFields):
     """``input`` (string, strings, token ids or lists of token ids) or, as vLLM allows,
     ``messages`` rendered with the chat template (one prompt). encoding_format: "float"
     or "base64" (openai-python's default). dimensions: only for Matryoshka models."""
+
+    # ``input`` (or ``messages``) is required, checked by the handler: named in the 400 of
+    # a body that is empty or not an object (server_utils.required_fields)
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = ("input",)
 
     input: Optional[PoolingInput] = None
     messages: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_MESSAGES)
