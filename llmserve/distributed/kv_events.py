@@ -201,6 +201,11 @@ def make_kv_event_publisher(config) -> Optional[ZmqEventPublisher | NullEventPub
     rank = config.parallel_config.data_parallel_rank or 0
     pub = ZmqEventPublisher(rank, kec.endpoint, kec.replay_endpoint, kec.buffer_steps, kec.hwm,
                             kec.max_queue_size, kec.topic, kec.event_layout)
-    logger.info("KV cache events: publishing on %s (replay %s), topic %r, data-parallel rank %d",
-                pub.endpoint, pub.replay_endpoint, kec.topic, rank)
+    # vLLM's rule (_binds) surprises operators: tcp://127.0.0.1:5557 is connected to, so a
+    # router that connects to it (vllm-router's --kv-event-source) never gets an event.
+    how = ("publishing on" if _binds(pub.endpoint) else
+           "publishing to a subscriber that binds (a host that is not a wildcard is connected to, as in vLLM; "
+           "use tcp://*:PORT for routers that connect)")
+    logger.info("KV cache events: %s %s (replay %s), topic %r, data-parallel rank %d",
+                how, pub.endpoint, pub.replay_endpoint, kec.topic, rank)
     return pub

@@ -158,3 +158,24 @@ def test_replay_port_of_one_rank_may_not_be_the_pub_port_of_another(tiny_path):
                    kv_events_config=events).create_engine_config()
     EngineArgs(tiny_path, tokenizer="SmolLM2-135M-Instruct", data_parallel_size=2,
                kv_events_config=dict(events, replay_endpoint="tcp://*:5567")).create_engine_config()
+
+
+def test_the_start_log_says_when_the_endpoint_is_connected_to_not_bound(caplog):
+    """vLLM's rule binds only wildcard hosts: tcp://127.0.0.1:P is connected to, so a router
+    that connects there (vllm-router --kv-event-source) got nothing while the log said
+    'publishing on' it (found putting two servers behind vllm-router's kv_aware policy)."""
+    import logging
+    from types import SimpleNamespace
+
+    from llmserve.config import KVEventsConfig
+    from llmserve.distributed.kv_events import make_kv_event_publisher
+
+    for endpoint, connects in (("tcp://127.0.0.1:0", True), ("tcp://*:0", False)):
+        kec = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
+        config = SimpleNamespace(kv_events_config=kec, cache_config=SimpleNamespace(enable_prefix_caching=True),
+                                 parallel_config=SimpleNamespace(data_parallel_rank=0))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="llmserve.distributed.kv_events"):
+            pub = make_kv_event_publisher(config)
+        pub.shutdown()
+        assert ("use tcp://*:PORT" in caplog.text) == connects, caplog.text
