@@ -144,7 +144,9 @@ def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
     if req.context:
         raise SamplingParamsError("context: earlier answers' token ids are not kept; send the conversation to "
                                   "/api/chat instead.", "context")
-    if req.raw or req.suffix is not None:
+    # An empty suffix is no suffix (Ollama's Go field is a plain string: "" is unset): the
+    # template applies, as without one.
+    if req.raw or req.suffix:
         return build_request(CompletionRequest, **_common_fields(req, name), prompt=req.prompt or "",
                              suffix=req.suffix, stream_options={"include_usage": True})
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
@@ -259,7 +261,7 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     """``/api/generate``: an async generator of NDJSON lines, or the one object."""
     name = served_name(state, req.model)
     wire = OllamaWire(req.model, chat=False)  # Ollama answers with the name as the request wrote it
-    if not req.prompt and req.suffix is None:
+    if not req.prompt and not req.suffix:
         return wire.loaded(req.keep_alive)
     chat = handler(state, "openai_serving_chat", name)
     common = generate_request(req, name, chat)
