@@ -71,6 +71,12 @@ class ModelConfig:
     renderer_num_workers: threads that render chat templates on the async server path.
     enable_sleep_mode: allow sleep / wake_up (vLLM's). sleep_idle_seconds: sleep after this
     many idle seconds (llama.cpp's --sleep-idle-seconds; None: never).
+    packed_float32: quantized weights (GGUF blocks, int4/int8 checkpoints) run on the packed
+    int8-activation kernels although ``dtype`` is float32: dtype "auto" on a CPU without
+    bfloat16 dot products (AVX2, or AVX512 without BF16), where the dense float32 GEMMs on
+    dequantized weights hold the model at 4 bytes a weight (a Q4_K_M file ~5x over) and
+    read that much at each decode step. An explicit ``--dtype float32`` keeps the exact
+    dense path (the reference for comparisons with transformers).
     """
 
     model: str
@@ -103,6 +109,7 @@ class ModelConfig:
     extra_eos_token_ids: tuple[int, ...] = ()
     enable_sleep_mode: bool = False
     sleep_idle_seconds: Optional[float] = None
+    packed_float32: bool = False
 
     def __post_init__(self) -> None:
         if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:

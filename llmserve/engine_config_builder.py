@@ -210,7 +210,8 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
         disable_sliding_window=args.disable_sliding_window,
         override_generation_config=dict(args.override_generation_config),
         renderer_num_workers=args.renderer_num_workers, diff_sampling_param=defaults,
-        extra_eos_token_ids=eos_ids, runner=runner, convert=args.convert, pooler_config=pooler)
+        extra_eos_token_ids=eos_ids, runner=runner, convert=args.convert, pooler_config=pooler,
+        packed_float32=args.dtype == "auto" and dtype == "float32" and device == "cpu")
 
 
 def _cache_config(args: "EngineArgs", encoder_decoder: bool = False) -> CacheConfig:

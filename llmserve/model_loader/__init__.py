@@ -57,9 +57,10 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
     with torch.no_grad():
         model = model_cls(hf_config, dtype)
         device = getattr(model_config, "device", "cpu") or "cpu"
+        packed_f32 = bool(getattr(model_config, "packed_float32", False))
         if gguf_file is not None:
             gguf_path = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
-            _load_gguf(model, gguf_path, hf_config, dtype, pack_weights and device == "cpu")
+            _load_gguf(model, gguf_path, hf_config, dtype, pack_weights and device == "cpu", packed_f32)
         else:
             from llmserve.model_loader.compressed_tensors_loader import (iterate_compressed_tensors_weights,
                                                                          weight_scheme)
@@ -71,7 +72,7 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
             if scheme is None:
                 model.load_weights(weights)
             else:  # int4/int8 weight-only: the same packed path as GGUF blocks
-                packed = _packed_sink(model, dtype)
+                packed = _packed_sink(model, dtype, packed_f32)
                 model.load_weights(iterate_compressed_tensors_weights(weights, scheme, dtype, packed))
                 _attach_packed(model, packed, pack_weights)
     if device != "cpu":
@@ -85,12 +86,13 @@ def get_model(model_config: Any, pack_weights: bool = True) -> nn.Module:
     return model.eval()
 
 
-def _packed_sink(model: Any, dtype: torch.dtype) -> Optional[dict]:
+def _packed_sink(model: Any, dtype: torch.dtype, packed_f32: bool = False) -> Optional[dict]:
     """The dict the loaders fill with quantized blocks (issue 16), or None: float32 models
-    keep exact dense GEMMs only, and models without the packed path take none."""
+    keep exact dense GEMMs only unless ``packed_f32`` (``ModelConfig.packed_float32``: dtype
+    "auto" resolved to float32), and models without the packed path take none."""
     import torch
 
-    return {} if dtype != torch.float32 and hasattr(model, "packed_head") else None
+    return {} if (dtype != torch.float32 or packed_f32) and hasattr(model, "packed_head") else None
 
 
 def _attach_packed(model: Any, packed: Optional[dict], drop_dense: bool,
@@ -102,7 +104,8 @@ def _attach_packed(model: Any, packed: Optional[dict], drop_dense: bool,
         attach_packed_weights(model, packed, max_rows=max_rows, drop_dense=drop_dense)
 
 
-def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, blocks_may_run: bool) -> None:
+def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, blocks_may_run: bool,
+               packed_f32: bool = False) -> None:
     """Load a GGUF file's weights into ``model`` through the start-up cache.
 
     ``blocks_may_run``: the model will run on CPU with its dense copies of packed layers
@@ -113,7 +116,7 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
     attaches those first (read onto huge pages, not repacked) and loads the other weights.
     Measured on SmolLM2-135M Q4_1: the entry 365 -> ~97 MB, and ~270 MB of dense copies
     are neither read nor copied nor freed at start (see the issue 31 commits).
-    Otherwise (tensor-parallel workers, probed switch points, float32) the entry holds
+    Otherwise (tensor-parallel workers, probed switch points, exact float32) the entry holds
     every dense weight, as before. Raises ValueError as ``load_weights``."""
     from llmserve.model_loader import startup_cache
     from llmserve.model_loader.gguf_loader import iterate_gguf_weights, read_gguf_blocks
@@ -122,7 +125,7 @@ def _load_gguf(model: Any, gguf_path: str, hf_config: Any, dtype: torch.dtype, b
                                         weight_tensors)
     from llmserve.ops.quant_ops import ALL_STEPS
 
-    packed = _packed_sink(model, dtype)
+    packed = _packed_sink(model, dtype, packed_f32)
     max_rows = packed_max_rows(model) if packed is not None and blocks_may_run else None
     if max_rows is None or max_rows < ALL_STEPS:  # dense copies may run: the entry keeps them all
         model.load_weights(startup_cache.cached_gguf_weights(

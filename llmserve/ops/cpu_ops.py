@@ -30,6 +30,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable, Iterator, Optional
 
@@ -208,7 +209,12 @@ def build_dir_for(source: str, prefix: str) -> str:
     extension built from ``csrc/<source>``: the hash covers the source, torch's version,
     the CPU and the environment, so any change builds into a fresh folder."""
     with open(os.path.join(CSRC_DIR, source)) as f:
-        key = f.read() + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
+        text = f.read()
+    # The headers it includes from csrc/ too (quant_gemv.cpp's simd16.h): editing one rebuilds.
+    for header in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+        with open(os.path.join(CSRC_DIR, header)) as f:
+            text += f.read()
+    key = text + torch.__version__ + _cpu_signature() + sys.prefix + CSRC_DIR
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     path = os.path.join(os.path.expanduser("~"), ".cache", "llmserve", "torch_extensions", f"{prefix}_{digest}")
     os.makedirs(path, exist_ok=True)

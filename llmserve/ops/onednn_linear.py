@@ -52,7 +52,19 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
     not apply (other dtype or device, oneDNN unavailable)."""
     if not available() or weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2:
         return None
+    if weight.dtype == torch.bfloat16 and not bf16_supported():
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), HINT_ROWS)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_supported() -> bool:
+    """Whether oneDNN packs bfloat16 weights on this CPU: it needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT, and raises otherwise (AMD Zen 2/3 with AVX2 only: ``--dtype bfloat16``
+    failed at load with "mkldnn_reorder_linear_weight: bf16 path needs ..."); there the
+    bfloat16 weights stay plain tensors for ``F.linear``."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
 
 
 def pack_or_keep(weight: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,14 @@ _NAME = "llmserve_quant_ops"
 PACKED_TYPES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 20: 18}  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
 
 
+def packed_isa(cpu_flags: str) -> bool:
+    """Whether the packed kernels build for a CPU with these ``/proc/cpuinfo`` flags:
+    AVX512-VNNI, or AVX2 with FMA and F16C (``csrc/simd16.h``: AMD Zen 2/3 and
+    Intel client cores, where the int8 dot products take two AVX2 ops per VNNI one)."""
+    flags = set(cpu_flags.split())
+    return "avx512_vnni" in flags or {"avx2", "fma", "f16c"} <= flags
+
+
 @functools.lru_cache(maxsize=1)
 def get_quant_ops() -> Optional[Any]:
     """The compiled module, or None (no AVX512-VNNI, no compiler, ``LLMSERVE_PACKED_WEIGHTS=0``).
@@ -47,7 +55,7 @@ def get_quant_ops() -> Optional[Any]:
     - ``quant_dequantize(w, qtype) -> float32 [N, K]``: the exact gguf dequantization.
     All raise RuntimeError for a shape or type mismatch.
     """
-    if envs.get("LLMSERVE_PACKED_WEIGHTS", "1") == "0" or "avx512_vnni" not in _cpu_signature():
+    if envs.get("LLMSERVE_PACKED_WEIGHTS", "1") == "0" or not packed_isa(_cpu_signature()):
         return None
     # The shared loader (as the LoRA and KV tier extensions): the cached .so without
     # cpp_extension's checks, else a build announced as the others are (`make` printed no

@@ -339,7 +339,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   const int64_t bt_s0 = bt.stride(0);
   const int32_t* slp = sl.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
-  const bool vec = LLMSERVE_AVX512 && hd % 16 == 0;
+  const bool vec = LLMSERVE_VEC_LANES > 0 && hd % LLMSERVE_VEC_LANES == 0;
 #if LLMSERVE_AVX512BF16
   if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
     if (hd == 64 || hd == 128) {

@@ -16,6 +16,16 @@
 #else
 #define LLMSERVE_AVX512 0
 #endif
+// AVX2 + FMA + F16C without AVX-512 (AMD Zen 2/3, Intel client cores): the attention's
+// dot products and row updates run 8 lanes wide (dot8 / axpy8 below) instead of scalar.
+#if !LLMSERVE_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLMSERVE_AVX2 1
+#else
+#define LLMSERVE_AVX2 0
+#endif
+// Lanes of the vector dot / axpy paths (0: scalar only); head sizes that are a multiple take them.
+#define LLMSERVE_VEC_LANES (LLMSERVE_AVX512 ? 16 : LLMSERVE_AVX2 ? 8 : 0)
 #if defined(__AVX512BF16__) && LLMSERVE_AVX512
 #define LLMSERVE_AVX512BF16 1
 #else
@@ -68,7 +78,25 @@ template <> inline __m512 rnd16<at::BFloat16>(__m512 x) {
 #endif
 #endif
 
-// dot(q[0:hd], k[0:hd]) with q already float
+#if LLMSERVE_AVX2
+// 8 elements -> 8 floats
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline float hsum8(__m256 s) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+#endif
+
+// dot(q[0:hd], k[0:hd]) with q already float; vec: hd is a multiple of LLMSERVE_VEC_LANES
 template <typename T>
 static inline float dot(const float* q, const T* k, int64_t hd, bool vec) {
 #if LLMSERVE_AVX512
@@ -76,6 +104,12 @@ static inline float dot(const float* q, const T* k, int64_t hd, bool vec) {
     __m512 s = _mm512_setzero_ps();
     for (int64_t d = 0; d < hd; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), s);
     return _mm512_reduce_add_ps(s);
+  }
+#elif LLMSERVE_AVX2
+  if (vec) {
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), s);
+    return hsum8(s);
   }
 #endif
   float s = 0.f;
@@ -91,6 +125,13 @@ static inline void axpy(float* acc, float w, const T* v, int64_t hd, bool vec) {
     const __m512 ww = _mm512_set1_ps(w);
     for (int64_t d = 0; d < hd; d += 16)
       _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(ww, load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#elif LLMSERVE_AVX2
+  if (vec) {
+    const __m256 ww = _mm256_set1_ps(w);
+    for (int64_t d = 0; d < hd; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(ww, load8(v + d), _mm256_loadu_ps(acc + d)));
     return;
   }
 #endif

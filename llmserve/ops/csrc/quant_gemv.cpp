@@ -33,6 +33,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "simd16.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -62,6 +63,8 @@ constexpr int64_t kLinearHookAbi = 2;
 constexpr int64_t kHookF32 = 0, kHookBF16 = 1, kHookF16 = 2;
 
 namespace {
+
+using namespace simd16;
 
 constexpr int64_t QK = 32;  // weights per block
 constexpr int64_t RG = 16;  // rows per group (one int32 lane each)
@@ -167,14 +170,9 @@ struct Packed {
 // factors the kernels would otherwise recompute per row group: per block sx = d_x *
 // sum(q_x) [M, nb] and per half block sh = d_x * sum(q_x of the half) [M, nb, 2] (the
 // same float32 products, so the results are unchanged).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline vf load16(const float* p) { return load_f(p); }
+inline vf load16(const at::BFloat16* p) { return load_bf(p); }
+inline vf load16(const at::Half* p) { return load_h(p); }
 
 // A thread's scratch memory for its calls' quantized activations: kept from call to call
 // and never cleared, since QuantX writes every value before a kernel reads it. Fresh zeroed
@@ -238,20 +236,20 @@ struct QuantX {
   // rounding of a reciprocal), clamped to [-127, 127] (NaN's INT_MIN to -127, as before).
   template <typename T>
   void block(const T* xs, int64_t i) {
-    const __m512 x0 = load16(xs), x1 = load16(xs + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const vf x0 = load16(xs), x1 = load16(xs + 16);
+    const float amax = hmax(max_f(abs_f(x0), abs_f(x1)));
     d[i] = amax / 127.f;
-    __m512i q0 = _mm512_setzero_si512(), q1 = q0;
+    vi q0 = zero_i(), q1 = q0;
     if (amax > 0.f) {
-      const __m512 s = _mm512_set1_ps(127.f), a = _mm512_set1_ps(amax);
-      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-      q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_mul_ps(x0, s), a)), lo), hi);
-      q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_mul_ps(x1, s), a)), lo), hi);
+      const vf s = set1_f(127.f), a = set1_f(amax);
+      const vi lo = set1_i32(-127), hi = set1_i32(127);
+      q0 = min_i32(max_i32(to_i_round(div(mul(x0, s), a)), lo), hi);
+      q1 = min_i32(max_i32(to_i_round(div(mul(x1, s), a)), lo), hi);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * QK + 16), _mm512_cvtepi32_epi8(q1));
-    hb[2 * i] = _mm512_reduce_add_epi32(q0);
-    hb[2 * i + 1] = _mm512_reduce_add_epi32(q1);
+    store_i32_as_i8(q + i * QK, q0);
+    store_i32_as_i8(q + i * QK + 16, q1);
+    hb[2 * i] = hsum_i32(q0);
+    hb[2 * i + 1] = hsum_i32(q1);
     sx[i] = d[i] * static_cast<float>(hb[2 * i] + hb[2 * i + 1]);
     sh[2 * i] = d[i] * static_cast<float>(hb[2 * i]);
     sh[2 * i + 1] = d[i] * static_cast<float>(hb[2 * i + 1]);
@@ -259,37 +257,66 @@ struct QuantX {
 };
 
 // The (group, block) tile's 8 code vectors: V[j] lane l = codes 4j..4j+3 of row l (Q4:
-// chunk c's low nibbles are V[c], its high ones V[c + 4], moved down by one GF2P8AFFINEQB
-// instead of a shift and a mask).
-constexpr uint64_t kHiNibble = 0x1020408000000000ULL;  // GF2P8AFFINEQB matrix: out bit i = in bit i + 4 (i < 4)
-
-template <int BITS>
-inline void load_tile(const uint8_t* tile, __m512i* v) {
+// chunk c's low nibbles are V[c], its high ones V[c + 4]). S8 (AVX2, the signed 8-bit tiles
+// of Q8_0 and IQ4_NL, codes = w + 128): V[j] = |w| and W[j] = w instead, for dot_avx2's
+// signed products (maddubs takes u8 x s8 pairs, and 255 x 127 x 2 would saturate int16).
+template <int BITS, bool S8 = false>
+inline void load_tile(const uint8_t* tile, vi* v, vi* w = nullptr) {
   if constexpr (BITS == 8) {
-    for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(tile + 64 * j);
-  } else {
-    const __m512i nib = _mm512_set1_epi8(0x0F), hin = _mm512_set1_epi64(static_cast<long long>(kHiNibble));
-    for (int c = 0; c < 4; ++c) {
-      const __m512i b = _mm512_loadu_si512(tile + 64 * c);
-      v[c] = _mm512_and_si512(b, nib);
-      v[c + 4] = _mm512_gf2p8affine_epi64_epi8(b, hin, 0);
+    for (int j = 0; j < 8; ++j) v[j] = load_i(tile + 64 * j);
+#if !LLMS_AVX512
+    if constexpr (S8) {
+      const vi bias = set1_i8(static_cast<int8_t>(0x80));
+      for (int j = 0; j < 8; ++j) { w[j] = xor_i(v[j], bias); v[j] = abs_i8(w[j]); }
     }
-    // 5-bit: bit j of the high plane's bytes -> bit 4 of V[j] (shift, then one ternary
-    // logic op for the mask and the or, 0xF8 = A | (B & C)). GF2P8AFFINEQB moving each bit
-    // measured no faster here on Q5_0 rows.
+#endif
+  } else {
+    const vi nib = set1_i8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const vi b = load_i(tile + 64 * c);
+      v[c] = and_i(b, nib);
+      v[c + 4] = hi_nibbles(b);
+    }
+    // 5-bit: bit j of the high plane's bytes -> bit 4 of V[j] (shift, then on AVX-512 one
+    // ternary logic op for the mask and the or). GF2P8AFFINEQB moving each bit measured no
+    // faster here on Q5_0 rows.
     if constexpr (BITS == 5) {
-      const __m512i h = _mm512_loadu_si512(tile + 256), b4 = _mm512_set1_epi8(0x10);
-      v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(h, 4), b4, 0xF8);
-      v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(h, 3), b4, 0xF8);
-      v[2] = _mm512_ternarylogic_epi32(v[2], _mm512_slli_epi16(h, 2), b4, 0xF8);
-      v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_slli_epi16(h, 1), b4, 0xF8);
-      v[4] = _mm512_ternarylogic_epi32(v[4], h, b4, 0xF8);
-      v[5] = _mm512_ternarylogic_epi32(v[5], _mm512_srli_epi16(h, 1), b4, 0xF8);
-      v[6] = _mm512_ternarylogic_epi32(v[6], _mm512_srli_epi16(h, 2), b4, 0xF8);
-      v[7] = _mm512_ternarylogic_epi32(v[7], _mm512_srli_epi16(h, 3), b4, 0xF8);
+      const vi h = load_i(tile + 256);
+      v[0] = or_bit4<4>(v[0], h);
+      v[1] = or_bit4<3>(v[1], h);
+      v[2] = or_bit4<2>(v[2], h);
+      v[3] = or_bit4<1>(v[3], h);
+      v[4] = or_bit4<0>(v[4], h);
+      v[5] = or_bit4<-1>(v[5], h);
+      v[6] = or_bit4<-2>(v[6], h);
+      v[7] = or_bit4<-3>(v[7], h);
     }
   }
 }
+
+#if !LLMS_AVX512
+// init + the integer dot products of V[0..N) with x's words xw[0..N) (4 codes each), on
+// AVX2. maddubs sums pairs of u8 x s8 into int16, which saturates past 2^15 - 1: with
+// codes below 2^c and |q_x| <= 127 a pair is at most 2 (2^c - 1) 127, so G of them are
+// summed in int16 before one madd into int32: 8 for 4-bit codes (30,480), 4 for 5-bit
+// (31,496), 2 for the K-quants' 8-bit tiles (Q6_K's codes < 64: 32,004). The signed 8-bit
+// tiles (S8) take |w| x (x with w's signs), each pair at most 2 x 128 x 127, one madd each.
+template <int BITS, int N, bool S8>
+inline vi dot_avx2(vi a, const vi* v, const vi* w, const int32_t* xw) {
+  if constexpr (S8) {
+    for (int j = 0; j < N; ++j) a = add_i32(a, madd_ones(maddubs(v[j], sign_i8(set1_i32(xw[j]), w[j]))));
+    return a;
+  } else {
+    constexpr int G = BITS == 4 ? 8 : BITS == 5 ? 4 : 2;
+    for (int j0 = 0; j0 < N; j0 += G) {
+      vi s = maddubs(v[j0], set1_i32(xw[j0]));
+      for (int j = j0 + 1; j < j0 + G && j < N; ++j) s = add_i16(s, maddubs(v[j], set1_i32(xw[j])));
+      a = add_i32(a, madd_ones(s));
+    }
+    return a;
+  }
+}
+#endif
 
 // Software prefetch, into L1, of the tile kPrefetchAhead blocks ahead and its scales. A
 // thread walks its row groups' tiles in memory order ([groups, nb, tile] is one stream,
@@ -310,9 +337,9 @@ inline void prefetch_tile(const uint8_t* tile, int64_t tb, const void* scales) {
 }
 
 template <typename OutT>
-inline void store_rows(OutT* out, __m512 acc, int64_t valid) {
+inline void store_rows(OutT* out, vf acc, int64_t valid) {
   alignas(64) float tmp[RG];
-  _mm512_store_ps(tmp, acc);
+  store_f(tmp, acc);
   for (int64_t l = 0; l < valid; ++l) out[l] = static_cast<OutT>(tmp[l]);
 }
 
@@ -328,37 +355,44 @@ void group_tile_s(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT
   const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
   const uint8_t* codes = p.codes + g * p.nb * tb;
   const uint16_t* dm = p.dm + g * p.nb * p.dms;
-  __m512 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  // AVX2's signed 8-bit tiles (Q8_0, IQ4_NL: always symmetric) hold w = code - 128 itself:
+  // their dot products start at 0, not at -128 * sum(q_x).
+  constexpr bool S8 = !LLMS_AVX512 && BITS == 8;
+  vf acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = zero_f();
   for (int64_t b = 0; b < p.nb; ++b) {
     prefetch_tile(codes + (b + kPrefetchAhead) * tb, tb, dm + (b + kPrefetchAhead) * p.dms);
-    __m512i v[8];
-    load_tile<BITS>(codes + b * tb, v);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * p.dms)));
-    __m512 m = _mm512_setzero_ps();
-    if constexpr (!SYM) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 32 + 16)));
+    vi v[8], w[S8 ? 8 : 1];
+    load_tile<BITS, S8>(codes + b * tb, v, w);
+    const vf d = load_h(dm + b * p.dms);
+    vf m = zero_f();
+    if constexpr (!SYM) m = load_h(dm + b * 32 + 16);
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
       const int32_t* xw = reinterpret_cast<const int32_t*>(xq.q + (t0 + t) * K + b * QK);
       // V[j] holds codes 4j..4j+3 of each row (both types), x's word j the same codes of x;
       // from 8 tokens on, one dependency chain per token (their chains overlap; the add of
       // two chains was one more vector op per token and block).
-      const __m512i a_init = SYM ? _mm512_set1_epi32(xq.zs[xi]) : _mm512_setzero_si512();
-      __m512i a;
+      const vi a_init = SYM && !S8 ? set1_i32(xq.zs[xi]) : zero_i();
+      vi a;
+#if LLMS_AVX512
       if (MT < 8) {  // two chains where few tokens overlap theirs
-        __m512i a0 = _mm512_dpbusd_epi32(a_init, v[0], _mm512_set1_epi32(xw[0]));
-        __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[1], _mm512_set1_epi32(xw[1]));
+        vi a0 = dpbusd(a_init, v[0], set1_i32(xw[0]));
+        vi a1 = dpbusd(zero_i(), v[1], set1_i32(xw[1]));
         for (int j = 2; j < 8; j += 2) {
-          a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
-          a1 = _mm512_dpbusd_epi32(a1, v[j + 1], _mm512_set1_epi32(xw[j + 1]));
+          a0 = dpbusd(a0, v[j], set1_i32(xw[j]));
+          a1 = dpbusd(a1, v[j + 1], set1_i32(xw[j + 1]));
         }
-        a = _mm512_add_epi32(a0, a1);
+        a = add_i32(a0, a1);
       } else {
-        a = _mm512_dpbusd_epi32(a_init, v[0], _mm512_set1_epi32(xw[0]));
-        for (int j = 1; j < 8; ++j) a = _mm512_dpbusd_epi32(a, v[j], _mm512_set1_epi32(xw[j]));
+        a = dpbusd(a_init, v[0], set1_i32(xw[0]));
+        for (int j = 1; j < 8; ++j) a = dpbusd(a, v[j], set1_i32(xw[j]));
       }
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(xq.d[xi])), acc[t]);
-      if constexpr (!SYM) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sx[xi]), acc[t]);
+#else
+      a = dot_avx2<BITS, 8, S8>(a_init, v, w, xw);
+#endif
+      acc[t] = fmadd(to_f(a), mul(d, set1_f(xq.d[xi])), acc[t]);
+      if constexpr (!SYM) acc[t] = fmadd(m, set1_f(xq.sx[xi]), acc[t]);
     }
   }
   const int64_t valid = std::min(RG, p.n - g * RG);
@@ -389,13 +423,9 @@ struct KPacked {
   int64_t nb, n, bits, z;
 };
 
-inline __m512 i8x16_ps(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+inline vf i8x16_ps(const int8_t* p) { return load_i8(p); }
 
-inline __m512 h16_ps(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline vf h16_ps(const uint16_t* p) { return load_h(p); }
 
 // kMins: the type has mins (Q2_K, Q4_K, Q5_K: z = 0); Q3_K and Q6_K have none (their mn
 // and dmin are zero, kquant.py) but a code offset z, so their tiles skip the two min terms
@@ -407,23 +437,23 @@ void group_tile_k(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, Out
   const uint8_t* codes = p.codes + g * p.nb * tb;
   const int8_t* sc = p.sc + g * p.nb * 64;
   const uint16_t* dd = p.dd + g * (p.nb / 8) * 32;
-  __m512 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps(), dmin = d;
+  vf acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = zero_f();
+  vf d = zero_f(), dmin = d;
   for (int64_t b = 0; b < p.nb; ++b) {
     if (b % 8 == 0) {
       d = h16_ps(dd + (b / 8) * 32);
       dmin = h16_ps(dd + (b / 8) * 32 + 16);
     }
     prefetch_tile(codes + (b + kPrefetchAhead) * tb, tb, sc + (b + kPrefetchAhead) * 64);
-    __m512i v[8];
+    vi v[8];
     load_tile<BITS>(codes + b * tb, v);
     const int8_t* s = sc + b * 64;
-    const __m512 d0 = _mm512_mul_ps(d, i8x16_ps(s)), d1 = _mm512_mul_ps(d, i8x16_ps(s + 16));
-    __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+    const vf d0 = mul(d, i8x16_ps(s)), d1 = mul(d, i8x16_ps(s + 16));
+    vf m0 = zero_f(), m1 = m0;
     if constexpr (kMins) {
-      m0 = _mm512_mul_ps(dmin, i8x16_ps(s + 32));
-      m1 = _mm512_mul_ps(dmin, i8x16_ps(s + 48));
+      m0 = mul(dmin, i8x16_ps(s + 32));
+      m1 = mul(dmin, i8x16_ps(s + 48));
     }
     for (int t = 0; t < MT; ++t) {
       const int64_t xi = (t0 + t) * p.nb + b;
@@ -431,18 +461,23 @@ void group_tile_k(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, Out
       // V[0..3]: codes 0..15 (first half), V[4..7]: codes 16..31.
       // Without mins, each half's dot starts at -z * sum(q_x of the half) (QuantX::zs): the
       // same int32 sums as subtracting after, with no vector op for it.
-      __m512i a0 = kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(xq.zs[2 * xi]);
-      __m512i a1 = kMins ? _mm512_setzero_si512() : _mm512_set1_epi32(xq.zs[2 * xi + 1]);
+      vi a0 = kMins ? zero_i() : set1_i32(xq.zs[2 * xi]);
+      vi a1 = kMins ? zero_i() : set1_i32(xq.zs[2 * xi + 1]);
+#if LLMS_AVX512
       for (int j = 0; j < 4; ++j) {
-        a0 = _mm512_dpbusd_epi32(a0, v[j], _mm512_set1_epi32(xw[j]));
-        a1 = _mm512_dpbusd_epi32(a1, v[j + 4], _mm512_set1_epi32(xw[j + 4]));
+        a0 = dpbusd(a0, v[j], set1_i32(xw[j]));
+        a1 = dpbusd(a1, v[j + 4], set1_i32(xw[j + 4]));
       }
-      const __m512 dx = _mm512_set1_ps(xq.d[xi]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), acc[t]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d1, dx), acc[t]);
+#else
+      a0 = dot_avx2<BITS, 4, false>(a0, v, nullptr, xw);
+      a1 = dot_avx2<BITS, 4, false>(a1, v + 4, nullptr, xw + 4);
+#endif
+      const vf dx = set1_f(xq.d[xi]);
+      acc[t] = fmadd(to_f(a0), mul(d0, dx), acc[t]);
+      acc[t] = fmadd(to_f(a1), mul(d1, dx), acc[t]);
       if constexpr (kMins) {
-        acc[t] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(xq.sh[2 * xi]), acc[t]);
-        acc[t] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(xq.sh[2 * xi + 1]), acc[t]);
+        acc[t] = fnmadd(m0, set1_f(xq.sh[2 * xi]), acc[t]);
+        acc[t] = fnmadd(m1, set1_f(xq.sh[2 * xi + 1]), acc[t]);
       }
     }
   }
@@ -465,7 +500,8 @@ void run(const P& p, const QuantX& xq, int64_t M, OutT* out, const LinearHook* h
   constexpr int64_t kChunk = 256;
   // 16 tokens per tile load for the Q4_0..Q8_0 tiles (16 accumulators + 8 code vectors
   // fit the 32 registers; the K-quants' 4 scale vectors per block would not).
-  constexpr bool kMT16 = std::is_same<P, Packed>::value;
+  // AVX2 (16 registers of half the width): at most 8 tokens a tile load.
+  constexpr bool kMT16 = std::is_same<P, Packed>::value && LLMS_AVX512;
   const int64_t groups = (p.n + RG - 1) / RG, N = p.n;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * RG, n1 = std::min(N, g1 * RG);
