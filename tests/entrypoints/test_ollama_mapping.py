@@ -348,6 +348,65 @@ def test_a_gguf_models_family_is_the_files_architecture(tmp_path, file_arch, mod
     assert info.details(folder)["family"] == model_type  # a safetensors folder keeps its model_type
 
 
+def test_ollama_reads_null_as_gos_zero_value(app_and_engine):  # noqa: F811
+    """Go's encoding/json leaves a field alone on ``null`` (its zero value): Ollama takes
+    ``"messages": null`` as no messages (/api/chat loads the model: done_reason "load"),
+    ``"input": null`` as no input, a null option or field as unset. Each was a 400 here
+    ("messages: must be a valid array"). An empty body is Ollama's "missing request body"."""
+    client, engine = app_and_engine()
+    ask = [{"role": "user", "content": "hi"}]
+    for route, body in (("/api/chat", {"model": "m", "messages": None, "stream": None}),
+                        ("/api/generate", {"model": "m", "prompt": None, "system": None, "suffix": None,
+                                           "context": None, "raw": None, "images": None})):
+        r = client.post(route, json=body)
+        assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
+    assert client.post("/api/embeddings", json={"model": "m", "prompt": None}).json() == {"embedding": []}
+    engine.outputs = [_output("ok", "stop")]
+    nulls = {"model": "m", "stream": False, "format": None, "keep_alive": None, "think": None, "tools": None,
+             "options": {"temperature": None, "stop": None}, "truncate": None, "top_logprobs": None,
+             "messages": [{"role": "user", "content": "hi", "images": None, "tool_calls": None, "thinking": None},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": None, "function": {"index": None, "name": "f", "arguments": None}}]},
+                          {"role": "tool", "content": "1", "tool_name": None, "tool_call_id": None}]}
+    r = client.post("/api/chat", json=nulls)
+    assert r.status_code == 200 and r.json()["message"]["content"] == "ok", r.text
+    assert not engine.params[-1].stop
+    for no_input in (None, ""):  # no input: Ollama answers no embeddings (it embedded "" here)
+        r = client.post("/api/embed", json={"model": "m", "input": no_input})
+        assert r.status_code == 200 and r.json() == {"model": "m", "embeddings": []}, r.text
+    r = client.post("/api/chat", json={"model": "m", "messages": [None]})  # a zero Message: no role
+    assert r.status_code == 400 and "role" in r.json()["error"], r.text
+    for empty in (b"", b"  \n"):
+        r = client.post("/api/chat", content=empty)
+        assert r.status_code == 400 and r.json() == {"error": "missing request body"}, r.text
+    assert len(engine.prompts) == 1
+
+
+def test_ollama_errors_name_options_and_non_utf8_bytes(app_and_engine):  # noqa: F811
+    """A check made past the mapping (the sampling parameters') named the common field:
+    ``options.stop: [""]`` said "stop cannot contain an empty string", ``temperature: -1``
+    "temperature must be...": each now names ``options.<key>`` (num_predict for
+    max_tokens). A body not UTF-8 outside any string (Go refuses it too; inside a string
+    it is read as U+FFFD) said "Invalid JSON ... line 1 column 1"; now the byte."""
+    client, engine = app_and_engine()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    for route, body, said in (
+            ("/api/chat", {**chat, "options": {"stop": [""]}}, "options.stop cannot contain an empty string."),
+            ("/api/chat", {**chat, "stream": True, "options": {"temperature": -1}}, "options.temperature must be"),
+            ("/api/generate", {"model": "m", "prompt": "hi", "options": {"top_p": 5}}, "options.top_p must be"),
+            ("/api/generate", {"model": "m", "prompt": "hi", "raw": True, "options": {"top_p": 5}},
+             "options.top_p must be")):
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"].startswith(said), (body, r.text)
+    r = client.post("/api/chat", content=b'\xff{"model":"m"}')
+    assert r.status_code == 400 and r.json()["error"].startswith(
+        "Invalid JSON in the request body: byte 0xff at offset 0 is not UTF-8 and stands outside a string"), r.text
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post("/api/chat", content=json.dumps(chat).replace("hi", "hi \\u00ff").encode().replace(
+        b"\\u00ff", b"\xff"))
+    assert r.status_code == 200 and "hi \ufffd" in str(engine.prompts[-1]), r.text
+
+
 def test_an_empty_suffix_is_no_suffix_as_in_ollama(app_and_engine):  # noqa: F811
     """Ollama's ``suffix`` is a Go string: ``""`` is unset, so the template applies (and an
     empty prompt is the load answer). It ran the prompt raw, without the chat template

@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import llmserve
 from llmserve.entrypoints.ollama import info
-from llmserve.entrypoints.ollama.go_errors import go_type_error
+from llmserve.entrypoints.ollama.go_errors import GO_STRUCTS, go_type_error
+from llmserve.entrypoints.ollama.go_json import zero_nulls
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaShowRequest)
 from llmserve.entrypoints.ollama.serving import (serve_chat, serve_embed, serve_embeddings, serve_generate)
@@ -49,20 +50,43 @@ async def _body(raw_request: Request, model: type[T]) -> T:
     """The request body as ``model``, whatever its Content-Type: Ollama reads JSON from
     any body (its documented ``curl -d '{...}'`` sends a form content type). Valid JSON
     that pydantic's parser refuses (a lone UTF-16 surrogate escape, ``"\\ud800x"``) is read
-    as Go's encoding/json reads it (:func:`_go_json`). Invalid JSON or fields are a 400
-    naming them (the validation handler's message: invalid JSON keeps the first parser's)."""
-    body = await raw_request.body() or b"{}"
+    as Go's encoding/json reads it (:func:`_go_json`), and so is ``null`` anywhere (the
+    field's zero value: go_json.py). An empty body is Ollama's 400 "missing request body".
+    Invalid JSON or fields are a 400 naming them (the validation handler's message: invalid
+    JSON keeps the first parser's, and says so when the body is not UTF-8 either)."""
+    body = await raw_request.body()
+    if not body.strip():
+        raise SamplingParamsError("missing request body", None)
+    struct = GO_STRUCTS[model.__name__]
+    body = zero_nulls(struct, body)
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
         if any(err.get("type") == "json_invalid" for err in e.errors()):
             repaired = _go_json(body)
             if repaired is not None:
+                repaired = zero_nulls(struct, repaired)
                 try:
                     return model.model_validate_json(repaired)
                 except ValidationError as e2:
                     _refuse(model, e2.errors(), repaired)
+            _refuse_not_utf8(body)
         _refuse(model, e.errors(), body)
+
+
+def _refuse_not_utf8(body: bytes) -> None:
+    """The 400 of a body that is not JSON even read as Go reads it and not UTF-8 either:
+    an invalid byte outside any string (Go refuses that too; inside a string it becomes
+    U+FFFD). Names the first invalid byte and its offset, not pydantic's position in a
+    text it could not decode ("expected value at line 1 column 1"). Returns when the body
+    is UTF-8 (its JSON error is said as it is)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SamplingParamsError(
+            f"Invalid JSON in the request body: byte 0x{body[e.start:e.start + 1].hex()} at offset {e.start} is not "
+            "UTF-8 and stands outside a string (invalid UTF-8 is read inside strings only, as U+FFFD, as Ollama "
+            "reads it); send JSON encoded as UTF-8.", None) from None
 
 
 def _refuse(model: type[BaseModel], errors: list[dict[str, Any]], body: bytes) -> NoReturn:

@@ -35,9 +35,15 @@ GO_TYPES: dict[str, dict[str, str]] = {
     "EmbeddingRequest": {"model": "string", "prompt": "string", "options": _OPTIONS},
     "ShowRequest": {"model": "string", "system": "string", "template": "string", "verbose": "bool",
                     "options": _OPTIONS, "name": "string"},
+    "ToolCall": {"id": "string", "function": "api.ToolCallFunction"},
+    "ToolCallFunction": {"index": "int", "name": "string"},
+    "Tool": {"type": "string", "function": "api.ToolFunction"},
+    "ToolFunction": {"name": "string", "description": "string"},
 }
-# Go types that are structs of GO_TYPES (a path going into one names it as Go's innermost struct)
-_STRUCT_OF_TYPE = {"api.Message": "Message"}
+# Go types that are structs of GO_TYPES (a path going into one names it as Go's innermost
+# struct)
+STRUCT_OF_TYPE = {"api.Message": "Message", "api.ToolCall": "ToolCall", "api.ToolCallFunction": "ToolCallFunction",
+                  "api.Tool": "Tool", "api.ToolFunction": "ToolFunction"}
 
 # pydantic error types that say "not this type" (Go's UnmarshalTypeError)
 _TYPE_ERRORS = frozenset({"string_type", "int_type", "int_parsing", "int_from_float", "float_type",
@@ -72,9 +78,9 @@ def _go_field(struct: str, path: list[Any]) -> Optional[tuple[str, str]]:
             go_type = go_type[2:]  # an element: named by its type
             continue
         if go_type is not None:  # a key inside a value: only inside a struct of GO_TYPES
-            if go_type not in _STRUCT_OF_TYPE:
+            if go_type not in STRUCT_OF_TYPE:
                 return None
-            struct = _STRUCT_OF_TYPE[go_type]
+            struct = STRUCT_OF_TYPE[go_type]
         go_type = GO_TYPES.get(struct, {}).get(item)
         if go_type is None:
             return None

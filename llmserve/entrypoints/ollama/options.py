@@ -142,6 +142,22 @@ _SENT_AS = {**{field: f"options.{key}" for key, field in NUMERIC_OPTIONS.items()
             "max_tokens": "options.num_predict", "stop": "options.stop"}
 
 
+def in_ollama_terms(error: SamplingParamsError) -> SamplingParamsError:
+    """``error`` (raised past the request's mapping: the chat or completion handler, the
+    sampling parameters' checks) naming the Ollama option the client sent instead of the
+    common request's field: ``stop cannot contain an empty string`` -> ``options.stop
+    cannot contain an empty string``, param ``options.stop``; ``max_tokens`` ->
+    ``options.num_predict``. Other errors are returned as they are."""
+    param = error.param or ""
+    field, dot, rest = param.partition(".")
+    name = _SENT_AS.get(field)
+    if name is None:
+        return error
+    message = str(error)
+    message = name + message[len(field):] if message.startswith(field) else f"{name}: {message}"
+    return SamplingParamsError(message, name + dot + rest)
+
+
 def _deepest_first_field_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """Of pydantic's errors for the first failing field, the one that says why: a union
     field (``stop``: a string or a list of strings) fails once per branch, the string

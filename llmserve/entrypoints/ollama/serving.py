@@ -24,13 +24,15 @@ still shown to the template); the response header ``X-Llmserve-Tool-Choice`` say
 """
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
-from typing import Any, AsyncGenerator, Optional
+from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 
 from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, over_context, truncating
 from llmserve.entrypoints.ollama.names import resolve
-from llmserve.entrypoints.ollama.options import build_request, context_size, sampling_fields, structured_fields
+from llmserve.entrypoints.ollama.options import (build_request, context_size, in_ollama_terms, sampling_fields,
+                                                 structured_fields)
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaMessage)
 from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats, StreamError
@@ -221,6 +223,19 @@ async def _fit(req: Any, chat: Any, common: ChatCompletionRequest, context: int)
     return common
 
 
+def ollama_terms(serve: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``serve`` with the errors raised before its answer starts naming the Ollama option
+    the client sent (options.in_ollama_terms: ``options.stop``, not ``stop``)."""
+    @functools.wraps(serve)
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await serve(*args, **kwargs)
+        except SamplingParamsError as e:
+            raise in_ollama_terms(e) from None
+    return wrapped
+
+
+@ollama_terms
 async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
     """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
     name = served_name(state, req.model)
@@ -257,6 +272,7 @@ def _fit_raw(req: OllamaGenerateRequest, completion: Any, common: CompletionRequ
     return common
 
 
+@ollama_terms
 async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Optional[str]) -> Any:
     """``/api/generate``: an async generator of NDJSON lines, or the one object."""
     name = served_name(state, req.model)
@@ -288,7 +304,9 @@ async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
     """``/api/embed``: ``{"model", "embeddings": [[float]], "prompt_eval_count", durations}``,
     ``model`` as the request wrote it (Ollama's answer)."""
     stats = RunStats()
-    inputs = [req.input] if isinstance(req.input, str) else list(req.input)
+    # "" (or null: go_json.py) is no input, as Ollama reads a string input; an empty string
+    # inside a list is embedded
+    inputs = ([req.input] if req.input else []) if isinstance(req.input, str) else list(req.input)
     if not inputs:
         served_name(state, req.model, pull_hint=True)
         return {"model": req.model, "embeddings": []}
