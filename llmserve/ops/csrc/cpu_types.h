@@ -180,6 +180,27 @@ static inline __m512 hsum16x16(const __m512* v) {
 }
 #endif
 
+#if LLMSERVE_AVX2
+// e^x, 8 lanes: 2^t = 2^n * 2^f as pow2_512 (the same polynomial), 2^n built in the exponent
+// bits, so t is clamped to [-126, 127] (x to [-87, 88]: e^x then ~1e-38 or ~1.7e38, not 0 or inf).
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 // sc[0:L] = exp(sc - max), returns the sum
 static inline float softmax_numerator(float* sc, int64_t L) {
   float m = -std::numeric_limits<float>::infinity();
@@ -201,6 +222,15 @@ static inline float softmax_numerator(float* sc, int64_t L) {
     acc = _mm512_add_ps(acc, e);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif LLMSERVE_AVX2
+  const __m256 mm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= L; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mm));
+    _mm256_storeu_ps(sc + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
 #endif
   for (; i < L; ++i) { sc[i] = std::exp(sc[i] - m); sum += sc[i]; }
   return sum;

@@ -103,6 +103,19 @@ void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
           const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
           store16(o + d, _mm512_mul_ps(rnd16<scalar_t>(s), load16(u + d)));
         }
+#elif LLMSERVE_AVX2
+        if constexpr (std::is_same<scalar_t, float>::value) {  // float32 activations (dtype auto here)
+          // (casts: the macro's scalar_t is no template parameter, so the branch must compile for all)
+          const float* gf = reinterpret_cast<const float*>(g);
+          const float* uf = reinterpret_cast<const float*>(u);
+          float* of = reinterpret_cast<float*>(o);
+          const __m256 one = _mm256_set1_ps(1.f);
+          for (; d + 8 <= I; d += 8) {
+            const __m256 x = _mm256_loadu_ps(gf + d);
+            const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(of + d, _mm256_mul_ps(s, _mm256_loadu_ps(uf + d)));
+          }
+        }
 #endif
         for (; d < I; ++d) {
           const float x = to_f(g[d]);
