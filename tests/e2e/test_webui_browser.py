@@ -64,6 +64,14 @@ def _errors(page) -> list[str]:
     return errors
 
 
+def _console_errors(page) -> list[str]:
+    """Console errors, failed loads included (a page without an icon logged a 401 for
+    /favicon.ico on every load)."""
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    return errors
+
+
 def test_playground_streams_an_answer(server, browser):
     page = browser.new_page()
     errors = _errors(page)
@@ -186,7 +194,7 @@ def _grown_while_running(page, first: int) -> bool:
 
 def test_live_view_shows_eight_streams_then_their_timelines(server, browser):
     page = browser.new_page()
-    errors = _errors(page)
+    errors, console = _errors(page), _console_errors(page)
     page.goto(server.url_for("/live") + f"?refresh={REFRESH_MS}")
     expect(page.locator("#updated")).to_contain_text("updated")
     ids = [""] * N_STREAMS
@@ -208,4 +216,5 @@ def test_live_view_shows_eight_streams_then_their_timelines(server, browser):
     expect(page.locator("#active tr[data-state]")).to_have_count(0)
     assert page.locator("#s-gen").inner_text() != "–"
     assert not errors, errors
+    assert not console, console  # the key is in localStorage by now: no 401, no favicon fetch
     page.close()

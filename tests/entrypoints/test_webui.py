@@ -49,6 +49,15 @@ def test_pages_and_their_files_are_public_to_get(client, path, title):
         assert "etag" in asset.headers  # StaticFiles: the browser revalidates instead of refetching
 
 
+@pytest.mark.parametrize("path", ["/", "/live"])
+def test_pages_name_their_icon_so_the_browser_asks_for_no_favicon(client, path):
+    """Without one Chromium fetched /favicon.ico on every load: a 401 with --api-key (404
+    without), one console error per page load in a headless-Chromium trial. The icon is
+    an empty data: URL, which the page's own CSP (img-src data:) allows."""
+    assert '<link rel="icon" href="data:,">' in client.get(path).text
+    assert "img-src 'self' data:" in CONTENT_SECURITY_POLICY
+
+
 def test_the_data_routes_and_other_methods_still_need_the_key(client):
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/requests").status_code == 401
