@@ -217,3 +217,32 @@ def test_logits_soft_cap_in_every_path(use_kernel, dtype):
             assert (uncapped - ref).abs().max() > 0.1 or slens[i] == 1
     finally:
         NH, NKV, HD = old
+
+
+@pytest.mark.parametrize("hd,nh,nkv", [(64, 9, 3), (128, 8, 2)])
+@pytest.mark.parametrize("window,cap", [(None, 0.0), (11, 0.0), (None, 30.0)])
+def test_float32_kernel_at_model_head_sizes(hd, nh, nkv, window, cap):
+    """float32 rows at head_dim 64 / 128 (the AVX2 path of dtype auto on CPUs without
+    bfloat16: 8 keys per horizontal-sum tree, the P.V sum in registers) against the torch
+    path, context lengths on and off multiples of 8; and each row's output is bit for bit
+    what it gets alone."""
+    op = get_decode_kernel()
+    if op is None:
+        pytest.fail("the C++ decode kernel did not build on this machine")
+    g = torch.Generator().manual_seed(hd + (window or 0))
+    bs, nb = 16, 48
+    kv = torch.randn(2, nb, bs, nkv, hd, generator=g)
+    lens = [1, 7, 8, 9, 16, 31, 64, 65, 130, 200]
+    width = (max(lens) + bs - 1) // bs
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width].to(torch.int32) for _ in lens]).contiguous()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), nh, hd, generator=g)
+    out = torch.empty_like(q)
+    op(out, q, kv, tables, seq, len(lens), hd ** -0.5, window or 0, cap)
+    ref = decode_attention_torch(q, kv, tables, seq, max(lens), hd ** -0.5, window, logits_soft_cap=cap or None)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for i in range(len(lens)):
+        one = torch.empty(1, nh, hd)
+        op(one, q[i:i + 1].contiguous(), kv, tables[i:i + 1].contiguous(), seq[i:i + 1].contiguous(), 1,
+           hd ** -0.5, window or 0, cap)
+        assert torch.equal(out[i], one[0]), f"row {i}"

@@ -320,6 +320,81 @@ static void run_balanced(int64_t n, const C& cost, const F& body) {
   });
 }
 
+#if LLMSERVE_AVX2
+// Lane j = the sum of a[j]'s 8 lanes (a hadd tree: 9 ops for 8 sums instead of 8 x 6).
+static inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// float32 rows on AVX2 (dtype auto on a CPU without bfloat16), head_dim NV * 8: per request
+// and query head, the scores of 8 keys at a time (8 dot products in registers, one hsum8x8)
+// and the P.V sum in NV registers over the request's rows, instead of the generic path's
+// per-key horizontal sum and per-key load/store of the output row (perf of a 32-row decode
+// on the AVX2 EPYC: decode_impl 12% of the samples, the largest after the packed linears).
+// Each token's arithmetic is the same whatever the step holds.
+template <int NV>
+static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_s1, const float* kp,
+                            const float* vp, const int32_t* btp, int64_t bt_s0, const int32_t* slp, int64_t n,
+                            int64_t nh, int64_t g, int64_t tok_stride, int64_t blk_stride, const BlockPos& bp,
+                            float scale, int64_t window, float cap) {
+  constexpr int64_t hd = NV * 8;
+  const int64_t voff = vp - kp;
+  auto body = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> rows;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t len = slp[r];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t L = len - start;
+      float* orow = op + r * nh * hd;
+      if (L <= 0) {
+        std::fill(orow, orow + nh * hd, 0.f);
+        continue;
+      }
+      rows.resize(L);
+      scores.resize(L);
+      const int32_t* table = btp + r * bt_s0;
+      for (int64_t p = start; p < len; ++p) rows[p - start] = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride;
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t ko = (h / g) * hd;
+        __m256 qv[NV];
+        const __m256 sv = _mm256_set1_ps(scale);
+        for (int c = 0; c < NV; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qp + r * q_s0 + h * q_s1 + c * 8), sv);
+        float* sc = scores.data();
+        int64_t i = 0;
+        for (; i + 8 <= L; i += 8) {
+          __m256 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+          for (int c = 0; c < NV; ++c)
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i + j] + ko + c * 8), a[j]);
+          _mm256_storeu_ps(sc + i, hsum8x8(a));
+        }
+        for (; i < L; ++i) {
+          __m256 a = _mm256_setzero_ps();
+          for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i] + ko + c * 8), a);
+          sc[i] = hsum8(a);
+        }
+        soft_cap(sc, L, cap);
+        const __m256 inv = _mm256_set1_ps(1.f / softmax_numerator(sc, L));
+        __m256 acc[NV];
+        for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < L; ++k) {
+          const __m256 w = _mm256_set1_ps(sc[k]);
+          const float* v = rows[k] + voff + ko;
+          for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), acc[c]);
+        }
+        for (int c = 0; c < NV; ++c) _mm256_storeu_ps(orow + h * hd + c * 8, _mm256_mul_ps(acc[c], inv));
+      }
+    }
+  };
+  run_balanced(n, [&](int64_t r) {
+    return window > 0 ? std::min<int64_t>(slp[r], window) : static_cast<int64_t>(slp[r]);
+  }, body);
+}
+#endif
+
 template <typename scalar_t>
 static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                         const at::Tensor& bt, const at::Tensor& sl, int64_t n,
@@ -408,6 +483,15 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       run_balanced(n, [&](int64_t r) {
         return window > 0 ? std::min<int64_t>(slp[r], window) : static_cast<int64_t>(slp[r]);
       }, body);
+      return;
+    }
+  }
+#endif
+#if LLMSERVE_AVX2
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (hd == 64 || hd == 128) {
+      auto run = hd == 64 ? decode_f32_avx2<8> : decode_f32_avx2<16>;
+      run(op, qp, q_s0, q_s1, kp, vp, btp, bt_s0, slp, n, nh, g, tok_stride, blk_stride, bp, fscale, window, cap);
       return;
     }
   }
