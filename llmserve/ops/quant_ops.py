@@ -8,8 +8,8 @@ bytes. :class:`QuantWeight` does the same for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
 type ids 2, 3, 6, 7, 8, 20; the K-quants are :mod:`llmserve.ops.kquant`),
 repacked once into codes and float16 scales that reproduce the file's values exactly.
 Its kernel quantizes each 32-value block of the activations to int8 and takes the integer
-dot products on AVX512-VNNI, as llama.cpp does. Needs AVX512-VNNI; elsewhere
-:func:`get_quant_ops` returns None and the model keeps its bfloat16 GEMMs.
+dot products on AVX512-VNNI, as llama.cpp does, or on AVX2 + FMA + F16C (``csrc/simd16.h``);
+on other CPUs :func:`get_quant_ops` returns None and the model keeps its dense GEMMs.
 ``LLMSERVE_PACKED_WEIGHTS=0`` turns the packed path off.
 """
 from __future__ import annotations
@@ -44,7 +44,8 @@ def packed_isa(cpu_flags: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def get_quant_ops() -> Optional[Any]:
-    """The compiled module, or None (no AVX512-VNNI, no compiler, ``LLMSERVE_PACKED_WEIGHTS=0``).
+    """The compiled module, or None (neither AVX512-VNNI nor AVX2 + FMA + F16C, no compiler,
+    ``LLMSERVE_PACKED_WEIGHTS=0``).
 
     - ``quant_repack(w uint8 [N, K/32*bb], qtype) -> [codes, dm]``: GGUF rows into the
       kernel's layout (:class:`QuantWeight`).

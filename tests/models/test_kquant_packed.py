@@ -16,7 +16,7 @@ from llmserve.ops.kquant import (KQUANT_TYPES, ConcatQuantWeight, KQuantWeight, 
 from llmserve.ops.quant_ops import get_quant_ops
 
 ops = get_quant_ops()
-needs_kernels = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI and a compiler")
+needs_kernels = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI or AVX2 and a compiler")
 K_TYPES = sorted(KQUANT_TYPES)
 # Where each type keeps its float16 fields (d, then dmin for types with mins) in a block.
 F16_AT = {10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}

@@ -10,7 +10,7 @@ import torch
 from llmserve.ops.quant_ops import PACKED_TYPES, QuantWeight, get_quant_ops
 
 ops = get_quant_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI and a compiler")
+pytestmark = pytest.mark.skipif(ops is None, reason="packed-weight kernels need AVX512-VNNI or AVX2 and a compiler")
 
 NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
 WITH_MIN = (3, 7)  # Q4_1, Q5_1: d and m; the others d only (m = -8d, -16d, -128d)

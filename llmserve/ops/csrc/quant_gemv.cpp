@@ -1,6 +1,6 @@
 // Linear layers on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks of 32, and
 // the K-quants Q2_K..Q6_K in their own layout below) with int8
-// activations on AVX512-VNNI, llama.cpp's scheme: each 32-value block of a token's
+// activations on AVX512-VNNI or AVX2 (simd16.h), llama.cpp's scheme: each 32-value block of a token's
 // activations is quantized to int8 with its own scale (d_x = max|x| / 127, round to
 // nearest even), then sum w*x = d * d_x * sum(q * q_x) + m * d_x * sum(q_x) per block, the
 // integer sums exact in int32: the dot product of the weights with the int8-rounded x, as
