@@ -137,7 +137,7 @@ def test_tags_and_ps_list_the_lora_adapters_that_chat_serves(tmp_path):
     adapters = LoRAAdapters(engine_client=None, base_names=["m"])
     adapters.lora_requests["sql"] = LoRARequest("sql", 1, str(adapter))
     adapters.parents["sql"] = "m"
-    config = SimpleNamespace(model_path=str(base), gguf_file=None, quantization=None, dtype="bfloat16",
+    config = SimpleNamespace(model=str(base), model_path=str(base), gguf_file=None, quantization=None, dtype="bfloat16",
                              hf_config=SimpleNamespace(model_type="llama"), max_model_len=64)
     state = SimpleNamespace(engine_client=SimpleNamespace(model_config=config),
                             openai_serving_models=OpenAIServingModels([BaseModelPath("m", str(base))], 64,
@@ -146,6 +146,14 @@ def test_tags_and_ps_list_the_lora_adapters_that_chat_serves(tmp_path):
     assert [(t["name"], t["size"], t["details"]["parent_model"]) for t in tags] == [("m", 10, ""), ("sql", 3, "m")]
     assert tags[0]["digest"] != tags[1]["digest"]
     assert [m["name"] for m in info.ps(state)["models"]] == ["m", "sql"]
+    # /api/show of the adapter says so as Ollama does (ADAPTER after FROM, its base as
+    # parent_model); it showed the base model's Modelfile and details
+    state.engine_client.tokenizer = SimpleNamespace(chat_template=None, get_vocab=dict)
+    state.openai_serving_chat = SimpleNamespace(default_sampling_params={})
+    state.openai_serving_render = SimpleNamespace(renderer=None)
+    shown = {n: info.show(state, n) for n in ("m", "sql")}
+    assert f"\nADAPTER {adapter}\n" in shown["sql"]["modelfile"] and "ADAPTER" not in shown["m"]["modelfile"]
+    assert (shown["sql"]["details"]["parent_model"], shown["m"]["details"]["parent_model"]) == ("m", "")
 
 
 def _roles(messages):

@@ -199,9 +199,15 @@ def show(state: Any, model: str) -> dict[str, Any]:
     s = state_of(state, name)
     config = s.engine_client.model_config
     template, params = chat_template(s), parameters(s)
-    modelfile = f"# Modelfile of {name}, served by llmserve\nFROM {_weights_path(config)}\n" + \
+    # A LoRA adapter shows as Ollama shows a model made with ADAPTER: the line after FROM,
+    # and its base as parent_model (/api/tags' card says the same)
+    models = getattr(s, "openai_serving_models", None)
+    adapters = models.adapters_of(name) if models is not None else None
+    adapter = f"ADAPTER {adapters.get(name).lora_path}\n" if adapters is not None else ""
+    shown = details(config) if adapters is None else {**details(config), "parent_model": adapters.parents[name]}
+    modelfile = f"# Modelfile of {name}, served by llmserve\nFROM {_weights_path(config)}\n{adapter}" + \
         (f'TEMPLATE """{template}"""\n' if template else "") + \
         "".join(f"PARAMETER {line}\n" for line in params.splitlines())
-    return {"modelfile": modelfile, "parameters": params, "template": template, "details": details(config),
+    return {"modelfile": modelfile, "parameters": params, "template": template, "details": shown,
             "model_info": model_info(config), "capabilities": capabilities(s),
             "modified_at": modified_at(config)}
