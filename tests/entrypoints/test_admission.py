@@ -506,6 +506,22 @@ def test_fair_share_counts_the_tenants_sequences_not_its_calls():
     assert c.admit(_tenant_in_flight(scope, c, "quiet")) is None  # nobody of its own ahead
 
 
+def test_a_quiet_tenant_is_admitted_beside_a_flooders_full_batch_at_a_cold_start():
+    """A flooder's 30 streams filled the batch before any request had finished (no finish
+    rate: an infinite predicted wait), and the quiet tenant's one request got 429
+    queue_delay; under fair share it takes a flooder's seat at once."""
+    c = AdmissionController(AdmissionConfig(8, 10.0, 1.0), max_num_seqs=4, clock=Clock())
+    c.fair_share = True
+    for _ in range(4):
+        assert c.admit(c.tenant_in_flight.get("flood", 0), tenant="flood") is None
+    assert c.admit(c.tenant_in_flight.get("flood", 0), tenant="flood").reason == "queue_delay"  # its own wait
+    assert c.admit(0, tenant="quiet") is None
+    assert c.admit(1, tenant="quiet") is None  # 2 of the 4 seats are its equal share
+    assert c.admit(2, tenant="quiet").reason == "queue_delay"
+    c.fair_share = False  # one first-come queue: the quiet request waits behind the batch as before
+    assert c.admit(c.tenant_in_flight.get("x", 0) if c.fair_share else None, tenant="x").reason == "queue_delay"
+
+
 def test_fan_out_over_http_larger_than_the_queue_waits_for_an_idle_engine(smol_tokenizer):
     """A call past all the limits (1024 prompts x n=16) on a busy engine is a 429 at once
     naming its sequences, with Retry-After; small calls and the routes' own 400s pass."""

@@ -358,8 +358,21 @@ class AdmissionController:
             ahead = min(ahead, tenant_in_flight)
         if not self.uses_kv_cache or (ahead <= 0 and self.in_flight < self.max_num_seqs):
             return 0.0
+        if tenant_in_flight is not None and tenant_in_flight < self._fair_seats(tenant_in_flight):
+            return 0.0  # the engine's fair share gives it a flooder's seat at once (core/fair_share.py)
         rate = self.drain_rate()
         return (max(ahead, 0) + 1) / rate if rate > 0 else math.inf
+
+    def _fair_seats(self, tenant_in_flight: int) -> int:
+        """Batch seats a tenant with ``tenant_in_flight`` sequences in flight is sure of
+        under fair share: an equal split of ``max_num_seqs`` between the tenants with
+        sequences in flight, itself included (at least one). Below it, the scheduler
+        preempts another tenant's newest seat for its request instead of queueing it, so
+        it does not wait for a slot: a full batch of a flooder's requests at a cold start
+        (no finish rate yet, an infinite predicted wait) refused a quiet tenant's single
+        request with 429 queue_delay."""
+        tenants = len(self.tenant_in_flight) + (1 if tenant_in_flight == 0 else 0)
+        return max(1, self.max_num_seqs // max(1, tenants))
 
     def body_receiving(self, delta: int) -> None:
         """A request body began (+1) or stopped (-1) arriving (BodyLimitMiddleware)."""
