@@ -147,3 +147,14 @@ def test_avx2_build_equals_avx512_bit_for_bit(tmp_path):
                        check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         outs[qtype] = torch.equal(torch.load(tmp_path / "out.pt"), ops.quant_linear(x, qw.codes, qw.dm, qw.bits, 40))
     assert all(outs.values()), outs
+
+
+@needs_kernels
+def test_8_bit_codes_take_d_only():
+    """8-bit tiles hold the symmetric Q8_0 / IQ4_NL codes; AVX2 reads them as signed values, so
+    an explicit m beside them (which quant_repack never writes) is refused, not counted twice."""
+    raw = _extreme_blocks(8, 16, 2, 0x80)
+    qw = QuantWeight.from_gguf(raw, 8)
+    dm32 = torch.cat([qw.dm, qw.dm], dim=2).contiguous()
+    with pytest.raises(RuntimeError, match="8-bit codes take d only"):
+        ops.quant_linear(torch.ones(1, 64), qw.codes, dm32, 8, 16)

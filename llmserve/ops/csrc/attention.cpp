@@ -341,56 +341,63 @@ static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_
                             float scale, int64_t window, float cap) {
   constexpr int64_t hd = NV * 8;
   const int64_t voff = vp - kp;
+  // One task per (request, query head), so a batch of one request still uses every thread
+  // (one task per request left the second core idle at batch 1); each task's arithmetic is
+  // the same however the tasks are split, so a row's output does not depend on the step.
   auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> rows;
-    for (int64_t r = begin; r < end; ++r) {
+    int64_t rows_of = -1;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / nh, h = w % nh;
       const int64_t len = slp[r];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t L = len - start;
-      float* orow = op + r * nh * hd;
+      float* ohead = op + (r * nh + h) * hd;
       if (L <= 0) {
-        std::fill(orow, orow + nh * hd, 0.f);
+        std::fill(ohead, ohead + hd, 0.f);
         continue;
       }
-      rows.resize(L);
-      scores.resize(L);
-      const int32_t* table = btp + r * bt_s0;
-      for (int64_t p = start; p < len; ++p) rows[p - start] = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride;
-      for (int64_t h = 0; h < nh; ++h) {
-        const int64_t ko = (h / g) * hd;
-        __m256 qv[NV];
-        const __m256 sv = _mm256_set1_ps(scale);
-        for (int c = 0; c < NV; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qp + r * q_s0 + h * q_s1 + c * 8), sv);
-        float* sc = scores.data();
-        int64_t i = 0;
-        for (; i + 8 <= L; i += 8) {
-          __m256 a[8];
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-          for (int c = 0; c < NV; ++c)
-            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i + j] + ko + c * 8), a[j]);
-          _mm256_storeu_ps(sc + i, hsum8x8(a));
-        }
-        for (; i < L; ++i) {
-          __m256 a = _mm256_setzero_ps();
-          for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i] + ko + c * 8), a);
-          sc[i] = hsum8(a);
-        }
-        soft_cap(sc, L, cap);
-        const __m256 inv = _mm256_set1_ps(1.f / softmax_numerator(sc, L));
-        __m256 acc[NV];
-        for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < L; ++k) {
-          const __m256 w = _mm256_set1_ps(sc[k]);
-          const float* v = rows[k] + voff + ko;
-          for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), acc[c]);
-        }
-        for (int c = 0; c < NV; ++c) _mm256_storeu_ps(orow + h * hd + c * 8, _mm256_mul_ps(acc[c], inv));
+      if (rows_of != r) {
+        rows.resize(L);
+        const int32_t* table = btp + r * bt_s0;
+        for (int64_t p = start; p < len; ++p) rows[p - start] = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride;
+        rows_of = r;
       }
+      scores.resize(L);
+      const int64_t ko = (h / g) * hd;
+      __m256 qv[NV];
+      const __m256 sv = _mm256_set1_ps(scale);
+      for (int c = 0; c < NV; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qp + r * q_s0 + h * q_s1 + c * 8), sv);
+      float* sc = scores.data();
+      int64_t i = 0;
+      for (; i + 8 <= L; i += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int c = 0; c < NV; ++c)
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i + j] + ko + c * 8), a[j]);
+        _mm256_storeu_ps(sc + i, hsum8x8(a));
+      }
+      for (; i < L; ++i) {
+        __m256 a = _mm256_setzero_ps();
+        for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i] + ko + c * 8), a);
+        sc[i] = hsum8(a);
+      }
+      soft_cap(sc, L, cap);
+      const __m256 inv = _mm256_set1_ps(1.f / softmax_numerator(sc, L));
+      __m256 acc[NV];
+      for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < L; ++k) {
+        const __m256 wk = _mm256_set1_ps(sc[k]);
+        const float* v = rows[k] + voff + ko;
+        for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(v + c * 8), acc[c]);
+      }
+      for (int c = 0; c < NV; ++c) _mm256_storeu_ps(ohead + c * 8, _mm256_mul_ps(acc[c], inv));
     }
   };
-  run_balanced(n, [&](int64_t r) {
-    return window > 0 ? std::min<int64_t>(slp[r], window) : static_cast<int64_t>(slp[r]);
+  run_balanced(n * nh, [&](int64_t w) {
+    const int64_t len = slp[w / nh];
+    return window > 0 ? std::min<int64_t>(len, window) : len;
   }, body);
 }
 #endif

@@ -599,6 +599,9 @@ Packed packed_of(const at::Tensor& codes, const at::Tensor& dm, int64_t bits, in
                   n <= codes.size(0) * RG,
               "quant: codes uint8 [groups, nb, ", tile_bytes(bits), "] and dm int16 [groups, nb, 32 or 16] for ", n,
               " rows, got ", codes.sizes(), " and ", dm.sizes());
+  // 8-bit tiles are the symmetric Q8_0 / IQ4_NL only (d alone): the AVX2 kernel reads their
+  // codes as signed w = code - 128 and would count an explicit m = -128 d twice.
+  TORCH_CHECK(bits != 8 || dm.size(2) == 16, "quant: 8-bit codes take d only (dm [groups, nb, 16]), got ", dm.sizes());
   return Packed{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), codes.size(1),
                 n, bits, dm.size(2), -static_cast<float>(1 << (bits - 1))};
 }
