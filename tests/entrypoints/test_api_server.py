@@ -27,6 +27,7 @@ FAMILIES = {
     "register_completion_api_routers": {"/v1/completions"},
     "register_infill_api_routers": {"/infill"},
     "register_tokenize_api_routers": {"/tokenize", "/detokenize"},
+    "register_render_api_routers": {"/v1/completions/render", "/v1/chat/completions/render"},
     "register_responses_api_routers": {"/v1/responses", "/v1/responses/{response_id}",
                                        "/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items"},
     "register_embeddings_api_routers": {"/v1/embeddings", "/pooling"},
