@@ -138,20 +138,19 @@ static inline void axpy(float* acc, float w, const T* v, int64_t hd, bool vec) {
   for (int64_t d = 0; d < hd; ++d) acc[d] += w * to_f(v[d]);
 }
 
+// 2^f for |f| <= 0.5: degree-7 Taylor coefficients, highest first (pow2_512, exp256).
+static constexpr float kPow2Poly[8] = {1.5252733804059840e-05f, 1.5403530393381608e-04f, 1.3333558146428443e-03f,
+                                       9.6181291076284772e-03f, 5.5504108664821580e-02f, 2.4022650695910071e-01f,
+                                       6.9314718055994531e-01f, 1.0f};
+
 #if LLMSERVE_AVX512
 // 2^t = 2^n * 2^f with n = round(t), |f| <= 0.5, degree-7 Taylor for 2^f (relative error
 // < 1e-7 before rounding). t must be >= -126 or so (no denormal handling).
 static inline __m512 pow2_512(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kPow2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kPow2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -188,14 +187,8 @@ static inline __m256 exp256(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kPow2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kPow2Poly[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
