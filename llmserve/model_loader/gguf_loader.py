@@ -287,8 +287,10 @@ def iterate_gguf_weights(gguf_path: str, hf_config: Any, dtype: torch.dtype,
 
     arch, tensors, n_head, n_kv = _indexed(gguf_path, hf_config)
     kinds = sorted({t.tensor_type.name for t in tensors})
-    logger.info("GGUF %s: tensor types %s, dequantized to %s", os.path.basename(gguf_path),
-                ", ".join(kinds), str(dtype).removeprefix("torch."))
+    # With ``skip`` the packed layers are already on their blocks: say so, or the line read as
+    # if the whole model had gone dense (a user trial took it so).
+    logger.info("GGUF %s: tensor types %s, %s dequantized to %s", os.path.basename(gguf_path), ", ".join(kinds),
+                "the tensors not running on their blocks" if skip else "every tensor", str(dtype).removeprefix("torch."))
     for t in tensors:
         hf_name = gguf_to_hf_name(t.name, arch)
         if hf_name is None:
