@@ -14,6 +14,7 @@ from llmserve.entrypoints.openai.common.serving import (
     default_sampling_params,
     first_items,
     merge_async_iterators,
+    renamed_param,
     sse,
 )
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -151,3 +152,47 @@ def test_check_token_ids_and_zero_token_requests():
     run = GenerateBaseServing.engine_params(sp)
     assert run.max_tokens == 1 and sp.max_tokens == 0  # the request's own params are untouched
     assert GenerateBaseServing.engine_params(SamplingParams(max_tokens=3)).max_tokens == 3
+
+
+def _context_length_error() -> SamplingParamsError:
+    """The engine's own context-length 400 (strict mode), which names ``max_tokens``."""
+    from llmserve.engine.input_processor import InputProcessor
+
+    fake = SimpleNamespace(model_config=SimpleNamespace(max_model_len=2048), strict_max_tokens=True,
+                           default_max_tokens=None)
+    with pytest.raises(SamplingParamsError) as info:
+        InputProcessor._max_tokens(fake, 10, 10**12)
+    assert info.value.param == "max_tokens" and "of max_tokens." in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_output_tokens", "max_tokens"])
+def test_context_length_400_names_the_field_sent(field):
+    # param was renamed but the message said "reduce ... max_tokens" for
+    # max_completion_tokens (chat) and max_output_tokens (Responses)
+    async def gen():
+        raise _context_length_error()
+        yield  # pragma: no cover
+
+    names = {"prompt": "messages", "max_tokens": field}
+    with pytest.raises(SamplingParamsError) as info:
+        asyncio.run(GenerateBaseServing.start_generation(None, [gen()], names))
+    e = info.value
+    assert e.param == field and str(e).endswith(f"Please reduce the length of the prompt or of {field}.")
+    assert "maximum context length is 2048 tokens" in str(e)
+    if field != "max_tokens":
+        assert "max_tokens" not in str(e).replace(field, "")
+
+
+def test_renamed_param_keeps_prose_words_and_other_fields():
+    e = renamed_param(SamplingParamsError("The prompt cannot be empty.", "prompt"), {"prompt": "messages"})
+    assert (str(e), e.param) == ("The prompt cannot be empty.", "messages")
+    e = renamed_param(SamplingParamsError("prompt: too long", "prompt"), {"prompt": "input"})
+    assert str(e) == "input: too long"
+    e = renamed_param(SamplingParamsError("`max_tokens` must be >= 1 (max_tokens_x stays)", "max_tokens"),
+                      {"max_tokens": "max_output_tokens"})
+    assert str(e) == "`max_output_tokens` must be >= 1 (max_tokens_x stays)"
+    same = SamplingParamsError("n must be 1", "n")
+    assert renamed_param(same, {"max_tokens": "max_output_tokens"}) is same
+    sub = SamplingParamsError("structured_outputs.json is nested too deeply.", "structured_outputs")
+    assert str(renamed_param(sub, {"structured_outputs": "tools"})) == str(sub)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any, AsyncGenerator, AsyncIterator, Mapping, Optional, Sequence, TypeVar, Union
 
 from llmserve.entrypoints.openai.common.beam import beam_sampling_params
@@ -214,8 +215,27 @@ class GenerateBaseServing(BaseServing):
             return await first_items(gens)
         except SamplingParamsError as e:
             if param_names and e.param in param_names:
-                raise SamplingParamsError(str(e), param_names[e.param]) from e
+                raise renamed_param(e, param_names) from e
             raise
+
+
+def renamed_param(e: SamplingParamsError, names: Mapping[str, str]) -> SamplingParamsError:
+    """``e`` with the client's name for its field (engine field -> API field, e.g.
+    ``max_tokens`` -> ``max_completion_tokens``), in ``param`` and in the message, so the
+    two agree: a message that starts with the field (``prompt: ...``), and every
+    whole-word mention of a field identifier (a name with ``_``: the engine's context-length
+    400 says "reduce ... of max_tokens" whichever field was sent; plain words such as
+    "prompt" stay prose, and so do sub-fields such as ``structured_outputs.json``).
+    ``e`` unchanged when its param is not in ``names``."""
+    if e.param not in names:
+        return e
+    message, name = str(e), names[e.param]
+    if message.startswith(f"{e.param}:"):
+        message = name + message[len(e.param):]
+    if "_" in e.param:
+        message = re.sub(rf"(?<![\w.`]){re.escape(e.param)}(?![\w`]|\.\w)", name, message)
+        message = message.replace(f"`{e.param}`", f"`{name}`")
+    return SamplingParamsError(message, name)
 
 
 async def _anext_or_none(it: AsyncIterator[T]) -> Optional[T]:

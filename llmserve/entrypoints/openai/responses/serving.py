@@ -44,7 +44,7 @@ from llmserve.entrypoints.openai.chat_completion.tool_calling import (
     setup_output_parsing,
 )
 from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
-from llmserve.entrypoints.openai.common.serving import GenerateBaseServing, aclose_all, merge_started
+from llmserve.entrypoints.openai.common.serving import GenerateBaseServing, aclose_all, merge_started, renamed_param
 from llmserve.entrypoints.openai.common.structured import JsonSchemaResponseFormat, ResponseFormat, \
     structured_outputs_params
 from llmserve.entrypoints.openai.responses.input_items import (
@@ -120,14 +120,10 @@ MAX_EVENT_LOGS = 64  # streamed responses whose events GET ...?stream=true can r
 
 
 def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
-    """``e`` with the Responses API's name for its field (``messages`` -> ``input``), in
-    ``param`` and in a message that starts with the field (``messages: ...``), so the two agree."""
-    if e.param not in names:
-        return e
-    message, name = str(e), names[e.param]
-    if message.startswith(f"{e.param}:"):
-        message = name + message[len(e.param):]
-    return SamplingParamsError(message, name)
+    """``e`` with the Responses API's name for its field (``messages`` -> ``input``,
+    ``max_tokens`` -> ``max_output_tokens``), in ``param`` and in the message
+    (:func:`renamed_param`)."""
+    return renamed_param(e, names)
 
 
 class ResponsesJob:
