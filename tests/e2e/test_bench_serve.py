@@ -10,6 +10,7 @@ import sys
 from e2e_utils import MODEL
 
 
+@pytest.mark.slow  # ~6 s; bench serve's options and results: tests/benchmarks; `make test-all`
 def test_bench_serve_small_run(server, tmp_path):
     cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "bench", "serve", "--base-url", server.url_root,
            "--api-key", server.api_key, "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",

@@ -176,6 +176,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 EXAMPLES_PER_ROUTE = int(os.environ.get("SCHEMATHESIS_EXAMPLES", "8"))
 
 
+@pytest.mark.slow  # ~10 s (the whole OpenAPI document built and compared); `make test-all`
 def test_openapi_document_matches_the_server(edge_server):
     """schemathesis generates requests for every operation of /openapi.json (valid and
     invalid ones): no 5xx, and every status, content type, header and body is the one the

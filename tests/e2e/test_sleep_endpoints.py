@@ -80,6 +80,7 @@ def test_wake_up_endpoint_and_bad_input(tiny_server):
     assert not _asleep(tiny_server)
 
 
+@pytest.mark.slow  # ~13 s (a failed wake, then the model reloaded); sleep/wake levels: the other tests here; `make test-all`
 def test_failed_start_after_level_2_is_503_until_the_model_is_back(tiny_server, tiny_model_dir):
     """An ended engine whose model is gone cannot start: every route answers 503 with
     Retry-After, in its API's error shape, naming the cause; /health and /ready answer 503

@@ -139,6 +139,7 @@ def test_chat_and_transcription_at_once(srv):
     assert {CHAT, STT} <= models
 
 
+@pytest.mark.slow  # ~6 s; transcription formats and long audio: C67, C69 here; `make test-all`
 def test_multilingual_detects_language_and_times_segments(srv):
     """No ``language`` on a multilingual model: detected (one decoder step over the
     language tokens, as Whisper) and reported; the text is the one asked in English.

@@ -192,6 +192,7 @@ def _grown_while_running(page, first: int) -> bool:
     return False
 
 
+@pytest.mark.slow  # ~8 s in Chromium; the pages' data and markup: tests/entrypoints/test_webui.py; `make test-all`
 def test_live_view_shows_eight_streams_then_their_timelines(server, browser):
     page = browser.new_page()
     errors, console = _errors(page), _console_errors(page)

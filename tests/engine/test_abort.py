@@ -161,6 +161,7 @@ def test_abort_counts_finished_abort_once_per_engine_request(engine, loop):
     assert after[len(before):] == ["abort"] * 4
 
 
+@pytest.mark.slow  # ~6 s; aborts with the tokens so far: the parametrized tests here; `make test-all`
 def test_llm_engine_abort_request_offline():
     """LLMEngine.abort_request: the next step() returns the final "abort" output with the
     tokens so far; a new request with the same id gets only its own tokens."""

@@ -128,6 +128,7 @@ def _children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+@pytest.mark.slow  # ~5.5 s; a dead engine fails requests: tests/e2e/test_shutdown.py (C71); `make test-all`
 def test_sigkill_engine_turns_into_engine_dead_error():
     loop = asyncio.new_event_loop()
     before = _children()

@@ -236,6 +236,7 @@ def test_streaming_input_rejects_reasoning_kwargs_and_bad_chunks(setup, loop):
     assert not eng.output_processor.states  # nothing left behind
 
 
+@pytest.mark.slow  # ~5 s (waits the timeout out); prompt shutdown: tests/engine/test_async_llm.py; `make test-all`
 def test_shutdown_honours_its_timeout():
     eng = AsyncLLM.from_engine_args(_args(disable_log_stats=True))
     pid = eng.engine_core.engine_pid

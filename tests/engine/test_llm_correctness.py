@@ -23,6 +23,7 @@ def test_greedy_matches_hf_one_by_one_and_batched(llm_fp32, hf_greedy):
     assert batched == [hf_greedy[p] for p in PROMPTS]
 
 
+@pytest.mark.slow  # ~5 s; batched = alone: test_200_concurrent_requests_match_alone, prefix cache: tests/core; `make test-all`
 def test_greedy_batch_of_64_with_and_without_prefix_cache(llm_fp32, hf_greedy):
     prompts = PROMPTS * 4  # repeated prompts exercise prefix-cache hits
     llm_fp32.reset_prefix_cache()

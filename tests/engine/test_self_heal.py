@@ -157,6 +157,7 @@ def test_resume_request_continues_or_refuses(engine):
         resume_request(op.states[req.request_id], "s#x")
 
 
+@pytest.mark.slow  # ~9 s; a killed engine's requests resumed or refused: test_resume_request_continues_or_refuses; `make test-all`
 def test_sigkill_during_streams_resumes_identically(engine, loop):
     """SIGKILL of the engine under 4 streams (greedy, greedy with logprobs, seeded n=2
     with a repetition penalty): every stream completes with the text and token ids of an

@@ -18,6 +18,7 @@ from schemas import SCHEMAS
 PROMPT = "Reply with one JSON object for this schema:\n{}\nJSON:"
 
 
+@pytest.mark.slow  # ~20 s on the AVX2 CI CPU: 50 schemas generated to the end; json_schema per request: tests/e2e/test_structured_outputs.py, C26; `make test-all`
 def test_50_json_schemas_all_finish_and_validate(llm_fp32):
     """Greedy and temperature 1.0 in one batch of 100 (one decode tail instead of two)."""
     prompts = [PROMPT.format(json.dumps(s)) for s in SCHEMAS] * 2
