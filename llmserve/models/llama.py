@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention.backend import AttentionMetadata, PagedAttention
+from llmserve.models import layer_driver
 from llmserve.ops import batch_invariant, onednn_linear
 from llmserve.ops.cpu_ops import cpu_ops_for
 from llmserve.ops.quant_ops import ALL_STEPS, QuantWeight
@@ -392,10 +393,14 @@ class LlamaForCausalLM(nn.Module):
         after the final norm, in the model dtype."""
         hidden = self._embed(input_ids)
         rope = self.rope_inputs(positions, attn_metadata, hidden.dtype)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer.forward(hidden, residual, rope,
-                                             kv_caches[i] if kv_caches else None, attn_metadata)
+        driven = layer_driver.run_layers(self, hidden, positions, kv_caches, attn_metadata)
+        if driven is not None:  # GGUF-packed layers in one C++ call (models/layer_driver.py)
+            hidden, residual = driven
+        else:
+            residual = None
+            for i, layer in enumerate(self.model.layers):
+                hidden, residual = layer.forward(hidden, residual, rope,
+                                                 kv_caches[i] if kv_caches else None, attn_metadata)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # Translation units, compiled separately; cpu_types.h and ops.h are included by them.
-_SOURCES = ("bindings.cpp", "attention.cpp", "layernorm_activation.cpp", "sampler.cpp", "cache.cpp")
-_HEADERS = ("cpu_types.h", "ops.h")
+_SOURCES = ("bindings.cpp", "attention.cpp", "layernorm_activation.cpp", "sampler.cpp", "cache.cpp",
+            "layer_driver.cpp")
+_HEADERS = ("cpu_types.h", "ops.h", "packed_linear.h")
 
 
 def _source_text() -> str:

@@ -247,8 +247,15 @@ class ConcatQuantWeight:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
     def linear(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
-        """``x [M, K] @ W.T`` -> ``[M, sum of rows]``."""
-        return torch.cat([p.linear(x, out_float) for p in self.parts], dim=-1)
+        """``x [M, K] @ W.T`` -> ``[M, sum of rows]``: the parts in one parallel region
+        (``quant_linear_parts``; each part's columns the same numbers as its own call)."""
+        from llmserve.models.layer_driver import _parts
+        from llmserve.ops.quant_ops import get_quant_ops
+
+        parts = _parts(self) if x.dim() == 2 else None
+        if parts is None:
+            return torch.cat([p.linear(x, out_float) for p in self.parts], dim=-1)
+        return get_quant_ops().quant_linear_parts(x, parts, out_float)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``), float32 ``[T, K]``, exact. RuntimeError when out of range."""

@@ -123,8 +123,12 @@ def test_mixed_type_parts_run_side_by_side():
     parts = tuple(quant_weight_from_gguf(torch.from_numpy(np.ascontiguousarray(r)), t) for t, r in raws)
     cat = ConcatQuantWeight(parts)
     assert cat.shape == (56, 256)
-    x = torch.randn(3, 256).bfloat16()
-    assert torch.equal(cat.linear(x), torch.cat([p.linear(x) for p in parts], -1))
+    # one parallel region over all parts (quant_linear_parts): each part's columns as its own call
+    for m in (1, 3, 8, 37):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, 256).to(dtype)
+            assert torch.equal(cat.linear(x), torch.cat([p.linear(x) for p in parts], -1))
+            assert torch.equal(cat.linear(x, True), torch.cat([p.linear(x, True) for p in parts], -1))
     ids = torch.tensor([55, 0, 40, 31, 32, 48])
     want = torch.cat([_gguf(r, t) for t, r in raws])[ids]
     assert torch.equal(cat.rows(ids), want)

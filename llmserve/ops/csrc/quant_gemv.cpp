@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include "simd16.h"
+#include "packed_linear.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -192,10 +193,13 @@ struct Scratch {
 };
 
 // The calling thread's Scratch, one for every activation dtype (a static inside QuantX's
-// templated constructor would be one per dtype, each as large as its largest call).
-inline uint8_t* thread_scratch(size_t bytes) {
-  static thread_local Scratch scratch;
-  return scratch.get(bytes);
+// templated constructor would be one per dtype, each as large as its largest call). slot:
+// which of kScratchSlots buffers, so the QuantX of a multi-part linear's parts (one per
+// code offset) live side by side.
+constexpr int kScratchSlots = 4;
+inline uint8_t* thread_scratch(size_t bytes, int slot = 0) {
+  static thread_local Scratch scratch[kScratchSlots];
+  return scratch[slot].get(bytes);
 }
 
 struct QuantX {
@@ -210,11 +214,11 @@ struct QuantX {
   // offset costs no vector op per token (see group_tile).
   // The arrays live in this thread's Scratch, valid until its next QuantX.
   template <typename T>
-  QuantX(const T* x, int64_t M, int64_t nb, int32_t z_, bool halves) : z(z_) {
+  QuantX(const T* x, int64_t M, int64_t nb, int32_t z_, bool halves, int slot = 0) : z(z_) {
     const size_t n = static_cast<size_t>(M * nb);
     // q [n * 32] int8, then d, sx [n] and sh [2n] float, hb [2n] and zs [2n] int32: offsets
     // stay multiples of 4 bytes (q's size is a multiple of 32).
-    uint8_t* base = thread_scratch(n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t));
+    uint8_t* base = thread_scratch(n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t), slot);
     q = reinterpret_cast<int8_t*>(base);
     d = reinterpret_cast<float*>(base + n * QK);
     sx = d + n;
@@ -491,36 +495,43 @@ void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT*
   else group_tile_k<BITS, MT, true>(p, xq, g, t0, out, N);
 }
 
-// Row groups split over threads; tokens 16 (Q4_0..Q8_0) or 8 (then 4, 3, 2, 1) at a time,
-// so a tile's codes are loaded and unpacked once per 16 or 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at
-// K=576, stay in L2 while the thread's row groups pass over them: 1.14x -> see
-// benchmarks in the closing note of issue 16).
+// Row groups [g0, g1) of one thread, rows ldo elements apart in out; tokens 16
+// (Q4_0..Q8_0) or 8 (then 4, 3, 2, 1) at a time, so a tile's codes are loaded and unpacked
+// once per 16 or 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at K=576, stay
+// in L2 while the thread's row groups pass over them: 1.14x -> see benchmarks in the
+// closing note of issue 16).
 template <int BITS, typename P, typename OutT>
-void run(const P& p, const QuantX& xq, int64_t M, OutT* out, const LinearHook* hook) {
+void run_groups(const P& p, const QuantX& xq, int64_t M, OutT* out, int64_t ldo, int64_t g0, int64_t g1) {
   constexpr int64_t kChunk = 256;
   // 16 tokens per tile load for the Q4_0..Q8_0 tiles (16 accumulators + 8 code vectors
   // fit the 32 registers; the K-quants' 4 scale vectors per block would not).
   // AVX2 (16 registers of half the width): at most 8 tokens a tile load.
   constexpr bool kMT16 = std::is_same<P, Packed>::value && LLMS_AVX512;
+  for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+    const int64_t c1 = std::min(M, c0 + kChunk);
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t t = c0;
+      if constexpr (kMT16) for (; t + 16 <= c1; t += 16) group_tile<BITS, 16>(p, xq, g, t, out, ldo);
+      for (; t + 8 <= c1; t += 8) group_tile<BITS, 8>(p, xq, g, t, out, ldo);
+      for (; t + 4 <= c1; t += 4) group_tile<BITS, 4>(p, xq, g, t, out, ldo);
+      switch (c1 - t) {
+        case 3: group_tile<BITS, 3>(p, xq, g, t, out, ldo); break;
+        case 2: group_tile<BITS, 2>(p, xq, g, t, out, ldo); break;
+        case 1: group_tile<BITS, 1>(p, xq, g, t, out, ldo); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// Row groups split over threads (run_groups each), the hook around each thread's columns.
+template <int BITS, typename P, typename OutT>
+void run(const P& p, const QuantX& xq, int64_t M, OutT* out, const LinearHook* hook) {
   const int64_t groups = (p.n + RG - 1) / RG, N = p.n;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     const int64_t n0 = g0 * RG, n1 = std::min(N, g1 * RG);
     if (hook != nullptr) hook->pre(hook->ctx, n0, n1, N);
-    for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
-      const int64_t c1 = std::min(M, c0 + kChunk);
-      for (int64_t g = g0; g < g1; ++g) {
-        int64_t t = c0;
-        if constexpr (kMT16) for (; t + 16 <= c1; t += 16) group_tile<BITS, 16>(p, xq, g, t, out, N);
-        for (; t + 8 <= c1; t += 8) group_tile<BITS, 8>(p, xq, g, t, out, N);
-        for (; t + 4 <= c1; t += 4) group_tile<BITS, 4>(p, xq, g, t, out, N);
-        switch (c1 - t) {
-          case 3: group_tile<BITS, 3>(p, xq, g, t, out, N); break;
-          case 2: group_tile<BITS, 2>(p, xq, g, t, out, N); break;
-          case 1: group_tile<BITS, 1>(p, xq, g, t, out, N); break;
-          default: break;
-        }
-      }
-    }
+    run_groups<BITS>(p, xq, M, out, N, g0, g1);
     if (hook != nullptr) hook->post(hook->ctx, n0, n1, out, N);
   });
 }
@@ -604,6 +615,104 @@ Packed packed_of(const at::Tensor& codes, const at::Tensor& dm, int64_t bits, in
   TORCH_CHECK(bits != 8 || dm.size(2) == 16, "quant: 8-bit codes take d only (dm [groups, nb, 16]), got ", dm.sizes());
   return Packed{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<int16_t>()), codes.size(1),
                 n, bits, dm.size(2), -static_cast<float>(1 << (bits - 1))};
+}
+
+
+// One part of a multi-part linear, ready to run: its packed weight, the QuantX of its code
+// offset, its first output column and its row groups' place in the parts' joint range.
+struct PartRun {
+  bool kquant;
+  Packed p;
+  KPacked kp;
+  const QuantX* xq;
+  int64_t col0, g_begin, g_end;
+};
+
+template <typename OutT>
+void run_part(const PartRun& r, int64_t M, OutT* out, int64_t ldo, int64_t g0, int64_t g1) {
+  OutT* o = out + r.col0;
+  const int64_t bits = r.kquant ? r.kp.bits : r.p.bits;
+  if (r.kquant) {
+    if (bits == 4) run_groups<4>(r.kp, *r.xq, M, o, ldo, g0, g1);
+    else if (bits == 5) run_groups<5>(r.kp, *r.xq, M, o, ldo, g0, g1);
+    else run_groups<8>(r.kp, *r.xq, M, o, ldo, g0, g1);
+  } else {
+    if (bits == 4) run_groups<4>(r.p, *r.xq, M, o, ldo, g0, g1);
+    else if (bits == 5) run_groups<5>(r.p, *r.xq, M, o, ldo, g0, g1);
+    else run_groups<8>(r.p, *r.xq, M, o, ldo, g0, g1);
+  }
+}
+
+template <typename T>
+std::unique_ptr<QuantX> quant_x_of(const at::Tensor& x, int64_t nb, int32_t z, bool halves, int slot) {
+  return std::make_unique<QuantX>(x.data_ptr<T>(), x.size(0), nb, z, halves, slot);
+}
+
+// The parts' row groups as one range split over the threads, each thread running its share
+// of every part it meets: one parallel region (and one barrier) where a call per part had
+// one each, and no concatenation. Each part's QuantX is made once per distinct code offset.
+template <typename OutT>
+void run_parts(std::vector<PartRun>& runs, const at::Tensor& x, OutT* out, int64_t ldo) {
+  std::vector<std::pair<std::pair<int32_t, bool>, std::unique_ptr<QuantX>>> xqs;
+  for (auto& r : runs) {
+    const int32_t z = r.kquant ? code_offset(r.kp) : code_offset(r.p);
+    const int64_t nb = r.kquant ? r.kp.nb : r.p.nb;
+    const auto key = std::make_pair(z, r.kquant);
+    auto it = std::find_if(xqs.begin(), xqs.end(), [&](const auto& e) { return e.first == key; });
+    if (it == xqs.end()) {
+      TORCH_CHECK(static_cast<int>(xqs.size()) < kScratchSlots, "quant_linear_parts: more than ", kScratchSlots,
+                  " kinds of parts");
+      const int slot = static_cast<int>(xqs.size());
+      auto xq = x.scalar_type() == at::kBFloat16 ? quant_x_of<at::BFloat16>(x, nb, z, r.kquant, slot)
+                : x.scalar_type() == at::kHalf   ? quant_x_of<at::Half>(x, nb, z, r.kquant, slot)
+                                                 : quant_x_of<float>(x, nb, z, r.kquant, slot);
+      xqs.emplace_back(key, std::move(xq));
+      it = xqs.end() - 1;
+    }
+    r.xq = it->second.get();
+  }
+  const int64_t M = x.size(0), groups = runs.back().g_end;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (const auto& r : runs) {
+      const int64_t a = std::max(g0, r.g_begin), b = std::min(g1, r.g_end);
+      if (a < b) run_part(r, M, out, ldo, a - r.g_begin, b - r.g_begin);
+    }
+  });
+}
+
+at::Tensor linear_parts_impl(const PackedLinearPart* parts, int64_t nparts, const at::Tensor& x, bool out_float) {
+  TORCH_CHECK(nparts >= 1, "quant_linear_parts: no parts");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                               x.scalar_type() == at::kHalf),
+              "quant_linear_parts: x must be 2-D float32, bfloat16 or float16, got ", x.sizes(), " ", x.scalar_type());
+  std::vector<PartRun> runs(nparts);
+  int64_t cols = 0, groups = 0;
+  for (int64_t i = 0; i < nparts; ++i) {
+    const PackedLinearPart& q = parts[i];
+    PartRun& r = runs[i];
+    r.kquant = q.kquant != 0;
+    if (r.kquant) r.kp = kpacked_of(q.codes, q.scales, q.dd, q.bits, q.z, q.n);
+    else r.p = packed_of(q.codes, q.scales, q.bits, q.n);
+    const int64_t nb = r.kquant ? r.kp.nb : r.p.nb;
+    TORCH_CHECK(x.size(1) == nb * QK, "quant_linear_parts: x ", x.sizes(), " does not fit part ", i, " of ",
+                nb * QK, " columns");
+    r.col0 = cols;
+    r.g_begin = groups;
+    groups += (q.n + RG - 1) / RG;
+    r.g_end = groups;
+    cols += q.n;
+  }
+  at::Tensor xc = x.contiguous();
+  const auto out_type = out_float ? at::kFloat : x.scalar_type();
+  at::Tensor out = at::empty({x.size(0), cols}, x.options().dtype(out_type));
+  if (out_type == at::kFloat) run_parts(runs, xc, out.data_ptr<float>(), cols);
+  else if (out_type == at::kBFloat16) run_parts(runs, xc, out.data_ptr<at::BFloat16>(), cols);
+  else run_parts(runs, xc, out.data_ptr<at::Half>(), cols);
+  return out;
+}
+
+at::Tensor packed_linear_entry(const PackedLinearPart* parts, int64_t nparts, const at::Tensor& x) {
+  return linear_parts_impl(parts, nparts, x, false);
 }
 
 }  // namespace
@@ -725,7 +834,24 @@ at::Tensor quant_dequantize(at::Tensor w, int64_t qtype) {
   return out;
 }
 
+// parts: (kquant, codes, scales, dd, bits, z, n) per type run of the rows, in order (dd:
+// an empty tensor for QuantWeight parts) -> x [M, K] @ W.T [M, sum n] (out_float: float32).
+at::Tensor quant_linear_parts(at::Tensor x, const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor,
+                                                                          int64_t, int64_t, int64_t>>& parts,
+                              bool out_float) {
+  std::vector<PackedLinearPart> ps;
+  for (const auto& t : parts)
+    ps.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t), std::get<5>(t),
+                  std::get<6>(t)});
+  return linear_parts_impl(ps.data(), static_cast<int64_t>(ps.size()), x, out_float);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear_parts", &quant_linear_parts, "x [M, K] @ W.T over parts of different GGUF types -> [M, sum n]",
+        py::arg("x"), py::arg("parts"), py::arg("out_float") = false);
+  m.def("packed_linear_address", []() { return reinterpret_cast<int64_t>(&packed_linear_entry); },
+        "address of the C++ PackedLinearFn (packed_linear.h)");
+  m.def("packed_linear_abi", []() { return kPackedLinearAbi; }, "PackedLinearFn's ABI number");
   m.def("quant_repack", &quant_repack, "GGUF rows -> [codes, dm] (see quant_gemv.cpp)", py::arg("w"), py::arg("qtype"));
   m.def("quant_linear", &quant_linear, "x [M, K] @ W.T from repacked codes/dm -> [M, n]", py::arg("x"),
         py::arg("codes"), py::arg("dm"), py::arg("bits"), py::arg("n"), py::arg("out_float") = false, py::arg("hook") = 0);
