@@ -4,7 +4,7 @@ its round trip, embed) and langchain-ollama's ``ChatOllama``, unchanged but for 
 key header, against the shared ``server`` (SmolLM2, float32: greedy text is
 batch-invariant, so the Ollama answers equal the OpenAI routes' answers), plus a pooling
 server on all-MiniLM-L6-v2 for the embedding routes. Bad input answers Ollama's error
-body ``{"error": "<message>"}`` with 400/401/404/501."""
+body ``{"error": "<message>"}`` with 400/401/404/501; ``pull`` of a served model succeeds."""
 from __future__ import annotations
 
 import json
@@ -143,7 +143,8 @@ def test_errors_in_ollama_shape(server):
     _error(post("/api/chat", {"model": MODEL, "messages": ASK, "think": True}), 400, "think")
     _error(post("/api/chat", {"model": MODEL, "messages": "hi"}), 400, "messages")
     _error(server.http.post("/api/generate", content=b"{not json"), 400, "JSON")
-    _error(post("/api/pull", {"model": "llama3"}), 501, "/api/pull")
+    _error(post("/api/pull", {"model": "llama3"}), 404, "model 'llama3' not found", "downloads no models")
+    assert _client(server).pull(MODEL).status == "success"  # a served model: pulled already
     _error(httpx.post(server.url_for("api/chat"), json={"model": MODEL, "messages": ASK}), 401)
     loaded = post("/api/generate", {"model": MODEL}).json()  # Ollama's "load the model" request
     assert loaded["done"] and loaded["done_reason"] == "load"

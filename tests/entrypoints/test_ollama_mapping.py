@@ -427,3 +427,48 @@ def test_an_empty_suffix_is_no_suffix_as_in_ollama(app_and_engine):  # noqa: F81
     assert engine.prompts[-1] == engine.prompts[-2] and engine.prompts[-1] != "hi", engine.prompts[-2:]
     r = client.post("/api/generate", json={"model": "m", "prompt": "", "suffix": "", "stream": False})
     assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
+
+
+def test_model_management_routes_answer_as_ollama_for_served_and_unknown_models(app_and_engine):  # noqa: F811
+    """Agent-door trial: /api/pull, /api/push, /api/delete and /api/copy answered 501 for
+    every body, so ``ollama.pull(model)`` before a chat (common in scripts and apps) failed
+    on a model the server serves, and an unknown model was a 5xx where Ollama answers 404.
+    Now a pull of a served model succeeds (streamed or not, through the real ``ollama``
+    client), an unknown model is Ollama's 404 on each route, a missing name its 400, and
+    push/delete/copy of a served model stay 501 (nothing can change here)."""
+    import httpx
+    import ollama
+    client, engine = app_and_engine()
+
+    def via_app(request: httpx.Request) -> httpx.Response:  # the ollama client's httpx over the in-process app
+        r = client.request(request.method, request.url.path, content=request.read(), headers=dict(request.headers))
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+    oc = ollama.Client(host="http://server", transport=httpx.MockTransport(via_app))
+    assert oc.pull("m").status == "success" and oc.pull("M:latest", stream=False).status == "success"
+    assert [p.status for p in oc.pull("m", stream=True)] == ["pulling manifest", "success"]
+    with pytest.raises(ollama.ResponseError) as e:
+        oc.pull("llama3")
+    assert e.value.status_code == 404 and e.value.error.startswith("model 'llama3' not found; llmserve downloads no")
+    for call, status, error in (
+            (lambda: oc.delete("nope"), 404, "model 'nope' not found"),
+            (lambda: oc.copy("nope", "x"), 404, 'model "nope" not found'),
+            (lambda: oc.push("nope"), 404, "model 'nope' not found"),
+            (lambda: oc.delete("m"), 501, "/api/delete is not available"),
+            (lambda: oc.copy("m", "x"), 501, "/api/copy is not available"),
+            (lambda: oc.push("m"), 501, "/api/push is not available"),
+            (lambda: oc.create("x", from_="m"), 501, "/api/create is not available")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert (e.value.status_code, e.value.error[:len(error)]) == (status, error)
+    for method, route, body, error in (
+            ("POST", "/api/pull", {}, "model is required"),
+            ("POST", "/api/pull", {"name": "m", "stream": False}, None),  # older clients' field
+            ("POST", "/api/pull", {"model": 5}, "json: cannot unmarshal number into Go struct field PullRequest.model "
+                                                "of type string"),
+            ("POST", "/api/copy", {"source": "m"}, 'destination "" is invalid'),
+            ("POST", "/api/copy", {"destination": "x"}, 'source "" is invalid'),
+            ("DELETE", "/api/delete", None, "missing request body")):
+        r = client.request(method, route, json=body)
+        want = (200, {"status": "success"}) if error is None else (400, {"error": error})
+        assert (r.status_code, r.json()) == want, (route, body, r.text)
+    assert engine.prompts == []

@@ -173,7 +173,8 @@ def test_every_route_that_names_a_model_honours_allowed_models(smol_tokenizer, t
     app, engine, _ = _app(smol_tokenizer, tmp_path, entries)
     json_routes = {"/tokenize": {"model": "m", "prompt": "hi"}, "/detokenize": {"model": "m", "tokens": [1, 2]},
                    "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                   "/api/show": {"name": "m"}, "/v1/unload_lora_adapter": {"lora_name": "m"}}
+                   "/api/show": {"name": "m"}, "/v1/unload_lora_adapter": {"lora_name": "m"},
+                   "/api/pull": {"model": "m", "stream": False}, "/api/copy": {"source": "m", "destination": "x"}}
 
     async def run():
         async with _client(app) as c:
@@ -189,14 +190,18 @@ def test_every_route_that_names_a_model_honours_allowed_models(smol_tokenizer, t
     for name in [(p, "key-c") for p in json_routes] + ["/api/show model", "form m"]:
         assert got[name].status_code == 404, (name, got[name].text)
         # Ollama's route answers Ollama's 404 body (ollama/names.py), the others OpenAI's
-        want = "model 'm' not found" if name in (("/api/show", "key-c"), "/api/show model") \
+        want = 'model "m" not found' if name == ("/api/copy", "key-c") else "model 'm' not found" \
+            if name in (("/api/show", "key-c"), "/api/show model", ("/api/pull", "key-c")) \
             else "No model served here can be called"
-        assert want in got[name].text, (name, got[name].text)
+        error = got[name].json()["error"]  # Ollama's is the message, OpenAI's an object
+        assert want in (error if isinstance(error, str) else error["message"]), (name, got[name].text)
     for name in ("form none", "tokenize none"):
         assert got[name].status_code == 400 and "none of the models served here" in got[name].text, got[name].text
     assert got[("/tokenize", "key-m")].status_code == 200 and got[("/tokenize", "key-m")].json()["count"] >= 1
     assert got[("/detokenize", "key-m")].status_code == 200
     assert got[("/v1/messages/count_tokens", "key-m")].json()["input_tokens"] >= 1
+    assert got[("/api/pull", "key-m")].json() == {"status": "success"}
+    assert got[("/api/copy", "key-m")].status_code == 501  # served: nothing is copied here
     assert engine.started == 0
 
 

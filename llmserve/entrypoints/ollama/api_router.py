@@ -2,8 +2,11 @@
 
 ``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``,
 ``POST /api/chat``, ``POST /api/generate``, ``POST /api/embed``, ``POST /api/embeddings``.
-Ollama's model management routes (pull, push, create, copy, delete, blobs) answer 501
-with what to do instead: the server serves the models it was started with. Errors take
+The server serves the models it was started with, so Ollama's model management routes
+change nothing (``manage.py``): ``/api/pull`` of a served model succeeds at once (clients
+that pull before they chat go on), of another is Ollama's 404; ``/api/push``,
+``/api/delete`` and ``/api/copy`` are Ollama's 404 for an unknown model and 501 for a
+served one; ``/api/create`` and ``/api/blobs`` answer 501. Each says what to do instead. Errors take
 Ollama's body ``{"error": "<message>"}`` through :data:`OLLAMA_ERROR_SHAPE` (registered in
 ``api_server.ERROR_SHAPES``), whoever produced them; streams are NDJSON
 (``application/x-ndjson``), as Ollama's.
@@ -23,8 +26,10 @@ import llmserve
 from llmserve.entrypoints.ollama import info
 from llmserve.entrypoints.ollama.go_errors import GO_STRUCTS, go_type_error
 from llmserve.entrypoints.ollama.go_json import zero_nulls
-from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
-                                                  OllamaGenerateRequest, OllamaShowRequest)
+from llmserve.entrypoints.ollama.manage import copy_model, delete_model, not_available, pull_model, push_model
+from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaCopyRequest, OllamaDeleteRequest,
+                                                  OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaGenerateRequest,
+                                                  OllamaPullRequest, OllamaPushRequest, OllamaShowRequest)
 from llmserve.entrypoints.ollama.serving import (serve_chat, serve_embed, serve_embeddings, serve_generate)
 from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, with_cancellation
@@ -34,8 +39,7 @@ from llmserve.sampling_params import SamplingParamsError
 router = APIRouter()
 T = TypeVar("T", bound=BaseModel)
 NDJSON = "application/x-ndjson"
-UNSUPPORTED = {"/api/pull": "POST", "/api/push": "POST", "/api/create": "POST", "/api/copy": "POST",
-               "/api/delete": "DELETE", "/api/blobs/{digest}": "POST"}
+UNSUPPORTED = {"/api/create": "POST", "/api/blobs/{digest}": "POST"}
 
 
 def ollama_error_body(status: int, error: dict[str, Any]) -> dict[str, Any]:
@@ -192,10 +196,29 @@ async def embeddings(raw_request: Request) -> Response:
     return _respond(await with_cancellation(raw_request, serve_embeddings(raw_request.app.state, request)))
 
 
+@router.post("/api/pull", include_in_schema=False)  # as the 501 routes were: nothing to document
+async def pull(raw_request: Request) -> Response:
+    return _respond(pull_model(raw_request.app.state, await _body(raw_request, OllamaPullRequest)))
+
+
+@router.post("/api/push", include_in_schema=False)
+async def push(raw_request: Request) -> Response:
+    push_model(raw_request.app.state, await _body(raw_request, OllamaPushRequest))
+
+
+@router.delete("/api/delete", include_in_schema=False)
+async def delete(raw_request: Request) -> Response:
+    delete_model(raw_request.app.state, await _body(raw_request, OllamaDeleteRequest))
+
+
+@router.post("/api/copy", include_in_schema=False)
+async def copy(raw_request: Request) -> Response:
+    copy_model(raw_request.app.state, await _body(raw_request, OllamaCopyRequest))
+
+
 def _unsupported(path: str) -> Any:
     async def route() -> None:
-        raise HTTPException(501, f"{path} is not available: llmserve serves the models it was started with "
-                                 "(`llmserve serve MODEL`, `--extra-model`); see GET /api/tags.")
+        raise HTTPException(501, not_available(path))
     return route
 
 

@@ -20,11 +20,14 @@ from llmserve.entrypoints.openai.validation_errors import Problem, dotted, probl
 GO_STRUCTS: dict[str, str] = {
     "OllamaChatRequest": "ChatRequest", "OllamaGenerateRequest": "GenerateRequest",
     "OllamaEmbedRequest": "EmbedRequest", "OllamaEmbeddingsRequest": "EmbeddingRequest",
-    "OllamaShowRequest": "ShowRequest",
+    "OllamaShowRequest": "ShowRequest", "OllamaPullRequest": "PullRequest", "OllamaPushRequest": "PushRequest",
+    "OllamaDeleteRequest": "DeleteRequest", "OllamaCopyRequest": "CopyRequest",
 }
 _OPTIONS = "map[string]interface {}"
 _GENERATE_COMMON = {"model": "string", "stream": "bool", "options": _OPTIONS, "truncate": "bool",
                     "shift": "bool", "logprobs": "bool", "top_logprobs": "int"}
+_PULL_PUSH = {"model": "string", "insecure": "bool", "username": "string", "password": "string", "stream": "bool",
+              "name": "string"}
 GO_TYPES: dict[str, dict[str, str]] = {
     "ChatRequest": {**_GENERATE_COMMON, "messages": "[]api.Message", "tools": "api.Tools"},
     "GenerateRequest": {**_GENERATE_COMMON, "prompt": "string", "suffix": "string", "system": "string",
@@ -35,6 +38,10 @@ GO_TYPES: dict[str, dict[str, str]] = {
     "EmbeddingRequest": {"model": "string", "prompt": "string", "options": _OPTIONS},
     "ShowRequest": {"model": "string", "system": "string", "template": "string", "verbose": "bool",
                     "options": _OPTIONS, "name": "string"},
+    "PullRequest": _PULL_PUSH,
+    "PushRequest": _PULL_PUSH,
+    "DeleteRequest": {"model": "string", "name": "string"},
+    "CopyRequest": {"source": "string", "destination": "string"},
     "ToolCall": {"id": "string", "function": "api.ToolCallFunction"},
     "ToolCallFunction": {"index": "int", "name": "string"},
     "Tool": {"type": "string", "function": "api.ToolFunction"},

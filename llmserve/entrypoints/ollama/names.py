@@ -51,22 +51,42 @@ def match_name(requested: str, names: Iterable[str]) -> Optional[str]:
 
 class OllamaModelNotFound(ModelNotFoundError):
     """An unknown model on Ollama's routes: 404 (it is a ModelNotFoundError) with Ollama's
-    message for the route (module docstring). ``pull_hint``: the embedding routes' words."""
+    message for the route (module docstring). ``pull_hint``: the embedding routes' words;
+    ``quoted``: the name in Go's ``%q`` without the hint (``/api/copy``'s source); ``note``:
+    words after the message (``/api/pull`` says that nothing is downloaded here)."""
 
-    def __init__(self, model: str, pull_hint: bool = False):
+    def __init__(self, model: str, pull_hint: bool = False, quoted: bool = False, note: str = ""):
         # a served name is at most MAX_SERVED_NAME_CHARS long: a longer one is cut so a
         # 100,000-character name does not make a 100 kB error body (as ModelNotFoundError)
         shown = model if len(model) <= MAX_SERVED_NAME_CHARS else \
             f"{model[:MAX_SERVED_NAME_CHARS]}... ({len(model)} characters)"
-        message = (f"model {json.dumps(shown, ensure_ascii=False)} not found, try pulling it first" if pull_hint
-                   else f"model '{shown}' not found")
-        LookupError.__init__(self, message)  # not ModelNotFoundError's OpenAI wording
+        go_quoted = json.dumps(shown, ensure_ascii=False)
+        message = (f"model {go_quoted} not found, try pulling it first" if pull_hint
+                   else f"model {go_quoted} not found" if quoted else f"model '{shown}' not found")
+        LookupError.__init__(self, message + note)  # not ModelNotFoundError's OpenAI wording
         self.model = model
 
 
-def resolve(requested: str, names: Iterable[str], pull_hint: bool = False) -> str:
-    """The served name ``requested`` calls; raises OllamaModelNotFound (404) for none."""
+# What /api/pull adds to its 404: Ollama would download the model; llmserve cannot.
+NOT_DOWNLOADED = ("; llmserve downloads no models: it serves the models it was started with (`llmserve serve "
+                  "MODEL`, `--extra-model`), see GET /api/tags")
+
+
+def not_found(model: str, route: str) -> OllamaModelNotFound:
+    """The 404 of an unknown ``model`` on the Ollama route ``route`` (``/api/chat``...),
+    in that route's words: Ollama's routes.go says ``model "NAME" not found, try pulling it
+    first`` on the embedding routes, ``model "NAME" not found`` (Go's %q) for /api/copy's
+    source, ``model 'NAME' not found`` elsewhere (/api/delete and /api/show included);
+    /api/pull adds :data:`NOT_DOWNLOADED`."""
+    return OllamaModelNotFound(model, pull_hint=route in PULL_HINT_ROUTES, quoted=route == "/api/copy",
+                               note=NOT_DOWNLOADED if route == "/api/pull" else "")
+
+
+def resolve(requested: str, names: Iterable[str], pull_hint: bool = False, route: str = "") -> str:
+    """The served name ``requested`` calls; raises OllamaModelNotFound (404) for none, in
+    the words of ``route`` (:func:`not_found`) when given, else of a generating route or,
+    with ``pull_hint``, of the embedding routes."""
     found = match_name(requested, names)
     if found is None:
-        raise OllamaModelNotFound(requested, pull_hint)
+        raise not_found(requested, route) if route else OllamaModelNotFound(requested, pull_hint)
     return found

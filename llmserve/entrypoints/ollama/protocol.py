@@ -121,3 +121,34 @@ class OllamaShowRequest(OpenAIRequestModel):
     model: Optional[str] = None
     name: Optional[str] = None
     verbose: Optional[bool] = None
+
+
+class OllamaPullRequest(OpenAIRequestModel):
+    """``POST /api/pull`` and ``/api/push``: ``model`` (older clients send ``name``),
+    ``stream`` (default true: NDJSON progress lines). ``insecure``, ``username`` and
+    ``password`` are registry settings: nothing is downloaded or uploaded here."""
+
+    model: Optional[str] = None
+    name: Optional[str] = None
+    stream: Optional[bool] = True
+    insecure: Optional[bool] = None
+    username: Optional[str] = None
+    password: Optional[str] = None
+
+
+class OllamaDeleteRequest(OpenAIRequestModel):
+    """``DELETE /api/delete``: ``model`` (older clients send ``name``)."""
+
+    model: Optional[str] = None
+    name: Optional[str] = None
+
+
+class OllamaCopyRequest(OpenAIRequestModel):
+    """``POST /api/copy``: ``source`` and ``destination`` model names."""
+
+    source: Optional[str] = None
+    destination: Optional[str] = None
+
+
+class OllamaPushRequest(OllamaPullRequest):
+    """``POST /api/push``: the fields of :class:`OllamaPullRequest` (Go's PushRequest)."""

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.fan_out import fan_out_of
-from llmserve.entrypoints.ollama.names import PULL_HINT_ROUTES, OllamaModelNotFound, match_name
+from llmserve.entrypoints.ollama.names import match_name, not_found
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
@@ -54,7 +54,9 @@ _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens",
 # 200 on models the key may not call.
 MODEL_NAMING_PATHS = {"/tokenize": ("model",), "/detokenize": ("model",), "/v1/messages/count_tokens": ("model",),
                       "/v1/completions/render": ("model",), "/v1/chat/completions/render": ("model",),
-                      "/api/show": ("model", "name"), "/v1/unload_lora_adapter": ("lora_name",)}
+                      "/api/show": ("model", "name"), "/v1/unload_lora_adapter": ("lora_name",),
+                      "/api/pull": ("model", "name"), "/api/push": ("model", "name"), "/api/delete": ("model", "name"),
+                      "/api/copy": ("source",)}
 
 
 @dataclass
@@ -118,7 +120,7 @@ def model_refusal(tenant: Tenant, model: Optional[str], state: Any,
         if ollama_route is not None:
             if match_name(model, tenant.allowed_models) is not None:
                 return None
-            return OllamaModelNotFound(model, ollama_route in PULL_HINT_ROUTES)
+            return not_found(model, ollama_route)
         if model in tenant.allowed_models:
             return None
         return ModelNotFoundError(model, callable_models(tenant, state))
