@@ -206,3 +206,28 @@ def test_num_predict_past_the_context_fills_it_and_bad_numbers_name_the_option(s
         msg = _error(server.http.post("/api/chat", content=body, headers={"content-type": "application/json"}),
                      400, f"options.{key}")
         assert "pydantic" not in msg and "\n" not in msg, msg
+
+
+def test_logprobs_as_ollama_sends_them(server):
+    """Agent-door trial: ``logprobs`` / ``top_logprobs`` (Ollama 0.12.11+, the ollama
+    client's arguments) were a 400 'not served on Ollama's routes'. Each token's
+    ``logprobs`` entry (token, logprob, bytes, top_logprobs) now equals the chat route's,
+    whole and streamed; raw /api/generate gives its tokens too, without alternatives at
+    top_logprobs 0; top_logprobs outside 0-20 is Ollama's 400."""
+    client = _client(server)
+    want = server.client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0,
+                                                   logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    got = server.post("/api/chat", {"model": MODEL, "messages": ASK, "options": GREEDY, "stream": False,
+                                    "logprobs": True, "top_logprobs": 2}).json()["logprobs"]  # the client drops bytes
+    assert [(g["token"], g["bytes"], [t["token"] for t in g["top_logprobs"]]) for g in got] == \
+        [(w.token, w.bytes, [t.token for t in w.top_logprobs]) for w in want]
+    np.testing.assert_allclose([g["logprob"] for g in got], [w.logprob for w in want], atol=1e-4)
+    resp = client.chat(MODEL, messages=ASK, options=GREEDY, logprobs=True, top_logprobs=2)
+    assert [(lp.token, len(lp.top_logprobs)) for lp in resp.logprobs] == [(w.token, 2) for w in want]
+    parts = list(client.chat(MODEL, messages=ASK, options=GREEDY, stream=True, logprobs=True, top_logprobs=2))
+    assert [lp.token for p in parts for lp in (p.logprobs or [])] == [w.token for w in want]
+    raw = client.generate(MODEL, prompt="The capital of France is", raw=True, options=GREEDY, logprobs=True)
+    assert "".join(lp.token for lp in raw.logprobs) == raw.response and len(raw.logprobs) == raw.eval_count
+    assert all(lp.top_logprobs is None for lp in raw.logprobs)
+    _error(server.post("/api/chat", {"model": MODEL, "messages": ASK, "logprobs": True, "top_logprobs": 21}), 400,
+           "top_logprobs must be between 0 and 20")

@@ -20,7 +20,9 @@ from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats
 from llmserve.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponseStreamChoice,
                                                                   ChatCompletionStreamResponse, DeltaFunctionCall,
                                                                   DeltaMessage, DeltaToolCall)
-from llmserve.entrypoints.openai.common.protocol import UsageInfo
+from llmserve.entrypoints.openai.common.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                         ChatCompletionLogProbsContent, CompletionLogProbs, UsageInfo)
+from llmserve.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 from llmserve.entrypoints.openai.models.lora import LoRAAdapters
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.lora.request import LoRARequest
@@ -108,6 +110,28 @@ async def test_cut_off_tool_call_is_an_error_not_text():
         await OllamaWire("m", chat=True).whole(_gen(items), RunStats())
     assert "cut off" in (await _lines(items))[-1]["error"]
 
+
+
+async def test_logprobs_lines_in_ollamas_shape():
+    """A chat chunk's logprobs and a completion chunk's parallel lists both become Ollama's
+    api.Logprob entries on the line of their tokens, with at most ``top_logprobs``
+    alternatives (the completion map also holds the sampled token: cut), none at 0."""
+    alt = [ChatCompletionLogProb(token="Hi", logprob=-0.1, bytes=[72, 105]),
+           ChatCompletionLogProb(token="Yo", logprob=-2.0)]
+    chat = _chunk(DeltaMessage(content="Hi"))
+    chat.choices[0].logprobs = ChatCompletionLogProbs(content=[ChatCompletionLogProbsContent(
+        token="Hi", logprob=-0.1, bytes=[72, 105], top_logprobs=alt)])
+    lines = [json.loads(ln) async for ln in OllamaWire("m", chat=True, top_logprobs=1).lines(_gen([chat]), RunStats())]
+    assert lines[0]["logprobs"] == [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                                     "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}]
+    assert "logprobs" not in lines[-1]
+    raw = CompletionStreamResponse(id="c", created=0, model="m", choices=[CompletionResponseStreamChoice(
+        index=0, text="é", logprobs=CompletionLogProbs(tokens=["é"], token_logprobs=[-1.5], text_offset=[0],
+                                                       top_logprobs=[{"a": -0.5, "é": -1.5}]))])
+    for top, alts in ((0, None), (1, [{"token": "a", "logprob": -0.5, "bytes": [97]}])):
+        whole = await OllamaWire("m", chat=False, top_logprobs=top).whole(_gen([raw]), RunStats())
+        assert whole["logprobs"] == [{"token": "é", "logprob": -1.5, "bytes": [195, 169],
+                                      **({"top_logprobs": alts} if alts else {})}], top
 
 
 def test_keep_alive_strings_must_be_durations():

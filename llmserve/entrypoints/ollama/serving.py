@@ -115,12 +115,26 @@ def _think_fields(think: Any, chat: Any) -> dict[str, Any]:
     return {"chat_template_kwargs": kwargs}
 
 
-def _common_fields(req: Any, name: str) -> dict[str, Any]:
-    if req.logprobs:
-        raise SamplingParamsError("logprobs are not served on Ollama's routes here; use /v1/chat/completions.",
-                                  "logprobs")
+MAX_TOP_LOGPROBS = 20  # Ollama's bound (routes.go: "top_logprobs must be between 0 and 20")
+
+
+def _logprob_fields(req: Any, completion: bool) -> dict[str, Any]:
+    """``logprobs`` / ``top_logprobs`` (alternatives per token, 0-20) as the common
+    request's fields: the chat request's pair, or the completion request's one count.
+    Ollama checks the range whether or not ``logprobs`` is set, and ignores
+    ``top_logprobs`` without it. Raises SamplingParamsError (``top_logprobs``)."""
+    top = req.top_logprobs or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise SamplingParamsError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
+    if not req.logprobs:
+        return {}
+    return {"logprobs": top} if completion else {"logprobs": True, "top_logprobs": top}
+
+
+def _common_fields(req: Any, name: str, completion: bool = False) -> dict[str, Any]:
     # always streamed inside: the times of the first and last tokens give Ollama's durations
-    return {"model": name, "stream": True, **sampling_fields(req.options), **structured_fields(req.format)}
+    return {"model": name, "stream": True, **sampling_fields(req.options), **structured_fields(req.format),
+            **_logprob_fields(req, completion)}
 
 
 def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatCompletionRequest, Optional[str]]:
@@ -149,7 +163,7 @@ def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
     # An empty suffix is no suffix (Ollama's Go field is a plain string: "" is unset): the
     # template applies, as without one.
     if req.raw or req.suffix:
-        return build_request(CompletionRequest, **_common_fields(req, name), prompt=req.prompt or "",
+        return build_request(CompletionRequest, **_common_fields(req, name, completion=True), prompt=req.prompt or "",
                              suffix=req.suffix, stream_options={"include_usage": True})
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
         [{"role": "user", "content": req.prompt or ""}]
@@ -239,7 +253,7 @@ def ollama_terms(serve: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
 async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
     """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
     name = served_name(state, req.model)
-    wire = OllamaWire(req.model, chat=True)  # Ollama answers with the name as the request wrote it
+    wire = OllamaWire(req.model, chat=True, top_logprobs=req.top_logprobs or 0)  # the name as the request wrote it
     if not req.messages:
         return wire.loaded(req.keep_alive), {}
     chat = handler(state, "openai_serving_chat", name)
@@ -276,7 +290,7 @@ def _fit_raw(req: OllamaGenerateRequest, completion: Any, common: CompletionRequ
 async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Optional[str]) -> Any:
     """``/api/generate``: an async generator of NDJSON lines, or the one object."""
     name = served_name(state, req.model)
-    wire = OllamaWire(req.model, chat=False)  # Ollama answers with the name as the request wrote it
+    wire = OllamaWire(req.model, chat=False, top_logprobs=req.top_logprobs or 0)  # the name as the request wrote it
     if not req.prompt and not req.suffix:
         return wire.loaded(req.keep_alive)
     chat = handler(state, "openai_serving_chat", name)

@@ -8,7 +8,9 @@ has ``done: true``, ``done_reason`` ("stop", "length"), ``prompt_eval_count`` /
 ``eval_count`` (tokens) and ``total_duration``, ``load_duration``,
 ``prompt_eval_duration`` (until the first output), ``eval_duration`` (the rest), in
 nanoseconds. Tool calls go out whole, with their arguments as an object, in one line
-before the last (Ollama sends each call when it is complete). An error after the stream
+before the last (Ollama sends each call when it is complete). With ``logprobs`` each line
+carries its tokens' ``logprobs`` (``token``, ``logprob``, ``bytes``, ``top_logprobs``:
+Ollama's api.Logprob), the one object all of them. An error after the stream
 started is one line ``{"error": "<message>"}``; so is a generation cut off before it finished
 (finish reason "abort": the server shut down), which ``"stream": false`` answers with
 Ollama's error body (HTTP 500) rather than ``done_reason: "stop"``.
@@ -106,6 +108,41 @@ class RunStats:
                 "eval_count": self.output_tokens, "eval_duration": end - first}
 
 
+def _token_logprob(token: str, logprob: float, token_bytes: Optional[list[int]] = None) -> dict[str, Any]:
+    """Ollama's api.TokenLogprob; ``bytes`` defaults to the token's UTF-8 (Ollama's
+    stringToByteInts) and is left out when empty, as Go's omitempty does."""
+    out: dict[str, Any] = {"token": token, "logprob": logprob}
+    token_bytes = token_bytes if token_bytes is not None else list(token.encode("utf-8"))
+    if token_bytes:
+        out["bytes"] = token_bytes
+    return out
+
+
+def _choice_logprobs(choice: Any, top: int) -> list[dict[str, Any]]:
+    """The logprobs of one chunk's choice as Ollama's api.Logprob list (empty when none
+    were asked for): a chat choice's ``logprobs.content``, or a completion choice's
+    parallel lists (its alternatives are a token -> logprob map, which holds the sampled
+    token besides the best ``top``: cut to ``top`` and left out at 0, as Ollama does)."""
+    logprobs = getattr(choice, "logprobs", None)
+    if logprobs is None:
+        return []
+    out = []
+    if hasattr(logprobs, "content"):  # chat
+        for entry in logprobs.content or []:
+            item = _token_logprob(entry.token, entry.logprob, entry.bytes)
+            if entry.top_logprobs and top:
+                item["top_logprobs"] = [_token_logprob(t.token, t.logprob, t.bytes) for t in entry.top_logprobs[:top]]
+            out.append(item)
+        return out
+    for token, logprob, alternatives in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        item = _token_logprob(token, logprob if logprob is not None else 0.0)
+        if alternatives and top:
+            best = sorted(alternatives.items(), key=lambda kv: -kv[1])[:top]
+            item["top_logprobs"] = [_token_logprob(t, lp) for t, lp in best]
+        out.append(item)
+    return out
+
+
 def _choice_parts(choice: Any, stats: RunStats) -> tuple[str, str]:
     """(content, thinking) of one chunk's choice; tool-call fragments go to ``stats``."""
     delta = getattr(choice, "delta", None)
@@ -118,9 +155,11 @@ def _choice_parts(choice: Any, stats: RunStats) -> tuple[str, str]:
     return delta.content or "", delta.reasoning or ""
 
 
-async def deltas(chunks: AsyncIterator[Any], stats: RunStats) -> AsyncGenerator[tuple[str, str], None]:
-    """(content, thinking) pieces of the handler's chunk objects, in order; finish
-    reason, usage and tool calls are kept in ``stats``. Raises RequestAbortedError at the
+async def deltas(chunks: AsyncIterator[Any], stats: RunStats,
+                 top_logprobs: int = 0) -> AsyncGenerator[tuple[str, str, list[dict[str, Any]]], None]:
+    """(content, thinking, logprobs) pieces of the handler's chunk objects, in order
+    (``top_logprobs``: alternatives per token the request asked for);
+    finish reason, usage and tool calls are kept in ``stats``. Raises RequestAbortedError at the
     end when the generation was cut off (finish reason "abort": server shutdown), so the
     stream ends with an ``{"error"}`` line and ``"stream": false`` with an error body."""
     async for chunk in chunks:
@@ -133,22 +172,24 @@ async def deltas(chunks: AsyncIterator[Any], stats: RunStats) -> AsyncGenerator[
         if choice.finish_reason is not None:
             stats.finish_reason = choice.finish_reason
         content, thinking = _choice_parts(choice, stats)
-        if content or thinking:
+        logprobs = _choice_logprobs(choice, top_logprobs)
+        if content or thinking or logprobs:
             if stats.first_ns is None:
                 stats.first_ns = time.monotonic_ns()
-            yield content, thinking
+            yield content, thinking, logprobs
     check_finished_normally(stats.finish_reason, stats.output_tokens)
 
 
 class OllamaWire:
     """How one route writes its objects: ``chat`` (``message``) or generate
-    (``response`` / ``thinking``), for the served ``model`` name."""
+    (``response`` / ``thinking``), for the served ``model`` name, with up to
+    ``top_logprobs`` alternatives per token when logprobs were asked for."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, top_logprobs: int = 0):
+        self.model, self.chat, self.top_logprobs = model, chat, top_logprobs
 
     def partial(self, content: str, thinking: str = "", tool_calls: Optional[list] = None,
-                done: bool = False) -> dict[str, Any]:
+                done: bool = False, logprobs: Optional[list] = None) -> dict[str, Any]:
         """One object with the given output parts (``done`` false unless told)."""
         obj: dict[str, Any] = {"model": self.model, "created_at": created_at()}
         if self.chat:
@@ -163,12 +204,14 @@ class OllamaWire:
             if thinking:
                 obj["thinking"] = thinking
         obj["done"] = done
+        if logprobs:
+            obj["logprobs"] = logprobs
         return obj
 
     def final(self, stats: RunStats, content: str = "", thinking: str = "",
-              tool_calls: Optional[list] = None) -> dict[str, Any]:
+              tool_calls: Optional[list] = None, logprobs: Optional[list] = None) -> dict[str, Any]:
         """The last object: ``done: true`` with the statistics."""
-        return {**self.partial(content, thinking, tool_calls, done=True), **stats.final_fields()}
+        return {**self.partial(content, thinking, tool_calls, done=True, logprobs=logprobs), **stats.final_fields()}
 
     def loaded(self, keep_alive: Any = None) -> dict[str, Any]:
         """Ollama's answer to a request with nothing to generate (an empty prompt or no
@@ -180,8 +223,8 @@ class OllamaWire:
     async def lines(self, chunks: AsyncGenerator[Any, None], stats: RunStats) -> AsyncGenerator[bytes, None]:
         """The NDJSON stream; an error after the start is a last ``{"error"}`` line."""
         try:
-            async for content, thinking in deltas(chunks, stats):
-                yield ndjson(self.partial(content, thinking))
+            async for content, thinking, logprobs in deltas(chunks, stats, self.top_logprobs):
+                yield ndjson(self.partial(content, thinking, logprobs=logprobs))
             calls = stats.tool_calls()
             if calls:
                 yield ndjson(self.partial("", tool_calls=calls))
@@ -194,11 +237,12 @@ class OllamaWire:
 
     async def whole(self, chunks: AsyncGenerator[Any, None], stats: RunStats) -> dict[str, Any]:
         """The one object of ``"stream": false``. Errors are raised (answered as 4xx/5xx)."""
-        contents, thoughts = [], []
+        contents, thoughts, logprobs = [], [], []
         try:
-            async for content, thinking in deltas(chunks, stats):
+            async for content, thinking, token_logprobs in deltas(chunks, stats, self.top_logprobs):
                 contents.append(content)
                 thoughts.append(thinking)
+                logprobs.extend(token_logprobs)
         finally:
             await chunks.aclose()
-        return self.final(stats, "".join(contents), "".join(thoughts), stats.tool_calls())
+        return self.final(stats, "".join(contents), "".join(thoughts), stats.tool_calls(), logprobs)
