@@ -2,8 +2,8 @@
 
 ``LlamaForCausalLM.forward`` runs its layers here when :func:`run_layers` can: every linear
 of every layer runs on its GGUF blocks at every step (``Linear.packed_only``; no LoRA
-wrappers, no tensor parallelism), the layers are the plain Llama / Mistral / Qwen2 ones
-(no q/k norms), every token's attention goes through the CPU paged kernel (the KV caches
+wrappers, no tensor parallelism), the layers are the plain Llama / Mistral / Qwen2 /
+Qwen3 ones, every token's attention goes through the CPU paged kernel (the KV caches
 in the model dtype, one KV cache group) and the C++ kernels are built. The driver
 (``csrc/layer_driver.cpp``, ``LlamaLayers``) calls the same kernels in the same order on
 the same tensors as the Python loop, so its outputs are the same numbers (tested bit for
@@ -55,17 +55,33 @@ def _layer_args(layer: Any) -> Optional[list]:
 
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
-            or attn.qk_norm or type(attn.attn) is not PagedAttention or not attn.attn.use_kernel
+            or type(attn.attn) is not PagedAttention or not attn.attn.use_kernel
             or attn.attn.kv_cache_group != 0 or type(layer.input_layernorm) is not RMSNorm
             or type(layer.post_attention_layernorm) is not RMSNorm):
         return None
     linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(a is None for a in linears):
         return None
+    qk = _qk_norm_args(attn)
+    if qk is None:
+        return None
     pa = attn.attn
     return [layer.input_layernorm.weight, layer.input_layernorm.eps,
             layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-            *[x for a in linears for x in a], pa.scale, pa.sliding_window or 0, pa.logits_soft_cap or 0.0]
+            *[x for a in linears for x in a], *qk, pa.scale, pa.sliding_window or 0, pa.logits_soft_cap or 0.0]
+
+
+def _qk_norm_args(attn: Any) -> Optional[list]:
+    """(q_norm weight, k_norm weight, eps) of a Qwen3-style attention, (None, None, 0.0)
+    without per-head norms, None for norms the driver cannot run (other eps per norm)."""
+    from llmserve.models.llama import RMSNorm
+
+    if not attn.qk_norm:
+        return [None, None, 0.0]
+    qn, kn = attn.q_norm, attn.k_norm
+    if type(qn) is not RMSNorm or type(kn) is not RMSNorm or qn.eps != kn.eps:
+        return None
+    return [qn.weight, kn.weight, qn.eps]
 
 
 def build_plan(model: Any) -> Optional[Any]:

@@ -92,12 +92,34 @@ def test_models_the_driver_cannot_run_take_the_loop(tiny_q4_k_m):
     assert layer_driver.build_plan(dense) is None
     packed = _load(cfg, path, "packed32")
     assert layer_driver.build_plan(packed) is not None
-    packed.model.layers[1].self_attn.qk_norm = True  # Qwen3's per-head norms: not in the driver
-    assert layer_driver.build_plan(packed) is None
-    packed.model.layers[1].self_attn.qk_norm = False
     attn = packed.model.layers[0].self_attn
     attn.o_proj = torch.nn.Identity()  # a wrapped linear (LoRA, tensor parallel) is not a packed Linear
     assert layer_driver.build_plan(packed) is None
+
+
+@needs_kernels
+@needs_ops
+def test_qwen3_qk_norms_equal_the_python_loop(tiny_q4_k_m, step_runner_cls):
+    """Qwen3's per-head RMSNorm on q and k (random weights here) before RoPE."""
+    from llmserve.models.llama import RMSNorm
+    cfg, path, _ = tiny_q4_k_m
+    model = _load(cfg, path, "packed32")
+    g = torch.Generator().manual_seed(3)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.qk_norm = True
+        attn.q_norm, attn.k_norm = RMSNorm(attn.head_dim, 1e-6, torch.float32), RMSNorm(attn.head_dim, 1e-6, torch.float32)
+        attn.q_norm.weight.copy_(1 + 0.3 * torch.randn(attn.head_dim, generator=g))
+        attn.k_norm.weight.copy_(1 + 0.3 * torch.randn(attn.head_dim, generator=g))
+    assert layer_driver.build_plan(model) is not None
+    ran, skipped = [], []
+    with_driver = _run_steps(model, step_runner_cls, True, ran)
+    loop = _run_steps(model, step_runner_cls, False, skipped)
+    assert ran and all(ran) and not any(skipped)
+    for a, b in zip(with_driver, loop):
+        assert torch.equal(a, b)
+    model.model.layers[1].self_attn.k_norm.eps = 1e-5  # norms of different eps: the loop runs it
+    assert layer_driver.build_plan(model) is None
 
 
 @needs_kernels

@@ -26,6 +26,8 @@ struct DriverLayer {
   at::Tensor in_norm, post_norm;  // RMSNorm weights [hidden]
   double in_eps, post_eps;
   DriverLinear qkv, o, gate_up, down;
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head RMSNorm weights [head_dim]
+  double qk_eps;
   double scale;      // softmax scale
   int64_t window;    // sliding window in tokens, 0: none
   double softcap;    // attention logit soft cap, 0: none
@@ -63,10 +65,13 @@ class LlamaLayers {
                  const std::vector<PartTuple>& qkv, std::optional<at::Tensor> qkv_bias,
                  const std::vector<PartTuple>& o, std::optional<at::Tensor> o_bias,
                  const std::vector<PartTuple>& gate_up, std::optional<at::Tensor> gate_up_bias,
-                 const std::vector<PartTuple>& down, std::optional<at::Tensor> down_bias, double scale,
+                 const std::vector<PartTuple>& down, std::optional<at::Tensor> down_bias,
+                 std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, double qk_eps, double scale,
                  int64_t window, double softcap) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "LlamaLayers: q_norm and k_norm come together");
     layers_.push_back({in_norm, post_norm, in_eps, post_eps, linear_of(qkv, qkv_bias), linear_of(o, o_bias),
-                       linear_of(gate_up, gate_up_bias), linear_of(down, down_bias), scale, window, softcap});
+                       linear_of(gate_up, gate_up_bias), linear_of(down, down_bias), q_norm, k_norm, qk_eps, scale,
+                       window, softcap});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -104,17 +109,27 @@ class LlamaLayers {
     return l.bias ? y.add_(*l.bias) : y;
   }
 
-  // LlamaAttention.forward without q/k norms: qkv, RoPE on q and k side by side, the
-  // cache write and paged attention of every token over its causal context, o_proj.
+  // LlamaAttention.forward: qkv; q and k normed per head (Qwen3) then rotated each, or
+  // rotated side by side; the cache write and paged attention of every token over its
+  // causal context; o_proj.
   at::Tensor attention(const DriverLayer& L, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slots,
                        const at::Tensor& tables, const at::Tensor& lens) const {
     const int64_t t = x.size(0), qs = nh_ * hd_, kvs = nkv_ * hd_;
     at::Tensor qkv = linear(L.qkv, x);
-    rotary_embedding(positions, qkv.narrow(1, 0, qs + kvs).view({t, nh_ + nkv_, hd_}), cos, sin);
-    at::Tensor q = qkv.narrow(1, 0, qs).view({t, nh_, hd_});
-    reshape_and_cache(qkv.narrow(1, qs, kvs).view({t, nkv_, hd_}), qkv.narrow(1, qs + kvs, kvs).view({t, nkv_, hd_}),
-                      kv_cache, slots);
+    at::Tensor q = qkv.narrow(1, 0, qs).view({t, nh_, hd_}), k = qkv.narrow(1, qs, kvs).view({t, nkv_, hd_});
+    if (L.q_norm) {
+      at::Tensor qn = at::empty({t, nh_, hd_}, x.options()), kn = at::empty({t, nkv_, hd_}, x.options());
+      rms_norm(qn, q, *L.q_norm, L.qk_eps);
+      rms_norm(kn, k, *L.k_norm, L.qk_eps);
+      rotary_embedding(positions, qn, cos, sin);
+      rotary_embedding(positions, kn, cos, sin);
+      q = qn;
+      k = kn;
+    } else {
+      rotary_embedding(positions, qkv.narrow(1, 0, qs + kvs).view({t, nh_ + nkv_, hd_}), cos, sin);
+    }
+    reshape_and_cache(k, qkv.narrow(1, qs + kvs, kvs).view({t, nkv_, hd_}), kv_cache, slots);
     at::Tensor out = at::empty({t, nh_, hd_}, x.options());
     paged_decode(out, q, kv_cache, tables, lens, t, L.scale, L.window, L.softcap);
     return linear(L.o, out.view({t, qs}));
