@@ -180,3 +180,15 @@ def test_auth_and_count_tokens_errors_take_anthropics_shape(server, client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [{"type": "document"}]}])
     assert e.value.body["type"] == "error" and "messages.0.content.0" in e.value.body["error"]["message"]
+
+
+def test_a_plain_text_document_counts_as_its_text(client):
+    """A plain-text ``document`` block (the SDK's DocumentBlockParam, source ``text``) is
+    read as its text: count_tokens equals the same words sent as text (it was a 400)."""
+    doc = {"type": "document", "title": "Facts", "source": {"type": "text", "media_type": "text/plain",
+                                                             "data": "The grass is green."}}
+    as_doc = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
+        doc, {"type": "text", "text": "What colour is the grass?"}]}])
+    as_text = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Facts\nThe grass is green.\nWhat colour is the grass?"}]}])
+    assert as_doc.input_tokens == as_text.input_tokens > 10

@@ -226,3 +226,33 @@ def test_a_system_message_stands_only_after_a_user_turn():
                 to_chat_request(request, auto_tools=False)
             assert e.value.param == f"messages.{i}.role" and where in str(e.value), str(e.value)
             assert 'Unexpected role "system"' in str(e.value) and "top-level `system`" in str(e.value)
+
+
+def test_plain_text_documents_and_search_results_are_read_as_text():
+    """Agent-door trial: a plain-text ``document`` (source ``text`` or ``content``) and a
+    ``search_result`` block, in a user message or a tool_result, were a 400 'not supported:
+    text-only model', though a text-only model can read them. They become text under their
+    title (and context / source); PDF, URL and file documents stay a 400 naming the block."""
+    doc = {"type": "document", "title": "Facts", "context": "from a book", "citations": {"enabled": True},
+           "source": {"type": "text", "media_type": "text/plain", "data": "The grass is green."}}
+    parts = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "A"},
+                                                                             {"type": "text", "text": "B"}]}}
+    found = {"type": "search_result", "source": "https://x.example", "title": "T",
+             "content": [{"type": "text", "text": "body"}]}
+    ask = {"type": "text", "text": "What colour?"}
+    chat = to_chat_request(_request([{"role": "user", "content": [doc, parts, found, ask]}]), auto_tools=True)
+    assert chat.messages[-1].content == "Facts\nfrom a book\nThe grass is green.\nA\nB\nT\nhttps://x.example\nbody\n" \
+                                        "What colour?"
+    tool_turn = [ASK, use("t1"), {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "a"}, found, doc]}]}]
+    chat = to_chat_request(_request(tool_turn), auto_tools=True)
+    assert chat.messages[-1].role == "tool" and chat.messages[-1].content == \
+        "a\nT\nhttps://x.example\nbody\nFacts\nfrom a book\nThe grass is green."
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    for content, param in (([pdf, ask], "messages.0.content.0"),
+                           ([{**doc, "title": 5}], "messages.0.content.0.title"),
+                           ([{**found, "content": "body"}], "messages.0.content.0.content"),
+                           ([{"type": "document", "source": {"type": "content", "content": [
+                               {"type": "image", "source": {}}]}}], "messages.0.content.0.source.content.0")):
+        assert _param(lambda r: to_chat_request(r, auto_tools=True), _request([{"role": "user", "content": content}])
+                      )[0] == param

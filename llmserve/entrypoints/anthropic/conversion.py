@@ -11,8 +11,12 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
   become ``tool`` messages (``tool_call_id``) before that message's remaining text.
 - ``thinking`` / ``redacted_thinking`` blocks sent back in assistant turns are dropped
   (templates leave earlier turns' reasoning out of the prompt too).
-- ``image`` and ``document`` blocks are a 400 naming the block (no vision model runs);
-  so is any block type this server does not know.
+- Plain-text ``document`` blocks (source ``text``, or ``content``: a string or text
+  blocks) and ``search_result`` blocks, in a user message or a ``tool_result``, become
+  text: their title (and a document's ``context``, a search result's ``source``) on lines
+  before the text. ``image`` blocks and documents of other sources (PDF as ``base64``,
+  ``url``, ``file``) are a 400 naming the block (no vision model runs); so is any block
+  type this server does not know.
 - ``tools``: client tools (``input_schema``) become function tools; server tools
   (``web_search_*``, ``bash_*``, ...) are a 400 naming them, as is a name outside
   ``^[a-zA-Z0-9_-]{1,64}$`` or an invalid schema (``tools.<i>.name`` / ``.input_schema``).
@@ -50,7 +54,7 @@ from llmserve.sampling_params import SamplingParamsError
 from llmserve.structured_output.grammar import json_schema_error
 
 _DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
-_MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+_MEDIA_BLOCKS = frozenset({"image", "document", "container_upload"})
 _THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
 
 
@@ -84,7 +88,62 @@ def _refuse_block(kind: str, where: str) -> SamplingParamsError:
         return SamplingParamsError(f"{where}: {kind} blocks are not supported: this server runs a text-only model "
                                    "(send the content as text).", where)
     return SamplingParamsError(f"{where}: content blocks of type {kind!r} are not supported here (supported: "
-                               "text, tool_use, tool_result, thinking).", where)
+                               "text, plain-text document, search_result, tool_use, tool_result, thinking).", where)
+
+
+def _optional_text(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if value is not None and not isinstance(value, str):
+        raise SamplingParamsError(f"{where}.{key} must be a string.", f"{where}.{key}")
+    return value or ""
+
+
+def _titled(block: dict[str, Any], keys: tuple[str, ...], body: str, where: str) -> str:
+    """``body`` under the block's ``keys`` (``title``...) that are set, one line each."""
+    return "\n".join(t for t in [*(_optional_text(block, k, where) for k in keys), body] if t)
+
+
+def _document_text(block: dict[str, Any], where: str) -> str:
+    """The text of a plain-text ``document`` block (source ``text``: ``data``; source
+    ``content``: a string or text blocks) under its title and context. Raises
+    SamplingParamsError naming the block for another source (a PDF, a URL, a file id):
+    their content needs a model that reads them."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    elif kind == "content" and isinstance(source.get("content"), (str, list)):
+        content = source["content"]
+        body = content if isinstance(content, str) else system_text(content, f"{where}.source.content")
+    else:
+        got = json.dumps(kind)[:40] if kind is not None else "no"
+        raise SamplingParamsError(f"{where}: document blocks with {got} source are not supported: this server runs "
+                                  'a text-only model (send plain text as source {"type": "text", "media_type": '
+                                  '"text/plain", "data": ...}).', where)
+    return _titled(block, ("title", "context"), body, where)
+
+
+def _search_result_text(block: dict[str, Any], where: str) -> str:
+    """The text of a ``search_result`` block: its title and source, then its text blocks."""
+    content = block.get("content")
+    if not isinstance(content, list):
+        raise SamplingParamsError(f"{where}.content: a search_result block needs a list of text blocks.",
+                                  f"{where}.content")
+    return _titled(block, ("title", "source"), system_text(content, f"{where}.content"), where)
+
+
+# Blocks a text-only model reads as text (user messages and tool results), besides ``text``.
+_TEXT_LIKE = {"document": _document_text, "search_result": _search_result_text}
+
+
+def _read_block(kind: str, block: dict[str, Any], where: str) -> str:
+    """The text of a ``text``, plain-text ``document`` or ``search_result`` block;
+    SamplingParamsError naming the block for any other kind."""
+    if kind == "text":
+        return _block_text(block, where)
+    if kind in _TEXT_LIKE:
+        return _TEXT_LIKE[kind](block, where)
+    raise _refuse_block(kind, where)
 
 
 def system_text(system: Any, where: str = "system") -> str:
@@ -105,7 +164,8 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
     if isinstance(content, str):
         text = content
     elif isinstance(content, list):
-        text = system_text(content, f"{where}.content")
+        at = f"{where}.content"
+        text = "\n".join(_read_block(_block_type(b, f"{at}.{k}"), b, f"{at}.{k}") for k, b in enumerate(content))
     else:
         raise SamplingParamsError(f"{where}.content must be a string or a list of text blocks.", where)
     return f"Error: {text}" if block.get("is_error") is True else text
@@ -132,8 +192,8 @@ def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
     for j, block in enumerate(content):
         at = f"{where}.{j}"
         kind = _block_type(block, at)
-        if kind == "text":
-            texts.append(_block_text(block, at))
+        if kind == "text" or (kind in _TEXT_LIKE and role == "user"):
+            texts.append(_read_block(kind, block, at))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use_call(block, at))
         elif kind == "tool_result" and role == "user":
