@@ -256,3 +256,23 @@ def test_plain_text_documents_and_search_results_are_read_as_text():
                                {"type": "image", "source": {}}]}}], "messages.0.content.0.source.content.0")):
         assert _param(lambda r: to_chat_request(r, auto_tools=True), _request([{"role": "user", "content": content}])
                       )[0] == param
+
+
+def test_thinking_with_a_forced_tool_choice_is_anthropics_400():
+    """Agent-door trial: thinking with tool_choice any/tool answered 200 (a forced call, the
+    thinking switched on in the template) where Anthropic refuses it ("Thinking may not be
+    enabled when tool_choice forces tool use"), on /v1/messages and count_tokens alike;
+    auto, none and thinking disabled pass."""
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    on = {"type": "enabled", "budget_tokens": 1024}
+    for thinking, choice, refused in ((on, {"type": "any"}, True), ({"type": "adaptive"}, {"type": "tool",
+                                      "name": "get_weather"}, True), (on, {"type": "auto"}, False),
+                                      (on, {"type": "none"}, False), ({"type": "disabled"}, {"type": "any"}, False)):
+        for request in (_request([ASK], tools=tools, tool_choice=choice, thinking=thinking),
+                        AnthropicCountTokensRequest(model="m", messages=[ASK], tools=tools, tool_choice=choice,
+                                                    thinking=thinking)):
+            if refused:
+                param, words = _param(lambda r: to_chat_request(r, auto_tools=True), request)
+                assert param == "tool_choice" and words.startswith("Thinking may not be enabled"), words
+            else:
+                to_chat_request(request, auto_tools=True)

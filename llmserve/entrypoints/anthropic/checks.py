@@ -11,7 +11,10 @@ the same answer here, naming the field):
   with the beta ``thinking-display-updates-2026-08-18``, and refused, it retried twice and
   dropped the field), and it only says how the client shows the thinking, which this server
   returns as the reasoning parser finds it whatever the value: a value not in
-  :data:`THINKING_DISPLAYS` is accepted and logged once, not refused.
+  :data:`THINKING_DISPLAYS` is accepted and logged once, not refused. Thinking on (any
+  type but ``disabled``) with a ``tool_choice`` that forces a call (``any``, ``tool``) is
+  Anthropic's "Thinking may not be enabled when tool_choice forces tool use." (here the
+  enforced call's grammar would also leave no room for the reasoning before it).
 - Tool turns: a ``tool_use`` block's ``id`` matches ``^[a-zA-Z0-9_-]+$`` and is unique in
   the request; a ``tool_result`` block answers a ``tool_use`` of the previous turn (an
   assistant turn), at most once; the turn after an assistant turn with ``tool_use``
@@ -92,6 +95,20 @@ def check_thinking(thinking: Optional[dict[str, Any]], max_tokens: Optional[int]
         raise SamplingParamsError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                   f"({max_tokens}): thinking tokens count toward max_tokens.",
                                   "thinking.budget_tokens")
+
+
+FORCING_TOOL_CHOICES = ("any", "tool")
+
+
+def check_forced_tools(thinking: Optional[dict[str, Any]], tool_choice: Optional[dict[str, Any]]) -> None:
+    """No thinking with a tool choice that forces a call (module docstring); raises
+    SamplingParamsError naming ``tool_choice``. Runs after check_thinking."""
+    if thinking is None or thinking.get("type") == "disabled" or tool_choice is None:
+        return
+    if tool_choice.get("type") in FORCING_TOOL_CHOICES:
+        raise SamplingParamsError("Thinking may not be enabled when tool_choice forces tool use (tool_choice type "
+                                  f"{json.dumps(tool_choice.get('type'))}; use \"auto\" or \"none\", or disable "
+                                  "thinking).", "tool_choice")
 
 
 def _check_display(display: Any, kind: str) -> None:

@@ -44,8 +44,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from llmserve.entrypoints.anthropic.checks import (check_contents, check_stop_sequences, check_system_messages,
-                                                   check_texts, check_thinking, check_tool_turns)
+from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_tools, check_stop_sequences,
+                                                   check_system_messages, check_texts, check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
@@ -313,6 +313,7 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     check_contents(request.messages)
     check_tool_turns(request.messages)
     check_thinking(request.thinking, request.max_tokens if isinstance(request, AnthropicMessagesRequest) else None)
+    check_forced_tools(request.thinking, request.tool_choice)
     check_stop_sequences(getattr(request, "stop_sequences", None))
     tools = chat_tools(request)
     choice, parallel = chat_tool_choice(request.tool_choice, bool(tools), auto_tools)
