@@ -237,8 +237,8 @@ def quant_weight_from_gguf(blocks: torch.Tensor, qtype: int):
 class ConcatQuantWeight:
     """Packed weights of different GGUF types stacked by rows (a fused ``qkv_proj`` whose
     ``attn_v`` is Q6_K beside Q4_K ``attn_q`` / ``attn_k``, as in Q4_K_M files): each part
-    runs its own kernel and the outputs are concatenated. Same interface as
-    ``QuantWeight``."""
+    runs its own kernel, all of them in one parallel region writing their own columns of
+    one output (``quant_linear_parts``). Same interface as ``QuantWeight``."""
 
     parts: tuple
 
