@@ -13,56 +13,51 @@ and releases the GIL for the step. Other models and steps take the Python loop.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
+
+from llmserve.ops.kquant import packed_parts
 
 # The Python loop stays available for comparison (tests, benchmarks): set False.
 ENABLED = True
 
 
-def _parts(qweight: Any) -> Optional[list[tuple]]:
-    """A packed weight as ``quant_linear_parts`` tuples ``(kquant, codes, scales, dd, bits, z,
-    n)``, one per GGUF type run of its rows, or None for a weight kind the driver lacks."""
-    from llmserve.ops.kquant import ConcatQuantWeight, KQuantWeight
-    from llmserve.ops.quant_ops import QuantWeight
+class DriverTypes(NamedTuple):
+    """The exact module classes the driver runs as their ``forward`` would (a subclass may
+    change the math, so each layer's parts must be these types): set by ``llama.py`` on
+    ``LlamaForCausalLM.driver_types`` (this module imports no model code)."""
 
-    if isinstance(qweight, ConcatQuantWeight):
-        parts = [_parts(p) for p in qweight.parts]
-        return None if any(p is None for p in parts) else [t for p in parts for t in p]
-    if type(qweight) is QuantWeight:
-        return [(0, qweight.codes, qweight.dm, torch.empty(0, dtype=torch.int16), qweight.bits, 0, qweight.n)]
-    if type(qweight) is KQuantWeight:
-        return [(1, qweight.codes, qweight.sc, qweight.dd, qweight.bits, qweight.z, qweight.n)]
-    return None
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+    linear: type
 
 
-def _linear_args(lin: Any) -> Optional[tuple]:
+def _linear_args(lin: Any, types: DriverTypes) -> Optional[tuple]:
     """(parts, bias) of a ``Linear`` that runs on its blocks at every step, else None."""
-    from llmserve.models.llama import Linear
-
-    if type(lin) is not Linear or not lin.packed_only:
+    if type(lin) is not types.linear or not lin.packed_only:
         return None
-    parts = _parts(lin.qweight)
+    parts = packed_parts(lin.qweight)
     return None if parts is None else (parts, lin.bias)
 
 
-def _layer_args(layer: Any) -> Optional[list]:
+def _layer_args(layer: Any, types: DriverTypes) -> Optional[list]:
     """``LlamaLayers.add_layer``'s arguments for one decoder layer, or None when the
     driver cannot run it as the Python loop would."""
     from llmserve.attention.backend import PagedAttention
-    from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, RMSNorm
 
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP
+    if (type(layer) is not types.layer or type(attn) is not types.attention or type(mlp) is not types.mlp
             or type(attn.attn) is not PagedAttention or not attn.attn.use_kernel
-            or attn.attn.kv_cache_group != 0 or type(layer.input_layernorm) is not RMSNorm
-            or type(layer.post_attention_layernorm) is not RMSNorm):
+            or attn.attn.kv_cache_group != 0 or type(layer.input_layernorm) is not types.norm
+            or type(layer.post_attention_layernorm) is not types.norm):
         return None
-    linears = [_linear_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = [_linear_args(m, types) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(a is None for a in linears):
         return None
-    qk = _qk_norm_args(attn)
+    qk = _qk_norm_args(attn, types)
     if qk is None:
         return None
     pa = attn.attn
@@ -71,15 +66,13 @@ def _layer_args(layer: Any) -> Optional[list]:
             *[x for a in linears for x in a], *qk, pa.scale, pa.sliding_window or 0, pa.logits_soft_cap or 0.0]
 
 
-def _qk_norm_args(attn: Any) -> Optional[list]:
+def _qk_norm_args(attn: Any, types: DriverTypes) -> Optional[list]:
     """(q_norm weight, k_norm weight, eps) of a Qwen3-style attention, (None, None, 0.0)
     without per-head norms, None for norms the driver cannot run (other eps per norm)."""
-    from llmserve.models.llama import RMSNorm
-
     if not attn.qk_norm:
         return [None, None, 0.0]
     qn, kn = attn.q_norm, attn.k_norm
-    if type(qn) is not RMSNorm or type(kn) is not RMSNorm or qn.eps != kn.eps:
+    if type(qn) is not types.norm or type(kn) is not types.norm or qn.eps != kn.eps:
         return None
     return [qn.weight, kn.weight, qn.eps]
 
@@ -91,10 +84,10 @@ def build_plan(model: Any) -> Optional[Any]:
     from llmserve.ops.quant_ops import get_quant_ops
 
     ops, qops = get_cpu_ops(), get_quant_ops()
-    layers = list(model.model.layers)
-    if ops is None or qops is None or not hasattr(ops, "LlamaLayers") or not layers:
+    layers, types = list(model.model.layers), getattr(model, "driver_types", None)
+    if ops is None or qops is None or not hasattr(ops, "LlamaLayers") or not layers or types is None:
         return None
-    args = [_layer_args(layer) for layer in layers]
+    args = [_layer_args(layer, types) for layer in layers]
     if any(a is None for a in args):
         return None
     a0 = layers[0].self_attn

@@ -523,3 +523,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head q/k RMSNorm and an explicit head_dim."""
+
+
+# The classes the C++ layer driver may run in place of their forward (exact types only:
+# subclasses such as Gemma's layers take the Python loop).
+LlamaForCausalLM.driver_types = layer_driver.DriverTypes(
+    layer=LlamaDecoderLayer, attention=LlamaAttention, mlp=LlamaMLP, norm=RMSNorm, linear=Linear)

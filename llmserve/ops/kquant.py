@@ -25,7 +25,7 @@ the tests compare the kernels with; ``gguf.quants.dequantize`` is the ground tru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -249,10 +249,9 @@ class ConcatQuantWeight:
     def linear(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
         """``x [M, K] @ W.T`` -> ``[M, sum of rows]``: the parts in one parallel region
         (``quant_linear_parts``; each part's columns the same numbers as its own call)."""
-        from llmserve.models.layer_driver import _parts
         from llmserve.ops.quant_ops import get_quant_ops
 
-        parts = _parts(self) if x.dim() == 2 else None
+        parts = packed_parts(self) if x.dim() == 2 else None
         if parts is None:
             return torch.cat([p.linear(x, out_float) for p in self.parts], dim=-1)
         return get_quant_ops().quant_linear_parts(x, parts, out_float)
@@ -269,3 +268,19 @@ class ConcatQuantWeight:
                 out[mask] = p.rows(ids[mask] - start)
             start += p.shape[0]
         return out
+
+
+def packed_parts(qweight: Any) -> Optional[list[tuple]]:
+    """A packed weight as ``quant_linear_parts`` tuples ``(kquant, codes, scales, dd, bits, z,
+    n)`` (``csrc/packed_linear.h``), one per GGUF type run of its rows, or None for a weight
+    kind the multi-part kernel lacks."""
+    from llmserve.ops.quant_ops import QuantWeight
+
+    if isinstance(qweight, ConcatQuantWeight):
+        parts = [packed_parts(p) for p in qweight.parts]
+        return None if any(p is None for p in parts) else [t for p in parts for t in p]
+    if type(qweight) is QuantWeight:
+        return [(0, qweight.codes, qweight.dm, torch.empty(0, dtype=torch.int16), qweight.bits, 0, qweight.n)]
+    if type(qweight) is KQuantWeight:
+        return [(1, qweight.codes, qweight.sc, qweight.dd, qweight.bits, qweight.z, qweight.n)]
+    return None
