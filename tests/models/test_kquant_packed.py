@@ -206,12 +206,13 @@ def tiny_q4_k_m(tmp_path_factory):
     return cfg, path, kinds
 
 
-def _load(cfg, path, dtype: str):
+def _load(cfg, path, dtype: str, packed_float32: bool = False):
     from llmserve.config import ModelConfig
     from llmserve.model_loader import get_model, startup_cache
     from llmserve.ops import quant_ops
     mc = ModelConfig(model=str(path), tokenizer=str(path), served_model_name=("tiny",), dtype=dtype,
-                     max_model_len=256, seed=0, hf_config=cfg, model_path=str(path.parent), gguf_file=path.name)
+                     packed_float32=packed_float32, max_model_len=256, seed=0, hf_config=cfg,
+                     model_path=str(path.parent), gguf_file=path.name)
     mp = pytest.MonkeyPatch()  # every step on the blocks, whatever a busy machine's probe says
     mp.setattr(quant_ops, "packed_switch_point", lambda *a, **k: quant_ops.ALL_STEPS)
     mp.setattr(startup_cache, "cache_root", lambda: str(path.parent / "cache"))  # read the file itself

@@ -11,29 +11,18 @@ import torch
 
 from llmserve.models import layer_driver
 from llmserve.ops.cpu_ops import get_cpu_ops
+from tests.models.test_kquant_packed import _load as load_tiny
 from tests.models.test_kquant_packed import needs_kernels, tiny_q4_k_m  # noqa: F401 (fixture)
 
 needs_ops = pytest.mark.skipif(get_cpu_ops() is None, reason="needs the C++ CPU kernels")
 
 
 
+
 def _load(cfg, path, dtype: str):
     """The tiny file's model: "packed32" is dtype auto on a CPU without bfloat16 (float32
     activations on the blocks), "float32" the exact dense path, "bfloat16" packed."""
-    from llmserve.config import ModelConfig
-    from llmserve.model_loader import get_model, startup_cache
-    from llmserve.ops import quant_ops
-    mc = ModelConfig(model=str(path), tokenizer=str(path), served_model_name=("tiny",),
-                     dtype="float32" if dtype == "packed32" else dtype, packed_float32=dtype == "packed32",
-                     max_model_len=256, seed=0, hf_config=cfg, model_path=str(path.parent), gguf_file=path.name)
-    mp = pytest.MonkeyPatch()  # every step on the blocks, whatever a busy machine's probe says
-    mp.setattr(quant_ops, "packed_switch_point", lambda *a, **k: quant_ops.ALL_STEPS)
-    mp.setattr(startup_cache, "cache_root", lambda: str(path.parent / "cache"))  # read the file itself
-    try:
-        return get_model(mc)
-    finally:
-        mp.undo()
-
+    return load_tiny(cfg, path, "float32" if dtype == "packed32" else dtype, packed_float32=dtype == "packed32")
 
 # Steps of a mixed batch: a prompt whole, another in two chunks beside the first's decodes.
 PROMPT_A = [57, 93, 86, 369, 173, 315, 257, 217, 36, 162, 441, 402]
@@ -66,6 +55,17 @@ def _run_steps(model, runner_cls, driver: bool, calls: list) -> list[torch.Tenso
         mp.undo()
 
 
+def _assert_driver_equals_loop(model, runner_cls) -> None:
+    """Every step ran by the driver, its logits bit for bit the Python loop's."""
+    assert layer_driver.build_plan(model) is not None
+    ran, skipped = [], []
+    with_driver = _run_steps(model, runner_cls, True, ran)
+    loop = _run_steps(model, runner_cls, False, skipped)
+    assert ran and all(ran) and not any(skipped)
+    for a, b in zip(with_driver, loop):
+        assert torch.equal(a, b)
+
+
 @needs_kernels
 @needs_ops
 @pytest.mark.parametrize("dtype,window", [("packed32", None), ("bfloat16", None), ("packed32", 6)])
@@ -74,14 +74,7 @@ def test_driver_equals_the_python_loop(tiny_q4_k_m, step_runner_cls, dtype, wind
     if window:  # Mistral-style: every layer attends to the last `window` positions
         cfg = copy.deepcopy(cfg)
         cfg.sliding_window = window
-    model = _load(cfg, path, dtype)
-    assert layer_driver.build_plan(model) is not None
-    ran, skipped = [], []
-    with_driver = _run_steps(model, step_runner_cls, True, ran)
-    loop = _run_steps(model, step_runner_cls, False, skipped)
-    assert ran and all(ran) and not any(skipped)
-    for a, b in zip(with_driver, loop):
-        assert torch.equal(a, b)
+    _assert_driver_equals_loop(_load(cfg, path, dtype), step_runner_cls)
 
 
 @needs_kernels
@@ -111,13 +104,7 @@ def test_qwen3_qk_norms_equal_the_python_loop(tiny_q4_k_m, step_runner_cls):
         attn.q_norm, attn.k_norm = RMSNorm(attn.head_dim, 1e-6, torch.float32), RMSNorm(attn.head_dim, 1e-6, torch.float32)
         attn.q_norm.weight.copy_(1 + 0.3 * torch.randn(attn.head_dim, generator=g))
         attn.k_norm.weight.copy_(1 + 0.3 * torch.randn(attn.head_dim, generator=g))
-    assert layer_driver.build_plan(model) is not None
-    ran, skipped = [], []
-    with_driver = _run_steps(model, step_runner_cls, True, ran)
-    loop = _run_steps(model, step_runner_cls, False, skipped)
-    assert ran and all(ran) and not any(skipped)
-    for a, b in zip(with_driver, loop):
-        assert torch.equal(a, b)
+    _assert_driver_equals_loop(model, step_runner_cls)
     model.model.layers[1].self_attn.k_norm.eps = 1e-5  # norms of different eps: the loop runs it
     assert layer_driver.build_plan(model) is None
 
