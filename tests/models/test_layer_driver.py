@@ -17,12 +17,11 @@ from tests.models.test_kquant_packed import needs_kernels, tiny_q4_k_m  # noqa: 
 needs_ops = pytest.mark.skipif(get_cpu_ops() is None, reason="needs the C++ CPU kernels")
 
 
-
-
 def _load(cfg, path, dtype: str):
     """The tiny file's model: "packed32" is dtype auto on a CPU without bfloat16 (float32
     activations on the blocks), "float32" the exact dense path, "bfloat16" packed."""
     return load_tiny(cfg, path, "float32" if dtype == "packed32" else dtype, packed_float32=dtype == "packed32")
+
 
 # Steps of a mixed batch: a prompt whole, another in two chunks beside the first's decodes.
 PROMPT_A = [57, 93, 86, 369, 173, 315, 257, 217, 36, 162, 441, 402]
