@@ -39,6 +39,14 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+class ContextLengthExceededError(SamplingParamsError):
+    """A prompt (with its output budget) that does not fit the model's context: a 400
+    whose ``code`` is OpenAI's ``"context_length_exceeded"`` (common/errors.py), the one
+    value the official clients test to tell it from other refusals (Codex CLI: only in a
+    ``response.failed`` event, then "ran out of room" and compaction; openai-python:
+    ``BadRequestError.code``). ``param``: the field to shorten."""
+
+
 def _err(param: str, message: str) -> SamplingParamsError:
     return SamplingParamsError(message, param)
 

@@ -12,7 +12,7 @@ from llmserve.engine.messages import EncoderInputs, EngineCoreRequest
 from llmserve.engine.pooling_inputs import (classified_prefix, compress_token_type_ids, task_hint, truncate_start,
                                            truncate_text_ids)
 from llmserve.pooling_params import PoolingParams
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.sampling_params import ContextLengthExceededError, SamplingParams, SamplingParamsError
 from llmserve.structured_output.grammar import validate_structured_outputs
 from llmserve.tokenizer import check_encodable
 
@@ -292,12 +292,12 @@ class InputProcessor:
                 raise SamplingParamsError(
                     f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).", "prompt")
         if pooling and len(ids) > max_len:
-            raise SamplingParamsError(
+            raise ContextLengthExceededError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of the "
                 f"input (or set truncate_prompt_tokens).", "input")
         if not pooling and len(ids) >= max_len:
-            raise SamplingParamsError(
+            raise ContextLengthExceededError(
                 f"This model's maximum context length is {max_len} tokens. However, your request has "
                 f"{len(ids)} input tokens, which leaves no room for output. Please reduce the length of "
                 f"the input.", "prompt")
@@ -311,7 +311,7 @@ class InputProcessor:
         if requested is None:
             return min(room, self.default_max_tokens) if self.default_max_tokens is not None else room
         if requested > room and self.strict_max_tokens:
-            raise SamplingParamsError(
+            raise ContextLengthExceededError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{n + requested} tokens ({n} in the prompt, {requested} in the completion). "
                 f"Please reduce the length of the prompt or of max_tokens.", "max_tokens")

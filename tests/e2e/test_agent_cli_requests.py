@@ -165,6 +165,24 @@ def test_codex_tool_output_turn_streams_events_the_sdk_parses(server):
     assert final.model == MODEL and final.usage.output_tokens >= 1 and final.output_text.strip()
 
 
+def test_codex_prompt_over_the_context_fails_with_context_length_exceeded(server):
+    # The recorded turn, instructions whole (~2500 tokens), does not fit 2048 tokens. Codex
+    # 0.171.0 knows an overflow only by a response.failed whose error.code is
+    # "context_length_exceeded" (then "ran out of room in the model's context window" and
+    # compaction); a 400 before the stream it printed raw. Not streamed: the 400 with that code.
+    path, headers, body = codex()
+    body = {**body, "tool_choice": "none"}
+    with server.http.stream("POST", path, json=body, headers=headers) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r)
+    assert [k for k, _ in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    error = events[-1][1]["response"]["error"]
+    assert error["code"] == "context_length_exceeded" and "maximum context length is 2048" in error["message"]
+    r = server.http.post(path, json={**body, "stream": False}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "input"
+
+
 def test_codex_oss_ollama_handshake(server):
     # `codex exec --oss --local-provider ollama` (CODEX_OSS_BASE_URL=<server>/v1) asks
     # GET /v1/models, GET /api/version (refused below 0.13.4: "Ollama 0.12.6 is too old"),

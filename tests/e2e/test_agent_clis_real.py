@@ -131,6 +131,20 @@ def test_codex_exec_on_a_responses_provider(cli_server, tmp_path):
     assert text.strip() and usage["input_tokens"] > 0 and usage["output_tokens"] >= 1
 
 
+def test_codex_says_it_ran_out_of_room(cli_server, tmp_path):
+    # A ~3000-token prompt: past the 2048-token context. The streamed overflow is a
+    # response.failed with code "context_length_exceeded", which Codex turns into its own
+    # message (it printed the raw 400 body before). ~3 s.
+    (tmp_path / "codex").mkdir()
+    provider = (f'model_providers.llmserve={{name="llmserve",base_url="{cli_server.url_root}/v1",'
+                'wire_api="responses",env_key="LLMSERVE_KEY"}')
+    out = codex(cli_server, tmp_path, "-c", "model_provider=llmserve", "-c", provider,
+                "Say hello. " + "note " * 3000, env={"LLMSERVE_KEY": "dummy"})
+    failed = [e for e in json_lines(out.stdout) if e["type"] == "turn.failed"]
+    assert out.returncode == 1 and failed, out.stdout[-2000:] + out.stderr[-2000:]
+    assert failed[-1]["error"]["message"].startswith("Codex ran out of room in the model's context window"), failed
+
+
 @pytest.mark.slow  # its handshake is replayed in make test (test_agent_cli_requests.py)
 def test_codex_exec_oss_ollama(cli_server, tmp_path):
     # --oss asks /v1/models, /api/version (refused below 0.13.4) and /api/tags (the model

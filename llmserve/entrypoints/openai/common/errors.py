@@ -14,7 +14,7 @@ from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
 from llmserve.entrypoints.openai.deadline import REQUEST_TIMEOUT_HEADER, RequestDeadlineExceeded, current_deadline
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.lora.errors import LoRANotFoundError
-from llmserve.sampling_params import SamplingParamsError
+from llmserve.sampling_params import ContextLengthExceededError, SamplingParamsError
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
 
@@ -81,18 +81,29 @@ def error_type_for(status_code: int) -> str:
     return _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
 
 
+# OpenAI's ``code`` for a prompt that does not fit the context (``error.code`` of its 400
+# body and of a Responses stream's ``response.failed``). Codex CLI 0.171.0 tests exactly
+# this value (codex-api sse/responses.rs ``is_context_window_error``) to say "ran out of
+# room in the model's context window" and compact; with vLLM's ``code: 400`` it printed
+# the raw body.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def make_error(message: str, status_code: int = 400, param: Optional[str] = None,
-               err_type: Optional[str] = None) -> ErrorResponse:
-    """Build the OpenAI error body ``{"error": {message, type, param, code}}``."""
+               err_type: Optional[str] = None, code: Optional[str] = None) -> ErrorResponse:
+    """Build the OpenAI error body ``{"error": {message, type, param, code}}``; ``code``:
+    OpenAI's string code, else the HTTP status (vLLM's)."""
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type or error_type_for(status_code),
-                                         param=param, code=status_code))
+                                         param=param, code=code or status_code))
 
 
 def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map an exception to (HTTP status, error body).
 
-    ModelNotFoundError, NotFoundError, LoRANotFoundError -> 404; RequestDeadlineExceeded -> 408; SamplingParamsError / ValueError -> 400 (``param`` from
-    the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
+    ModelNotFoundError, NotFoundError, LoRANotFoundError -> 404; RequestDeadlineExceeded -> 408;
+    ContextLengthExceededError -> 400 with OpenAI's ``code: "context_length_exceeded"``
+    (type stays vLLM's "BadRequestError", as every other 400 here); SamplingParamsError /
+    ValueError -> 400 (``param`` from the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
     never a 5xx, which the official clients retry twice); EngineDeadError -> 503 (EngineStartError: type "EngineStartError", its
     ``Retry-After`` added by server_utils.error_json);
     RequestAbortedError (a generation cut off) -> 500 with its own message; other
@@ -109,6 +120,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineStartError")
     if isinstance(exc, EngineDeadError):
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineDeadError")
+    if isinstance(exc, ContextLengthExceededError):
+        return 400, make_error(str(exc), 400, exc.param, code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):
         return 400, make_error(str(exc) or exc.__class__.__name__, 400, getattr(exc, "param", None))
     if isinstance(exc, NotImplementedError):

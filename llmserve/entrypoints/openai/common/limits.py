@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from llmserve.sampling_params import SamplingParamsError
+from llmserve.sampling_params import ContextLengthExceededError
 from llmserve.json_limits import MAX_JSON_DEPTH, check_json_depth, json_too_deep  # noqa: F401  (re-exports)
 
 # The request body, in bytes (``--max-request-body-bytes``; 0 turns the limit off).
@@ -157,7 +157,7 @@ class PromptCharLimit:
         return max(self.max_model_len * self.max_token_chars, MIN_PROMPT_CHARS_CHECKED)
 
     def check(self, texts: Iterable[Optional[str]], param: str) -> None:
-        """Raise SamplingParamsError (400 naming ``param``) when the texts together have
+        """Raise ContextLengthExceededError (400 naming ``param``) when the texts together have
         more characters than :attr:`limit`. O(1) per text (``len``), O(length) only for a
         tokenizer that collapses whitespace."""
         texts = [t for t in texts if t]
@@ -168,7 +168,7 @@ class PromptCharLimit:
         if not self.count_whitespace:
             chars, kind = sum(map(non_whitespace_chars, texts)), "non-whitespace characters"
         if chars > self.limit:
-            raise SamplingParamsError(
+            raise ContextLengthExceededError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, `{param}` "
                 f"holds {chars} {kind}, and no token of this model stands for more than "
                 f"{self.max_token_chars} characters, so that is more than {chars // self.max_token_chars} "

@@ -223,12 +223,13 @@ class OpenAIRequestModel(OpenAIBaseModel):
 
 # ----------------------------------------------------------------------------- errors
 class ErrorInfo(OpenAIBaseModel):
-    """The inner object of an OpenAI error body. ``code`` is the HTTP status code."""
+    """The inner object of an OpenAI error body. ``code`` is the HTTP status code (vLLM's),
+    or OpenAI's string code where a client tests it (``"context_length_exceeded"``)."""
 
     message: str
     type: str
     param: Optional[str] = None
-    code: int
+    code: Union[int, str]
 
 
 class ErrorResponse(OpenAIBaseModel):

@@ -29,7 +29,7 @@ from llmserve.entrypoints.openai.logprobs import TokenFormatter, TokenIdFormatte
 from llmserve.entrypoints.openai.models.lora import lora_call, select_lora
 from llmserve.entrypoints.openai.models.serving import OpenAIServingModels
 from llmserve.entrypoints.renderer import AsyncRenderer, RenderedPrompt
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.sampling_params import ContextLengthExceededError, SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
 
@@ -235,7 +235,9 @@ def renamed_param(e: SamplingParamsError, names: Mapping[str, str]) -> SamplingP
     if "_" in e.param:
         message = re.sub(rf"(?<![\w.`]){re.escape(e.param)}(?![\w`]|\.\w)", name, message)
         message = message.replace(f"`{e.param}`", f"`{name}`")
-    return SamplingParamsError(message, name)
+    # A context overflow stays one: its code ("context_length_exceeded") is what clients test.
+    kind = ContextLengthExceededError if isinstance(e, ContextLengthExceededError) else SamplingParamsError
+    return kind(message, name)
 
 
 async def _anext_or_none(it: AsyncIterator[T]) -> Optional[T]:

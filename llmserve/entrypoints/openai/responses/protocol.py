@@ -264,14 +264,18 @@ class ResponseError(OpenAIBaseModel):
     message: str
 
     @classmethod
-    def of(cls, status: int, message: str) -> "ResponseError":
+    def of(cls, status: int, message: str, code: Union[int, str, None] = None) -> "ResponseError":
         """The ``error`` of a failed response from the HTTP status its failure maps to
         (common/errors.py), in OpenAI's codes (``openai.types.responses.ResponseError``:
         its own types refuse any other): ``rate_limit_exceeded`` (429); ``server_error``
         for 5xx and for the request's own ``X-Request-Timeout`` running out (408: OpenAI's
         codes have no generic timeout, and a timeout is no refused request; the message and
         the stream's ``error`` event, code "408" as the non-streamed 408, say which);
-        ``invalid_prompt`` for any other refusal of the request (4xx)."""
+        ``invalid_prompt`` for any other refusal of the request (4xx). ``code``: the error
+        body's own code; a string one (``context_length_exceeded``, which OpenAI's failed
+        responses carry and Codex CLI tests) is kept as it is."""
+        if isinstance(code, str):
+            return cls(code=code, message=message)
         return cls(code=_ERROR_CODES.get(status, "server_error" if status >= 500 else "invalid_prompt"),
                    message=message)
 

@@ -21,9 +21,12 @@ events after N, live until the terminal one.
 
 Errors before a response starts are raised (404 unknown model or response id, 400
 naming the field); a stream that fails later ends with an ``error`` event and
-``response.failed``. A generation the engine cut off (finish reason "abort": server
-shutdown) is ``failed`` with a ``server_error``, never a completed or incomplete answer: a
-500 when not streamed, ``response.failed`` when streamed. A client that disconnects
+``response.failed``. A prompt that does not fit the context is a 400 with ``code:
+"context_length_exceeded"`` (OpenAI's), but when streamed it is in-band, as OpenAI sends
+it: ``response.created``, then ``response.failed`` with that code (Codex CLI looks for it
+only there, to say it ran out of room and compact). A generation the engine cut off
+(finish reason "abort": server shutdown) is ``failed`` with a ``server_error``, never a
+completed or incomplete answer: a 500 when not streamed, ``response.failed`` when streamed. A client that disconnects
 aborts its engine request, as on chat (not a background one); every stored stream's
 log still ends with a terminal event (``response.failed`` with ``status: "cancelled"``
 for one cut short), so a replay never hangs up without one.
@@ -75,7 +78,7 @@ from llmserve.entrypoints.openai.responses.streaming import MAX_LOGGED_EVENTS, E
     response_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams, SamplingParamsError
+from llmserve.sampling_params import ContextLengthExceededError, SamplingParams, SamplingParamsError
 from llmserve.tokenizer import check_texts
 
 logger = logging.getLogger("llmserve.entrypoints.openai")
@@ -126,11 +129,18 @@ def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsErr
     return renamed_param(e, names)
 
 
+async def _raise_at_first(exc: BaseException) -> AsyncGenerator[Any, None]:
+    """A stand-in for a generation's outputs that fails at its first step with ``exc``
+    (an error found before the stream, reported in it by :meth:`_stream`)."""
+    raise exc
+    yield  # (never reached: the yield makes this an async generator)
+
+
 class ResponsesJob:
     """One prepared request: the response skeleton, the prompt, the params, the output
     parsing and the conversation so far (chat messages, for the store)."""
 
-    def __init__(self, request: ResponsesRequest, response: ResponsesResponse, prompt: RenderedPrompt,
+    def __init__(self, request: ResponsesRequest, response: ResponsesResponse, prompt: Optional[RenderedPrompt],
                  params: SamplingParams, parsing: OutputParsing, gen_kwargs: dict[str, Any],
                  messages: list[dict[str, Any]]) -> None:
         self.request, self.response, self.prompt, self.params = request, response, prompt, params
@@ -213,6 +223,21 @@ class OpenAIServingResponses(GenerateBaseServing):
         response = self._skeleton(request, model_name, request_id, params, text_echo)
         job = ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser, "max_output_tokens"), gen_kwargs,
                            history + new_messages)
+        job.input_items = stored_input_items(request.input) if response.store else []
+        return job
+
+    def _unrendered_job(self, request: ResponsesRequest, model_name: str, request_id: Optional[str]) -> ResponsesJob:
+        """The job of a streamed request whose input was refused as too long before it was
+        rendered: its response skeleton and conversation (for the store), no prompt, enough
+        for a stream that only fails (the same in-band context overflow as a rendered one)."""
+        params = request.to_sampling_params(self.default_sampling_params)
+        _, text_echo = self._text_format(request)
+        response = self._skeleton(request, model_name, request_id, params, text_echo)
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            history = list(self.store.get(request.previous_response_id, "previous_response_id").messages)
+        job = ResponsesJob(request, response, None, params, OutputParsing(None, None, "max_output_tokens"), {},
+                           history + input_messages(request.input))
         job.input_items = stored_input_items(request.input) if response.store else []
         return job
 
@@ -315,9 +340,19 @@ class OpenAIServingResponses(GenerateBaseServing):
         generator of SSE strings. Raises ModelNotFoundError / ResponseNotFoundError (404),
         SamplingParamsError (400 naming the field), EngineDeadError (503)."""
         model_name = self._check_model(request)
-        job = await self._prepare(request, model_name, request_id)
+        try:
+            job = await self._prepare(request, model_name, request_id)
+        except ContextLengthExceededError as e:  # a text too long to render (limits.PromptCharLimit)
+            if not request.stream:
+                raise
+            return self._stream(self._unrendered_job(request, model_name, request_id), _raise_at_first(e), [])
         if request.background:
-            self._check_input(job)
+            try:
+                self._check_input(job)
+            except ContextLengthExceededError:
+                if not request.stream:
+                    raise
+                # streamed: the task's first step fails the same way, in-band (as below)
             job.response.status = "queued"
             entry = StoredResponse(job.response.model_copy(deep=True), input_items=job.input_items)
             if request.stream:
@@ -325,7 +360,15 @@ class OpenAIServingResponses(GenerateBaseServing):
             self._start_task(entry, self._run_background(job, entry))
             return entry.response.model_copy(deep=True)  # as it was queued (the task changes the stored one)
         gens = self._start(job)
-        firsts = await self.start_generation(gens, PARAM_NAMES)
+        try:
+            firsts = await self.start_generation(gens, PARAM_NAMES)
+        except ContextLengthExceededError as e:
+            if not request.stream:
+                raise
+            # OpenAI streams a prompt that does not fit as a response that fails (created, then
+            # response.failed with code "context_length_exceeded"), and that event is the only
+            # place Codex CLI recognises it (a 400 before the stream it prints raw, no compaction)
+            return self._stream(job, _raise_at_first(e), [])
         merged = merge_started(firsts, gens)
         if request.stream:
             return self._stream(job, merged, gens)
@@ -462,11 +505,12 @@ class OpenAIServingResponses(GenerateBaseServing):
             ended = True  # the closing events are logged whole before the one write that may not arrive
             yield sent(closing + builder.response_event(f"response.{status}", response))
         except Exception as e:  # the stream already started: report in-band
-            _, body = error_response_from_exception(e)
+            status, body = error_response_from_exception(e)
             error = builder.event("error", code=str(body.error.code), message=body.error.message,
                                   param=body.error.param)
-            failed = response.model_copy(update={"status": "failed", "output": builder.items,
-                                                  "error": ResponseError.of(body.error.code, body.error.message)})
+            failed = response.model_copy(update={
+                "status": "failed", "output": builder.items,
+                "error": ResponseError.of(status, body.error.message, body.error.code)})
             self._store(job, failed)
             ended = True
             yield sent(error + builder.response_event("response.failed", failed))
@@ -543,7 +587,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         except Exception as e:  # nobody waits on the task: the stored response says what failed
             status, body = error_response_from_exception(e)
             entry.response.status = "failed"
-            entry.response.error = ResponseError.of(status, body.error.message)
+            entry.response.error = ResponseError.of(status, body.error.message, body.error.code)
         finally:
             if merged is not None:
                 await merged.aclose()
