@@ -13,6 +13,7 @@ where llama.cpp hard-codes a value instead of writing it, so does this (with the
 - phi3: ``rope.dimension_count`` (partial rotary), ``rope.scaling.original_context_length``,
   ``rope.scaling.attn_factor`` and the ``rope_factors_long`` / ``rope_factors_short``
   tensors (LongRoPE), ``attention.sliding_window``;
+- every architecture: ``attention.key_length`` as ``head_dim`` where the file has it;
 - qwen2moe / qwen3moe: ``expert_feed_forward_length`` (the experts' width) and, qwen2moe,
   ``expert_shared_feed_forward_length`` (the shared expert's); the top-k normalisation
   llama.cpp hard-codes per architecture.
@@ -105,6 +106,7 @@ def complete_gguf_config(config: Any, gguf_path: str) -> Any:
     are returned as they are. Returns ``config`` (changed in place), or for a ``llama`` file
     with experts (Mixtral) a new ``MixtralConfig``."""
     meta = _Meta(gguf_path)
+    _complete_head_dim(config, meta)
     if meta.arch in ("gemma2", "gemma3"):
         _complete_gemma(config, meta)
     elif meta.arch == "phi3":
@@ -114,6 +116,17 @@ def complete_gguf_config(config: Any, gguf_path: str) -> Any:
     elif meta.arch == "llama" and int(meta.arch_key("expert_count", 0) or 0) > 0:
         return _as_mixtral(config, meta)
     return config
+
+
+def _complete_head_dim(config: Any, meta: _Meta) -> None:
+    """``{arch}.attention.key_length`` (llama.cpp's ``n_embd_head_k``), where the file has
+    it, as ``head_dim``: transformers' GGUF reader leaves it out for qwen3 / qwen3moe (and
+    llama files such as Mistral Nemo's, whose 128 is not hidden / heads), so the config
+    class's default stood in (Qwen3Config's 128) and a file of another head size failed to
+    load on a tensor shape."""
+    key_length = meta.arch_key("attention.key_length")
+    if key_length:
+        config.head_dim = int(key_length)
 
 
 def _as_mixtral(config: Any, meta: _Meta) -> Any:

@@ -125,3 +125,25 @@ def test_a_file_without_its_hyperparameters_is_refused_naming_the_keys(tmp_path)
     finish_gguf(w)
     with pytest.raises(ValueError, match=r"lacks the metadata key\(s\) \['llama.context_length', 'llama.block_count'\]"):
         load_hf_config(resolve_model(str(path)))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "llama"])
+def test_head_size_comes_from_attention_key_length(tmp_path, arch):
+    """A head size other than hidden / heads (Qwen3's, Mistral Nemo's) is the file's
+    ``attention.key_length``, not the config class's default (Qwen3Config's 128 made a
+    64-wide qwen3 file fail to load on q_proj's shape); without the key, head_dim is left."""
+    import gguf
+    import transformers as tf
+
+    from llmserve.model_loader.gguf_config import complete_gguf_config
+    path = str(tmp_path / f"{arch}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_key_length(32)
+    w.add_value_length(32)
+    finish_gguf(w)
+    cls = tf.LlamaConfig if arch == "llama" else tf.Qwen3MoeConfig if arch == "qwen3moe" else tf.Qwen3Config
+    config = complete_gguf_config(cls(hidden_size=64, num_attention_heads=4), path)
+    assert config.head_dim == 32
+    path = str(tmp_path / "plain.gguf")
+    finish_gguf(gguf.GGUFWriter(path, "qwen3"))
+    assert complete_gguf_config(tf.Qwen3Config(hidden_size=64, num_attention_heads=4), path).head_dim == 128
