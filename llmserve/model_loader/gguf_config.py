@@ -120,10 +120,10 @@ def complete_gguf_config(config: Any, gguf_path: str) -> Any:
 
 def _complete_head_dim(config: Any, meta: _Meta) -> None:
     """``{arch}.attention.key_length`` (llama.cpp's ``n_embd_head_k``), where the file has
-    it, as ``head_dim``: transformers' GGUF reader leaves it out for qwen3 / qwen3moe (and
-    llama files such as Mistral Nemo's, whose 128 is not hidden / heads), so the config
-    class's default stood in (Qwen3Config's 128) and a file of another head size failed to
-    load on a tensor shape."""
+    it, as ``head_dim``: transformers' GGUF reader (5.x ``integrations/ggml.py``) maps it for
+    qwen3_moe and gemma2/3 but not for qwen3 or llama (Mistral Nemo's files: 128, not
+    hidden / heads), so the config class's default stood in (Qwen3Config's 128) and a file
+    of another head size failed to load on a tensor shape."""
     key_length = meta.arch_key("attention.key_length")
     if key_length:
         config.head_dim = int(key_length)
