@@ -98,14 +98,24 @@ def build_plan(model: Any) -> Optional[Any]:
     return plan
 
 
+# Bumped by every ``Linear.set_packed`` (blocks attached, replaced or dropped, in any layer).
+_packed_version = 0
+
+
+def packed_weights_changed() -> None:
+    """Make every cached plan stale (``Linear.set_packed`` calls it)."""
+    global _packed_version
+    _packed_version += 1
+
+
 def _plan_key(model: Any) -> tuple:
-    """What would make a cached plan stale, cheaply: the first and last layers' fused
-    linears and their packed weights (LoRA wraps and weight reloads replace them; a level-2
-    sleep drops the whole model, plan included)."""
+    """What would make a cached plan stale, cheaply: any ``Linear.set_packed`` since, and the
+    first and last layers' fused linears and their packed weights (LoRA wraps replace the
+    modules; a level-2 sleep drops the whole model, plan included)."""
     layers = model.model.layers
     q = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None) if len(layers) else None
     d = getattr(getattr(layers[-1], "mlp", None), "down_proj", None) if len(layers) else None
-    return id(q), id(getattr(q, "qweight", None)), id(d), id(getattr(d, "qweight", None))
+    return _packed_version, id(q), id(getattr(q, "qweight", None)), id(d), id(getattr(d, "qweight", None))
 
 
 def plan_for(model: Any) -> Optional[Any]:

@@ -53,6 +53,7 @@ class Linear(nn.Module):
         weight is freed (then no longer packed for oneDNN either)."""
         self.qweight, self.packed_max_rows = qweight, max_rows
         self.packed_only = qweight is not None and max_rows >= ALL_STEPS
+        layer_driver.packed_weights_changed()  # a cached layer plan may hold the old blocks
         if drop_dense and self.packed_only:
             self.weight = nn.Parameter(self.weight.new_empty(0, self.weight.shape[1]), requires_grad=False)
             self.onednn_packable = False

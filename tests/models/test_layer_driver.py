@@ -117,7 +117,11 @@ def test_plan_is_rebuilt_when_the_weights_change(tiny_q4_k_m):
     assert first is not None and layer_driver.plan_for(model) is first
     qkv = model.model.layers[0].self_attn.qkv_proj
     qkv.set_packed(copy.copy(qkv.qweight), qkv.packed_max_rows)  # a reload replaces the blocks
-    assert layer_driver.plan_for(model) is not first
+    second = layer_driver.plan_for(model)
+    assert second is not first
+    down = model.model.layers[0].mlp.down_proj  # a middle layer's linear (not in the cheap ids)
+    down.set_packed(copy.copy(down.qweight), down.packed_max_rows)
+    assert layer_driver.plan_for(model) is not second
 
 
 @needs_kernels
