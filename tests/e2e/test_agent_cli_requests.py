@@ -169,7 +169,7 @@ def test_codex_prompt_over_the_context_fails_with_context_length_exceeded(server
     # The recorded turn, instructions whole (~2500 tokens), does not fit 2048 tokens. Codex
     # 0.171.0 knows an overflow only by a response.failed whose error.code is
     # "context_length_exceeded" (then "ran out of room in the model's context window" and
-    # compaction); a 400 before the stream it printed raw. Not streamed: the 400 with that code.
+    # compaction); a 400 before the stream it printed raw. Not streamed: vLLM's 400 (code 400).
     path, headers, body = codex()
     body = {**body, "tool_choice": "none"}
     with server.http.stream("POST", path, json=body, headers=headers) as r:
@@ -179,7 +179,7 @@ def test_codex_prompt_over_the_context_fails_with_context_length_exceeded(server
     error = events[-1][1]["response"]["error"]
     assert error["code"] == "context_length_exceeded" and "maximum context length is 2048" in error["message"]
     r = server.http.post(path, json={**body, "stream": False}, headers=headers)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
     assert r.json()["error"]["param"] == "input"
 
 

@@ -1,19 +1,17 @@
-"""A prompt that does not fit the context: OpenAI's ``code: "context_length_exceeded"``
-on every OpenAI route (HTTP 400, vLLM's body otherwise), and in-band on a streamed
-``/v1/responses`` (``response.failed`` with that code, the one place Codex CLI looks for
-it); Anthropic's and Ollama's bodies unchanged. The engine's refusal is simulated by the
+"""A prompt that does not fit the context: HTTP 400 with vLLM's body (``code: 400``, which
+the context-length cases C12 / C13 read) on every OpenAI route, and in-band on a streamed
+``/v1/responses`` with OpenAI's ``code: "context_length_exceeded"`` (``response.failed``,
+the one place Codex CLI looks for it); Anthropic's and Ollama's bodies unchanged. The engine's refusal is simulated by the
 stub engine of test_app (context 64 tokens)."""
 from __future__ import annotations
 
 import json
 import time
 
-import httpx
-import openai
 import pytest
 from test_app import CHAT, _output, app_and_engine  # noqa: F401  (the fixture)
 
-from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.errors import error_response_from_exception, in_band_code
 from llmserve.entrypoints.openai.common.serving import renamed_param
 from llmserve.entrypoints.openai.responses.protocol import ResponseError
 from llmserve.sampling_params import ContextLengthExceededError, SamplingParamsError
@@ -35,22 +33,20 @@ def _sse(r) -> list[tuple[str, dict]]:
     return out
 
 
-def test_the_mapping_gives_openais_code_and_the_official_client_reads_it():
+def test_the_mapping_keeps_vllms_body_and_gives_openais_code_in_band():
     status, body = error_response_from_exception(_overflow())
     err = body.model_dump()["error"]
-    assert status == 400 and err == {"message": TOO_LONG, "type": "BadRequestError", "param": "prompt", "code": CODE}
-    # any other 400 keeps vLLM's numeric code
-    assert error_response_from_exception(SamplingParamsError("bad", "top_p"))[1].error.code == 400
+    assert status == 400 and err == {"message": TOO_LONG, "type": "BadRequestError", "param": "prompt", "code": 400}
+    assert in_band_code(_overflow(), body) == CODE
+    other = SamplingParamsError("bad", "top_p")
+    assert in_band_code(other, error_response_from_exception(other)[1]) == 400
     # renaming the field (prompt -> input) keeps the kind, so the code survives it
     renamed = renamed_param(_overflow(), {"prompt": "input"})
     assert isinstance(renamed, ContextLengthExceededError) and renamed.param == "input"
     assert ResponseError.of(400, "m", CODE).code == CODE and ResponseError.of(400, "m", 400).code == "invalid_prompt"
-    # openai-python: BadRequestError.code is the body's code
-    response = httpx.Response(400, request=httpx.Request("POST", "http://x/v1/responses"))
-    assert openai.BadRequestError("m", response=response, body=err).code == CODE
 
 
-def test_every_openai_route_answers_400_with_the_code(app_and_engine):
+def test_every_openai_route_answers_400_with_vllms_body(app_and_engine):
     client, engine = app_and_engine()
     engine.fail_before = _overflow()
     for path, body, param in [("/v1/chat/completions", CHAT, "messages"),
@@ -59,7 +55,7 @@ def test_every_openai_route_answers_400_with_the_code(app_and_engine):
                               ("/v1/responses", RESP, "input")]:
         r = client.post(path, json=body)
         assert r.status_code == 400, (path, r.text)
-        assert r.json()["error"] == {"message": TOO_LONG, "type": "BadRequestError", "param": param, "code": CODE}
+        assert r.json()["error"] == {"message": TOO_LONG, "type": "BadRequestError", "param": param, "code": 400}
     # Anthropic's and Ollama's bodies carry no code: unchanged
     r = client.post("/v1/messages", json={"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
     err = r.json()["error"]
@@ -92,7 +88,7 @@ def test_a_streamed_response_fails_in_band_with_the_code(app_and_engine):
     r = client.post("/v1/responses", json={**RESP, "input": "word " * 150_000, "stream": True})
     assert _sse(r)[-1][1]["response"]["error"]["code"] == CODE, r.text
     r = client.post("/v1/responses", json={**RESP, "input": "word " * 150_000})
-    assert r.status_code == 400 and r.json()["error"]["code"] == CODE and r.json()["error"]["param"] == "input"
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400 and r.json()["error"]["param"] == "input"
 
 
 def test_background_responses_fail_with_the_code(app_and_engine):

@@ -7,7 +7,7 @@ error looks the same wherever it happens.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStartError
 from llmserve.entrypoints.openai.common.protocol import ErrorInfo, ErrorResponse
@@ -81,11 +81,12 @@ def error_type_for(status_code: int) -> str:
     return _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
 
 
-# OpenAI's ``code`` for a prompt that does not fit the context (``error.code`` of its 400
-# body and of a Responses stream's ``response.failed``). Codex CLI 0.171.0 tests exactly
-# this value (codex-api sse/responses.rs ``is_context_window_error``) to say "ran out of
-# room in the model's context window" and compact; with vLLM's ``code: 400`` it printed
-# the raw body.
+# OpenAI's ``code`` for a prompt that does not fit the context, as a Responses stream's
+# ``response.failed`` carries it. Codex CLI 0.171.0 tests exactly this value there
+# (codex-api sse/responses.rs ``is_context_window_error``) to say "ran out of room in the
+# model's context window" and compact; a 400 before the stream it prints raw whatever its
+# code. The HTTP error bodies keep vLLM's numeric code (``code: 400``), which clients
+# switching from vLLM and the context-length cases (C12, C13) read.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -97,12 +98,19 @@ def make_error(message: str, status_code: int = 400, param: Optional[str] = None
                                          param=param, code=code or status_code))
 
 
+def in_band_code(exc: BaseException, body: ErrorResponse) -> Any:
+    """The ``code`` of an error reported inside a started Responses stream (its ``error``
+    event and ``response.failed``): ``"context_length_exceeded"`` for a prompt over the
+    context (what OpenAI streams and Codex CLI looks for), else the body's code."""
+    return CONTEXT_LENGTH_EXCEEDED if isinstance(exc, ContextLengthExceededError) else body.error.code
+
+
 def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map an exception to (HTTP status, error body).
 
     ModelNotFoundError, NotFoundError, LoRANotFoundError -> 404; RequestDeadlineExceeded -> 408;
-    ContextLengthExceededError -> 400 with OpenAI's ``code: "context_length_exceeded"``
-    (type stays vLLM's "BadRequestError", as every other 400 here); SamplingParamsError /
+    SamplingParamsError (ContextLengthExceededError among them: its in-band code is
+    :func:`in_band_code`'s) /
     ValueError -> 400 (``param`` from the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
     never a 5xx, which the official clients retry twice); EngineDeadError -> 503 (EngineStartError: type "EngineStartError", its
     ``Retry-After`` added by server_utils.error_json);
@@ -120,8 +128,6 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineStartError")
     if isinstance(exc, EngineDeadError):
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineDeadError")
-    if isinstance(exc, ContextLengthExceededError):
-        return 400, make_error(str(exc), 400, exc.param, code=CONTEXT_LENGTH_EXCEEDED)
     if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):
         return 400, make_error(str(exc) or exc.__class__.__name__, 400, getattr(exc, "param", None))
     if isinstance(exc, NotImplementedError):

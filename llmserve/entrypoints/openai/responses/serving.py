@@ -21,9 +21,9 @@ events after N, live until the terminal one.
 
 Errors before a response starts are raised (404 unknown model or response id, 400
 naming the field); a stream that fails later ends with an ``error`` event and
-``response.failed``. A prompt that does not fit the context is a 400 with ``code:
-"context_length_exceeded"`` (OpenAI's), but when streamed it is in-band, as OpenAI sends
-it: ``response.created``, then ``response.failed`` with that code (Codex CLI looks for it
+``response.failed``. A prompt that does not fit the context is a 400 (vLLM's body, ``code:
+400``), but when streamed it is in-band, as OpenAI sends it: ``response.created``, then
+``response.failed`` with ``code: "context_length_exceeded"`` (Codex CLI looks for it
 only there, to say it ran out of room and compact). A generation the engine cut off
 (finish reason "abort": server shutdown) is ``failed`` with a ``server_error``, never a
 completed or incomplete answer: a 500 when not streamed, ``response.failed`` when streamed. A client that disconnects
@@ -46,7 +46,8 @@ from llmserve.entrypoints.openai.chat_completion.tool_calling import (
     check_tools,
     setup_output_parsing,
 )
-from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
+from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception, \
+    in_band_code
 from llmserve.entrypoints.openai.common.serving import GenerateBaseServing, aclose_all, merge_started, renamed_param
 from llmserve.entrypoints.openai.common.structured import JsonSchemaResponseFormat, ResponseFormat, \
     structured_outputs_params
@@ -506,11 +507,12 @@ class OpenAIServingResponses(GenerateBaseServing):
             yield sent(closing + builder.response_event(f"response.{status}", response))
         except Exception as e:  # the stream already started: report in-band
             status, body = error_response_from_exception(e)
-            error = builder.event("error", code=str(body.error.code), message=body.error.message,
+            code = in_band_code(e, body)
+            error = builder.event("error", code=str(code), message=body.error.message,
                                   param=body.error.param)
             failed = response.model_copy(update={
                 "status": "failed", "output": builder.items,
-                "error": ResponseError.of(status, body.error.message, body.error.code)})
+                "error": ResponseError.of(status, body.error.message, code)})
             self._store(job, failed)
             ended = True
             yield sent(error + builder.response_event("response.failed", failed))
@@ -587,7 +589,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         except Exception as e:  # nobody waits on the task: the stored response says what failed
             status, body = error_response_from_exception(e)
             entry.response.status = "failed"
-            entry.response.error = ResponseError.of(status, body.error.message, body.error.code)
+            entry.response.error = ResponseError.of(status, body.error.message, in_band_code(e, body))
         finally:
             if merged is not None:
                 await merged.aclose()
