@@ -24,6 +24,7 @@ the tests compare the kernels with; ``gguf.quants.dequantize`` is the ground tru
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -251,10 +252,15 @@ class ConcatQuantWeight:
         (``quant_linear_parts``; each part's columns the same numbers as its own call)."""
         from llmserve.ops.quant_ops import get_quant_ops
 
-        parts = packed_parts(self) if x.dim() == 2 else None
+        parts = self.kernel_parts if x.dim() == 2 else None
         if parts is None:
             return torch.cat([p.linear(x, out_float) for p in self.parts], dim=-1)
         return get_quant_ops().quant_linear_parts(x, parts, out_float)
+
+    @functools.cached_property
+    def kernel_parts(self) -> Optional[list[tuple]]:
+        """:func:`packed_parts` of this weight, made once (it ran on every call)."""
+        return packed_parts(self)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``), float32 ``[T, K]``, exact. RuntimeError when out of range."""

@@ -195,15 +195,20 @@ class OpenAIServingResponses(GenerateBaseServing):
             raise _renamed(e, PARAM_NAMES) from None
         return params, fmt.model_dump(by_alias=True, exclude_none=True)
 
+    def _history(self, request: ResponsesRequest) -> list[dict[str, Any]]:
+        """The stored conversation ``previous_response_id`` continues (a copy), [] without
+        one; ResponseNotFoundError (404, param ``previous_response_id``) for an unknown id."""
+        if request.previous_response_id is None:
+            return []
+        return list(self.store.get(request.previous_response_id, "previous_response_id").messages)
+
     async def _prepare(self, request: ResponsesRequest, model_name: str, request_id: Optional[str]) -> ResponsesJob:
         """Check and render the request (everything that can fail before it runs)."""
         request.check()
         # a lone surrogate named at the client's field and position (input.0.content), not
         # at the rendered prompt's, which the error would otherwise call ``messages``
         check_texts([("instructions", request.instructions), ("input", request.input), ("tools", request.tools)])
-        history: list[dict[str, Any]] = []
-        if request.previous_response_id is not None:
-            history = list(self.store.get(request.previous_response_id, "previous_response_id").messages)
+        history = self._history(request)
         new_messages = input_messages(request.input)
         for label in self.dropped_tools(request):
             _warn_dropped_tool(label)
@@ -234,11 +239,8 @@ class OpenAIServingResponses(GenerateBaseServing):
         params = request.to_sampling_params(self.default_sampling_params)
         _, text_echo = self._text_format(request)
         response = self._skeleton(request, model_name, request_id, params, text_echo)
-        history: list[dict[str, Any]] = []
-        if request.previous_response_id is not None:
-            history = list(self.store.get(request.previous_response_id, "previous_response_id").messages)
         job = ResponsesJob(request, response, None, params, OutputParsing(None, None, "max_output_tokens"), {},
-                           history + input_messages(request.input))
+                           self._history(request) + input_messages(request.input))
         job.input_items = stored_input_items(request.input) if response.store else []
         return job
 
