@@ -156,10 +156,12 @@ def _no_tokenizer_hint(path: str, gguf_file: Optional[str]) -> str:
 def _tokenizer_from_gguf(path: str, kwargs: dict) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(path, **kwargs)`` (kwargs naming ``gguf_file``): the
     vocabulary converted from the GGUF metadata, also where transformers runs without
-    torch (the API server, issue 31: ``gguf_metadata_reads``)."""
+    torch (the API server, issue 31: ``gguf_metadata_reads``), the file's metadata read by
+    ``FastGGUFReader`` (gguf.GGUFReader took ~3 s of it)."""
+    from llmserve.model_loader.gguf_fast_reader import fast_gguf_reads
     from llmserve.torch_hiding import gguf_metadata_reads
 
-    with gguf_metadata_reads():
+    with gguf_metadata_reads(), fast_gguf_reads():
         return AutoTokenizer.from_pretrained(path, **kwargs)
 
 

@@ -79,11 +79,12 @@ def check_gguf_hyperparameters(gguf_path: str) -> None:
 
 
 class _Meta:
-    """Typed access to one GGUF file's metadata and small tensors (``gguf.GGUFReader``)."""
+    """Typed access to one GGUF file's metadata and small tensors (``gguf.GGUFReader``'s
+    fields, read by ``FastGGUFReader``)."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
-        self.reader = GGUFReader(path)
+        from llmserve.model_loader.gguf_fast_reader import FastGGUFReader
+        self.reader = FastGGUFReader(path)
         self.arch = self.get("general.architecture")
 
     def get(self, key: str, default: Any = None) -> Any:

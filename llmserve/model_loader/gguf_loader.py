@@ -221,8 +221,8 @@ def _parse_gguf(path: str, metadata: Optional[dict] = None) -> tuple[str, list[G
 
 
 def _read_with_gguf_reader(path: str) -> tuple[str, list[GGUFTensorInfo]]:
-    from gguf import GGUFReader
-    reader = GGUFReader(path)
+    from llmserve.model_loader.gguf_fast_reader import FastGGUFReader
+    reader = FastGGUFReader(path)
     f = reader.fields.get("general.architecture")
     arch = f.contents() if f is not None else ""
     return arch, [GGUFTensorInfo(t.name, t.tensor_type, t.data) for t in reader.tensors]

@@ -207,9 +207,11 @@ def _config_from_gguf(path: str, gguf_file: str) -> Any:
     from transformers import AutoConfig
 
     from llmserve.model_loader.gguf_config import check_gguf_architecture, complete_gguf_config
+    from llmserve.model_loader.gguf_fast_reader import fast_gguf_reads
     from llmserve.torch_hiding import gguf_metadata_reads
     check_gguf_architecture(os.path.join(path, gguf_file))
-    with gguf_metadata_reads():  # also in the API server, whose transformers runs without torch
+    # also in the API server, whose transformers runs without torch; gguf.GGUFReader took ~3 s
+    with gguf_metadata_reads(), fast_gguf_reads():
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
     return complete_gguf_config(config, os.path.join(path, gguf_file))
 
