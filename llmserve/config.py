@@ -179,10 +179,16 @@ class ModelConfig:
         return int(hd) if hd else int(c.hidden_size // c.num_attention_heads)
 
 
+# --kv-cache-dtype values (vLLM's names; its fp8 variants are refused).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block_size in tokens, kv_cache_memory_bytes (None = default),
-    prefix caching on/off. cache_dtype: "auto" only (the model's dtype).
+    prefix caching on/off. cache_dtype: the KV cache's dtype (vLLM's ``--kv-cache-dtype``):
+    "auto" (the model's), or "bfloat16" / "float16" under a float32 model (half the bytes a
+    token holds and attention reads; llama.cpp's default cache is float16) — ``kv_dtype``.
     gpu_memory_utilization: kept for vLLM compatibility; the cache is sized by
     kv_cache_memory_bytes (as vLLM's CPU backend, which ignores it).
     kv_sharing_fast_prefill: vLLM's flag for models whose layers share KV; none of ours
@@ -203,6 +209,22 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 caches are "
+                             f"not supported yet), got {self.cache_dtype!r}")
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The KV cache's dtype name for a model running in ``model_dtype`` ("float32",
+        "bfloat16", "float16"): the model's for "auto" or the same name; a narrower cache
+        only under float32 activations (the kernels widen float16/bfloat16 K/V to float32
+        exactly; a bfloat16 model's K/V are not re-rounded to float16). Raises ValueError
+        naming kv_cache_dtype otherwise."""
+        if self.cache_dtype in ("auto", model_dtype):
+            return model_dtype
+        if model_dtype != "float32":
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} needs a float32 model (dtype is "
+                             f"{model_dtype!r}); use 'auto' or {model_dtype!r}")
+        return self.cache_dtype
 
 
 @dataclass(frozen=True)
@@ -537,6 +559,9 @@ class VllmConfig:
     lora_config: Optional[LoRAConfig] = None  # set by enable_lora (llmserve/lora)
     speculative_config: Optional[SpeculativeConfig] = None  # n-gram drafts (llmserve/spec_decode)
     kv_events_config: Optional[KVEventsConfig] = None  # --kv-events-config (distributed/kv_events.py)
+
+    def __post_init__(self) -> None:
+        self.cache_config.kv_dtype(self.model_config.dtype)  # a cache dtype the model can use
 
 
 # The first name of the config; kept so existing imports keep working.

@@ -130,6 +130,18 @@ def test_values_not_honoured_yet_raise_naming_the_field(tiny_dir, name, value):
         _args(tiny_dir, **{name: value}).create_engine_config()
 
 
+def test_kv_cache_dtype_narrows_a_float32_model_only(tiny_dir):
+    """--kv-cache-dtype (vLLM's names): float16 / bfloat16 under a float32 model; a bfloat16
+    model keeps its own dtype; fp8 is refused (test above)."""
+    for name in ("float16", "bfloat16"):
+        cfg = _args(tiny_dir, dtype="float32", kv_cache_dtype=name).create_engine_config()
+        assert cfg.cache_config.kv_dtype(cfg.model_config.dtype) == name
+    cfg = _args(tiny_dir, dtype="bfloat16", kv_cache_dtype="bfloat16").create_engine_config()
+    assert cfg.cache_config.kv_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype='float16' needs a float32 model"):
+        _args(tiny_dir, dtype="bfloat16", kv_cache_dtype="float16").create_engine_config()
+
+
 def test_accepted_fields_reach_the_config(tiny_dir):
     cfg = _args(tiny_dir, gpu_memory_utilization=0.5, kv_sharing_fast_prefill=True, max_logprobs=5,
                 distributed_executor_backend="mp", enforce_eager=False, tokenizer_mode="hf",

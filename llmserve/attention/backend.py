@@ -142,7 +142,7 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     """Store K/V ``[T, num_kv_heads, head_dim]`` at the flat slots ``slot_mapping [T]``
     of ``kv_cache`` (vLLM's ``reshape_and_cache``); casts to the cache dtype."""
     _, nb, bs, nkv, hd = kv_cache.shape
-    if (key.device.type == "cpu" and key.dtype == kv_cache.dtype == value.dtype
+    if (key.device.type == "cpu" and key.dtype == value.dtype and cpu_ops.kv_dtypes_ok(key.dtype, kv_cache.dtype)
             and slot_mapping.dtype == torch.long and key.stride(-1) == 1 and value.stride(-1) == 1
             and key.stride(1) == hd and value.stride(1) == hd):
         ops = cpu_ops.cpu_ops_for(key)
@@ -166,7 +166,8 @@ def decode_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor,
     Gathers each request's blocks (a copy), masks keys past seq_len (and, with a sliding
     window W, keys at or before ``seq_len - 1 - W``), softmax in float32. ``logits_soft_cap``
     c: scores become ``c * tanh(scores / c)`` before the mask (Gemma 2, see ``soft_cap``).
-    Returns ``[N, num_heads, head_dim]`` in the query dtype.
+    Runs in the query dtype (K/V of a narrower cache are widened). Returns ``[N, num_heads,
+    head_dim]`` in the query dtype.
     """
     n, nh, hd = query.shape
     _, _, bs, nkv, _ = kv_cache.shape
@@ -186,7 +187,9 @@ def decode_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor,
     bt, mask = key
     k = kv_cache[0][bt].view(n, nblk * bs, nkv, hd)
     v = kv_cache[1][bt].view(n, nblk * bs, nkv, hd)
-    q = query.view(n, nkv, g, hd).to(k.dtype)
+    if k.dtype is not query.dtype:  # a narrower cache (--kv-cache-dtype): widened exactly
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    q = query.view(n, nkv, g, hd)
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float()  # [n, nkv, g, L]
     scores.mul_(scale)
     if logits_soft_cap:
@@ -298,8 +301,8 @@ class PagedAttention:
         every request must then be a whole prompt (seq_len == query_len)."""
         groups = attn_metadata.kv_groups
         md = attn_metadata if groups is None else groups[self.kv_cache_group]
-        if (self.use_kernel and kv_cache is not None and query.dtype is kv_cache.dtype
-                and key.dtype is kv_cache.dtype and value.dtype is kv_cache.dtype):
+        if (self.use_kernel and kv_cache is not None and cpu_ops.kv_dtypes_ok(query.dtype, kv_cache.dtype)
+                and key.dtype is query.dtype and value.dtype is query.dtype):
             step = _cpu_kernel_step(md, query, kv_cache)
             if step is not None:
                 return self._forward_cpu_kernels(query, key, value, kv_cache, step)
@@ -366,7 +369,7 @@ class PagedAttention:
         nkv, hd = kv_cache.shape[-2:]
         k = kv_cache[0][ids].view(nblk * bs, nkv, hd)[:seq_len]
         v = kv_cache[1][ids].view(nblk * bs, nkv, hd)[:seq_len]
-        return k, v
+        return k, v  # in the cache's dtype; prefill_attention widens them to the query's
 
     def _forward_cpu_kernels(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              kv_cache: torch.Tensor, step: "_CpuKernelStep") -> torch.Tensor:

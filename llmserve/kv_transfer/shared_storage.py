@@ -86,12 +86,18 @@ def _weights_identity(path: str) -> list:
 
 def layout_fields(vllm_config: Any) -> dict[str, Any]:
     """What must match for two engines to share KV blocks: model identity (name, weight
-    files), dtype, quantization, block size, layer/head shapes, tensor-parallel size."""
+    files), dtype, quantization, block size, layer/head shapes, tensor-parallel size, and the
+    KV cache's dtype where it is not the model's (left out otherwise, so blocks stored before
+    ``--kv-cache-dtype`` existed keep their key)."""
     mc = vllm_config.model_config
-    return {"model": mc.model, "weights": _weights_identity(mc.model_path), "dtype": mc.dtype,
-            "quantization": mc.quantization, "block_size": vllm_config.cache_config.block_size,
-            "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
-            "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size}
+    fields = {"model": mc.model, "weights": _weights_identity(mc.model_path), "dtype": mc.dtype,
+              "quantization": mc.quantization, "block_size": vllm_config.cache_config.block_size,
+              "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+              "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size}
+    kv_dtype = vllm_config.cache_config.kv_dtype(mc.dtype)
+    if kv_dtype != mc.dtype:
+        fields["kv_cache_dtype"] = kv_dtype
+    return fields
 
 
 def _one_view(kv_caches: list[Any]) -> Any:
@@ -195,7 +201,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         mc = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.block_nbytes = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
-                             * _ELEMENT_BYTES.get(mc.dtype, 4))
+                             * _ELEMENT_BYTES.get(vllm_config.cache_config.kv_dtype(mc.dtype), 4))
         self.key = layout_key(layout_fields(vllm_config))
         role_name = vllm_config.kv_transfer_config.kv_role
         self.folder = self._layout_folder(role)

@@ -4,7 +4,7 @@
 of every layer runs on its GGUF blocks at every step (``Linear.packed_only``; no LoRA
 wrappers, no tensor parallelism), the layers are the plain Llama / Mistral / Qwen2 /
 Qwen3 ones, every token's attention goes through the CPU paged kernel (the KV caches
-in the model dtype, one KV cache group) and the C++ kernels are built. The driver
+in the model dtype or float16/bfloat16 under float32, one KV cache group) and the C++ kernels are built. The driver
 (``csrc/layer_driver.cpp``, ``LlamaLayers``) calls the same kernels in the same order on
 the same tensors as the Python loop, so its outputs are the same numbers (tested bit for
 bit); it only removes the interpreter between the ~12 kernel calls of each layer, which
@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from llmserve.ops import cpu_ops
 from llmserve.ops.kquant import packed_parts
 
 # The Python loop stays available for comparison (tests, benchmarks): set False.
@@ -80,10 +81,9 @@ def _qk_norm_args(attn: Any, types: DriverTypes) -> Optional[list]:
 def build_plan(model: Any) -> Optional[Any]:
     """The model's ``LlamaLayers`` (``csrc/layer_driver.cpp``), or None when a layer does
     not qualify (see the module docstring) or the kernels are not built."""
-    from llmserve.ops.cpu_ops import get_cpu_ops
     from llmserve.ops.quant_ops import get_quant_ops
 
-    ops, qops = get_cpu_ops(), get_quant_ops()
+    ops, qops = cpu_ops.get_cpu_ops(), get_quant_ops()
     layers, types = list(model.model.layers), getattr(model, "driver_types", None)
     if ops is None or qops is None or not hasattr(ops, "LlamaLayers") or not layers or types is None:
         return None
@@ -140,7 +140,7 @@ def run_layers(model: Any, hidden: torch.Tensor, positions: torch.Tensor, kv_cac
 
     if not ENABLED or not kv_caches or md.kv_groups is not None or hidden.device.type != "cpu":
         return None
-    if any(c.dtype is not hidden.dtype for c in kv_caches):
+    if any(not cpu_ops.kv_dtypes_ok(hidden.dtype, c.dtype) for c in kv_caches):
         return None
     plan = plan_for(model)
     if plan is None or len(kv_caches) != plan.num_layers():

@@ -181,6 +181,14 @@ def _build(build_dir: str) -> Optional[Any]:
     return module
 
 
+def kv_dtypes_ok(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether ``paged_decode`` / ``reshape_and_cache`` take activations (q, K/V written) of
+    ``act_dtype`` with a KV cache of ``cache_dtype``: the same dtype, or float32 over a
+    float16 / bfloat16 cache (``--kv-cache-dtype``; rounded to nearest even on write,
+    widened exactly on read)."""
+    return cache_dtype is act_dtype or (act_dtype is torch.float32 and cache_dtype in (torch.float16, torch.bfloat16))
+
+
 def get_decode_kernel() -> Optional[Callable]:
     """``get_cpu_ops().paged_decode``, or None when the kernels are unavailable."""
     ops = get_cpu_ops()

@@ -109,7 +109,7 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
 
     KV cache: one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim],
-    in the model dtype.
+    in the model dtype or the narrower ``--kv-cache-dtype`` (``kv_dtype``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -118,6 +118,8 @@ class ModelRunner:
         self.model_config = mc
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
+        # The KV cache's dtype: the model's, or float16/bfloat16 under float32 (--kv-cache-dtype).
+        self.kv_dtype = _DTYPES[config.cache_config.kv_dtype(mc.dtype)]
         self.block_size = config.cache_config.block_size
         self.model: Optional[torch.nn.Module] = None
         self.lora_manager = None  # llmserve.lora.worker_manager.LoRAModelManager with enable_lora
@@ -174,7 +176,7 @@ class ModelRunner:
         """Bytes of one KV block: K and V of ``block_size`` tokens in each KV tensor (every
         layer, or a hybrid model's layers per group: ``worker/kv_cache_groups.py``)."""
         mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.kv_cache_layout().num_slots * self.block_size * self.num_kv_heads * mc.head_dim * elem
 
     def kv_cache_layout(self) -> KVCacheLayout:
@@ -226,11 +228,11 @@ class ModelRunner:
         layout = self.kv_cache_layout()
         shape = (layout.num_slots, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
-            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.dtype).element_size()
+            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.kv_dtype).element_size()
             raw = np.zeros(nbytes, dtype=np.uint8)
             # numpy advises huge pages for large arrays; not yet (_maybe_advise_huge_pages).
             _advise_huge_pages(raw.ctypes.data, nbytes, huge_pages=False)
-            buf = torch.from_numpy(raw).view(self.dtype).view(shape)
+            buf = torch.from_numpy(raw).view(self.kv_dtype).view(shape)
             self._kv_nbytes, self._kv_huge = nbytes, False
             # Prefault cursor (see prefault_kv): 2 * num_slots regions of num_blocks blocks.
             self._kv_addr = raw.ctypes.data
@@ -243,7 +245,7 @@ class ModelRunner:
             self._kv_headroom = max(1, self.KV_PREFAULT_HEADROOM_BYTES // (self._kv_block_bytes * self._kv_regions))
             self._kv_prefault_limit = min(num_blocks, self._kv_headroom)
         else:
-            buf = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            buf = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         slots = buf.unbind(0)  # a hybrid model's layers share them (kv_cache_groups.py)
         self.kv_caches = [slots[j] for j in layout.layer_slot]
         self._init_kv_connector()

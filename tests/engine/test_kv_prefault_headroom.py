@@ -6,13 +6,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from llmserve.config import CacheConfig
 from llmserve.worker.model_runner import ModelRunner
 
 
 def _runner(num_blocks: int) -> ModelRunner:
     mc = SimpleNamespace(device="cpu", dtype="float32", runner="generate", seed=0, is_encoder_only=False, is_encoder_decoder=False,
                          num_layers=2, num_kv_heads=1, head_dim=64)
-    cfg = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(block_size=16), num_threads=None)
+    cfg = SimpleNamespace(model_config=mc, cache_config=CacheConfig(block_size=16), num_threads=None)
     r = ModelRunner(cfg)
     r.KV_PREFAULT_HEADROOM_BYTES = 4 * 16 * 64 * 4 * 4  # 4 blocks (16 KiB each over 2 layers' K and V)
     r.initialize_kv_cache(num_blocks)

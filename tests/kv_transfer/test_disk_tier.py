@@ -226,6 +226,27 @@ def test_other_dtype_engine_over_the_same_tier_prefills_and_keeps_its_own_blocks
     bf.shutdown()
 
 
+def test_narrow_kv_cache_dtype_is_its_own_layout_of_half_the_bytes(tiny, tmp_path):
+    """--kv-cache-dtype float16 under a float32 model: its blocks hold 2-byte values, and
+    neither layout ever reads the other's files; the float32 layout keeps its old key."""
+    from llmserve.kv_transfer.shared_storage import layout_fields
+    model, hf_tokens = tiny
+    llm = _llm(model, kv_transfer_config=_tier(tmp_path))
+    assert "kv_cache_dtype" not in layout_fields(llm.llm_engine.vllm_config)
+    assert _run(llm) == (hf_tokens, 0)
+    full_bytes = _connector(llm).block_nbytes
+    llm.shutdown()
+    half = _llm(model, kv_cache_dtype="float16", kv_transfer_config=_tier(tmp_path))
+    assert _connector(half).block_nbytes * 2 == full_bytes
+    first, cached = _run(half)
+    assert cached == 0
+    _connector(half).flush()
+    assert len(os.listdir(tmp_path)) == 2 and len(_files(tmp_path)) == 2 * FULL_BLOCKS
+    half.reset_prefix_cache()
+    assert _run(half) == (first, FULL_BLOCKS * 16)  # its own blocks, loaded
+    half.shutdown()
+
+
 def test_read_chain_stops_at_the_first_bad_file_and_closes_every_file(tmp_path, caplog):
     key = layout_key({"model": "chain"})
     folder = block_dir(str(tmp_path), key)

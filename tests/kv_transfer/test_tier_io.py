@@ -164,11 +164,12 @@ def test_the_connector_removes_the_bad_file_with_its_reason(ops, tmp_path, caplo
     C++ reader; a missing file is not logged."""
     from types import SimpleNamespace as NS
 
+    from llmserve.config import CacheConfig
     from llmserve.kv_transfer.base import KVConnectorRole
 
     cfg = NS(model_config=NS(model="m", model_path="/nonexistent", dtype="bfloat16", quantization=None, num_layers=4,
                              num_kv_heads=3, head_dim=64),
-             cache_config=NS(block_size=16), parallel_config=NS(tensor_parallel_size=1),
+             cache_config=CacheConfig(block_size=16), parallel_config=NS(tensor_parallel_size=1),
              kv_transfer_config=NS(kv_connector="SharedStorageConnector", kv_role="kv_both",
                                    kv_connector_extra_config={"shared_storage_path": str(tmp_path)}))
     buf = torch.randn(4, 2, 20, 16, 3, 64).to(torch.bfloat16)

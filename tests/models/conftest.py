@@ -12,13 +12,14 @@ from llmserve.attention import build_attn_metadata, get_kv_cache_shape
 
 class StepRunner:
     """Feeds requests' token chunks through ``model`` step by step over a paged KV cache,
-    allocating shuffled (non-contiguous) blocks, and returns each chunk's logits."""
+    allocating shuffled (non-contiguous) blocks, and returns each chunk's logits. kv_dtype:
+    the cache's dtype (the model's by default; float16/bfloat16 as ``--kv-cache-dtype``)."""
 
-    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 96, block_size: int = 4, seed: int = 0, kv_dtype=None):
         cfg = model.config
         nkv = cfg.num_key_value_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype
         self.model = model
         self.block_size = block_size
         self.kv_caches = [torch.zeros(get_kv_cache_shape(num_blocks, block_size, nkv, hd), dtype=dtype)

@@ -171,3 +171,50 @@ def test_apply_token_bitmask_equals_xgrammar(dtype):
     assert torch.isinf(got[2, :160]).all() and torch.equal(got[:, 1024:], logits[:, 1024:])
     with pytest.raises(RuntimeError, match="out of range"):
         ops.apply_token_bitmask(got, bm, torch.tensor([9]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nkv,hd", [(3, 64), (3, 6)])  # vector rows; an 18-value row (scalar tail)
+def test_reshape_and_cache_narrows_float32_as_torch_rounds(cache_dtype, nkv, hd, monkeypatch):
+    """float32 K/V into a float16 / bfloat16 cache (--kv-cache-dtype): the same bits as
+    torch's ``.to()`` (round to nearest even), ties, tiny and huge values and NaN included."""
+    torch.manual_seed(5)
+    t = 9
+    k, v = torch.randn(t, nkv, hd) * 3, torch.randn(t, nkv, hd)
+    one = torch.tensor(1.0).view(torch.int32)
+    k.view(-1)[:4] = torch.stack([one + 0x8000, one + 0x18000, one + 0x1000, one + 0x7fff]).view(torch.float32)
+    k.view(-1)[4:9] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, 7e4])
+    kv_a = torch.zeros(2, 4, 4, nkv, hd, dtype=cache_dtype)
+    kv_b = torch.zeros_like(kv_a)
+    slots = torch.tensor([3, 0, 15, 7, 5, 8, 2, 11, 1])
+    ops.reshape_and_cache(k, v, kv_a, slots)
+    from llmserve.ops import cpu_ops
+    monkeypatch.setattr(cpu_ops, "get_cpu_ops", lambda: None)
+    write_to_kv_cache(k, v, kv_b, slots)
+    nan = kv_b.isnan()
+    assert nan.sum() == 1 and torch.equal(kv_a.isnan(), nan)
+    assert torch.equal(kv_a[~nan].view(torch.int16), kv_b[~nan].view(torch.int16))
+    with pytest.raises(RuntimeError, match="float32 into float16/bfloat16"):
+        ops.reshape_and_cache(k.to(torch.bfloat16), v.to(torch.bfloat16), kv_a.to(torch.float16), slots)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nkv,nh,hd,window,cap", [(3, 9, 64, 0, 0.0), (2, 8, 128, 40, 0.0), (3, 9, 64, 0, 30.0),
+                                                  (2, 4, 24, 0, 0.0)])
+def test_paged_decode_reads_a_narrow_cache_as_its_float32_widening(cache_dtype, nkv, nh, hd, window, cap):
+    """float32 queries over a float16 / bfloat16 cache give the same bits as over a float32
+    cache holding the widened values (widening is exact; the arithmetic is the float32
+    kernel's), on the vector paths (head dims 64, 128) and the generic one (24)."""
+    g = torch.Generator().manual_seed(6)
+    nb, bs = 24, 16
+    kv = torch.randn(2, nb, bs, nkv, hd, generator=g).to(cache_dtype)
+    lens = torch.tensor([1, 17, 100, 255, 64, 33], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:16] for _ in lens]).to(torch.int32).contiguous()
+    q = torch.randn(len(lens), nh, hd, generator=g)
+    out, ref = torch.empty_like(q), torch.empty_like(q)
+    ops.paged_decode(out, q, kv, tables, lens, len(lens), hd ** -0.5, window, cap)
+    ops.paged_decode(ref, q, kv.float(), tables, lens, len(lens), hd ** -0.5, window, cap)
+    assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="float16/bfloat16 under float32 q"):
+        ops.paged_decode(out.to(torch.bfloat16), q.to(torch.bfloat16), kv.to(torch.float16), tables, lens,
+                         len(lens), hd ** -0.5, window, cap)

@@ -5,6 +5,7 @@ activations), and it leaves the models and steps it cannot run to that loop."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -74,6 +75,16 @@ def test_driver_equals_the_python_loop(tiny_q4_k_m, step_runner_cls, dtype, wind
         cfg = copy.deepcopy(cfg)
         cfg.sliding_window = window
     _assert_driver_equals_loop(_load(cfg, path, dtype), step_runner_cls)
+
+
+@needs_kernels
+@needs_ops
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_driver_over_a_narrow_kv_cache_equals_the_python_loop(tiny_q4_k_m, step_runner_cls, kv_dtype):
+    """--kv-cache-dtype float16 / bfloat16 under float32 activations: the driver runs it,
+    bit for bit the loop's logits."""
+    cfg, path, _ = tiny_q4_k_m
+    _assert_driver_equals_loop(_load(cfg, path, "packed32"), functools.partial(step_runner_cls, kv_dtype=kv_dtype))
 
 
 @needs_kernels

@@ -77,6 +77,27 @@ def test_mixed_batch_matches_dense(window, use_kernel):
     assert torch.equal(flat_k[md.slot_mapping], k)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_float32_over_a_narrow_cache_matches_dense_on_its_values(cache_dtype, use_kernel):
+    """--kv-cache-dtype float16/bfloat16 under a float32 model: the step's K/V are stored
+    rounded, and attention is the float32 attention over the cache's values. The kernel
+    reads every token's context from the cache (1e-5 of dense on the rounded K/V); the torch
+    path computes whole prompts from the step's own unrounded K/V (16-bit rounding apart)."""
+    qlens, slens = [1, 1, 7, 5, 6, 3], [9, 22, 7, 13, 6, 30]
+    kv, md, q, k, v, fk, fv = random_batch(qlens, slens, torch.float32, seed=5)
+    kv = kv.to(cache_dtype)
+    attn = PagedAttention(NH, HD, NKV, HD ** -0.5, use_kernel=use_kernel)
+    out = attn(q.reshape(len(q), -1), k.reshape(len(k), -1), v.reshape(len(v), -1), kv, md).view(-1, NH, HD)
+    assert out.dtype == torch.float32
+    assert torch.equal(kv[0].view(-1, NKV, HD)[md.slot_mapping], k.to(cache_dtype))
+    tol = 1e-5 if use_kernel else 2e-2
+    starts = md.query_starts()
+    for i in range(len(qlens)):
+        ref = dense_attention(q[starts[i]:starts[i + 1]], fk[i].to(cache_dtype), fv[i].to(cache_dtype))
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]], ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_kernel_matches_torch_path(dtype, window):

@@ -333,10 +333,12 @@ static inline __m256 hsum8x8(const __m256* a) {
 // and the P.V sum in NV registers over the request's rows, instead of the generic path's
 // per-key horizontal sum and per-key load/store of the output row (perf of a 32-row decode
 // on the AVX2 EPYC: decode_impl 12% of the samples, the largest after the packed linears).
-// Each token's arithmetic is the same whatever the step holds.
-template <int NV>
-static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_s1, const float* kp,
-                            const float* vp, const int32_t* btp, int64_t bt_s0, const int32_t* slp, int64_t n,
+// Each token's arithmetic is the same whatever the step holds. KV: the cache's element type
+// (float, or float16 / bfloat16 under float32 activations: half the bytes read, each element
+// widened exactly to float32 as it is loaded).
+template <int NV, typename KV>
+static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_s1, const KV* kp,
+                            const KV* vp, const int32_t* btp, int64_t bt_s0, const int32_t* slp, int64_t n,
                             int64_t nh, int64_t g, int64_t tok_stride, int64_t blk_stride, const BlockPos& bp,
                             float scale, int64_t window, float cap) {
   constexpr int64_t hd = NV * 8;
@@ -346,7 +348,7 @@ static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_
   // the same however the tasks are split, so a row's output does not depend on the step.
   auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> rows;
+    std::vector<const KV*> rows;
     int64_t rows_of = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / nh, h = w % nh;
@@ -375,12 +377,12 @@ static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_
         __m256 a[8];
         for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
         for (int c = 0; c < NV; ++c)
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i + j] + ko + c * 8), a[j]);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv[c], load8(rows[i + j] + ko + c * 8), a[j]);
         _mm256_storeu_ps(sc + i, hsum8x8(a));
       }
       for (; i < L; ++i) {
         __m256 a = _mm256_setzero_ps();
-        for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(rows[i] + ko + c * 8), a);
+        for (int c = 0; c < NV; ++c) a = _mm256_fmadd_ps(qv[c], load8(rows[i] + ko + c * 8), a);
         sc[i] = hsum8(a);
       }
       soft_cap(sc, L, cap);
@@ -389,8 +391,8 @@ static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_
       for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t k = 0; k < L; ++k) {
         const __m256 wk = _mm256_set1_ps(sc[k]);
-        const float* v = rows[k] + voff + ko;
-        for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(v + c * 8), acc[c]);
+        const KV* v = rows[k] + voff + ko;
+        for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(wk, load8(v + c * 8), acc[c]);
       }
       for (int c = 0; c < NV; ++c) _mm256_storeu_ps(ohead + c * 8, _mm256_mul_ps(acc[c], inv));
     }
@@ -402,7 +404,8 @@ static void decode_f32_avx2(float* op, const float* qp, int64_t q_s0, int64_t q_
 }
 #endif
 
-template <typename scalar_t>
+// scalar_t: q and out; cache_t: the KV cache (scalar_t, or float16 / bfloat16 under float32).
+template <typename scalar_t, typename cache_t>
 static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                         const at::Tensor& bt, const at::Tensor& sl, int64_t n,
                         double scale, int64_t window, double softcap) {
@@ -414,8 +417,8 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   const int64_t tok_stride = nkv * hd, blk_stride = bs * nkv * hd;
   const BlockPos bp(bs);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = kv.data_ptr<scalar_t>();
-  const scalar_t* vp = kp + kv.stride(0);
+  const cache_t* kp = static_cast<const cache_t*>(kv.data_ptr());
+  const cache_t* vp = kp + kv.stride(0);
   scalar_t* op = out.data_ptr<scalar_t>();
   const int32_t* btp = bt.data_ptr<int32_t>();
   const int64_t bt_s0 = bt.stride(0);
@@ -423,7 +426,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   const float fscale = static_cast<float>(scale);
   const bool vec = LLMSERVE_VEC_LANES > 0 && hd % LLMSERVE_VEC_LANES == 0;
 #if LLMSERVE_AVX512BF16
-  if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
+  if constexpr (std::is_same<scalar_t, at::BFloat16>::value && std::is_same<cache_t, at::BFloat16>::value) {
     if (hd == 64 || hd == 128) {
       // One task per request (all its KV heads, so each K/V row is read once).
       auto body = [&](int64_t begin, int64_t end) {
@@ -448,7 +451,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               continue;
             }
             const int32_t* tab = btp + pr * bt_s0;
-            const scalar_t* base = ppass == 0 ? kp : vp;
+            const cache_t* base = ppass == 0 ? kp : vp;
             const int64_t pend = std::min<int64_t>(p0 + 16, plen);
             for (int64_t p = p0; p < pend; ++p) {
               const char* row = reinterpret_cast<const char*>(base + tab[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride);
@@ -497,7 +500,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 #if LLMSERVE_AVX2
   if constexpr (std::is_same<scalar_t, float>::value) {
     if (hd == 64 || hd == 128) {
-      auto run = hd == 64 ? decode_f32_avx2<8> : decode_f32_avx2<16>;
+      auto run = hd == 64 ? decode_f32_avx2<8, cache_t> : decode_f32_avx2<16, cache_t>;
       run(op, qp, q_s0, q_s1, kp, vp, btp, bt_s0, slp, n, nh, g, tok_stride, blk_stride, bp, fscale, window, cap);
       return;
     }
@@ -531,7 +534,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       }
       const int32_t* table = btp + r * bt_s0;
       for (int64_t p = start; p < len; ++p) {
-        const scalar_t* row = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
+        const cache_t* row = kp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
         for (int64_t h = 0; h < hq; ++h)
           scores[h * L + (p - start)] = dot(qf.data() + h * hd, row + (h / g) * hd, hd, vec);
       }
@@ -541,7 +544,7 @@ static void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = start; p < len; ++p) {
-        const scalar_t* row = vp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
+        const cache_t* row = vp + table[bp.blk(p)] * blk_stride + bp.off(p) * tok_stride + kh0 * hd;
         for (int64_t h = 0; h < hq; ++h)
           axpy(acc.data() + h * hd, scores[h * L + (p - start)], row + (h / g) * hd, hd, vec);
       }
@@ -560,12 +563,18 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor 
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache: contiguous 5-d");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [n, heads, head_dim] with unit inner stride");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, q's shape");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and kv_cache must share a dtype");
+  const auto ct = kv_cache.scalar_type();
+  const bool narrow_cache = q.scalar_type() == at::kFloat && (ct == at::kHalf || ct == at::kBFloat16);
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && (ct == q.scalar_type() || narrow_cache),
+              "q and out share a dtype, and kv_cache has it or is float16/bfloat16 under float32 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
   TORCH_CHECK(q.size(2) == kv_cache.size(4) && q.size(1) % kv_cache.size(3) == 0, "head shapes");
   TORCH_CHECK(n <= q.size(0) && n <= block_tables.size(0) && n <= seq_lens.size(0), "n too large");
+  if (narrow_cache && ct == at::kHalf)
+    return decode_impl<float, at::Half>(out, q, kv_cache, block_tables, seq_lens, n, scale, window, softcap);
+  if (narrow_cache)
+    return decode_impl<float, at::BFloat16>(out, q, kv_cache, block_tables, seq_lens, n, scale, window, softcap);
   LLMSERVE_DISPATCH(q.scalar_type(), "paged_decode",
-                    decode_impl<scalar_t>(out, q, kv_cache, block_tables, seq_lens, n, scale, window, softcap));
+                    decode_impl<scalar_t, scalar_t>(out, q, kv_cache, block_tables, seq_lens, n, scale, window, softcap));
 }

@@ -88,6 +88,22 @@ static inline __m256 load8(const at::BFloat16* p) {
 static inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// 8 floats -> 8 elements, rounding to nearest even as c10's conversions do (NaN -> 0x7FC0 in
+// bfloat16): a float32 model's K/V into a narrower cache.
+static inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+static inline void store8(at::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+static inline void store8(at::BFloat16* p, __m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7fff));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  // packus keeps each 128-bit lane's four values twice; 64-bit elements 0 and 2 are the eight.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 static inline float hsum8(__m256 s) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
