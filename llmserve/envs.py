@@ -30,6 +30,8 @@ ENV_VARS: dict[str, tuple[Optional[str], str]] = {
     "LLMSERVE_CPU_OPS": (None, "0: use the pure-torch paths instead of the C++ CPU kernels"),
     "LLMSERVE_ONEDNN_LINEAR": (None, "0: keep dense weights and F.linear instead of oneDNN-packed linears"),
     "LLMSERVE_PACKED_WEIGHTS": (None, "0: dequantize GGUF Q4_0/Q4_1/Q8_0 weights only (no packed small-step GEMMs)"),
+    "LLMSERVE_TRANSFORMERS_IMPORT_CACHE": (None, "0: transformers builds its lazy-import tables at each start "
+                                                 "(no ~/.cache/llmserve/transformers-imports)"),
 }
 
 

@@ -79,6 +79,9 @@ def import_transformers_without_torch() -> bool:
     """
     if "transformers" in sys.modules:
         return not _transformers_sees_torch()
+    from llmserve.transformers_import_cache import install
+
+    install()  # its lazy-import tables from disk: ~0.7 s less of the ~1.2 s import
     with torch_hidden() as hidden:
         if not hidden:
             return False
