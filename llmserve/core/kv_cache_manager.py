@@ -440,14 +440,15 @@ class KVCacheManager:
         indexes in the request), with the parent hash and tokens of that run."""
         bs, toks = self.block_size, request.all_token_ids
         lora = getattr(request, "lora_request", None)
-        lora_id = lora.lora_int_id if lora is not None else None
+        lora_id, lora_name = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
         first = 0
         for k in range(1, len(fresh) + 1):
             if k < len(fresh) and fresh[k] == fresh[k - 1] + 1:
                 continue
             a, b = fresh[first], fresh[k - 1] + 1
             self.pool.events.append(BlockStored(hashes[a:b], hashes[a - 1] if a else None,
-                                                list(toks[a * bs:b * bs]), bs, lora_id, MEDIUM_PRIMARY))
+                                                list(toks[a * bs:b * bs]), bs, lora_id, MEDIUM_PRIMARY,
+                                                lora_name))
             first = k
 
     def take_events(self) -> list:

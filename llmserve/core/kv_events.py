@@ -41,7 +41,11 @@ class BlockStored(KVCacheEvent):
     (64-bit chain hashes, core/kv_cache_manager.hash_block_tokens); parent_block_hash:
     the hash of the block before the first one (None at the start of a sequence);
     token_ids: the blocks' tokens, ``block_size * len(block_hashes)`` of them; lora_id:
-    the adapter's int id (None: base model); medium: the KV tier."""
+    the adapter's int id (None: base model); medium: the KV tier; lora_name: the
+    adapter's name (newer vLLM's field, after ``medium``: an array consumer with vLLM's
+    documented six fields ignores it, as msgspec does trailing fields). Routers that hash
+    token ids themselves (vllm-router's ``kv_aware``) key an adapter's blocks by this
+    name, as the engine keeps two adapters' KV of one prompt apart."""
 
     block_hashes: list[int]
     parent_block_hash: Optional[int]
@@ -49,6 +53,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: Optional[int]
     medium: Optional[str]
+    lora_name: Optional[str] = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -68,12 +68,10 @@ def check_rank_endpoints(endpoint: str, replay_endpoint: Optional[str], data_par
 
 def as_tagged_map(event) -> dict:
     """One event in the map layout (``event_layout: "map"``): ``{"type": <class name>,
-    <field>: ...}`` with newer vLLM's extra fields (``lora_name`` None, ``group_idx`` 0:
-    one KV cache group)."""
+    <field>: ...}`` with newer vLLM's extra fields (a BlockStored's ``lora_name``: its
+    adapter's name, None for the base model; ``group_idx`` 0: one KV cache group)."""
     out = {"type": type(event).__name__, **msgspec.structs.asdict(event)}
-    if isinstance(event, BlockStored):
-        out.update(lora_name=None, group_idx=0)
-    elif isinstance(event, BlockRemoved):
+    if isinstance(event, (BlockStored, BlockRemoved)):
         out["group_idx"] = 0
     return out
 

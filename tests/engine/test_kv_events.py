@@ -5,6 +5,8 @@ engine's prefix cache after evictions and after a reset, a subscriber that start
 recovers every batch through the replay socket, and a bad config names its field."""
 from __future__ import annotations
 
+import hashlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -179,3 +181,54 @@ def test_the_start_log_says_when_the_endpoint_is_connected_to_not_bound(caplog):
             pub = make_kv_event_publisher(config)
         pub.shutdown()
         assert ("use tcp://*:PORT" in caplog.text) == connects, caplog.text
+
+
+def _router_block_keys(token_ids: list[int], block_size: int, lora_name=None) -> list[bytes]:
+    """vllm-router's own key of each full block (src/kv_index/local_hash.rs, what its
+    kv_aware index matches a request's tokens against): sha256 of the adapter's name, then
+    each token id as 4 little-endian bytes; no chaining, no engine hash."""
+    keys = []
+    for i in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.sha256(lora_name.encode() if lora_name else b"")
+        for t in token_ids[i:i + block_size]:
+            h.update(t.to_bytes(4, "little"))
+        keys.append(h.digest())
+    return keys
+
+
+def test_events_give_a_router_the_request_block_keys_of_each_adapter():
+    """A KV-aware router that keys blocks by their tokens and adapter (vllm-router's
+    kv_aware) finds in a BlockStored exactly the keys it computes from the request's
+    tokens: ``token_ids`` per ``block_size``, and ``lora_name`` for an adapter's blocks
+    (it was always None, so an adapter's KV was indexed as the base model's). In the
+    array layout lora_name is the seventh field (after ``medium``, as vLLM added it), and
+    the six-field structs of vLLM's documented subscriber still decode the event."""
+    import msgspec
+
+    from llmserve.core.kv_cache_manager import KVCacheManager
+    from llmserve.core.request import Request
+    from llmserve.distributed.kv_events import as_tagged_map
+
+    prompt = list(range(1000, 1000 + 2 * BLOCK + 5))
+    m = KVCacheManager(num_blocks=20, block_size=BLOCK, enable_kv_cache_events=True)
+    for rid, lora in (("base", None), ("sql", SimpleNamespace(lora_int_id=3, lora_name="sql-adapter"))):
+        r = Request(rid, prompt, SamplingParams(max_tokens=1), eos_token_id=None)
+        r.lora_request = lora
+        m.allocate_slots(r, len(prompt))
+        r.num_computed_tokens = len(prompt)
+        m.cache_blocks(r, len(prompt))
+    events = m.take_events()
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode([as_tagged_map(e) for e in events]))
+    stored = {e["lora_name"]: e for e in wire if e["type"] == "BlockStored"}
+    assert set(stored) == {None, "sql-adapter"}
+    for name, ev in stored.items():
+        assert len(ev["block_hashes"]) == 2 and ev["block_size"] == BLOCK and ev["group_idx"] == 0
+        assert _router_block_keys(ev["token_ids"], ev["block_size"], ev["lora_name"]) == \
+            _router_block_keys(prompt, BLOCK, name)
+    assert stored[None]["lora_id"] is None and stored["sql-adapter"]["lora_id"] == 3
+    assert stored[None]["block_hashes"] != stored["sql-adapter"]["block_hashes"]  # the engine keeps them apart
+    assert not set(_router_block_keys(prompt, BLOCK)) & set(_router_block_keys(prompt, BLOCK, "sql-adapter"))
+    arrays = [a for a in msgspec.msgpack.decode(msgspec.msgpack.encode(events)) if a[0] == "BlockStored"]
+    assert [a[-1] for a in arrays] == [None, "sql-adapter"] and {len(a) for a in arrays} == {1 + 7}  # tag + fields
+    decoded = msgspec.msgpack.Decoder(BlockStored).decode(msgspec.msgpack.encode(events[-1]))
+    assert decoded.token_ids == prompt[:2 * BLOCK] and decoded.lora_id == 3
