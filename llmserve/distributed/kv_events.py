@@ -207,3 +207,39 @@ def make_kv_event_publisher(config) -> Optional[ZmqEventPublisher | NullEventPub
     logger.info("KV cache events: %s %s (replay %s), topic %r, data-parallel rank %d",
                 how, pub.endpoint, pub.replay_endpoint, kec.topic, rank)
     return pub
+
+
+# /kv_event_sources' entry schema (what vllm-router 0.1.17's kv_aware discovery reads): the
+# stream is msgpack; schema 1 is the map layout (each event a map tagged "type", newest
+# vLLM's), 0 the array-like structs of vLLM's documented subscriber example. vllm-router
+# subscribes only to schema 1 and skips any other entry without a log line.
+SOURCE_ENCODING = "msgpack"
+SOURCE_SCHEMA_VERSIONS = {"map": 1, "array": 0}
+
+
+def kv_event_sources(config, ranks) -> dict[str, dict]:
+    """The KV event publishers of the data-parallel ``ranks`` an API server fronts, for
+    ``GET /kv_event_sources``: ``{"<rank>": {endpoint, replay_endpoint, topic, hwm,
+    buffer_steps, publisher, encoding, schema_version, enable_kv_cache_events}}``, each
+    endpoint with rank r's port offset (``offset_endpoint_port``). Empty when the engines
+    publish nothing (the rule of :func:`make_kv_event_publisher`) and for an endpoint the
+    publisher connects to (a subscriber that binds owns it: nothing there to connect to).
+
+    A wildcard host (``tcp://*:5557``) is sent as bound: a consumer puts the worker's host
+    in its place (vllm-router does). The topic matters: vllm-router's static
+    ``--kv-event-source`` reads only the empty topic and drops every other batch
+    silently, while a discovered source carries its topic."""
+    kec = getattr(config, "kv_events_config", None)
+    if kec is None or not kec.publishes or not config.cache_config.enable_prefix_caching:
+        return {}
+    sources = {}
+    for rank in ranks:
+        endpoint = offset_endpoint_port(kec.endpoint, rank)
+        if not _binds(endpoint):
+            continue
+        sources[str(rank)] = {
+            "endpoint": endpoint, "replay_endpoint": offset_endpoint_port(kec.replay_endpoint, rank),
+            "topic": kec.topic, "hwm": kec.hwm, "buffer_steps": kec.buffer_steps, "publisher": kec.publisher,
+            "encoding": SOURCE_ENCODING, "schema_version": SOURCE_SCHEMA_VERSIONS[kec.event_layout],
+            "enable_kv_cache_events": True}
+    return sources

@@ -2,12 +2,19 @@
 cache-aware policy in front of two instances keeps each conversation's turns on one
 instance, so the pair's prefix-cache hit rate on a multi-turn chat trace stays within 10%
 of one instance's (slow); the metrics Kubernetes routers scrape are there with vLLM's
-names. The make-test twin puts the router in front of the shared tiny server."""
+names. The make-test twin puts the router in front of the shared tiny server. The
+kv_aware policy, given only the worker URLs, finds each instance's KV events through
+/get_server_info and /kv_event_sources and sends a prompt to the instance whose cache
+holds its prefix (slow; the make-test twin checks both routes on the shared server)."""
 from __future__ import annotations
 
+import json
+import time
+
+import httpx
 import pytest
 
-from llmserve.benchmarks.router_trace import (ROUTER_METRICS, multi_turn_trace, prefix_hit_rate, run_trace,
+from llmserve.benchmarks.router_trace import (ROUTER_METRICS, free_port, multi_turn_trace, prefix_hit_rate, run_trace,
                                               scrape, start_router)
 from tests.e2e.e2e_utils import API_KEY, RemoteServer
 
@@ -65,3 +72,46 @@ def test_pair_behind_cache_aware_router_keeps_the_prefix_cache_hit_rate(tiny_mod
     pair_rate = prefix_hit_rate(before, after)
     print(f"prefix-cache hit rate: single {single_rate:.3f}, pair {pair_rate:.3f}; requests per instance {served}")
     assert single_rate > 0.3 and pair_rate >= 0.9 * single_rate
+
+
+def test_kv_aware_discovery_routes_answer_on_the_shared_server(tiny_server):
+    """What vllm-router's kv_aware asks a worker first: without ``kv_block_size`` it
+    indexes nothing; this server publishes no KV events, so no source."""
+    info = tiny_server.http.get("/get_server_info").json()
+    assert info["model_id"] == "tiny" and info["kv_block_size"] == info["effective_attention_block_size"] > 0
+    assert tiny_server.http.get("/kv_event_sources").json() == {}
+
+
+def _tiny_with_kv_events(tiny_model_dir) -> RemoteServer:
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
+              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv", "event_layout": "map"}
+    return RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
+                         "--kv-cache-memory", "32MiB", "--num-threads", "1",
+                         "--kv-events-config", json.dumps(events)], api_key=None)
+
+
+@pytest.mark.slow
+def test_kv_aware_router_sends_a_prefix_to_the_instance_that_cached_it(tiny_model_dir):
+    """A prefix sent straight to the second instance, then four prompts sharing it sent
+    through the router: all four go to that instance and find the prefix cached (before
+    the discovery routes every lookup missed and requests went by load; with static
+    --kv-event-source flags the topic "kv" made the router drop every batch)."""
+    pair = [_tiny_with_kv_events(tiny_model_dir) for _ in range(2)]
+    router, url = start_router([s.url_root for s in pair], "kv_aware")
+    prefix = " ".join(f"Line {i}: the river runs past the old mill." for i in range(20))
+    try:
+        pair[1].http.post("/v1/completions", json={"model": "tiny", "prompt": prefix, "max_tokens": 1})
+        time.sleep(1.0)  # the router indexes the events asynchronously
+        before = [scrape(s.url_root) for s in pair]
+        for i in range(4):
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": f"{prefix} Question {i}?",
+                                                           "max_tokens": 1}, timeout=60)
+            assert r.status_code == 200, r.text
+        after = [scrape(s.url_root) for s in pair]
+    finally:
+        _stop(router)
+        for s in pair:
+            s.stop()
+    served = [a["vllm:request_success_total"] - b["vllm:request_success_total"] for a, b in zip(after, before)]
+    assert served == [0, 4], served
+    assert prefix_hit_rate(before, after) > 0.5

@@ -65,6 +65,7 @@ from llmserve.entrypoints.openai.models.lora_router import register_lora_api_rou
 from llmserve.entrypoints.openai.models.serving import BaseModelPath, OpenAIServingModels
 from llmserve.entrypoints.openai.multi_api_server import run_api_servers
 from llmserve.entrypoints.openai.multi_model import build_extra_engine_clients, init_multi_model_state
+from llmserve.entrypoints.openai.kv_event_sources import register_kv_event_sources_api_routers
 from llmserve.entrypoints.openai.render import register_render_api_routers
 from llmserve.entrypoints.openai.request_timelines.api_router import register_request_timeline_api_routers
 from llmserve.entrypoints.openai.request_timelines.labels import RequestLabelsMiddleware
@@ -110,6 +111,7 @@ API_ROUTER_REGISTRARS = (
     register_infill_api_routers,
     register_tokenize_api_routers,
     register_render_api_routers,
+    register_kv_event_sources_api_routers,
     register_responses_api_routers,
     register_embeddings_api_routers,
     register_sagemaker_api_routers,
