@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncGenerator, Iterable, Mapping, Optional, Union
+from typing import Any, AsyncGenerator, Callable, Iterable, Mapping, Optional, Union
 
 from llmserve.config import EngineConfig
 from llmserve.core.outputs import FinishReason
@@ -137,7 +137,8 @@ class AsyncLLM(EngineClient):
                  usage_context: UsageContext = UsageContext.ENGINE_CONTEXT, mm_registry: Any = None,
                  use_cached_outputs: bool = False, log_requests: bool = False, start_engine_loop: bool = True,
                  stat_loggers: Optional[list] = None, client_addresses: Optional[dict[str, str]] = None,
-                 client_count: int = 1, client_index: int = 0) -> None:
+                 client_count: int = 1, client_index: int = 0,
+                 on_tokenizer: Optional[Callable[[Any], Any]] = None) -> None:
         from llmserve.executor import Executor
 
         if executor_class is None:
@@ -151,9 +152,12 @@ class AsyncLLM(EngineClient):
         self.output_handler: Optional[asyncio.Task] = None
         self._stall_watcher: Optional[asyncio.Task] = None
         # The engine process loads the model while we load the tokenizer.
+        # on_tokenizer: the caller's own start-up work on the tokenizer, in the same thread
+        # (the server's prompt-length limit), while the engine still loads.
         engine_core, self.tokenizer = start_engine_and_frontend(
             vllm_config, lambda: EngineCoreClient.make_async_mp_client(
-                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index))
+                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index),
+            on_tokenizer)
         # The model's generation-config sampling defaults, computed once into the model
         # config (vLLM's get_diff_sampling_param); the server applies them to unset fields.
         self.generation_config_defaults = self.model_config.get_diff_sampling_param()
@@ -188,9 +192,11 @@ class AsyncLLM(EngineClient):
                          usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
                          stat_loggers: Optional[list] = None, enable_log_requests: bool = False,
                          disable_log_stats: bool = False, client_addresses: Optional[dict[str, str]] = None,
-                         client_count: int = 1, client_index: int = 0, **kwargs: Any) -> "AsyncLLM":
+                         client_count: int = 1, client_index: int = 0,
+                         on_tokenizer: Optional[Callable[[Any], Any]] = None, **kwargs: Any) -> "AsyncLLM":
         """AsyncLLM over a built config; the executor is ``Executor.get_class(vllm_config)``.
-        ``log_requests``/``log_stats`` are accepted as aliases of the enable/disable flags."""
+        ``log_requests``/``log_stats`` are accepted as aliases of the enable/disable flags;
+        ``on_tokenizer``: see ``llm_engine.start_engine_and_frontend``."""
         from llmserve.executor import Executor
 
         log_requests = kwargs.pop("log_requests", enable_log_requests)
@@ -200,7 +206,7 @@ class AsyncLLM(EngineClient):
         return cls(vllm_config, executor_class=Executor.get_class(vllm_config), log_stats=log_stats,
                    usage_context=usage_context, log_requests=log_requests, start_engine_loop=start_engine_loop,
                    stat_loggers=stat_loggers, client_addresses=client_addresses, client_count=client_count,
-                   client_index=client_index)
+                   client_index=client_index, on_tokenizer=on_tokenizer)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True,

@@ -40,13 +40,26 @@ def load_frontend(config: EngineConfig):
     return get_model_tokenizer(config.model_config)
 
 
-def start_engine_and_frontend(config: EngineConfig, make_client: Callable[[], Any]) -> tuple[Any, Any]:
+def start_engine_and_frontend(config: EngineConfig, make_client: Callable[[], Any],
+                              on_tokenizer: Optional[Callable[[Any], Any]] = None) -> tuple[Any, Any]:
     """Start the engine client (``make_client()``, which loads the model, in a child
     process or here) while the tokenizer loads in a thread, so the two overlap.
-    Returns (client, tokenizer); on failure of either, the client is shut down and the
-    error raised."""
+    ``on_tokenizer(tokenizer)``: more of the caller's start-up work on the tokenizer, run
+    in that thread too (best effort: an error is logged and left for the caller's own
+    call to raise). Returns (client, tokenizer); on failure of either, the client is shut
+    down and the error raised."""
+
+    def frontend_work() -> Any:
+        tokenizer = load_frontend(config)
+        if on_tokenizer is not None:
+            try:
+                on_tokenizer(tokenizer)
+            except Exception as e:  # noqa: BLE001 - a warm-up; the caller meets the error itself
+                logger.debug("tokenizer warm-up failed: %s", e)
+        return tokenizer
+
     with ThreadPoolExecutor(1, thread_name_prefix="llmserve-frontend") as pool:
-        frontend = pool.submit(load_frontend, config)
+        frontend = pool.submit(frontend_work)
         client = make_client()
         try:
             tokenizer = frontend.result()

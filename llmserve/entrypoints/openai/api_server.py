@@ -45,7 +45,7 @@ from llmserve.entrypoints.openai.chat_completion.api_router import register_chat
 from llmserve.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 from llmserve.entrypoints.openai.completion.api_router import register_completion_api_routers
-from llmserve.entrypoints.openai.common.limits import PromptCharLimit
+from llmserve.entrypoints.openai.common.limits import PromptCharLimit, longest_token_chars
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
 from llmserve.entrypoints.openai.infill.api_router import register_infill_api_routers
 from llmserve.entrypoints.openai.classify.api_router import register_classify_api_routers
@@ -206,8 +206,11 @@ async def build_async_engine_client_from_engine_args(
         loggers.append(PrometheusStatLogger(config, engine_index=first))
     # vLLM's name is from_vllm_config; engines that predate it have from_engine_config.
     make = getattr(AsyncLLM, "from_vllm_config", None) or AsyncLLM.from_engine_config
+    # The prompt-length limit (init_app_state) decodes the whole vocabulary, ~0.2 s: done
+    # in the tokenizer's thread while the engine loads, not after (its result is memoized).
     engine_client = make(config, log_requests=not engine_args.disable_log_requests,
-                         log_stats=not engine_args.disable_log_stats, stat_loggers=loggers, **(client_config or {}))
+                         log_stats=not engine_args.disable_log_stats, stat_loggers=loggers,
+                         on_tokenizer=longest_token_chars, **(client_config or {}))
     try:
         yield engine_client
     finally:
