@@ -19,9 +19,9 @@ same GGUF file (the default model's, SmolLM2-135M-Instruct Q4_1), in one run, as
    llmserve run, 0.15-0.25 s for llmserve during a llama-server one (per-thread /proc stat).
 4. RSS after the load.
 
-Both hold K/V in 16 bits: llama-server's default cache type is float16, and llmserve gets
-``--kv-cache-dtype float16`` where its model runs in float32 (a bfloat16 model's cache is
-bfloat16 already); ``--kv-cache-dtype auto`` measures llmserve's own default instead.
+Both hold K/V in 16 bits by default: llama-server's cache type is float16, llmserve's
+``--kv-cache-dtype auto`` is float16 for a GGUF model under float32 activations (bfloat16
+where the model runs in bfloat16); ``--kv-cache-dtype float32`` measures a float32 cache.
 
 llama-server runs with ``--parallel`` slots (default 32), ``-c`` = slots x 512 tokens (each
 slot holds a 128-token prompt + chat template + 128 output tokens) and the same thread count
@@ -188,8 +188,9 @@ def _start_both(args, serve_extra: list[str], gguf_path: str) -> tuple:
     threads = str(args.threads or os.cpu_count())
     # the K-quant file served under the default name: the bench and the first chat ask for MODEL
     model = ["--model", gguf_path, "--served-model-name", MODEL] if args.gguf else []
-    ours_cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(args.port), *model,
-                "--kv-cache-dtype", args.kv_cache_dtype, *[a for a in serve_extra if a != "--"]]
+    kv = ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+    ours_cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(args.port), *model, *kv,
+                *[a for a in serve_extra if a != "--"]]
     llama_cmd = [args.llama_server, "-m", gguf_path, "-t", threads, "-tb", threads, "-np", str(args.parallel),
                  "-c", str(args.parallel * 512), "--port", str(args.llama_port)]
     servers = [("llmserve", ours_cmd, ours_url)]
@@ -234,14 +235,9 @@ def main() -> None:
                                                 "the default model); default: the default model's Q4_1 file")
     p.add_argument("--llama-port", type=int, default=8932)
     p.add_argument("--kv-cache-dtype", default=None,
-                   help="llmserve's --kv-cache-dtype; default: float16 where the model runs in float32 (CPUs without "
-                        "bfloat16), the KV precision of llama-server's default cache (-ctk/-ctv f16), else 'auto' (a "
-                        "bfloat16 model's cache is 16-bit already); 'auto' measures llmserve's own default")
+                   help="llmserve's --kv-cache-dtype (default: its own, 16-bit for a GGUF model as llama-server's f16 "
+                        "cache); float32 measures a float32 cache on CPUs without bfloat16")
     args, serve_extra = p.parse_known_args()
-    if args.kv_cache_dtype is None:
-        from llmserve.config import resolve_dtype
-        args.kv_cache_dtype = "float16" if resolve_dtype("auto", "cpu") == "float32" else "auto"
-    print(f"llmserve --kv-cache-dtype {args.kv_cache_dtype}", flush=True)
     from llmserve.benchmarks.hf_backend import resolve_model_files
     path, gguf = resolve_model_files("SmolLM2-135M-Instruct")
     gguf_path = os.path.abspath(args.gguf) if args.gguf else os.path.join(path, gguf)

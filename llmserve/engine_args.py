@@ -191,7 +191,7 @@ class EngineArgs:
     convert: str = field(default="auto", metadata=_help("auto, none, embed or classify (vLLM's --convert): embed runs a causal LM as an embedding model (last-token pooling, normalised); classify runs a *ForSequenceClassification checkpoint's classification head (auto picks it from the architecture)."))
     # ---- cache
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens."))
-    kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: 'auto' (the model's dtype), or 'bfloat16' / 'float16' under a float32 model (half the KV bytes; llama.cpp's default cache is float16); fp8 caches are " + _NOT_YET + "."))
+    kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: 'auto' (the model's dtype; float16 for quantized weights run on the packed kernels under float32 activations, dtype auto on CPUs without bfloat16, as llama.cpp's default cache), or 'bfloat16' / 'float16' / 'float32' under a float32 model (16 bits: half the KV bytes); fp8 caches are " + _NOT_YET + "."))
     kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; made resident while the engine is idle)."))
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata=_help("KV cache size in bytes (vLLM's name; same as --kv-cache-memory)."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help("Accepted for vLLM compatibility; the KV cache is sized by --kv-cache-memory (as vLLM's CPU backend)."))

@@ -8,12 +8,14 @@ import argparse
 import dataclasses
 import logging
 import os
+from types import SimpleNamespace
 
 import cloudpickle
 import pytest
 
 from llmserve import LLM, EngineArgs, SamplingParams
-from llmserve.config import (CompilationConfig, CompilationMode, EngineConfig, KVTransferConfig, VllmConfig)
+from llmserve.config import (CacheConfig, CompilationConfig, CompilationMode, EngineConfig, KVTransferConfig,
+                             VllmConfig)
 from llmserve.engine_args import AsyncEngineArgs, log_non_default_args
 from llmserve.worker.model_runner import ModelRunner
 
@@ -132,14 +134,25 @@ def test_values_not_honoured_yet_raise_naming_the_field(tiny_dir, name, value):
 
 def test_kv_cache_dtype_narrows_a_float32_model_only(tiny_dir):
     """--kv-cache-dtype (vLLM's names): float16 / bfloat16 under a float32 model; a bfloat16
-    model keeps its own dtype; fp8 is refused (test above)."""
-    for name in ("float16", "bfloat16"):
+    model keeps its own dtype; fp8 is refused (test above). "auto" is the model's dtype but
+    for quantized weights on the packed kernels under float32 (llama.cpp's float16 cache)."""
+    for name in ("float16", "bfloat16", "float32"):
         cfg = _args(tiny_dir, dtype="float32", kv_cache_dtype=name).create_engine_config()
-        assert cfg.cache_config.kv_dtype(cfg.model_config.dtype) == name
+        assert cfg.cache_config.kv_dtype(cfg.model_config) == name
     cfg = _args(tiny_dir, dtype="bfloat16", kv_cache_dtype="bfloat16").create_engine_config()
-    assert cfg.cache_config.kv_dtype("bfloat16") == "bfloat16"
-    with pytest.raises(ValueError, match="kv_cache_dtype='float16' needs a float32 model"):
-        _args(tiny_dir, dtype="bfloat16", kv_cache_dtype="float16").create_engine_config()
+    assert cfg.cache_config.kv_dtype(cfg.model_config) == "bfloat16"
+    for bad in ("float16", "float32"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{bad}' needs a float32 model"):
+            _args(tiny_dir, dtype="bfloat16", kv_cache_dtype=bad).create_engine_config()
+    auto = CacheConfig()
+    dense = _args(tiny_dir).create_engine_config().model_config  # safetensors: the exact dtype
+    assert auto.kv_dtype(dense) == dense.dtype
+    for dtype, packed, quant, want in [("float32", True, "gguf", "float16"),
+                                       ("float32", True, "compressed-tensors", "float16"),
+                                       ("float32", False, "gguf", "float32"),  # --dtype float32: exact
+                                       ("bfloat16", False, "gguf", "bfloat16")]:
+        mc = SimpleNamespace(dtype=dtype, packed_float32=packed, quantization=quant)
+        assert auto.kv_dtype(mc) == want
 
 
 def test_accepted_fields_reach_the_config(tiny_dir):

@@ -94,7 +94,7 @@ def layout_fields(vllm_config: Any) -> dict[str, Any]:
               "quantization": mc.quantization, "block_size": vllm_config.cache_config.block_size,
               "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
               "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size}
-    kv_dtype = vllm_config.cache_config.kv_dtype(mc.dtype)
+    kv_dtype = vllm_config.cache_config.kv_dtype(mc)
     if kv_dtype != mc.dtype:
         fields["kv_cache_dtype"] = kv_dtype
     return fields
@@ -201,7 +201,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         mc = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.block_nbytes = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
-                             * _ELEMENT_BYTES.get(vllm_config.cache_config.kv_dtype(mc.dtype), 4))
+                             * _ELEMENT_BYTES.get(vllm_config.cache_config.kv_dtype(mc), 4))
         self.key = layout_key(layout_fields(vllm_config))
         role_name = vllm_config.kv_transfer_config.kv_role
         self.folder = self._layout_folder(role)

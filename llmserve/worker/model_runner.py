@@ -118,8 +118,9 @@ class ModelRunner:
         self.model_config = mc
         self.device = torch.device(mc.device)
         self.dtype = _DTYPES[mc.dtype]
-        # The KV cache's dtype: the model's, or float16/bfloat16 under float32 (--kv-cache-dtype).
-        self.kv_dtype = _DTYPES[config.cache_config.kv_dtype(mc.dtype)]
+        # The KV cache's dtype (--kv-cache-dtype, CacheConfig.kv_dtype): the model's, or 16-bit
+        # under float32 activations.
+        self.kv_dtype = _DTYPES[config.cache_config.kv_dtype(mc)]
         self.block_size = config.cache_config.block_size
         self.model: Optional[torch.nn.Module] = None
         self.lora_manager = None  # llmserve.lora.worker_manager.LoRAModelManager with enable_lora
