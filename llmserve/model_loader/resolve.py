@@ -252,9 +252,9 @@ def load_hf_config(resolved: ResolvedModel) -> Any:
     """The transformers ``PretrainedConfig`` of a resolved model (a fresh copy per call).
 
     HF directory: ``AutoConfig.from_pretrained(path)``; GGUF: ``AutoConfig.from_pretrained(
-    path, gguf_file=...)`` (reads the GGUF metadata: ~0.5 s for SmolLM2 with FastGGUFReader, ~6.6 s with gguf.GGUFReader; cached). GGUF configs
-    carry no ``architectures``; it is filled in from ``model_type`` (llama ->
-    LlamaForCausalLM, ...). Raises ValueError when transformers cannot read the config.
+    path, gguf_file=...)`` (reads the GGUF metadata: ~0.5 s for SmolLM2 with FastGGUFReader,
+    ~6.6 s with gguf.GGUFReader; cached). GGUF configs carry no ``architectures``; it is
+    filled in from ``model_type`` (llama -> LlamaForCausalLM, ...). Raises ValueError when transformers cannot read the config.
     """
     try:
         config = _load_hf_config_cached(resolved.path, resolved.gguf_file)
