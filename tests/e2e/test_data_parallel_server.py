@@ -3,7 +3,8 @@ client works unchanged), /metrics has one series per rank (engine label), and SI
 one rank fails the requests in flight (an error, not a hang), /health stops answering 200
 and the server exits by itself (as vLLM's does when an engine dies), leaving no engine.
 Issue 35: the X-data-parallel-rank header pins a request's rank (400 naming it when bad),
-and each rank publishes its KV events on its own endpoint, stamped with its rank."""
+and each rank publishes its KV events on its own endpoint, stamped with its rank, which
+/kv_event_sources lists per rank."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -87,6 +88,11 @@ def test_x_data_parallel_rank_header_pins_the_rank_and_each_rank_publishes_kv_ev
             sub.sync()
             assert sub.count(BlockStored) > 0
             assert {b.data_parallel_rank for b in sub.batches.values()} == {rank}
+        # what a KV-aware router discovers: each rank's own endpoints (vllm-router's kv_aware)
+        sources = dp_server.http.get("/kv_event_sources").json()
+        assert {r: (e["endpoint"], e["replay_endpoint"]) for r, e in sources.items()} == {
+            "0": (f"ipc://{kv_event_dir}/ev", f"ipc://{kv_event_dir}/replay"),
+            "1": (f"ipc://{kv_event_dir}/ev_dp1", f"ipc://{kv_event_dir}/replay_dp1")}
     finally:
         for sub in subs:
             sub.close()
