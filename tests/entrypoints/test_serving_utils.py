@@ -194,5 +194,18 @@ def test_renamed_param_keeps_prose_words_and_other_fields():
     assert str(e) == "`max_output_tokens` must be >= 1 (max_tokens_x stays)"
     same = SamplingParamsError("n must be 1", "n")
     assert renamed_param(same, {"max_tokens": "max_output_tokens"}) is same
+
+
+def test_context_char_limit_names_the_responses_field():
+    """The character guard's overflow on /v1/responses (found with Codex): the message and
+    param both say `input`, and it stays a context overflow."""
+    from llmserve.entrypoints.openai.common.limits import PromptCharLimit
+    from llmserve.sampling_params import ContextLengthExceededError
+    with pytest.raises(ContextLengthExceededError) as info:
+        PromptCharLimit(16, 4, True).check(["x" * 300_000], "messages")
+    e = renamed_param(info.value, {"messages": "input"})
+    assert isinstance(e, ContextLengthExceededError) and e.param == "input"
+    assert "`input` holds 300000 characters" in str(e) and str(e).endswith("reduce the length of `input`.")
+    assert "messages" not in str(e)
     sub = SamplingParamsError("structured_outputs.json is nested too deeply.", "structured_outputs")
     assert str(renamed_param(sub, {"structured_outputs": "tools"})) == str(sub)

@@ -172,7 +172,7 @@ class PromptCharLimit:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, `{param}` "
                 f"holds {chars} {kind}, and no token of this model stands for more than "
                 f"{self.max_token_chars} characters, so that is more than {chars // self.max_token_chars} "
-                f"tokens, which cannot fit. Please reduce the length of the {param}.", param)
+                f"tokens, which cannot fit. Please reduce the length of `{param}`.", param)
 
 
 def message_texts(messages: Iterable[Any]) -> list[str]:

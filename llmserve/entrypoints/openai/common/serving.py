@@ -234,7 +234,9 @@ def renamed_param(e: SamplingParamsError, names: Mapping[str, str]) -> SamplingP
         message = name + message[len(e.param):]
     if "_" in e.param:
         message = re.sub(rf"(?<![\w.`]){re.escape(e.param)}(?![\w`]|\.\w)", name, message)
-        message = message.replace(f"`{e.param}`", f"`{name}`")
+    # A field in backticks is the identifier whatever its spelling (the context limit's
+    # "`messages` holds N characters" is `input` on /v1/responses).
+    message = message.replace(f"`{e.param}`", f"`{name}`")
     # A context overflow stays one: its code ("context_length_exceeded") is what clients test.
     kind = ContextLengthExceededError if isinstance(e, ContextLengthExceededError) else SamplingParamsError
     return kind(message, name)
