@@ -30,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import threading
 from typing import Iterator
+
+from llmserve.shared_patch import SharedPatch
 
 _TORCH = "torch"
 # transformers' one-line notice when it finds no torch (logged by its ``transformers``
@@ -96,9 +97,7 @@ def _transformers_sees_torch() -> bool:
     return bool(is_torch_available())
 
 
-_gguf_lock = threading.Lock()
-_gguf_depth = 0
-_gguf_saved: list = []
+_GGUF_TORCH_CHECK = SharedPatch()
 
 
 @contextlib.contextmanager
@@ -115,21 +114,10 @@ def gguf_metadata_reads() -> Iterator[None]:
     the config and the tokenizer may load in two threads at once). Reading tensors
     (``return_tensors=True``) in such a process is not supported.
     """
-    global _gguf_depth
     if "transformers" not in sys.modules or _transformers_sees_torch():
         yield
         return
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    with _gguf_lock:
-        if _gguf_depth == 0:
-            _gguf_saved.append(gguf_utils.is_torch_available)
-            gguf_utils.is_torch_available = lambda: True
-        _gguf_depth += 1
-    try:
+    with _GGUF_TORCH_CHECK.applied(gguf_utils, "is_torch_available", lambda: True):
         yield
-    finally:
-        with _gguf_lock:
-            _gguf_depth -= 1
-            if _gguf_depth == 0:
-                gguf_utils.is_torch_available = _gguf_saved.pop()

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import struct
-import threading
 from typing import Any, Iterator
 
 import numpy as np
 from gguf import GGUFReader
 from gguf.constants import GGUFValueType
+
+from llmserve.shared_patch import SharedPatch
 
 _U64 = struct.Struct("<Q")
 _DTYPES: dict[Any, np.dtype] = {}
@@ -100,9 +101,7 @@ class FastGGUFReader(GGUFReader):
         return super()._get_field_parts(orig_offs, raw_type)  # arrays of arrays
 
 
-_lock = threading.Lock()
-_depth = 0
-_saved: list = []
+_READER = SharedPatch()
 
 
 @contextlib.contextmanager
@@ -112,16 +111,5 @@ def fast_gguf_reads() -> Iterator[None]:
     thread-safe (a depth count: the config and the tokenizer load in two threads)."""
     import gguf
 
-    global _depth
-    with _lock:
-        if _depth == 0:
-            _saved.append(gguf.GGUFReader)
-            gguf.GGUFReader = FastGGUFReader
-        _depth += 1
-    try:
+    with _READER.applied(gguf, "GGUFReader", FastGGUFReader):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                gguf.GGUFReader = _saved.pop()
