@@ -38,7 +38,7 @@ _SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed_executor_backend": (lambda v: v in (None, "uni", "mp", "ray"), "use None, 'uni', 'mp' or 'ray'"),
     "tokenizer_mode": (lambda v: v in ("auto", "hf"), "use 'auto' or 'hf'"),
     "skip_tokenizer_init": (lambda v: not v, "the engine detokenizes, so it needs the tokenizer"),
-    "kv_cache_dtype": (lambda v: v in KV_CACHE_DTYPES, "fp8 caches; use 'auto', 'bfloat16', 'float16' or 'float32'"),
+    "kv_cache_dtype": (lambda v: v in KV_CACHE_DTYPES, "use 'auto', 'bfloat16', 'float16' or 'float32'; no fp8 cache"),
     "cpu_offload_gb": (lambda v: v == 0, "weight offloading; use 0"),
     "long_prefill_token_threshold": (lambda v: v == 0, "the scheduler has no long-prefill cap; use 0"),
     "max_num_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; use 1"),

@@ -182,9 +182,9 @@ class EngineCore(SleepModeMixin):
 
             self.lora_registry = LoRARegistry(config.lora_config, self.model_executor,
                                               lambda: active_lora_ids(self.scheduler.requests.values()))
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency for %d-token "
-                    "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs, max_len,
-                    (num_blocks - 1) * bs / max_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens) in %s; max concurrency for %d-token "
+                    "requests: %.2fx", num_blocks - 1, bs, (num_blocks - 1) * bs,
+                    config.cache_config.kv_dtype(config.model_config), max_len, (num_blocks - 1) * bs / max_len)
 
     @property
     def model_runner(self):
