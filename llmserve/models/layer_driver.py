@@ -3,13 +3,13 @@
 ``LlamaForCausalLM.forward`` runs its layers here when :func:`run_layers` can: every linear
 of every layer runs on its GGUF blocks at every step (``Linear.packed_only``; no LoRA
 wrappers, no tensor parallelism), the layers are the plain Llama / Mistral / Qwen2 /
-Qwen3 ones, every token's attention goes through the CPU paged kernel (the KV caches
-in the model dtype or float16/bfloat16 under float32, one KV cache group) and the C++ kernels are built. The driver
-(``csrc/layer_driver.cpp``, ``LlamaLayers``) calls the same kernels in the same order on
-the same tensors as the Python loop, so its outputs are the same numbers (tested bit for
-bit); it only removes the interpreter between the ~12 kernel calls of each layer, which
-was ~20% of a batch-1 decode step's CPU samples (SmolLM2 Q4_K_M, 30 layers, 2-core AVX2),
-and releases the GIL for the step. Other models and steps take the Python loop.
+Qwen3 ones, every token's attention goes through the CPU paged kernel (the KV caches in
+the model dtype or float16/bfloat16 under float32, one KV cache group) and the C++
+kernels are built. The driver (``csrc/layer_driver.cpp``, ``LlamaLayers``) calls the same
+kernels in the same order on the same tensors as the Python loop, so its outputs are the
+same numbers (tested bit for bit); it only removes the interpreter between the ~12
+kernel calls of each layer, which was ~20% of a batch-1 decode step's CPU samples
+(SmolLM2 Q4_K_M, 30 layers, 2-core AVX2), and releases the GIL for the step. Other models and steps take the Python loop.
 """
 from __future__ import annotations
 

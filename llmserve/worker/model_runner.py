@@ -176,9 +176,8 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes of one KV block: K and V of ``block_size`` tokens in each KV tensor (every
         layer, or a hybrid model's layers per group: ``worker/kv_cache_groups.py``)."""
-        mc = self.model_config
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.kv_cache_layout().num_slots * self.block_size * self.num_kv_heads * mc.head_dim * elem
+        per_token = self.num_kv_heads * self.model_config.head_dim * self.kv_dtype.itemsize
+        return 2 * self.kv_cache_layout().num_slots * self.block_size * per_token
 
     def kv_cache_layout(self) -> KVCacheLayout:
         """The KV cache groups of the model (``worker/kv_cache_groups.layout_for_model``),
@@ -229,7 +228,7 @@ class ModelRunner:
         layout = self.kv_cache_layout()
         shape = (layout.num_slots, 2, num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
-            nbytes = int(np.prod(shape)) * torch.tensor([], dtype=self.kv_dtype).element_size()
+            nbytes = int(np.prod(shape)) * self.kv_dtype.itemsize
             raw = np.zeros(nbytes, dtype=np.uint8)
             # numpy advises huge pages for large arrays; not yet (_maybe_advise_huge_pages).
             _advise_huge_pages(raw.ctypes.data, nbytes, huge_pages=False)

@@ -589,7 +589,7 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor 
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [n, heads, head_dim] with unit inner stride");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, q's shape");
   const auto ct = kv_cache.scalar_type();
-  const bool narrow_cache = q.scalar_type() == at::kFloat && (ct == at::kHalf || ct == at::kBFloat16);
+  const bool narrow_cache = narrow_kv(q.scalar_type(), ct);
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && (ct == q.scalar_type() || narrow_cache),
               "q and out share a dtype, and kv_cache has it or is float16/bfloat16 under float32 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32");

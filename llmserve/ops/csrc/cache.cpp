@@ -16,29 +16,18 @@ static void narrow_row(T* dst, const float* src, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
-// Token t's K and V rows (row elements each) into the cache rows kc / vc, converting from
-// float32 when the cache is narrower (S -> T); the same dtype is a plain copy.
-template <typename T, typename S>
-static inline void write_rows(T* kc, T* vc, const S* k, const S* v, int64_t row) {
-  if constexpr (std::is_same<T, S>::value) {
-    std::memcpy(kc, k, row * sizeof(T));
-    std::memcpy(vc, v, row * sizeof(T));
-  } else {
-    narrow_row(kc, k, row);
-    narrow_row(vc, v, row);
-  }
-}
-
-template <typename T, typename S>
-static void cache_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const int64_t* sp) {
-  const int64_t T_ = key.size(0), row = key.size(1) * key.size(2);
+// float32 K/V rows into a float16 / bfloat16 cache (T) at their slots (negative: skipped).
+template <typename T>
+static void narrow_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const int64_t* sp) {
+  const int64_t row = key.size(1) * key.size(2);
   T* kc = static_cast<T*>(kv_cache.data_ptr());
   T* vc = kc + kv_cache.stride(0);
-  const S* kp = static_cast<const S*>(key.data_ptr());
-  const S* vp = static_cast<const S*>(value.data_ptr());
-  for (int64_t t = 0; t < T_; ++t) {
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  for (int64_t t = 0; t < key.size(0); ++t) {
     if (sp[t] < 0) continue;
-    write_rows<T, S>(kc + sp[t] * row, vc + sp[t] * row, kp + t * key.stride(0), vp + t * value.stride(0), row);
+    narrow_row(kc + sp[t] * row, kp + t * key.stride(0), row);
+    narrow_row(vc + sp[t] * row, vp + t * value.stride(0), row);
   }
 }
 
@@ -53,15 +42,29 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at
               "key/value rows must be contiguous");
   const auto kt = kv_cache.scalar_type();
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value dtypes differ");
-  const bool narrowing = key.scalar_type() == at::kFloat && (kt == at::kHalf || kt == at::kBFloat16);
+  const bool narrowing = narrow_kv(key.scalar_type(), kt);
   TORCH_CHECK(key.scalar_type() == kt || narrowing, "key/value dtype ", key.scalar_type(), " into a ", kt,
               " cache: the same dtype, or float32 into float16/bfloat16");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() >= key.size(0), "slot_mapping: int64 [T]");
+  const int64_t T = key.size(0), row = key.size(1) * key.size(2);
   const int64_t nslots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < key.size(0); ++t) TORCH_CHECK(sp[t] < nslots, "reshape_and_cache: slot out of range");
-  if (narrowing && kt == at::kHalf) return cache_impl<at::Half, float>(key, value, kv_cache, sp);
-  if (narrowing) return cache_impl<at::BFloat16, float>(key, value, kv_cache, sp);
-  LLMSERVE_DISPATCH(kt, "reshape_and_cache", cache_impl<scalar_t, scalar_t>(key, value, kv_cache, sp));
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < nslots, "reshape_and_cache: slot out of range");
+  if (narrowing) {
+    if (kt == at::kHalf) narrow_rows<at::Half>(key, value, kv_cache, sp);
+    else narrow_rows<at::BFloat16>(key, value, kv_cache, sp);
+    return;
+  }
+  const int64_t bytes = row * key.element_size();
+  char* kc = static_cast<char*>(kv_cache.data_ptr());
+  char* vc = kc + kv_cache.stride(0) * kv_cache.element_size();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0) continue;
+    std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+  }
 }

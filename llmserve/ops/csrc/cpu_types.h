@@ -32,6 +32,12 @@
 #define LLMSERVE_AVX512BF16 0
 #endif
 
+// A float32 model's K/V over a float16 / bfloat16 cache (--kv-cache-dtype): the one mixed
+// pairing of activations and cache that reshape_and_cache and paged_decode take.
+static inline bool narrow_kv(at::ScalarType act, at::ScalarType cache) {
+  return act == at::kFloat && (cache == at::kHalf || cache == at::kBFloat16);
+}
+
 static inline float to_f(float x) { return x; }
 static inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
 static inline float to_f(at::Half x) { return static_cast<float>(x); }
