@@ -29,7 +29,7 @@ def test_packed_isa_takes_avx512_vnni_or_avx2_fma_f16c():
 
 
 def _extreme_blocks(qtype: int, n: int, nb: int, code_byte: int) -> torch.Tensor:
-    """Blocks whose every code byte is ``code_byte`` (the largest code, or Q8_0's -128) with
+    """Blocks whose every code byte is ``code_byte`` (the largest or smallest code, or Q8_0's -128) with
     d (and m) = 0.01: each integer dot product at its bound."""
     bb = PACKED_TYPES[qtype]
     raw = np.full((n, nb, bb), code_byte, dtype=np.uint8)
@@ -45,11 +45,15 @@ def _pm_one_rows(m: int, k: int) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype,code_byte", [(2, 0xFF), (3, 0xFF), (6, 0xFF), (7, 0xFF), (8, 0x80), (20, 0x00)])
-def test_extreme_codes_do_not_saturate(qtype, code_byte):
+# 0x00 for the 4- and 5-bit types: code 0, the unpacked tiles' signed code at its most
+# negative (-8, -16) against x' = 255
+@pytest.mark.parametrize("qtype,code_byte", [(2, 0xFF), (3, 0xFF), (6, 0xFF), (7, 0xFF), (8, 0x80), (20, 0x00),
+                                             (2, 0x00), (3, 0x00), (6, 0x00), (7, 0x00)])
+@pytest.mark.parametrize("m", [9, 33])  # 33: AVX2's unpacked tiles, x's codes + 128 unsigned
+def test_extreme_codes_do_not_saturate(qtype, code_byte, m):
     # AVX2 sums u8 x s8 pairs in int16 (VPMADDUBSW), several before widening: at these codes
     # a saturating sum would be off by thousands of units, not float32 rounding.
-    k, n, m = 256, 24, 9
+    k, n = 256, 24
     raw = _extreme_blocks(qtype, n, k // 32, code_byte)
     w = ops.quant_dequantize(raw, qtype).double()
     x = _pm_one_rows(m, k)

@@ -83,7 +83,7 @@ def _int8_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> torch.Ten
 
 
 @pytest.mark.parametrize("qtype", sorted(PACKED_TYPES))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 37])  # 37: AVX2's unpacked tiles (32 tokens and more)
 @pytest.mark.parametrize("n", [200, 16, 7])  # a part group of 8 rows, one whole group, one part group
 def test_quant_linear_matches_references(qtype, m, n):
     k = 576
@@ -104,6 +104,25 @@ def test_quant_linear_matches_references(qtype, m, n):
     torch.testing.assert_close(got_bf.double(), _int8_reference(xb.float(), raw, qtype), atol=1e-4, rtol=1e-5)
     got_b = ops.quant_linear(xb, qw.codes, qw.dm, qw.bits, n)  # the float32 sums rounded once
     assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, got_bf.bfloat16())
+
+
+@pytest.mark.parametrize("qtype", sorted(PACKED_TYPES))
+@pytest.mark.parametrize("k", [576, 1536])  # 18 blocks: one unpacked chunk; 48: two, summed between
+def test_many_tokens_equal_few_tokens_bit_for_bit(qtype, k):
+    """From 32 tokens on, AVX2 runs 4- and 5-bit tiles unpacked once per row group with the
+    tokens' codes as the unsigned operand; the integer sums and float steps are those of the
+    few-token kernel, so 300 tokens at once (chunks of 256 + 44) equal 8 at a time bit for bit."""
+    n = 40
+    raw = torch.from_numpy(_blocks(qtype, n, k, seed=20 + qtype))
+    qw = QuantWeight.from_gguf(raw, qtype)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(k))
+    x[3, 64:96] = 0  # an all-zero block
+    whole = ops.quant_linear(x, qw.codes, qw.dm, qw.bits, n)
+    parts = torch.cat([ops.quant_linear(x[i:i + 8], qw.codes, qw.dm, qw.bits, n) for i in range(0, 300, 8)])
+    assert torch.equal(whole, parts)
+    xb = x.bfloat16()
+    assert torch.equal(ops.quant_linear(xb, qw.codes, qw.dm, qw.bits, n),
+                       torch.cat([ops.quant_linear(xb[i:i + 8], qw.codes, qw.dm, qw.bits, n) for i in range(0, 300, 8)]))
 
 
 @pytest.mark.parametrize("qtype", sorted(PACKED_TYPES))
