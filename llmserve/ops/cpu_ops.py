@@ -45,6 +45,10 @@ CSRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("bindings.cpp", "attention.cpp", "layernorm_activation.cpp", "sampler.cpp", "cache.cpp",
             "layer_driver.cpp")
 _HEADERS = ("cpu_types.h", "ops.h", "packed_linear.h")
+_NAME = "llmserve_cpu_ops"
+# Names of the extensions this process compiled (not loaded from the cache):
+# ``python -m llmserve.ops`` says "built" for these and "loaded" for the others.
+COMPILED: set[str] = set()
 
 
 def _source_text() -> str:
@@ -80,26 +84,6 @@ def _build_dir() -> str:
     return path
 
 
-def _load_built(build_dir: str) -> Optional[Any]:
-    """The already built module of ``build_dir``, imported directly, or None. The
-    directory's name hashes the sources, torch, the CPU and the venv, so a .so there is
-    this build. ``cpp_extension.load`` would rerun the compiler check and ninja first
-    (two subprocesses, after importing setuptools: 2-6 s of every engine start, and of every self-healing restart,
-    on a busy 2-core machine)."""
-    import importlib.util
-
-    path = os.path.join(build_dir, "llmserve_cpu_ops.so")
-    if not os.path.exists(path):
-        return None
-    try:  # as cpp_extension._import_module_from_library, without importing cpp_extension (setuptools)
-        spec = importlib.util.spec_from_file_location("llmserve_cpu_ops", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except Exception:  # a partial or foreign file: let load() rebuild it
-        return None
-
-
 @functools.lru_cache(maxsize=1)
 def get_cpu_ops() -> Optional[Any]:
     """The compiled ops module, or None when it cannot be built here (logged once) or
@@ -130,23 +114,52 @@ def get_cpu_ops() -> Optional[Any]:
     if envs.get("LLMSERVE_CPU_OPS", "1") == "0":
         return None
     build_dir = _build_dir()
-    built = _load_built(build_dir)
-    if built is not None:
-        return built
-    with build_lock(build_dir):
-        return _load_built(build_dir) or _build(build_dir)
+    try:
+        return cached_or_built(build_dir, _NAME, "C++ CPU kernels", "minutes", lambda: _compile(build_dir))
+    except Exception as e:  # no compiler / ninja / headers: the torch path still works
+        logger.warning("CPU kernels unavailable (%s: %s); using the torch path",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def cached_or_built(build_dir: str, name: str, what: str, takes: str, build: Callable[[], Any]) -> Any:
+    """Module ``name`` from ``build_dir``: the cached ``<name>.so`` if it imports, else the
+    one another process is building (waited for under :func:`build_lock`), else
+    ``build()``'s (added to :data:`COMPILED`). "Building ... this takes <takes>" is logged
+    only before ``build()`` runs: it was logged on every cache miss, so a process that
+    waited for another's build and then loaded it (engines started together, tests) said it
+    was building. The cached module is imported directly: ``cpp_extension.load`` would
+    import setuptools and rerun the compiler check and ninja first (2-6 s of every engine
+    start on a busy 2-core machine). Exceptions of ``build()`` propagate."""
+    module = import_built(build_dir, name)
+    if module is not None:
+        return module
+    with build_lock(build_dir, what):
+        module = import_built(build_dir, name)  # built by the holder we waited for
+        if module is not None:
+            return module
+        logger.warning("Building the %s for this CPU into %s (once per machine and source; this takes %s)",
+                       what, build_dir, takes)
+        module = build()
+        COMPILED.add(name)
+        return module
 
 
 @contextlib.contextmanager
-def build_lock(build_dir: str) -> Iterator[None]:
-    """One builder per build directory, by an ``flock`` the kernel drops when its holder dies.
+def build_lock(build_dir: str, what: str = "kernels") -> Iterator[None]:
+    """One builder per build directory, by an ``flock`` the kernel drops when its holder dies;
+    waiting for a live holder is logged (``what``: the extension, for the message).
 
     torch's own lock (``FileBaton``: a ``lock`` file that exists while a build runs) is never
     removed when the builder is killed, and every later start then waits on it forever (seen:
     an engine killed by a test timeout during its first build hung all later starts). Under
     this flock any such file is left over from a dead builder, so it is removed first."""
     with open(os.path.join(build_dir, "build.flock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("Waiting for another process building the %s into %s", what, build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             stale = os.path.join(build_dir, "lock")
             if os.path.exists(stale):
@@ -157,28 +170,19 @@ def build_lock(build_dir: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(build_dir: str) -> Optional[Any]:
-    """Compile the kernels into ``build_dir`` and import them; None (logged) when that fails."""
-    # A fresh machine builds for minutes (2-6 min on 2 busy cores): say so, or the first
-    # start looks hung (fresh-user trial of stop 42: 4 silent minutes).
-    logger.warning("Building the C++ CPU kernels for this CPU into %s (once per machine and source; "
-                   "this takes minutes)", build_dir)
-    try:
-        from torch.utils.cpp_extension import load
-        module = load(
-            name="llmserve_cpu_ops",
-            sources=[os.path.join(CSRC_DIR, name) for name in _SOURCES],
-            extra_include_paths=[CSRC_DIR],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler / ninja / headers: the torch path still works
-        logger.warning("CPU kernels unavailable (%s: %s); using the torch path",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
-    return module
+def _compile(build_dir: str) -> Any:
+    """Compile the kernels into ``build_dir`` and import them (2-6 min on 2 busy cores; the
+    caller announces it, or the first start looks hung: fresh-user trial of stop 42)."""
+    from torch.utils.cpp_extension import load
+    return load(
+        name=_NAME,
+        sources=[os.path.join(CSRC_DIR, name) for name in _SOURCES],
+        extra_include_paths=[CSRC_DIR],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_dir,
+        verbose=False,
+    )
 
 
 def kv_dtypes_ok(act_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -205,12 +209,15 @@ def main() -> None:
     import time
     t0 = time.time()
     ops = get_cpu_ops()
-    print(f"llmserve CPU kernels: {'built' if ops is not None else 'UNAVAILABLE'} "
-          f"in {time.time() - t0:.1f}s ({_build_dir()})")
+    print(f"llmserve CPU kernels: {ready_word(ops is not None, _NAME)} in {time.time() - t0:.1f}s ({_build_dir()})")
 
 
-if __name__ == "__main__":
-    main()
+def ready_word(ok: bool, name: str) -> str:
+    """What the ``python -m`` entry points print for extension ``name``: "built" (compiled
+    by this process), "loaded from the cache" or "UNAVAILABLE (torch paths)"."""
+    if not ok:
+        return "UNAVAILABLE (torch paths)"
+    return "built" if name in COMPILED else "loaded from the cache"
 
 
 def build_dir_for(source: str, prefix: str) -> str:
@@ -258,18 +265,18 @@ def load_small_extension(name: str, source: str, prefix: str, what: str, fallbac
     if env_switch is not None and envs.get(env_switch, "1") == "0":
         return None
     build_dir = build_dir_for(source, prefix)
-    module = import_built(build_dir, name)
-    if module is not None:
-        return module
+
+    def build() -> Any:
+        from torch.utils.cpp_extension import load  # imports setuptools: only when building
+        return load(name=name, sources=[os.path.join(CSRC_DIR, source)], extra_cflags=cflags,
+                    extra_ldflags=ldflags or [], build_directory=build_dir, verbose=False)
     try:
-        from torch.utils.cpp_extension import load
-        logger.warning("Building the %s for this CPU into %s (once per machine and source; this takes 20 s to "
-                       "minutes)", what, build_dir)
-        with build_lock(build_dir):
-            return import_built(build_dir, name) or load(
-                name=name, sources=[os.path.join(CSRC_DIR, source)], extra_cflags=cflags,
-                extra_ldflags=ldflags or [], build_directory=build_dir, verbose=False)
+        return cached_or_built(build_dir, name, what, "20 s to minutes", build)
     except Exception as e:  # no compiler: the caller's fallback still works
         logger.warning("%s unavailable (%s: %s); using %s", what[0].upper() + what[1:], type(e).__name__,
                        str(e).splitlines()[0] if str(e) else "", fallback)
         return None
+
+
+if __name__ == "__main__":
+    main()

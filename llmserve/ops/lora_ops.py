@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from llmserve.ops.cpu_ops import build_dir_for, load_small_extension
+from llmserve.ops.cpu_ops import build_dir_for, load_small_extension, ready_word
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def main() -> None:
     import time
     t0 = time.time()
     ok = get_lora_kernel() is not None
-    print(f"llmserve LoRA kernel: {'built' if ok else 'UNAVAILABLE'} in {time.time() - t0:.1f}s ({build_dir_for(_SOURCE, 'lora_ops')})")
+    print(f"llmserve LoRA kernel: {ready_word(ok, _NAME)} in {time.time() - t0:.1f}s ({build_dir_for(_SOURCE, 'lora_ops')})")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def test_kernel_build_failure_falls_back_to_none(monkeypatch, caplog):
         raise RuntimeError("no compiler here")
     monkeypatch.setattr(ext, "load", broken)
     from llmserve.ops import cpu_ops
-    monkeypatch.setattr(cpu_ops, "_load_built", lambda build_dir: None)  # as on a machine with no build yet
+    monkeypatch.setattr(cpu_ops, "import_built", lambda build_dir, name: None)  # as on a machine with no build yet
     with caplog.at_level("WARNING"):
         assert get_cpu_ops.__wrapped__() is None
     assert "torch path" in caplog.text and "no compiler here" in caplog.text
