@@ -41,6 +41,8 @@ BAD = [  # (create() arguments, the field the message must name)
     (dict(messages=[ASK, _use("call.1"), _result("call.1")], tools=[WEATHER]), "messages.1.content.0.id"),
     (dict(messages=[ASK, {"role": "assistant", "content": ""}, ASK]), "messages.1"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]), "messages.0.content.0.text"),
+    (dict(system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "persistent"}}]),
+     "system.0.cache_control.type"),
 ]
 
 
@@ -76,3 +78,18 @@ def test_what_anthropic_accepts_still_passes(client):
     prefill = client.messages.create(model=MODEL, max_tokens=2, messages=[ASK, {"role": "assistant", "content": ""}],
                                      extra_body={"temperature": 0})
     assert prefill.usage.output_tokens >= 1
+
+
+def test_accepted_fields_are_checked_and_message_batches_are_a_clear_404(client):
+    """``metadata`` and ``service_tier`` change nothing here but take Anthropic's values
+    only (accepted_fields.py); the Message Batches API is not served, and says so."""
+    for bad, named in (({"metadata": {"user_id": 5}}, "metadata.user_id"), ({"service_tier": "priority"},
+                                                                          "service_tier")):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=MODEL, max_tokens=8, messages=[ASK], **bad)
+        assert e.value.body["error"]["message"].startswith(named), e.value.body
+    for call in (client.messages.batches.list, lambda: client.messages.batches.retrieve("msgbatch_1")):
+        with pytest.raises(anthropic.NotFoundError) as e:
+            call()
+        error = e.value.body["error"]
+        assert error["type"] == "not_found_error" and "Message Batches API" in error["message"], e.value.body

@@ -407,7 +407,8 @@ async def _status(app, key):
 # Routes with an id in the path that return stored per-request data, and how this test
 # checks each; a new such route must be added here (and scoped), or the test fails.
 NOT_STORED_DATA = {"/v1/models/{model_id:path}",  # the served models: the same for everyone
-                   "/api/blobs/{digest}"}  # Ollama's model upload: refused (400), nothing stored
+                   "/api/blobs/{digest}",  # Ollama's model upload: refused (400), nothing stored
+                   "/v1/messages/batches/{rest:path}"}  # Anthropic's Message Batches: not served (404)
 
 
 def test_every_stored_data_route_is_scoped_to_its_tenant(smol_tokenizer, tmp_path):

@@ -2,10 +2,15 @@
 AnthropicServingMessages. Claude Code's ``?beta=true`` query and the ``anthropic-version``
 / ``anthropic-beta`` headers are tolerated (nothing they switch on changes what a local
 model can do); errors take Anthropic's body through the ErrorShape registered in
-``api_server.ERROR_SHAPES`` (:data:`ANTHROPIC_ERROR_SHAPE`)."""
+``api_server.ERROR_SHAPES`` (:data:`ANTHROPIC_ERROR_SHAPE`).
+
+The Message Batches API (``/v1/messages/batches`` and every path under it, any method)
+is not served: it answers Anthropic's 404 ``not_found_error`` saying so
+(:func:`batches_not_supported`), so the SDK's ``client.messages.batches`` calls raise a
+NotFoundError that tells why, not a bare "Not Found"."""
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from starlette.responses import Response
 
 from llmserve.entrypoints.anthropic.protocol import (
@@ -18,6 +23,8 @@ from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, result_response, with_cancellation
 
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+BATCHES_PATH = "/v1/messages/batches"
+BATCHES_METHODS = ["GET", "POST", "DELETE"]  # list, create / cancel, delete (the SDK's calls)
 ANTHROPIC_ERROR_SHAPE = ErrorShape(prefixes=("/v1/messages",), shape=anthropic_error_body)
 
 router = APIRouter()
@@ -36,6 +43,16 @@ async def create_message(request: AnthropicMessagesRequest, raw_request: Request
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: AnthropicCountTokensRequest, raw_request: Request) -> Response:
     return result_response(await with_cancellation(raw_request, messages(raw_request).count_tokens(request)))
+
+
+async def batches_not_supported() -> None:
+    """Every Message Batches call: 404 in Anthropic's body (the ErrorShape reshapes it)."""
+    raise HTTPException(404, "The Message Batches API (/v1/messages/batches) is not supported by this server; "
+                             "send each request to POST /v1/messages instead.")
+
+
+for _path in (BATCHES_PATH, BATCHES_PATH + "/{rest:path}"):
+    router.add_api_route(_path, batches_not_supported, methods=BATCHES_METHODS, include_in_schema=False)
 
 
 def register_anthropic_api_routers(app: FastAPI) -> None:

@@ -32,7 +32,8 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
   ``budget_tokens`` is checked as Anthropic checks it (``checks.py``), not enforced.
 - Anthropic's rules between fields and turns (``thinking.budget_tokens`` against
   ``max_tokens``, every ``tool_result`` answering a ``tool_use`` of the previous turn...)
-  are ``checks.py``'s.
+  are ``checks.py``'s; the values of the fields accepted with no effect (``metadata``,
+  ``service_tier``, ``cache_control``...) are ``accepted_fields.py``'s.
 - ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> a JSON-schema
   ``response_format`` (structured outputs); ``output_config.effort`` is ignored (no
   effort switch on a local model).
@@ -44,6 +45,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from llmserve.entrypoints.anthropic.accepted_fields import check_accepted_fields
 from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_tools, check_stop_sequences,
                                                    check_system_messages, check_texts, check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
@@ -308,6 +310,7 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     ``message_start`` carries the input tokens). Raises SamplingParamsError naming the
     Anthropic field."""
     check_texts(request)
+    check_accepted_fields(request)
     messages = chat_messages(request)
     check_system_messages(request.messages)
     check_contents(request.messages)

@@ -6,8 +6,10 @@ through :func:`anthropic_error_body`); the meaning of each content block is mapp
 ``conversion.py``. Unknown fields are accepted and ignored with a warning logged once
 per field name (the server's one policy, ``OpenAIRequestModel``): Claude Code sends
 ``context_management``, ``output_config`` and more that change nothing a local model
-can do. ``cache_control`` is accepted on every block and tool (the prefix cache reuses
-any shared prefix by itself).
+can do. ``cache_control`` (on the request, every block and tool), ``metadata``,
+``service_tier``, ``speed`` and ``inference_geo`` are accepted and change nothing (the
+prefix cache reuses any shared prefix by itself), but their values are checked as
+Anthropic checks them (``accepted_fields.py``).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class AnthropicToolParam(OpenAIBaseModel):
     description: Optional[str] = None
     input_schema: Optional[dict[str, Any]] = None
     type: Optional[str] = None
+    cache_control: Any = None  # checked by accepted_fields.py, in Anthropic's words
 
     @field_validator("input_schema")
     @classmethod
@@ -62,6 +65,13 @@ class AnthropicCountTokensRequest(OpenAIRequestModel):
     tools: Optional[list[AnthropicToolParam]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
+    # Accepted, no effect; their values are checked (accepted_fields.py). Any: one wording
+    # for them and for the cache_control of blocks (plain JSON here).
+    cache_control: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    speed: Any = None
+    inference_geo: Any = None
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
@@ -76,7 +86,6 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     temperature: Optional[JSONFloat] = Field(default=None, ge=0.0, le=1.0)
     top_p: Optional[JSONFloat] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[Int64] = Field(default=None, ge=0)
-    metadata: Optional[dict[str, Any]] = None  # user_id: nothing for a local server to do with it
     output_config: Optional[dict[str, Any]] = None  # format: structured outputs; effort: ignored
 
 
