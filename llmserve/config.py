@@ -209,8 +209,8 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 caches are "
-                             f"not supported yet), got {self.cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported by this engine: supported: "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))} (no fp8 or integer caches)")
 
     def kv_dtype(self, model_config: Any) -> str:
         """The KV cache's dtype name ("float32", "bfloat16", "float16") for a model
@@ -231,8 +231,8 @@ class CacheConfig:
         if self.cache_dtype == model_dtype:
             return model_dtype
         if model_dtype != "float32":
-            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} needs a float32 model (dtype is "
-                             f"{model_dtype!r}); use 'auto' or {model_dtype!r}")
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} needs a float32 model (dtype={model_dtype!r}); "
+                             f"supported with it: 'auto' or {model_dtype!r}")
         return self.cache_dtype
 
 
@@ -262,7 +262,7 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "

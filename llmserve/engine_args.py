@@ -154,7 +154,7 @@ def _names_closest_field(cls):
     return cls
 
 
-_NOT_YET = "not supported by this engine yet"
+_UNSUPPORTED = "not supported by this engine"
 
 
 @_names_closest_field
@@ -168,16 +168,16 @@ class EngineArgs:
     model: str = field(default=DEFAULT_MODEL, metadata=_help("Model: HF directory, .gguf file, HF cache id or packaged model name."))
     served_model_name: Optional[list[str]] = field(default=None, metadata=_help("Model name(s) used in the API (default: the model argument)."))
     tokenizer: Optional[str] = field(default=None, metadata=_help("Tokenizer path or name (defaults to the model)."))
-    tokenizer_mode: str = field(default="auto", metadata=_help("'auto' or 'hf' (the fast HF tokenizer); other vLLM modes are " + _NOT_YET + "."))
-    skip_tokenizer_init: bool = field(default=False, metadata=_help("vLLM's token-ids-only mode; " + _NOT_YET + " (False only)."))
+    tokenizer_mode: str = field(default="auto", metadata=_help("'auto' or 'hf' (the fast HF tokenizer); other vLLM modes are " + _UNSUPPORTED + "."))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help("vLLM's token-ids-only mode; " + _UNSUPPORTED + " (False only)."))
     trust_remote_code: bool = field(default=False, metadata=_help("Accepted for vLLM compatibility; no effect (no remote code is run)."))
     revision: Optional[str] = field(default=None, metadata=_help("Model revision (branch, tag or commit) in the local HF cache; not used for local paths."))
     tokenizer_revision: Optional[str] = field(default=None, metadata=_help("Tokenizer revision in the local HF cache; not used for local paths."))
     dtype: str = field(default="auto", metadata=_help("Weights/activations dtype: auto, float32, bfloat16, float16, half, float."))
     seed: int = field(default=0, metadata=_help("Random seed for unseeded sampling."))
     max_model_len: Optional[int] = field(default=None, metadata=_help("Context length in tokens (default: the model's, capped at 2048 on CPU)."))
-    quantization: Optional[str] = field(default=None, metadata=_help("Weight quantization: None (the checkpoint's own; GGUF files are dequantized on load) or 'gguf' for a GGUF model; other methods are " + _NOT_YET + "."))
-    load_format: str = field(default="auto", metadata=_help("'auto', 'safetensors' or 'gguf'; other vLLM formats are " + _NOT_YET + "."))
+    quantization: Optional[str] = field(default=None, metadata=_help("Weight quantization: None (the checkpoint's own; GGUF files are dequantized on load) or 'gguf' for a GGUF model; other methods are " + _UNSUPPORTED + "."))
+    load_format: str = field(default="auto", metadata=_help("'auto', 'safetensors' or 'gguf'; other vLLM formats are " + _UNSUPPORTED + "."))
     enforce_eager: bool = field(default=True, metadata=_help("Accepted for vLLM compatibility; this engine always runs eagerly (no CUDA graphs)."))
     enable_sleep_mode: bool = field(default=False, metadata=_help("Allow sleep / wake_up (vLLM's sleep mode): LLM.sleep(level), LLM.wake_up(), and with VLLM_SERVER_DEV_MODE=1 the server's POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping. Asleep, the engine frees its weights and KV cache; the next request wakes it."))
     sleep_idle_seconds: Optional[float] = field(default=None, metadata=_help("llama.cpp's --sleep-idle-seconds: the engine process sleeps (level 1) after this many seconds without work; the next request wakes it. None: never."))
@@ -191,11 +191,11 @@ class EngineArgs:
     convert: str = field(default="auto", metadata=_help("auto, none, embed or classify (vLLM's --convert): embed runs a causal LM as an embedding model (last-token pooling, normalised); classify runs a *ForSequenceClassification checkpoint's classification head (auto picks it from the architecture)."))
     # ---- cache
     block_size: int = field(default=16, metadata=_help("KV cache block size in tokens."))
-    kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: 'auto' (the model's dtype; float16 for quantized weights run on the packed kernels under float32 activations, dtype auto on CPUs without bfloat16, as llama.cpp's default cache), or 'bfloat16' / 'float16' / 'float32' under a float32 model (16 bits: half the KV bytes); fp8 caches are " + _NOT_YET + "."))
+    kv_cache_dtype: str = field(default="auto", metadata=_help("KV cache dtype: 'auto' (the model's dtype; float16 for quantized weights run on the packed kernels under float32 activations, dtype auto on CPUs without bfloat16, as llama.cpp's default cache), or 'bfloat16' / 'float16' / 'float32' under a float32 model (16 bits: half the KV bytes); fp8 caches are " + _UNSUPPORTED + "."))
     kv_cache_memory: Optional[str] = field(default=None, metadata=_help("KV cache size, e.g. 8GiB (default 4GiB on CPU; made resident while the engine is idle)."))
     kv_cache_memory_bytes: Optional[int] = field(default=None, metadata=_help("KV cache size in bytes (vLLM's name; same as --kv-cache-memory)."))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help("Accepted for vLLM compatibility; the KV cache is sized by --kv-cache-memory (as vLLM's CPU backend)."))
-    cpu_offload_gb: float = field(default=0.0, metadata=_help("Weight offloading to CPU (GiB); " + _NOT_YET + " (0 only)."))
+    cpu_offload_gb: float = field(default=0.0, metadata=_help("Weight offloading to CPU (GiB); " + _UNSUPPORTED + " (0 only)."))
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata=_help("Force the number of KV cache blocks (testing)."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prompt prefixes."))
     kv_sharing_fast_prefill: bool = field(default=False, metadata=_help("vLLM's KV-sharing prefill shortcut; no model here shares KV, so it only forbids prompt_logprobs (as vLLM)."))
@@ -203,15 +203,15 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=_help("Token budget per engine step (default on CPU: 4096 for the offline LLM, 2048 for the server, as vLLM)."))
     max_num_seqs: Optional[int] = field(default=None, metadata=_help("Max number of requests per engine step (default on CPU: 256 for the offline LLM, 128 for the server, as vLLM)."))
     enable_chunked_prefill: bool = field(default=True, metadata=_help("Split long prompts across steps."))
-    long_prefill_token_threshold: int = field(default=0, metadata=_help("Per-step cap on one prompt's prefill tokens; " + _NOT_YET + " (0 only)."))
-    max_num_partial_prefills: int = field(default=1, metadata=_help("Concurrent partial prefills; " + _NOT_YET + " (1 only)."))
-    max_long_partial_prefills: int = field(default=1, metadata=_help("Concurrent long partial prefills; " + _NOT_YET + " (1 only)."))
+    long_prefill_token_threshold: int = field(default=0, metadata=_help("Per-step cap on one prompt's prefill tokens; " + _UNSUPPORTED + " (0 only)."))
+    max_num_partial_prefills: int = field(default=1, metadata=_help("Concurrent partial prefills; " + _UNSUPPORTED + " (1 only)."))
+    max_long_partial_prefills: int = field(default=1, metadata=_help("Concurrent long partial prefills; " + _UNSUPPORTED + " (1 only)."))
     scheduling_policy: str = field(default="fcfs", metadata=_help("fcfs or priority."))
     tenant_fair_share: bool = field(default=True, metadata=_help("Share the engine between tenants (API keys of --api-keys-file) by weighted fair queueing over tokens: a waiting request of the tenant furthest below its share goes first and the one furthest over it is preempted first; within a --scheduling-policy priority class (beyond vLLM). --no-tenant-fair-share: one first-come queue."))
-    async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass; " + _NOT_YET + " (False only)."))
+    async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass; " + _UNSUPPORTED + " (False only)."))
     # ---- parallel
     tensor_parallel_size: int = field(default=1, metadata=_help("Tensor parallel size: worker processes (or Ray actors) that each hold a share of the attention heads, MLP columns and vocabulary (Llama family; at most the number of KV heads)."))
-    pipeline_parallel_size: int = field(default=1, metadata=_help("Pipeline parallel size; " + _NOT_YET + " (1 only)."))
+    pipeline_parallel_size: int = field(default=1, metadata=_help("Pipeline parallel size; " + _UNSUPPORTED + " (1 only)."))
     data_parallel_size: int = field(default=1, metadata=_help("Data parallel engines: N EngineCore processes (each with cores / N threads) behind one load-balancing client (server only; offline use examples/offline_inference/data_parallel.py)."))
     data_parallel_rank: Optional[int] = field(default=None, metadata=_help("With external load balancing: the one data-parallel rank this server runs (setting it turns on --data-parallel-external-lb, as vLLM)."))
     data_parallel_start_rank: int = field(default=0, metadata=_help("First data-parallel rank of this host; with --data-parallel-external-lb and no --data-parallel-rank, the rank this server runs."))
@@ -222,8 +222,8 @@ class EngineArgs:
     data_parallel_hybrid_lb: bool = field(default=False, metadata=_help("Hybrid load balancing (vLLM's multi-node mode with an API server on every node): this node's API server balances only its own ranks, --data-parallel-start-rank.. +--data-parallel-size-local, and a load balancer in front spreads requests over the nodes; no node depends on another (dense models need no cross-rank synchronisation here)."))
     data_parallel_backend: str = field(default="mp", metadata=_help("How data-parallel engines are placed: 'mp' (local processes, and --headless nodes) or 'ray' (each rank an actor placed by a Ray placement group on the Ray cluster that ray.init() finds, as vLLM's)."))
     data_parallel_external_lb: bool = field(default=False, metadata=_help("External load balancing: this server runs one data-parallel rank (--data-parallel-rank) through a DPAsyncMPClient; a load balancer in front spreads requests over the servers."))
-    distributed_executor_backend: Optional[str] = field(default=None, metadata=_help("None (uni for one worker, mp for several), 'uni' (the model in the engine process), 'mp' (worker processes) or 'ray' (Ray actors in a placement group); 'external_launcher' is " + _NOT_YET + "."))
-    worker_cls: str = field(default="auto", metadata=_help("Worker class: 'auto', or a qualified class name or class (cloudpickled); custom workers are " + _NOT_YET + "."))
+    distributed_executor_backend: Optional[str] = field(default=None, metadata=_help("None (uni for one worker, mp for several), 'uni' (the model in the engine process), 'mp' (worker processes) or 'ray' (Ray actors in a placement group); 'external_launcher' is " + _UNSUPPORTED + "."))
+    worker_cls: str = field(default="auto", metadata=_help("Worker class: 'auto', or a qualified class name or class (cloudpickled); custom workers are " + _UNSUPPORTED + "."))
     # ---- LoRA (llmserve/lora)
     enable_lora: bool = field(default=False, metadata=_help("Serve LoRA adapters over the base model (PEFT directories or GGUF LoRA files; Llama-family models)."))
     max_loras: int = field(default=1, metadata=_help("Most distinct LoRA adapters in one batch (the base model's rows do not count)."))
@@ -232,10 +232,10 @@ class EngineArgs:
     lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's; bfloat16 for a float16 model on CPU, where the LoRA kernel sums in float32 over float32 or bfloat16 weights), float32, bfloat16 or float16."))
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))
-    speculative_config: Optional[SpeculativeConfig] = field(default=None, metadata=_help("Speculative decoding as a JSON dict (vLLM's SpeculativeConfig): n-gram drafts from the request's own prompt and output, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; the draft length adapts per request to the measured acceptance. Draft models are " + _NOT_YET + ".", str))
-    kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV connector as a JSON dict (vLLM's KVTransferConfig): kv_connector SharedStorageConnector (prompt KV blocks kept on disk under kv_connector_extra_config.shared_storage_path, reused across requests and restarts; restore_on_start, default true, loads the most recent ones into the prefix cache at start: false, or a share of the KV cache) or OffloadingConnector, kv_role kv_both / kv_producer (save only) / kv_consumer (load only); third-party connectors: kv_connector_module_path. Disaggregated prefill is " + _NOT_YET + ".", str))
+    speculative_config: Optional[SpeculativeConfig] = field(default=None, metadata=_help("Speculative decoding as a JSON dict (vLLM's SpeculativeConfig): n-gram drafts from the request's own prompt and output, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; the draft length adapts per request to the measured acceptance. Draft models are " + _UNSUPPORTED + ".", str))
+    kv_transfer_config: Optional[KVTransferConfig] = field(default=None, metadata=_help("KV connector as a JSON dict (vLLM's KVTransferConfig): kv_connector SharedStorageConnector (prompt KV blocks kept on disk under kv_connector_extra_config.shared_storage_path, reused across requests and restarts; restore_on_start, default true, loads the most recent ones into the prefix cache at start: false, or a share of the KV cache) or OffloadingConnector, kv_role kv_both / kv_producer (save only) / kv_consumer (load only); third-party connectors: kv_connector_module_path. Disaggregated prefill is " + _UNSUPPORTED + ".", str))
     kv_offloading_size: Optional[float] = field(default=None, metadata=_help("GiB of KV blocks the offloading tier keeps (vLLM's --kv-offloading-size): with --kv-offloading-backend native, full prompt blocks are kept on local disk ($XDG_CACHE_HOME/llmserve/kv_offload, least recently used evicted past the size) and loaded instead of recomputed, after a restart too (OffloadingConnector)."))
-    kv_offloading_backend: str = field(default="native", metadata=_help("KV offloading backend with --kv-offloading-size: native (this engine's disk tier); lmcache is " + _NOT_YET + "."))
+    kv_offloading_backend: str = field(default="native", metadata=_help("KV offloading backend with --kv-offloading-size: native (this engine's disk tier); lmcache is " + _UNSUPPORTED + "."))
     kv_events_config: Optional[KVEventsConfig] = field(default=None, metadata=_help("KV cache events as a JSON dict (vLLM's KVEventsConfig): with '{\"enable_kv_cache_events\": true}' the prefix cache's BlockStored / BlockRemoved / AllBlocksCleared batches go out on a ZMQ PUB socket (endpoint, default tcp://*:5557; topic) in vLLM's msgpack format, and replay_endpoint (e.g. tcp://*:5558) answers a subscriber that missed some (buffer_steps batches kept); data-parallel rank r uses the ports + r. event_layout (llmserve's): 'array' (vLLM's documented example layout, default) or 'map' (events as tagged maps, as newer vLLM and vllm-router's kv_aware policy read).", str))
     # ---- structured outputs
     structured_outputs_config: Optional[StructuredOutputsConfig] = field(default=None, metadata=_help("Structured outputs as a JSON dict (vLLM's StructuredOutputsConfig): backend ('auto' or 'xgrammar'), disable_any_whitespace (default true here: no free whitespace in JSON), disable_additional_properties, enable_in_reasoning, max_compile_workers (default 2: threads compiling grammars; a grammar whose spec is 16 KiB or more may not take the last one, so small grammars never wait behind a large one; an aborted request's grammar is not compiled when still queued, and its result is dropped when it was compiling).", str))

@@ -32,30 +32,35 @@ def _is_default_worker(value: Any) -> bool:
         return False
 
 
-# field -> (accepted?, what it would need). Checked before anything is loaded.
+# field -> (accepted?, what is supported instead). Checked before anything is loaded. The
+# message names the field and its value as ``field=value``: the server's CLI spells both as
+# the flag typed (``--kv-cache-dtype int4``; entrypoints/openai/cli_args.flag_message).
 _SUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "pipeline_parallel_size": (lambda v: v == 1, "pipeline parallelism; use 1"),
-    "distributed_executor_backend": (lambda v: v in (None, "uni", "mp", "ray"), "use None, 'uni', 'mp' or 'ray'"),
-    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "use 'auto' or 'hf'"),
-    "skip_tokenizer_init": (lambda v: not v, "the engine detokenizes, so it needs the tokenizer"),
-    "kv_cache_dtype": (lambda v: v in KV_CACHE_DTYPES, "use 'auto', 'bfloat16', 'float16' or 'float32'; no fp8 cache"),
-    "cpu_offload_gb": (lambda v: v == 0, "weight offloading; use 0"),
-    "long_prefill_token_threshold": (lambda v: v == 0, "the scheduler has no long-prefill cap; use 0"),
-    "max_num_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; use 1"),
-    "max_long_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; use 1"),
-    "async_scheduling": (lambda v: not v, "scheduling does not overlap the forward pass"),
-    "load_format": (lambda v: v in ("auto", "safetensors", "gguf"), "use 'auto', 'safetensors' or 'gguf'"),
-    "worker_cls": (_is_default_worker, "the engine runs llmserve.worker.model_runner.ModelRunner; use 'auto'"),
+    "pipeline_parallel_size": (lambda v: v == 1, "supported: 1 (no pipeline parallelism; tensor_parallel_size "
+                                                 "and data_parallel_size split the work instead)"),
+    "distributed_executor_backend": (lambda v: v in (None, "uni", "mp", "ray"), "supported: None, 'uni', 'mp' or 'ray'"),
+    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "supported: 'auto' or 'hf' (the fast Hugging Face tokenizer)"),
+    "skip_tokenizer_init": (lambda v: not v, "the engine detokenizes, so it needs the tokenizer; supported: skip_tokenizer_init=False"),
+    "kv_cache_dtype": (lambda v: v in KV_CACHE_DTYPES, "supported: 'auto', 'bfloat16', 'float16' or 'float32' "
+                                                       "(no fp8 or integer caches)"),
+    "cpu_offload_gb": (lambda v: v == 0, "no weight offloading; supported: 0"),
+    "long_prefill_token_threshold": (lambda v: v == 0, "the scheduler has no long-prefill cap; supported: 0"),
+    "max_num_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; supported: 1"),
+    "max_long_partial_prefills": (lambda v: v == 1, "the scheduler runs one partial prefill; supported: 1"),
+    "async_scheduling": (lambda v: not v, "scheduling does not overlap the forward pass; supported: async_scheduling=False"),
+    "load_format": (lambda v: v in ("auto", "safetensors", "gguf"), "supported: 'auto', 'safetensors' or 'gguf'"),
+    "worker_cls": (_is_default_worker, "the engine runs llmserve.worker.model_runner.ModelRunner; supported: 'auto'"),
 }
 
 
 def check_supported(args: "EngineArgs") -> None:
-    """Raise ValueError naming the first field whose value this engine cannot honour yet."""
+    """Raise ValueError naming the first field whose value this engine does not support,
+    and the values it does."""
     for name, (ok, what) in _SUPPORTED.items():
         value = getattr(args, name)
         if not ok(value):
             shown = "<class>" if isinstance(value, bytes) else repr(value)
-            raise ValueError(f"{name}={shown} is not supported by this engine yet ({what}).")
+            raise ValueError(f"{name}={shown} is not supported by this engine: {what}.")
 
 
 def _default_kv_cache_bytes(default: int) -> int:
@@ -103,9 +108,9 @@ def _check_format(args: "EngineArgs", resolved: "ResolvedModel") -> None:
     """quantization / load_format must fit the checkpoint found."""
     is_gguf = resolved.gguf_file is not None
     if args.quantization not in (None, "gguf", "compressed-tensors"):
-        raise ValueError(f"quantization={args.quantization!r} is not supported by this engine yet "
-                         "(use None: GGUF files and compressed-tensors int4/int8 checkpoints are found "
-                         "from the checkpoint; or 'gguf' / 'compressed-tensors').")
+        raise ValueError(f"quantization={args.quantization!r} is not supported by this engine: supported: None "
+                         "(GGUF files and compressed-tensors int4/int8 checkpoints are found from the "
+                         "checkpoint), 'gguf' or 'compressed-tensors'.")
     if args.quantization == "gguf" and not is_gguf:
         raise ValueError(f"quantization='gguf' but the model {args.model!r} is not a GGUF checkpoint")
     if (args.load_format == "gguf") != is_gguf and args.load_format != "auto":
@@ -188,7 +193,8 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
 
     dtype = resolve_dtype(args.dtype, device)
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype: unknown dtype {args.dtype!r}")
+        raise ValueError(f"dtype={args.dtype!r} is not a dtype this engine runs: supported: 'auto', 'float32', "
+                         "'bfloat16', 'float16' (or 'half', 'float')")
     resolved = resolve_model(args.model, args.revision)
     _check_format(args, resolved)
     hf_config = load_hf_config(resolved)
@@ -298,7 +304,7 @@ def _kv_transfer_config(args: "EngineArgs", model_config: ModelConfig) -> Option
     if args.kv_offloading_size is not None:
         if args.kv_offloading_backend != "native":
             raise ValueError(f"kv_offloading_backend={args.kv_offloading_backend!r} is not supported by this "
-                             "engine yet (use 'native')")
+                             "engine: supported: 'native'")
         if ktc is not None and ktc.kv_connector is not None:
             raise ValueError("kv_offloading_size and kv_transfer_config.kv_connector cannot both be set")
         ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",

@@ -49,7 +49,7 @@ def _run_serve(args: argparse.Namespace) -> None:
 
     import_transformers_without_torch()
     from llmserve.engine.exceptions import EngineInitError
-    from llmserve.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from llmserve.entrypoints.openai.cli_args import flag_message, validate_parsed_serve_args
     from llmserve.entrypoints.openai.api_server import run_server
     from llmserve.entrypoints.openai.multi_api_server import run_api_servers
     import logging
@@ -61,11 +61,11 @@ def _run_serve(args: argparse.Namespace) -> None:
             from llmserve.entrypoints.headless import run_headless
             sys.exit(run_headless(args))
         code = run_api_servers(args, run_server)
-    except ValueError as e:  # a bad flag or model: one line, not a traceback
-        print(f"llmserve serve: error: {e}", file=sys.stderr)
+    except ValueError as e:  # a bad flag or model: one line naming the flag typed, not a traceback
+        print(f"llmserve serve: error: {flag_message(str(e))}", file=sys.stderr)
         sys.exit(2)
     except EngineInitError as e:  # the engine's log above has the details
-        print(f"llmserve serve: error: {e}", file=sys.stderr)
+        print(f"llmserve serve: error: {flag_message(str(e))}", file=sys.stderr)
         sys.exit(1)
     if code:  # the engine died: exit non-zero so that a supervisor restarts the server
         sys.exit(code)

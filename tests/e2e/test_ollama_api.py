@@ -142,6 +142,9 @@ def test_errors_in_ollama_shape(server):
     _error(post("/api/generate", {"model": MODEL, "prompt": "def f(", "suffix": "  return 1"}), 400, "suffix")
     _error(post("/api/chat", {"model": MODEL, "messages": ASK, "think": True}), 400, "think")
     _error(post("/api/chat", {"model": MODEL, "messages": "hi"}), 400, "messages")
+    history = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
+    _error(post("/api/chat", {"model": MODEL, "messages": history}), 400,  # an object, as Ollama's Go map takes it
+           "cannot unmarshal string into Go struct field ToolCallFunction.messages.tool_calls.function.arguments")
     _error(server.http.post("/api/generate", content=b"{not json"), 400, "JSON")
     _error(post("/api/pull", {"model": "llama3"}), 404, "model 'llama3' not found", "downloads no models")
     assert _client(server).pull(MODEL).status == "success"  # a served model: pulled already

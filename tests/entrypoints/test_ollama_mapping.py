@@ -345,6 +345,18 @@ def test_ollama_type_errors_name_the_field_in_gos_words(app_and_engine):  # noqa
          "json: cannot unmarshal bool into Go struct field EmbedRequest.dimensions of type int"),
         ("/api/embeddings", {"model": "m", "prompt": 5},
          "json: cannot unmarshal number into Go struct field EmbeddingRequest.prompt of type string"),
+        # a history tool call's arguments are an object (Go's map): Ollama parses no JSON string
+        ("/api/chat", {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": '{"city": "Paris"}'}}]}]},
+         "json: cannot unmarshal string into Go struct field ToolCallFunction.messages.tool_calls.function.arguments "
+         "of type api.ToolCallFunctionArguments"),
+        ("/api/chat", {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": ["Paris"]}}]}]},
+         "json: cannot unmarshal array into Go struct field ToolCallFunction.messages.tool_calls.function.arguments "
+         "of type api.ToolCallFunctionArguments"),
+        ("/api/chat", {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]},
+         "json: cannot unmarshal string into Go struct field ToolCall.messages.tool_calls.function "
+         "of type api.ToolCallFunction"),
         ("/api/chat", {**chat, "keep_alive": "forever"},
          'keep_alive: time: invalid duration "forever" (a Go duration such as "5m", "1h30m" or "-1s")'),
     ]

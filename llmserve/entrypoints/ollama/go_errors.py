@@ -43,7 +43,7 @@ GO_TYPES: dict[str, dict[str, str]] = {
     "DeleteRequest": {"model": "string", "name": "string"},
     "CopyRequest": {"source": "string", "destination": "string"},
     "ToolCall": {"id": "string", "function": "api.ToolCallFunction"},
-    "ToolCallFunction": {"index": "int", "name": "string"},
+    "ToolCallFunction": {"index": "int", "name": "string", "arguments": "api.ToolCallFunctionArguments"},
     "Tool": {"type": "string", "function": "api.ToolFunction"},
     "ToolFunction": {"name": "string", "description": "string"},
 }

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import AfterValidator, Field, StrictInt
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
-from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
+from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, OpenAIRequestModel
 
 # ``keep_alive``: a duration ("5m", "1h"), seconds, or -1 / 0. Accepted and ignored: the
 # model stays loaded for the server's life (there is no unloading to schedule). A string
@@ -39,17 +39,37 @@ KeepAlive = Annotated[Optional[Union[str, float]], AfterValidator(_check_duratio
 Format = Optional[Union[str, dict[str, Any]]]
 
 
+class OllamaToolCallFunction(OpenAIBaseModel):
+    """The ``function`` of a tool call in the history (Go's api.ToolCallFunction):
+    ``name``, ``index`` (a Go int) and ``arguments``, an object (Go's
+    api.ToolCallFunctionArguments is a map): a JSON string or a list there is Go's
+    decoder error, as Ollama answers it (``json: cannot unmarshal string into Go struct
+    field ToolCallFunction.messages.tool_calls.function.arguments of type
+    api.ToolCallFunctionArguments``); Ollama does not parse a string as JSON."""
+
+    name: Optional[str] = None
+    arguments: Optional[dict[str, Any]] = None
+    index: Optional[StrictInt] = None
+
+
+class OllamaToolCall(OpenAIBaseModel):
+    """One of an assistant message's ``tool_calls`` (Go's api.ToolCall)."""
+
+    id: Optional[str] = None
+    function: Optional[OllamaToolCallFunction] = None
+
+
 class OllamaMessage(OpenAIRequestModel):
     """One message of ``/api/chat``: role, content, and Ollama's extras: ``thinking``
     (the reasoning of an earlier assistant turn), ``images`` (base64, refused while no
-    vision model runs), ``tool_calls`` (arguments as an object), ``tool_name`` (of a
-    ``tool`` message: which tool answered)."""
+    vision model runs), ``tool_calls`` (arguments as an object: :class:`OllamaToolCall`),
+    ``tool_name`` (of a ``tool`` message: which tool answered)."""
 
     role: str
     content: Optional[str] = ""
     thinking: Optional[str] = None
     images: Optional[list[Any]] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[OllamaToolCall]] = None
     tool_name: Optional[str] = None
     tool_call_id: Optional[str] = None
 

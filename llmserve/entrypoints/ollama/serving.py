@@ -34,7 +34,7 @@ from llmserve.entrypoints.ollama.names import resolve
 from llmserve.entrypoints.ollama.options import (build_request, context_size, in_ollama_terms, sampling_fields,
                                                  structured_fields)
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
-                                                  OllamaGenerateRequest, OllamaMessage)
+                                                  OllamaGenerateRequest, OllamaMessage, OllamaToolCall)
 from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats, StreamError
 from llmserve.entrypoints.openai.chat_completion.context_room import prompt_bytes_bound, prompt_tokens, room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -64,13 +64,14 @@ def handler(state: Any, attr: str, model: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- messages
-def _tool_call(call: Any, i: int, j: int) -> dict[str, Any]:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+def _tool_call(call: OllamaToolCall, i: int, j: int) -> dict[str, Any]:
+    """A history tool call as the common request's; its ``arguments`` are an object
+    (OllamaToolCallFunction refuses any other JSON type, as Ollama's decoder does)."""
+    fn = call.function
+    if fn is None or fn.name is None:
         raise SamplingParamsError(f"messages[{i}].tool_calls[{j}] needs a function with a name.", "messages")
-    args = fn.get("arguments", {})
-    return {"id": call.get("id") or f"call_{i}_{j}", "type": "function",
-            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+    return {"id": call.id or f"call_{i}_{j}", "type": "function",
+            "function": {"name": fn.name, "arguments": json.dumps(fn.arguments or {})}}
 
 
 def openai_message(m: OllamaMessage, i: int) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admi
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
 from llmserve.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from llmserve.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from llmserve.entrypoints.openai.cli_args import flag_message, make_arg_parser, validate_parsed_serve_args
 from llmserve.entrypoints.openai.completion.api_router import register_completion_api_routers
 from llmserve.entrypoints.openai.common.limits import PromptCharLimit, longest_token_chars
 from llmserve.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -356,8 +356,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         validate_parsed_serve_args(args)
         code = run_api_servers(args, run_server)
-    except ValueError as e:  # a bad flag or model: one line, not a traceback
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except ValueError as e:  # a bad flag or model: one line naming the flag typed, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {flag_message(str(e), parser)}\n")
     if code:
         sys.exit(code)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Optional
 
 from llmserve.engine_args import AsyncEngineArgs
@@ -144,3 +145,55 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     validate_tool_calling_args(args)
     check_http_edge_args(args)
     check_responses_args(args)
+
+
+def cli_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:
+    """Each option's dest -> (the flag a user types, whether it is a switch: ``--x`` /
+    ``--no-x`` or ``store_true``). The flag is ``--`` + dest with ``-`` for ``_`` (how
+    :meth:`AsyncEngineArgs.add_cli_args` spells every engine field) when the parser has it,
+    else the option's first long spelling (``--api-key`` for ``api_key``)."""
+    flags: dict[str, tuple[str, bool]] = {}
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
+        if not longs or action.dest in ("help", argparse.SUPPRESS):
+            continue
+        own = "--" + action.dest.replace("_", "-")
+        if action.dest in flags and flags[action.dest][0] == own:
+            continue  # an alias (add_vllm_aliases) of a flag already named
+        switch = isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0
+        flags[action.dest] = (own if own in longs else longs[0], switch)
+    return flags
+
+
+def flag_message(message: str, parser: Optional[argparse.ArgumentParser] = None) -> str:
+    """A start-up error ``message`` as the command line's user reads it: the engine's and
+    the configs' errors name the dataclass field (``kv_cache_dtype='int4'``, right for
+    ``LLM(...)``), which the CLI user never typed; here each becomes the flag
+    (``--kv-cache-dtype int4``; a switch's ``=True`` / ``=False`` ``--x`` / ``--no-x``; a
+    field of a JSON flag ``kv_events_config.topic`` ``topic in --kv-events-config``).
+
+    Fields with an underscore are renamed wherever they appear as a word; one-word fields
+    (``model``, ``dtype``, ``port``) only as ``name=value`` or opening the message
+    (``dtype: ...``, ``port must ...``), where they cannot be the plain English word.
+    ``parser``: the serve parser (built when None: only on the error path)."""
+    flags = cli_flags(parser if parser is not None else make_arg_parser(argparse.ArgumentParser()))
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.-])(?P<name>{names})(?:\.(?!json\b)(?P<sub>\w+))?"
+                         rf"(?:=(?P<value>'[^']*'|\"[^\"]*\"|[^\s,;)]*[^\s,;).]))?(?![\w-]|\.json\b)")
+
+    def rename(m: re.Match) -> str:
+        name, sub, value = m.group("name", "sub", "value")
+        at_start = m.start() == 0 and re.match(r"(:| must\b)", message[m.end():])
+        if "_" not in name and value is None and not at_start:
+            return m.group(0)  # the English word ("the model ..."), not the flag
+        flag, switch = flags[name]
+        if sub:
+            return f"{sub} in {flag}"
+        if value is None:
+            return flag
+        if switch and value in ("True", "False"):
+            return flag if value == "True" else "--no-" + flag[2:]
+        if value[:1] in "'\"" and value[1:-1] and not re.search(r"\s", value):
+            value = value[1:-1]  # as typed: --kv-cache-dtype int4
+        return f"{flag} {value}"
+    return pattern.sub(rename, message)
