@@ -73,7 +73,7 @@ def test_rows_are_gguf_values(qtype):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", K_TYPES)
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, 34])  # 34: AVX2's unpacked tiles (32 tokens and more)
 @pytest.mark.parametrize("n", [40, 16, 7])  # part group, one group, less than a group
 def test_kquant_linear_matches_references(qtype, m, n):
     raw = _random_blocks(qtype, n, 3, seed=30 + qtype)
@@ -92,6 +92,22 @@ def test_kquant_linear_matches_references(qtype, m, n):
     got_bf = qw.linear(xb, out_float=True)
     torch.testing.assert_close(got_bf.double(), linear_reference(xb.float(), parts), atol=2e-6 * scale, rtol=1e-5)
     assert torch.equal(qw.linear(xb), got_bf.bfloat16())  # float32 sums rounded once
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("super_blocks", [1, 6])  # 8 blocks: one unpacked chunk; 48: three, summed between
+def test_many_tokens_equal_few_tokens_bit_for_bit(qtype, super_blocks):
+    """From 32 tokens on, AVX2 runs the K-quant tiles unpacked once per row group with the
+    tokens' codes as the unsigned operand; the integer sums and float steps are those of the
+    few-token kernel, so 300 tokens at once (chunks of 256 + 44) equal 8 at a time bit for bit."""
+    raw = _random_blocks(qtype, 40, super_blocks, seed=40 + qtype)
+    qw = KQuantWeight.from_gguf(torch.from_numpy(raw), qtype)
+    x = torch.randn(300, 256 * super_blocks, generator=torch.Generator().manual_seed(qtype))
+    x[5, 32:64] = 0  # an all-zero block
+    for xs in (x, x.bfloat16()):
+        whole = qw.linear(xs, out_float=True)
+        assert torch.equal(whole, torch.cat([qw.linear(xs[i:i + 8], out_float=True) for i in range(0, 300, 8)]))
 
 
 @needs_kernels

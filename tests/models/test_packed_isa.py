@@ -64,8 +64,12 @@ def test_extreme_codes_do_not_saturate(qtype, code_byte, m):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [10, 11, 12, 13, 14])  # Q2_K .. Q6_K
-def test_extreme_kquant_codes_do_not_saturate(qtype):
+@pytest.mark.parametrize("qtype,zero_codes", [(10, None), (11, None), (12, None), (13, None), (14, None),
+                                              (13, (16, 176)), (14, (0, 192))])
+@pytest.mark.parametrize("m", [9, 33])  # 33: AVX2's unpacked tiles, x's codes + 128 unsigned
+def test_extreme_kquant_codes_do_not_saturate(qtype, zero_codes, m):
+    # zero_codes: the code bytes of Q5_K (qh, qs) and Q6_K (ql, qh) at 0, the unpacked
+    # tiles' most negative signed code (-16, -32) against x' = 255, scales still at their largest
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -73,12 +77,14 @@ def test_extreme_kquant_codes_do_not_saturate(qtype):
     f16_at = {10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}[qtype]
     bb = KQUANT_TYPES[qtype][1]
     raw = np.full((24, 1, bb), 0xFF, dtype=np.uint8)  # every code (and scale) at its largest
+    if zero_codes is not None:
+        raw[:, :, zero_codes[0]:zero_codes[1]] = 0
     for at in f16_at:
         raw[:, :, at:at + 2] = np.array([0.001], dtype=np.float16).view(np.uint8)
     raw = raw.reshape(24, bb)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype))).double()
     qw = KQuantWeight.from_gguf(torch.from_numpy(raw), qtype)
-    x = _pm_one_rows(9, 256)
+    x = _pm_one_rows(m, 256)
     got = qw.linear(x).double()
     ref = x.double() @ w.T
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

@@ -634,6 +634,157 @@ void group_tile(const KPacked& p, const QuantX& xq, int64_t g, int64_t t0, OutT*
   else group_tile_k<BITS, MT, true>(p, xq, g, t0, out, N);
 }
 
+#if !LLMS_AVX512
+// The K-quants' tiles unpacked the same way (see groups_unpacked): signed codes c = code -
+// ZC per row group and block, with per half block corr = -128 sum(c), and the rows' d * sc
+// and dmin * mn as group_tile_k forms them. ZC is the type's own offset z where it has one
+// (Q3_K 4, Q6_K 32: sum(c q_x) is then the dot group_tile_k starts at -z sum(q_x)); with
+// mins z = 0, and ZC = 0 for the 4-bit tiles (codes <= 15 are already signed bytes) or 16
+// for Q5_K's 5-bit ones, whose dot then adds 16 sum(q_x of the half) per token (the int16
+// bounds of groups_unpacked need |c| <= 16 there). The float steps are group_tile_k's, in
+// its order: results are bit-identical. 16 blocks (14 KiB) at a time.
+constexpr int64_t kUnpackBlocksK = 16;
+
+struct UnpackedKBlock {
+  __m256i w[8][2];     // signed codes, as UnpackedBlock
+  __m256i corr[2][2];  // [half][rows 0-7 / 8-15]: -128 * sum(c) of the half
+  __m256 d[2][2], m[2][2];  // [half][rows]: d * sc and dmin * mn (mins only)
+};
+
+template <int BITS, bool kMins, int ZC>
+inline void unpack_kblock(const uint8_t* tile, const int8_t* s, vf d, vf dmin, UnpackedKBlock* u) {
+  vi v[8];
+  load_tile<BITS>(tile, v);
+  const __m256i zc = _mm256_set1_epi8(static_cast<char>(ZC));
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  const __m256i off = _mm256_set1_epi32(16 * ZC), zero = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    __m256i s_lo = zero, s_hi = zero;
+    for (int j = 4 * h; j < 4 * h + 4; ++j) {
+      s_lo = _mm256_add_epi8(s_lo, v[j].lo);  // 4 codes of at most 63 per byte: < 256
+      s_hi = _mm256_add_epi8(s_hi, v[j].hi);
+      _mm256_store_si256(&u->w[j][0], _mm256_sub_epi8(v[j].lo, zc));
+      _mm256_store_si256(&u->w[j][1], _mm256_sub_epi8(v[j].hi, zc));
+    }
+    const __m256i c_lo = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(s_lo, ones8), ones16), off);
+    const __m256i c_hi = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(s_hi, ones8), ones16), off);
+    _mm256_store_si256(&u->corr[h][0], _mm256_slli_epi32(_mm256_sub_epi32(zero, c_lo), 7));
+    _mm256_store_si256(&u->corr[h][1], _mm256_slli_epi32(_mm256_sub_epi32(zero, c_hi), 7));
+    const vf dh = mul(d, i8x16_ps(s + 16 * h));
+    u->d[h][0] = dh.lo;
+    u->d[h][1] = dh.hi;
+    if constexpr (kMins) {
+      const vf mh = mul(dmin, i8x16_ps(s + 32 + 16 * h));
+      u->m[h][0] = mh.lo;
+      u->m[h][1] = mh.hi;
+    }
+  }
+}
+
+// One half block's integer dot for rows 0-7 (lo) and 8-15 (hi): words 4h..4h+3 of x'.
+template <int BITS>
+inline void half_dot(const UnpackedKBlock& u, const int32_t* xw, int h, __m256i& a_lo, __m256i& a_hi) {
+  constexpr int G = BITS == 8 ? 2 : 4;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int j0 = 4 * h; j0 < 4 * h + 4; j0 += G) {
+    __m256i xb = _mm256_set1_epi32(xw[j0]);
+    __m256i s_lo = _mm256_maddubs_epi16(xb, u.w[j0][0]), s_hi = _mm256_maddubs_epi16(xb, u.w[j0][1]);
+    for (int j = j0 + 1; j < j0 + G; ++j) {
+      xb = _mm256_set1_epi32(xw[j]);
+      s_lo = _mm256_add_epi16(s_lo, _mm256_maddubs_epi16(xb, u.w[j][0]));
+      s_hi = _mm256_add_epi16(s_hi, _mm256_maddubs_epi16(xb, u.w[j][1]));
+    }
+    a_lo = _mm256_add_epi32(a_lo, _mm256_madd_epi16(s_lo, ones16));
+    a_hi = _mm256_add_epi32(a_hi, _mm256_madd_epi16(s_hi, ones16));
+  }
+}
+
+template <int BITS, bool kMins, int ZC>
+inline void token_unpacked_k(const UnpackedKBlock* u, int64_t nbc, const QuantX& xq, int64_t K, int64_t nb, int64_t t,
+                             int64_t b0, __m256& acc_lo, __m256& acc_hi) {
+  const int32_t* xw0 = reinterpret_cast<const int32_t*>(xq.qu + t * K + b0 * QK);
+  for (int64_t b = 0; b < nbc; ++b) {
+    const int64_t xi = t * nb + b0 + b;
+    __m256i a[2][2];
+    for (int h = 0; h < 2; ++h) {
+      a[h][0] = u[b].corr[h][0];
+      a[h][1] = u[b].corr[h][1];
+      if constexpr (kMins && ZC != 0) {  // sum(code q_x) = sum(c q_x) + ZC sum(q_x)
+        const __m256i z = _mm256_set1_epi32(ZC * xq.hb[2 * xi + h]);
+        a[h][0] = _mm256_add_epi32(a[h][0], z);
+        a[h][1] = _mm256_add_epi32(a[h][1], z);
+      }
+      half_dot<BITS>(u[b], xw0 + b * (QK / 4), h, a[h][0], a[h][1]);
+    }
+    const __m256 dx = _mm256_set1_ps(xq.d[xi]);
+    for (int h = 0; h < 2; ++h) {
+      acc_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][0]), _mm256_mul_ps(u[b].d[h][0], dx), acc_lo);
+      acc_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][1]), _mm256_mul_ps(u[b].d[h][1], dx), acc_hi);
+    }
+    if constexpr (kMins) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sh = _mm256_set1_ps(xq.sh[2 * xi + h]);
+        acc_lo = _mm256_fnmadd_ps(u[b].m[h][0], sh, acc_lo);
+        acc_hi = _mm256_fnmadd_ps(u[b].m[h][1], sh, acc_hi);
+      }
+    }
+  }
+}
+
+template <int BITS, bool kMins, int ZC, typename OutT>
+void groups_unpacked_k(const KPacked& p, const QuantX& xq, int64_t t0, int64_t t1, OutT* out, int64_t ldo,
+                       int64_t g0, int64_t g1) {
+  alignas(64) static thread_local UnpackedKBlock u[kUnpackBlocksK];
+  static thread_local Scratch partials;  // not thread_scratch: the calling thread's QuantX live there
+  const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
+  const int64_t chunks = (p.nb + kUnpackBlocksK - 1) / kUnpackBlocksK, bc = (p.nb + chunks - 1) / chunks;
+  float* part = chunks > 1 ? reinterpret_cast<float*>(partials.get((t1 - t0) * RG * sizeof(float))) : nullptr;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t valid = std::min(RG, p.n - g * RG);
+    for (int64_t b0 = 0; b0 < p.nb; b0 += bc) {
+      const int64_t nbc = std::min(bc, p.nb - b0);
+      for (int64_t b = 0; b < nbc; ++b) {
+        const int64_t bb = b0 + b;
+        const uint16_t* dd = p.dd + (g * (p.nb / 8) + bb / 8) * 32;
+        unpack_kblock<BITS, kMins, ZC>(p.codes + (g * p.nb + bb) * tb, p.sc + (g * p.nb + bb) * 64, h16_ps(dd),
+                                       h16_ps(dd + 16), &u[b]);
+      }
+      const bool first = b0 == 0, last = b0 + nbc >= p.nb;
+      for (int64_t t = t0; t < t1; ++t) {
+        float* pt = part ? part + (t - t0) * RG : nullptr;
+        __m256 lo = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pt);
+        __m256 hi = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pt + 8);
+        token_unpacked_k<BITS, kMins, ZC>(u, nbc, xq, K, p.nb, t, b0, lo, hi);
+        if (!last) {
+          _mm256_storeu_ps(pt, lo);
+          _mm256_storeu_ps(pt + 8, hi);
+        } else {
+          store_rows(out + t * ldo + g * RG, vf{lo, hi}, valid);
+        }
+      }
+    }
+  }
+}
+
+// The unpacked path where the type's tile and offset have one (false: group_tile_k's).
+template <int BITS, typename OutT>
+bool groups_unpacked(const KPacked& p, const QuantX& xq, int64_t t0, int64_t t1, OutT* out, int64_t ldo, int64_t g0,
+                     int64_t g1) {
+  if constexpr (BITS == 4) {
+    if (p.z == 0) groups_unpacked_k<4, true, 0>(p, xq, t0, t1, out, ldo, g0, g1);
+    else if (p.z == 4) groups_unpacked_k<4, false, 4>(p, xq, t0, t1, out, ldo, g0, g1);
+    else return false;
+  } else if constexpr (BITS == 5) {
+    if (p.z != 0) return false;
+    groups_unpacked_k<5, true, 16>(p, xq, t0, t1, out, ldo, g0, g1);
+  } else {
+    if (p.z != 32) return false;
+    groups_unpacked_k<8, false, 32>(p, xq, t0, t1, out, ldo, g0, g1);
+  }
+  return true;
+}
+#endif
+
 // Row groups [g0, g1) of one thread, rows ldo elements apart in out; tokens 16
 // (Q4_0..Q8_0) or 8 (then 4, 3, 2, 1) at a time, so a tile's codes are loaded and unpacked
 // once per 16 or 8 tokens; tokens in chunks of 256 (their int8 codes, 147 KB at K=576, stay
@@ -652,10 +803,12 @@ void run_groups(const P& p, const QuantX& xq, int64_t M, OutT* out, int64_t ldo,
   for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
     const int64_t c1 = std::min(M, c0 + kChunk);
 #if !LLMS_AVX512
-    if constexpr (kMT16 && BITS != 8) {
-      if (c1 - c0 >= kUnpackMinTokens) {
+    if (c1 - c0 >= kUnpackMinTokens) {
+      if constexpr (kMT16 && BITS != 8) {
         groups_unpacked<BITS>(p, xq, c0, c1, out, ldo, g0, g1);
         continue;
+      } else if constexpr (!kMT16) {
+        if (groups_unpacked<BITS>(p, xq, c0, c1, out, ldo, g0, g1)) continue;
       }
     }
 #endif
