@@ -209,6 +209,11 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
         with pytest.raises(Exception) as e:  # the official client sees a RateLimitError
             rc.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
         assert type(e.value).__name__ == "RateLimitError"
+        # validation first: a malformed request of each API family gets its own 400, not the 429
+        for path, bad in (("/v1/chat/completions", {"model": MODEL, "messages": "x"}),
+                          ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [], "service_tier": 1}),
+                          ("/api/chat", {"model": MODEL, "messages": [{"role": 5}]})):
+            assert srv.post(path, bad).status_code == 400, path
     for t in threads:
         t.join(60)
     assert [x.status_code for x in results] == [200] * 4

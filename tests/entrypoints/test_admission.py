@@ -560,3 +560,38 @@ def test_an_encoder_admits_a_fan_out_larger_than_its_queue_only_alone():
     c.in_flight = 0
     assert c.admit(fan=FanOut(1000, "documents")) is None and c.in_flight == 1000
     assert c.admit().reason == "queue_full"  # the next one waits for it
+
+
+def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(smol_tokenizer):
+    """With the queue full, each API family's malformed request is answered its route's own
+    400 in its own error body (validation first: admission_precheck.py), is not counted as
+    refused, and a well-formed one still gets the 429 (fresh-user trial: a bad body got 429,
+    and its client retried it into the same 400)."""
+    app, _, _ = _app(smol_tokenizer, "--max-waiting-requests", "1")
+    controller = app.state.admission
+    client = TestClient(app)
+    controller.in_flight = controller.max_num_seqs + 1  # a full batch and one request waiting
+    anthropic = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    ollama = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    bad = [  # (path, body, what the 400 says)
+        ("/v1/chat/completions", {"model": "m", "messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "logprobs"),  # the handler's check()
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/messages", {**anthropic, "service_tier": "priority"}, "service_tier"),
+        ("/v1/messages", {**anthropic, "messages": [{"role": "user", "content": ""}]}, "messages.0"),
+        ("/api/chat", {**ollama, "messages": [{"role": "assistant", "tool_calls": [
+            {"function": {"name": "f", "arguments": "{}"}}]}]}, "ToolCallFunction.messages.tool_calls.function"),
+        ("/api/generate", {"model": "m", "prompt": "x", "template": "{{ .Prompt }}"}, "template"),
+    ]
+    for path, body, words in bad:
+        r = client.post(path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        message = {"/v1/messages": lambda b: b["error"]["message"], "/api/": lambda b: b["error"]}.get(
+            path if path == "/v1/messages" else path[:5], lambda b: b["error"]["message"])(r.json())
+        assert words in message, (path, message)
+    assert client.post("/v1/messages", content=b'{"model": ', headers={"content-type": "application/json"}).json()[
+        "error"]["type"] == "invalid_request_error"
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", anthropic), ("/api/chat", ollama)):
+        assert client.post(path, json=body).status_code == 429, path
+    assert 'reason="queue_full"} 3.0' in client.get("/metrics").text  # the malformed ones are not counted
+    assert controller.in_flight == controller.max_num_seqs + 1

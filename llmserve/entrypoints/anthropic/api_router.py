@@ -10,9 +10,12 @@ is not served: it answers Anthropic's 404 ``not_found_error`` saying so
 NotFoundError that tells why, not a bare "Not Found"."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from starlette.responses import Response
 
+from llmserve.entrypoints.anthropic.conversion import to_chat_request
 from llmserve.entrypoints.anthropic.protocol import (
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
@@ -53,6 +56,16 @@ async def batches_not_supported() -> None:
 
 for _path in (BATCHES_PATH, BATCHES_PATH + "/{rest:path}"):
     router.add_api_route(_path, batches_not_supported, methods=BATCHES_METHODS, include_in_schema=False)
+
+
+def _check_messages(_: Any, request: AnthropicMessagesRequest) -> None:
+    """The checks ``/v1/messages`` runs before it renders (the mapping, Anthropic's rules,
+    the chat request's own): admission runs them on a request it would refuse."""
+    to_chat_request(request, auto_tools=False).check()
+
+
+# Body model -> its first checks (admission_precheck.Prechecks.by_model)
+ANTHROPIC_MODEL_CHECKS = {AnthropicMessagesRequest: _check_messages}
 
 
 def register_anthropic_api_routers(app: FastAPI) -> None:

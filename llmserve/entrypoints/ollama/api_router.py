@@ -30,7 +30,8 @@ from llmserve.entrypoints.ollama.manage import copy_model, delete_model, not_ava
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaCopyRequest, OllamaDeleteRequest,
                                                   OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                                   OllamaPullRequest, OllamaPushRequest, OllamaShowRequest)
-from llmserve.entrypoints.ollama.serving import (serve_chat, serve_embed, serve_embeddings, serve_generate)
+from llmserve.entrypoints.ollama.serving import (check_chat, check_generate, serve_chat, serve_embed, serve_embeddings,
+                                                 serve_generate)
 from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, with_cancellation
 from llmserve.entrypoints.openai.tenants import tenant_sees_model
@@ -58,7 +59,11 @@ async def _body(raw_request: Request, model: type[T]) -> T:
     field's zero value: go_json.py). An empty body is Ollama's 400 "missing request body".
     Invalid JSON or fields are a 400 naming them (the validation handler's message: invalid
     JSON keeps the first parser's, and says so when the body is not UTF-8 either)."""
-    body = await raw_request.body()
+    return parse_body(await raw_request.body(), model)
+
+
+def parse_body(body: bytes, model: type[T]) -> T:
+    """The body as ``model``, as :func:`_body` reads it (the same errors)."""
     if not body.strip():
         raise SamplingParamsError("missing request body", None)
     struct = GO_STRUCTS[model.__name__]
@@ -224,6 +229,27 @@ def _unsupported(path: str) -> Any:
 
 for _path, _method in UNSUPPORTED.items():
     router.add_api_route(_path, _unsupported(_path), methods=[_method], include_in_schema=False)
+
+
+async def _check_chat_body(state: Any, body: bytes) -> None:
+    await check_chat(state, parse_body(body, OllamaChatRequest))
+
+
+async def _check_generate_body(state: Any, body: bytes) -> None:
+    await check_generate(state, parse_body(body, OllamaGenerateRequest))
+
+
+def _parses_as(model: type[BaseModel]) -> Any:
+    async def check(_: Any, body: bytes) -> None:
+        parse_body(body, model)
+    return check
+
+
+# Path -> the checks its route runs before rendering (admission_precheck.Prechecks.by_path):
+# a request admission would refuse gets its own 400 first.
+OLLAMA_BODY_CHECKS = {"/api/chat": _check_chat_body, "/api/generate": _check_generate_body,
+                      "/api/embed": _parses_as(OllamaEmbedRequest),
+                      "/api/embeddings": _parses_as(OllamaEmbeddingsRequest)}
 
 
 def register_ollama_api_routers(app: FastAPI) -> None:

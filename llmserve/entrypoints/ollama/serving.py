@@ -251,6 +251,26 @@ def ollama_terms(serve: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
 
 
 @ollama_terms
+async def check_chat(state: Any, req: OllamaChatRequest) -> None:
+    """What :func:`serve_chat` refuses before it renders the prompt (the model, the
+    messages, options, format, think, tools, the common request's checks), with the same
+    errors; nothing is rendered or run. Admission control runs it on a request it would
+    refuse, so a malformed one gets its own 400, not a 429 (admission_precheck.py)."""
+    name = served_name(state, req.model)
+    if req.messages:
+        chat = handler(state, "openai_serving_chat", name)
+        chat_request(req, name, chat)[0].check()
+
+
+@ollama_terms
+async def check_generate(state: Any, req: OllamaGenerateRequest) -> None:
+    """:func:`check_chat` for ``/api/generate`` (:func:`serve_generate`'s checks)."""
+    name = served_name(state, req.model)
+    if req.prompt or req.suffix:
+        generate_request(req, name, handler(state, "openai_serving_chat", name)).check()
+
+
+@ollama_terms
 async def serve_chat(state: Any, req: OllamaChatRequest, request_id: Optional[str]) -> tuple[Any, dict[str, str]]:
     """``/api/chat``: (an async generator of NDJSON lines, or the one object; headers)."""
     name = served_name(state, req.model)

@@ -40,7 +40,10 @@ runs are refused at once rather than queued behind it. The
   a new request is refused at once rather than held for an engine that may not come back
   (case C71: an error JSON within 2 s while no engine serves).
 
-A refusal carries the OpenAI error body and ``Retry-After``: the seconds the engine needs
+A request that would be refused is first checked as its route checks it
+(admission_precheck.py): a malformed one gets its own 400, not a refusal (validation
+comes first, as on OpenAI's, Anthropic's and Ollama's servers). A refusal carries the
+OpenAI error body and ``Retry-After``: the seconds the engine needs
 to drain the waiting requests at the rate requests finished over the last
 ``DRAIN_WINDOW_S`` seconds (1 to ``MAX_RETRY_AFTER_S``). ``/metrics`` counts refusals in
 ``vllm:request_rejected_total{reason=...}``.
@@ -67,6 +70,7 @@ from typing import Any, Callable, Optional
 from starlette.datastructures import Headers
 
 from llmserve.config import AdmissionConfig
+from llmserve.entrypoints.openai.admission_precheck import Prechecks, malformed_response
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.common.protocol import ErrorResponse
 from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, Deadline, parse_request_timeout,
@@ -384,17 +388,19 @@ class AdmissionController:
             self.stat_logger.set_admission_queue(self.receiving, self.num_waiting, self.in_flight)
 
     def admit(self, tenant_in_flight: Optional[int] = None, fan: FanOut = ONE,
-              tenant: Optional[str] = None) -> Optional[Rejection]:
-        """Admit a request (None) or return why not; a refusal is counted in /metrics.
-        An admitted request must be ``release()``d (with the same ``fan`` and ``tenant``)
-        when its response ends. ``tenant_in_flight``: see :meth:`check`. ``fan``: the
-        request's fan-out (fan_out.py): it takes ``fan.sequences`` of the limits (one
-        larger than :attr:`capacity` is admitted only on an idle engine, see :meth:`check`).
-        ``tenant``: the tenant's name, whose sequences in flight are counted."""
+              tenant: Optional[str] = None, count_refusal: bool = True) -> Optional[Rejection]:
+        """Admit a request (None) or return why not; a refusal is counted in /metrics
+        (unless ``count_refusal`` is false: the caller then counts it, or not, with
+        :meth:`count_refusal`). An admitted request must be ``release()``d (with the same
+        ``fan`` and ``tenant``) when its response ends. ``tenant_in_flight``: see
+        :meth:`check`. ``fan``: the request's fan-out (fan_out.py): it takes
+        ``fan.sequences`` of the limits (one larger than :attr:`capacity` is admitted only
+        on an idle engine, see :meth:`check`). ``tenant``: the tenant's name, whose
+        sequences in flight are counted."""
         rejection = self.check(tenant_in_flight, fan.sequences)
         if rejection is not None:
-            if self.stat_logger is not None:
-                self.stat_logger.record_rejection(rejection.reason)
+            if count_refusal:
+                self.count_refusal(rejection)
             return rejection
         if not self._engine_busy():
             self.last_progress = self.clock()  # the stall clock starts with the work
@@ -404,6 +410,11 @@ class AdmissionController:
             self.tenant_in_flight[tenant] = self.tenant_in_flight.get(tenant, 0) + fan.sequences
         self._report()
         return None
+
+    def count_refusal(self, rejection: Rejection) -> None:
+        """Count a refusal in ``vllm:request_rejected_total{reason=...}``."""
+        if self.stat_logger is not None:
+            self.stat_logger.record_rejection(rejection.reason)
 
     def release(self, fan: FanOut = ONE, tenant: Optional[str] = None) -> None:
         """An admitted request's response ended (any way): its sequences count toward the
@@ -441,11 +452,17 @@ class AdmissionMiddleware:
     this one, receives it whole first) and before it is parsed. A refusal answers 429/503 with
     ``Retry-After``; a bad header 400; otherwise the deadline is set for the handler and
     the request is released when its response (streamed or not) ends. The controller is
-    ``state.admission`` (set by ``init_app_state``); without one requests pass."""
+    ``state.admission`` (set by ``init_app_state``); without one requests pass.
 
-    def __init__(self, app: Any, state: Any):
+    A request it would refuse is first checked as its route checks it
+    (admission_precheck.py, with ``prechecks`` and the app's ``router``): a malformed one
+    gets its route's own error (a 400...), not the 429, and is not counted as refused."""
+
+    def __init__(self, app: Any, state: Any, prechecks: Optional[Prechecks] = None, router: Any = None):
         self.app = app
         self.state = state
+        self.prechecks = prechecks
+        self.router = router
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         controller = getattr(self.state, "admission", None)
@@ -467,8 +484,14 @@ class AdmissionMiddleware:
             controller = controller.controller_for(path, body)
         fan = fan_out_of(body, path)
         tenant = tenant_of(scope).name
-        rejection = controller.admit(_tenant_in_flight(scope, controller, tenant), fan, tenant)
+        rejection = controller.admit(_tenant_in_flight(scope, controller, tenant), fan, tenant, count_refusal=False)
         if rejection is not None:
+            if self.prechecks is not None:  # validation first: a malformed request gets its own error
+                own = await malformed_response(self.prechecks, self.router, self.state, scope, path, body,
+                                               Headers(scope=scope).get("content-type"))
+                if own is not None:
+                    return await own(scope, receive, send)
+            controller.count_refusal(rejection)
             response = json_response(make_error(rejection.message, rejection.status, param=rejection.param),
                                      rejection.status)
             if rejection.retry_after is not None:

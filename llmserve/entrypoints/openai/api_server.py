@@ -36,10 +36,12 @@ from fastapi.middleware.cors import CORSMiddleware
 import llmserve
 from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.gc_utils import freeze_gc_heap
-from llmserve.entrypoints.anthropic.api_router import ANTHROPIC_ERROR_SHAPE, register_anthropic_api_routers
-from llmserve.entrypoints.ollama.api_router import OLLAMA_ERROR_SHAPE, register_ollama_api_routers
+from llmserve.entrypoints.anthropic.api_router import (ANTHROPIC_ERROR_SHAPE, ANTHROPIC_MODEL_CHECKS,
+                                                      register_anthropic_api_routers)
+from llmserve.entrypoints.ollama.api_router import OLLAMA_BODY_CHECKS, OLLAMA_ERROR_SHAPE, register_ollama_api_routers
 from llmserve.entrypoints.launcher import bind_listening_socket, check_uds_path, serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
+from llmserve.entrypoints.openai.admission_precheck import Prechecks, openai_model_checks
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
 from llmserve.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -126,6 +128,8 @@ API_ROUTER_REGISTRARS = (
 # The error bodies of the front doors that speak another API than OpenAI's (each
 # ErrorShape names its paths); every other path answers OpenAI's body.
 ERROR_SHAPES: tuple[ErrorShape, ...] = (ANTHROPIC_ERROR_SHAPE, OLLAMA_ERROR_SHAPE)
+# Each front door's first checks, run on a request admission would refuse (admission_precheck.py)
+PRECHECKS = Prechecks(by_model={**openai_model_checks(), **ANTHROPIC_MODEL_CHECKS}, by_path=OLLAMA_BODY_CHECKS)
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
@@ -141,7 +145,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app.add_middleware(JsonDepthMiddleware)  # innermost: JSON nested past MAX_JSON_DEPTH is a 400
     app.add_middleware(HeadAsGetMiddleware, router=app.router)  # HEAD on every GET route (inside auth)
     app.add_middleware(DataParallelRankMiddleware)  # X-data-parallel-rank for the handlers (dp_rank.py)
-    app.add_middleware(AdmissionMiddleware, state=app.state)  # 429/503 + deadlines, before any body is read
+    # 429/503 + deadlines, before any body is parsed; a request it refuses gets its own 400 first
+    app.add_middleware(AdmissionMiddleware, state=app.state, prechecks=PRECHECKS, router=app.router)
     app.add_middleware(TenantQuotaMiddleware, state=app.state)  # a tenant over its quota: 429 before admission
     install_exception_handlers(app)
     install_method_not_allowed_handler(app)  # 405: Allow lists every method of the path

@@ -239,9 +239,20 @@ def required_fields(request: Request) -> list[str]:
     no single body model (``/invocations`` takes several shapes). A model whose required
     field is checked by its handler rather than its type (``/v1/embeddings``: ``input`` or
     ``messages``) names it in a ``REQUIRED_FIELDS`` class attribute."""
-    field = getattr(request.scope.get("route"), "body_field", None)
+    return required_fields_of(body_model_of(request.scope.get("route")))
+
+
+def body_model_of(route: Any) -> Optional[type[BaseModel]]:
+    """The pydantic model of a FastAPI route's JSON body (None: the route has no single
+    body model, or is no FastAPI route)."""
+    field = getattr(route, "body_field", None)
     model = getattr(getattr(field, "field_info", None), "annotation", None)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def required_fields_of(model: Optional[type[BaseModel]]) -> list[str]:
+    """The required fields of a body model (see :func:`required_fields`)."""
+    if model is None:
         return []
     named = list(getattr(model, "REQUIRED_FIELDS", ()))
     return named + [f.alias or name for name, f in model.model_fields.items() if f.is_required()]
@@ -307,20 +318,44 @@ def _validation_message(exc: RequestValidationError, content_type: Optional[str]
     return "; ".join(parts) or "Invalid request.", param
 
 
+def validation_error_response(exc: RequestValidationError, content_type: Optional[str] = None,
+                              required: Optional[list[str]] = None) -> Response:
+    """The 400 of a body the route's model refused (see :func:`_validation_message`)."""
+    message, param = _validation_message(exc, content_type, required)
+    return json_response(make_error(message, 400, param), 400)
+
+
+def http_exception_response(exc: StarletteHTTPException) -> Response:
+    """The JSON error response of an HTTPException (its status, detail and headers)."""
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+        detail = _not_utf8_message(exc.__cause__)
+    response = json_response(make_error(detail, exc.status_code), exc.status_code)
+    for k, v in (exc.headers or {}).items():
+        response.headers[k] = v
+    return response
+
+
+def exception_response(exc: BaseException, content_type: Optional[str] = None,
+                       required: Optional[list[str]] = None) -> Response:
+    """The response the app's exception handlers give ``exc`` (for code that answers
+    outside a route, such as admission's check of a body it would refuse);
+    ``content_type`` and ``required`` (the body model's required fields) word a
+    validation error."""
+    if isinstance(exc, RequestValidationError):
+        return validation_error_response(exc, content_type, required)
+    if isinstance(exc, StarletteHTTPException):
+        return http_exception_response(exc)
+    return error_json(exc)
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     """Every error, raised anywhere, answers with the OpenAI error body and its status."""
     async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc, request.headers.get("content-type"), required_fields(request))
-        return json_response(make_error(message, 400, param), 400)
+        return validation_error_response(exc, request.headers.get("content-type"), required_fields(request))
 
     async def on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
-        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
-            detail = _not_utf8_message(exc.__cause__)
-        response = json_response(make_error(detail, exc.status_code), exc.status_code)
-        for k, v in (exc.headers or {}).items():
-            response.headers[k] = v
-        return response
+        return http_exception_response(exc)
 
     async def on_error(_: Request, exc: Exception) -> Response:
         return error_json(exc)
