@@ -112,6 +112,9 @@ def test_quota_429_names_the_limit_for_that_tenant_only_and_allowed_models(smol_
             while engine.started < 1:
                 await asyncio.sleep(0.01)
             over = await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-b"))
+            # validation first: over the quota, a malformed request gets its own 400
+            bad = await c.post("/v1/chat/completions", json={**CHAT, "messages": "x"}, headers=_auth("key-b"))
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
             other = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-a")))
             while engine.started < 2:  # alice is admitted while bob is at his limit
                 await asyncio.sleep(0.01)

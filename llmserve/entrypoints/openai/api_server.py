@@ -147,7 +147,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app.add_middleware(DataParallelRankMiddleware)  # X-data-parallel-rank for the handlers (dp_rank.py)
     # 429/503 + deadlines, before any body is parsed; a request it refuses gets its own 400 first
     app.add_middleware(AdmissionMiddleware, state=app.state, prechecks=PRECHECKS, router=app.router)
-    app.add_middleware(TenantQuotaMiddleware, state=app.state)  # a tenant over its quota: 429 before admission
+    # a tenant over its quota: 429 before admission (a malformed request: its own 400 first)
+    app.add_middleware(TenantQuotaMiddleware, state=app.state, prechecks=PRECHECKS, router=app.router)
     install_exception_handlers(app)
     install_method_not_allowed_handler(app)  # 405: Allow lists every method of the path
     add_edge_middleware(app, args)  # body limit, JSON for whatever escapes; inside X-Request-Id

@@ -36,6 +36,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from llmserve.entrypoints.openai.admission import MAX_RETRY_AFTER_S, DrainRate, _buffered_body
+from llmserve.entrypoints.openai.admission_precheck import Prechecks, malformed_response
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception, make_error
 from llmserve.entrypoints.openai.fan_out import fan_out_of
 from llmserve.entrypoints.ollama.names import match_name, not_found
@@ -253,11 +254,15 @@ class TenantQuotaMiddleware:
     """Pure ASGI middleware (inside authentication, outside admission control): the
     quotas of the module docstring for POSTs to :data:`TRACKED_PATHS`. ``state``: the
     app state; its ``tenant_quotas`` (a TenantQuotas) is made on first use, in the
-    registry of ``state.stat_logger`` when there is one."""
+    registry of ``state.stat_logger`` when there is one. A request over its tenant's
+    quota is first checked as its route checks it (``prechecks`` with the app's
+    ``router``: admission_precheck.py): a malformed one gets its own 400, not the 429."""
 
-    def __init__(self, app: Any, state: Any):
+    def __init__(self, app: Any, state: Any, prechecks: Optional[Prechecks] = None, router: Any = None):
         self.app = app
         self.state = state
+        self.prechecks = prechecks
+        self.router = router
 
     def _quotas(self) -> TenantQuotas:
         quotas = getattr(self.state, "tenant_quotas", None)
@@ -289,6 +294,11 @@ class TenantQuotaMiddleware:
             return await _refuse(refused, scope, receive, send)
         refusal = quotas.check(tenant, request_cost(body, path))
         if refusal is not None:
+            if self.prechecks is not None:  # validation first: a malformed request gets its own error
+                own = await malformed_response(self.prechecks, self.router, self.state, scope, path, body,
+                                               Headers(scope=scope).get("content-type"))
+                if own is not None:
+                    return await own(scope, receive, send)
             reason, retry, message = refusal
             quotas.refused(tenant, reason)
             response = json_response(make_error(message, 429, err_type="RateLimitError", param=reason), 429)
