@@ -508,28 +508,28 @@ inline void token_unpacked(const UnpackedBlock* u, int64_t nbc, const QuantX& xq
   }
 }
 
-// Tokens [t0, t1) against row groups [g0, g1), the tiles unpacked once per group and block
-// chunk; a token's partial sums between chunks wait in this thread's float buffer.
-template <int BITS, bool SYM, typename OutT>
-void groups_unpacked(const Packed& p, const QuantX& xq, int64_t t0, int64_t t1, OutT* out, int64_t ldo, int64_t g0,
-                     int64_t g1) {
-  alignas(64) static thread_local UnpackedBlock u[kUnpackBlocks];
-  const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
-  const int64_t chunks = (p.nb + kUnpackBlocks - 1) / kUnpackBlocks, bc = (p.nb + chunks - 1) / chunks;
+// Tokens [t0, t1) against row groups [g0, g1) of a weight of nb blocks and n rows, the tiles
+// unpacked once per group and chunk of at most max_blocks blocks: unpack(g, b0, nbc) fills
+// the thread's unpacked blocks, token(t, b0, nbc, lo, hi) adds token t's sums over them to
+// its rows 0-7 (lo) and 8-15 (hi). A token's partial sums between chunks wait in this
+// thread's float buffer.
+template <typename OutT, typename Unpack, typename Token>
+void walk_unpacked(int64_t nb, int64_t n, int64_t max_blocks, int64_t t0, int64_t t1, OutT* out, int64_t ldo,
+                   int64_t g0, int64_t g1, const Unpack& unpack, const Token& token) {
+  const int64_t chunks = (nb + max_blocks - 1) / max_blocks, bc = (nb + chunks - 1) / chunks;
   static thread_local Scratch partials;  // not thread_scratch: the calling thread's QuantX live there
   float* part = chunks > 1 ? reinterpret_cast<float*>(partials.get((t1 - t0) * RG * sizeof(float))) : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
-    const int64_t valid = std::min(RG, p.n - g * RG);
-    for (int64_t b0 = 0; b0 < p.nb; b0 += bc) {
-      const int64_t nbc = std::min(bc, p.nb - b0);
-      for (int64_t b = 0; b < nbc; ++b)
-        unpack_block<BITS, SYM>(p.codes + (g * p.nb + b0 + b) * tb, p.dm + (g * p.nb + b0 + b) * p.dms, &u[b]);
-      const bool first = b0 == 0, last = b0 + nbc >= p.nb;
+    const int64_t valid = std::min(RG, n - g * RG);
+    for (int64_t b0 = 0; b0 < nb; b0 += bc) {
+      const int64_t nbc = std::min(bc, nb - b0);
+      unpack(g, b0, nbc);
+      const bool first = b0 == 0, last = b0 + nbc >= nb;
       for (int64_t t = t0; t < t1; ++t) {
         float* pt = part ? part + (t - t0) * RG : nullptr;
         __m256 lo = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pt);
         __m256 hi = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pt + 8);
-        token_unpacked<BITS, SYM>(u, nbc, xq, K, p.nb, t, b0, lo, hi);
+        token(t, b0, nbc, lo, hi);
         if (!last) {
           _mm256_storeu_ps(pt, lo);
           _mm256_storeu_ps(pt + 8, hi);
@@ -539,6 +539,25 @@ void groups_unpacked(const Packed& p, const QuantX& xq, int64_t t0, int64_t t1, 
       }
     }
   }
+}
+
+template <int BITS, bool SYM, typename OutT>
+void groups_unpacked(const Packed& p, const QuantX& xq, int64_t t0, int64_t t1, OutT* out, int64_t ldo, int64_t g0,
+                     int64_t g1) {
+  // On the stack (15 KiB), not thread_local: in this shared library a thread_local's
+  // address is a __tls_get_addr call, which the compiler re-made for every token (with a
+  // vzeroupper and the accumulators spilled around it).
+  alignas(64) UnpackedBlock u[kUnpackBlocks];
+  const int64_t tb = tile_bytes(BITS), K = p.nb * QK, nb = p.nb;
+  walk_unpacked(
+      p.nb, p.n, kUnpackBlocks, t0, t1, out, ldo, g0, g1,
+      [&](int64_t g, int64_t b0, int64_t nbc) {
+        for (int64_t b = 0; b < nbc; ++b)
+          unpack_block<BITS, SYM>(p.codes + (g * p.nb + b0 + b) * tb, p.dm + (g * p.nb + b0 + b) * p.dms, &u[b]);
+      },
+      [&xq, &u, K, nb](int64_t t, int64_t b0, int64_t nbc, __m256& lo, __m256& hi) {
+        token_unpacked<BITS, SYM>(u, nbc, xq, K, nb, t, b0, lo, hi);
+      });
 }
 
 template <int BITS, typename OutT>
@@ -734,36 +753,21 @@ inline void token_unpacked_k(const UnpackedKBlock* u, int64_t nbc, const QuantX&
 template <int BITS, bool kMins, int ZC, typename OutT>
 void groups_unpacked_k(const KPacked& p, const QuantX& xq, int64_t t0, int64_t t1, OutT* out, int64_t ldo,
                        int64_t g0, int64_t g1) {
-  alignas(64) static thread_local UnpackedKBlock u[kUnpackBlocksK];
-  static thread_local Scratch partials;  // not thread_scratch: the calling thread's QuantX live there
-  const int64_t tb = tile_bytes(BITS), K = p.nb * QK;
-  const int64_t chunks = (p.nb + kUnpackBlocksK - 1) / kUnpackBlocksK, bc = (p.nb + chunks - 1) / chunks;
-  float* part = chunks > 1 ? reinterpret_cast<float*>(partials.get((t1 - t0) * RG * sizeof(float))) : nullptr;
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t valid = std::min(RG, p.n - g * RG);
-    for (int64_t b0 = 0; b0 < p.nb; b0 += bc) {
-      const int64_t nbc = std::min(bc, p.nb - b0);
-      for (int64_t b = 0; b < nbc; ++b) {
-        const int64_t bb = b0 + b;
-        const uint16_t* dd = p.dd + (g * (p.nb / 8) + bb / 8) * 32;
-        unpack_kblock<BITS, kMins, ZC>(p.codes + (g * p.nb + bb) * tb, p.sc + (g * p.nb + bb) * 64, h16_ps(dd),
-                                       h16_ps(dd + 16), &u[b]);
-      }
-      const bool first = b0 == 0, last = b0 + nbc >= p.nb;
-      for (int64_t t = t0; t < t1; ++t) {
-        float* pt = part ? part + (t - t0) * RG : nullptr;
-        __m256 lo = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pt);
-        __m256 hi = first ? _mm256_setzero_ps() : _mm256_loadu_ps(pt + 8);
-        token_unpacked_k<BITS, kMins, ZC>(u, nbc, xq, K, p.nb, t, b0, lo, hi);
-        if (!last) {
-          _mm256_storeu_ps(pt, lo);
-          _mm256_storeu_ps(pt + 8, hi);
-        } else {
-          store_rows(out + t * ldo + g * RG, vf{lo, hi}, valid);
+  alignas(64) UnpackedKBlock u[kUnpackBlocksK];  // on the stack (14 KiB; see groups_unpacked)
+  const int64_t tb = tile_bytes(BITS), K = p.nb * QK, nb = p.nb;
+  walk_unpacked(
+      p.nb, p.n, kUnpackBlocksK, t0, t1, out, ldo, g0, g1,
+      [&](int64_t g, int64_t b0, int64_t nbc) {
+        for (int64_t b = 0; b < nbc; ++b) {
+          const int64_t bb = b0 + b;
+          const uint16_t* dd = p.dd + (g * (p.nb / 8) + bb / 8) * 32;
+          unpack_kblock<BITS, kMins, ZC>(p.codes + (g * p.nb + bb) * tb, p.sc + (g * p.nb + bb) * 64, h16_ps(dd),
+                                         h16_ps(dd + 16), &u[b]);
         }
-      }
-    }
-  }
+      },
+      [&xq, &u, K, nb](int64_t t, int64_t b0, int64_t nbc, __m256& lo, __m256& hi) {
+        token_unpacked_k<BITS, kMins, ZC>(u, nbc, xq, K, nb, t, b0, lo, hi);
+      });
 }
 
 // The unpacked path where the type's tile and offset have one (false: group_tile_k's).
