@@ -98,7 +98,8 @@ def test_param_validation_c31(server):
     chat_cases = [("temperature", {"temperature": -1}), ("temperature", {"temperature": 3.0}),
                   ("top_p", {"top_p": 1.5}), ("top_k", {"top_k": -5}), ("max_tokens", {"max_tokens": -1}),
                   ("n", {"n": 0}), ("top_logprobs", {"top_logprobs": 21, "logprobs": True}),
-                  ("top_logprobs", {"top_logprobs": 3}), ("stop", {"stop": [""]})]
+                  ("top_logprobs", {"top_logprobs": 3}), ("stop", {"stop": [""]}),
+                  ("metadata", {"metadata": "x"})]  # OpenAI's type, as /v1/responses (service_fields.py)
     for field, extra in chat_cases:
         body = {"model": MODEL, "messages": HI, "max_tokens": 4, **extra}
         assert_error(server.post("/v1/chat/completions", body), 400, field)

@@ -11,7 +11,8 @@ through the chat template (issue 10: a field the server accepts must take effect
 
 Fields that cannot change a text answer (``store``, ``metadata``, ``service_tier``,
 ``prediction``, ``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls``,
-``verbosity``) stay accepted and ignored, as in vLLM.
+``verbosity``) stay accepted and ignored, as in vLLM; those shared with the Responses API
+take only OpenAI's types and values (common/service_fields.py).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     random_uuid,
     timing_field,
 )
+from llmserve.entrypoints.openai.common.service_fields import OpenAIServiceFields, Verbosity
 from llmserve.entrypoints.openai.chat_completion.openai_fields import check_openai_only_fields
 # The parsed-output types live on the low floor shared by the parsers, the engine's
 # structured outputs and every front door; re-exported here under vLLM's paths.
@@ -35,8 +36,9 @@ from llmserve.parsing_types import (  # noqa: F401  (re-exports)
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions`` (OpenAI fields + vLLM's chat extras)."""
+class ChatCompletionRequest(SamplingRequest, OpenAIServiceFields):
+    """``POST /v1/chat/completions`` (OpenAI fields + vLLM's chat extras). ``metadata``,
+    ``store``, ``service_tier``... are OpenAIServiceFields: checked, then ignored."""
 
     messages: list[ChatMessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: Optional[bool] = False
@@ -61,6 +63,7 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
     reasoning_effort: Optional[ReasoningEffort] = None
+    verbosity: Optional[Verbosity] = None  # no effect here (as Responses' text.verbosity)
 
     def requested_max_tokens(self) -> Optional[int]:
         """``max_completion_tokens`` wins over the legacy ``max_tokens``."""

@@ -22,10 +22,10 @@ from llmserve.entrypoints.openai.common.protocol import (
     Int64,
     JSONFloat,
     OpenAIBaseModel,
-    OpenAIRequestModel,
     REASONING_EFFORTS,
     random_uuid,
 )
+from llmserve.entrypoints.openai.common.service_fields import OpenAIServiceFields, Verbosity
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 # OpenAI's ``include`` values (``openai.types.responses.ResponseIncludable``). Only
@@ -38,7 +38,6 @@ INCLUDE_VALUES = frozenset({
     "code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
     "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content",
     "web_search_call.action.sources", "web_search_call.results"})
-MAX_METADATA_ENTRIES = 16  # OpenAI's limit on ``metadata``
 # OpenAI fields whose request this server cannot honour and whose absence would change
 # the answer (README "Request fields"): each is a 400 naming it, never dropped.
 REFUSED_FIELDS = {
@@ -67,10 +66,10 @@ class ResponseTextConfig(OpenAIBaseModel):
     """``text``: the output's ``format`` and OpenAI's ``verbosity`` (no effect here)."""
 
     format: Optional[ResponseTextFormat] = None
-    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    verbosity: Optional[Verbosity] = None
 
 
-class ResponsesRequest(OpenAIRequestModel):
+class ResponsesRequest(OpenAIServiceFields):
     """``POST /v1/responses``.
 
     ``input``: a string (one user message) or a list of input items: messages
@@ -96,11 +95,10 @@ class ResponsesRequest(OpenAIRequestModel):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = True
-    metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     include: Optional[list[str]] = None
     top_logprobs: Optional[Int64] = None  # 0..20 alternatives per token, with include logprobs
-    store: Optional[bool] = True
+    store: Optional[bool] = True  # the other OpenAIServiceFields: checked, then ignored
     background: Optional[bool] = False
     stream: Optional[bool] = False
     previous_response_id: Optional[str] = None
@@ -139,8 +137,6 @@ class ResponsesRequest(OpenAIRequestModel):
                                       "temperature")
         if isinstance(self.input, list) and not self.input:
             raise SamplingParamsError("input must not be an empty list.", "input")
-        if self.metadata is not None and len(self.metadata) > MAX_METADATA_ENTRIES:
-            raise SamplingParamsError(f"metadata may have at most {MAX_METADATA_ENTRIES} entries.", "metadata")
         unknown = sorted(set(self.include or ()) - INCLUDE_VALUES)
         if unknown:
             raise SamplingParamsError(f"include: unknown value(s) {unknown}; expected some of "
