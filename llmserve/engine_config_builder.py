@@ -64,16 +64,44 @@ def check_supported(args: "EngineArgs") -> None:
 
 
 def _default_kv_cache_bytes(default: int) -> int:
-    """$LLMSERVE_CPU_KVCACHE_SPACE (or vLLM's $VLLM_CPU_KVCACHE_SPACE) GiB, else ``default``."""
+    """$LLMSERVE_CPU_KVCACHE_SPACE (or vLLM's $VLLM_CPU_KVCACHE_SPACE) GiB, else ``default``.
+    Raises ValueError naming the variable for a value that is not a positive number."""
     from llmserve import envs
 
     gib = envs.get("LLMSERVE_CPU_KVCACHE_SPACE")
     if gib is None or gib.strip() in ("", "0"):  # vLLM: 0 or unset means the default
         return default
     try:
-        return int(float(gib) * (1 << 30))
+        size = int(float(gib) * (1 << 30))
     except ValueError:
-        raise ValueError(f"LLMSERVE_CPU_KVCACHE_SPACE must be a number of GiB, got {gib!r}") from None
+        size = 0
+    if size <= 0:  # named as set: ours, or vLLM's twin
+        var = "LLMSERVE_CPU_KVCACHE_SPACE" if "LLMSERVE_CPU_KVCACHE_SPACE" in os.environ else "VLLM_CPU_KVCACHE_SPACE"
+        raise ValueError(f"{var} must be a positive number of GiB, got {gib!r}")
+    return size
+
+
+def _kv_cache_bytes(args: "EngineArgs") -> int:
+    """The KV cache size in bytes from whichever of ``kv_cache_memory`` (a size: "8GiB"),
+    ``kv_cache_memory_bytes`` (vLLM's name) or $LLMSERVE_CPU_KVCACHE_SPACE was given, else
+    the default. Checked here, where the source is known: CacheConfig's own check names its
+    field ``kv_cache_memory_bytes``, which the CLI spells as vLLM's flag, so ``--kv-cache-memory
+    0`` was told about ``--kv-cache-memory-bytes``, a flag never typed. Raises ValueError
+    naming the field given (both given, unparsable, or not positive)."""
+    if args.kv_cache_memory is not None and args.kv_cache_memory_bytes is not None:
+        raise ValueError("kv_cache_memory and kv_cache_memory_bytes both set; give one")
+    for name in ("kv_cache_memory", "kv_cache_memory_bytes"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        try:
+            size = parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if isinstance(size, bool) or size <= 0:
+            raise ValueError(f"{name} must be a positive size, got {value!r}")
+        return size
+    return _default_kv_cache_bytes(DEFAULT_KV_CACHE_BYTES)
 
 
 def _torch_is_cpu_build() -> bool:
@@ -222,13 +250,7 @@ def _model_config(args: "EngineArgs", device: str) -> ModelConfig:
 
 
 def _cache_config(args: "EngineArgs", encoder_decoder: bool = False) -> CacheConfig:
-    if args.kv_cache_memory is not None and args.kv_cache_memory_bytes is not None:
-        raise ValueError("kv_cache_memory and kv_cache_memory_bytes both set; give one")
-    kv_bytes = parse_bytes(args.kv_cache_memory)
-    if kv_bytes is None:
-        kv_bytes = args.kv_cache_memory_bytes
-    return CacheConfig(block_size=args.block_size,
-                       kv_cache_memory_bytes=kv_bytes if kv_bytes is not None else _default_kv_cache_bytes(DEFAULT_KV_CACHE_BYTES),
+    return CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=_kv_cache_bytes(args),
                        # An encoder-decoder's decoder KV depends on the audio, not only on the
                        # tokens, so prefix blocks cannot be shared (vLLM turns it off too).
                        enable_prefix_caching=args.enable_prefix_caching and not encoder_decoder,
@@ -376,9 +398,11 @@ def _parallel_config(args: "EngineArgs") -> ParallelConfig:
         raise ValueError("--data-parallel-backend ray places every rank from one API server; with "
                          "--data-parallel-external-lb (or --data-parallel-rank) each server runs its own rank: use mp")
     if external:
-        rank = args.data_parallel_rank if args.data_parallel_rank is not None else args.data_parallel_start_rank
+        # the rank's source is named: the start rank is the rank when none is given
+        name = "data_parallel_rank" if args.data_parallel_rank is not None else "data_parallel_start_rank"
+        rank = getattr(args, name)
         if not 0 <= rank < dp:
-            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={dp}), got {rank}")
+            raise ValueError(f"{name} must be in [0, data_parallel_size={dp}), got {rank}")
     else:
         rank = None
         from llmserve.engine.multinode import check_multinode_args

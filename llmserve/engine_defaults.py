@@ -47,13 +47,14 @@ def default_batching(device: str, usage_context: "UsageContext") -> tuple[int, i
 def parse_bytes(value: Union[str, int, None]) -> Optional[int]:
     """Parse a memory size: an int (bytes) or a string like "4GiB", "512MB", "1.5G".
 
-    Raises ValueError on an unparsable string.
+    Raises ValueError on an unparsable string; the message names no field (several flags
+    take sizes: each caller prefixes its own, e.g. ``kv_cache_memory: ...``).
     """
     if value is None or isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
     if not m:
-        raise ValueError(f"kv_cache_memory: cannot parse memory size {value!r} (e.g. 4GiB, 512MB, 1073741824)")
+        raise ValueError(f"cannot parse memory size {value!r} (e.g. 4GiB, 512MB, 1073741824)")
     num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     base = 1024 if binary or unit else 1
     power = "KMGT".index(unit) + 1 if unit else 0

@@ -4,6 +4,7 @@ configs name dataclass fields (right for ``LLM(...)``), the CLI names the flag t
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -73,3 +74,33 @@ def test_serve_names_the_flag_and_the_supported_values():
     assert proc.stderr.strip().splitlines()[-1] == (
         "llmserve serve: error: --kv-cache-dtype int4 is not supported by this engine: supported: "
         "'auto', 'bfloat16', 'float16' or 'float32' (no fp8 or integer caches).")
+
+
+@pytest.mark.parametrize("argv, env, cli", [
+    (["--kv-cache-memory", "0"], {}, "--kv-cache-memory must be a positive size, got '0'"),
+    (["--kv-cache-memory", "lots"], {}, "--kv-cache-memory: cannot parse memory size 'lots'"),
+    (["--kv-cache-memory-bytes", "0"], {}, "--kv-cache-memory-bytes must be a positive size, got 0"),
+    ([], {"LLMSERVE_CPU_KVCACHE_SPACE": "-1"}, "LLMSERVE_CPU_KVCACHE_SPACE must be a positive number of GiB"),
+    ([], {"VLLM_CPU_KVCACHE_SPACE": "-1"}, "VLLM_CPU_KVCACHE_SPACE must be a positive number of GiB"),
+    (["--data-parallel-size", "2", "--data-parallel-external-lb", "--data-parallel-start-rank", "3"], {},
+     "--data-parallel-start-rank must be in [0, --data-parallel-size 2), got 3"),
+])
+def test_a_config_field_fed_by_another_flag_names_the_one_typed(parser, monkeypatch, argv, env, cli):
+    """A config field whose value comes from a flag of another name (CacheConfig's
+    kv_cache_memory_bytes from --kv-cache-memory or $LLMSERVE_CPU_KVCACHE_SPACE; the
+    external-LB rank from --data-parallel-start-rank) is checked where the source is known:
+    ``--kv-cache-memory 0`` was told "--kv-cache-memory-bytes must be positive" (fresh-user
+    trial), vLLM's alias flag having the config field's name."""
+    from llmserve.engine_config_builder import _cache_config, _parallel_config
+
+    for name in ("LLMSERVE_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    build = _parallel_config if "--data-parallel-size" in argv else _cache_config
+    with pytest.raises(ValueError) as e:
+        build(args)
+    message = flag_message(str(e.value), parser)
+    assert message.startswith(cli), message
+    assert set(re.findall(r"--[\w-]+", message)) <= set(argv), message  # only flags typed
