@@ -240,6 +240,35 @@ def test_retry_after_follows_the_measured_drain_rate():
     assert rate.retry_after(10) == 30
 
 
+def test_retry_after_counts_busy_time_not_the_idle_window():
+    """Fresh-user trial: 30 sequential requests in 10 s, 20 s of quiet, then a burst. The
+    drain rate is 3 per busy second (it was 1 per second over the 30 s window, idle time
+    included), and a full batch's predicted rate (Little's law) is higher still: 256
+    waiting were told ``Retry-After: 60`` by an engine that drained them in seconds."""
+    clock = Clock()
+    rate = DrainRate(window_s=30.0, clock=clock)
+    rate.start_work()
+    for _ in range(30):
+        clock.t += 1 / 3
+        rate.record()
+    rate.stop_work()
+    clock.t += 20.0  # idle: not counted
+    rate.start_work()
+    assert rate.rate() == pytest.approx(3.0, rel=0.01)
+    assert rate.retry_after(30) == 10  # was 30 (30 finished / the whole 30 s window)
+    assert rate.retry_after(256, rate=32.0) == 8  # a full batch's rate, when higher
+    assert rate.retry_after(10, rate=1e9) == 1  # at least 1 s, a whole number
+    c = AdmissionController(AdmissionConfig(256, 10.0, 0.0), max_num_seqs=128, clock=clock)
+    c.record(_stats(running=0, total=100000), _finished(4.0, n=8))  # 4 s in a full batch: 32 per second
+    for _ in range(8):
+        assert c.admit() is None
+        c.release()  # finished; the engine is idle again
+    clock.t += 20.0
+    assert [c.admit() for _ in range(384)] == [None] * 384  # the batch and 256 waiting
+    rej = c.admit()
+    assert rej.reason == "queue_full" and rej.retry_after == 8  # 256 / 32 per s, not 60
+
+
 def test_retry_after_after_idling_counts_from_the_new_work():
     """A burst after a quiet minute: the engine has been busy for a second, not stalled for
     the whole window, so a refused client is asked to wait about that second (it was told 30

@@ -307,6 +307,22 @@ def test_request_list_engines_of_a_multi_model_server_follow_allowed_models():
     assert seen(("embed", "other")) == ["embed-store"] and seen(()) == []
 
 
+def test_concurrency_retry_after_counts_the_tenants_busy_time_only():
+    """A tenant's requests ended 2 per busy second, then it idled 25 s: one of its
+    requests ends in about 0.5 s, not 30 s / 5 (its idle time counted as draining)."""
+    now = [0.0]
+    quotas = TenantQuotas(clock=lambda: now[0])
+    t = Tenant("t", max_concurrent_requests=1)
+    for _ in range(5):
+        assert quotas.check(t, 1) is None
+        now[0] += 0.5
+        quotas.release(t)
+    now[0] += 25.0
+    assert quotas.check(t, 1) is None
+    reason, retry, _ = quotas.check(t, 1)
+    assert reason == "tenant_max_concurrent_requests" and retry == 1  # was 6 (5 in the 30 s window)
+
+
 def test_token_rate_bucket_retry_after_is_the_tenants_own_refill_time():
     now = [0.0]
     quotas = TenantQuotas(clock=lambda: now[0])

@@ -44,8 +44,9 @@ A request that would be refused is first checked as its route checks it
 (admission_precheck.py): a malformed one gets its own 400, not a refusal (validation
 comes first, as on OpenAI's, Anthropic's and Ollama's servers). A refusal carries the
 OpenAI error body and ``Retry-After``: the seconds the engine needs
-to drain the waiting requests at the rate requests finished over the last
-``DRAIN_WINDOW_S`` seconds (1 to ``MAX_RETRY_AFTER_S``). ``/metrics`` counts refusals in
+to drain the waiting requests at the predicted full-batch rate or the rate requests
+finished per busy second over the last ``DRAIN_WINDOW_S`` seconds, whichever is higher
+(1 to ``MAX_RETRY_AFTER_S``). ``/metrics`` counts refusals in
 ``vllm:request_rejected_total{reason=...}``.
 
 The controller also tracks engine progress: it is a stat logger of the AsyncLLM, so every
@@ -118,21 +119,34 @@ class Rejection:
 
 
 class DrainRate:
-    """Requests finished per second over the last ``window_s`` seconds (monotonic clock)."""
+    """Requests finished per second of busy time over the last ``window_s`` seconds
+    (monotonic clock). Busy: from :meth:`start_work` (work arrives at an idle engine) to
+    :meth:`stop_work` (none left); until the first :meth:`start_work`, since creation.
+    Idle time is not in the denominator: 30 finished in a busy 10 s and then 20 s of quiet
+    were 1 per second over the window, and a burst's 256 waiting requests were told
+    ``Retry-After: 60`` by an engine that drained them in about 12 s (fresh-user trial)."""
 
     def __init__(self, window_s: float = DRAIN_WINDOW_S, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self.clock = clock
         self.started = clock()
-        self.work_started = self.started
+        self.work_started: Optional[float] = self.started  # the open busy period; None while idle
+        self.busy_periods: collections.deque[tuple[float, float]] = collections.deque()  # closed ones
         self.finished: collections.deque[float] = collections.deque()
 
     def start_work(self) -> None:
         """Work began on an idle engine. Until a request finishes, the wait asked of a
         refused client is the time spent since then without one: counted from the server's
         start instead, a burst after a quiet minute was told ``Retry-After: 30`` (the whole
-        window) by an engine that had been busy for a second."""
+        window) by an engine that had been busy for a second. A period left open (no
+        :meth:`stop_work` before) was idle: the caller says the engine was."""
         self.work_started = self.clock()
+
+    def stop_work(self) -> None:
+        """No work is left: the busy period ends (idle time does not count in the rate)."""
+        if self.work_started is not None:
+            self.busy_periods.append((self.work_started, self.clock()))
+            self.work_started = None
 
     def record(self) -> None:
         """One request finished now."""
@@ -143,26 +157,39 @@ class DrainRate:
     def _prune(self, now: float) -> None:
         while self.finished and self.finished[0] < now - self.window_s:
             self.finished.popleft()
+        while self.busy_periods and self.busy_periods[0][1] < now - self.window_s:
+            self.busy_periods.popleft()
+
+    def busy_s(self) -> float:
+        """Seconds of the window the engine had work."""
+        now = self.clock()
+        self._prune(now)
+        since = now - self.window_s
+        periods = list(self.busy_periods) + ([(self.work_started, now)] if self.work_started is not None else [])
+        return sum(max(0.0, end - max(start, since)) for start, end in periods)
 
     def rate(self) -> float:
-        """Requests finished per second over the window; 0.0 while none finished in it."""
+        """Requests finished per busy second over the window (at least one second's worth);
+        0.0 while none finished in it."""
         now = self.clock()
         self._prune(now)
         if not self.finished:
             return 0.0
-        return len(self.finished) / max(min(self.window_s, now - self.started), 1e-3)
+        return len(self.finished) / max(self.busy_s(), 1.0)  # a second at least: one step's finishes are no rate
 
-    def retry_after(self, backlog: int) -> int:
-        """Seconds (1..MAX_RETRY_AFTER_S) to finish ``backlog`` requests at the measured
-        rate. With nothing finished in the window, the time the current work has run
-        without one (since :meth:`start_work`; a stalled engine earns long waits, a cold
-        start or a burst after idling short ones)."""
+    def retry_after(self, backlog: int, rate: float = 0.0) -> int:
+        """Seconds (1..MAX_RETRY_AFTER_S, whole: HTTP's ``Retry-After``) to finish
+        ``backlog`` requests at the measured rate, or at ``rate`` (requests/s, e.g. the
+        controller's full-batch prediction) when that is higher. With nothing finished in
+        the window, the time the current work has run without one (since
+        :meth:`start_work`; a stalled engine earns long waits, a cold start or a burst
+        after idling short ones)."""
         now = self.clock()
         self._prune(now)
         if not self.finished:
-            seconds = min(self.window_s, now - self.work_started)
+            seconds = min(self.window_s, now - (self.work_started if self.work_started is not None else now))
         else:
-            seconds = max(backlog, 1) * max(min(self.window_s, now - self.started), 1e-3) / len(self.finished)
+            seconds = max(backlog, 1) / max(self.rate(), rate, 1e-6)
         return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(seconds))))
 
 
@@ -302,7 +329,7 @@ class AdmissionController:
         beyond the free batch slots counting as waiting."""
         waiting = self.num_waiting if tenant_in_flight is None else min(self.num_waiting, tenant_in_flight)
         if self.is_draining():
-            return Rejection("draining", 503, self.drain.retry_after(self.in_flight),
+            return Rejection("draining", 503, self.retry_after(self.in_flight),
                              "The server is shutting down and takes no new requests.")
         if self.is_restarting():
             return Rejection("engine_restarting", 503, ENGINE_RESTART_RETRY_AFTER_S,
@@ -323,7 +350,7 @@ class AdmissionController:
             would_wait = 0
         if limit >= 0 and waiting + would_wait > limit:
             asks = "" if sequences == 1 else f" This request is {sequences} sequences (prompts × n)."
-            return Rejection("queue_full", 429, self.drain.retry_after(waiting + (would_wait if sequences > 1 else 0)),
+            return Rejection("queue_full", 429, self.retry_after(waiting + (would_wait if sequences > 1 else 0)),
                              f"The server is overloaded: the batch is full ({self.max_num_seqs} requests "
                              f"run at once) and {waiting} requests are waiting "
                              f"(--max-waiting-requests {limit}).{asks} Retry later.")
@@ -340,7 +367,7 @@ class AdmissionController:
         total = self.stats.num_total_blocks
         need = self.stats.num_used_blocks + (pending + sequences) * self.blocks_per_request
         if limit >= 0 and self.uses_kv_cache and pending > 0 and total > 0 and need > total:
-            return Rejection("kv_cache_full", 429, self.drain.retry_after(pending),
+            return Rejection("kv_cache_full", 429, self.retry_after(pending),
                              f"The server is overloaded: the KV cache ({total} blocks) cannot hold the "
                              f"{pending} admitted requests that are not running yet. Retry later.")
         return None
@@ -351,6 +378,12 @@ class AdmissionController:
         (stats off: no times); 0.0 until a request has finished (a cold start)."""
         little = self.max_num_seqs / max(self.service_s, 1e-3) if self.service_s is not None else 0.0
         return max(little, self.drain.rate())
+
+    def retry_after(self, backlog: int) -> int:
+        """Whole seconds (1..MAX_RETRY_AFTER_S) for ``backlog`` requests to drain at
+        :meth:`drain_rate`, the rate the queue-delay check admits by (the measured rate
+        alone is a lightly loaded engine's, far below a full batch's)."""
+        return self.drain.retry_after(backlog, self.drain_rate())
 
     def predicted_delay(self, tenant_in_flight: Optional[int] = None) -> float:
         """Seconds a request admitted now would wait for a batch slot (0: one is free).
@@ -404,6 +437,7 @@ class AdmissionController:
             return rejection
         if not self._engine_busy():
             self.last_progress = self.clock()  # the stall clock starts with the work
+        if self.in_flight <= 0:  # our own count, as release() ends the busy period by it
             self.drain.start_work()
         self.in_flight += fan.sequences
         if tenant is not None:
@@ -428,6 +462,8 @@ class AdmissionController:
                 self.tenant_in_flight.pop(tenant, None)
         for _ in range(min(fan.sequences, _MAX_DRAIN_RECORDS)):
             self.drain.record()
+        if self.in_flight <= 0:
+            self.drain.stop_work()  # idle from now: not counted in the drain rate
         self._report()
 
     def deadline_exceeded(self) -> None:

@@ -6,7 +6,7 @@ admission queue (so a flooder's overload is answered to the flooder).
 
 - ``max_concurrent_requests``: requests of the tenant in flight (admitted, response not
   ended). Retry-After: the time for one of them to end at the rate the tenant's requests
-  ended over the last 30 s (admission.py's DrainRate).
+  ended per second of its busy time over the last 30 s (admission.py's DrainRate).
 - ``max_tokens_per_second``: a token bucket of ``burst_tokens`` (default: one second's
   worth). A request costs, as OpenAI's rate limiter counts it, the tokens it may use:
   its ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (256 when
@@ -206,6 +206,8 @@ class TenantQuotas:
                         f"Tenant {tenant.name!r} is over its token rate (max_tokens_per_second "
                         f"{tenant.max_tokens_per_second:g}). Retry later.")
             st.level -= cost
+        if st.in_flight == 0:
+            st.drain.start_work()  # the tenant's busy time starts: its idle time is no drain
         st.in_flight += 1
         self._count(tenant.name, "admitted", st)
         return None
@@ -215,6 +217,8 @@ class TenantQuotas:
         st = self.state(tenant.name)
         st.in_flight -= 1
         st.drain.record()
+        if st.in_flight <= 0:
+            st.drain.stop_work()
         self._count(tenant.name, None, st)
 
     def refused(self, tenant: Tenant, reason: str) -> None:
