@@ -282,6 +282,8 @@ def test_chat_zero_output_tokens_is_a_400_unless_echo(server, stream, field):
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], field: 0, "stream": stream}
     assert_error(server.post("/v1/chat/completions", body), 400, field)
+    r = server.post("/v1/chat/completions", {**body, field: -1})  # names the bound that 0 fails too
+    assert r.status_code == 400 and ">= 1" in r.json()["error"]["message"], r.text
     r = server.post("/v1/chat/completions", {**body, "stream": False, "echo": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text
 

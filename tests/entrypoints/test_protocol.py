@@ -95,6 +95,24 @@ def test_sampling_params_errors_keep_param(kw, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [-1, 0])
+def test_chat_budget_below_one_names_the_real_bound(field, value):
+    """Chat's bound is >= 1 (0 only with echo): -1 was told "at least 0", and 0 was then
+    refused too (fresh-user trial). The route's checks, in the route's order."""
+    from llmserve.entrypoints.openai.admission_precheck import _check_chat
+
+    with pytest.raises(SamplingParamsError) as e:
+        _check_chat(None, chat(**{field: value}))
+    assert e.value.param == field and ">= 1" in str(e.value) and "at least 0" not in str(e.value)
+    echo = chat(**{field: value}, echo=True)
+    if value == 0:
+        _check_chat(None, echo)  # scoring the prompt: 0 is allowed
+    else:
+        with pytest.raises(SamplingParamsError, match="at least 0"):  # with echo 0 is the real bound
+            _check_chat(None, echo)
+
+
 def test_accepted_edge_values():
     for kw in ({"top_k": -1}, {"temperature": 0}, {"temperature": 2.0}, {"response_format": {"type": "text"}},
                {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},

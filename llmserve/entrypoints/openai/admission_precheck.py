@@ -137,8 +137,8 @@ async def malformed_response(prechecks: Prechecks, router: Any, state: Any, scop
 
 
 def _check_chat(_: Any, request: Any) -> None:
-    request.check()  # OpenAIServingChat.create_chat_completion's first checks, on its own route
-    request.check_openai_budget()
+    request.check_openai_budget()  # OpenAIServingChat.create_chat_completion's first checks, in its order
+    request.check()
 
 
 def _check_request(_: Any, request: Any) -> None:

@@ -112,8 +112,8 @@ async def render_chat(serving: OpenAIServingChat, request: ChatCompletionRequest
     (template, tools for the template, truncation; a forced tool schema on the params).
     Raises ModelNotFoundError (404) / SamplingParamsError (400)."""
     model_name = serving._check_model(request)
+    request.check_openai_budget()  # first, as the route runs it
     request.check()
-    request.check_openai_budget()
     plan = ToolPlan.of(request, enable_auto_tools=serving.enable_auto_tools, tool_parser_cls=serving.tool_parser_cls,
                        exclude_tools_when_tool_choice_none=serving.exclude_tools_when_tool_choice_none)
     prompt = serving.truncate(await serving.render(request, plan.template_tools), request)

@@ -70,13 +70,17 @@ class ChatCompletionRequest(SamplingRequest, OpenAIServiceFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def check_openai_budget(self) -> None:
-        """``/v1/chat/completions`` only (OpenAI: ">= 1"; vLLM: "at least 1"): 0 output
-        tokens is a 400 unless ``echo`` (which scores the prompt). The other front doors
-        keep their own rules (Ollama's ``num_predict: 0``). Raises SamplingParamsError."""
+        """``/v1/chat/completions`` only (OpenAI: ">= 1"; vLLM: "at least 1"): fewer than 1
+        output token is a 400 unless ``echo`` (which scores the prompt) allows 0. Runs
+        before :meth:`check`, whose shared "at least 0" would otherwise answer a negative
+        value and send the client to 0, itself a 400 here (fresh-user trial). The other
+        front doors keep their own rules (Ollama's ``num_predict: 0``). Raises
+        SamplingParamsError."""
         for name in ("max_tokens", "max_completion_tokens"):
-            if getattr(self, name) == 0 and not self.echo:
-                raise SamplingParamsError(f"Invalid '{name}': expected a value >= 1, got 0 (0 is allowed only "
-                                          "with echo, which returns the prompt's logprobs).", name)
+            value = getattr(self, name)
+            if value is not None and value < 1 and not self.echo:
+                raise SamplingParamsError(f"Invalid '{name}': expected a value >= 1, got {value} (0 is allowed "
+                                          "only with echo, which returns the prompt's logprobs).", name)
 
     def check(self) -> None:
         """Request-level checks (no prompt needed). Raises SamplingParamsError."""

@@ -111,9 +111,9 @@ class OpenAIServingChat(GenerateBaseServing):
         object with ``choices == []`` and the usage), and an error after the start is
         raised from it instead of written in-band; each caller maps them to its own wire."""
         model_name = self._check_model(request)
-        request.check()
-        if wire:
+        if wire:  # first: its bound (>= 1) is the one to name, not check()'s shared >= 0
             request.check_openai_budget()
+        request.check()
         plan = ToolPlan.of(request, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
                            exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none)
         prompt = self.truncate(await self.render(request, plan.template_tools), request)
