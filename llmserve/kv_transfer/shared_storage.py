@@ -226,7 +226,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._pool: Any = None  # the second load thread (_load_split), made on the first load
         self.writer: Optional[BlockWriter] = None
         self._layer_saves: dict[int, Any] = {}
-        if role == KVConnectorRole.SCHEDULER and self.can_load:  # built (once per machine) at start, not on a request
+        if role == KVConnectorRole.SCHEDULER and self.can_load:  # built at start (cached per build key), not on a request
             self._count_native = _native_counter()
         if role == KVConnectorRole.SCHEDULER and self.folder is not None:  # once per engine, not once per half
             logger.info("KV tier (%s): %s%s", type(self).__name__, self.folder,

@@ -138,7 +138,10 @@ def cached_or_built(build_dir: str, name: str, what: str, takes: str, build: Cal
         module = import_built(build_dir, name)  # built by the holder we waited for
         if module is not None:
             return module
-        logger.warning("Building the %s for this CPU into %s (once per machine and source; this takes %s)",
+        # the cache key (build_dir_for, _build_dir) covers the CPU, torch, the sources, the
+        # venv and the checkout's folder: a fresh clone or venv builds again
+        logger.warning("Building the %s for this CPU into %s (once per CPU, torch version, kernel source, venv "
+                       "and checkout folder: a new clone or venv builds again; this takes %s)",
                        what, build_dir, takes)
         module = build()
         COMPILED.add(name)
@@ -222,8 +225,9 @@ def ready_word(ok: bool, name: str) -> str:
 
 def build_dir_for(source: str, prefix: str) -> str:
     """``~/.cache/llmserve/torch_extensions/<prefix>_<hash>`` (created) for one small
-    extension built from ``csrc/<source>``: the hash covers the source, torch's version,
-    the CPU and the environment, so any change builds into a fresh folder."""
+    extension built from ``csrc/<source>``: the hash covers the source (and the csrc headers
+    it includes), torch's version, the CPU, the venv (``sys.prefix``) and the checkout's
+    ``csrc`` folder, so any change, a new venv or a fresh clone builds into a fresh folder."""
     with open(os.path.join(CSRC_DIR, source)) as f:
         text = f.read()
     # The headers it includes from csrc/ too (quant_gemv.cpp's simd16.h): editing one rebuilds.
