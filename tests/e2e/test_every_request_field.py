@@ -38,8 +38,19 @@ NO_EFFECT = {
                        "does not set; tests/e2e/test_request_timelines.py checks it on a server with the flag",
     "early_stopping": "decides when a beam search stops once hypotheses ended (use_beam_search); "
                       "tests/engine/test_beam_search.py checks True/False/\"never\" against transformers",
+    # OpenAI's service fields (chat): validated as OpenAI does (common/service_fields.py,
+    # tests/entrypoints/test_openai_service_fields.py), accepted and ignored as vLLM does
+    "metadata": "OpenAI: tags for stored completions in its dashboard; nothing is stored here",
+    "store": "OpenAI: keeps the completion for its dashboard and evals; nothing is stored here",
+    "service_tier": "OpenAI: which of its processing tiers bills and serves the request; one tier here",
+    "prompt_cache_key": "OpenAI: a routing hint for its prompt cache; the prefix cache here needs none",
+    "prompt_cache_retention": "OpenAI: how long its prompt cache keeps a prefix; the prefix cache here "
+                              "keeps blocks until they are needed",
+    "safety_identifier": "OpenAI: an end-user id for abuse monitoring (the successor of user)",
+    "verbosity": "OpenAI: a hint to its reasoning models about answer length; the template here takes none",
 }
-CHAT_ONLY_NO_EFFECT = {"parallel_tool_calls", "include_reasoning"}
+CHAT_ONLY_NO_EFFECT = {"parallel_tool_calls", "include_reasoning", "metadata", "store", "service_tier",
+                       "prompt_cache_key", "prompt_cache_retention", "safety_identifier", "verbosity"}
 # Chat fields whose effect needs a request chat_template, which the shared server refuses
 # (no --trust-request-chat-template): each is shown to change the prompt on a server with
 # that flag, in tests/e2e/test_request_chat_templates.py.
