@@ -204,7 +204,7 @@ inline uint8_t* thread_scratch(size_t bytes, int slot = 0) {
 
 struct QuantX {
   int8_t* q;
-  uint8_t* qu;  // AVX2 only: q + 128 as unsigned codes [M, K] (run_groups_unpacked's operand)
+  uint8_t* qu;  // AVX2 only: q + 128 as unsigned codes [M, K] (groups_unpacked's operand)
   float *d, *sx, *sh;
   int32_t *hb, *zs;
   int32_t z;
