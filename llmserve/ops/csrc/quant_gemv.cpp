@@ -202,9 +202,12 @@ inline uint8_t* thread_scratch(size_t bytes, int slot = 0) {
   return scratch[slot].get(bytes);
 }
 
+// Tokens from which AVX2 runs the 4- / 5-bit and K-quant tiles unpacked (groups_unpacked).
+constexpr int64_t kUnpackMinTokens = 32;
+
 struct QuantX {
   int8_t* q;
-  uint8_t* qu;  // AVX2 only: q + 128 as unsigned codes [M, K] (groups_unpacked's operand)
+  uint8_t* qu;  // AVX2, M >= kUnpackMinTokens: q + 128 as unsigned codes [M, K] (groups_unpacked's); else null
   float *d, *sx, *sh;
   int32_t *hb, *zs;
   int32_t z;
@@ -219,10 +222,12 @@ struct QuantX {
     const size_t n = static_cast<size_t>(M * nb);
     // q [n * 32] int8, then d, sx [n] and sh [2n] float, hb [2n] and zs [2n] int32: offsets
     // stay multiples of 4 bytes (q's size is a multiple of 32).
-    const size_t qu_bytes = LLMS_AVX512 ? 0 : n * QK;
+    // Only the unpacked kernels read qu: fewer tokens (every decode step below 32) skip it.
+    const bool with_qu = !LLMS_AVX512 && M >= kUnpackMinTokens;
+    const size_t qu_bytes = with_qu ? n * QK : 0;
     uint8_t* base = thread_scratch(n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t) + qu_bytes, slot);
     q = reinterpret_cast<int8_t*>(base);
-    qu = LLMS_AVX512 ? nullptr : base + n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t);
+    qu = with_qu ? base + n * QK + n * 4 * sizeof(float) + n * 4 * sizeof(int32_t) : nullptr;
     d = reinterpret_cast<float*>(base + n * QK);
     sx = d + n;
     sh = sx + n;
@@ -256,8 +261,10 @@ struct QuantX {
     store_i32_as_i8(q + i * QK, q0);
     store_i32_as_i8(q + i * QK + 16, q1);
 #if !LLMS_AVX512
-    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qu + i * QK), _mm256_xor_si256(codes, _mm256_set1_epi8(-128)));
+    if (qu != nullptr) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qu + i * QK), _mm256_xor_si256(codes, _mm256_set1_epi8(-128)));
+    }
 #endif
     hb[2 * i] = hsum_i32(q0);
     hb[2 * i + 1] = hsum_i32(q1);
@@ -431,7 +438,6 @@ void group_tile(const Packed& p, const QuantX& xq, int64_t g, int64_t t0, OutT* 
 // Measured (Q5_0 576 -> 3072, 30 copies, 2 threads, best of 7, /tmp-style microbenchmark):
 // 32 tokens 156.6 -> 169.0 GMAC/s, 256 tokens 156.5 -> 197.6; 16 tokens 153.5 -> 144.0, so
 // fewer tokens keep group_tile_s.
-constexpr int64_t kUnpackMinTokens = 32;
 constexpr int64_t kUnpackBlocks = 24;  // 24 x 640 bytes = 15 KiB of L1 per thread
 
 struct UnpackedBlock {
