@@ -594,9 +594,11 @@ class AdmissionConfig:
       requests fill ``max_num_seqs``) may be predicted to wait before the engine starts it
       (its place in the queue over the drain rate: ``max_num_seqs`` over the time finished
       requests spent in the batch); past it, 429 ``queue_delay`` (0: no such bound).
-      Applies only while ``max_waiting_requests`` is a bound (not -1); before any request
-      has finished (a cold start) a request that would wait is refused, so a cold burst
-      gets the free batch slots, not the whole waiting bound. The
+      Applies only while ``max_waiting_requests`` is a bound (not -1) and once a request
+      has finished: before that (a cold start) nothing predicts the wait, and
+      ``max_waiting_requests`` alone bounds the queue, as configured from the first
+      request (refusing every request that would wait left a cold burst only the free
+      batch slots). The
       server's default (``--max-queue-delay`` unset) is 1 s, about one time-to-first-token
       of an unloaded CPU server: an accepted request then waits at most about as long as
       its prefill, so under overload its TTFT stays within ~2x of an unloaded server's,

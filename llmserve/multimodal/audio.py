@@ -43,6 +43,31 @@ def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(samples, dtype=np.float32), int(sr)
 
 
+def probe_audio(data: bytes) -> None:
+    """Raise the AudioDecodeError :func:`decode_audio` raises for ``data`` when it shows
+    without decoding: empty, or no decoder opens it (libsndfile reads the header, FFmpeg
+    probes the container), or it has no audio stream. Audio that opens and then fails to
+    decode passes. It reads headers only, where decoding reads every frame: admission's
+    check of a request it would refuse (admission_precheck.py)."""
+    if not data:
+        raise AudioDecodeError("the audio file is empty")
+    try:
+        import soundfile as sf
+        sf.info(io.BytesIO(data))
+        return
+    except Exception:  # not a libsndfile format: FFmpeg's probe, as decode_audio falls back
+        pass
+    try:
+        import av
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not any(s.type == "audio" for s in container.streams):
+                raise AudioDecodeError("the file has no audio stream")
+    except AudioDecodeError:
+        raise
+    except Exception as e:
+        raise AudioDecodeError(f"cannot decode the audio file: {e}") from None
+
+
 def _decode_av(data: bytes) -> tuple[np.ndarray, int]:
     try:
         import av

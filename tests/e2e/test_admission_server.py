@@ -214,6 +214,15 @@ def test_overload_gets_429_with_retry_after_and_ready_turns_false(adm_server):
                           ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [], "service_tier": 1}),
                           ("/api/chat", {"model": MODEL, "messages": [{"role": 5}]})):
             assert srv.post(path, bad).status_code == 400, path
+        # ... and so does what the route refuses for the model it names, a body that is not
+        # JSON, a speech-to-text form without its file, a SageMaker invocation's
+        chat = {"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+        for path, request, status in (
+                ("/v1/chat/completions", dict(json=chat), 404),
+                ("/v1/completions", dict(content=b"Hi", headers={"content-type": "text/plain"}), 400),
+                ("/v1/audio/transcriptions", dict(data={"model": MODEL}, files={"x": ("a", b"1")}), 400),
+                ("/invocations", dict(json={"model": "nope", "prompt": "x"}), 404)):
+            assert srv.http.post(path, **request).status_code == status, (path, request)
     for t in threads:
         t.join(60)
     assert [x.status_code for x in results] == [200] * 4

@@ -4,9 +4,11 @@ sleeps), and the middleware/routes over a scripted engine (429 body, Retry-After
 /health stall, rejection metrics)."""
 import argparse
 import asyncio
+import io
 import json
 import random
 import time
+import wave
 from types import SimpleNamespace
 
 import pytest
@@ -177,12 +179,26 @@ def test_predicted_queue_delay_bounds_the_wait_from_the_time_in_the_batch():
     assert encoder.admit() is None
 
 
-def test_a_cold_burst_is_bounded_before_any_request_has_finished():
-    c = AdmissionController(AdmissionConfig(256, 10.0, 1.0), max_num_seqs=128, clock=Clock())
-    results = [c.admit() for _ in range(400)]  # the engine has not stepped yet
-    assert results[:128] == [None] * 128  # the free slots of the batch
-    assert all(r.reason == "queue_delay" and r.retry_after == 1 for r in results[128:])  # not 256 admitted
-    assert "no request has finished yet" in results[-1].message
+def test_a_cold_start_admits_what_the_waiting_bound_admits_then_the_delay_rule_applies():
+    """Fresh-user trial: --max-num-seqs 1 --max-waiting-requests 1 on a just-started server
+    answered a burst of 6 with 5 x 429 (no request had finished, so the unknown wait was
+    refused as too long), and 2 x 200 once warm. With no finish rate the delay rule refuses
+    nothing: the count bound holds from the first request; once measured, the delay rule
+    refuses what the count bound admits."""
+    c = AdmissionController(AdmissionConfig(1, 10.0, 1.0), max_num_seqs=1, clock=Clock())
+    burst = [c.admit() for _ in range(6)]
+    assert burst[:2] == [None, None]  # one runs, one waits (--max-waiting-requests 1)
+    assert [r.reason for r in burst[2:]] == ["queue_full"] * 4
+    big = AdmissionController(AdmissionConfig(256, 10.0, 1.0), max_num_seqs=128, clock=Clock())
+    results = [big.admit() for _ in range(400)]  # the engine has not stepped yet
+    assert results[:384] == [None] * 384  # the batch and its 256 waiting places
+    assert all(r.reason == "queue_full" for r in results[384:])
+    warm = AdmissionController(AdmissionConfig(1, 10.0, 1.0), max_num_seqs=1, clock=Clock())
+    warm.record(_stats(running=1), _finished(3.0))  # measured: 3 s in the batch
+    assert warm.admit() is None  # the free slot
+    rej = warm.admit()  # the waiting place is free, but the wait (about 3 s) is past the bound
+    assert (rej.reason, rej.status) == ("queue_delay", 429) and "about 3.0 s" in rej.message
+    assert rej.retry_after == 2
 
 
 def test_a_full_batch_that_flickers_between_steps_still_bounds_the_delay():
@@ -197,12 +213,13 @@ def test_simulated_overload_keeps_every_admitted_wait_near_the_bound():
     """A closed loop of 256 clients (a refused one retries after Retry-After) against a
     128-slot batch whose requests take 1-3 s, stepped every 0.1 s on a fake clock; the
     stats arrive after each step's finishes (the batch looks short of full until the next
-    step refills it). Every admitted request starts within the bound (1 s), the cold
-    start included."""
+    step refills it). Every request admitted once a request has finished starts within
+    the bound (1 s); before that (a cold start: no rate to predict by) the batch and
+    ``--max-waiting-requests`` are admitted, and they wait about their place in line."""
     rnd = random.Random(0)
     clock = Clock()
     c = AdmissionController(AdmissionConfig(256, 100.0, 1.0), max_num_seqs=128, clock=clock)
-    queue, running, waits, idle_until = [], [], [], [0.0] * 256
+    queue, running, waits, idle_until, warm_at = [], [], [], [0.0] * 256, None
     for _ in range(400):
         clock.t += 0.1
         for i in range(256):
@@ -213,16 +230,20 @@ def test_simulated_overload_keeps_every_admitted_wait_near_the_bound():
                     queue.append(clock.t)
         done = [(end, took) for end, took in running if end <= clock.t]
         running = [(end, took) for end, took in running if end > clock.t]
+        warm_at = clock.t if warm_at is None and done else warm_at
         c.record(_stats(running=len(running), waiting=len(queue)),
                  IterationStats(finished_requests=[_finished(took).finished_requests[0] for _, took in done]))
         for _ in done:
             c.release()
             idle_until[idle_until.index(float("inf"))] = clock.t  # one waiting client goes again
         while queue and len(running) < 128:
-            waits.append(clock.t - queue.pop(0))
+            admitted = queue.pop(0)
+            waits.append((admitted, clock.t - admitted))
             took = 1.0 + 2.0 * rnd.random()
             running.append((clock.t + took, took))
-    assert len(waits) > 1000 and max(waits) <= 1.0 + 0.1  # the bound, plus one step
+    warm = [w for admitted, w in waits if admitted > warm_at]
+    assert len(warm) > 1000 and max(warm) <= 1.0 + 0.1  # the bound, plus one step
+    assert len(waits) - len(warm) == 256  # cold: every client, 128 run and 128 wait (within the 256)
 
 
 def test_retry_after_follows_the_measured_drain_rate():
@@ -393,6 +414,7 @@ def test_429_with_retry_after_ready_and_rejection_metrics(smol_tokenizer):
     assert 1 <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S
     err = r.json()["error"]
     assert err["code"] == 429 and err["type"] == "RateLimitError" and "overloaded" in err["message"]
+    engine.model_config.supported_tasks = ("generate", "embed")  # /v1/embeddings serves it (not its own 400)
     for path in ("/v1/completions", "/v1/embeddings", "/invocations"):  # every generation/pooling route
         assert client.post(path, json={"model": "m", "prompt": "x", "input": "x"}).status_code == 429
     ready = client.get("/ready")
@@ -535,11 +557,12 @@ def test_fair_share_counts_the_tenants_sequences_not_its_calls():
     assert c.admit(_tenant_in_flight(scope, c, "quiet")) is None  # nobody of its own ahead
 
 
-def test_a_quiet_tenant_is_admitted_beside_a_flooders_full_batch_at_a_cold_start():
-    """A flooder's 30 streams filled the batch before any request had finished (no finish
-    rate: an infinite predicted wait), and the quiet tenant's one request got 429
-    queue_delay; under fair share it takes a flooder's seat at once."""
+def test_a_quiet_tenant_is_admitted_beside_a_flooders_full_batch():
+    """A flooder's 30 streams filled the batch, and the quiet tenant's one request got 429
+    queue_delay (the flooder's long predicted wait); under fair share it takes a flooder's
+    seat at once."""
     c = AdmissionController(AdmissionConfig(8, 10.0, 1.0), max_num_seqs=4, clock=Clock())
+    c.record(_stats(), _finished(20.0))  # 20 s in the batch: a waiting request waits seconds
     c.fair_share = True
     for _ in range(4):
         assert c.admit(c.tenant_in_flight.get("flood", 0), tenant="flood") is None
@@ -554,7 +577,8 @@ def test_a_quiet_tenant_is_admitted_beside_a_flooders_full_batch_at_a_cold_start
 def test_fan_out_over_http_larger_than_the_queue_waits_for_an_idle_engine(smol_tokenizer):
     """A call past all the limits (1024 prompts x n=16) on a busy engine is a 429 at once
     naming its sequences, with Retry-After; small calls and the routes' own 400s pass."""
-    app, _, prom = _app(smol_tokenizer)
+    app, engine, prom = _app(smol_tokenizer)
+    engine.model_config.supported_tasks = ("generate", "embed")  # /v1/embeddings serves it (not its own 400)
     controller = app.state.admission
     client = TestClient(app)
     assert controller.capacity == 3 * controller.max_num_seqs  # defaults: batch + 2 batches waiting
@@ -595,8 +619,11 @@ def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(sm
     """With the queue full, each API family's malformed request is answered its route's own
     400 in its own error body (validation first: admission_precheck.py), is not counted as
     refused, and a well-formed one still gets the 429 (fresh-user trial: a bad body got 429,
-    and its client retried it into the same 400)."""
-    app, _, _ = _app(smol_tokenizer, "--max-waiting-requests", "1")
+    and its client retried it into the same 400). So is what the route refuses before it
+    renders a prompt: an unknown model (404) or one that cannot serve the route, a body
+    that is not JSON, a speech-to-text form without its file or with a file no decoder
+    opens, a SageMaker invocation (a later trial found these still answered 429)."""
+    app, engine, _ = _app(smol_tokenizer, "--max-waiting-requests", "1")
     controller = app.state.admission
     client = TestClient(app)
     controller.in_flight = controller.max_num_seqs + 1  # a full batch and one request waiting
@@ -620,7 +647,50 @@ def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(sm
         assert words in message, (path, message)
     assert client.post("/v1/messages", content=b'{"model": ', headers={"content-type": "application/json"}).json()[
         "error"]["type"] == "invalid_request_error"
+    # what the route refuses before rendering, besides the body's fields: the model it
+    # names, a body that is not JSON, a speech-to-text form, a SageMaker invocation
+    openai = lambda b: b["error"]["message"]  # noqa: E731
+    refused = [  # (path, request, status, how its error body reads, what it says)
+        ("/v1/chat/completions", dict(json={**CHAT, "model": "nope"}), 404, openai, "`nope` does not exist"),
+        ("/v1/completions", dict(json={"model": "nope", "prompt": "x"}), 404, openai, "`nope` does not exist"),
+        ("/v1/embeddings", dict(json={"model": "m", "input": "x"}), 400, openai, "does not support the Embeddings"),
+        ("/rerank", dict(json={"model": "nope", "query": "q", "documents": ["d"]}), 404, openai, "`nope`"),
+        ("/v1/messages", dict(json={**anthropic, "model": "nope"}), 404, openai, "`nope` does not exist"),
+        ("/api/generate", dict(json={"model": "nope", "prompt": "x"}), 404, lambda b: b["error"], "'nope' not found"),
+        ("/api/embed", dict(json={"model": "nope", "input": "x"}), 404, lambda b: b["error"], '"nope" not found'),
+        ("/v1/chat/completions", dict(content=json.dumps(CHAT).encode(), headers={"content-type": "text/plain"}),
+         400, openai, "must be JSON sent with `Content-Type: application/json`"),
+        ("/v1/messages", dict(content=b"hi", headers={"content-type": "application/x-www-form-urlencoded"}),
+         400, openai, "must be JSON"),
+        ("/v1/audio/transcriptions", dict(data={"model": "m"}, files={"x": ("a", b"1")}), 400, openai,
+         "`file` is required"),
+        ("/v1/audio/translations", dict(json={"model": "m"}), 400, openai, "multipart/form-data"),
+        ("/v1/audio/transcriptions", dict(data={"model": "m"}, files={"file": ("a.wav", b"x")}), 400, openai,
+         "not a speech-to-text model"),
+        ("/invocations", dict(content=b"{", headers={"content-type": "application/json"}), 400, openai,
+         "Invalid JSON"),
+        ("/invocations", dict(json={"foo": 1}), 400, openai, "/invocations takes a JSON object"),
+        ("/invocations", dict(json={**CHAT, "model": "nope"}), 404, openai, "`nope` does not exist"),
+        ("/invocations", dict(json={**CHAT, "top_logprobs": 2}), 400, openai, "logprobs"),  # chat's check()
+    ]
+    for path, request, status, read, words in refused:
+        r = client.post(path, **request)
+        assert r.status_code == status and words in read(r.json()), (path, r.text)
+    assert client.post("/v1/messages", json={**anthropic, "model": "nope"}).json()["error"]["type"] == "not_found_error"
     for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", anthropic), ("/api/chat", ollama)):
         assert client.post(path, json=body).status_code == 429, path
-    assert 'reason="queue_full"} 3.0' in client.get("/metrics").text  # the malformed ones are not counted
+    engine.model_config.supported_tasks = ("generate", "embed")
+    assert client.post("/v1/embeddings", json={"model": "m", "input": "x"}).status_code == 429  # a model that embeds
+    app.state.openai_serving_transcription.is_speech_model = True  # the file is probed, not decoded
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\0\0" * 160)  # 10 ms of silence
+    for data, status in ((b"", 400), (b"not audio" * 8, 400), (wav.getvalue(), 429)):
+        r = client.post("/v1/audio/transcriptions", data={"model": "m"}, files={"file": ("a.wav", data)})
+        assert r.status_code == status, r.text
+        assert status == 429 or r.json()["error"]["message"].startswith("Invalid or unsupported audio file")
+    assert 'reason="queue_full"} 5.0' in client.get("/metrics").text  # the malformed ones are not counted
     assert controller.in_flight == controller.max_num_seqs + 1

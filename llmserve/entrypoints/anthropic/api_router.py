@@ -22,6 +22,7 @@ from llmserve.entrypoints.anthropic.protocol import (
     anthropic_error_body,
 )
 from llmserve.entrypoints.anthropic.serving import AnthropicServingMessages
+from llmserve.entrypoints.openai.admission_precheck import check_model
 from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, result_response, with_cancellation
 
@@ -58,10 +59,13 @@ for _path in (BATCHES_PATH, BATCHES_PATH + "/{rest:path}"):
     router.add_api_route(_path, batches_not_supported, methods=BATCHES_METHODS, include_in_schema=False)
 
 
-def _check_messages(_: Any, request: AnthropicMessagesRequest) -> None:
+def _check_messages(state: Any, request: AnthropicMessagesRequest) -> None:
     """The checks ``/v1/messages`` runs before it renders (the mapping, Anthropic's rules,
-    the chat request's own): admission runs them on a request it would refuse."""
-    to_chat_request(request, auto_tools=False).check()
+    the model it names, the chat request's own): admission runs them on a request it
+    would refuse."""
+    chat_request = to_chat_request(request, auto_tools=False)
+    check_model(state, "openai_serving_chat", chat_request)
+    chat_request.check()
 
 
 # Body model -> its first checks (admission_precheck.Prechecks.by_model)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Optional, TypeVar
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +31,7 @@ from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaCopyR
                                                   OllamaEmbeddingsRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                                   OllamaPullRequest, OllamaPushRequest, OllamaShowRequest)
 from llmserve.entrypoints.ollama.serving import (check_chat, check_generate, serve_chat, serve_embed, serve_embeddings,
-                                                 serve_generate)
+                                                 serve_generate, served_name)
 from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, with_cancellation
 from llmserve.entrypoints.openai.tenants import tenant_sees_model
@@ -231,25 +231,27 @@ for _path, _method in UNSUPPORTED.items():
     router.add_api_route(_path, _unsupported(_path), methods=[_method], include_in_schema=False)
 
 
-async def _check_chat_body(state: Any, body: bytes) -> None:
+async def _check_chat_body(state: Any, body: bytes, _content_type: Optional[str] = None) -> None:
     await check_chat(state, parse_body(body, OllamaChatRequest))
 
 
-async def _check_generate_body(state: Any, body: bytes) -> None:
+async def _check_generate_body(state: Any, body: bytes, _content_type: Optional[str] = None) -> None:
     await check_generate(state, parse_body(body, OllamaGenerateRequest))
 
 
-def _parses_as(model: type[BaseModel]) -> Any:
-    async def check(_: Any, body: bytes) -> None:
-        parse_body(body, model)
+def _check_embed_body(model: type[BaseModel]) -> Any:
+    """The embedding routes' first checks: the body parsed, the model it names served
+    (serve_embed / serve_embeddings, with their 404)."""
+    async def check(state: Any, body: bytes, _content_type: Optional[str] = None) -> None:
+        served_name(state, parse_body(body, model).model, pull_hint=True)
     return check
 
 
 # Path -> the checks its route runs before rendering (admission_precheck.Prechecks.by_path):
 # a request admission would refuse gets its own 400 first.
 OLLAMA_BODY_CHECKS = {"/api/chat": _check_chat_body, "/api/generate": _check_generate_body,
-                      "/api/embed": _parses_as(OllamaEmbedRequest),
-                      "/api/embeddings": _parses_as(OllamaEmbeddingsRequest)}
+                      "/api/embed": _check_embed_body(OllamaEmbedRequest),
+                      "/api/embeddings": _check_embed_body(OllamaEmbeddingsRequest)}
 
 
 def register_ollama_api_routers(app: FastAPI) -> None:

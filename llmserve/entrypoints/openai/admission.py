@@ -27,11 +27,11 @@ runs are refused at once rather than queued behind it. The
   place in the queue over the predicted drain rate) exceeds ``--max-queue-delay``. The
   drain rate of a full batch is ``max_num_seqs`` over the time a request spends in it
   (Little's law; an average of finished requests' inference time). Until a request has
-  finished (a cold start) nothing says when a slot frees, and a cold batch frees none
-  before its shortest request ends: a new request is then admitted only into a free
-  slot, so a cold burst is bounded by the batch, not by ``--max-waiting-requests``. Our
-  own count of admitted requests decides "full", not the engine's running count, which
-  dips below full between steps whenever a request finishes;
+  finished (a cold start) there is no rate and so no prediction: the rule refuses
+  nothing then, and ``--max-waiting-requests`` alone bounds the queue (see
+  :meth:`AdmissionController.check` for why). Our own count of admitted requests decides
+  "full", not the engine's running count, which dips below full between steps whenever
+  a request finishes;
 - ``kv_cache_full`` (429): admitted requests are not running yet and the KV blocks in use
   plus those they will need (estimated from finished requests) exceed the cache;
 - ``draining`` (503): the server is shutting down.
@@ -356,13 +356,22 @@ class AdmissionController:
                              f"(--max-waiting-requests {limit}).{asks} Retry later.")
         bound = self.config.max_queue_delay
         delay = self.predicted_delay(tenant_in_flight)
-        if limit >= 0 and bound > 0 and delay > bound:
+        # No finish rate yet (a cold start; or, with the engine's timing stats off, none
+        # finished within DRAIN_WINDOW_S): the delay is unknown (inf) and refuses nothing,
+        # so the configured --max-waiting-requests holds from the first request. Treating
+        # "unknown" as "too long" refused every request that would wait until one had
+        # finished: --max-num-seqs 1 --max-waiting-requests 1 answered a cold burst of 6
+        # with 5 x 429, and 2 x 200 once warm (fresh-user trial). No prior service time
+        # fits every model and device (milliseconds on a GPU, seconds on a starved CPU),
+        # and a wrong guess refuses what the operator's limit admits; the count bound is
+        # the operator's own choice and holds either way. Once a request has finished,
+        # the measured rate bounds the wait as documented.
+        if limit >= 0 and bound > 0 and math.isfinite(delay) and delay > bound:
             # Retry once the excess has drained: the request would then wait about the bound.
-            retry = int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(delay - bound)))) if math.isfinite(delay) else 1
-            wait = (f"would wait about {delay:.1f} s to start" if math.isfinite(delay) else
-                    "would wait for a slot, and no request has finished yet to predict how long")
-            return Rejection("queue_delay", 429, retry, f"The server is overloaded: a new request {wait} "
-                                                        f"(--max-queue-delay {bound:g}). Retry later.")
+            retry = int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(delay - bound))))
+            return Rejection("queue_delay", 429, retry, f"The server is overloaded: a new request would wait about "
+                                                        f"{delay:.1f} s to start (--max-queue-delay {bound:g}). "
+                                                        "Retry later.")
         pending = self.num_pending if tenant_in_flight is None else min(self.num_pending, tenant_in_flight)
         total = self.stats.num_total_blocks
         need = self.stats.num_used_blocks + (pending + sequences) * self.blocks_per_request
@@ -389,7 +398,9 @@ class AdmissionController:
         """Seconds a request admitted now would wait for a batch slot (0: one is free).
         The requests ahead of it: admitted ones beyond ``max_num_seqs`` or the engine's
         own queue (requests with n > 1 fill several slots), whichever is more. An encoder
-        (pooling: each finishes within the step that runs it) never waits long: 0."""
+        (pooling: each finishes within the step that runs it) never waits long: 0.
+        ``math.inf`` while no finish rate is known (a cold start): unknown, which
+        :meth:`check` does not refuse."""
         ahead = max(self.in_flight - self.max_num_seqs, self.stats.num_waiting_reqs)
         if tenant_in_flight is not None:
             ahead = min(ahead, tenant_in_flight)
@@ -398,7 +409,7 @@ class AdmissionController:
         if tenant_in_flight is not None and tenant_in_flight < self._fair_seats(tenant_in_flight):
             return 0.0  # the engine's fair share gives it a flooder's seat at once (core/fair_share.py)
         rate = self.drain_rate()
-        return (max(ahead, 0) + 1) / rate if rate > 0 else math.inf
+        return (max(ahead, 0) + 1) / rate if rate > 0 else math.inf  # inf: unknown (no finish rate yet)
 
     def _fair_seats(self, tenant_in_flight: int) -> int:
         """Batch seats a tenant with ``tenant_in_flight`` sequences in flight is sure of

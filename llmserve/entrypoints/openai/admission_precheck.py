@@ -14,18 +14,24 @@ What is checked, without rendering a prompt or touching the engine:
 
 - a FastAPI route with a JSON body model (the OpenAI routes, ``/v1/messages``): the body
   parsed and validated as FastAPI does it (the same 400 wording, by
-  ``server_utils.exception_response``), then the request-level checks its handler runs
-  first (:attr:`Prechecks.by_model`: ``check()`` of chat, completion and Responses
-  requests; Anthropic's mapping and rules);
-- a route that reads its own body (Ollama's): :attr:`Prechecks.by_path`, its parser and
-  checks (``ollama/serving.check_chat``...).
+  ``server_utils.exception_response``; a body whose content type is not JSON is refused
+  as FastAPI refuses it), then the checks its handler runs first
+  (:attr:`Prechecks.by_model`): the model it names (404 for one not served, 400 for one
+  that cannot serve the route: :func:`check_model`), then ``check()`` of chat,
+  completion and Responses requests, Anthropic's mapping and rules;
+- a route that reads its own body: :attr:`Prechecks.by_path`, its parser and checks
+  (Ollama's ``check_chat``...; SageMaker's ``/invocations`` returns the request it
+  dispatches to, whose body-model checks then run; speech to text reads its multipart
+  form, the model and the file, whose audio is probed, not decoded).
 
-A body whose content type FastAPI would not read as JSON, and any check that needs the
-prompt (its length against the context), are left to the route: such a request is
-refused as before.
+Left to the route, so refused as before: what needs the prompt rendered and tokenized
+(its length against the context: the tokens are known only once the route renders it,
+after admission, and tokenizing every refused request would make a 429 cost a prompt's
+tokenization under overload), and audio that opens but fails to decode.
 """
 from __future__ import annotations
 
+import contextvars
 import email.message
 import json
 from dataclasses import dataclass, field
@@ -34,14 +40,16 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from llmserve.entrypoints.openai.server_utils import body_model_of, exception_response, required_fields_of
 
 # (app state, parsed request) -> None, raising the route's error
 ModelCheck = Callable[[Any, Any], Optional[Awaitable[None]]]
-# (app state, raw body) -> None, raising the route's error
-BodyCheck = Callable[[Any, bytes], Awaitable[None]]
+# (app state, raw body, content type) -> None or the parsed request whose body-model
+# checks (Prechecks.by_model) run next, raising the route's error
+BodyCheck = Callable[[Any, bytes, Optional[str]], Awaitable[Optional[BaseModel]]]
 
 
 @dataclass(frozen=True)
@@ -70,18 +78,22 @@ def _is_json(content_type: Optional[str]) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def parse_as_fastapi(model: type[BaseModel], body: bytes) -> BaseModel:
-    """``body`` as FastAPI reads a JSON body into ``model``: RequestValidationError with
-    FastAPI's errors (``json_invalid`` at the offset, or the model's located under
-    ``body``) when it does not parse. RecursionError passes (JsonDepthMiddleware's)."""
+def parse_as_fastapi(model: type[BaseModel], body: bytes, content_type: Optional[str] = None) -> BaseModel:
+    """``body`` (sent with ``content_type``) as FastAPI reads a JSON body into ``model``:
+    RequestValidationError with FastAPI's errors (``json_invalid`` at the offset, or the
+    model's located under ``body``; a content type that is not JSON: the raw bytes, which
+    no model takes) when it does not parse, HTTPException 400 for a body that is not
+    UTF-8. RecursionError passes (JsonDepthMiddleware's)."""
     if not body:  # FastAPI reads no body as a missing one
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}],
                                      body=None)
     try:
-        value = json.loads(body)
+        value: Any = json.loads(body) if _is_json(content_type) else body
     except json.JSONDecodeError as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": e.msg}}], body=e.doc) from None
+    except UnicodeDecodeError as e:  # FastAPI's words; the app's handler says which bytes
+        raise HTTPException(400, "There was an error parsing the body") from e
     try:
         return model.model_validate(value)
     except ValidationError as e:
@@ -115,13 +127,16 @@ async def malformed_response(prechecks: Prechecks, router: Any, state: Any, scop
     required: list[str] = []
     try:
         if path in prechecks.by_path:
-            await prechecks.by_path[path](state, body)
-            return None
-        model = body_model_of(_route_of(router, scope.get("method", "POST"), path))
-        if model is None or not _is_json(content_type):
-            return None
-        required = required_fields_of(model)
-        request = parse_as_fastapi(model, body)
+            request = await prechecks.by_path[path](state, body, content_type)
+            if request is None:
+                return None
+            model: Optional[type[BaseModel]] = type(request)
+        else:
+            model = body_model_of(_route_of(router, scope.get("method", "POST"), path))
+            if model is None:
+                return None
+            required = required_fields_of(model)
+            request = parse_as_fastapi(model, body, content_type)
         check = prechecks.model_check(model)
         if check is not None:
             pending = check(state, request)
@@ -136,20 +151,81 @@ async def malformed_response(prechecks: Prechecks, router: Any, state: Any, scop
     return None
 
 
-def _check_chat(_: Any, request: Any) -> None:
-    request.check_openai_budget()  # OpenAIServingChat.create_chat_completion's first checks, in its order
+def route_handler(state: Any, attr: str, request: Any) -> Any:
+    """The app's handler ``attr`` (``openai_serving_chat``...) that serves ``request``: with
+    several models (``--extra-model``) the one its ``model`` names, picked as the route
+    picks it (a 404 or 400 naming ``model`` when no served model can serve the route);
+    None when the app has no such handler."""
+    handler = getattr(state, attr, None)
+    pick = getattr(handler, "handler_for", None)
+    return pick(request) if callable(pick) else handler
+
+
+def check_model(state: Any, attr: str, request: Any, task: Optional[str] = None) -> None:
+    """The check of ``request``'s ``model`` that its handler ``attr`` runs first:
+    ModelNotFoundError (404) for a name not served, a 400 naming ``model`` for a model
+    that cannot serve the route (a pooling model asked to generate; with ``task``, a
+    pooling handler's ``check_task``: a model that cannot embed, score or classify). Run
+    in a copy of the context: the check also picks the request's LoRA adapter (a context
+    variable) for its engine calls, which a refused request never makes."""
+    handler = route_handler(state, attr, request)
+    if handler is None:
+        return
+    if task is None:
+        contextvars.copy_context().run(handler._check_model, request)
+    else:
+        contextvars.copy_context().run(handler.check_task, request, task)
+
+
+def _check_chat(state: Any, request: Any) -> None:
+    # OpenAIServingChat.create_chat_completion's first checks, in its order
+    check_model(state, "openai_serving_chat", request)
+    request.check_openai_budget()
     request.check()
 
 
-def _check_request(_: Any, request: Any) -> None:
-    request.check()
+def _checks_model(attr: str, then_request: bool = True) -> ModelCheck:
+    """The first checks of a handler that runs ``_check_model``, then (``then_request``)
+    ``request.check()``: completions, Responses; ``/infill`` only the first."""
+    def check(state: Any, request: Any) -> None:
+        check_model(state, attr, request)
+        if then_request:
+            request.check()
+    return check
+
+
+def _checks_task(attr: str, task: Optional[str]) -> ModelCheck:
+    """A pooling handler's first check, ``check_task`` for ``task`` (None: the request's
+    own ``task``, else the handler's default, as ``/pooling`` picks it)."""
+    def check(state: Any, request: Any) -> None:
+        wanted = task or getattr(request, "task", None)
+        if wanted is None:
+            handler = route_handler(state, attr, request)
+            if handler is None:
+                return
+            wanted = handler.default_pooling_task()
+        check_model(state, attr, request, wanted)
+    return check
 
 
 def openai_model_checks() -> dict[type, ModelCheck]:
-    """The OpenAI routes' request-level checks by body model (their handlers run them
-    before rendering: chat, completions, Responses)."""
+    """The OpenAI routes' first checks by body model (their handlers run them before
+    rendering): the model the request names, then chat's, completions' and Responses'
+    request-level ``check()``."""
     from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from llmserve.entrypoints.openai.classify.protocol import ClassificationRequest
     from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
+    from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest, PoolingRequest
+    from llmserve.entrypoints.openai.infill.protocol import InfillRequest
     from llmserve.entrypoints.openai.responses.protocol import ResponsesRequest
+    from llmserve.entrypoints.openai.score.protocol import RerankRequest, ScoreRequest
 
-    return {ChatCompletionRequest: _check_chat, CompletionRequest: _check_request, ResponsesRequest: _check_request}
+    return {ChatCompletionRequest: _check_chat,
+            CompletionRequest: _checks_model("openai_serving_completion"),
+            ResponsesRequest: _checks_model("openai_serving_responses"),
+            InfillRequest: _checks_model("openai_serving_completion", then_request=False),
+            EmbeddingRequest: _checks_task("openai_serving_embedding", "embed"),
+            PoolingRequest: _checks_task("openai_serving_embedding", None),
+            ScoreRequest: _checks_task("openai_serving_scores", "score"),
+            RerankRequest: _checks_task("openai_serving_scores", "score"),
+            ClassificationRequest: _checks_task("openai_serving_classification", "classify")}

@@ -74,7 +74,7 @@ from llmserve.entrypoints.openai.request_timelines.labels import RequestLabelsMi
 from llmserve.entrypoints.openai.responses.api_router import register_responses_api_routers
 from llmserve.entrypoints.openai.responses.serving import OpenAIServingResponses
 from llmserve.entrypoints.openai.responses.store import DEFAULT_STORE_MAX_ENTRIES
-from llmserve.entrypoints.openai.sagemaker.api_router import register_sagemaker_api_routers
+from llmserve.entrypoints.openai.sagemaker.api_router import SAGEMAKER_BODY_CHECKS, register_sagemaker_api_routers
 from llmserve.entrypoints.openai.score.api_router import register_score_api_routers
 from llmserve.entrypoints.openai.score.serving import OpenAIServingScores
 from llmserve.entrypoints.openai.server_utils import (
@@ -82,7 +82,8 @@ from llmserve.entrypoints.openai.server_utils import (
     RequestIdMiddleware,
     install_exception_handlers,
 )
-from llmserve.entrypoints.openai.speech_to_text.api_router import register_speech_to_text_api_routers
+from llmserve.entrypoints.openai.speech_to_text.api_router import (SPEECH_TO_TEXT_BODY_CHECKS,
+                                                                   register_speech_to_text_api_routers)
 from llmserve.entrypoints.openai.speech_to_text.serving import OpenAIServingSpeechToText
 from llmserve.entrypoints.openai.tokenize.api_router import register_tokenize_api_routers
 from llmserve.entrypoints.openai.tokenize.serving import OpenAIServingTokenization
@@ -129,7 +130,8 @@ API_ROUTER_REGISTRARS = (
 # ErrorShape names its paths); every other path answers OpenAI's body.
 ERROR_SHAPES: tuple[ErrorShape, ...] = (ANTHROPIC_ERROR_SHAPE, OLLAMA_ERROR_SHAPE)
 # Each front door's first checks, run on a request admission would refuse (admission_precheck.py)
-PRECHECKS = Prechecks(by_model={**openai_model_checks(), **ANTHROPIC_MODEL_CHECKS}, by_path=OLLAMA_BODY_CHECKS)
+PRECHECKS = Prechecks(by_model={**openai_model_checks(), **ANTHROPIC_MODEL_CHECKS},
+                      by_path={**OLLAMA_BODY_CHECKS, **SAGEMAKER_BODY_CHECKS, **SPEECH_TO_TEXT_BODY_CHECKS})
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

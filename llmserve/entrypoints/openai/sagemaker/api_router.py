@@ -23,7 +23,7 @@ Any other body is a 400 listing the shapes.
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,10 +62,9 @@ _SHAPES = ("'messages' (ChatCompletionRequest), 'prompt' (CompletionRequest), 'i
            + " or ".join(f"'{a}' and '{b}'" for a, b in SCORE_FIELD_NAMES) + " (ScoreRequest)")
 
 
-def served_tasks(raw_request: Request, model: Any) -> tuple[str, ...]:
+def served_tasks(state: Any, model: Any) -> tuple[str, ...]:
     """The supported tasks of the model a body names (``model``; with ``--extra-model``
-    and no name: every served model's, together)."""
-    state = raw_request.app.state
+    and no name: every served model's, together); ``state``: the app's."""
     registry = getattr(state, "model_registry", None)
     if registry is None:
         return tuple(getattr(getattr(state.engine_client, "model_config", None), "supported_tasks", ("generate",)))
@@ -92,27 +91,44 @@ def invocation_kind(body: dict, tasks: tuple[str, ...]) -> str | None:
     return None
 
 
-@router.post("/invocations")
-async def invocations(raw_request: Request) -> Response:
-    """Serve a SageMaker invocation like the endpoint its body's shape names.
-    Raises SamplingParamsError (400) for a body that is not a JSON object of one of the
-    known shapes; validation errors of the chosen model answer as on its endpoint."""
+def parse_invocation(state: Any, raw: bytes) -> tuple[BaseModel, Route]:
+    """The endpoint request a SageMaker invocation's body ``raw`` is (its shape and the
+    served model's tasks: see the module docstring) and that endpoint's route; ``state``:
+    the app's. Raises SamplingParamsError (400) for a body that is not a JSON object of
+    one of the known shapes, RequestValidationError as the chosen model refuses it,
+    ModelNotFoundError (404) for an unknown model when its tasks pick the endpoint.
+    Also admission's check of an invocation it would refuse (admission_precheck.py)."""
     try:
-        body = json.loads(await raw_request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SamplingParamsError(f"Invalid JSON in the request body: {e}", None) from e
     kind = None
     if isinstance(body, dict):
         needs_tasks = "input" in body or "messages" in body
-        kind = invocation_kind(body, served_tasks(raw_request, body.get("model")) if needs_tasks else ())
+        kind = invocation_kind(body, served_tasks(state, body.get("model")) if needs_tasks else ())
     if kind is None:
         raise SamplingParamsError(f"/invocations takes a JSON object with one of: {_SHAPES}.", None)
     model, route = INVOCATION_TYPES[kind]
     try:
-        request = model.model_validate(body)
+        return model.model_validate(body), route
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_input=False)) from e
+
+
+@router.post("/invocations")
+async def invocations(raw_request: Request) -> Response:
+    """Serve a SageMaker invocation like the endpoint its body's shape names (errors:
+    :func:`parse_invocation`; the endpoint's own answer as on the endpoint)."""
+    request, route = parse_invocation(raw_request.app.state, await raw_request.body())
     return await route(request, raw_request)
+
+
+async def _check_invocation(state: Any, body: bytes, _content_type: Optional[str] = None) -> BaseModel:
+    return parse_invocation(state, body)[0]  # the endpoint's own first checks follow (by its body model)
+
+
+# Path -> the check admission runs on a request it would refuse (admission_precheck.Prechecks.by_path)
+SAGEMAKER_BODY_CHECKS = {"/invocations": _check_invocation}
 
 
 @router.get("/ping")

@@ -28,7 +28,8 @@ from llmserve.entrypoints.openai.speech_to_text.protocol import (
     DeltaMessage, StreamUsage, TranscriptionRequest, TranscriptionResponse, TranscriptionResponseStreamChoice,
     TranscriptionResponseVerbose, TranscriptionSegment, TranscriptionStreamResponse, TranscriptionUsage,
     TranscriptTextDelta, TranscriptTextDone, TranscriptTokenUsage, uses_vllm_stream_format)
-from llmserve.multimodal.audio import SAMPLE_RATE, AudioDecodeError, decode_audio, split_audio, to_mono_16k
+from llmserve.multimodal.audio import (SAMPLE_RATE, AudioDecodeError, decode_audio, probe_audio, split_audio,
+                                        to_mono_16k)
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 DEFAULT_MAX_AUDIO_FILE_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit
@@ -173,6 +174,18 @@ class OpenAIServingSpeechToText(BaseServing):
             raise SamplingParamsError(f"The audio file is {len(data)} bytes; the limit is {self.max_audio_file_bytes} "
                                       "bytes (--max-audio-file-bytes)", "file")
         return name, self._language(request)
+
+    def first_checks(self, request: TranscriptionRequest, data: bytes) -> None:
+        """What :meth:`create` refuses before it decodes the audio (the model, the fields,
+        the file's size, ``beam_size``), then the file's audio probed, not decoded
+        (``probe_audio``: empty, no decoder opens it), with :meth:`create`'s 400 naming
+        ``file``: admission's check of a request it would refuse (admission_precheck.py)."""
+        self._check(request, data)
+        check_beam_size(request)
+        try:
+            probe_audio(data)
+        except AudioDecodeError as e:
+            raise SamplingParamsError(f"Invalid or unsupported audio file: {e}", "file") from None
 
     # ---- prompts and parameters -------------------------------------------
     def _decoder_prompt(self, request: TranscriptionRequest, lang: str, task: str, timestamps: bool) -> str:
