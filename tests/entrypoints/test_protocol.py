@@ -1,7 +1,10 @@
 """Request models -> SamplingParams, request-level validation (param named), wire shapes."""
 from __future__ import annotations
 
+import importlib
 import json
+import types
+import typing
 
 import pytest
 from pydantic import ValidationError
@@ -206,3 +209,82 @@ def test_reasoning_effort_is_a_template_variable():
     assert template_kwargs(chat(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low", "x": 1})) \
         == {"reasoning_effort": "low", "x": 1}
     assert template_kwargs(chat()) is None
+
+
+def _request_models():
+    """Every request body model of the server (the subclasses of OpenAIRequestModel, once
+    each front door's protocol is imported, and the LoRA routes' bodies) and every model
+    reachable from their fields."""
+    from pydantic import BaseModel
+
+    from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel
+    from llmserve.entrypoints.openai.models.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    for name in ("openai.chat_completion", "openai.completion", "openai.responses", "openai.embeddings",
+                 "openai.score", "openai.classify", "openai.tokenize", "openai.infill", "openai.models",
+                 "anthropic", "ollama"):
+        importlib.import_module(f"llmserve.entrypoints.{name}.protocol")
+    todo, seen = [OpenAIRequestModel, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest], set()
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for f in cls.model_fields.values():
+            kinds = [f.annotation]
+            while kinds:
+                kind = kinds.pop()
+                kinds += [a for a in typing.get_args(kind) if a is not None]
+                if isinstance(kind, type) and issubclass(kind, BaseModel) and kind not in seen:
+                    todo.append(kind)
+    return seen
+
+
+# a JSON value of the wrong type for each scalar type, as a careless client sends it
+_WRONG_JSON = {int: ["5", True], float: ["0.5", True], bool: ["true", 1], str: [5, True]}
+
+
+def _scalar(annotation):
+    """The scalar type (int, float, bool, str) a field takes, alone or with null; else None."""
+    kinds = [annotation]
+    while typing.get_origin(kinds[0]) is typing.Annotated:
+        kinds = [typing.get_args(kinds[0])[0]]
+    if typing.get_origin(kinds[0]) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(kinds[0]) if a is not type(None)]
+    if len(kinds) != 1:
+        return None
+    kind = kinds[0]
+    while typing.get_origin(kind) is typing.Annotated:
+        kind = typing.get_args(kind)[0]
+    return kind if kind in _WRONG_JSON else None
+
+
+def test_every_request_model_takes_each_fields_json_type_only():
+    """The fault as a kind, not one field (fresh-user trial: ``"max_tokens": "5"`` ran as 5):
+    every model a request body is validated with, at any depth, is strict, and each scalar
+    field of each refuses a string for a number or boolean, a number for a boolean and a
+    number or boolean for a string (a type error at that field, a 400 naming it). A new
+    request model, or a model inside one, that is not strict fails here."""
+    models = _request_models()
+    assert len(models) > 30
+    lax = sorted(m.__name__ for m in models if m.model_config.get("strict") is not True)
+    assert lax == [], f"request models that coerce JSON types: {lax}"
+    checked = 0
+    for model in models:
+        for name, field in model.model_fields.items():
+            kind = _scalar(field.annotation)
+            for value in _WRONG_JSON.get(kind, ()):
+                key = field.alias or name
+                try:
+                    model.model_validate({key: value})
+                    errors = []
+                except ValidationError as e:
+                    errors = [err for err in e.errors() if err["loc"] == (key,)]
+                assert errors and errors[0]["type"].endswith("_type"), (model.__name__, key, value, errors)
+                checked += 1
+    assert checked > 300
+    # what still passes: an integer where a number goes, an integral number where an integer goes
+    req = chat(temperature=1, max_tokens=5.0, logit_bias={"5": 1}, stream_options=None)
+    assert (req.temperature, req.max_tokens, req.logit_bias) == (1.0, 5, {"5": 1.0})
+    assert isinstance(req.temperature, float) and isinstance(req.max_tokens, int)

@@ -60,9 +60,8 @@ def test_validation_errors_are_small_and_never_echo_the_body(app_and_engine):  #
     assert err["message"].endswith("more errors")
     r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": "lots"})
     assert r.status_code == 400
-    assert r.json()["error"] == {"message": "max_tokens: must be a valid integer, unable to parse "
-                                            "string as an integer", "type": "BadRequestError",
-                                 "param": "max_tokens", "code": 400}
+    assert r.json()["error"] == {"message": "max_tokens: must be an integer, not a string",
+                                 "type": "BadRequestError", "param": "max_tokens", "code": 400}
 
 
 def test_logit_bias_keys_reach_the_engine_as_sent(app_and_engine):  # noqa: F811
@@ -143,7 +142,7 @@ def test_validation_errors_name_the_field_as_sent_and_say_what_it_accepts(app_an
     cases = [  # (route, field, value, param, message)
         ("/v1/chat/completions", "stop", "y" * 2000, "stop", "stop: string should have at most 1024 characters"),
         ("/v1/completions", "stop", 5, "stop", "stop: must be a string or a list of strings"),
-        ("/v1/responses", "stop", ["ok", 5], "stop.1", "stop.1: must be a valid string"),
+        ("/v1/responses", "stop", ["ok", 5], "stop.1", "stop.1: must be a string, not an integer"),
         ("/v1/chat/completions", "messages", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                                               {"role": "user", "content": 12}],
          "messages.2.content", "messages.2.content: must be a string or a list of objects"),
@@ -211,8 +210,8 @@ def test_a_body_that_is_not_utf8_is_told_so(app_and_engine):  # noqa: F811
 
 def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # noqa: F811
     """Fresh-user trial: each of these was a 200 (an unknown effort passed on, a string of
-    tool calls dropped, ``true`` read as 1). Numeric strings stay integers (vLLM's lax ints)
-    and a custom role reaches the template, as in vLLM."""
+    tool calls dropped, ``true`` read as 1). An integral number is an integer (``2.0``, as
+    vLLM reads it) and a custom role reaches the template, as in vLLM."""
     client, engine = app_and_engine()
     cases = [  # (route, changes to the route's body, param, message)
         ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort",
@@ -236,13 +235,67 @@ def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # 
         assert got_param == param and got_message == (message or f"{param}: must be an integer, not a boolean"), \
             (changes, got_message, got_param)
     assert engine.prompts == []
-    for changes in ({"reasoning_effort": "xhigh"}, {"max_tokens": "2"},
+    for changes in ({"reasoning_effort": "xhigh"}, {"max_tokens": 2.0},
                     {"messages": [{"role": "wizard", "content": "abracadabra"}]}):
         engine.outputs = [_output("Hi", "stop")]
         r = client.post("/v1/chat/completions", json={**CHAT, **changes})
         assert r.status_code == 200, (changes, r.text)
     assert engine.params[1].max_tokens == 2
     assert "<|im_start|>wizard\nabracadabra" in engine.prompts[2]["prompt"]
+
+
+def test_a_value_of_the_wrong_json_type_is_a_400_naming_it_on_every_route(app_and_engine):  # noqa: F811
+    """Fresh-user trial: ``"max_tokens": "5"`` was a 200 on chat (pydantic's lax mode read
+    it as 5; ``"temperature": "1"``, ``"include_usage": "true"`` and ``"strict": 1``
+    likewise), where OpenAI answers 400 naming the parameter. The request models and the
+    objects inside them are strict: a string is not a number or a boolean, a number is
+    not a boolean, on every route and at every depth, in each API's error body; an
+    integer is still a number (``"temperature": 1``, the official client sends it)."""
+    client, engine = app_and_engine()
+    integer, number, boolean = "must be an integer, not a string", "must be a number, not a string", \
+        "must be a boolean, not a string"
+    cases = [  # (route, changes to the route's body, param, problem)
+        ("/v1/chat/completions", {"max_tokens": "5"}, "max_tokens", integer),
+        ("/v1/chat/completions", {"max_completion_tokens": "5"}, "max_completion_tokens", integer),
+        ("/v1/chat/completions", {"seed": "1"}, "seed", integer),
+        ("/v1/chat/completions", {"temperature": "1"}, "temperature", number),
+        ("/v1/chat/completions", {"logit_bias": {"5": "1"}}, "logit_bias.5", number),
+        ("/v1/chat/completions", {"stream": "true"}, "stream", boolean),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs", "must be a boolean, not an integer"),
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": "true"}},
+         "stream_options.include_usage", boolean),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {}, "strict": "true"}}}, "response_format.json_schema.strict", boolean),
+        ("/v1/chat/completions", {"max_tokens": 5.5}, "max_tokens",
+         "must be an integer, not a number with a fractional part"),
+        ("/v1/completions", {"max_tokens": "5"}, "max_tokens", integer),
+        ("/v1/completions", {"echo": 1}, "echo", "must be a boolean, not an integer"),
+        ("/v1/responses", {"max_output_tokens": "5"}, "max_output_tokens", integer),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": 1}}},
+         "text.format.strict", "must be a boolean, not an integer"),
+        ("/v1/embeddings", {"dimensions": "3"}, "dimensions", integer),
+        ("/v1/messages", {"max_tokens": "5"}, "max_tokens", integer),
+        ("/v1/messages", {"temperature": "0.5"}, "temperature", number),
+        ("/v1/messages", {"tools": [{"name": 5}]}, "tools.0.name", "must be a string, not an integer"),
+    ]
+    for route, changes, param, problem in cases:
+        r = client.post(route, json={**ROUTE_MODELS[route][1], **changes})
+        assert r.status_code == 400, (changes, r.text)
+        if route == "/v1/messages":  # Anthropic's error body: no param
+            assert r.json()["error"] == {"type": "invalid_request_error", "message": f"{param}: {problem}"}, r.text
+        else:
+            assert _message(r) == (f"{param}: {problem}", param), (changes, r.text)
+    for route, body, param in (("/tokenize", {"model": "m", "prompt": "hi", "add_special_tokens": 1},
+                                "add_special_tokens"),
+                               ("/infill", {"model": "m", "input_prefix": "a", "n_predict": "3"}, "n_predict")):
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert engine.prompts == []
+    engine.outputs = [_output("Hi", "stop")]
+    r = client.post("/v1/chat/completions", json={**CHAT, "temperature": 1, "top_p": 1, "max_tokens": 3.0,
+                                                  "logit_bias": {"5": 1}, "stream_options": None})
+    assert r.status_code == 200, r.text
+    assert (engine.params[-1].temperature, engine.params[-1].max_tokens) == (1.0, 3)
 
 
 def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engine):  # noqa: F811
@@ -277,7 +330,8 @@ def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engin
 def test_booleans_are_not_numbers_in_token_id_lists_or_number_fields(app_and_engine):  # noqa: F811
     """Last review: ``prompt: [true]`` ran as token id 1 (pydantic's lax int), and
     ``temperature: true`` / a ``logit_bias`` value of ``true`` were 1.0. Each is a 400
-    naming the item; token ids as numbers, and numeric strings (vLLM's lax numbers), still run."""
+    naming the item; token ids as numbers, and integral numbers as integers, still run.
+    Numeric strings are refused like booleans (strict request models; OpenAI's answer)."""
     client, engine = app_and_engine()
     integer, number = "must be an integer, not a boolean", "must be a number, not a boolean"
     cases = [  # (route, changes to the route's body, param, problem)
@@ -307,9 +361,12 @@ def test_booleans_are_not_numbers_in_token_id_lists_or_number_fields(app_and_eng
         assert r.status_code == 200, (prompt, r.text)
     assert [p.get("prompt_token_ids") for p in engine.prompts] == [[1, 2], [1, 2]]
     engine.outputs = [_output("Hi", "stop")]
+    r = client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": [5.0], "temperature": 1})
+    assert r.status_code == 200, r.text  # an integral number is an integer, an integer a number
+    assert (engine.params[-1].stop_token_ids, engine.params[-1].temperature) == ([5], 1.0)
     r = client.post("/v1/chat/completions", json={**CHAT, "stop_token_ids": ["5"], "temperature": "0.5"})
-    assert r.status_code == 200, r.text  # numeric strings: vLLM's lax numbers, unchanged
-    assert (engine.params[-1].stop_token_ids, engine.params[-1].temperature) == ([5], 0.5)
+    assert _message(r) == ("temperature: must be a number, not a string; stop_token_ids.0: must be an integer, "
+                           "not a string", "temperature"), r.text
 
 
 def test_a_lone_surrogate_is_named_at_the_clients_field_and_position(app_and_engine):  # noqa: F811

@@ -20,14 +20,14 @@ from pydantic import Field, field_validator
 from llmserve.entrypoints.openai.common.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRING_CHARS, \
     MAX_STOP_STRINGS
 from llmserve.entrypoints.openai.common.protocol import (Int64, JSONFloat, JSONInt, OpenAIBaseModel, OpenAIRequestModel,
-                                                         random_uuid)
+                                                         OpenAIRequestPart, random_uuid)
 
 # Block lists: at most MAX_CONTENT_PARTS blocks in one message or in ``system``.
 Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)]
 StopSequence = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
-class AnthropicMessageParam(OpenAIBaseModel):
+class AnthropicMessageParam(OpenAIRequestPart):
     """One input message. ``role`` "system" is Anthropic's mid-conversation system message
     (``anthropic.types.SystemMessageParam`` in the SDK's MessageParam since 2.x; Claude
     Code 2.1.197 sends one after the first user turn); it becomes a system message."""
@@ -36,7 +36,7 @@ class AnthropicMessageParam(OpenAIBaseModel):
     content: Union[str, Blocks]
 
 
-class AnthropicToolParam(OpenAIBaseModel):
+class AnthropicToolParam(OpenAIRequestPart):
     """A client tool: ``name``, ``description``, ``input_schema`` (a JSON schema of the
     ``input`` object). ``type`` is absent or "custom" for client tools; Anthropic's
     server tools (``web_search_...``, ``bash_...``) are refused in ``conversion.py``."""

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import AfterValidator, Field, StrictInt
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
-from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, OpenAIRequestModel
+from llmserve.entrypoints.openai.common.protocol import OpenAIRequestModel, OpenAIRequestPart
 
 # ``keep_alive``: a duration ("5m", "1h"), seconds, or -1 / 0. Accepted and ignored: the
 # model stays loaded for the server's life (there is no unloading to schedule). A string
@@ -39,7 +39,7 @@ KeepAlive = Annotated[Optional[Union[str, float]], AfterValidator(_check_duratio
 Format = Optional[Union[str, dict[str, Any]]]
 
 
-class OllamaToolCallFunction(OpenAIBaseModel):
+class OllamaToolCallFunction(OpenAIRequestPart):
     """The ``function`` of a tool call in the history (Go's api.ToolCallFunction):
     ``name``, ``index`` (a Go int) and ``arguments``, an object (Go's
     api.ToolCallFunctionArguments is a map): a JSON string or a list there is Go's
@@ -52,7 +52,7 @@ class OllamaToolCallFunction(OpenAIBaseModel):
     index: Optional[StrictInt] = None
 
 
-class OllamaToolCall(OpenAIBaseModel):
+class OllamaToolCall(OpenAIRequestPart):
     """One of an assistant message's ``tool_calls`` (Go's api.ToolCall)."""
 
     id: Optional[str] = None

@@ -103,13 +103,46 @@ def client_path(loc: tuple, body: Any, err_type: str) -> tuple[list[Any], list[t
     return path, labels
 
 
+# pydantic's strict-mode type errors (a request field of the wrong JSON type), whose own
+# words ("Input should be a valid integer") do not say what was sent
+_STRICT_TYPE_ERRORS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+                       "string_type": "a string"}
+_MISSING_INPUT = object()
+
+
+def _json_kind(value: Any) -> str:
+    """A JSON value's kind as a client reads it ("a string", "a number with a fractional
+    part"...), never the value itself."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number with a fractional part" if value == value and not value.is_integer() else "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a " + type(value).__name__)
+
+
+def _type_message(err: dict[str, Any]) -> Optional[str]:
+    """"Input should be an integer, not a string" for a strict-mode type error whose input
+    is known (OpenAI's "expected an integer, but got a string"); None for any other error."""
+    noun = _STRICT_TYPE_ERRORS.get(err.get("type", ""))
+    value = err.get("input", _MISSING_INPUT)
+    if noun is None or value is _MISSING_INPUT or not str(err.get("msg", "")).startswith("Input should be a valid "):
+        return None
+    return f"Input should be {noun}, not {_json_kind(value)}"
+
+
 def problems_of(errors: list[dict[str, Any]], body: Any, strip: int = 0) -> list[Problem]:
-    """The errors as Problems (``strip``: leading location items to drop, FastAPI's source)."""
+    """The errors as Problems (``strip``: leading location items to drop, FastAPI's source).
+    A value of the wrong JSON type is told what it was ("max_tokens: must be an integer,
+    not a string"), by its kind only."""
     out = []
     for err in errors:
         loc = tuple(err.get("loc", ()))[strip:]
         path, labels = client_path(loc, body, err.get("type", ""))
-        msg = err.get("msg", "invalid value")
+        msg = _type_message(err) or err.get("msg", "invalid value")
         if err.get("type") == "string_unicode" and isinstance(err.get("input"), str):
             # a lone surrogate in a constrained string (stop, stop_sequences): the words and
             # position every other field gets (tokenizer.check_encodable), not pydantic's

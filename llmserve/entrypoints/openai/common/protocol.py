@@ -9,9 +9,13 @@ to a :class:`~llmserve.sampling_params.SamplingParams` with ``to_sampling_params
 raises :class:`~llmserve.sampling_params.SamplingParamsError` (a ValueError with ``param``)
 on out-of-range values, so the server answers 400 naming the field.
 
-Boolean fields take only JSON booleans (``"stream": "yes"`` is a 400, as OpenAI answers;
-pydantic alone would read "yes" as true). List fields have the documented limits of
-:mod:`~llmserve.entrypoints.openai.common.limits`.
+Request bodies take each field's JSON type only, as OpenAI's API does (pydantic's strict
+mode on every request model and the objects inside it: :class:`OpenAIRequestModel`,
+:class:`OpenAIRequestPart`): ``"max_tokens": "5"``, ``"temperature": "1"``,
+``"stream": "yes"`` and ``"logprobs": 1`` are a 400 naming the field, where pydantic's lax
+mode read them as 5, 1.0 and true. A JSON integer is still a number (``"temperature": 1``),
+and an integral number is still an integer (``"max_tokens": 5.0``, see :data:`JSONInt`).
+List fields have the documented limits of :mod:`~llmserve.entrypoints.openai.common.limits`.
 
 Unknown request fields are accepted and ignored, as vLLM and OpenAI do (logged once per
 field name, as vLLM warns); fields whose meaning llmserve cannot honour (``suffix``,
@@ -26,7 +30,7 @@ import logging
 import types
 import typing
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic_core import PydanticCustomError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -60,13 +64,16 @@ BOOLEAN_REFUSED = {"refused": "boolean"}
 
 
 def _not_a_boolean(value: Any) -> Any:
-    """An integer field's value as given, unless it is a JSON boolean: pydantic's lax mode
-    reads ``true`` as 1 (``"max_tokens": true`` asked for one token, ``"prompt": [true]``
-    ran token id 1); OpenAI answers 400. Numeric strings and integral floats stay
-    accepted, as vLLM accepts them (lax ints).
+    """An integer field's value as given, unless it is a JSON boolean (``"max_tokens": true``
+    asked for one token, ``"prompt": [true]`` ran token id 1, before the request models
+    were strict; OpenAI answers 400), or the integer of an integral JSON number (``5.0``:
+    JSON has one number type, JSON Schema's "integer" takes it, and vLLM reads it as 5).
+    A string or a fractional number is left to the strict ``int`` that follows (a 400).
     Raises PydanticCustomError ``int_type`` (a 400 naming the field)."""
     if isinstance(value, bool):
         raise PydanticCustomError("int_type", "Input should be an integer, not a boolean", BOOLEAN_REFUSED)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     return value
 
 
@@ -79,9 +86,10 @@ def _not_a_boolean_number(value: Any) -> Any:
     return value
 
 
-# An integer request field: ``true`` is refused (_not_a_boolean). Every integer field of the
-# request models, and every integer in a list of them (token ids: a completions prompt,
-# embeddings input, stop_token_ids), has this type or Int64, so all refuse it alike.
+# An integer request field: ``true`` is refused by name and ``5.0`` read as 5 (_not_a_boolean),
+# ``"5"`` refused by the request models' strict mode. Every integer field of the request
+# models, and every integer in a list of them (token ids: a completions prompt, embeddings
+# input, stop_token_ids), has this type or Int64, so all read them alike.
 JSONInt = Annotated[int, BeforeValidator(_not_a_boolean)]
 # A number (float) request field: ``true`` is refused alike (_not_a_boolean_number).
 JSONFloat = Annotated[float, BeforeValidator(_not_a_boolean_number)]
@@ -106,18 +114,19 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of all API models: unknown fields are allowed (and ignored)."""
+    """Base of all API models: unknown fields are allowed (and ignored). Lax: the
+    responses the server builds are of this class; request bodies are
+    :class:`OpenAIRequestModel` and :class:`OpenAIRequestPart`."""
 
     model_config = ConfigDict(extra="allow")
 
 
-def _is_bool_annotation(annotation: Any) -> bool:
-    if annotation is bool:
-        return True
-    if typing.get_origin(annotation) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args == [bool]
-    return False
+class OpenAIRequestPart(OpenAIBaseModel):
+    """Base of the objects inside a request body (a chat message, ``stream_options``, an
+    Anthropic tool...): strict about JSON types as the request models are (a model's
+    strict mode does not reach the models of its fields), NaN and Infinity refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 def _list_limits(field: Any) -> tuple[Optional[int], Optional[int]]:
@@ -163,30 +172,14 @@ def _warn_ignored_field(model: str, name: str) -> None:
 
 
 class OpenAIRequestModel(OpenAIBaseModel):
-    """Base of request bodies: NaN and Infinity are rejected (Python's json accepts them);
-    boolean fields take JSON booleans only; unknown fields are ignored with a warning
-    logged once per field name (vLLM's behaviour)."""
+    """Base of request bodies: each field takes its JSON type only (pydantic's strict
+    mode: a string is not read as a number or a boolean, nor a number as a boolean; an
+    integer is a number; OpenAI answers these 400 too), NaN and Infinity are rejected
+    (Python's json accepts them); unknown fields are ignored with a warning logged once
+    per field name (vLLM's behaviour). A type error is pydantic's (``bool_type``,
+    ``int_type``...), which Ollama's routes word as Go's decoder does (ollama/go_errors.py)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    _bool_fields: ClassVar[Optional[frozenset[str]]] = None
-
-    @classmethod
-    def bool_fields(cls) -> frozenset[str]:
-        """Names of the fields typed ``bool`` / ``Optional[bool]`` (computed once per class)."""
-        fields = cls.__dict__.get("_bool_fields_cache")
-        if fields is None:
-            fields = frozenset(n for n, f in cls.model_fields.items() if _is_bool_annotation(f.annotation))
-            setattr(cls, "_bool_fields_cache", fields)
-        return fields
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _strict_bool(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and not isinstance(value, bool) and info.field_name in cls.bool_fields():
-            # bool_type: a type error, as Ollama's routes tell it in Go's words (ollama/go_errors.py)
-            raise PydanticCustomError("bool_type", "must be a JSON boolean (true or false), got {got}",
-                                      {"got": type(value).__name__})
-        return value
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @classmethod
     def list_limits(cls) -> dict[str, tuple[Optional[int], Optional[int]]]:
@@ -252,7 +245,7 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestPart):
     """``include_usage``: one last chunk with ``choices: []`` and the usage; left out,
     no usage is sent (OpenAI: usage only when asked for).
     ``continuous_usage_stats`` (vLLM): running usage on every chunk (with include_usage)."""
@@ -417,7 +410,7 @@ ChatRole = Union[Literal[OPENAI_ROLES], Annotated[str, Field(pattern=CUSTOM_ROLE
 _CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "tool", "function"})
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(OpenAIRequestPart):
     """One input message: ``content`` is a string, a list of at most MAX_CONTENT_PARTS
     content parts (``{"type": "text", "text": ...}``), or null (assistant messages with
     tool calls). ``tool_calls`` (an assistant's calls) is a list of call objects: a string

@@ -40,7 +40,7 @@ class JsonSchemaResponseFormat(BaseModel):
     """OpenAI's ``response_format.json_schema``; ``schema`` is the JSON schema (pydantic
     keeps it under ``json_schema_`` since ``schema`` is taken by BaseModel)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
     name: Optional[str] = None
     description: Optional[str] = None
@@ -50,9 +50,11 @@ class JsonSchemaResponseFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``type`` text, json_object or json_schema, vLLM's
-    structural_tag; any other type is a 400 (pydantic names ``response_format.type``)."""
+    structural_tag; any other type is a 400 (pydantic names ``response_format.type``).
+    Both models are strict about JSON types, as the request models are
+    (``"strict": "true"`` is a 400, not true)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: Literal["text", "json_object", "json_schema", "json", "structural_tag"]
     json_schema: Optional[JsonSchemaResponseFormat] = None

@@ -21,7 +21,7 @@ from pydantic import Field
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_STOP_STRING_CHARS, \
     MAX_STOP_STRINGS
 from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, JSONFloat, OpenAIBaseModel, \
-    OpenAIRequestModel
+    OpenAIRequestModel, OpenAIRequestPart
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
@@ -32,7 +32,7 @@ MixedInput = Union[str, Annotated[list[Union[Int64, str]], Field(max_length=MAX_
 LLAMA_CPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
 
 
-class ExtraChunk(OpenAIBaseModel):
+class ExtraChunk(OpenAIRequestPart):
     """One ``input_extra`` chunk: a file of the repository (``filename`` defaults to
     llama-server's ``tmp``)."""
 

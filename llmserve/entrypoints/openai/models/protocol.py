@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, computed_field
 
-from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel
+from llmserve.entrypoints.openai.common.protocol import OpenAIBaseModel, OpenAIRequestPart
 
 
 class ModelCard(OpenAIBaseModel):
@@ -59,7 +59,7 @@ class ModelList(OpenAIBaseModel):
         return self.data[-1].id if self.data else None
 
 
-class LoadLoRAAdapterRequest(OpenAIBaseModel):
+class LoadLoRAAdapterRequest(OpenAIRequestPart):
     """Body of ``POST /v1/load_lora_adapter`` (vLLM's): the adapter's served name and its
     PEFT directory or GGUF LoRA file; ``load_inplace``: replace an adapter already loaded
     under that name (new requests use the new weights; running ones finish on the old)."""
@@ -69,7 +69,7 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
     load_inplace: bool = False
 
 
-class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+class UnloadLoRAAdapterRequest(OpenAIRequestPart):
     """Body of ``POST /v1/unload_lora_adapter`` (vLLM's); ``lora_int_id`` is accepted
     for vLLM's clients and, when given, must be the adapter's id."""
 

@@ -22,6 +22,7 @@ from llmserve.entrypoints.openai.common.protocol import (
     Int64,
     JSONFloat,
     OpenAIBaseModel,
+    OpenAIRequestPart,
     REASONING_EFFORTS,
     random_uuid,
 )
@@ -50,7 +51,7 @@ REFUSED_FIELDS = {
 }
 
 
-class ResponseTextFormat(OpenAIBaseModel):
+class ResponseTextFormat(OpenAIRequestPart):
     """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
     ``{"type": "json_schema", "name", "schema", "description", "strict"}`` (flat, unlike
     chat's ``response_format.json_schema``)."""
@@ -62,7 +63,7 @@ class ResponseTextFormat(OpenAIBaseModel):
     strict: Optional[bool] = None
 
 
-class ResponseTextConfig(OpenAIBaseModel):
+class ResponseTextConfig(OpenAIRequestPart):
     """``text``: the output's ``format`` and OpenAI's ``verbosity`` (no effect here)."""
 
     format: Optional[ResponseTextFormat] = None
