@@ -91,6 +91,13 @@ def import_transformers_without_torch() -> bool:
     return not _transformers_sees_torch()
 
 
+def transformers_without_torch() -> bool:
+    """True in a process whose transformers was imported with torch hidden (the API
+    server after :func:`import_transformers_without_torch`); False where transformers is
+    not imported yet or sees torch."""
+    return "transformers" in sys.modules and not _transformers_sees_torch()
+
+
 def _transformers_sees_torch() -> bool:
     from transformers.utils import is_torch_available
 

@@ -118,11 +118,13 @@ def test_server_process_transformers_without_torch_equals_with_torch(tmp_path, m
 
 @pytest.mark.slow  # ~15 s: converts the GGUF metadata and vocabulary afresh; `make test-all`
 def test_cold_gguf_read_without_torch(tmp_path):
-    """A cold start-up cache (a new HOME): transformers refuses to read GGUF metadata
-    without torch unless ``gguf_metadata_reads`` lets it; the config and tokenizer then
-    equal the ones read with torch."""
+    """A cold start-up cache (a new HOME): the server process converts the GGUF metadata
+    in a child process (``startup_cache_fill``), so it never imports torch, and the
+    config and tokenizer equal the ones read with torch."""
     got = _server_side(MODEL, env={"HOME": str(tmp_path)})
     assert got["without_torch"] is True
+    # converted in a child (startup_cache_fill): transformers' GGUF reader imports torch
+    assert got["torch_after_snapshot"] is False
     assert got["snapshot"] == snapshot(MODEL)
     assert os.path.isdir(tmp_path / ".cache" / "llmserve" / "models")  # it was cold: the entry is new
 

@@ -136,6 +136,11 @@ def load_hf_object(gguf_path: str, marker: str, load_cached: Callable[[str], Any
             return load_cached(hf_dir)
         except Exception as e:  # a damaged entry: rebuild it below
             logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", hf_dir, e)
+    if hf_dir is not None and _fill_in_child(gguf_path, os.path.join(hf_dir, marker)):
+        try:
+            return load_cached(hf_dir)
+        except Exception as e:
+            logger.warning("start-up cache %s unreadable (%s); reading the GGUF file", hf_dir, e)
     obj = load_fresh()
     if hf_dir is not None:
         try:
@@ -151,6 +156,29 @@ def load_hf_object(gguf_path: str, marker: str, load_cached: Callable[[str], Any
         except Exception as e:
             logger.warning("cannot write the start-up cache %s: %s", hf_dir, e)
     return obj
+
+
+def _fill_in_child(gguf_path: str, marker_path: str) -> bool:
+    """In a process whose transformers runs without torch (the API server), fill the
+    entry's ``hf/`` in a child (``startup_cache_fill``: transformers' GGUF reader imports
+    torch); True when ``marker_path`` then exists. Elsewhere False at once: the caller
+    converts in process. A failed child is logged and leaves the in-process conversion."""
+    import subprocess
+    import sys
+
+    from llmserve.torch_hiding import transformers_without_torch
+    if not transformers_without_torch():
+        return False
+    cmd = [sys.executable, "-m", "llmserve.model_loader.startup_cache_fill", gguf_path]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("start-up cache: converting %s in a child failed (%s); converting here", gguf_path, e)
+        return False
+    if proc.returncode != 0:
+        logger.warning("start-up cache: converting %s in a child failed (exit %d): %s; converting here",
+                       gguf_path, proc.returncode, proc.stderr.strip()[-2000:])
+    return os.path.isfile(marker_path)
 
 
 def retire_stale_entries(gguf_path: str, entry: str) -> list[str]:
