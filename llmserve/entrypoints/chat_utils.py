@@ -66,9 +66,11 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
     """Turn request messages (pydantic ChatMessageParam or dicts) into the plain dicts a
     chat template expects: ``{"role": str, "content": str, ...extra fields}``.
 
-    Roles other than OpenAI's (system, developer, user, assistant, tool) pass through to
-    the chat template as they are, as vLLM does: templates that know a custom role (e.g.
-    "ipython", "document") render it, and one that does not raises, which is a 400.
+    Roles other than OpenAI's (system, developer, user, assistant, tool, function) pass
+    through to the chat template as they are, as vLLM does: templates that know a custom
+    role (e.g. "ipython", "document") render it, and one that does not raises, which is a
+    400. Only the offline LLM.chat sends them: the server's request messages
+    (ChatMessageParam) take OpenAI's roles only.
     Raises SamplingParamsError (param "messages") for unsupported content parts or a
     role that is not a string.
     """

@@ -227,8 +227,7 @@ def test_openapi_documents_400_not_422_and_the_role_set(app_and_engine):  # noqa
     health = doc["paths"]["/health"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert health["$ref"].endswith("/HealthResponse")
     role = doc["components"]["schemas"]["ChatMessageParam"]["properties"]["role"]
-    enums = [s.get("enum") for s in role["anyOf"] if "enum" in s]
-    assert enums and {"system", "user", "assistant", "tool"} <= set(enums[0])
+    assert set(role["enum"]) == {"system", "developer", "user", "assistant", "tool", "function"}, role
     stop = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["stop"]
     assert f'"maxItems": {limits.MAX_STOP_STRINGS}' in __import__("json").dumps(stop)
     chat_ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]

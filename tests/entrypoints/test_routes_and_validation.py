@@ -210,8 +210,8 @@ def test_a_body_that_is_not_utf8_is_told_so(app_and_engine):  # noqa: F811
 
 def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # noqa: F811
     """Fresh-user trial: each of these was a 200 (an unknown effort passed on, a string of
-    tool calls dropped, ``true`` read as 1). An integral number is an integer (``2.0``, as
-    vLLM reads it) and a custom role reaches the template, as in vLLM."""
+    tool calls dropped, ``true`` read as 1, a role that is not OpenAI's rendered as vLLM's
+    custom roles are). An integral number is an integer (``2.0``, as vLLM reads it)."""
     client, engine = app_and_engine()
     cases = [  # (route, changes to the route's body, param, message)
         ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort",
@@ -227,6 +227,10 @@ def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # 
         ("/v1/completions", {"logprobs": True}, "logprobs", "logprobs: must be an integer, not a boolean"),
         ("/v1/responses", {"max_output_tokens": True}, "max_output_tokens", None),
         ("/v1/embeddings", {"dimensions": True}, "dimensions", None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]},
+         "messages.1.role", "messages.1.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'"),
+        ("/v1/chat/completions", {"messages": [{"role": "ipython", "content": "42"}]}, "messages.0.role",
+         "messages.0.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'"),
     ]
     for route, changes, param, message in cases:
         r = client.post(route, json={**ROUTE_MODELS[route][1], **changes})
@@ -235,13 +239,13 @@ def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # 
         assert got_param == param and got_message == (message or f"{param}: must be an integer, not a boolean"), \
             (changes, got_message, got_param)
     assert engine.prompts == []
-    for changes in ({"reasoning_effort": "xhigh"}, {"max_tokens": 2.0},
-                    {"messages": [{"role": "wizard", "content": "abracadabra"}]}):
+    roles = [{"role": r, "content": r} for r in ("system", "developer", "user", "assistant", "function")]
+    for changes in ({"reasoning_effort": "xhigh"}, {"max_tokens": 2.0}, {"messages": roles}):
         engine.outputs = [_output("Hi", "stop")]
         r = client.post("/v1/chat/completions", json={**CHAT, **changes})
         assert r.status_code == 200, (changes, r.text)
     assert engine.params[1].max_tokens == 2
-    assert "<|im_start|>wizard\nabracadabra" in engine.prompts[2]["prompt"]
+    assert "<|im_start|>function\nfunction<|im_end|>" in engine.prompts[2]["prompt"]
 
 
 def test_a_value_of_the_wrong_json_type_is_a_400_naming_it_on_every_route(app_and_engine):  # noqa: F811

@@ -398,13 +398,13 @@ def check_max_logprobs(value: Optional[int], param: str) -> None:
         raise SamplingParamsError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param)
 
 
-# OpenAI's message roles. Others pass to the chat template as they are (vLLM's custom
-# roles: "ipython", "document"...), so the schema says "one of these, or any string";
-# a custom role must be a plain name (CUSTOM_ROLE_PATTERN), so "" and text that would
-# write template markup ("user<|im_end|>...") are refused.
+# OpenAI's message roles, the only ones a request message takes: another is a 400 naming
+# ``messages.N.role``, as OpenAI answers (a fresh-user trial got a 200 for "bogus", which
+# vLLM passes to the template as a custom role). The Anthropic and Ollama doors build
+# their chat messages with these roles; the offline LLM.chat still passes any role to
+# the template (chat_utils.parse_chat_messages).
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-CUSTOM_ROLE_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,31}$"
-ChatRole = Union[Literal[OPENAI_ROLES], Annotated[str, Field(pattern=CUSTOM_ROLE_PATTERN)]]
+ChatRole = Literal[OPENAI_ROLES]
 # Roles whose message may have no content: an assistant turn of tool calls only, and
 # tool/function results (vLLM renders a missing content as empty).
 _CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "tool", "function"})
