@@ -192,6 +192,29 @@ def test_a_boolean_max_tokens_is_refused_not_read_as_one_token():
     assert _request([ASK], max_tokens=7).max_tokens == 7
 
 
+def test_a_value_of_the_wrong_json_type_is_refused_not_coerced():
+    """Fresh-user trial of the OpenAI routes, checked here too: ``"max_tokens": "5"`` and
+    ``"temperature": "0.5"`` were read as numbers (pydantic's lax mode), and
+    ``tool_choice.disable_parallel_tool_use: "true"`` was silently read as false (only
+    ``true`` counted); Anthropic answers each with a 400 naming the field."""
+    import pydantic
+
+    for fields, name in (({"max_tokens": "5"}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
+                         ({"top_k": 5.5}, "top_k"), ({"stream": 1}, "stream")):
+        with pytest.raises(pydantic.ValidationError) as e:
+            _request([ASK], **fields)
+        assert e.value.errors()[0]["loc"] == (name,) and e.value.errors()[0]["type"].endswith("_type"), e.value
+    for value in ("true", 1):
+        with pytest.raises(SamplingParamsError) as e:
+            to_chat_request(_request([ASK], tool_choice={"type": "auto", "disable_parallel_tool_use": value}),
+                            auto_tools=True)
+        assert e.value.param == "tool_choice.disable_parallel_tool_use" and "must be a boolean" in str(e.value)
+    chat = to_chat_request(_request([ASK], temperature=1, tool_choice={"type": "none",
+                                                                       "disable_parallel_tool_use": True}),
+                           auto_tools=True)
+    assert chat.temperature == 1.0
+
+
 def test_tool_use_ids_take_anthropics_form_and_come_back_through_the_checks():
     """tool_use ids were the chat path's ``chatcmpl-tool-<hex>``; Anthropic's are
     ``toolu_01`` + 22 base-62 characters. The same call id gives the same block id (stream

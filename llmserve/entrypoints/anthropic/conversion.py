@@ -49,6 +49,7 @@ from llmserve.entrypoints.anthropic.accepted_fields import check_accepted_fields
 from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_tools, check_stop_sequences,
                                                    check_system_messages, check_texts, check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from llmserve.entrypoints.chat_utils import json_type_name
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
 from llmserve.entrypoints.openai.common.protocol import StreamOptions
@@ -263,11 +264,17 @@ def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, 
 def chat_tool_choice(choice: Optional[dict[str, Any]], has_tools: bool,
                      auto_tools: bool) -> tuple[Optional[Any], Optional[bool]]:
     """``(tool_choice, parallel_tool_calls)`` of the chat request. auto_tools: whether
-    the server parses tool calls on its own (``--enable-auto-tool-choice``)."""
+    the server parses tool calls on its own (``--enable-auto-tool-choice``). Raises
+    SamplingParamsError naming the field: ``disable_parallel_tool_use`` takes a JSON
+    boolean only, as Anthropic checks it (``"true"`` or 1 was silently read as false)."""
     if choice is None:
         return (("auto" if auto_tools else "none") if has_tools else None), None
     kind = choice.get("type")
-    parallel = False if choice.get("disable_parallel_tool_use") is True else None
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise SamplingParamsError(f"tool_choice.disable_parallel_tool_use: must be a boolean, not "
+                                  f"{json_type_name(disable)}", "tool_choice.disable_parallel_tool_use")
+    parallel = False if disable is True else None
     if kind == "auto":
         return "auto", parallel
     if kind == "any":
