@@ -105,13 +105,21 @@ def _postprocess_assistant(msg: dict[str, Any], index: int) -> None:
 
 
 def _template_tool_call(call: Any, index: int, j: int) -> Any:
-    """Call ``j`` of message ``index`` with its ``arguments`` as a dict. Raises
-    SamplingParamsError naming ``messages.<index>.tool_calls.<j>.function[.arguments]``."""
+    """Call ``j`` of message ``index`` with its ``arguments`` as a dict. Its ``id`` and
+    ``function.name`` are strings when given, ``arguments`` JSON text or an object (OpenAI
+    takes text; a number was passed to the template as it was). Raises
+    SamplingParamsError naming ``messages.<index>.tool_calls.<j>.<field>``."""
     call_at = f"messages.{index}.tool_calls.{j}"
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise SamplingParamsError(f"{call_at}: each call needs a 'function' object.", f"{call_at}.function")
     fn = dict(call["function"])
     args = fn.get("arguments")
+    for where, value, ok in ((f"{call_at}.id", call.get("id"), (str,)),
+                             (f"{call_at}.function.name", fn.get("name"), (str,)),
+                             (f"{call_at}.function.arguments", args, (str, dict))):
+        if value is not None and not isinstance(value, ok):
+            kind = "a string" if ok == (str,) else "a string (JSON text) or an object"
+            raise SamplingParamsError(f"{where}: must be {kind}, not {json_type_name(value)}.", where)
     if not args:
         fn["arguments"] = {}
     elif isinstance(args, str):
