@@ -67,10 +67,9 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
     chat template expects: ``{"role": str, "content": str, ...extra fields}``.
 
     Roles other than OpenAI's (system, developer, user, assistant, tool, function) pass
-    through to the chat template as they are, as vLLM does: templates that know a custom
-    role (e.g. "ipython", "document") render it, and one that does not raises, which is a
-    400. Only the offline LLM.chat sends them: the server's request messages
-    (ChatMessageParam) take OpenAI's roles only.
+    through to the chat template as they are, as vLLM does (templates that know a custom
+    role, e.g. "ipython", "document", render it); the server first refuses those its
+    template does not name (:func:`check_custom_roles`).
     Raises SamplingParamsError (param "messages") for unsupported content parts or a
     role that is not a string.
     """
@@ -85,6 +84,27 @@ def parse_chat_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
             _postprocess_assistant(d, i)
         out.append(d)
     return out
+
+
+def check_custom_roles(messages: Iterable[Any], template: Any) -> None:
+    """Refuse a message whose role is not one of OpenAI's and that ``template`` (the Jinja
+    source that will render the request: a string, a dict of named templates or None)
+    never names as a quoted string. vLLM hands any role to the template, which renders a
+    role it knows (Llama 3.1's ``message.role == "ipython"``) and often prints an unknown
+    one as it is (``<|im_start|>bogus``), where OpenAI answers 400. Raises
+    SamplingParamsError naming ``messages.N.role``."""
+    from llmserve.entrypoints.openai.common.protocol import OPENAI_ROLES
+    sources = template.values() if isinstance(template, dict) else [template or ""]
+    source = "\n".join(t for t in sources if isinstance(t, str))
+    for i, msg in enumerate(messages):
+        role = getattr(msg, "role", None) if not isinstance(msg, dict) else msg.get("role")
+        if not isinstance(role, str) or role in OPENAI_ROLES:
+            continue
+        if f'"{role}"' not in source and f"'{role}'" not in source:
+            raise SamplingParamsError(
+                f"messages.{i}.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', "
+                f"or a custom role the model's chat template names (it names no '{role}').",
+                f"messages.{i}.role")
 
 
 def _postprocess_assistant(msg: dict[str, Any], index: int) -> None:

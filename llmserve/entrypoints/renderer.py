@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 from llmserve.engine.pooling_inputs import truncate_pair_ids, truncate_text_ids
-from llmserve.entrypoints.chat_utils import apply_chat_template, conversation_for_template
+from llmserve.entrypoints.chat_utils import apply_chat_template, check_custom_roles, conversation_for_template
 from llmserve.entrypoints.template_sandbox import RequestTemplateConfig, TemplateSandbox
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.tokenizer import check_encodable, resolve_chat_template
@@ -88,9 +88,11 @@ class Renderer:
         Raises SamplingParamsError (400) for unsupported content parts or roles, a
         template error, or both ``add_generation_prompt`` and ``continue_final_message``.
         """
+        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
+        messages = list(messages)
+        check_custom_roles(messages, template or getattr(self.tokenizer, "chat_template", None))
         conversation = self.conversation(messages, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, check_length=check_length)
-        template = resolve_chat_template(chat_template) if chat_template else self.chat_template
         return apply_chat_template(
             self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template=template,
@@ -229,6 +231,8 @@ class AsyncRenderer:
         add_generation_prompt = kwargs.get("add_generation_prompt", True)
         continue_final_message = kwargs.get("continue_final_message", False)
         check_length = kwargs.get("check_length", True)
+        messages = list(messages)
+        check_custom_roles(messages, template)
         conversation = await self._run(self.renderer.conversation, messages, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, check_length=check_length)
         sandbox: Any = self._sandbox  # made in __init__ when trusted, and _request_template checked that

@@ -61,7 +61,8 @@ def test_chat_message_role_must_be_one_of_openais(app_and_engine, message):  # n
         assert r.status_code == 400 and err["param"].startswith("messages.1"), err  # the message's own field
         assert err["message"].startswith(err["param"] + ": "), err
     assert engine.prompts == []
-    # OpenAI's roles still pass; vLLM's custom ones ("ipython") are refused, as OpenAI refuses them
+    # OpenAI's roles still pass; a custom one ("ipython") only where the chat template names it
+    # (SmolLM2's does not: test_custom_role_renders_where_the_template_names_it)
     ok = [{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant", "function")]
     r = client.post("/tokenize", json={"model": "m", "messages": ok + [{"role": "assistant", "content": None}]})
     assert r.status_code == 200, r.text
@@ -164,3 +165,23 @@ def test_a_render_queued_for_a_client_that_left_never_runs():
         pool.shutdown()
     asyncio.run(main())
     assert ran == ["slow"]
+
+
+# Llama 3.1's way of naming its tool-result role (vLLM passes custom roles to the template).
+_IPYTHON_TEMPLATE = ("{% for m in messages %}{% if m.role == \"ipython\" %}<tool>{{ m.content }}</tool>"
+                     "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+
+
+def test_custom_role_renders_where_the_template_names_it(smol_tokenizer):
+    """vLLM's custom roles render when the chat template that renders the request names
+    them (Llama 3.1's "ipython"); a role no template names is a 400 naming the message's
+    role, also where the template would print it as it is (SmolLM2's prints any role)."""
+    from llmserve.entrypoints.renderer import Renderer
+    from llmserve.sampling_params import SamplingParamsError
+    msgs = [{"role": "user", "content": "sum?"}, {"role": "ipython", "content": "42"}]
+    text = Renderer(smol_tokenizer, _IPYTHON_TEMPLATE).render_messages(msgs, add_generation_prompt=False)
+    assert text == "<user>sum?<tool>42</tool>"
+    for renderer, role in ((Renderer(smol_tokenizer, _IPYTHON_TEMPLATE), "wizard"), (Renderer(smol_tokenizer), "ipython")):
+        with pytest.raises(SamplingParamsError) as e:
+            renderer.render_messages([msgs[0], {"role": role, "content": "x"}])
+        assert e.value.param == "messages.1.role" and f"names no '{role}'" in str(e.value)

@@ -228,9 +228,11 @@ def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # 
         ("/v1/responses", {"max_output_tokens": True}, "max_output_tokens", None),
         ("/v1/embeddings", {"dimensions": True}, "dimensions", None),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]},
-         "messages.1.role", "messages.1.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'"),
+         "messages.1.role", "messages.1.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', "
+         "or a custom role the model's chat template names (it names no 'wizard')."),
         ("/v1/chat/completions", {"messages": [{"role": "ipython", "content": "42"}]}, "messages.0.role",
-         "messages.0.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'"),
+         "messages.0.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', "
+         "or a custom role the model's chat template names (it names no 'ipython')."),
     ]
     for route, changes, param, message in cases:
         r = client.post(route, json={**ROUTE_MODELS[route][1], **changes})

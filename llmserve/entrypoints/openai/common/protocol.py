@@ -398,13 +398,16 @@ def check_max_logprobs(value: Optional[int], param: str) -> None:
         raise SamplingParamsError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param)
 
 
-# OpenAI's message roles, the only ones a request message takes: another is a 400 naming
-# ``messages.N.role``, as OpenAI answers (a fresh-user trial got a 200 for "bogus", which
-# vLLM passes to the template as a custom role). The Anthropic and Ollama doors build
-# their chat messages with these roles; the offline LLM.chat still passes any role to
-# the template (chat_utils.parse_chat_messages).
+# OpenAI's message roles. Another role passes the schema only as a plain name
+# (CUSTOM_ROLE_PATTERN: "" and text that would write template markup, "user<|im_end|>...",
+# are refused here) and is then checked against the chat template that renders the
+# request (chat_utils.check_custom_roles): a role the template names (vLLM's custom roles:
+# Llama 3.1's "ipython", Granite's "document") renders, as in vLLM; any other is a 400
+# naming messages.N.role, as OpenAI answers (a fresh-user trial got a 200 for "bogus",
+# which templates that print any role rendered).
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-ChatRole = Literal[OPENAI_ROLES]
+CUSTOM_ROLE_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,31}$"
+ChatRole = Union[Literal[OPENAI_ROLES], Annotated[str, Field(pattern=CUSTOM_ROLE_PATTERN)]]
 # Roles whose message may have no content: an assistant turn of tool calls only, and
 # tool/function results (vLLM renders a missing content as empty).
 _CONTENT_OPTIONAL_ROLES = frozenset({"assistant", "tool", "function"})
