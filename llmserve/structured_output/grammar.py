@@ -42,7 +42,10 @@ def grammar_key(params: StructuredOutputsParams, any_whitespace: bool = True) ->
         from llmserve.json_limits import check_json_depth
 
         check_json_depth(schema, "structured_outputs")
-        return "json", json.dumps(schema, sort_keys=True), any_ws
+        # Not sort_keys: the schema's property order is the order the output must follow
+        # (xgrammar and OpenAI emit properties in schema order; "reasoning before answer"
+        # schemas rely on it). Sorted, {"zeta", "alpha"} came out as {"alpha": ..., "zeta": ...}.
+        return "json", json.dumps(schema), any_ws
     if params.json_object:
         return "json_object", "", any_ws
     if params.regex is not None:

@@ -74,3 +74,21 @@ def test_malformed_constraint_refused_before_running(llm_fp32, so):
     with pytest.raises(SamplingParamsError) as e:
         llm_fp32.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
     assert e.value.param == "structured_outputs"
+
+
+def test_properties_come_in_the_schemas_order(llm_fp32):
+    """Fresh-user trial: the grammar was built from the schema with its keys sorted, so
+    {"zeta", "alpha", "mid"} came out as {"alpha": .., "mid": .., "zeta": ..} on every
+    route. OpenAI and xgrammar emit properties in the schema's order."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from llmserve.structured_output.grammar import build_grammar, grammar_key
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha", "mid"],
+              "properties": {"zeta": {"type": "string", "maxLength": 8}, "alpha": {"type": "integer"},
+                             "mid": {"type": "boolean"}}}
+    grammar = build_grammar(grammar_key(SO(json=schema)))
+    assert _is_grammar_accept_string(grammar, '{"zeta": "a", "alpha": 1, "mid": true}')
+    assert not _is_grammar_accept_string(grammar, '{"alpha": 1, "mid": true, "zeta": "a"}')
+    out = llm_fp32.generate(["JSON please: "], SamplingParams(temperature=0, max_tokens=60,
+                                                            structured_outputs=SO(json=schema)), use_tqdm=False)
+    assert list(json.loads(out[0].outputs[0].text)) == ["zeta", "alpha", "mid"]
