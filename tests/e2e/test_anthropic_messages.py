@@ -192,3 +192,19 @@ def test_a_plain_text_document_counts_as_its_text(client):
     as_text = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
         {"type": "text", "text": "Facts\nThe grass is green.\nWhat colour is the grass?"}]}])
     assert as_doc.input_tokens == as_text.input_tokens > 10
+
+
+def test_a_final_assistant_message_is_continued_here_and_on_ollamas_chat(client, server):
+    """Fresh-user trial: a prefill ("The capital of France is") was answered in a new turn
+    that repeated it. Anthropic's Messages API and Ollama's /api/chat continue it: the reply
+    is the continuation only, and the same on both routes (greedy, same prompt)."""
+    messages = [{"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    msg = client.messages.create(model=MODEL, max_tokens=6, messages=messages, extra_body=GREEDY)
+    text = msg.content[0].text
+    assert "Paris" in text and not text.lstrip().startswith("The capital"), text
+    ollama = server.post("/api/chat", {"model": MODEL, "messages": messages, "stream": False,
+                                       "options": {"temperature": 0, "num_predict": 6}}).json()
+    assert ollama["message"]["content"] == text, ollama
+    counted = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == counted

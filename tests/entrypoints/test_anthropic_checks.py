@@ -2,7 +2,10 @@
 ``thinking`` (type, display, budget_tokens against max_tokens) and the pairing of
 ``tool_use`` / ``tool_result`` blocks between turns. Each fault is a SamplingParamsError
 (400) whose ``param`` is the Anthropic path of the field; each valid shape passes."""
+import json
+
 import pytest
+from test_app import _output, app_and_engine  # noqa: F401  (fixture)
 
 from llmserve.entrypoints.anthropic.checks import check_thinking, check_tool_turns
 from llmserve.entrypoints.anthropic.conversion import to_chat_request
@@ -299,3 +302,59 @@ def test_thinking_with_a_forced_tool_choice_is_anthropics_400():
                 assert param == "tool_choice" and words.startswith("Thinking may not be enabled"), words
             else:
                 to_chat_request(request, auto_tools=True)
+
+
+PREFILL = [{"role": "user", "content": "Capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]
+OPEN_PREFILL = "<|im_start|>assistant\nThe capital of France is"
+
+
+def test_a_final_assistant_message_is_continued_not_answered(app_and_engine):  # noqa: F811
+    """Fresh-user trial: a final assistant message (Anthropic's prefill) was closed and a
+    new assistant turn opened, so the answer repeated it ("The capital of France is
+    Paris."). Now the prompt ends with the prefill left open (one assistant header, no
+    <|im_end|> after it), the message and the stream carry only the continuation, and
+    input_tokens and count_tokens count that prompt. A text block after a thinking block
+    is a prefill too; an empty final assistant message opens the turn; a final tool_use
+    turn is not continued; with thinking on a prefill is a 400 naming the message."""
+    client, engine = app_and_engine()
+    body = {"model": "m", "max_tokens": 5, "messages": PREFILL}
+    engine.outputs = [_output(" Paris.", "stop")]
+    r = client.post("/v1/messages", json=body)
+    prompt = engine.prompts[-1]["prompt"]
+    assert r.status_code == 200 and prompt.endswith(OPEN_PREFILL) and prompt.count("<|im_start|>assistant") == 1, prompt
+    assert r.json()["content"] == [{"type": "text", "text": " Paris."}] and r.json()["stop_reason"] == "end_turn"
+    n_prompt = len(engine.prompts[-1]["prompt_token_ids"])
+    assert r.json()["usage"]["input_tokens"] == n_prompt
+    assert client.post("/v1/messages/count_tokens", json={"model": "m", "messages": PREFILL}).json() == {
+        "input_tokens": n_prompt}
+    events = []
+    with client.stream("POST", "/v1/messages", json={**body, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert engine.prompts[-1]["prompt"] == prompt
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == " Paris."
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == ["end_turn"]
+    blocks = {"role": "assistant", "content": [{"type": "thinking", "thinking": "France.", "signature": ""},
+                                                {"type": "text", "text": "The capital of France is"}]}
+    assert client.post("/v1/messages", json={**body, "messages": [PREFILL[0], blocks]}).status_code == 200
+    assert engine.prompts[-1]["prompt"] == prompt
+    for empty in ("", []):  # prefills nothing: the answer opens the assistant's turn
+        client.post("/v1/messages", json={**body, "messages": [PREFILL[0], {"role": "assistant", "content": empty}]})
+        opened = engine.prompts[-1]["prompt"]
+        assert opened.endswith("Capital of France?<|im_end|>\n<|im_start|>assistant\n"), opened
+    tool_turn = {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, {
+        "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}
+    client.post("/v1/messages", json={**body, "messages": [PREFILL[0], tool_turn]})
+    assert engine.prompts[-1]["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")
+    sent = len(engine.prompts)
+    r = client.post("/v1/messages", json={**body, "max_tokens": 2048,
+                                          "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith("messages.1: a final assistant message (a prefill)")
+    assert len(engine.prompts) == sent
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(_request(PREFILL, thinking={"type": "adaptive"}), auto_tools=False)
+    assert e.value.param == "messages.1"
+    for fine in ({"type": "disabled"}, None):
+        assert to_chat_request(_request(PREFILL, thinking=fine), auto_tools=False).continue_final_message
+    to_chat_request(_request([PREFILL[0], tool_turn], thinking={"type": "adaptive"}), auto_tools=False)

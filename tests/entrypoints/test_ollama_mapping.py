@@ -508,3 +508,31 @@ def test_model_management_routes_answer_as_ollama_for_served_and_unknown_models(
         want = (200, {"status": "success"}) if error is None else (400, {"error": error})
         assert (r.status_code, r.json()) == want, (route, body, r.text)
     assert engine.prompts == []
+
+
+def test_a_final_assistant_message_is_continued_as_ollama_continues_it(app_and_engine):  # noqa: F811
+    """Fresh-user trial: /api/chat closed a final assistant message and opened a new turn,
+    so the answer repeated it. Ollama's templates leave the last assistant message open and
+    the model continues it: the prompt ends with the text unclosed (one assistant header),
+    the reply (whole or streamed) is the continuation only; with tools and no parser the
+    continuation is text (tool choice "none", not a forced call). An empty final assistant
+    message opens the turn; /api/generate is unaffected."""
+    client, engine = app_and_engine()
+    ask = {"role": "user", "content": "Capital of France?"}
+    messages = [ask, {"role": "assistant", "content": "The capital of France is"}]
+    for stream in (False, True):
+        engine.outputs = [_output(" Paris.", "stop")]
+        r = client.post("/api/chat", json={"model": "m", "stream": stream, "messages": messages})
+        lines = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+        assert r.status_code == 200 and "".join(x["message"]["content"] for x in lines) == " Paris.", r.text
+        prompt = engine.prompts[-1]["prompt"]
+        assert prompt.endswith("Capital of France?<|im_end|>\n<|im_start|>assistant\nThe capital of France is"), prompt
+        assert prompt.count("<|im_start|>assistant") == 1
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = client.post("/api/chat", json={"model": "m", "stream": False, "messages": messages, "tools": tools})
+    assert r.status_code == 200 and r.headers["X-Llmserve-Tool-Choice"] == "none", r.text
+    client.post("/api/chat", json={"model": "m", "stream": False,
+                                   "messages": [ask, {"role": "assistant", "content": ""}]})
+    assert engine.prompts[-1]["prompt"].endswith("Capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    client.post("/api/generate", json={"model": "m", "stream": False, "prompt": "The capital of France is"})
+    assert engine.prompts[-1]["prompt"].endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n")

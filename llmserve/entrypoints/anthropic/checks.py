@@ -35,7 +35,11 @@ the same answer here, naming the field):
   non-whitespace text where it is text ("text content blocks must contain non-whitespace
   text"), whether given as a string or as text blocks.
 - A final assistant message (a prefill) does not end with whitespace ("final assistant
-  content cannot end with trailing whitespace").
+  content cannot end with trailing whitespace"). With thinking on (any ``thinking.type``
+  but ``disabled``), a final assistant message with text and no ``tool_use`` block is
+  refused: Anthropic's extended thinking does not take a prefill (its docs; its API wants
+  a final assistant message to start with a thinking block then), and here the
+  continuation would skip the reasoning the client asked for.
 - ``stop_sequences``: no empty string (it would stop before the first token).
 - Text: every string of the request (message contents, text blocks, ``system``, tool
   inputs, schemas, descriptions...) is valid Unicode; JSON's ``"\\ud800"`` escape gives a
@@ -253,6 +257,26 @@ def check_contents(messages: Sequence[Any]) -> None:
                 at = f"messages.{i}.content.{j}.text"
                 what = "be non-empty" if text == "" else "contain non-whitespace text"
                 raise SamplingParamsError(f"{at}: text content blocks must {what}.", at)
+
+
+def check_prefill(messages: Sequence[Any], thinking: Optional[dict[str, Any]]) -> None:
+    """No prefill with thinking on (module docstring): raises SamplingParamsError naming
+    ``messages.<i>``, the final message, when ``thinking`` is on and the final message
+    (AnthropicMessageParam) is the assistant's with text and no ``tool_use`` block. A
+    final assistant message with tool_use blocks is a tool turn, not a prefill. Runs after
+    check_thinking and the block mapping (every block an object with a string type)."""
+    if thinking is None or thinking.get("type") == "disabled" or not messages or messages[-1].role != "assistant":
+        return
+    content = messages[-1].content
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if any(b.get("type") == "tool_use" for b in blocks) or not any(b.get("type") == "text" and b.get("text")
+                                                                   for b in blocks):
+        return
+    at = f"messages.{len(messages) - 1}"
+    raise SamplingParamsError(f"{at}: a final assistant message (a prefill) cannot be continued with thinking "
+                              f"enabled (thinking type {json.dumps(thinking.get('type'))}): extended thinking does "
+                              "not support prefilling the reply. Disable thinking, or end the conversation with a "
+                              "user message.", at)
 
 
 def _final_text(content: Any) -> str:

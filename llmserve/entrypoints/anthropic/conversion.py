@@ -37,6 +37,9 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
 - ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> a JSON-schema
   ``response_format`` (structured outputs); ``output_config.effort`` is ignored (no
   effort switch on a local model).
+- A final assistant message with text (no ``tool_use``) is a prefill: rendered open
+  (the chat path's ``continue_final_message``), the answer is its continuation only;
+  an empty one is dropped (the answer opens the turn). Not with thinking on (``checks.py``).
 - ``stop_sequences`` -> ``stop``; ``temperature``, ``top_p``, ``top_k`` as they are
   (Anthropic's SDK 2.x no longer has them as arguments; they still travel in the body).
 """
@@ -46,9 +49,11 @@ import json
 from typing import Any, Optional
 
 from llmserve.entrypoints.anthropic.accepted_fields import check_accepted_fields
-from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_tools, check_stop_sequences,
-                                                   check_system_messages, check_texts, check_thinking, check_tool_turns)
+from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_tools, check_prefill,
+                                                   check_stop_sequences, check_system_messages, check_texts,
+                                                   check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from llmserve.entrypoints.assistant_prefill import continuation_fields
 from llmserve.entrypoints.chat_utils import json_type_name
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
@@ -314,8 +319,10 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
                     max_tokens: Optional[int] = None) -> ChatCompletionRequest:
     """The common chat request of a messages (or count_tokens) request. max_tokens: the
     (clamped) output budget. A stream asks for usage on every chunk (Anthropic's
-    ``message_start`` carries the input tokens). Raises SamplingParamsError naming the
-    Anthropic field."""
+    ``message_start`` carries the input tokens). A final assistant message with text is
+    a prefill: the template leaves it open and the answer continues it
+    (``assistant_prefill.continuation_fields``), as Anthropic continues one. Raises
+    SamplingParamsError naming the Anthropic field."""
     check_texts(request)
     check_accepted_fields(request)
     messages = chat_messages(request)
@@ -324,11 +331,13 @@ def to_chat_request(request: AnthropicCountTokensRequest, *, auto_tools: bool,
     check_tool_turns(request.messages)
     check_thinking(request.thinking, request.max_tokens if isinstance(request, AnthropicMessagesRequest) else None)
     check_forced_tools(request.thinking, request.tool_choice)
+    check_prefill(request.messages, request.thinking)
     check_stop_sequences(getattr(request, "stop_sequences", None))
     tools = chat_tools(request)
     choice, parallel = chat_tool_choice(request.tool_choice, bool(tools), auto_tools)
     fields: dict[str, Any] = dict(model=request.model, messages=messages, tools=tools,
-                                  tool_choice=choice, chat_template_kwargs=thinking_kwargs(request.thinking))
+                                  tool_choice=choice, chat_template_kwargs=thinking_kwargs(request.thinking),
+                                  **continuation_fields(messages))
     if parallel is not None:
         fields["parallel_tool_calls"] = parallel
     if isinstance(request, AnthropicMessagesRequest):

@@ -7,6 +7,9 @@ OpenAI routes use, through its ``wire=False`` seam; only the wire format is Olla
   ``tool_calls`` arguments as objects, ``tool`` messages with ``tool_name``), ``tools``,
   ``options`` (``options.py``), ``format`` (structured outputs), ``think`` (the chat
   template's ``enable_thinking``; needs ``--reasoning-parser`` to be split out).
+  A final assistant message with text is continued, not answered: the template leaves
+  it open (the chat path's ``continue_final_message``; Ollama's templates render the
+  last assistant message unclosed) and the reply holds only the new text.
 - ``/api/generate`` -> the chat handler with ``system`` + ``prompt`` as one user turn
   (Ollama applies the model's template), or, with ``raw`` or ``suffix``, the
   completion handler (the prompt as it is; ``suffix`` is the completions' fill-in-the-
@@ -19,8 +22,9 @@ Tools: Ollama lets the model decide whether to call one (OpenAI's ``tool_choice:
 "auto"``). With ``--enable-auto-tool-choice --tool-call-parser`` that is what happens.
 Without a parser the server cannot tell a call from text, so a turn that ends with the
 user's message must call one of the tools (``"required"``: the call is enforced by
-structured outputs), and a turn that ends with tool results answers in text (tools
-still shown to the template); the response header ``X-Llmserve-Tool-Choice`` says which.
+structured outputs), and a turn that ends with tool results or continues the
+assistant's own text answers in text (tools still shown to the template); the response
+header ``X-Llmserve-Tool-Choice`` says which.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import json
 from types import SimpleNamespace
 from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 
+from llmserve.entrypoints.assistant_prefill import continuation_fields
 from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, over_context, truncating
 from llmserve.entrypoints.ollama.names import resolve
 from llmserve.entrypoints.ollama.options import (build_request, context_size, in_ollama_terms, sampling_fields,
@@ -94,10 +99,10 @@ def openai_message(m: OllamaMessage, i: int) -> dict[str, Any]:
     return out
 
 
-def _tool_choice(chat: Any, messages: list[dict[str, Any]]) -> str:
+def _tool_choice(chat: Any, messages: list[dict[str, Any]], prefill: bool) -> str:
     if chat.enable_auto_tools and chat.tool_parser_cls is not None:
         return "auto"
-    return "none" if messages and messages[-1]["role"] == "tool" else "required"
+    return "none" if prefill or (messages and messages[-1]["role"] == "tool") else "required"
 
 
 def _think_fields(think: Any, chat: Any) -> dict[str, Any]:
@@ -139,12 +144,15 @@ def _common_fields(req: Any, name: str, completion: bool = False) -> dict[str, A
 
 
 def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatCompletionRequest, Optional[str]]:
-    """The common request of ``/api/chat`` and the tool choice it took (None: no tools)."""
+    """The common request of ``/api/chat`` and the tool choice it took (None: no tools).
+    A final assistant message with text is continued (Ollama's templates leave it open):
+    ``assistant_prefill.continuation_fields``."""
     messages = [openai_message(m, i) for i, m in enumerate(req.messages)]
-    fields = {**_common_fields(req, name), "messages": messages, **_think_fields(req.think, chat)}
+    prefill = continuation_fields(messages)
+    fields = {**_common_fields(req, name), "messages": messages, **_think_fields(req.think, chat), **prefill}
     choice = None
     if req.tools:
-        choice = _tool_choice(chat, messages)
+        choice = _tool_choice(chat, messages, bool(prefill))
         fields.update(tools=req.tools, tool_choice=choice)
     return build_request(ChatCompletionRequest, **fields), choice
 
