@@ -124,22 +124,47 @@ def _postprocess_assistant(msg: dict[str, Any], index: int) -> None:
         msg["reasoning"] = msg["reasoning_content"] = reasoning
 
 
+def check_json_types(obj: dict[str, Any], fields: dict[str, tuple[type, ...]], where: str) -> None:
+    """Each of ``fields`` (key -> the Python types of its JSON types: ``(str,)``,
+    ``(bool,)``, ``(dict,)``, ``(list,)``, ``(int, float)``...) that ``obj`` holds and is
+    not null has one of them (a boolean is no number). For the nested objects a request
+    keeps as plain JSON (chat's tool_calls history, Anthropic's content blocks, Responses'
+    input items) and reads by hand, outside the strict request models. Raises
+    SamplingParamsError naming ``<where>.<key>`` and the JSON types, never the value:
+    "messages.1.tool_calls.0.id: must be a string, not a number."."""
+    for key, types in fields.items():
+        value = obj.get(key)
+        if value is None:
+            continue
+        if isinstance(value, types) and not (isinstance(value, bool) and bool not in types):
+            continue
+        nouns = list(dict.fromkeys(json_type_name(kind()) for kind in types))  # in the order given
+        at = f"{where}.{key}"
+        raise SamplingParamsError(f"{at}: must be {' or '.join(nouns)}, not {json_type_name(value)}.", at)
+
+
+_TOOL_CALL_TYPES = {"id": (str,), "type": (str,)}
+
+
 def _template_tool_call(call: Any, index: int, j: int) -> Any:
-    """Call ``j`` of message ``index`` with its ``arguments`` as a dict. Its ``id`` and
-    ``function.name`` are strings when given, ``arguments`` JSON text or an object (OpenAI
-    takes text; a number was passed to the template as it was). Raises
+    """Call ``j`` of message ``index`` with its ``arguments`` as a dict. OpenAI's
+    ``ChatCompletionMessageToolCallParam``: ``id`` a string when given, ``type``
+    "function" when given, ``function.name`` a string (required), ``arguments`` JSON text
+    of an object, or an object (vLLM's leniency: its clients send one; the templates read
+    a dict). A value of another type was passed to the template as it was. Raises
     SamplingParamsError naming ``messages.<index>.tool_calls.<j>.<field>``."""
     call_at = f"messages.{index}.tool_calls.{j}"
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
         raise SamplingParamsError(f"{call_at}: each call needs a 'function' object.", f"{call_at}.function")
+    check_json_types(call, _TOOL_CALL_TYPES, call_at)
+    if call.get("type") not in (None, "function"):
+        raise SamplingParamsError(f"{call_at}.type: must be 'function'.", f"{call_at}.type")
     fn = dict(call["function"])
     args = fn.get("arguments")
-    for where, value, ok in ((f"{call_at}.id", call.get("id"), (str,)),
-                             (f"{call_at}.function.name", fn.get("name"), (str,)),
-                             (f"{call_at}.function.arguments", args, (str, dict))):
-        if value is not None and not isinstance(value, ok):
-            kind = "a string" if ok == (str,) else "a string (JSON text) or an object"
-            raise SamplingParamsError(f"{where}: must be {kind}, not {json_type_name(value)}.", where)
+    check_json_types(fn, {"name": (str,), "arguments": (str, dict)}, f"{call_at}.function")
+    if fn.get("name") is None:
+        raise SamplingParamsError(f"{call_at}.function.name: a call needs its function's name (a string).",
+                                  f"{call_at}.function.name")
     if not args:
         fn["arguments"] = {}
     elif isinstance(args, str):
@@ -148,6 +173,9 @@ def _template_tool_call(call: Any, index: int, j: int) -> Any:
         except ValueError:
             raise SamplingParamsError(f"{call_at}.function.arguments: not valid JSON: {args[:100]!r}",
                                       f"{call_at}.function.arguments") from None
+        if not isinstance(fn["arguments"], dict):
+            raise SamplingParamsError(f"{call_at}.function.arguments: must be the JSON text of an object, not of "
+                                      f"{json_type_name(fn['arguments'])}.", f"{call_at}.function.arguments")
     return {**call, "function": fn}
 
 

@@ -218,6 +218,68 @@ def test_a_value_of_the_wrong_json_type_is_refused_not_coerced():
     assert chat.temperature == 1.0
 
 
+@pytest.mark.parametrize("messages,param,words", [
+    # each block type's fields stay plain JSON in the request model; a wrong type was read as
+    # something else ("is_error": "yes" as false) or dropped unread (thinking blocks): 200
+    ([ASK, use("t1"), {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok",
+                                                    "is_error": "yes"}]}],
+     "messages.2.content.0.is_error", "must be a boolean, not a string."),
+    ([ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": 5, "signature": "s"},
+                                             {"type": "text", "text": "x"}]}, ASK],
+     "messages.1.content.0.thinking", "must be a string, not a number."),
+    ([ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": 5},
+                                             {"type": "text", "text": "x"}]}, ASK],
+     "messages.1.content.0.signature", "must be a string, not a number."),
+    ([ASK, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": []},
+                                             {"type": "text", "text": "x"}]}, ASK],
+     "messages.1.content.0.data", "must be a string, not a list."),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi", "citations": "x"}]}],
+     "messages.0.content.0.citations", "must be a list, not a string."),
+    ([{"role": "user", "content": [{"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                                   "data": 5}}]}],
+     "messages.0.content.0.source.data", "must be a string, not a number."),
+    ([{"role": "user", "content": [{"type": "document", "title": 5, "source": {"type": "text", "data": "d"}}]}],
+     "messages.0.content.0.title", "must be a string, not a number."),
+    ([{"role": "user", "content": [{"type": "search_result", "source": 5, "title": "t",
+                                    "content": [{"type": "text", "text": "x"}]}]}],
+     "messages.0.content.0.source", "must be a string, not a number."),
+    ([ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "{}"}]}],
+     "messages.1.content.0.input", "must be an object, not a string."),
+    ([ASK, use("t1"), {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                    "content": [{"type": "text", "text": "x", "citations": {}}]}]}],
+     "messages.2.content.0.content.0.citations", "must be a list, not an object."),
+])
+def test_a_block_field_of_the_wrong_json_type_is_named(messages, param, words):
+    """Every content block type accepted here (text, document, search_result, tool_use,
+    tool_result, thinking, redacted_thinking), at any depth: a field of the wrong JSON type
+    is Anthropic's 400 naming it, by the value's kind only."""
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(_request(messages), auto_tools=True)
+    assert e.value.param == param and str(e.value) == f"{param}: {words}", str(e.value)
+
+
+def test_accepted_fields_name_the_wrong_kind_without_echoing_it():
+    """``metadata.user_id`` and ``cache_control.type`` said "got 5", echoing the value."""
+    from llmserve.entrypoints.anthropic.accepted_fields import check_accepted_fields
+
+    for fields, param, words in (
+            ({"metadata": {"user_id": 5}}, "metadata.user_id", "Input should be a valid string; got a number."),
+            ({"cache_control": {"type": "secret"}}, "cache_control.type",
+             "Input should be 'ephemeral'; got a string."),
+            ({"service_tier": "secret"}, "service_tier", "Input should be 'auto' or 'standard_only'; got a string.")):
+        with pytest.raises(SamplingParamsError) as e:
+            check_accepted_fields(_request([ASK], **fields))
+        assert e.value.param == param and str(e.value) == f"{param}: {words}", str(e.value)
+    with pytest.raises(SamplingParamsError) as e:  # ignored, yet of Anthropic's type (a number was taken)
+        to_chat_request(_request([ASK], output_config={"effort": 5}), auto_tools=True)
+    assert e.value.param == "output_config.effort" and "must be a string, not a number" in str(e.value)
+    for choice, param in (({"type": "tool", "name": 5}, "tool_choice.name"), ({"type": 5}, "tool_choice.type")):
+        with pytest.raises(SamplingParamsError) as e:
+            to_chat_request(_request([ASK], tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                                     tool_choice=choice), auto_tools=True)
+        assert e.value.param == param and "must be a string, not a number" in str(e.value), str(e.value)
+
+
 def test_tool_use_ids_take_anthropics_form_and_come_back_through_the_checks():
     """tool_use ids were the chat path's ``chatcmpl-tool-<hex>``; Anthropic's are
     ``toolu_01`` + 22 base-62 characters. The same call id gives the same block id (stream

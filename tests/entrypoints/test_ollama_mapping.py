@@ -357,6 +357,12 @@ def test_ollama_type_errors_name_the_field_in_gos_words(app_and_engine):  # noqa
         ("/api/chat", {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "f"}]}]},
          "json: cannot unmarshal string into Go struct field ToolCall.messages.tool_calls.function "
          "of type api.ToolCallFunction"),
+        # options were not type-checked on the embedding routes (200), as they are on chat and generate
+        ("/api/embed", {"model": "m", "input": "x", "options": {"num_ctx": "5"}},
+         "options.num_ctx must be a number, got str."),
+        ("/api/embeddings", {"model": "m", "prompt": "x", "options": {"temperature": True}},
+         "options.temperature must be a number, got bool."),
+        ("/api/embed", {"model": "m", "input": "x", "options": {"stop": 5}}, "options.stop must be a list of strings."),
         ("/api/chat", {**chat, "keep_alive": "forever"},
          'keep_alive: time: invalid duration "forever" (a Go duration such as "5m", "1h30m" or "-1s")'),
     ]

@@ -334,7 +334,18 @@ def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engin
                                                   "not a boolean."),
         ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
          "messages.0.tool_calls.0.function.arguments", "messages.0.tool_calls.0.function.arguments: must be a "
-                                                       "string (JSON text) or an object, not a number."),
+                                                       "string or an object, not a number."),
+        # a call's type, a missing name and arguments that are JSON text of no object were taken (200)
+        ({"role": "assistant", "content": None, "tool_calls": [{"type": "bogus", "function": {"name": "f"}}]},
+         "messages.0.tool_calls.0.type", "messages.0.tool_calls.0.type: must be 'function'."),
+        ({"role": "assistant", "content": None, "tool_calls": [{"type": 5, "function": {"name": "f"}}]},
+         "messages.0.tool_calls.0.type", "messages.0.tool_calls.0.type: must be a string, not a number."),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]},
+         "messages.0.tool_calls.0.function.name", "messages.0.tool_calls.0.function.name: a call needs its "
+                                                  "function's name (a string)."),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1,2]"}}]},
+         "messages.0.tool_calls.0.function.arguments", "messages.0.tool_calls.0.function.arguments: must be the "
+                                                       "JSON text of an object, not of a list."),
     ]
     for changes, param, message in cases:
         r = client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", **changes}]})
@@ -346,6 +357,34 @@ def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engin
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "2"}]})
     assert r.status_code == 200, r.text  # arguments as an object: still taken (vLLM's clients send it)
+
+
+def test_wrong_values_are_named_by_their_kind_never_echoed(app_and_engine):  # noqa: F811
+    """Fresh-user trial: ``max_tokens: 1e400`` (read as infinity) was "a number with a
+    fractional part"; chat's tool_choice echoed the whole value ("Invalid value for
+    `tool_choice`: {'type': 5, ...}") under param ``tool_choice``; /invocations said
+    "must be a valid integer" (its errors came without their inputs), not the words every
+    other route says."""
+    client, engine = app_and_engine()
+    r = client.post("/v1/chat/completions", headers={"content-type": "application/json"},
+                    content=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}')
+    assert r.status_code == 400 and _message(r) == (
+        "max_tokens: must be an integer, not a number too large to represent (it reads as infinity)", "max_tokens")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+    for choice, param, words in (
+            ({"type": 5, "function": {"name": "secret"}}, "tool_choice.type", "tool_choice.type: must be 'function'."),
+            ({"type": "function", "function": "secret"}, "tool_choice.function",
+             "tool_choice.function: must be an object, not a string."),
+            ({"type": "function", "function": {"name": 7}}, "tool_choice.function.name",
+             "tool_choice.function.name: must be the name of one of `tools` (got a number)."),
+            ("secret", "tool_choice", 'tool_choice: must be "none", "auto", "required" or a named tool.')):
+        r = client.post("/v1/chat/completions", json={**CHAT, "tools": tools, "tool_choice": choice})
+        assert r.status_code == 400 and _message(r) == (f"{words} {usage}", param), r.text
+        assert "secret" not in r.text and "'type'" not in r.text
+    r = client.post("/invocations", json={**CHAT, "max_tokens": "5"})
+    assert r.status_code == 400 and _message(r) == ("max_tokens: must be an integer, not a string", "max_tokens")
+    assert engine.prompts == []
 
 
 def test_booleans_are_not_numbers_in_token_id_lists_or_number_fields(app_and_engine):  # noqa: F811

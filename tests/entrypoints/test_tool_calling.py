@@ -185,7 +185,7 @@ def test_c25_none_and_no_tools(app):
     ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
      "required", "tools"),
     (SUBTRACT, {"type": "function", "function": {"name": "add"}}, "tool_choice"),
-    (SUBTRACT, {"type": "function"}, "tool_choice"),
+    (SUBTRACT, {"type": "function"}, "tool_choice.function"),
     (SUBTRACT, "sometimes", "tool_choice"),
     (SUBTRACT, "auto", "tool_choice"),  # no --enable-auto-tool-choice
     (SUBTRACT, None, "tool_choice"),  # tools without a choice mean "auto" (vLLM)

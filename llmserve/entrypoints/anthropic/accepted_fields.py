@@ -23,10 +23,10 @@ Raises SamplingParamsError (400) with ``param`` the path at fault.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from typing import Any, Iterator, Optional
 
+from llmserve.entrypoints.chat_utils import json_type_name
 from llmserve.sampling_params import SamplingParamsError
 
 METADATA_KEYS = ("user_id",)
@@ -41,7 +41,9 @@ logger = logging.getLogger("llmserve.entrypoints.anthropic")
 
 
 def _got(value: Any) -> str:
-    return json.dumps(value)[:80]
+    """What was sent, by its JSON type only ("a number"): error messages never echo a
+    request's values (validation_errors.py's rule)."""
+    return json_type_name(value)
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], where: str) -> None:

@@ -17,6 +17,9 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
   before the text. ``image`` blocks and documents of other sources (PDF as ``base64``,
   ``url``, ``file``) are a 400 naming the block (no vision model runs); so is any block
   type this server does not know.
+- Every block's fields take Anthropic's JSON types (:data:`BLOCK_FIELD_TYPES`, a
+  document's source too), dropped blocks included: ``"is_error": "yes"`` or
+  ``"thinking": 5`` is a 400 naming the field and the value's kind, never the value.
 - ``tools``: client tools (``input_schema``) become function tools; server tools
   (``web_search_*``, ``bash_*``, ...) are a 400 naming them, as is a name outside
   ``^[a-zA-Z0-9_-]{1,64}$`` or an invalid schema (``tools.<i>.name`` / ``.input_schema``).
@@ -54,7 +57,7 @@ from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_
                                                    check_thinking, check_tool_turns)
 from llmserve.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from llmserve.entrypoints.assistant_prefill import continuation_fields
-from llmserve.entrypoints.chat_utils import json_type_name
+from llmserve.entrypoints.chat_utils import check_json_types
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.chat_completion.tool_calling import TOOL_NAME_RE
 from llmserve.entrypoints.openai.common.protocol import StreamOptions
@@ -63,6 +66,28 @@ from llmserve.structured_output.grammar import json_schema_error
 
 _DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 _MEDIA_BLOCKS = frozenset({"image", "document", "container_upload"})
+# The JSON types of each content block's fields (Anthropic's ``*BlockParam`` types), checked
+# where given and not null: the blocks stay plain JSON in the request model, so a field of
+# the wrong type ("is_error": "yes", "thinking": 5) was read as something else or dropped
+# unread (200) where Anthropic answers 400. Blocks of types not here are refused or dropped.
+_STR, _BOOL, _OBJ, _LIST = (str,), (bool,), (dict,), (list,)
+BLOCK_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "text": {"text": _STR, "citations": _LIST},
+    "image": {"source": _OBJ},
+    "document": {"source": _OBJ, "title": _STR, "context": _STR, "citations": _OBJ},
+    "search_result": {"source": _STR, "title": _STR, "content": _LIST, "citations": _OBJ},
+    "tool_use": {"id": _STR, "name": _STR, "input": _OBJ},
+    "tool_result": {"tool_use_id": _STR, "content": (str, list), "is_error": _BOOL},
+    "thinking": {"thinking": _STR, "signature": _STR},
+    "redacted_thinking": {"data": _STR},
+}
+# a document's source, by its type
+DOCUMENT_SOURCE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "text": {"media_type": _STR, "data": _STR},
+    "content": {"content": (str, list)},
+    "base64": {"media_type": _STR, "data": _STR},
+    "url": {"url": _STR},
+}
 _THINKING_TYPES = {"enabled": True, "adaptive": True, "between_tools": True, "disabled": False}
 
 
@@ -88,6 +113,11 @@ def _block_type(block: Any, where: str) -> str:
     if not isinstance(kind, str):
         got = "none was given" if kind is None else f"got {json.dumps(kind)[:80]}"
         raise SamplingParamsError(f"{where}.type: a content block needs a string `type`; {got}.", f"{where}.type")
+    check_json_types(block, BLOCK_FIELD_TYPES.get(kind, {}), where)
+    source = block.get("source")
+    if kind == "document" and isinstance(source, dict):
+        check_json_types(source, {"type": _STR}, f"{where}.source")
+        check_json_types(source, DOCUMENT_SOURCE_TYPES.get(source.get("type"), {}), f"{where}.source")
     return kind
 
 
@@ -275,10 +305,8 @@ def chat_tool_choice(choice: Optional[dict[str, Any]], has_tools: bool,
     if choice is None:
         return (("auto" if auto_tools else "none") if has_tools else None), None
     kind = choice.get("type")
+    check_json_types(choice, {"type": (str,), "name": (str,), "disable_parallel_tool_use": (bool,)}, "tool_choice")
     disable = choice.get("disable_parallel_tool_use")
-    if disable is not None and not isinstance(disable, bool):
-        raise SamplingParamsError(f"tool_choice.disable_parallel_tool_use: must be a boolean, not "
-                                  f"{json_type_name(disable)}", "tool_choice.disable_parallel_tool_use")
     parallel = False if disable is True else None
     if kind == "auto":
         return "auto", parallel
@@ -292,8 +320,7 @@ def chat_tool_choice(choice: Optional[dict[str, Any]], has_tools: bool,
             raise SamplingParamsError("tool_choice.name: a tool choice of type 'tool' needs the tool's `name`.",
                                       "tool_choice.name")
         return {"type": "function", "function": {"name": name}}, parallel
-    raise SamplingParamsError(f"tool_choice.type must be one of 'auto', 'any', 'tool', 'none', got {kind!r}.",
-                              "tool_choice.type")
+    raise SamplingParamsError("tool_choice.type must be one of 'auto', 'any', 'tool', 'none'.", "tool_choice.type")
 
 
 def thinking_kwargs(thinking: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -305,7 +332,9 @@ def thinking_kwargs(thinking: Optional[dict[str, Any]]) -> Optional[dict[str, An
 
 
 def response_format(output_config: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The chat ``response_format`` of ``output_config.format`` (None: free text)."""
+    """The chat ``response_format`` of ``output_config.format`` (None: free text).
+    ``effort``, ignored, is still a string when given (a number was taken)."""
+    check_json_types(output_config or {}, {"format": _OBJ, "effort": _STR}, "output_config")
     fmt = (output_config or {}).get("format")
     if fmt is None:
         return None

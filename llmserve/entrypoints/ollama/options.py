@@ -106,6 +106,21 @@ def sampling_fields(options: Optional[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def check_options(options: Optional[dict[str, Any]]) -> None:
+    """The JSON types of ``options`` where no sampling reads them (``/api/embed``,
+    ``/api/embeddings``): each numeric option a number (an integer where Ollama's is one),
+    ``stop`` a string or a list of strings, with :func:`sampling_fields`'s words (Ollama
+    checks the types of every request's options, embeddings too). Raises
+    SamplingParamsError naming ``options.<key>``."""
+    for key, value in (options or {}).items():
+        if value is None:
+            continue
+        if key in NUMERIC_OPTIONS or key in INTEGER_OPTIONS or key in NEUTRAL_OPTIONS:
+            _number(key, value)
+        elif key == "stop":
+            _stop(value)
+
+
 def context_size(options: Optional[dict[str, Any]], max_model_len: int) -> int:
     """The context of one request in tokens: ``options.num_ctx`` when given (an integer;
     below :data:`MIN_NUM_CTX` raised to it, as Ollama does), never more than the server's

@@ -36,8 +36,8 @@ from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 from llmserve.entrypoints.assistant_prefill import continuation_fields
 from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, over_context, truncating
 from llmserve.entrypoints.ollama.names import resolve
-from llmserve.entrypoints.ollama.options import (build_request, context_size, in_ollama_terms, sampling_fields,
-                                                 structured_fields)
+from llmserve.entrypoints.ollama.options import (build_request, check_options, context_size, in_ollama_terms,
+                                                 sampling_fields, structured_fields)
 from llmserve.entrypoints.ollama.protocol import (OllamaChatRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest,
                                                   OllamaGenerateRequest, OllamaMessage, OllamaToolCall)
 from llmserve.entrypoints.ollama.stream import OllamaWire, RunStats, StreamError
@@ -347,6 +347,7 @@ async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
     """``/api/embed``: ``{"model", "embeddings": [[float]], "prompt_eval_count", durations}``,
     ``model`` as the request wrote it (Ollama's answer)."""
     stats = RunStats()
+    check_options(req.options)
     # "" (or null: go_json.py) is no input, as Ollama reads a string input; an empty string
     # inside a list is embedded
     inputs = ([req.input] if req.input else []) if isinstance(req.input, str) else list(req.input)
@@ -362,6 +363,7 @@ async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
 async def serve_embeddings(state: Any, req: OllamaEmbeddingsRequest) -> dict[str, Any]:
     """``/api/embeddings`` (Ollama's older route): ``{"embedding": [float]}``; an empty
     prompt gives an empty vector, as Ollama answers."""
+    check_options(req.options)
     if not req.prompt:
         served_name(state, req.model, pull_hint=True)
         return {"embedding": []}

@@ -120,6 +120,8 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, int):
         return "an integer"
     if isinstance(value, float):
+        if value in (float("inf"), float("-inf")):  # 1e400: too large for a double, read as infinity
+            return "a number too large to represent (it reads as infinity)"
         return "a number with a fractional part" if value == value and not value.is_integer() else "a number"
     return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a " + type(value).__name__)
 

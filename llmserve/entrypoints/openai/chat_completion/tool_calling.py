@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from llmserve.entrypoints.chat_utils import json_type_name
 from llmserve.parsing_types import DeltaMessage, DeltaToolCall, ToolCall
 from llmserve.sampling_params import SamplingParamsError, StructuredOutputsParams
 from llmserve.structured_output.grammar import json_schema_error
@@ -75,17 +76,25 @@ def check_tools(request: Any) -> None:
         raise SamplingParamsError("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if isinstance(choice, str):
         if choice not in ("auto", "required"):
-            raise SamplingParamsError(f"Invalid value for `tool_choice`: {choice!r}. Only named tools, "
-                                      '"none", "auto" or "required" are supported.', "tool_choice")
+            raise SamplingParamsError('tool_choice: must be "none", "auto", "required" or a named tool. '
+                                      f"{_CHOICE_USAGE}", "tool_choice")
         if choice == "required" and not tools:  # OpenAI: nothing to require
             request.tool_choice, request.tools = "none", None
         return
+    # named by the field at fault, never echoing the value (validation_errors.py's rule)
+    kind = choice.get("type", "function")
+    if kind != "function":
+        raise SamplingParamsError(f"tool_choice.type: must be 'function'. {_CHOICE_USAGE}", "tool_choice.type")
     fn = choice.get("function")
-    if choice.get("type", "function") != "function" or not isinstance(fn, dict):
-        raise SamplingParamsError(f"Invalid value for `tool_choice`: {choice!r}. {_CHOICE_USAGE}", "tool_choice")
+    if not isinstance(fn, dict):
+        raise SamplingParamsError(f"tool_choice.function: must be an object, not {json_type_name(fn)}. "
+                                  f"{_CHOICE_USAGE}", "tool_choice.function")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        raise SamplingParamsError(f"Expected a function `name` in `tool_choice`. {_CHOICE_USAGE}", "tool_choice")
+        got = "none was given" if name is None else "got an empty string" if name == "" else \
+            f"got {json_type_name(name)}"
+        raise SamplingParamsError(f"tool_choice.function.name: must be the name of one of `tools` ({got}). "
+                                  f"{_CHOICE_USAGE}", "tool_choice.function.name")
     if name not in names:
         raise SamplingParamsError(f"The tool {name!r} in `tool_choice` does not match any of the specified "
                                   "`tools`.", "tool_choice")

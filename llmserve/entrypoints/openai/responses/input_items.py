@@ -11,7 +11,9 @@ completions_format``).
   ``{"type": "function", "name"}`` tool choices -> chat's nested ``function`` form.
 - output items -> the assistant messages a follow-up (``previous_response_id``) sees.
 
-Every problem is a SamplingParamsError naming ``input``, ``tools`` or ``tool_choice``.
+Every problem is a SamplingParamsError naming ``input``, ``tools`` or ``tool_choice``; a
+field of an item or content part of the wrong JSON type (:data:`ITEM_FIELD_TYPES`) names
+itself (``input.0.id``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,22 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from llmserve.entrypoints.chat_utils import check_json_types
 from llmserve.sampling_params import SamplingParamsError
+
+# The JSON types of each input item's fields (OpenAI's ``ResponseInputItemParam`` types),
+# checked where given and not null (param ``input.<i>.<field>``): the items stay plain JSON
+# in the request model, so a field read by nobody here ("id": 5) or of the wrong type was
+# taken (200) where OpenAI answers 400.
+_STR = (str,)
+ITEM_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "message": {"id": _STR, "role": _STR, "status": _STR, "content": (str, list)},
+    "function_call": {"id": _STR, "call_id": _STR, "name": _STR, "arguments": _STR, "status": _STR},
+    "function_call_output": {"id": _STR, "call_id": _STR, "output": (str, list), "status": _STR},
+    "reasoning": {"id": _STR, "summary": (list,), "content": (list,), "encrypted_content": _STR,
+                  "status": _STR},
+}
+PART_FIELD_TYPES = {"text": _STR, "refusal": _STR, "annotations": (list,), "logprobs": (list,)}
 
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 _ROLES = ("user", "assistant", "system", "developer")
@@ -93,7 +110,7 @@ def to_chat_tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise SamplingParamsError(f"Invalid value for `tool_choice`: {choice!r}. Use \"none\", \"auto\", "
+    raise SamplingParamsError("tool_choice: must be \"none\", \"auto\", "
                               "\"required\" or {\"type\": \"function\", \"name\": \"my_function\"}.", "tool_choice")
 
 
@@ -105,6 +122,8 @@ def _content_text(content: Any, i: int) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in _TEXT_PARTS:
+            check_json_types(part, PART_FIELD_TYPES, f"input.{i}.content.{j}")
         # a list or object `type` is unhashable: looked up as it came, it was a 500
         key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
@@ -131,7 +150,9 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise SamplingParamsError(f"input[{i}] must be an object.", "input")
+        check_json_types(item, {"type": _STR}, f"input.{i}")
         kind = item.get("type", "message")
+        check_json_types(item, ITEM_FIELD_TYPES.get(kind, {}), f"input.{i}")
         if kind == "message":
             role = item.get("role")
             if not isinstance(role, str) or role not in _ROLES:
@@ -155,6 +176,10 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else _content_text(output, i)
             messages.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", i), "content": text})
         elif kind == "reasoning":
+            for k, part in enumerate(item.get("summary") or ()):
+                if not isinstance(part, dict):
+                    raise SamplingParamsError(f"input.{i}.summary.{k}: must be an object.", f"input.{i}.summary.{k}")
+                check_json_types(part, {"type": _STR, "text": _STR}, f"input.{i}.summary.{k}")
             continue
         else:
             raise SamplingParamsError(f"input[{i}]: items of type {kind!r} are not supported (message, "

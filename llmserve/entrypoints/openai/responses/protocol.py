@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
+from llmserve.entrypoints.chat_utils import check_json_types
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from llmserve.entrypoints.openai.common.protocol import (
     MAX_TEMPERATURE,
@@ -145,9 +146,14 @@ class ResponsesRequest(OpenAIServiceFields):
         check_max_logprobs(self.top_logprobs, "top_logprobs")
         if self.background and not self.store:
             raise SamplingParamsError("background responses must be stored: set store to true.", "store")
-        if self.reasoning is not None and self.reasoning.get("effort") not in (None, *REASONING_EFFORTS):
-            raise SamplingParamsError(f"reasoning.effort: unknown value {self.reasoning.get('effort')!r}.",
-                                      "reasoning")
+        if self.reasoning is not None:
+            # a plain object (passed back in the response as sent): its fields' JSON types
+            # here, "summary": 5 was taken (200)
+            check_json_types(self.reasoning, {"effort": (str,), "summary": (str,), "generate_summary": (str,)},
+                             "reasoning")
+            if self.reasoning.get("effort") not in (None, *REASONING_EFFORTS):
+                raise SamplingParamsError(f"reasoning.effort: must be one of {', '.join(REASONING_EFFORTS)}.",
+                                          "reasoning.effort")
 
     @property
     def include_output_logprobs(self) -> bool:

@@ -112,7 +112,10 @@ def parse_invocation(state: Any, raw: bytes) -> tuple[BaseModel, Route]:
     try:
         return model.model_validate(body), route
     except ValidationError as e:
-        raise RequestValidationError(e.errors(include_input=False)) from e
+        # with each input, as FastAPI's own errors carry it: validation_errors.py words a
+        # value of the wrong JSON type by its kind ("must be an integer, not a string"),
+        # never echoing it
+        raise RequestValidationError(e.errors(include_url=False)) from e
 
 
 @router.post("/invocations")
