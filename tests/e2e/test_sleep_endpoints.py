@@ -117,3 +117,27 @@ def test_failed_start_after_level_2_is_503_until_the_model_is_back(tiny_server, 
     assert http.post("/wake_up").status_code == 200
     assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 200
     assert len(tiny_server.client().completions.create(**GREEDY).choices[0].text) > 0
+
+
+def _prefix_hits(srv) -> float:
+    """vllm:prefix_cache_hits_total (prompt tokens found cached), summed over its labels."""
+    import re
+    text = srv.http.get("/metrics").text
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_reset_prefix_cache_dev_endpoint(tiny_server):
+    """vLLM's dev-mode POST /reset_prefix_cache (a trial found it 404): the next identical
+    prompt finds no cached tokens."""
+    client = tiny_server.client()
+    prompt = "The sleepy cat sat on the warm mat by the door and purred for a while " * 3
+    kw = dict(model="tiny", prompt=prompt, max_tokens=1, temperature=0.0)
+    client.completions.create(**kw)
+    hits = _prefix_hits(tiny_server)
+    client.completions.create(**kw)
+    assert _prefix_hits(tiny_server) > hits  # cached
+    r = tiny_server.http.post("/reset_prefix_cache")
+    assert r.status_code == 200, r.text
+    hits = _prefix_hits(tiny_server)
+    client.completions.create(**kw)
+    assert _prefix_hits(tiny_server) == hits  # forgotten

@@ -11,6 +11,11 @@ wakes it (EngineCore.add_request; after level 2, which ends the engine process, 
 starts a new one: llmserve/engine/sleep_process.py). When that start fails, the request
 or wake gets 503 with Retry-After (EngineStartError) and /health and /ready answer 503
 until a start succeeds.
+
+Also vLLM's dev-mode ``POST /reset_prefix_cache`` (any dev-mode server, sleep mode or not):
+the engine forgets its cached prefix blocks between steps and KV-event subscribers get
+AllBlocksCleared (200, empty body); while requests hold blocks it cannot, and answers 400
+saying so (vLLM logs a warning and answers 200, which leaves a caller unaware).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from llmserve.sampling_params import SamplingParamsError
 from llmserve.worker.sleep_mode import check_tags
 
 router = APIRouter()
+dev_router = APIRouter()
 
 
 async def _call(raw_request: Request, method: str, *args: Any) -> Any:
@@ -70,12 +76,28 @@ async def is_sleeping(raw_request: Request) -> Response:
     return JSONResponse({"is_sleeping": bool(asleep)})
 
 
+@dev_router.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw_request: Request) -> Response:
+    """Drop the prefix cache (200, empty body); 400 while requests hold KV blocks."""
+    try:
+        if not await _call(raw_request, "reset_prefix_cache"):
+            raise ValueError("The prefix cache was not reset: requests still hold KV cache blocks. "
+                             "Retry when the server is idle.")
+    except Exception as e:  # noqa: BLE001 - mapped by the one error function (ValueError: 400)
+        return error_json(e)
+    return Response(status_code=200)
+
+
 def dev_mode() -> bool:
     """``VLLM_SERVER_DEV_MODE`` / ``LLMSERVE_SERVER_DEV_MODE`` is 1 or true."""
     return (envs.get("LLMSERVE_SERVER_DEV_MODE", "0") or "0").strip().lower() in ("1", "true")
 
 
 def register_sleep_mode_routers(app: FastAPI, args: Any) -> None:
-    """Mount the three routes on a dev-mode server with sleep mode on."""
-    if dev_mode() and (getattr(args, "enable_sleep_mode", False) or getattr(args, "sleep_idle_seconds", None)):
+    """On a dev-mode server: ``/reset_prefix_cache``, and the three sleep routes when sleep
+    mode is on."""
+    if not dev_mode():
+        return
+    app.include_router(dev_router)
+    if getattr(args, "enable_sleep_mode", False) or getattr(args, "sleep_idle_seconds", None):
         app.include_router(router)
