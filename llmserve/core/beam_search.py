@@ -143,6 +143,22 @@ class BeamGroup:
         return [BeamSequenceOutput(h.token_ids, h.logprobs, h.cum_logprob, h.score, h.finish_reason, h.stop_reason)
                 for h in self.hyps]
 
+    def result_so_far(self) -> list[BeamSequenceOutput]:
+        """The best ``width`` sequences of a search ended early (aborted: a deadline, the
+        server's shutdown), best first, ranked as the search ranks them at its end
+        (transformers' ``finalize``): the finished hypotheses and every running beam,
+        scored ``cum_logprob / generated_len ** length_penalty``; on a tie a finished
+        hypothesis comes first. A running beam's finish_reason is ABORT; a finished
+        one keeps its own (``beam_completions`` drops its EOS by it). Padded with empty
+        ABORT sequences to ``width`` (a search stopped before its first step)."""
+        lp = self.params.length_penalty
+        hyps = [(h.score, h.token_ids, h.logprobs, h.cum_logprob, h.finish_reason, h.stop_reason) for h in self.hyps]
+        run = [(b.beam_cum / len(b.beam_logprobs) ** lp if b.beam_logprobs else 0.0, list(b.output_token_ids),
+                list(b.beam_logprobs), b.beam_cum, FinishReason.ABORT, None) for b in self.beams]
+        ranked = sorted(hyps + run, key=lambda h: -h[0])[:self.width]  # stable: hypotheses win ties
+        ranked += [(0.0, [], [], 0.0, FinishReason.ABORT, None)] * (self.width - len(ranked))
+        return [BeamSequenceOutput(t, l, c, s, f, r) for s, t, l, c, f, r in ranked]
+
 
 def _clone_beam(parent: Request, rid: str) -> Request:
     """A new beam with the parent's tokens, state and logprobs (before this step's token)."""
@@ -284,29 +300,31 @@ class BeamSearchManager:
         if self.sched.fair_share is not None and g.beams:
             self.sched.fair_share.remove(g.beams[0])
 
-    def _finish(self, g: BeamGroup) -> EngineCoreOutput:
+    def _finish(self, g: BeamGroup, aborted: bool = False) -> EngineCoreOutput:
+        seqs = g.result_so_far() if aborted else g.result()
         self._release(g)
         for b in list(g.beams):
             self._drop(b)
+            if aborted:
+                b.status = RequestStatus.FINISHED_ABORTED
         self.groups.pop(g.request_id, None)
         self.sched.finished_req_ids.add(g.request_id)  # its encoder output (Whisper)
-        seqs = g.result()
         cached = max(min((b.num_cached_tokens for b in g.beams), default=0), 0)
         events = [e for b in g.beams for e in (b.take_events() or ())] or None
-        return EngineCoreOutput(g.request_id, [], finish_reason=seqs[0].finish_reason if seqs else FinishReason.LENGTH,
+        reason = FinishReason.ABORT if aborted else seqs[0].finish_reason if seqs else FinishReason.LENGTH
+        return EngineCoreOutput(g.request_id, [], finish_reason=reason,
                                 num_cached_tokens=cached, events=events, beam_sequences=seqs,
                                 beam_first_token_ts=g.first_token_ts)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a beam-search request by its id: every beam freed. False if unknown."""
-        g = self.groups.pop(request_id, None)
+        """Abort a beam-search request by its id: every beam freed, and its final output
+        (finish_reason ABORT, the best ``beam_width`` sequences so far:
+        ``BeamGroup.result_so_far``) queued for the next step's outputs, so a timed-out
+        request keeps its beams (``AsyncLLM.abort`` waits for it). False if unknown."""
+        g = self.groups.get(request_id)
         if g is None:
             return False
-        self._release(g)
-        for b in list(g.beams):
-            self._drop(b)
-            b.status = RequestStatus.FINISHED_ABORTED
-        self.sched.finished_req_ids.add(request_id)
+        self.sched._pending_outputs.append(self._finish(g, aborted=True))
         return True
 
 

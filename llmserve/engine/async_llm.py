@@ -529,8 +529,14 @@ class AsyncLLM(EngineClient):
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         engine_ids: list[str] = []
+        beams: list[str] = []
         for rid in ids:  # one at a time: each one's stats go under its own DP rank
             stats = IterationStats() if self.output_processor.log_stats else None
+            beam = None if internal or self.errored else self._beam_search_engine_id(rid)
+            if beam is not None:  # its final output (the beams so far) comes from the engine
+                beams.append(beam)
+                engine_ids.append(beam)
+                continue
             if internal:
                 mine = self.output_processor.abort_requests([rid], stats)
             else:
@@ -543,8 +549,30 @@ class AsyncLLM(EngineClient):
                 await self.engine_core.abort_requests_async(engine_ids)
             except EngineDeadError:
                 pass
+        if beams:
+            asyncio.get_running_loop().call_later(self.BEAM_ABORT_GRACE_S, self._end_beam_aborts, beams)
         if self.log_requests and not internal:
             logger.info("Aborted request(s) %s", ids)
+
+    # An aborted beam search whose final output has not come from the engine by then
+    # (its abort crossed the add on the way, or the engine was lost) ends with no beams.
+    BEAM_ABORT_GRACE_S = 5.0
+
+    def _beam_search_engine_id(self, request_id: str) -> Optional[str]:
+        """The engine id of the beam-search request ``request_id`` still in flight, or
+        None (not a beam search, or unknown). Its abort is answered by the engine with
+        the best beams so far (``BeamSearchManager.abort``), not ended here with none."""
+        op = self.output_processor
+        for iid in op.engine_ids([request_id]):
+            st = op.states.get(iid)
+            if st is not None and st.engine_request is not None and st.engine_request.beam_search_params:
+                return iid
+        return None
+
+    def _end_beam_aborts(self, engine_ids: list[str]) -> None:
+        left = [i for i in engine_ids if i in self.output_processor.states]
+        if left:
+            self.output_processor.finish_aborted([self.output_processor.states[i].external_req_id for i in left])
 
     def _engine_index_of(self, engine_request_ids: list[str]) -> int:
         """The DP rank holding the first of ``engine_request_ids`` (0: one engine, or not

@@ -22,10 +22,12 @@ def _kept_tokens(seq: BeamSequenceOutput, include_stop: bool) -> list[int]:
 
 
 def beam_completions(seqs: list[BeamSequenceOutput], params: SamplingParams, tokenizer,
-                     beam_params: Optional[BeamSearchParams]) -> list[CompletionOutput]:
+                     beam_params: Optional[BeamSearchParams], aborted: bool = False) -> list[CompletionOutput]:
     """One CompletionOutput per beam: text decoded with the request's
     skip_special_tokens; logprobs (the chosen token's, one dict per token) when the
-    request asked for logprobs; cumulative_logprob always (natural log)."""
+    request asked for logprobs; cumulative_logprob always (natural log). aborted: the
+    search was ended early (a deadline): every beam's finish_reason is "abort" (a
+    finished hypothesis among them still drops its EOS as it would have)."""
     include_stop = bool(beam_params and beam_params.include_stop_str_in_output)
     outs = []
     for i, seq in enumerate(seqs):
@@ -35,7 +37,8 @@ def beam_completions(seqs: list[BeamSequenceOutput], params: SamplingParams, tok
         if params.logprobs is not None:
             lps = [{t: Logprob(lp, None, tokenizer.decode([t]))} for t, lp in zip(ids, seq.logprobs)]
         outs.append(CompletionOutput(index=i, text=text, token_ids=ids, cumulative_logprob=seq.cum_logprob,
-                                     logprobs=lps, finish_reason=str(FinishReason(seq.finish_reason)), stop_reason=seq.stop_reason))
+                                     logprobs=lps, finish_reason=str(FinishReason.ABORT if aborted else FinishReason(seq.finish_reason)),
+                                     stop_reason=None if aborted else seq.stop_reason))
     return outs
 
 

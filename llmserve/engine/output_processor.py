@@ -394,7 +394,8 @@ class OutputProcessor:
         from llmserve.engine.beam_output import beam_completions
 
         outs = beam_completions(eco.beam_sequences, st.params, self.tokenizer,
-                                st.engine_request.beam_search_params if st.engine_request else None)
+                                st.engine_request.beam_search_params if st.engine_request else None,
+                                aborted=eco.finish_reason == FinishReason.ABORT)
         ntok = sum(len(c.token_ids) for c in outs)
         self._beam_times(st, eco, ntok, now, timestamp)
         self._forget(st, str(FinishReason(eco.finish_reason)), now)

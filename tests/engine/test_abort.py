@@ -185,3 +185,37 @@ def test_llm_engine_abort_request_offline():
         assert len(again) == 1 and again[0].outputs[0].token_ids == ref
     finally:
         eng.shutdown()
+
+
+def test_aborted_beam_search_keeps_its_best_beams_so_far(engine, loop):
+    """A beam search aborted mid-way (an X-Request-Timeout deadline) ends with beam_width
+    choices, each "abort" with the tokens of one of the best beams so far, ranked as the
+    search ranks them (cum_logprob / generated_len ** length_penalty, best first); before,
+    one empty choice. The engine is left with nothing of it."""
+    from llmserve.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=4, max_tokens=400, ignore_eos=True)
+
+    async def run():
+        outs = []
+
+        async def go():
+            async for out in engine.beam_search(PROMPT, "ab-beam", params):
+                outs.append(out)
+
+        task = asyncio.create_task(go())
+        await asyncio.sleep(1.0)
+        await engine.abort("ab-beam")
+        await asyncio.wait_for(task, 30)
+        return outs
+
+    outs = loop.run_until_complete(run())
+    assert len(outs) == 1 and outs[0].finished
+    choices = outs[0].outputs
+    assert [c.finish_reason for c in choices] == ["abort"] * 4
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    assert all(0 < len(c.token_ids) < 400 and c.text for c in choices)
+    scores = [c.cumulative_logprob / len(c.token_ids) for c in choices]
+    assert scores == sorted(scores, reverse=True)
+    assert len({tuple(c.token_ids) for c in choices}) == 4
+    assert engine.output_processor.get_num_unfinished_requests() == 0
