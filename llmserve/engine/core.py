@@ -265,6 +265,7 @@ class EngineCore(SleepModeMixin):
         ro = self.model_executor.execute_model(SchedulerOutput(kv_connector_metadata=meta))
         r.finish_chunk(ro.invalid_block_ids)
         r.add_seconds(time.perf_counter() - t0)
+        self._publish_kv_events()  # the restored blocks' BlockStored, before anything they serve
         return True
 
     # ---- utility calls ---------------------------------------------------

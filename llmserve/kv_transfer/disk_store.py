@@ -10,6 +10,13 @@ XXH3-64) then the payload (the block's K and V of every layer). The parent hash 
 restarted engine rebuild whole chains from the files alone (``recent_chains``). A file whose header or checksum does not match is never loaded: ``read_block``
 returns None and removes it (so the block is written again later).
 
+Beside each block file, ``<hash>.tok`` holds the block's token ids (``block_size``
+little-endian uint32, written before the block file): a restarted engine that publishes
+KV cache events announces the blocks it restores with their tokens, as every other
+BlockStored carries them (``read_tokens`` checks them against the chain hash). The block
+file's own format is unchanged; a block file without its tokens (written before them) is
+still loaded on request, but not restored where events are on.
+
 Writes go to a temporary file in the same folder, then ``os.replace`` (atomic on POSIX):
 a crash leaves either the old state or a whole file, and a torn temporary file is never
 read (it does not end in ``.kv``). ``BlockWriter`` writes on its own thread, off the
@@ -50,6 +57,7 @@ _CHECKSUM_FIELD = 6
 HEADER_SIZE = _HEADER.size
 PREFIX_SIZE = struct.calcsize("<8sI32s")  # magic, version, key (44 bytes): the same in every file of a layout
 SUFFIX = ".kv"
+TOKENS_SUFFIX = ".tok"
 
 
 def layout_key(fields: dict[str, Any]) -> bytes:
@@ -68,6 +76,28 @@ def block_dir(root: str, key: bytes) -> str:
 
 def block_path(folder: str, block_hash: int) -> str:
     return os.path.join(folder, f"{block_hash:016x}{SUFFIX}")
+
+
+def tokens_path(folder: str, block_hash: int) -> str:
+    """The token-id file beside block ``block_hash``'s file (see the module docstring)."""
+    return os.path.join(folder, f"{block_hash:016x}{TOKENS_SUFFIX}")
+
+
+def read_tokens(folder: str, block_hash: int, parent_hash: int, block_size: int) -> Optional[list[int]]:
+    """Block ``block_hash``'s token ids from its token file, or None when the file is
+    missing, of the wrong size, or its tokens do not hash (with ``parent_hash``, 0 for a
+    first block; no extra keys: adapters' blocks are never kept) to ``block_hash``."""
+    from llmserve.core.kv_cache_manager import hash_block_tokens
+
+    try:
+        with open(tokens_path(folder, block_hash), "rb") as f:
+            data = f.read(4 * block_size + 1)
+    except OSError:
+        return None
+    if len(data) != 4 * block_size:
+        return None
+    tokens = list(struct.unpack(f"<{block_size}I", data))
+    return tokens if hash_block_tokens(parent_hash, tokens) == block_hash else None
 
 
 def encode_header(key: bytes, block_hash: int, parent_hash: int, payload: Any) -> bytes:
@@ -89,7 +119,7 @@ def drop_invalid(folder: str, block_hash: int, why: str) -> None:
     again when its prompt is computed again)."""
     path = block_path(folder, block_hash)
     logger.warning("KV tier: ignoring %s (%s); it is removed", path, why)
-    _unlink(path)
+    _unlink_block(path)
 
 
 def read_block(folder: str, key: bytes, block_hash: int, out: memoryview) -> bool:
@@ -249,7 +279,7 @@ def recent_chains(folder: str, key: bytes, nbytes: int, max_blocks: int) -> list
         else:  # written whole or not at all (os.replace), and the folder is one layout's: damaged
             torn.append(entry.path)
     for path in torn:
-        _unlink(path)
+        _unlink_block(path)
     if torn:
         logger.warning("KV tier: removed %d block file(s) of the wrong size (truncated or damaged) in %s",
                        len(torn), folder)
@@ -329,6 +359,12 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _unlink_block(path: str) -> None:
+    """Remove a block file (``path``) and its token file."""
+    _unlink(path)
+    _unlink(path[:-len(SUFFIX)] + TOKENS_SUFFIX)
+
+
 _TOUCH = object()  # BlockWriter queue item tag: an mtime bump (``touch``), not a block
 
 
@@ -403,10 +439,11 @@ class BlockWriter:
     def total_bytes(self) -> int:
         return self._total
 
-    def put(self, block_hash: int, parent_hash: int, payload: Any) -> None:
+    def put(self, block_hash: int, parent_hash: int, payload: Any, tokens: Optional[list[int]] = None) -> None:
         """Queue one block (its chain hash, its parent's, 0 for a first block; ``payload``:
-        a bytes-like object the caller no longer changes)."""
-        self._queue.put((block_hash, parent_hash, payload))
+        a bytes-like object the caller no longer changes; ``tokens``: its token ids, kept
+        in its token file when given)."""
+        self._queue.put((block_hash, parent_hash, payload, tokens))
 
     def touch(self, block_hashes: list[int], native: Optional[Callable[[str, list[int]], None]] = None) -> None:
         """Queue an mtime bump (LRU: loaded, so recently used) of the files of
@@ -448,11 +485,16 @@ class BlockWriter:
             except OSError:  # evicted meanwhile
                 pass
 
-    def _write(self, block_hash: int, parent_hash: int, payload: Any) -> None:
+    def _write(self, block_hash: int, parent_hash: int, payload: Any, tokens: Optional[list[int]] = None) -> None:
         path = block_path(self.folder, block_hash)
         name = os.path.basename(path)
         if os.path.exists(path):
             self.stats.blocks_present += 1
+            if tokens is not None and not os.path.exists(tokens_path(self.folder, block_hash)):
+                try:  # a block file written before token files
+                    self._write_tokens(block_hash, tokens)
+                except OSError:
+                    pass
             return
         header = encode_header(self.key, block_hash, parent_hash, payload)
         size = len(header) + memoryview(payload).nbytes
@@ -460,6 +502,9 @@ class BlockWriter:
             return
         tmp = f"{path}.{self._tmp_tag}.tmp"
         try:
+            if tokens is not None:  # first: a block file written by this version has its tokens
+                os.makedirs(self.folder, exist_ok=True)
+                self._write_tokens(block_hash, tokens)
             try:
                 self._write_file(tmp, path, header, payload)
             except FileNotFoundError:  # the folder was removed (an operator clearing the cache): made again
@@ -477,6 +522,16 @@ class BlockWriter:
         self._total += size
         self.stats.blocks_stored += 1
         self.stats.bytes_stored += size
+
+    def _write_tokens(self, block_hash: int, tokens: list[int]) -> None:
+        """Write block ``block_hash``'s token file (atomically, as the block files)."""
+        path = tokens_path(self.folder, block_hash)
+        tmp = f"{path}.{self._tmp_tag}.tmp"
+        try:
+            self._write_file(tmp, path, struct.pack(f"<{len(tokens)}I", *tokens), b"")
+        except OSError:
+            _unlink(tmp)
+            raise
 
     @staticmethod
     def _write_file(tmp: str, path: str, header: bytes, payload: Any) -> None:
@@ -503,6 +558,6 @@ class BlockWriter:
                 continue
             del self._lru[name]
             self._total -= nbytes
-            _unlink(path)
+            _unlink_block(path)
             self.stats.blocks_evicted += 1
         return self._total + size <= self.max_bytes

@@ -43,7 +43,7 @@ import numpy as np
 from llmserve.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from llmserve.kv_transfer import disk_store
 from llmserve.kv_transfer.disk_store import (BlockWriter, block_dir, count_chain, drop_invalid, header_prefix, layout_key,
-                                             open_chain, read_chain, read_chain_into, recent_chains)
+                                             open_chain, read_chain, read_chain_into, read_tokens, recent_chains)
 
 if TYPE_CHECKING:
     from llmserve.core.request import Request
@@ -59,11 +59,12 @@ class SharedStorageConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker: ``loads`` (per admitted request: the block ids it
     was given and the chain hashes of the blocks on disk that go there, in order) to read
     into the cache before the forward; ``saves`` (block id, chain hash, parent's chain hash
-    or 0) to copy out after it. ``restore``: the loads are a tier warm-up
+    or 0, and optionally the block's token ids, kept beside it for KV events after a
+    restore) to copy out after it. ``restore``: the loads are a tier warm-up
     (``tier_restore.py``; no forward, and the files' mtimes are left as they are). Plain
     ints, so a worker in another process gets it pickled as is."""
 
-    def __init__(self, loads: list[tuple[list[int], list[int]]], saves: list[tuple[int, int, int]],
+    def __init__(self, loads: list[tuple[list[int], list[int]]], saves: list[tuple],
                  restore: bool = False) -> None:
         self.loads = loads
         self.saves = saves
@@ -338,7 +339,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> SharedStorageConnectorMetadata:
         """Loads gathered at admission; saves: the full prompt blocks each scheduled
         request completes this step (the writer skips those already on disk)."""
-        saves: list[tuple[int, int]] = []
+        saves: list[tuple[int, int, int, list[int]]] = []
+        bs = self.block_size
         for s in scheduler_output.scheduled if self.can_save else ():
             req = s.request
             if not _eligible(req):
@@ -347,7 +349,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
             end = min(end, len(req.block_hashes), len(s.block_ids))
             hashes = req.block_hashes
             for i in range(s.num_computed_tokens // self.block_size, end):
-                saves.append((s.block_ids[i], hashes[i], hashes[i - 1] if i else 0))
+                saves.append((s.block_ids[i], hashes[i], hashes[i - 1] if i else 0,
+                              list(req.all_token_ids[i * bs:(i + 1) * bs])))
         meta = SharedStorageConnectorMetadata(self._step_loads, saves)
         self._step_loads, self._matched = [], None
         return meta
@@ -371,6 +374,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
         """The tier's most recently used chains to restore, at most ``max_blocks`` blocks
         (``disk_store.recent_chains``)."""
         return recent_chains(self.folder, self.key, self.block_nbytes, max_blocks)
+
+    def restored_tokens(self, block_hash: int, parent_hash: int) -> Optional[list[int]]:
+        """The token ids kept beside block ``block_hash`` (its parent's hash ``parent_hash``,
+        0 for a first block), or None (``disk_store.read_tokens``): what a restored block's
+        BlockStored event carries."""
+        return read_tokens(self.folder, block_hash, parent_hash, self.block_size)
 
     def restore_meta(self, loads: list[tuple[list[int], list[int]]]) -> SharedStorageConnectorMetadata:
         """A restore chunk's work for the workers: ``loads`` as (block ids, chain hashes)."""
@@ -542,8 +551,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._layer_saves = {}
         blocks = stacked.permute(2, 0, 1, 3).contiguous()  # [N, L, 2, block elements]
         rows = blocks.view(torch.uint8).view(len(meta.saves), -1).numpy()
-        for i, (_, block_hash, parent_hash) in enumerate(meta.saves):
-            self.writer.put(block_hash, parent_hash, rows[i])
+        for i, save in enumerate(meta.saves):
+            self.writer.put(save[1], save[2], rows[i], save[3] if len(save) > 3 else None)
         if not self.can_load:  # a kv_producer (prefill instance): on disk before its answer goes out
             self.writer.flush()
 

@@ -20,6 +20,13 @@ the blocks restored so far are RAM hits, the others load from disk or are comput
 next chunk skips blocks the request put in the cache. Files the worker finds torn or
 corrupt (XXH3) are removed and not entered, nor is anything chained after them.
 
+With KV cache events on (``--kv-events-config``) each restored run of blocks is announced
+as a BlockStored (chain order, parents first; the engine publishes each chunk's events
+before it serves), with the token ids kept beside the block files
+(``disk_store.read_tokens``), so a subscriber's set of blocks stays the prefix cache's: a
+block without its token file (written before they were kept) is not restored then, nor
+is anything chained after it; it still loads from disk on request, announced as usual.
+
 No torch here (the scheduler's side); the worker reads the files into the blocks through
 the connector's usual load path (``SharedStorageConnectorMetadata.restore``).
 """
@@ -27,6 +34,8 @@ from __future__ import annotations
 
 from collections import deque
 from typing import Any, Optional
+
+from llmserve.core.kv_events import MEDIUM_PRIMARY, BlockStored
 
 
 class TierRestore:
@@ -38,6 +47,7 @@ class TierRestore:
     hands the worker's failed block ids to ``finish_chunk``, which enters the blocks that
     loaded in the prefix cache. Counters: ``blocks`` and ``nbytes`` entered, ``failed``
     (not entered: their file failed the check, or one before them in the chain did),
+    ``untold`` (not entered with KV events on: no valid token file, or none before them),
     ``seconds`` spent (``add_seconds``: planning and chunks, not the waits between them).
     """
 
@@ -53,7 +63,7 @@ class TierRestore:
         self.chunk_blocks = max(1, self.CHUNK_BYTES // connector.block_nbytes)
         self._pieces: Optional[deque] = None  # (anchor hash, hashes) left, planned on the first chunk
         self._runs: list[tuple[int, list[Any], list[int]]] = []  # the chunk under way
-        self.blocks = self.nbytes = self.failed = 0
+        self.blocks = self.nbytes = self.failed = self.untold = 0
         self.seconds = 0.0
 
     def next_chunk(self) -> Optional[Any]:
@@ -109,7 +119,9 @@ class TierRestore:
 
     def finish_chunk(self, failed_block_ids: set[int]) -> None:
         """Enter the chunk's blocks that loaded (up to each run's first failed one) under
-        their hashes, when their anchor is in the cache; free the others uncached."""
+        their hashes, when their anchor is in the cache; free the others uncached. With KV
+        events on, record a BlockStored per run of newly entered blocks (parents first);
+        a run stops at its first block without valid token ids."""
         keep: list[Any] = []
         drop: list[Any] = []
         for anchor, blocks, hashes in self._runs:
@@ -117,9 +129,25 @@ class TierRestore:
             if anchor and self.pool.get_cached_block(anchor) is None:
                 ok = 0
             self.failed += len(blocks) - ok
-            for b, h in zip(blocks[:ok], hashes):
-                (keep if self.pool.cache_block(b, h) else drop).append(b)
+            tokens: list[list[int]] = []
+            if self.pool.events is not None:
+                for i in range(ok):
+                    t = self.connector.restored_tokens(hashes[i], hashes[i - 1] if i else anchor)
+                    if t is None:
+                        self.untold += ok - i
+                        ok = i
+                        break
+                    tokens.append(t)
+            fresh = []
+            for i, (b, h) in enumerate(zip(blocks[:ok], hashes)):
+                if self.pool.cache_block(b, h):
+                    keep.append(b)
+                    fresh.append(i)
+                else:
+                    drop.append(b)
             drop.extend(blocks[ok:])
+            if fresh and self.pool.events is not None:
+                self._record_stored(anchor, hashes, tokens, fresh)
         self._runs = []
         # Eviction order: the chunk's last (least recently used) runs first, leaves first.
         self.pool.free_restored(keep[::-1])
@@ -128,13 +156,29 @@ class TierRestore:
         self.nbytes += len(keep) * self.connector.block_nbytes
         self.connector.note_restored(len(keep))
 
+    def _record_stored(self, anchor: int, hashes: list[int], tokens: list[list[int]], fresh: list[int]) -> None:
+        """One BlockStored per run of consecutive newly entered blocks (``fresh``: their
+        indexes in ``hashes``), as ``KVCacheManager._record_stored`` makes for a request's
+        (no adapter: adapters' blocks are never kept on disk)."""
+        first = 0
+        for k in range(1, len(fresh) + 1):
+            if k < len(fresh) and fresh[k] == fresh[k - 1] + 1:
+                continue
+            a, b = fresh[first], fresh[k - 1] + 1
+            parent = hashes[a - 1] if a else (anchor or None)
+            self.pool.events.append(BlockStored(hashes[a:b], parent, [t for ts in tokens[a:b] for t in ts],
+                                                self.connector.block_size, None, MEDIUM_PRIMARY))
+            first = k
+
     def add_seconds(self, seconds: float) -> None:
         """Count a chunk's time (the caller times it whole, the workers' reads included)."""
         self.seconds += seconds
 
     def summary(self) -> str:
         return (f"restored {self.blocks} blocks ({self.nbytes / 2**20:.1f} MiB) of the KV tier into the prefix "
-                f"cache in {self.seconds:.3f} s" + (f"; {self.failed} blocks skipped (bad files)" if self.failed else ""))
+                f"cache in {self.seconds:.3f} s" + (f"; {self.failed} blocks skipped (bad files)" if self.failed else "")
+                + (f"; {self.untold} blocks not restored (no token ids on disk to announce them in KV events)"
+                   if self.untold else ""))
 
 
 def make_tier_restore(connector: Any, pool: Any, enable_caching: bool) -> Optional[TierRestore]:

@@ -70,6 +70,75 @@ def test_vllm_schema_subscriber_tracks_the_prefix_cache_and_replays(tiny_path, t
         llm.llm_engine.shutdown()
 
 
+def _walk(sub: Subscriber) -> set:
+    """Replay ``sub``'s batches in order, as a router tracks them: every BlockStored's parent
+    and every BlockRemoved's hash must be a block announced and not removed since; returns
+    the blocks tracked at the end."""
+    tracked: set = set()
+    for seq in range(sub.next_seq):
+        for ev in sub.batches[seq].events:
+            if isinstance(ev, BlockStored):
+                assert ev.parent_block_hash is None or ev.parent_block_hash in tracked, \
+                    f"batch {seq}: BlockStored's parent {ev.parent_block_hash} was never announced"
+                tracked.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                assert set(ev.block_hashes) <= tracked, f"batch {seq}: removed blocks never announced"
+                tracked.difference_update(ev.block_hashes)
+            else:
+                tracked.clear()
+    return tracked
+
+
+def test_blocks_restored_from_a_disk_tier_are_announced_before_anything_else(tiny_path, tmp_path):
+    """An engine started over a disk KV tier filled by an earlier one restores blocks into
+    its prefix cache (restore_on_start, the default): each is announced (BlockStored, chain
+    order, tokens that hash to it) before serving, so the evictions that new prompts cause
+    and the stores chained on restored blocks refer to announced blocks only."""
+    from llmserve.core.kv_cache_manager import hash_block_tokens
+
+    kv = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "tier")}}
+    args = dict(tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False, block_size=BLOCK,
+                num_gpu_blocks_override=40, max_model_len=256, max_num_seqs=8, kv_transfer_config=kv)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    convs = _conversations(8, 2)
+    first = LLM(tiny_path, **args)  # fills the tier
+    for turn in range(2):
+        first.generate([{"prompt_token_ids": c[turn]} for c in convs], params, use_tqdm=False)
+    first.llm_engine.shutdown()
+
+    pub, replay = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay"
+    llm = LLM(tiny_path, **args, kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                                   "endpoint": pub, "replay_endpoint": replay, "topic": "kv"})
+    sub = Subscriber(pub, replay, topic="kv", live=False)
+    try:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.pool
+        restored = set(pool.cached)
+        assert len(restored) >= 8  # the restore ran (in-process: all of it at start)
+        sub.replay(0)
+        assert _walk(sub) == restored  # announced before any request
+        for seq in range(sub.next_seq):
+            for ev in sub.batches[seq].events:
+                parent = ev.parent_block_hash or 0
+                for i, h in enumerate(ev.block_hashes):  # the tokens a router hashes
+                    assert hash_block_tokens(parent, ev.token_ids[i * BLOCK:(i + 1) * BLOCK]) == h
+                    parent = h
+                assert ev.block_size == BLOCK and ev.medium == "GPU" and ev.lora_id is None
+
+        # Turn 3 extends restored chains (stores whose parents were restored); new prompts
+        # evict the restored blocks (40 blocks hold about a third of it all).
+        longer = _conversations(8, 3)
+        fresh = [[(t * 7 + k) % 30000 + 300 for t in range(60)] for k in range(8)]
+        llm.generate([{"prompt_token_ids": c[2]} for c in longer], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in fresh], params, use_tqdm=False)
+        sub.replay(sub.next_seq)
+        assert sub.count(BlockRemoved) > 0 and not restored & set(pool.cached)  # every restored block evicted
+        assert _walk(sub) == set(pool.cached)
+    finally:
+        sub.close()
+        llm.llm_engine.shutdown()
+
+
 def test_kv_events_off_makes_no_events(tiny_path):
     llm = LLM(tiny_path, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
               block_size=BLOCK, num_gpu_blocks_override=40, max_model_len=256)

@@ -140,6 +140,31 @@ def test_corrupt_file_is_skipped_at_restore_with_its_descendants(written, tmp_pa
     llm.shutdown()
 
 
+def test_with_kv_events_a_block_without_its_token_file_is_not_restored_nor_its_descendants(written, tmp_path, caplog):
+    """KV events announce each restored block with its tokens (kept beside the block
+    files): a block whose token file is gone (a tier written before they were kept) is
+    not restored where events are on, nor anything chained after it; without events it
+    is restored as before."""
+    model, tier, cold, _ = written
+    tier = _copy_tier(tier, tmp_path / "tier")
+    tok = [os.path.join(d, f) for d, _, fs in os.walk(tier) for f in fs if f == f"{_hashes()[3]:016x}.tok"]
+    assert len(tok) == 1 and len([f for f in os.listdir(os.path.dirname(tok[0])) if f.endswith(".tok")]) == FULL_BLOCKS
+    os.unlink(tok[0])
+    events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": f"ipc://{tmp_path}/rp"}
+    with caplog.at_level(logging.INFO):
+        llm = LLM(model, tokenizer="SmolLM2-135M-Instruct", dtype="float32", multiprocess_mode=False,
+                  kv_cache_memory="8MiB", max_model_len=256, max_num_batched_tokens=64, kv_events_config=events,
+                  kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+                                      "kv_connector_extra_config": {"shared_storage_path": tier}})
+    assert "restored 3 blocks" in caplog.text and "3 blocks not restored (no token ids" in caplog.text
+    assert _cached_hashes(llm) == set(_hashes()[:3])
+    assert _run(llm) == (cold, FULL_BLOCKS * 16)  # the other 3 load from disk on demand
+    llm.shutdown()
+    llm = _llm(model, tier)  # events off: the token files are not needed
+    assert _cached_hashes(llm) == set(_hashes())
+    llm.shutdown()
+
+
 def test_restore_off_and_bad_values(written, tmp_path):
     model, tier, cold, _ = written
     tier = _copy_tier(tier, tmp_path / "tier")
