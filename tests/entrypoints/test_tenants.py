@@ -102,6 +102,35 @@ def test_named_keys_reach_the_engine_as_the_tenant_and_label_metrics(smol_tokeni
     assert 'tenant="bob"' in metrics and "key-a" not in metrics and "key-b" not in metrics
 
 
+def test_a_request_the_global_admission_refuses_counts_under_its_reason_for_its_tenant(smol_tokenizer, tmp_path):
+    """A request under its tenant's quotas that the global admission refuses (429
+    queue_delay: --max-num-seqs full) is counted for its tenant under that reason, not
+    "admitted" (a trial: 16 admitted for 8 served, no refusal for the tenant)."""
+    from llmserve.entrypoints.openai.admission import Rejection
+
+    app, _, _ = _app(smol_tokenizer, tmp_path)
+    controller, calls = app.state.admission, []
+    admit = controller.admit
+
+    def refuse_every_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            return Rejection("queue_delay", 429, 1, "The queue is too long. Retry later.")
+        return admit(*args, **kwargs)
+    controller.admit = refuse_every_second
+
+    async def run():
+        async with _client(app) as c:
+            codes = [(await c.post("/v1/chat/completions", json=CHAT, headers=_auth("key-a"))).status_code
+                     for _ in range(4)]
+            return codes, (await c.get("/metrics")).text
+    codes, metrics = asyncio.run(run())
+    assert codes == [200, 429, 200, 429]
+    assert re.search(r'vllm:tenant_requests_total\{outcome="admitted",tenant="alice"\} 2\.0', metrics), metrics
+    assert re.search(r'vllm:tenant_requests_total\{outcome="queue_delay",tenant="alice"\} 2\.0', metrics), metrics
+    assert re.search(r'vllm:tenant_in_flight_requests\{tenant="alice"\} 0\.0', metrics)
+
+
 def test_quota_429_names_the_limit_for_that_tenant_only_and_allowed_models(smol_tokenizer, tmp_path):
     app, engine, _ = _app(smol_tokenizer, tmp_path)
     engine.gate = asyncio.Event()

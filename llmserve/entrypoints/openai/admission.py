@@ -79,7 +79,7 @@ from llmserve.entrypoints.openai.deadline import (REQUEST_TIMEOUT_HEADER, Deadli
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 from llmserve.entrypoints.openai.server_utils import json_response
 from llmserve.entrypoints.openai.fan_out import ONE, FanOut, fan_out_of
-from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, tenant_of
+from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, TENANT_OUTCOME_KEY, tenant_of
 from llmserve.metrics.stats import IterationStats, SchedulerStats
 
 DRAIN_WINDOW_S = 30.0  # finished requests counted for the drain rate
@@ -539,11 +539,13 @@ class AdmissionMiddleware:
                 if own is not None:
                     return await own(scope, receive, send)
             controller.count_refusal(rejection)
+            _tenant_outcome(scope, rejection.reason)
             response = json_response(make_error(rejection.message, rejection.status, param=rejection.param),
                                      rejection.status)
             if rejection.retry_after is not None:
                 response.headers["Retry-After"] = str(rejection.retry_after)
             return await response(scope, receive, send)
+        _tenant_outcome(scope, None)
         token = set_deadline(None if timeout is None else
                              Deadline(time.monotonic() + timeout, controller.deadline_exceeded))
         try:
@@ -551,6 +553,14 @@ class AdmissionMiddleware:
         finally:
             reset_deadline(token)
             controller.release(fan, tenant)
+
+
+def _tenant_outcome(scope: dict, reason: Optional[str]) -> None:
+    """Tell TenantQuotaMiddleware (when it tracks the request) the admission's verdict:
+    ``reason`` of the refusal, or None (admitted), for ``vllm:tenant_requests_total``."""
+    report = (scope.get("state") or {}).get(TENANT_OUTCOME_KEY)
+    if report is not None:
+        report(reason)
 
 
 def _tenant_in_flight(scope: dict, controller: Any, tenant: str) -> Optional[int]:

@@ -20,8 +20,10 @@ admission queue (so a flooder's overload is answered to the flooder).
   whose requests are not counted against the quotas. A multipart body (speech to text)
   names its model in its form.
 
-``/metrics``: ``vllm:tenant_requests_total{tenant,outcome}`` (admitted or the refusal's
-reason) and ``vllm:tenant_in_flight_requests{tenant}``; names come only from the keys
+``/metrics``: ``vllm:tenant_requests_total{tenant,outcome}`` (admitted, or the refusal's
+reason: a tenant quota's ``tenant_*`` one, or, for a request under its tenant's quotas that
+the global admission refused, the admission's own reason, as in
+``vllm:request_rejected_total``: ``queue_delay``, ``queue_full``, ...) and ``vllm:tenant_in_flight_requests{tenant}``; names come only from the keys
 file and "default", so the label set is bounded.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 from llmserve.entrypoints.openai.server_utils import json_response
-from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, Tenant, tenant_of
+from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, TENANT_OUTCOME_KEY, Tenant, tenant_of
 
 DEFAULT_OUTPUT_ESTIMATE = 256  # tokens counted for a request that sets no output limit
 BYTES_PER_TOKEN = 4  # prompt estimate before rendering (~4 bytes of English per token)
@@ -189,9 +191,11 @@ class TenantQuotas:
         st.stamp = now
         return st.level
 
-    def check(self, tenant: Tenant, cost: int) -> Optional[tuple[str, int, str]]:
+    def check(self, tenant: Tenant, cost: int, count_admitted: bool = True) -> Optional[tuple[str, int, str]]:
         """``(reason, retry_after_s, message)`` when ``tenant`` is over a limit, else None
-        (then the request is admitted: call :meth:`release` when its response ends)."""
+        (then the request is admitted: call :meth:`release` when its response ends).
+        count_admitted: False leaves the "admitted" outcome to the caller
+        (:meth:`outcome`: the global admission decides it)."""
         st = self.state(tenant.name)
         limit = tenant.max_concurrent_requests
         if limit is not None and st.in_flight >= limit:
@@ -209,8 +213,14 @@ class TenantQuotas:
         if st.in_flight == 0:
             st.drain.start_work()  # the tenant's busy time starts: its idle time is no drain
         st.in_flight += 1
-        self._count(tenant.name, "admitted", st)
+        self._count(tenant.name, "admitted" if count_admitted else None, st)
         return None
+
+    def outcome(self, tenant: Tenant, refusal: Optional[str]) -> None:
+        """Count the outcome of a request that passed ``tenant``'s quotas
+        (``check(count_admitted=False)``): "admitted", or ``refusal``, the reason the
+        global admission refused it."""
+        self._count(tenant.name, refusal or "admitted", self.state(tenant.name))
 
     def release(self, tenant: Tenant) -> None:
         """An admitted request's response ended: it counts toward the tenant's drain rate."""
@@ -235,8 +245,8 @@ class _TenantMetrics:
     def __init__(self, registry: Any):
         from prometheus_client import Counter, Gauge
         self.requests = _family(registry, "vllm:tenant_requests", lambda: Counter(
-            "vllm:tenant_requests", "Generation requests by tenant and outcome (admitted, or the tenant "
-            "quota that refused it).", ["tenant", "outcome"], registry=registry))
+            "vllm:tenant_requests", "Generation requests by tenant and outcome (admitted, or why it was "
+            "refused: the tenant quota's reason or the global admission's).", ["tenant", "outcome"], registry=registry))
         self.in_flight = _family(registry, "vllm:tenant_in_flight_requests", lambda: Gauge(
             "vllm:tenant_in_flight_requests", "Requests of the tenant in flight.", ["tenant"],
             registry=registry, multiprocess_mode="livesum"))
@@ -296,7 +306,17 @@ class TenantQuotaMiddleware:
         refused = model_refusal(tenant, await _model_of(scope, body), self.state, _ollama_route(path))
         if refused is not None:
             return await _refuse(refused, scope, receive, send)
-        refusal = quotas.check(tenant, request_cost(body, path))
+        # The outcome waits for the global admission's verdict (admission.py reports it
+        # through the scope), so a request it refuses is not counted "admitted".
+        decided: list[Optional[str]] = []
+        defer = getattr(self.state, "admission", None) is not None
+        refusal = quotas.check(tenant, request_cost(body, path), count_admitted=not defer)
+        if refusal is None and defer:
+            def report(reason: Optional[str]) -> None:
+                if not decided:
+                    decided.append(reason)
+                    quotas.outcome(tenant, reason)
+            scope["state"][TENANT_OUTCOME_KEY] = report
         if refusal is not None:
             if self.prechecks is not None:  # validation first: a malformed request gets its own error
                 own = await malformed_response(self.prechecks, self.router, self.state, scope, path, body,
@@ -311,6 +331,8 @@ class TenantQuotaMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
+            if defer and not decided:  # no verdict (a 400 before admission): admitted, as before
+                report(None)
             quotas.release(tenant)
 
 

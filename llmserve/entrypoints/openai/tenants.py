@@ -22,6 +22,9 @@ DEFAULT_TENANT_NAME = "default"
 TENANT_SCOPE_KEY = "tenant"  # the key in the ASGI scope's "state" dict (= request.state.tenant)
 # scope["state"] key of a callable: the tenant's requests in flight (tenant_quotas.py), read by admission
 TENANT_IN_FLIGHT_KEY = "llmserve.tenant_in_flight"
+# scope["state"] key of a callable taking the global admission's verdict on a request that
+# passed its tenant's quotas (tenant_quotas.py): None (admitted) or the refusal's reason
+TENANT_OUTCOME_KEY = "llmserve.tenant_outcome"
 
 
 @dataclass(frozen=True)
