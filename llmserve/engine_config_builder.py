@@ -336,7 +336,9 @@ def _kv_transfer_config(args: "EngineArgs", model_config: ModelConfig) -> Option
     from llmserve.kv_transfer import KVConnectorFactory
 
     KVConnectorFactory.get_connector_class(ktc).check_config(ktc)
-    why = ("enable_prefix_caching is off (the KV tier extends the prefix cache)" if not args.enable_prefix_caching
+    why = ("prefix caching off (--no-enable-prefix-caching, enable_prefix_caching=False): "
+           "the KV tier extends the prefix cache"
+           if not args.enable_prefix_caching
            else "tensor_parallel_size > 1" if args.tensor_parallel_size > 1
            else "a pooling model" if model_config.runner == "pooling"
            else "an encoder model" if model_config.is_encoder_only or model_config.is_encoder_decoder else None)

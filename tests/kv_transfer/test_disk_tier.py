@@ -308,6 +308,23 @@ class _Recorder(SharedStorageConnector):
     """A third-party connector (here: the disk tier under another name)."""
 
 
+def test_tier_without_prefix_caching_says_so_in_a_sentence():
+    """The start-up error of a KV tier with --no-enable-prefix-caching reads as a sentence
+    naming the flag (it said "cannot run with enable_prefix_caching is off")."""
+    from types import SimpleNamespace
+
+    from llmserve.engine_config_builder import _kv_transfer_config
+
+    args = SimpleNamespace(kv_offloading_size=1.0, kv_offloading_backend="native", kv_transfer_config=None,
+                           enable_prefix_caching=False, tensor_parallel_size=1)
+    with pytest.raises(ValueError) as e:
+        _kv_transfer_config(args, SimpleNamespace(runner="generate", is_encoder_only=False,
+                                                  is_encoder_decoder=False))
+    assert str(e.value) == ("kv_transfer_config: the OffloadingConnector connector cannot run with prefix caching "
+                            "off (--no-enable-prefix-caching, enable_prefix_caching=False): the KV tier extends "
+                            "the prefix cache")
+
+
 def test_registry_lists_known_connectors_and_takes_third_party_ones():
     assert {"SharedStorageConnector", "OffloadingConnector"} <= set(KVConnectorFactory.known_connectors())
     KVConnectorFactory.register_connector("TestRecorderConnector", __name__, "_Recorder")
