@@ -120,6 +120,20 @@ class _AdapterEngine:
         return True
 
 
+def test_lora_modules_name_given_twice_says_so():
+    """``--lora-modules a=/p a=/q`` fails at start-up saying the name is given twice (it
+    said "set 'load_inplace' to True", an HTTP field with no meaning on the command line)."""
+    import asyncio
+
+    from llmserve.entrypoints.openai.models.lora import LoRAAdapters
+
+    engine = _AdapterEngine()
+    with pytest.raises(ValueError) as e:
+        asyncio.run(LoRAAdapters(engine, ["m"]).load_static([LoRAModulePath("a", "/p"), LoRAModulePath("a", "/q")]))
+    assert str(e.value) == "--lora-modules: the name 'a' is given twice (each adapter needs its own name)"
+    assert "load_inplace" not in str(e.value)
+
+
 @pytest.fixture
 def lora_client(app_and_engine):  # noqa: F811
     """The app (scripted engine, run-time LoRA updating on) with an adapter table over

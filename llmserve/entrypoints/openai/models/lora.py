@@ -180,7 +180,12 @@ class LoRAAdapters:
     # ---- load / unload
     async def load_static(self, modules: Sequence[LoRAModulePath]) -> None:
         """Load each ``--lora-modules`` entry. Raises ValueError naming ``--lora-modules``."""
+        seen: set[str] = set()
         for m in modules:
+            if m.name in seen:
+                raise ValueError(f"--lora-modules: the name {m.name!r} is given twice (each adapter needs "
+                                 "its own name)")
+            seen.add(m.name)
             try:
                 await self.load(LoadLoRAAdapterRequest(lora_name=m.name, lora_path=m.path), m.base_model_name)
             except (ValueError, NotFoundError) as e:
