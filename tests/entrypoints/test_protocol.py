@@ -139,6 +139,18 @@ def test_completion_request_checks_and_echo_prompt_logprobs():
     assert sp.prompt_logprobs is None
 
 
+def test_best_of_other_than_n_names_both_values():
+    """best_of is accepted only equal to n; the 400 says so with both values (it said
+    "best_of is not supported" while best_of == n works and the README counts it)."""
+    for best_of, n in ((4, 2), (1, 2), (3, None)):
+        with pytest.raises(SamplingParamsError) as e:
+            CompletionRequest(prompt="a", best_of=best_of, n=n).check()
+        assert e.value.param == "best_of"
+        assert str(e.value).startswith(f"best_of ({best_of}) must equal n ({n or 1}): "), str(e.value)
+        assert "not supported" in str(e.value) and "leave best_of out or set it to n" in str(e.value)
+    CompletionRequest(prompt="a", best_of=2, n=2).check()
+
+
 @pytest.mark.parametrize("prompt", ["x", ["a", "b"], [1, 2], [[1], [2, 3]]])
 def test_prompt_forms_accepted(prompt):
     assert CompletionRequest(prompt=prompt).prompt == prompt

@@ -50,7 +50,9 @@ class CompletionRequest(SamplingRequest):
         self.check_common()
         check_max_logprobs(self.logprobs, "logprobs")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise SamplingParamsError("best_of is not supported (it must equal n).", "best_of")
+            raise SamplingParamsError(
+                f"best_of ({self.best_of}) must equal n ({self.n or 1}): generating more sequences than are "
+                "returned and keeping the best is not supported; leave best_of out or set it to n.", "best_of")
 
     def to_sampling_params(self, max_tokens: Optional[int], defaults: dict[str, Any]) -> SamplingParams:
         """Map the OpenAI fields to SamplingParams. max_tokens: the budget chosen by the
