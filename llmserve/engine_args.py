@@ -228,7 +228,7 @@ class EngineArgs:
     enable_lora: bool = field(default=False, metadata=_help("Serve LoRA adapters over the base model (PEFT directories or GGUF LoRA files; Llama-family models)."))
     max_loras: int = field(default=1, metadata=_help("Most distinct LoRA adapters in one batch (the base model's rows do not count)."))
     max_lora_rank: int = field(default=16, metadata=_help("Largest LoRA rank accepted (one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."))
-    max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Most LoRA adapters kept loaded (default: max_loras); the least recently used idle one is unloaded past it."))
+    max_cpu_loras: Optional[int] = field(default=None, metadata=_help("Most LoRA adapters kept loaded (default: max_loras); the least recently used idle one is unloaded past it and re-read from its path when next used (its files must stay there)."))
     lora_dtype: str = field(default="auto", metadata=_help("LoRA weights' dtype: auto (the model's; bfloat16 for a float16 model on CPU, where the LoRA kernel sums in float32 over float32 or bfloat16 weights), float32, bfloat16 or float16."))
     # ---- compilation, KV transfer
     compilation_config: Optional[CompilationConfig] = field(default=None, metadata=_help("An int (the -O mode) or a JSON dict, as vLLM; the engine runs eagerly, so any mode is logged and runs as mode 0.", str))

@@ -573,10 +573,10 @@ class EngineCoreProc:
                                               else f"{type(error).__name__}: {error}")
             outs = EngineCoreOutputs(utility_output=UtilityOutput(call.call_id, result=result, failure_message=msg))
             self.output_queue.put(outs if self._router is None else (call.client_index, outs))
-        elif error is not None:
+        elif error is not None:  # a typed error crosses in failure_text's form (its param kept)
             logger.warning("Rejected request %s: %s", item.payload.request_id, error)
-            self.output_queue.put(EngineCoreOutputs(rejected=[EngineCoreRejection(item.payload.request_id,
-                                                                                  str(error))]))
+            msg = failure_text(error) if isinstance(error, LoRAAdapterError) else str(error)
+            self.output_queue.put(EngineCoreOutputs(rejected=[EngineCoreRejection(item.payload.request_id, msg)]))
         else:
             self._handle((EngineCoreRequestType.ADD, item.payload))
 
@@ -598,8 +598,11 @@ class EngineCoreProc:
                     self.core.add_streaming_input(payload)
             except ValueError as e:
                 # Refused: tell the caller (a ValueError there), so it is not left waiting.
+                from llmserve.lora.errors import LoRAAdapterError, failure_text
+
                 logger.warning("Rejected request %s: %s", payload.request_id, e)
-                self.output_queue.put(EngineCoreOutputs(rejected=[EngineCoreRejection(payload.request_id, str(e))]))
+                msg = failure_text(e) if isinstance(e, LoRAAdapterError) else str(e)
+                self.output_queue.put(EngineCoreOutputs(rejected=[EngineCoreRejection(payload.request_id, msg)]))
         elif rtype == EngineCoreRequestType.ABORT:
             if self.core.has_work():  # else every request has finished: stats unchanged
                 self._stats_stale = True

@@ -16,6 +16,7 @@ from llmserve.engine.exceptions import EngineGenerateError
 from llmserve.engine.messages import EngineCoreOutput, EngineCoreRejection, EngineCoreRequest, LogprobsLists
 from llmserve.engine.parallel_sampling import ParentRequest
 from llmserve.engine.request_timeline import RequestTimelines, TimelineRecord
+from llmserve.lora.errors import error_from_text
 from llmserve.metrics.stats import FinishedRequestStats, IterationStats
 from llmserve.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                               RequestOutput)
@@ -275,7 +276,7 @@ class OutputProcessor:
             self._forget(st, "error")
             if st.parent is not None:
                 self.parents.pop(st.parent.request_id, None)
-            exc = EngineGenerateError(rej.message) if rej.engine_lost else ValueError(rej.message)
+            exc = EngineGenerateError(rej.message) if rej.engine_lost else error_from_text(rej.message)
             if st.collector is None:
                 raise exc
             st.collector.put(exc)

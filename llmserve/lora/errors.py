@@ -38,6 +38,17 @@ def reraise_lora_error(error: BaseException) -> None:
     raise cls(message, param[:-1]) from None
 
 
+def error_from_text(text: str) -> ValueError:
+    """The error a refused request's message carries: the typed one (its ``param`` kept,
+    so the server's 400 names the field) when ``text`` is :func:`failure_text`'s form,
+    else a plain ValueError(text)."""
+    try:
+        reraise_lora_error(ValueError(text))
+    except LoRAAdapterError as e:
+        return e
+    return ValueError(text)
+
+
 def failure_text(error: LoRAAdapterError) -> str:
     """The wire form :func:`reraise_lora_error` reads."""
     suffix = f" [param={error.param}]" if error.param else ""

@@ -10,6 +10,7 @@ engine state), ``add`` runs between steps."""
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -31,10 +32,30 @@ class LoRARegistry:
         self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
         self.pinned: set[int] = set()
         self.removing: set[int] = set()  # removed while in use: unloaded when idle
+        self.evicted: set[int] = set()  # unloaded for room (max_cpu_loras): re-read when next used
 
     def read(self, request: LoRARequest) -> Any:
-        """Read the adapter's files (safe off the step loop). Raises LoRAAdapterError."""
-        return self.executor.read_lora(request)
+        """Read the adapter's files (safe off the step loop). Raises LoRAAdapterError
+        (:meth:`explain`'s, for an evicted adapter whose files are gone)."""
+        try:
+            return self.executor.read_lora(request)
+        except LoRAAdapterError as e:
+            raise self.explain(request, e) from None
+
+    def explain(self, request: LoRARequest, error: LoRAAdapterError) -> LoRAAdapterError:
+        """``error`` as the client of a request for ``request``'s adapter should read it:
+        an adapter unloaded to make room (max_cpu_loras) is re-read from its path when
+        next used; when that path is gone the request names the model (``param``
+        "model") and says the files are gone, rather than a ``lora_path`` it never sent.
+        Any other error unchanged."""
+        if request.lora_int_id not in self.evicted or error.param != "lora_path" \
+                or os.path.exists(request.lora_path or ""):
+            return error
+        return LoRAAdapterError(
+            f"The model {request.lora_name!r} (a LoRA adapter) cannot be used: it was unloaded to make room "
+            f"(--max-cpu-loras) and its files at {request.lora_path!r} are gone, so it cannot be reloaded. "
+            "Load it again from a path that exists, or unload it.",
+            "model")
 
     def add(self, request: LoRARequest, weights: Any = None) -> bool:
         """Load (or with ``load_inplace`` / a new path, reload) ``request``'s adapter.
@@ -47,7 +68,11 @@ class LoRARegistry:
             return False
         if old is None:
             self._make_room()
-        self.executor.add_lora(request, weights)
+        try:
+            self.executor.add_lora(request, weights)
+        except LoRAAdapterError as e:
+            raise self.explain(request, e) from None
+        self.evicted.discard(lid)
         self.removing.discard(lid)
         self.loaded[lid] = request
         self.loaded.move_to_end(lid)
@@ -65,6 +90,7 @@ class LoRARegistry:
         busy = self.in_use()
         for lid in [i for i in self.loaded if i not in self.pinned and i not in busy][:excess]:
             self._unload(lid)
+            self.evicted.add(lid)
 
     def _unload(self, lid: int) -> None:
         self.loaded.pop(lid, None)

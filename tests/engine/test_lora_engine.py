@@ -120,3 +120,61 @@ def test_beam_search_runs_every_beam_with_the_adapter(adapters, llm8):
                       do_sample=False, early_stopping=False)
     assert [s.tokens[len(PROMPT):] for s in got] == [r[len(PROMPT):].tolist() for r in ref]
     assert [s.tokens for s in got] != [s.tokens for s in base]  # not the base model's beams
+
+
+def test_evicted_adapter_whose_files_are_gone_names_the_model(tmp_path):
+    """An adapter unloaded for room (max_cpu_loras) is re-read from its path when next
+    used; when its files were deleted, a request for it is refused naming the model
+    (param "model") and saying the files are gone (it was a 400 'lora_path ... does not
+    exist' with param null: the refusal crossed the process split as plain text). An
+    adapter never loaded keeps the lora_path error."""
+    import os
+    import shutil
+
+    from llmserve.engine.output_processor import OutputProcessor
+    from llmserve.lora.config import LoRAConfig
+    from llmserve.lora.errors import error_from_text, failure_text
+    from llmserve.lora.models import load_adapter
+    from llmserve.lora.registry import LoRARegistry
+
+    class _Executor:  # reads as the worker does: the path must exist
+        def read_lora(self, request):
+            load_adapter(request.lora_path, 16) if not os.path.exists(request.lora_path) else None
+
+        def add_lora(self, request, weights=None):
+            self.read_lora(request)
+
+        def remove_lora(self, lid):
+            pass
+
+    paths = [tmp_path / "a1", tmp_path / "a2"]
+    for p in paths:
+        p.mkdir()
+    a1, a2 = (LoRARequest(f"a{i}", i, str(p)) for i, p in enumerate(paths, 1))
+    reg = LoRARegistry(LoRAConfig(max_loras=1, max_cpu_loras=1), _Executor(), set)
+    assert reg.add(a1) and reg.add(a2) and reg.list() == {2}  # a1 evicted
+    shutil.rmtree(paths[0])
+    for call in (lambda: reg.read(a1), lambda: reg.add(a1)):  # off the loop, or in process
+        with pytest.raises(LoRAAdapterError) as e:
+            call()
+        assert e.value.param == "model"
+        assert str(e.value).startswith("The model 'a1' (a LoRA adapter) cannot be used: it was unloaded to make "
+                                       f"room (--max-cpu-loras) and its files at {str(paths[0])!r} are gone, so it "
+                                       "cannot be reloaded."), str(e.value)
+        # the refusal's text crosses the process split and comes back typed, param kept
+        back = error_from_text(failure_text(e.value))
+        assert isinstance(back, LoRAAdapterError) and back.param == "model" and str(back) == str(e.value)
+    with pytest.raises(LoRAAdapterError) as e:
+        reg.read(LoRARequest("new", 3, str(tmp_path / "never")))
+    assert e.value.param == "lora_path"
+    assert type(error_from_text("prompt too long")) is ValueError
+    # the client side of a refused request: the caller's collector gets the typed error
+    from types import SimpleNamespace
+
+    from llmserve.engine.messages import EngineCoreRejection
+
+    got = []
+    st = SimpleNamespace(parent=None, collector=SimpleNamespace(put=got.append))
+    proc = SimpleNamespace(states={"r": st}, parents={}, _forget=lambda *a: None)
+    OutputProcessor.reject_requests(proc, [EngineCoreRejection("r", failure_text(e.value))])
+    assert isinstance(got[0], LoRAAdapterError) and got[0].param == "lora_path"
