@@ -523,7 +523,8 @@ class AsyncLLM(EngineClient):
         """Abort requests (a parent's id aborts all its n>1 children).
 
         Each aborted request's ``generate()`` gets a final output with finish_reason
-        "abort" and the tokens so far, then ends (vLLM PR 22283); ``internal``: the caller
+        "abort" and the tokens so far, then ends (vLLM PR 22283; a beam search's comes from
+        the engine, its best beams so far, within BEAM_ABORT_GRACE_S); ``internal``: the caller
         went away (its generator closed), so no output is made. Outputs of the aborted
         request still on their way are dropped, so a new request may reuse the id at once.
         """
