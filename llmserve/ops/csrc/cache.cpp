@@ -5,11 +5,27 @@
 // rounds (a NaN stays a NaN): a float32 model's K/V written into a narrower cache
 // (CacheConfig.cache_dtype). Vectorised because it runs for every token of every layer:
 // ~11k values a token for SmolLM2, ~0.4 M a 32-row decode step.
+#if LLMSERVE_AVX512
+// torch's float32 -> bfloat16 on the bits (round to nearest even, NaN -> 0x7FC0), not
+// store16's VCVTNEPS2BF16: that instruction treats denormal inputs as zero, so on AVX512-BF16
+// CPUs a K/V value of 1e-40 was cached as 0 where torch keeps the bfloat16 denormal (a CI
+// rehearsal on Zen 4 caught it; the AVX2 path, store8, was already exact).
+static inline void narrow16(at::BFloat16* p, __m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+static inline void narrow16(at::Half* p, __m512 x) { store16(p, x); }
+#endif
+
 template <typename T>
 static void narrow_row(T* dst, const float* src, int64_t n) {
   int64_t i = 0;
 #if LLMSERVE_AVX512
-  for (; i + 16 <= n; i += 16) store16(dst + i, _mm512_loadu_ps(src + i));
+  for (; i + 16 <= n; i += 16) narrow16(dst + i, _mm512_loadu_ps(src + i));
 #elif LLMSERVE_AVX2
   for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(src + i));
 #endif
