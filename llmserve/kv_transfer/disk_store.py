@@ -155,9 +155,7 @@ def count_chain(folder: str, block_hashes: list[int], nbytes: int,
         if n >= 0:
             return n
         n = -n - 1
-        path = block_path(folder, block_hashes[n])
-        logger.warning("KV tier: ignoring %s (truncated or of the wrong size); it is removed", path)
-        _unlink(path)
+        drop_invalid(folder, block_hashes[n], "truncated or of the wrong size")
         return n
     for i, h in enumerate(block_hashes):
         path = block_path(folder, h)
@@ -166,8 +164,7 @@ def count_chain(folder: str, block_hashes: list[int], nbytes: int,
         except OSError:
             return i
         if size != HEADER_SIZE + nbytes:
-            logger.warning("KV tier: ignoring %s (truncated or of the wrong size); it is removed", path)
-            _unlink(path)
+            drop_invalid(folder, h, "truncated or of the wrong size")
             return i
     return len(block_hashes)
 
