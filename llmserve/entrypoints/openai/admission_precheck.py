@@ -186,7 +186,7 @@ def _check_chat(state: Any, request: Any) -> None:
 
 def _checks_model(attr: str, then_request: bool = True) -> ModelCheck:
     """The first checks of a handler that runs ``_check_model``, then (``then_request``)
-    ``request.check()``: completions, Responses; ``/infill`` only the first."""
+    ``request.check()``: completions, Responses; ``/infill`` and ``/completion`` only the first."""
     def check(state: Any, request: Any) -> None:
         check_model(state, attr, request)
         if then_request:
@@ -216,7 +216,7 @@ def openai_model_checks() -> dict[type, ModelCheck]:
     from llmserve.entrypoints.openai.classify.protocol import ClassificationRequest
     from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
     from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest, PoolingRequest
-    from llmserve.entrypoints.openai.infill.protocol import InfillRequest
+    from llmserve.entrypoints.openai.infill.protocol import InfillRequest, LlamaCompletionRequest
     from llmserve.entrypoints.openai.responses.protocol import ResponsesRequest
     from llmserve.entrypoints.openai.score.protocol import RerankRequest, ScoreRequest
 
@@ -224,6 +224,7 @@ def openai_model_checks() -> dict[type, ModelCheck]:
             CompletionRequest: _checks_model("openai_serving_completion"),
             ResponsesRequest: _checks_model("openai_serving_responses"),
             InfillRequest: _checks_model("openai_serving_completion", then_request=False),
+            LlamaCompletionRequest: _checks_model("openai_serving_completion", then_request=False),
             EmbeddingRequest: _checks_task("openai_serving_embedding", "embed"),
             PoolingRequest: _checks_task("openai_serving_embedding", None),
             ScoreRequest: _checks_task("openai_serving_scores", "score"),

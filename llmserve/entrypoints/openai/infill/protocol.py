@@ -1,11 +1,14 @@
-"""Protocol of llama.cpp's ``POST /infill`` (llama-server's fill-in-the-middle route).
+"""Protocol of llama-server's native generation routes: ``POST /infill`` (fill-in-the-middle)
+and ``POST /completion`` (a plain completion of ``prompt``; ``/completions`` too).
 
 The request: ``input_prefix`` and ``input_suffix`` (a string, or a list of strings and
 token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``prompt``
 (text added after the prefix, before the middle), and llama-server's sampling fields
 (``n_predict``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
 ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``ignore_eos``,
-``stream``, ``return_tokens``). llama-server's per-slot and cache fields (``id_slot``,
+``stream``, ``return_tokens``). ``/completion`` takes the same sampling fields and
+``prompt``: a string, token ids, strings and token ids mixed (one prompt), or a list of
+such prompts (an answer per prompt, in a list; streamed events carry ``index``). llama-server's per-slot and cache fields (``id_slot``,
 ``cache_prompt``, ``t_max_predict_ms``, ``samplers``...) are ignored with a warning, as
 every unknown field (the server's one policy, README "Request fields"). The response is
 llama-server's non-OpenAI completion object (``content``, ``stop``, ``tokens_predicted``,
@@ -18,15 +21,16 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import Field
 
-from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_STOP_STRING_CHARS, \
-    MAX_STOP_STRINGS
+from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST, \
+    MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, JSONFloat, OpenAIBaseModel, \
     OpenAIRequestModel, OpenAIRequestPart
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 MAX_EXTRA_CHUNKS = 1024
-MixedInput = Union[str, Annotated[list[Union[Int64, str]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]]
+MixedList = Annotated[list[Union[Int64, str]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+MixedInput = Union[str, MixedList]
 # llama-server's sampling defaults (``common_params_sampling``), for fields a request and
 # the model's generation config both leave out
 LLAMA_CPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
@@ -40,14 +44,10 @@ class ExtraChunk(OpenAIRequestPart):
     filename: str = FIM_EXTRA_FILE_NAME
 
 
-class InfillRequest(OpenAIRequestModel):
-    """``POST /infill`` (see the module docstring)."""
+class LlamaSamplingRequest(OpenAIRequestModel):
+    """llama-server's sampling fields, shared by ``/infill`` and ``/completion``."""
 
     model: Optional[str] = None
-    input_prefix: MixedInput = ""
-    input_suffix: MixedInput = ""
-    input_extra: Annotated[list[ExtraChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
-    prompt: str = ""
     n_predict: Optional[Int64] = None  # -1: no limit but the context (llama-server)
     temperature: Optional[JSONFloat] = None
     top_k: Optional[Int64] = None
@@ -62,10 +62,6 @@ class InfillRequest(OpenAIRequestModel):
     ignore_eos: bool = False
     stream: bool = False
     return_tokens: bool = False
-
-    def extra_chunks(self) -> list[tuple[str, str]]:
-        """``input_extra`` as (filename, text) pairs."""
-        return [(c.filename, c.text) for c in self.input_extra]
 
     def to_sampling_params(self, defaults: dict[str, Any], stop_token_ids: list[int]) -> SamplingParams:
         """SamplingParams of the request: a field left out takes the model's generation
@@ -91,8 +87,48 @@ class InfillRequest(OpenAIRequestModel):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
+class InfillRequest(LlamaSamplingRequest):
+    """``POST /infill`` (see the module docstring)."""
+
+    input_prefix: MixedInput = ""
+    input_suffix: MixedInput = ""
+    input_extra: Annotated[list[ExtraChunk], Field(max_length=MAX_EXTRA_CHUNKS)] = []
+    prompt: str = ""
+
+    def extra_chunks(self) -> list[tuple[str, str]]:
+        """``input_extra`` as (filename, text) pairs."""
+        return [(c.filename, c.text) for c in self.input_extra]
+
+
+class LlamaCompletionRequest(LlamaSamplingRequest):
+    """``POST /completion`` (see the module docstring): ``prompt`` is required."""
+
+    prompt: Union[str, Annotated[list[Union[Int64, str, MixedList]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]]
+
+    def prompts(self) -> list[Union[str, list[Union[int, str]]]]:
+        """The prompts, as llama-server reads ``prompt``: a string, a list of token ids, or
+        a list mixing strings and token ids is one prompt; any other list is one prompt per
+        item. Raises SamplingParamsError naming ``prompt`` for an empty list, too many
+        prompts, or bare token ids beside lists."""
+        value = self.prompt
+        if isinstance(value, str):
+            return [value]
+        if not value:
+            raise SamplingParamsError("prompt: must not be empty.", "prompt")
+        if not any(isinstance(p, int) for p in value):  # strings and lists: one prompt each
+            if len(value) > MAX_PROMPTS_PER_REQUEST:
+                raise SamplingParamsError(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
+                                          f"got {len(value)}.", "prompt")
+            return list(value)
+        if any(isinstance(p, list) for p in value):
+            raise SamplingParamsError("prompt: a list of prompts holds strings and lists of token ids, "
+                                      "not bare token ids beside lists.", "prompt")
+        return [list(value)]  # token ids, or token ids and strings: one prompt
+
+
 class InfillResponse(OpenAIBaseModel):
-    """llama-server's completion object (the fields a client of ``/infill`` reads)."""
+    """llama-server's completion object (the fields a client of ``/infill`` or
+    ``/completion`` reads)."""
 
     index: int = 0
     content: str

@@ -1,10 +1,14 @@
-"""``POST /infill`` (llama-server's fill-in-the-middle), over the completion handler.
+"""llama-server's native generation routes over the completion handler: ``POST /infill``
+(fill-in-the-middle) and ``POST /completion``.
 
-The prompt is built from the model's FIM tokens as llama-server builds it (fim.py); the
-request then runs as one completion on the same engine (``OpenAIServingCompletion``'s
-``generate``, so X-Request-Timeout, logging and cancellation apply). A model without FIM
-tokens is a 400 naming ``input_suffix``; an engine rejection (context length) is a 400
-before anything is sent.
+``/infill``'s prompt is built from the model's FIM tokens as llama-server builds it
+(fim.py); a model without FIM tokens is a 400 naming ``input_suffix``. ``/completion``
+tokenizes ``prompt`` as llama-server does (``tokenize_mixed`` with ``add_special`` and
+``parse_special``: the tokenizer's BOS when the prompt starts with text, and special-token
+text such as ``<|im_start|>`` read as those tokens). Either then runs on the same engine
+(``OpenAIServingCompletion``'s ``generate``, so X-Request-Timeout, logging and
+cancellation apply); an engine rejection (context length, empty prompt, a token id
+outside the vocabulary) is a 400 before anything is sent.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from typing import Any, AsyncGenerator, Optional, Union
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception
 from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started, sse
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_prompt, require_fim_tokens
-from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse
+from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse, LlamaCompletionRequest, \
+    LlamaSamplingRequest
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.tokenizer import check_encodable
 
@@ -55,45 +60,90 @@ async def create_infill(handler: Any, request: InfillRequest, request_id: Option
     SamplingParamsError (400 naming the field), ModelNotFoundError (404), EngineDeadError."""
     model_name = handler._check_model(request)
     prompt, stop_ids = await _prompt(handler, request)
+    result = await _run(handler, request, model_name, [prompt], stop_ids, request_id)
+    return result[0] if isinstance(result, list) else result
+
+
+def _completion_ids(tokenizer: Any, prompt: Union[str, list[Union[int, str]]]) -> list[int]:
+    """llama.cpp's ``tokenize_mixed(prompt, add_special=true, parse_special=true)``: text
+    pieces with special-token text parsed, special tokens added to a leading text piece only."""
+    pieces = [prompt] if isinstance(prompt, str) else prompt
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, str):
+            ids.extend(tokenizer.encode(piece, add_special_tokens=i == 0))
+        else:
+            ids.append(piece)
+    return ids
+
+
+async def create_llama_completion(handler: Any, request: LlamaCompletionRequest, request_id: Optional[str] = None,
+                                  ) -> Union[InfillResponse, list[InfillResponse], AsyncGenerator[str, None]]:
+    """Serve one ``/completion`` request on ``handler`` (an OpenAIServingCompletion): an
+    InfillResponse, a list of them (several prompts, in their order; one prompt's answer
+    is an object, as llama-server sends it), or (``stream``) an
+    async generator of ``data:`` events (each with its prompt's ``index``). Raises
+    SamplingParamsError (400 naming the field), ModelNotFoundError (404), EngineDeadError."""
+    model_name = handler._check_model(request)
+    prompts = request.prompts()
+    for prompt in prompts:
+        for piece in [prompt] if isinstance(prompt, str) else prompt:
+            if isinstance(piece, str):
+                check_encodable(piece, "prompt")
+    rendered = [RenderedPrompt(None, await handler.renderer.run_in_pool(_completion_ids, handler.tokenizer, p))
+                for p in prompts]
+    result = await _run(handler, request, model_name, rendered, [], request_id)
+    return result[0] if isinstance(result, list) and len(result) == 1 else result
+
+
+async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, prompts: list[RenderedPrompt],
+               stop_ids: list[int], request_id: Optional[str],
+               ) -> Union[list[InfillResponse], AsyncGenerator[str, None]]:
+    """Run ``prompts`` together: every answer (in the prompts' order), or the stream."""
     params = request.to_sampling_params(handler.default_sampling_params, stop_ids)
-    gens = [handler.generate(prompt, params, handler.new_request_id(request_id))]
+    base = handler.new_request_id(request_id)
+    gens = [handler.generate(p, params, base if len(prompts) == 1 else f"{base}-{i}")
+            for i, p in enumerate(prompts)]
     merged = merge_started(await handler.start_generation(gens), gens)
     if request.stream:
-        return _stream(handler, request, model_name, prompt, merged, gens)
+        return _stream(handler, request, model_name, prompts, merged, gens)
+    finals: list[Any] = [None] * len(prompts)
     try:
-        final = None
-        async for _, res in merged:
-            final = res
+        async for i, res in merged:
+            finals[i] = res
     finally:
         await merged.aclose()
         await aclose_all(gens)
-    out = final.outputs[0]
-    return InfillResponse(
-        content=out.text, tokens=list(out.token_ids) if request.return_tokens else [], stop=True, model=model_name,
-        tokens_predicted=len(out.token_ids), tokens_evaluated=len(prompt.token_ids),
-        tokens_cached=final.num_cached_tokens or 0, prompt=_prompt_text(handler, prompt),
-        stop_type=_stop_type(out.finish_reason, out.stop_reason),
-        stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "")
+    answers = []
+    for i, (prompt, final) in enumerate(zip(prompts, finals)):
+        out = final.outputs[0]
+        answers.append(InfillResponse(
+            index=i, content=out.text, tokens=list(out.token_ids) if request.return_tokens else [], stop=True,
+            model=model_name, tokens_predicted=len(out.token_ids), tokens_evaluated=len(prompt.token_ids),
+            tokens_cached=final.num_cached_tokens or 0, prompt=_prompt_text(handler, prompt),
+            stop_type=_stop_type(out.finish_reason, out.stop_reason),
+            stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else ""))
+    return answers
 
 
 def _prompt_text(handler: Any, prompt: RenderedPrompt) -> str:
     return handler.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
 
-async def _stream(handler: Any, request: InfillRequest, model_name: str, prompt: RenderedPrompt, merged: Any,
-                  gens: list[Any]) -> AsyncGenerator[str, None]:
-    predicted = 0
+async def _stream(handler: Any, request: LlamaSamplingRequest, model_name: str, prompts: list[RenderedPrompt],
+                  merged: Any, gens: list[Any]) -> AsyncGenerator[str, None]:
+    predicted = [0] * len(prompts)
     try:
-        async for _, res in merged:
+        async for i, res in merged:
             out = res.outputs[0]
-            predicted += len(out.token_ids)
+            predicted[i] += len(out.token_ids)
             done = out.finish_reason is not None
-            chunk = InfillResponse(
-                content=out.text, tokens=list(out.token_ids) if request.return_tokens else [], stop=done,
-                model=model_name, tokens_predicted=predicted, tokens_evaluated=len(prompt.token_ids),
+            chunk = InfillResponse(  # a stream's events always carry their token ids (llama-server)
+                index=i, content=out.text, tokens=list(out.token_ids), stop=done,
+                model=model_name, tokens_predicted=predicted[i], tokens_evaluated=len(prompts[i].token_ids),
                 tokens_cached=res.num_cached_tokens or 0, stop_type=_stop_type(out.finish_reason, out.stop_reason),
                 stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "",
-                prompt=_prompt_text(handler, prompt) if done else None)
+                prompt=_prompt_text(handler, prompts[i]) if done else None)
             yield sse(chunk.model_dump_json(exclude_none=True))
     except Exception as e:  # the stream already started: llama-server's in-band error event
         _, body = error_response_from_exception(e)

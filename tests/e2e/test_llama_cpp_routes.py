@@ -1,0 +1,50 @@
+"""llama-server's native routes, as a llama.cpp user calls them, on the shared ``server``
+(SmolLM2, float32): ``POST /completion`` (and ``/completions``) with its prompt shapes,
+answer object and ``data:`` stream. FIM (``/infill``) is in test_fim_infill.py.
+"""
+import json
+
+from e2e_utils import MODEL
+
+CHATML = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_completion_answers_in_llama_servers_shape(server):
+    greedy = {"n_predict": 4, "temperature": 0}
+    r = server.http.post("/completion", json={"prompt": "1, 2, 3,", **greedy, "return_tokens": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["stop"] is True and out["model"] == MODEL and out["stop_type"] in ("limit", "eos")
+    assert out["tokens_predicted"] == len(out["tokens"]) <= 4 and out["content"]
+    ids = server.http.post("/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"]
+    assert out["tokens_evaluated"] == len(ids) and out["prompt"] == "1, 2, 3,"
+    # the same prompt as token ids, and mixed text and ids, on the alias: the same greedy answer
+    for prompt in (ids, ids[:2] + [server.http.post("/detokenize", json={"tokens": ids[2:]}).json()["prompt"]]):
+        same = server.http.post("/completions", json={"prompt": prompt, **greedy}).json()
+        assert same["content"] == out["content"], (prompt, same)
+    # special-token text is read as those tokens (llama-server's parse_special), not spelled out
+    chat = server.http.post("/completion", json={"prompt": CHATML, **greedy}).json()
+    assert chat["tokens_evaluated"] == len(server.http.post("/tokenize", json={"prompt": CHATML}).json()["tokens"])
+    assert chat["tokens_evaluated"] < 12
+    # several prompts: an array of answers, in order
+    both = server.http.post("/completion", json={"prompt": ["1, 2, 3,", CHATML], **greedy}).json()
+    assert [b["index"] for b in both] == [0, 1] and [b["content"] for b in both] == [out["content"], chat["content"]]
+    # a stop word ends it: stop_type "word", the word left out
+    stop = out["content"].strip()[:1]
+    worded = server.http.post("/completion", json={"prompt": "1, 2, 3,", **greedy, "stop": [stop]}).json()
+    assert worded["stop_type"] == "word" and worded["stopping_word"] == stop and stop not in worded["content"]
+
+
+def test_completion_stream_and_bad_input(server):
+    body = {"prompt": "1, 2, 3,", "n_predict": 3, "temperature": 0}
+    with server.http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert all(len(e["tokens"]) >= 1 for e in events[:-1])  # a stream carries the ids (llama-server)
+    whole = server.http.post("/completion", json=body).json()
+    assert "".join(e["content"] for e in events) == whole["content"]
+    for bad, param in [({"n_predict": 3}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [10 ** 9]}, "prompt"),
+                       ({"prompt": [1, [2]]}, "prompt"), ({"prompt": "x", "n_predict": -2}, "n_predict")]:
+        r = server.http.post("/completion", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
