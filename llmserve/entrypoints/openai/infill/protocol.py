@@ -8,9 +8,9 @@ token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``
 ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``ignore_eos``,
 ``stream``, ``return_tokens``). ``/completion`` takes the same sampling fields and
 ``prompt``: a string, token ids, strings and token ids mixed (one prompt), or a list of
-such prompts (an answer per prompt, in a list; streamed events carry ``index``). llama-server's per-slot and cache fields (``id_slot``,
-``cache_prompt``, ``t_max_predict_ms``, ``samplers``...) are ignored with a warning, as
-every unknown field (the server's one policy, README "Request fields"). The response is
+such prompts (an answer per prompt, in a list; streamed events carry ``index``).
+llama-server's per-slot and cache fields (``id_slot``, ``cache_prompt``,
+``t_max_predict_ms``, ``samplers``...) are ignored with a warning, as every unknown field (the server's one policy, README "Request fields"). The response is
 llama-server's non-OpenAI completion object (``content``, ``stop``, ``tokens_predicted``,
 ``tokens_evaluated``, ``stop_type``...); a stream is ``data: {...}`` events of the same
 shape with ``stop: false`` until the last.
