@@ -48,3 +48,26 @@ def test_completion_stream_and_bad_input(server):
                        ({"prompt": [1, [2]]}, "prompt"), ({"prompt": "x", "n_predict": -2}, "n_predict")]:
         r = server.http.post("/completion", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_tokenize_and_detokenize_take_llama_servers_fields(server):
+    text = "Hello <|im_end|>\u00e1\U0001F600"
+    r = server.http.post("/tokenize", json={"content": text})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids == server.http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    assert 2 in ids  # <|im_end|> read as the special token (parse_special defaults to true)
+    plain = server.http.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    assert 2 not in plain and len(plain) > len(ids)
+    pieces = server.http.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert pieces[0]["piece"] == "Hello" and {"id": 2, "piece": "<|im_end|>"} in pieces
+    # the emoji's bytes are split over tokens: those pieces are byte lists that join to it
+    tail = [b for p in pieces if isinstance(p["piece"], list) for b in p["piece"]]
+    assert bytes(tail).decode("utf-8") == "\U0001F600"
+    out = server.http.post("/detokenize", json={"tokens": ids}).json()
+    assert out["content"] == out["prompt"] == text  # llama-server's key beside vLLM's
+    for bad, param in [({"content": "a", "prompt": "b"}, "content"), ({"prompt": "a", "with_pieces": True}, "with_pieces"),
+                       ({"content": "a", "add_special_tokens": True}, "add_special_tokens")]:
+        r = server.http.post("/tokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
