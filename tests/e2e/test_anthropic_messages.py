@@ -170,6 +170,8 @@ def test_bad_input_answers_in_anthropics_error_shape(server, fields, status, kin
     assert r.status_code == status
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
     assert named in r.json()["error"]["message"]
+    # Anthropic's request id: the request-id header, and request_id in the body
+    assert r.json()["request_id"] == r.headers["request-id"] == r.headers["x-request-id"]
 
 
 def test_auth_and_count_tokens_errors_take_anthropics_shape(server, client):
@@ -177,9 +179,23 @@ def test_auth_and_count_tokens_errors_take_anthropics_shape(server, client):
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad_key.messages.count_tokens(model=MODEL, messages=HELLO)
     assert e.value.body["error"]["type"] == "authentication_error"
+    assert e.value.request_id and e.value.body["request_id"] == e.value.request_id  # 401: outside X-Request-Id
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [{"type": "document"}]}])
     assert e.value.body["type"] == "error" and "messages.0.content.0" in e.value.body["error"]["message"]
+
+
+def test_the_sdk_reads_each_answers_request_id(client, server):
+    # the SDK reads Anthropic's request-id header: message._request_id, stream.request_id
+    r = client.messages.with_raw_response.create(model=MODEL, max_tokens=2, messages=HELLO)
+    assert r.parse()._request_id == r.headers["request-id"] == r.headers["x-request-id"]
+    with client.messages.stream(model=MODEL, max_tokens=2, messages=HELLO) as stream:
+        assert stream.request_id
+    assert client.messages.count_tokens(model=MODEL, messages=HELLO)._request_id
+    # a client's X-Request-Id is the one id
+    r = server.http.post("/v1/messages", json={"model": MODEL, "max_tokens": 0, "messages": HELLO},
+                         headers={"X-Request-Id": "trace-7"})
+    assert r.headers["request-id"] == "trace-7" and r.json()["request_id"] == "trace-7"
 
 
 def test_a_plain_text_document_counts_as_its_text(client):

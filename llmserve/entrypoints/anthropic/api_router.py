@@ -29,7 +29,10 @@ from llmserve.entrypoints.openai.server_utils import request_id_of, result_respo
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 BATCHES_PATH = "/v1/messages/batches"
 BATCHES_METHODS = ["GET", "POST", "DELETE"]  # list, create / cancel, delete (the SDK's calls)
-ANTHROPIC_ERROR_SHAPE = ErrorShape(prefixes=("/v1/messages",), shape=anthropic_error_body)
+# Anthropic's request-id header on every response and request_id in error bodies (its SDKs'
+# message._request_id and APIStatusError.request_id)
+ANTHROPIC_ERROR_SHAPE = ErrorShape(prefixes=("/v1/messages",), shape=anthropic_error_body,
+                                   request_id_header="request-id", request_id_field="request_id")
 
 router = APIRouter()
 

@@ -7,11 +7,17 @@ Every error in the server is produced once, as the OpenAI body ``{"error": {"mes
 its own body. :class:`ErrorShapeMiddleware` rewrites the JSON error responses of those
 paths, whoever produced them (validation, auth, admission, body limits, handlers), so no
 producer needs to know which API it is answering. Streams that already started report
-their errors in-band in their own format (each endpoint's job).
+their errors in-band in their own format (each endpoint's job). An API whose responses
+carry the request's id under its own names (``request_id_header``, ``request_id_field``:
+Anthropic's ``request-id`` header on every response and ``request_id`` in error bodies,
+which its SDKs read as ``_request_id`` / ``APIStatusError.request_id``) gets the id
+RequestIdMiddleware echoes as ``X-Request-Id``, set here first so that a 401 from
+authentication, outside RequestIdMiddleware, carries one too.
 """
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,10 +29,14 @@ ShapeFn = Callable[[int, dict[str, Any]], Any]
 class ErrorShape:
     """The error body of one API: ``prefixes`` (paths, after the root path, that belong to
     it; a prefix ending in ``/`` covers a folder, else the path itself and its sub-paths)
-    and ``shape`` (status and the OpenAI error object -> that API's JSON body)."""
+    and ``shape`` (status and the OpenAI error object -> that API's JSON body);
+    ``request_id_header`` / ``request_id_field``: the response header and error-body key
+    that carry the request's id in that API (None: none)."""
 
     prefixes: tuple[str, ...]
     shape: ShapeFn
+    request_id_header: Optional[str] = None
+    request_id_field: Optional[str] = None
 
     def covers(self, path: str) -> bool:
         """Whether ``path`` is one of this API's routes."""
@@ -40,8 +50,9 @@ def _path_of(scope: dict) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-def _reshaped(body: bytes, status: int, shape: ShapeFn) -> Optional[bytes]:
-    """The body in ``shape``'s form, or None when it is not an OpenAI error body."""
+def _reshaped(body: bytes, status: int, shape: ErrorShape, request_id: Optional[str]) -> Optional[bytes]:
+    """The body in ``shape``'s form (with the request id under its field), or None when it
+    is not an OpenAI error body."""
     try:
         parsed = json.loads(body)
     except ValueError:
@@ -49,7 +60,23 @@ def _reshaped(body: bytes, status: int, shape: ShapeFn) -> Optional[bytes]:
     info = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(info, dict) or "message" not in info:
         return None
-    return json.dumps(shape(status, info), ensure_ascii=False).encode()
+    new = shape.shape(status, info)
+    if shape.request_id_field and request_id and isinstance(new, dict):
+        new[shape.request_id_field] = request_id
+    return json.dumps(new, ensure_ascii=False).encode()
+
+
+def _request_id(scope: dict) -> str:
+    """The request's id (the client's X-Request-Id, else a new one), kept in the scope
+    for RequestIdMiddleware."""
+    from llmserve.entrypoints.openai.server_utils import REQUEST_ID_SCOPE_KEY
+
+    rid = scope.get(REQUEST_ID_SCOPE_KEY)
+    if not rid:
+        sent = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = sent.decode("latin-1") if sent else uuid.uuid4().hex
+        scope[REQUEST_ID_SCOPE_KEY] = rid
+    return rid
 
 
 class ErrorShapeMiddleware:
@@ -68,15 +95,16 @@ class ErrorShapeMiddleware:
             shape = next((s for s in self.shapes if s.covers(path)), None)
         if shape is None:
             return await self.app(scope, receive, send)
-        await self.app(scope, receive, _ReshapingSend(send, shape.shape))
+        request_id = _request_id(scope) if shape.request_id_header or shape.request_id_field else None
+        await self.app(scope, receive, _ReshapingSend(send, shape, request_id))
 
 
 class _ReshapingSend:
     """A ``send`` that holds back a JSON error response until its body is complete, then
     sends it reshaped (with a corrected Content-Length)."""
 
-    def __init__(self, send: Any, shape: ShapeFn) -> None:
-        self.send, self.shape = send, shape
+    def __init__(self, send: Any, shape: ErrorShape, request_id: Optional[str] = None) -> None:
+        self.send, self.shape, self.request_id = send, shape, request_id
         self.start: Optional[dict] = None
         self.chunks: list[bytes] = []
 
@@ -89,6 +117,9 @@ class _ReshapingSend:
 
     async def __call__(self, message: dict) -> None:
         if message["type"] == "http.response.start":
+            if self.shape.request_id_header and self.request_id:
+                message = {**message, "headers": [*message.get("headers", []), (
+                    self.shape.request_id_header.encode("latin-1"), self.request_id.encode("latin-1"))]}
             if self._is_json_error(message):
                 self.start = message
                 return
@@ -102,7 +133,7 @@ class _ReshapingSend:
 
     async def _flush(self) -> None:
         body = b"".join(self.chunks)
-        new = _reshaped(body, self.start["status"], self.shape)
+        new = _reshaped(body, self.start["status"], self.shape, self.request_id)
         if new is not None:
             body = new
         headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]

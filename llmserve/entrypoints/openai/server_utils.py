@@ -121,7 +121,8 @@ class RequestIdMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        # an outer ErrorShapeMiddleware may have picked it already (error_shapes.py)
+        rid = scope.get(REQUEST_ID_SCOPE_KEY) or Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
         scope[REQUEST_ID_SCOPE_KEY] = rid
 
         async def send_with_id(message: dict) -> None:
