@@ -71,3 +71,14 @@ def test_tokenize_and_detokenize_take_llama_servers_fields(server):
                        ({"content": "a", "add_special_tokens": True}, "add_special_tokens")]:
         r = server.http.post("/tokenize", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_props_reports_the_context_defaults_and_template(server):
+    r = server.http.get("/props")
+    assert r.status_code == 200, r.text
+    props = r.json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 2048 and settings["params"]["n_predict"] == -1
+    assert 0 <= settings["params"]["temperature"] <= 2 and props["total_slots"] >= 1
+    assert props["model_alias"] == MODEL and props["model_path"].endswith(".gguf")
+    assert "<|im_start|>" in props["chat_template"] and props["modalities"]["vision"] is False

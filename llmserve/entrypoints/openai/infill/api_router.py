@@ -1,12 +1,18 @@
 """llama-server's native routes, ``POST /infill`` and ``POST /completion`` (and its
 ``/completions`` alias): thin routes over infill/serving.py, on the completion handler of
-the model the request names."""
+the model the request names; and ``GET /props``, the server properties llama.cpp's clients
+read first (the context size, the default sampling, the chat template)."""
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from llmserve.entrypoints.openai.infill.protocol import InfillRequest, LlamaCompletionRequest, LlamaSamplingRequest
+import llmserve
+from llmserve.entrypoints.openai.infill.fim import gguf_path_of
+from llmserve.entrypoints.openai.infill.protocol import LLAMA_CPP_DEFAULTS, InfillRequest, LlamaCompletionRequest, \
+    LlamaSamplingRequest
 from llmserve.entrypoints.openai.infill.serving import create_infill, create_llama_completion
 from llmserve.entrypoints.openai.server_utils import request_id_of, result_response, with_cancellation
 
@@ -35,6 +41,38 @@ async def llama_completion(request: LlamaCompletionRequest, raw_request: Request
     return result_response(result)
 
 
+def _params(defaults: dict[str, Any]) -> dict[str, Any]:
+    """``/completion``'s default sampling under llama-server's names (the model's
+    generation config, else llama-server's defaults, as the route applies them)."""
+    pick = {k: defaults.get(k, v) for k, v in LLAMA_CPP_DEFAULTS.items()}
+    return {"n_predict": -1, "seed": -1, "temperature": pick["temperature"], "top_k": pick["top_k"],
+            "top_p": pick["top_p"], "min_p": pick["min_p"], "repeat_penalty": pick["repetition_penalty"],
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [], "max_tokens": -1, "ignore_eos": False,
+            "stream": False}
+
+
+@router.get("/props")
+async def props(raw_request: Request) -> JSONResponse:
+    """llama-server's ``GET /props`` for the served model (the first with ``--extra-model``):
+    ``default_generation_settings`` (``n_ctx``: the context length; ``params``: the
+    defaults ``/completion`` uses), ``total_slots`` (``--max-num-seqs``), ``model_path``,
+    ``model_alias``, ``chat_template``, ``modalities`` (text only), ``build_info``."""
+    from llmserve.entrypoints.ollama.info import chat_template, model_states
+
+    state = model_states(raw_request.app.state)[0]
+    handler = state.openai_serving_completion
+    config = getattr(state.engine_client, "vllm_config", None)
+    config_of_model = state.engine_client.model_config
+    slots = config.scheduler_config.max_num_seqs if config is not None else 1
+    return JSONResponse({
+        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": handler.max_model_len,
+                                        "speculative": False, "is_processing": False,
+                                        "params": _params(handler.default_sampling_params or {})},
+        "total_slots": slots, "model_path": gguf_path_of(config_of_model) or config_of_model.model_path,
+        "model_alias": state.openai_serving_models.model_names[0], "chat_template": chat_template(state),
+        "modalities": {"vision": False, "audio": False}, "build_info": f"llmserve {llmserve.__version__}"})
+
+
 def register_infill_api_routers(app: FastAPI) -> None:
-    """Mount /infill, /completion and /completions."""
+    """Mount /infill, /completion, /completions and /props."""
     app.include_router(router)
