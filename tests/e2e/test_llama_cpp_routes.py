@@ -82,3 +82,17 @@ def test_props_reports_the_context_defaults_and_template(server):
     assert 0 <= settings["params"]["temperature"] <= 2 and props["total_slots"] >= 1
     assert props["model_alias"] == MODEL and props["model_path"].endswith(".gguf")
     assert "<|im_start|>" in props["chat_template"] and props["modalities"]["vision"] is False
+
+
+def test_completion_follows_a_grammar_or_json_schema(server):
+    # llama-server's json_schema / grammar constrain the answer (they were ignored before)
+    r = server.http.post("/completion", json={"prompt": "Is the sky blue? Answer:", "n_predict": 4,
+                                              "grammar": 'root ::= "yes" | "no"'})
+    assert r.status_code == 200 and r.json()["content"] in ("yes", "no"), r.text
+    r = server.http.post("/completion", json={"prompt": "x", "n_predict": 8, "temperature": 0,
+                                              "json_schema": {"enum": ["alpha", "beta"]}})
+    assert r.status_code == 200 and json.loads(r.json()["content"]) in ("alpha", "beta"), r.text
+    for bad, param in [({"grammar": "root ::= ((("}, "grammar"), ({"json_schema": {"type": "nope"}}, "json_schema"),
+                       ({"json_schema": {}, "grammar": 'root ::= "a"'}, "grammar")]:
+        r = server.http.post("/completion", json={"prompt": "x", "n_predict": 2, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)

@@ -6,7 +6,8 @@ token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``
 (text added after the prefix, before the middle), and llama-server's sampling fields
 (``n_predict``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
 ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``ignore_eos``,
-``stream``, ``return_tokens``). ``/completion`` takes the same sampling fields and
+``stream``, ``return_tokens``; ``json_schema`` or ``grammar``, a GBNF grammar, constrain
+the answer through structured outputs). ``/completion`` takes the same sampling fields and
 ``prompt``: a string, token ids, strings and token ids mixed (one prompt), or a list of
 such prompts (an answer per prompt, in a list; streamed events carry ``index``).
 llama-server's per-slot and cache fields (``id_slot``, ``cache_prompt``,
@@ -26,7 +27,7 @@ from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_
 from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, JSONFloat, OpenAIBaseModel, \
     OpenAIRequestModel, OpenAIRequestPart
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
-from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 MAX_EXTRA_CHUNKS = 1024
 MixedList = Annotated[list[Union[Int64, str]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
@@ -62,6 +63,19 @@ class LlamaSamplingRequest(OpenAIRequestModel):
     ignore_eos: bool = False
     stream: bool = False
     return_tokens: bool = False
+    json_schema: Optional[dict[str, Any]] = None  # the answer follows it (structured outputs)
+    grammar: Optional[str] = None  # a GBNF grammar the answer follows
+
+    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        """``json_schema`` or ``grammar`` as a constraint (None without either). Raises
+        SamplingParamsError naming ``grammar`` when both are given, as llama-server refuses."""
+        if self.json_schema is not None and self.grammar:
+            raise SamplingParamsError("Either `json_schema` or `grammar` can be given, not both.", "grammar")
+        if self.json_schema is not None:
+            return StructuredOutputsParams(json=self.json_schema)
+        if self.grammar:
+            return StructuredOutputsParams(grammar=self.grammar)
+        return None
 
     def to_sampling_params(self, defaults: dict[str, Any], stop_token_ids: list[int]) -> SamplingParams:
         """SamplingParams of the request: a field left out takes the model's generation
@@ -84,7 +98,7 @@ class LlamaSamplingRequest(OpenAIRequestModel):
             repetition_penalty=pick("repetition_penalty", self.repeat_penalty),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=self.stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            structured_outputs=self.structured_outputs(), output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
 class InfillRequest(LlamaSamplingRequest):

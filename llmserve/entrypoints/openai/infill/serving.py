@@ -104,7 +104,9 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
     base = handler.new_request_id(request_id)
     gens = [handler.generate(p, params, base if len(prompts) == 1 else f"{base}-{i}")
             for i, p in enumerate(prompts)]
-    merged = merge_started(await handler.start_generation(gens), gens)
+    # a schema or grammar the engine cannot compile: a 400 naming the field it came from
+    names = {"structured_outputs": "json_schema" if request.json_schema is not None else "grammar"}
+    merged = merge_started(await handler.start_generation(gens, names), gens)
     if request.stream:
         return _stream(handler, request, model_name, prompts, merged, gens)
     finals: list[Any] = [None] * len(prompts)
