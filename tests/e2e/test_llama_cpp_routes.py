@@ -96,3 +96,20 @@ def test_completion_follows_a_grammar_or_json_schema(server):
                        ({"json_schema": {}, "grammar": 'root ::= "a"'}, "grammar")]:
         r = server.http.post("/completion", json={"prompt": "x", "n_predict": 2, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_apply_template_then_completion_equals_the_chat_answer(server):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    r = server.http.post("/apply-template", json={"messages": msgs})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and "Say hi." in prompt
+    done = server.http.post("/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0}).json()
+    chat = server.http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4,
+                                                          "temperature": 0}).json()
+    assert done["content"] == chat["choices"][0]["message"]["content"]
+    assert done["tokens_evaluated"] == chat["usage"]["prompt_tokens"]
+    r = server.http.post("/apply-template", json={"messages": msgs, "add_generation_prompt": False})
+    assert not r.json()["prompt"].endswith("assistant\n")
+    r = server.http.post("/apply-template", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

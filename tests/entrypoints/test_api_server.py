@@ -25,7 +25,7 @@ FAMILIES = {
     "register_models_api_routers": {"/v1/models", "/v1/models/{model_id}"},
     "register_chat_api_routers": {"/v1/chat/completions"},
     "register_completion_api_routers": {"/v1/completions"},
-    "register_infill_api_routers": {"/infill", "/completion", "/completions", "/props"},
+    "register_infill_api_routers": {"/infill", "/completion", "/completions", "/apply-template", "/props"},
     "register_tokenize_api_routers": {"/tokenize", "/detokenize"},
     "register_render_api_routers": {"/v1/completions/render", "/v1/chat/completions/render"},
     "register_kv_event_sources_api_routers": {"/kv_event_sources", "/get_server_info"},

@@ -1,7 +1,9 @@
 """llama-server's native routes, ``POST /infill`` and ``POST /completion`` (and its
 ``/completions`` alias): thin routes over infill/serving.py, on the completion handler of
-the model the request names; and ``GET /props``, the server properties llama.cpp's clients
-read first (the context size, the default sampling, the chat template)."""
+the model the request names; ``POST /apply-template``, a chat request's messages rendered
+through the chat template (``{"prompt": TEXT}``, to edit and send to ``/completion``); and
+``GET /props``, the server properties llama.cpp's clients read first (the context size, the
+default sampling, the chat template)."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +12,8 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 import llmserve
+from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.chat_completion.tool_calling import ToolPlan
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of
 from llmserve.entrypoints.openai.infill.protocol import LLAMA_CPP_DEFAULTS, InfillRequest, LlamaCompletionRequest, \
     LlamaSamplingRequest
@@ -39,6 +43,25 @@ async def llama_completion(request: LlamaCompletionRequest, raw_request: Request
     if isinstance(result, list):  # several prompts: llama-server's array of answers
         return JSONResponse([r.model_dump(mode="json") for r in result])
     return result_response(result)
+
+
+@router.post("/apply-template")
+async def apply_template(request: ChatCompletionRequest, raw_request: Request) -> JSONResponse:
+    """llama-server's ``POST /apply-template``: the prompt text ``/v1/chat/completions``
+    would run for this request (its template, tools, ``chat_template_kwargs``,
+    ``add_generation_prompt``), without generating. Raises ModelNotFoundError (404) /
+    SamplingParamsError (400), as the chat route does."""
+    serving = raw_request.app.state.openai_serving_chat
+    pick = getattr(serving, "handler_for", None)  # several models: the one `model` names
+    serving = pick(request) if pick is not None else serving
+    serving._check_model(request)
+    request.check()
+    plan = ToolPlan.of(request, enable_auto_tools=serving.enable_auto_tools, tool_parser_cls=serving.tool_parser_cls,
+                       exclude_tools_when_tool_choice_none=serving.exclude_tools_when_tool_choice_none)
+    prompt = await serving.render(request, plan.template_tools)
+    text = prompt.text if prompt.text is not None else \
+        serving.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    return JSONResponse({"prompt": text})
 
 
 def _params(defaults: dict[str, Any]) -> dict[str, Any]:
@@ -74,5 +97,5 @@ async def props(raw_request: Request) -> JSONResponse:
 
 
 def register_infill_api_routers(app: FastAPI) -> None:
-    """Mount /infill, /completion, /completions and /props."""
+    """Mount /infill, /completion, /completions, /apply-template and /props."""
     app.include_router(router)
