@@ -87,6 +87,26 @@ def test_generate_templated_raw_and_format(server):
     assert isinstance(json.loads(out.response)["n"], int)
 
 
+def test_generate_context_round_trip(server):
+    """Ollama's (deprecated) ``context``: a templated answer returns the token ids of its
+    prompt and answer, and a request sending them back has that text before its own turn
+    (the answer then equals a raw completion of that text)."""
+    client = _client(server)
+    first = client.generate(MODEL, prompt="My name is Bob.", options=GREEDY)
+    text = server.post("/detokenize", {"tokens": first.context}).json()["prompt"]
+    assert text.endswith("My name is Bob.<|im_end|>\n<|im_start|>assistant\n" + first.response)
+    parts = list(client.generate(MODEL, prompt="What is my name?", context=first.context, options=GREEDY,
+                                 stream=True))
+    turn = client.generate(MODEL, prompt="What is my name?", raw=True, options={"num_predict": 0}).prompt_eval_count
+    whole = server.post("/detokenize", {"tokens": parts[-1].context}).json()["prompt"]
+    assert whole.startswith(text) and "What is my name?<|im_end|>" in whole[len(text):]
+    raw = client.generate(MODEL, prompt=whole[:len(whole) - len("".join(p.response for p in parts))], raw=True,
+                          options=GREEDY)
+    assert "".join(p.response for p in parts) == raw.response and parts[-1].prompt_eval_count > turn
+    assert client.generate(MODEL, prompt="1, 2,", raw=True, options=GREEDY).context is None  # raw: none, as Ollama
+    _error(server.post("/api/generate", {"model": MODEL, "prompt": "x", "context": [10 ** 9]}), 400, "context.0")
+
+
 def test_tool_call_and_round_trip(server):
     client = _client(server)
     resp = client.chat(MODEL, messages=ASK, tools=TOOLS, options={"temperature": 0, "num_predict": 40})

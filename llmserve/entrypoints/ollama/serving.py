@@ -160,15 +160,13 @@ def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatComp
 def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
     """The common request of ``/api/generate``: a chat request (template applied), or a
     completion request with ``raw`` or ``suffix``. Raises SamplingParamsError for the
-    fields Ollama has and this server does not (``template``, ``context``, ``images``)."""
+    fields Ollama has and this server does not (``template``, ``images``). ``context`` is
+    served by serve_generate (_with_context)."""
     if req.images:
         raise SamplingParamsError("images: this server runs no vision model; send text only.", "images")
     if req.template:
         raise SamplingParamsError("template: Ollama's Go templates are not served here; the model's chat template "
                                   "is applied (or send raw: true with the prompt written out).", "template")
-    if req.context:
-        raise SamplingParamsError("context: earlier answers' token ids are not kept; send the conversation to "
-                                  "/api/chat instead.", "context")
     # An empty suffix is no suffix (Ollama's Go field is a plain string: "" is unset): the
     # template applies, as without one.
     if req.raw or req.suffix:
@@ -329,10 +327,50 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
         completion = handler(state, "openai_serving_completion", name)
         common = _fit_raw(req, completion, common)
         chunks = completion_chunks(await completion.create_completion(common, request_id))
+    elif req.context:
+        chunks, prompt = await _with_context(state, req, name, chat, common, request_id)
+        wire.context_of = _context_of(chat, prompt)
     else:
         common = await _fit(req, chat, common, context_size(req.options, chat.max_model_len))
+        wire.context_of = _context_of(chat, await _prompt_text(chat, common))
         chunks = await chat.create_chat_completion(common, request_id, wire=False)
     return wire.lines(chunks, stats) if req.stream is not False else await wire.whole(chunks, stats)
+
+
+async def _prompt_text(chat: Any, common: ChatCompletionRequest) -> str:
+    """The text the chat template makes of ``common`` (what the engine will run)."""
+    rendered = await chat.render(common)
+    if rendered.text is not None:
+        return rendered.text
+    return chat.tokenizer.decode(rendered.token_ids, skip_special_tokens=False)
+
+
+def _context_of(chat: Any, prompt: str) -> Callable[[str], Awaitable[list[int]]]:
+    """Ollama's ``context`` of an answer: the token ids of the prompt's text and the
+    answer's (tokenized together, as Ollama does), for the next request's ``context``."""
+    async def context(answer: str) -> list[int]:
+        return await chat.renderer.encode(prompt + answer, add_special_tokens=False)
+    return context
+
+
+async def _with_context(state: Any, req: OllamaGenerateRequest, name: str, chat: Any, common: ChatCompletionRequest,
+                        request_id: Optional[str]) -> tuple[Any, str]:
+    """A templated ``/api/generate`` with Ollama's (deprecated) ``context``: the text of
+    those token ids, then the template's text of this turn, run as one completion (the
+    chunks, and that prompt text). Raises SamplingParamsError naming ``context`` for an
+    id outside the vocabulary."""
+    vocab = chat.model_config.vocab_size
+    for i, t in enumerate(req.context or []):
+        if not 0 <= t < vocab:
+            raise SamplingParamsError(f"context.{i}: token id {t} is out of vocabulary (valid ids are "
+                                      f"0..{vocab - 1}).", f"context.{i}")
+    earlier = await chat.renderer.run_in_pool(chat.tokenizer.decode, list(req.context), skip_special_tokens=False)
+    prompt = earlier + await _prompt_text(chat, common)
+    completion = handler(state, "openai_serving_completion", name)
+    request = build_request(CompletionRequest, **_common_fields(req, name, completion=True), prompt=prompt,
+                            stream_options={"include_usage": True})
+    request = _fit_raw(req, completion, request)
+    return completion_chunks(await completion.create_completion(request, request_id)), prompt
 
 
 async def _embed(state: Any, model: str, inputs: list[str], truncate: bool,

@@ -7,7 +7,8 @@ thinking, tool_calls) or ``response`` / ``thinking`` (``/api/generate``); the la
 has ``done: true``, ``done_reason`` ("stop", "length"), ``prompt_eval_count`` /
 ``eval_count`` (tokens) and ``total_duration``, ``load_duration``,
 ``prompt_eval_duration`` (until the first output), ``eval_duration`` (the rest), in
-nanoseconds. Tool calls go out whole, with their arguments as an object, in one line
+nanoseconds; a templated ``/api/generate`` puts ``context`` on it (the token ids of
+the prompt's text and the answer, which the next request may send back). Tool calls go out whole, with their arguments as an object, in one line
 before the last (Ollama sends each call when it is complete). With ``logprobs`` each line
 carries its tokens' ``logprobs`` (``token``, ``logprob``, ``bytes``, ``top_logprobs``:
 Ollama's api.Logprob), the one object all of them. An error after the stream
@@ -22,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, AsyncGenerator, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
 
 from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
 
@@ -187,6 +188,9 @@ class OllamaWire:
 
     def __init__(self, model: str, chat: bool, top_logprobs: int = 0):
         self.model, self.chat, self.top_logprobs = model, chat, top_logprobs
+        # the answer's text -> Ollama's ``context`` on the last object (a templated
+        # /api/generate; None: no context)
+        self.context_of: Optional[Callable[[str], Awaitable[list[int]]]] = None
 
     def partial(self, content: str, thinking: str = "", tool_calls: Optional[list] = None,
                 done: bool = False, logprobs: Optional[list] = None) -> dict[str, Any]:
@@ -223,12 +227,14 @@ class OllamaWire:
     async def lines(self, chunks: AsyncGenerator[Any, None], stats: RunStats) -> AsyncGenerator[bytes, None]:
         """The NDJSON stream; an error after the start is a last ``{"error"}`` line."""
         try:
+            answer = []
             async for content, thinking, logprobs in deltas(chunks, stats, self.top_logprobs):
+                answer.append(content)
                 yield ndjson(self.partial(content, thinking, logprobs=logprobs))
             calls = stats.tool_calls()
             if calls:
                 yield ndjson(self.partial("", tool_calls=calls))
-            yield ndjson(self.final(stats))
+            yield ndjson(await self._with_context(self.final(stats), "".join(answer)))
         except Exception as e:  # the stream already started: report in-band, as Ollama does
             logger.warning("Ollama stream failed: %s", e)
             yield ndjson({"error": error_message(e)})
@@ -245,4 +251,12 @@ class OllamaWire:
                 logprobs.extend(token_logprobs)
         finally:
             await chunks.aclose()
-        return self.final(stats, "".join(contents), "".join(thoughts), stats.tool_calls(), logprobs)
+        answer = "".join(contents)
+        return await self._with_context(self.final(stats, answer, "".join(thoughts), stats.tool_calls(), logprobs),
+                                        answer)
+
+    async def _with_context(self, last: dict[str, Any], answer: str) -> dict[str, Any]:
+        """The last object with its ``context`` (when this route gives one)."""
+        if self.context_of is not None:
+            last["context"] = await self.context_of(answer)
+        return last
