@@ -8,7 +8,8 @@ where llama.cpp hard-codes a value instead of writing it, so does this (with the
   ``attention.scale`` if present, else llama.cpp's ``f_attention_scale`` rule
   (``hidden / heads`` for the 27B models: 46 layers for Gemma 2, 62 for Gemma 3; else
   ``head_dim``) as ``query_pre_attn_scalar``; gemma3: ``attention.sliding_window_pattern``
-  (llama.cpp's default 6), ``rope.freq_base_swa`` (default 10000) for sliding layers,
+  (llama.cpp's default 6; no sliding layer when the file has no ``attention.sliding_window``),
+  ``rope.freq_base_swa`` (default 10000) for sliding layers,
   ``rope.scaling.type`` / ``factor`` for the global ones;
 - phi3: ``rope.dimension_count`` (partial rotary), ``rope.scaling.original_context_length``,
   ``rope.scaling.attn_factor`` and the ``rope_factors_long`` / ``rope_factors_short``
@@ -178,7 +179,14 @@ def _complete_gemma(config: Any, meta: _Meta) -> None:
         config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
         return
     pattern = meta.arch_key("attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):  # one flag per layer (llama.cpp's swa_layers), True = sliding
+    if not meta.arch_key("attention.sliding_window"):
+        # No window in the file: llama.cpp's gemma3 runs every layer global (swa_type NONE; its
+        # pattern default of 6 applies only with a window), global RoPE base included.
+        # convert_hf_to_gguf.py leaves the key out for checkpoints whose
+        # ``sliding_window_pattern`` is 1; the pattern of 6 made 5 of 6 layers slide over
+        # Gemma3TextConfig's default 4096 with the local RoPE base, wrong from the 2nd token.
+        config.layer_types = ["full_attention"] * n
+    elif isinstance(pattern, list):  # one flag per layer (llama.cpp's swa_layers), True = sliding
         config.layer_types = ["sliding_attention" if f else "full_attention" for f in pattern]
     else:
         config.layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"

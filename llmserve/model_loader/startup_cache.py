@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 # 2: Q5_0 / Q5_1 / K-quant blocks kept packed too (issue 30); 3: ``-blocks`` entries (issue
 # 31); 4: ``-blocks`` entries hold the kernels' layout (``k.*``), not the raw blocks; 5:
 # quantized MoE expert stacks kept packed, one entry per expert (an older entry would leave a
-# Mixtral file's experts dense)
-FORMAT_VERSION = "5"
+# Mixtral file's experts dense); 6: a Gemma 3 file without ``attention.sliding_window`` has no
+# sliding layers (an older entry's config.json slides 5 of 6 layers)
+FORMAT_VERSION = "6"
 
 
 def cache_root() -> str:

@@ -224,15 +224,21 @@ def round_trip(arr, qtype):
 
 def write_gguf(hf, arch: str, path: str, qtype: str, eot_token_id: Optional[int] = None) -> None:
     """Write ``hf``'s weights as llama.cpp's converter would (``gemma2``/``gemma3``/``phi3``
-    architecture keys, Gemma norms stored as 1 + w, Phi-3's LongRoPE factors as tensors);
-    2-d weights in ``qtype`` ("F32", "F16" or a ggml quant type such as "Q8_0")."""
+    architecture keys, Gemma norms stored as 1 + w, Phi-3's LongRoPE factors as tensors, no
+    window for an all-global Gemma 3); 2-d weights in ``qtype`` ("F32", "F16" or a ggml quant
+    type such as "Q8_0"). Unlike the converter it also writes ``attention.scale`` and Gemma 3's
+    ``sliding_window_pattern`` (2): the tiny checkpoints' 24 and 2 are not llama.cpp's defaults
+    (its rule's head_dim and 6), which the converter's files leave to the reader."""
     import gguf
     cfg = hf.config
     garch = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
     w = gguf_writer(path, garch, cfg)
     w.add_name(f"tiny-{garch}")
     w.add_vocab_size(cfg.vocab_size)
-    w.add_sliding_window(cfg.sliding_window)
+    # convert_hf_to_gguf.py writes no window for a Gemma 3 whose layers are all global
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ["sliding_attention"])
+    if sliding:
+        w.add_sliding_window(cfg.sliding_window)
     if eot_token_id is not None:
         w.add_eot_token_id(eot_token_id)
     if garch.startswith("gemma"):
@@ -247,9 +253,11 @@ def write_gguf(hf, arch: str, path: str, qtype: str, eot_token_id: Optional[int]
             full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
             w.add_rope_freq_base(full["rope_theta"])
             w.add_float32(f"{garch}.rope.freq_base_swa", local["rope_theta"])
-            w.add_sliding_window_pattern(2)
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(full["factor"])
+            if sliding:
+                w.add_sliding_window_pattern(2)
+            if full.get("rope_type") == "linear":
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(full["factor"])
     else:
         rp = cfg.rope_parameters
         w.add_rope_freq_base(rp["rope_theta"])
@@ -314,6 +322,28 @@ def _check_gguf_copy(tiny, qtype, tmp_path, tokens_fn, step_runner_cls, model_co
         assert any(getattr(m, "qweight", None) is not None for m in bf16.modules())
         got = step_runner_cls(bf16).step([("a", prompt)])["a"]
         assert (got - want).abs().max() < 0.1  # 0.04-0.06 measured (bf16 and int8 activations)
+
+
+def test_gemma3_file_without_a_window_has_no_sliding_layer(tmp_path, tokens_fn, step_runner_cls, model_config_fn):
+    """An all-global Gemma 3 (``sliding_window_pattern`` 1): llama.cpp's converter writes no
+    ``attention.sliding_window`` for it and llama.cpp then runs no sliding layer. From such a
+    file every layer is global, on the global RoPE base, and the logits past the unused
+    8-token window equal transformers' within 1e-4 (llmserve slid 5 of every 6 layers over
+    the config default's 4096 with the local base: off by ~0.3 from the 2nd token)."""
+    import transformers as tf
+    cfg = tf.Gemma3TextConfig(**{**COMMON, "vocab_size": 1024}, num_hidden_layers=2, head_dim=16, sliding_window=8,
+                              query_pre_attn_scalar=16, sliding_window_pattern=1, rope_local_base_freq=100.0,
+                              rope_theta=10000.0)
+    hf = save_random(cfg, str(tmp_path / "hf"), 0,
+                     lambda name, p: p.add_(torch.randn_like(p) * 0.1) if "norm" in name else None)
+    gpath = str(tmp_path / "all-global.gguf")
+    write_gguf(hf, "gemma3", gpath, "F32")
+    resolved = resolve_model(gpath)
+    config = load_hf_config(resolved)
+    assert config.layer_types == ["full_attention", "full_attention"]
+    prompt = tokens_fn(20, 5, vocab=1024)
+    got = step_runner_cls(get_model(model_config_fn(resolved, config, "float32"))).step([("a", prompt)])["a"]
+    torch.testing.assert_close(got, hf_logits(hf, prompt), atol=ATOL, rtol=1e-4)
 
 
 def test_gemma3_image_text_checkpoint_serves_its_text_model(tmp_path, tokens_fn, step_runner_cls, model_config_fn):
