@@ -18,6 +18,9 @@ def test_completion_answers_in_llama_servers_shape(server):
     assert out["tokens_predicted"] == len(out["tokens"]) <= 4 and out["content"]
     ids = server.http.post("/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"]
     assert out["tokens_evaluated"] == len(ids) and out["prompt"] == "1, 2, 3,"
+    timings = out["timings"]  # llama-server's, on every final answer
+    assert timings["predicted_n"] == out["tokens_predicted"] and timings["prompt_n"] + timings["cache_n"] == len(ids)
+    assert timings["predicted_ms"] >= 0 and timings["prompt_per_second"] >= 0
     # the same prompt as token ids, and mixed text and ids, on the alias: the same greedy answer
     for prompt in (ids, ids[:2] + [server.http.post("/detokenize", json={"tokens": ids[2:]}).json()["prompt"]]):
         same = server.http.post("/completions", json={"prompt": prompt, **greedy}).json()
@@ -41,6 +44,8 @@ def test_completion_stream_and_bad_input(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["timings"]["predicted_n"] == events[-1]["tokens_predicted"]
+    assert not any("timings" in e for e in events[:-1])
     assert all(len(e["tokens"]) >= 1 for e in events[:-1])  # a stream carries the ids (llama-server)
     whole = server.http.post("/completion", json=body).json()
     assert "".join(e["content"] for e in events) == whole["content"]

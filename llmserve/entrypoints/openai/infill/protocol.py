@@ -157,3 +157,4 @@ class InfillResponse(OpenAIBaseModel):
     truncated: bool = False
     stop_type: Optional[str] = None  # "eos", "limit" or "word" (set on the last)
     stopping_word: str = ""
+    timings: Optional[dict[str, Any]] = None  # llama.cpp's timings (on the last; request_metrics.py)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, AsyncGenerator, Optional, Union
 
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception
+from llmserve.entrypoints.openai.common.request_metrics import llama_timings
 from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started, sse
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_prompt, require_fim_tokens
 from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse, LlamaCompletionRequest, \
@@ -124,8 +125,15 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
             model=model_name, tokens_predicted=len(out.token_ids), tokens_evaluated=len(prompt.token_ids),
             tokens_cached=final.num_cached_tokens or 0, prompt=_prompt_text(handler, prompt),
             stop_type=_stop_type(out.finish_reason, out.stop_reason),
-            stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else ""))
+            stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "",
+            timings=_timings(final, len(prompt.token_ids), len(out.token_ids))))
     return answers
+
+
+def _timings(res: Any, num_prompt: int, num_generated: int) -> Optional[dict[str, Any]]:
+    """llama-server's ``timings`` of a finished generation (prompt and predicted tokens,
+    their milliseconds and rates), from its RequestOutput's metrics."""
+    return llama_timings(getattr(res, "metrics", None), num_prompt, int(res.num_cached_tokens or 0), num_generated)
 
 
 def _prompt_text(handler: Any, prompt: RenderedPrompt) -> str:
@@ -145,7 +153,8 @@ async def _stream(handler: Any, request: LlamaSamplingRequest, model_name: str, 
                 model=model_name, tokens_predicted=predicted[i], tokens_evaluated=len(prompts[i].token_ids),
                 tokens_cached=res.num_cached_tokens or 0, stop_type=_stop_type(out.finish_reason, out.stop_reason),
                 stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "",
-                prompt=_prompt_text(handler, prompts[i]) if done else None)
+                prompt=_prompt_text(handler, prompts[i]) if done else None,
+                timings=_timings(res, len(prompts[i].token_ids), predicted[i]) if done else None)
             yield sse(chunk.model_dump_json(exclude_none=True))
     except Exception as e:  # the stream already started: llama-server's in-band error event
         _, body = error_response_from_exception(e)
