@@ -118,3 +118,17 @@ def test_apply_template_then_completion_equals_the_chat_answer(server):
     assert not r.json()["prompt"].endswith("assistant\n")
     r = server.http.post("/apply-template", json={"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_openai_routes_read_llama_servers_n_predict(server):
+    # llama-server reads n_predict on its OpenAI routes too; it was ignored here (16 tokens)
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story."}]})):
+        r = server.http.post(path, json={"model": MODEL, **body, "n_predict": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, (path, r.text)
+        same = server.http.post(path, json={"model": MODEL, **body, "n_predict": 3, "max_tokens": 3,
+                                            "ignore_eos": True})
+        assert same.json()["usage"]["completion_tokens"] == 3
+        for bad in ({"n_predict": 3, "max_tokens": 4}, {"n_predict": "3"}, {"n_predict": -2}):
+            r = server.http.post(path, json={"model": MODEL, **body, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict", (path, bad, r.text)

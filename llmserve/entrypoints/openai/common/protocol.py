@@ -331,6 +331,31 @@ class SamplingRequest(OpenAIRequestModel):
         data["structured_outputs"] = guided
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _llama_cpp_n_predict(cls, data: Any) -> Any:
+        """llama-server's ``n_predict``, which it reads on its OpenAI routes too (a llama.cpp
+        client's budget was ignored here, leaving the route's default), as ``max_tokens``:
+        -1 (llama-server's "no limit") leaves the route's default budget; beside a
+        ``max_tokens`` or ``max_completion_tokens`` of another value, or not an integer
+        >= -1, it is a 400 naming ``n_predict``."""
+        if not isinstance(data, dict) or "n_predict" not in data:
+            return data
+        data = dict(data)
+        n = data.pop("n_predict")
+        if n is None or (n == -1 and type(n) is int):
+            return data
+        if isinstance(n, bool) or not isinstance(n, int) or n < -1:
+            raise PydanticCustomError("field_not_accepted", "n_predict (llama.cpp's max_tokens) must be an integer, "
+                                      "-1 (no limit) or at least 0.", {"param": "n_predict"})
+        for name in ("max_tokens", "max_completion_tokens"):
+            if data.get(name) is not None and data[name] != n:
+                raise PydanticCustomError("field_not_accepted", f"n_predict (llama.cpp's max_tokens) and {name} "
+                                          "differ: set one of them.", {"param": "n_predict"})
+        if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+            data["max_tokens"] = n
+        return data
+
     def check_common(self) -> None:
         """Checks that do not need the prompt. Raises SamplingParamsError (param set)."""
         if self.stream_options is not None and not self.stream:
