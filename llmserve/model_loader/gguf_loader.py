@@ -47,8 +47,8 @@ _BLOCK_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
-    # Qwen2-MoE's shared expert (llama.cpp's qwen2moe) and its sigmoid gate, which
-    # convert_hf_to_gguf.py may write 1-D [hidden] (HF's is [1, hidden]; see iterate_gguf_weights).
+    # Qwen2-MoE's shared expert (llama.cpp's qwen2moe) and its sigmoid gate: convert_hf_to_gguf.py
+    # writes it [1, hidden] as HF, llama-quantize's output 1-D [hidden] (see iterate_gguf_weights).
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",

@@ -147,3 +147,23 @@ def test_head_size_comes_from_attention_key_length(tmp_path, arch):
     path = str(tmp_path / "plain.gguf")
     finish_gguf(gguf.GGUFWriter(path, "qwen3"))
     assert complete_gguf_config(tf.Qwen3Config(hidden_size=64, num_attention_heads=4), path).head_dim == 128
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (8,)], ids=["converter", "llama-quantize"])
+def test_shared_expert_gate_loads_in_either_stored_shape(tmp_path, shape):
+    """Qwen2-MoE's shared-expert gate: convert_hf_to_gguf.py stores it 2-d ``{n_embd, 1}``
+    (numpy ``[1, hidden]``), llama-quantize's output 1-d ``{n_embd}`` (it drops the trailing 1,
+    checked on files both made); either loads as HF's ``[1, hidden]``."""
+    import gguf
+    import torch
+    from types import SimpleNamespace
+
+    from llmserve.model_loader.gguf_loader import iterate_gguf_weights
+    path = str(tmp_path / "shexp.gguf")
+    w = gguf.GGUFWriter(path, "qwen2moe")
+    gate = np.arange(8, dtype=np.float32).reshape(shape)
+    w.add_tensor("blk.0.ffn_gate_inp_shexp.weight", gate)
+    finish_gguf(w)
+    got = dict(iterate_gguf_weights(path, SimpleNamespace(num_attention_heads=2, num_key_value_heads=1),
+                                    torch.float32))
+    assert got["model.layers.0.mlp.shared_expert_gate.weight"].tolist() == [list(range(8))]
