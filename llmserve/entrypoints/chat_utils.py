@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional
 
+from llmserve.entrypoints.system_messages import (normalize_system_messages, render_with_inline_systems,
+                                                   template_names_role)
 from llmserve.sampling_params import SamplingParamsError
 
 # Keyword arguments of apply_chat_template that callers may not override through
@@ -94,13 +96,12 @@ def check_custom_roles(messages: Iterable[Any], template: Any) -> None:
     one as it is (``<|im_start|>bogus``), where OpenAI answers 400. Raises
     SamplingParamsError naming ``messages.N.role``."""
     from llmserve.entrypoints.openai.common.protocol import OPENAI_ROLES
-    sources = template.values() if isinstance(template, dict) else [template or ""]
-    source = "\n".join(t for t in sources if isinstance(t, str))
+    source = template_source(None, template)
     for i, msg in enumerate(messages):
         role = getattr(msg, "role", None) if not isinstance(msg, dict) else msg.get("role")
         if not isinstance(role, str) or role in OPENAI_ROLES:
             continue
-        if f'"{role}"' not in source and f"'{role}'" not in source:
+        if not template_names_role(source, role):
             raise SamplingParamsError(
                 f"messages.{i}.role: must be 'system', 'developer', 'user', 'assistant', 'tool' or 'function', "
                 f"or a custom role the model's chat template names (it names no '{role}').",
@@ -226,22 +227,30 @@ def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *, a
                         continue_final_message: bool, chat_template: Optional[str],
                         chat_template_kwargs: Optional[dict[str, Any]], tools: Optional[list[dict[str, Any]]]) -> str:
     """The template text of an already parsed ``conversation`` (transformers'
-    ``apply_chat_template``, tokenize=False; its sandboxed Jinja environment).
+    ``apply_chat_template``, tokenize=False; its sandboxed Jinja environment), its system
+    and developer messages fitted to the template first (:mod:`system_messages`: the
+    billing line, ``developer`` as ``system``, non-leading system messages merged where
+    the template refuses or drops them).
     Raises SamplingParamsError (param ``messages``) for any template error; the original
     exception (a MemoryError, say) is its ``__cause__``."""
     extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
-    try:
+
+    def render(messages: list[dict[str, Any]]) -> str:
         rendered = tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            tools=tools,
-            **extra,
-        )
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template, tools=tools, **extra)
+        return rendered if isinstance(rendered, str) else rendered[0]  # some return a list for a batch
+
+    conversation = normalize_system_messages(conversation, template_source(tokenizer, chat_template))
+    try:
+        return render_with_inline_systems(render, conversation)
     except Exception as e:  # jinja2 errors, template raise_exception(), bad final message
         raise SamplingParamsError(f"Chat template error: {e}", "messages") from e
-    if not isinstance(rendered, str):  # some tokenizers return a list for batched input
-        rendered = rendered[0]
-    return rendered
+
+
+def template_source(tokenizer: Any, chat_template: Any) -> str:
+    """The Jinja source that renders a request: ``chat_template`` when given, else the
+    tokenizer's (every named template of a dict, joined)."""
+    template = chat_template if chat_template else getattr(tokenizer, "chat_template", None)
+    sources = template.values() if isinstance(template, dict) else [template or ""]
+    return "\n".join(t for t in sources if isinstance(t, str))
