@@ -298,21 +298,21 @@ def test_tool_use_ids_take_anthropics_form_and_come_back_through_the_checks():
         assert chat.messages[1].tool_calls[0]["id"] == tid and chat.messages[2].tool_call_id == tid
 
 
-def test_a_system_message_stands_only_after_a_user_turn():
-    """Anthropic takes role "system" inside ``messages`` right after a user turn (its
-    mid-conversation system messages; Claude Code sends [user, system, assistant, user]);
-    first, or after an assistant turn, it was accepted here and is a 400 about the role,
-    as Anthropic answers a misplaced one."""
+def test_a_system_message_stands_anywhere_but_first():
+    """Anthropic takes role "system" inside ``messages`` as a mid-conversation system
+    message: after a user turn (Claude Code sends [user, system, assistant, user]) and after
+    an assistant turn (Anthropic's guide appends one there; a 400 here before). As the
+    first message it is a 400 about the role, pointing at the top-level ``system``."""
     brief = {"role": "system", "content": "Be brief."}
-    for ok in ([ASK, brief], [ASK, brief, brief, use("toolu_1"), result("toolu_1"), brief, ASK]):
+    hi = {"role": "assistant", "content": "Hi."}
+    for ok in ([ASK, brief], [ASK, brief, brief, use("toolu_1"), result("toolu_1"), brief, ASK],
+               [ASK, hi, brief, ASK], [ASK, use("toolu_1"), brief, result("toolu_1")]):
         to_chat_request(_request(ok), auto_tools=False)
-    for bad, i, where in (([brief, ASK], 0, "as the first message"),
-                          ([ASK, {"role": "assistant", "content": "Hi."}, brief, ASK], 2, "after an assistant"),
-                          ([ASK, use("toolu_1"), brief, result("toolu_1")], 2, "after an assistant")):
+    for bad in ([brief, ASK], [brief, brief, ASK]):
         for request in (_request(bad), AnthropicCountTokensRequest(model="m", messages=bad)):
             with pytest.raises(SamplingParamsError) as e:
                 to_chat_request(request, auto_tools=False)
-            assert e.value.param == f"messages.{i}.role" and where in str(e.value), str(e.value)
+            assert e.value.param == "messages.0.role" and "as the first message" in str(e.value), str(e.value)
             assert 'Unexpected role "system"' in str(e.value) and "top-level `system`" in str(e.value)
 
 

@@ -26,11 +26,12 @@ the same answer here, naming the field):
   and needs no result.
 
 - ``role: "system"`` inside ``messages``: Anthropic's mid-conversation system message
-  (no beta header; Claude Code sends one after its first user message) is accepted right
-  after a user turn (after a ``user`` message, or after such system messages); anywhere
-  else, first or after an assistant turn, it is a 400 about the role, as Anthropic
-  refused every system role before (``messages: Unexpected role "system". The Messages
-  API accepts a top-level `system` parameter, not "system" as an input message role.``).
+  (no beta header; Claude Code sends one after its first user message, and Anthropic's
+  guide appends one after an assistant turn, where a new instruction starts to apply) is
+  accepted anywhere after the first message. As the first message it is a 400 about the
+  role: the top-level ``system`` is the place for instructions that apply from the start
+  (``messages: Unexpected role "system". The Messages API accepts a top-level `system`
+  parameter, not "system" as an input message role.``).
 - Contents: every message but a final assistant one (a prefill) has content with
   non-whitespace text where it is text ("text content blocks must contain non-whitespace
   text"), whether given as a string or as text blocks.
@@ -219,19 +220,16 @@ def check_tool_turns(messages: Sequence[Any]) -> None:
 
 
 def check_system_messages(messages: Sequence[Any]) -> None:
-    """Each ``role: "system"`` message of ``messages`` (AnthropicMessageParam) stands
-    after a user turn (see the module docstring); raises SamplingParamsError naming
-    ``messages.<i>.role`` otherwise."""
-    before = None  # the role of the last message that is not a system message
+    """No ``role: "system"`` message of ``messages`` (AnthropicMessageParam) comes before
+    the first user or assistant message (see the module docstring); raises
+    SamplingParamsError naming ``messages.<i>.role`` otherwise."""
     for i, m in enumerate(messages):
         if m.role != "system":
-            before = m.role
-        elif before != "user":
-            where = "as the first message" if before is None else "after an assistant message"
-            raise SamplingParamsError(
-                f'messages.{i}.role: Unexpected role "system" {where}. A system message inside `messages` must '
-                'come right after a "user" message (a mid-conversation system message); instructions for the '
-                "whole conversation go in the top-level `system` parameter.", f"messages.{i}.role")
+            return
+        raise SamplingParamsError(
+            f'messages.{i}.role: Unexpected role "system" as the first message. A system message inside '
+            '`messages` is a mid-conversation system message and comes after a user or assistant message; '
+            "instructions for the whole conversation go in the top-level `system` parameter.", f"messages.{i}.role")
 
 
 def check_contents(messages: Sequence[Any]) -> None:

@@ -4,7 +4,7 @@ Only the mapping lives here; templates, tool-call and reasoning parsing, structu
 outputs and sampling are the chat path's. Rules (Anthropic's documented meaning):
 
 - ``system`` (a string or text blocks) and ``role: "system"`` messages inside
-  ``messages`` (Claude Code sends one; only after a user turn: ``checks.py``) become
+  ``messages`` (Claude Code sends one; anywhere but first: ``checks.py``) become
   system messages, in place.
 - Text blocks become the message's text (joined with newlines); ``tool_use`` blocks of an
   assistant message become its ``tool_calls``; ``tool_result`` blocks of a user message
