@@ -3,6 +3,7 @@
 answer object and ``data:`` stream. FIM (``/infill``) is in test_fim_infill.py.
 """
 import json
+import math
 
 from e2e_utils import MODEL
 
@@ -132,3 +133,38 @@ def test_openai_routes_read_llama_servers_n_predict(server):
         for bad in ({"n_predict": 3, "max_tokens": 4}, {"n_predict": "3"}, {"n_predict": -2}):
             r = server.http.post(path, json={"model": MODEL, **body, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "n_predict", (path, bad, r.text)
+
+
+def test_completion_n_probs_answers_completion_probabilities(server):
+    # llama-server's n_probs: each generated token's logprob and its likeliest alternatives
+    # (the field was ignored before); greedy, so the first alternative is the token itself
+    body = {"prompt": "1, 2, 3,", "n_predict": 3, "temperature": 0, "n_probs": 2, "return_tokens": True}
+    out = server.http.post("/completion", json=body).json()
+    probs = out["completion_probabilities"]
+    assert [p["id"] for p in probs] == out["tokens"] and len(probs) == out["tokens_predicted"] == 3
+    for p in probs:
+        assert [t["id"] for t in p["top_logprobs"]][:1] == [p["id"]] and len(p["top_logprobs"]) == 2
+        assert p["logprob"] == p["top_logprobs"][0]["logprob"] >= p["top_logprobs"][1]["logprob"]
+        assert bytes(p["bytes"]).decode("utf-8") == p["token"]
+    assert "".join(p["token"] for p in probs) == out["content"]
+    ref = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 3,
+                                                    "temperature": 0, "logprobs": 2}).json()
+    assert [round(p["logprob"], 4) for p in probs] == [round(x, 4) for x in
+                                                      ref["choices"][0]["logprobs"]["token_logprobs"]]
+    settings = out["generation_settings"]  # the settings it ran with
+    assert settings["n_predict"] == 3 and settings["temperature"] == 0 and settings["n_probs"] == 2
+    # post_sampling_probs: probabilities under prob / top_probs
+    post = server.http.post("/completion", json={**body, "post_sampling_probs": True}).json()
+    first = post["completion_probabilities"][0]
+    assert "logprob" not in first and abs(first["prob"] - math.exp(probs[0]["logprob"])) < 1e-4
+    assert [t["id"] for t in first["top_probs"]] == [t["id"] for t in probs[0]["top_logprobs"]]
+    # a stream: each event carries its own tokens' entries
+    with server.http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = [p for e in events for p in e.get("completion_probabilities", [])]
+    assert [p["id"] for p in streamed] == out["tokens"] and "generation_settings" in events[-1]
+    plain = server.http.post("/completion", json={"prompt": "1,", "n_predict": 1}).json()
+    assert "completion_probabilities" not in plain
+    for bad in (21, -1, "2"):
+        r = server.http.post("/completion", json={"prompt": "x", "n_predict": 1, "n_probs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n_probs", (bad, r.text)

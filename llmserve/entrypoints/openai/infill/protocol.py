@@ -7,24 +7,31 @@ token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``
 (``n_predict``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
 ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``ignore_eos``,
 ``stream``, ``return_tokens``; ``json_schema`` or ``grammar``, a GBNF grammar, constrain
-the answer through structured outputs). ``/completion`` takes the same sampling fields and
+the answer through structured outputs; ``n_probs`` asks for each generated token's
+probability and its ``n_probs`` likeliest alternatives, ``post_sampling_probs`` writes
+them as probabilities instead of logprobs). ``/completion`` takes the same sampling fields and
 ``prompt``: a string, token ids, strings and token ids mixed (one prompt), or a list of
 such prompts (an answer per prompt, in a list; streamed events carry ``index``).
 llama-server's per-slot and cache fields (``id_slot``, ``cache_prompt``,
 ``t_max_predict_ms``, ``samplers``...) are ignored with a warning, as every unknown field (the server's one policy, README "Request fields"). The response is
 llama-server's non-OpenAI completion object (``content``, ``stop``, ``tokens_predicted``,
 ``tokens_evaluated``, ``stop_type``...); a stream is ``data: {...}`` events of the same
-shape with ``stop: false`` until the last.
+shape with ``stop: false`` until the last. With ``n_probs``, an answer (and each event, for
+its own tokens) carries ``completion_probabilities``: per generated token its ``id``,
+``token``, ``bytes``, ``logprob`` and ``top_logprobs`` (``prob`` and ``top_probs`` with
+``post_sampling_probs``). The numbers are the engine's logprobs, the model's distribution
+before the sampling chain (temperature, top-k...): llama-server's ``n_probs`` numbers, not
+its ``post_sampling_probs`` ones, which no engine output holds.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from llmserve.entrypoints.openai.common.limits import MAX_PROMPT_TOKEN_IDS, MAX_PROMPTS_PER_REQUEST, \
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from llmserve.entrypoints.openai.common.protocol import MAX_TEMPERATURE, Int64, JSONFloat, OpenAIBaseModel, \
+from llmserve.entrypoints.openai.common.protocol import MAX_LOGPROBS, MAX_TEMPERATURE, Int64, JSONFloat, OpenAIBaseModel, \
     OpenAIRequestModel, OpenAIRequestPart
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
@@ -65,6 +72,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
     return_tokens: bool = False
     json_schema: Optional[dict[str, Any]] = None  # the answer follows it (structured outputs)
     grammar: Optional[str] = None  # a GBNF grammar the answer follows
+    n_probs: Optional[Int64] = None  # > 0: each generated token's top n_probs alternatives
+    post_sampling_probs: bool = False  # completion_probabilities as probabilities (prob, top_probs)
 
     def structured_outputs(self) -> Optional[StructuredOutputsParams]:
         """``json_schema`` or ``grammar`` as a constraint (None without either). Raises
@@ -87,6 +96,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
         if self.n_predict is not None and self.n_predict < -1:
             raise SamplingParamsError(f"n_predict must be -1 (no limit) or at least 0, got {self.n_predict}.",
                                       "n_predict")
+        if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
+            raise SamplingParamsError(f"n_probs must be between 0 and {MAX_LOGPROBS}, got {self.n_probs}.", "n_probs")
 
         def pick(name: str, value: Any) -> Any:
             return value if value is not None else defaults.get(name, LLAMA_CPP_DEFAULTS[name])
@@ -98,7 +109,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
             repetition_penalty=pick("repetition_penalty", self.repeat_penalty),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=self.stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
-            structured_outputs=self.structured_outputs(), output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            structured_outputs=self.structured_outputs(), logprobs=self.n_probs or None,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
 class InfillRequest(LlamaSamplingRequest):
@@ -158,3 +170,15 @@ class InfillResponse(OpenAIBaseModel):
     stop_type: Optional[str] = None  # "eos", "limit" or "word" (set on the last)
     stopping_word: str = ""
     timings: Optional[dict[str, Any]] = None  # llama.cpp's timings (on the last; request_metrics.py)
+    completion_probabilities: Optional[list[dict[str, Any]]] = None  # with n_probs: one entry per token
+    generation_settings: Optional[dict[str, Any]] = None  # the settings it ran with (on the last)
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unset(self, handler: Any) -> dict[str, Any]:
+        """Leave ``completion_probabilities`` and ``generation_settings`` out when unset, as
+        llama-server writes them only when they apply."""
+        data = handler(self)
+        for key in ("completion_probabilities", "generation_settings"):
+            if data.get(key, 0) is None:
+                del data[key]
+        return data

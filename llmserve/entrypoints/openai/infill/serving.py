@@ -12,6 +12,7 @@ outside the vocabulary) is a 400 before anything is sent.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, AsyncGenerator, Optional, Union
 
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception
@@ -20,6 +21,7 @@ from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_prompt, require_fim_tokens
 from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse, LlamaCompletionRequest, \
     LlamaSamplingRequest
+from llmserve.entrypoints.openai.logprobs import finite_logprob
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.tokenizer import check_encodable
 
@@ -106,10 +108,11 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
     gens = [handler.generate(p, params, base if len(prompts) == 1 else f"{base}-{i}")
             for i, p in enumerate(prompts)]
     # a schema or grammar the engine cannot compile: a 400 naming the field it came from
-    names = {"structured_outputs": "json_schema" if request.json_schema is not None else "grammar"}
+    names = {"structured_outputs": "json_schema" if request.json_schema is not None else "grammar",
+             "logprobs": "n_probs"}
     merged = merge_started(await handler.start_generation(gens, names), gens)
     if request.stream:
-        return _stream(handler, request, model_name, prompts, merged, gens)
+        return _stream(handler, request, model_name, prompts, merged, gens, params)
     finals: list[Any] = [None] * len(prompts)
     try:
         async for i, res in merged:
@@ -126,8 +129,64 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
             tokens_cached=final.num_cached_tokens or 0, prompt=_prompt_text(handler, prompt),
             stop_type=_stop_type(out.finish_reason, out.stop_reason),
             stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "",
-            timings=_timings(final, len(prompt.token_ids), len(out.token_ids))))
+            timings=_timings(final, len(prompt.token_ids), len(out.token_ids)),
+            completion_probabilities=_probabilities(handler, request, out),
+            generation_settings=_settings(handler, request, params, model_name)))
     return answers
+
+
+def _piece(raw: bytes) -> str:
+    """A token's bytes as text: an incomplete UTF-8 sequence at the end (the start of a
+    character the next token finishes) left out, as llama-server writes ``token``."""
+    for cut in range(len(raw), max(len(raw) - 4, -1), -1):
+        try:
+            return raw[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return raw.decode("utf-8", errors="replace")
+
+
+def _probabilities(handler: Any, request: LlamaSamplingRequest, out: Any) -> Optional[list[dict[str, Any]]]:
+    """llama-server's ``completion_probabilities`` of ``out``'s tokens (None without
+    ``n_probs``): per token its ``id``, ``token``, ``bytes`` and ``logprob`` with its
+    ``n_probs`` likeliest alternatives in ``top_logprobs``, or ``prob`` and ``top_probs``
+    with ``post_sampling_probs``. The numbers are the engine's (raw) logprobs; a -inf one
+    is written -9999 (probability 0)."""
+    if not request.n_probs:
+        return None
+    fmt, post = handler.token_formatter, request.post_sampling_probs
+
+    def entry(tid: int, logprob: Optional[float]) -> dict[str, Any]:
+        raw = fmt.raw_bytes(tid)
+        value = finite_logprob(logprob)
+        return {"id": tid, "token": _piece(bytes(raw)), "bytes": raw,
+                **({"prob": math.exp(value)} if post else {"logprob": value})}
+
+    result = []
+    steps = list(out.logprobs or [])
+    for i, tid in enumerate(out.token_ids):
+        step = steps[i] if i < len(steps) else {}
+        chosen = step.get(tid)
+        ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                      -finite_logprob(kv[1].logprob)))
+        tops = [entry(t, lp.logprob) for t, lp in ranked[:request.n_probs]]
+        result.append({**entry(tid, chosen.logprob if chosen is not None else None),
+                       "top_probs" if post else "top_logprobs": tops})
+    return result
+
+
+def _settings(handler: Any, request: LlamaSamplingRequest, params: Any, model_name: str) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` of a finished answer: the sampling settings
+    the request ran with (its fields, else the model's defaults, else llama-server's),
+    under llama-server's names, with ``n_ctx`` and ``model``."""
+    return {"n_ctx": handler.max_model_len, "model": model_name,
+            "n_predict": -1 if params.max_tokens is None else params.max_tokens,
+            "seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "stop": list(request.stop or []),
+            "ignore_eos": request.ignore_eos, "stream": request.stream, "n_probs": request.n_probs or 0,
+            "post_sampling_probs": request.post_sampling_probs}
 
 
 def _timings(res: Any, num_prompt: int, num_generated: int) -> Optional[dict[str, Any]]:
@@ -141,7 +200,7 @@ def _prompt_text(handler: Any, prompt: RenderedPrompt) -> str:
 
 
 async def _stream(handler: Any, request: LlamaSamplingRequest, model_name: str, prompts: list[RenderedPrompt],
-                  merged: Any, gens: list[Any]) -> AsyncGenerator[str, None]:
+                  merged: Any, gens: list[Any], params: Any) -> AsyncGenerator[str, None]:
     predicted = [0] * len(prompts)
     try:
         async for i, res in merged:
@@ -154,7 +213,9 @@ async def _stream(handler: Any, request: LlamaSamplingRequest, model_name: str, 
                 tokens_cached=res.num_cached_tokens or 0, stop_type=_stop_type(out.finish_reason, out.stop_reason),
                 stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "",
                 prompt=_prompt_text(handler, prompts[i]) if done else None,
-                timings=_timings(res, len(prompts[i].token_ids), predicted[i]) if done else None)
+                timings=_timings(res, len(prompts[i].token_ids), predicted[i]) if done else None,
+                completion_probabilities=_probabilities(handler, request, out) if out.token_ids else None,
+                generation_settings=_settings(handler, request, params, model_name) if done else None)
             yield sse(chunk.model_dump_json(exclude_none=True))
     except Exception as e:  # the stream already started: llama-server's in-band error event
         _, body = error_response_from_exception(e)
