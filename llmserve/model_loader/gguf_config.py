@@ -15,6 +15,8 @@ where llama.cpp hard-codes a value instead of writing it, so does this (with the
   ``rope.scaling.attn_factor`` and the ``rope_factors_long`` / ``rope_factors_short``
   tensors (LongRoPE), ``attention.sliding_window``;
 - every architecture: ``attention.key_length`` as ``head_dim`` where the file has it;
+- llama / qwen2 / qwen3 / qwen2moe / qwen3moe: ``rope.scaling.*`` (linear, yarn) and the
+  ``rope_freqs`` tensor (Llama 3.1's scaling as per-frequency divisors), see _complete_rope;
 - qwen2moe / qwen3moe: ``expert_feed_forward_length`` (the experts' width) and, qwen2moe,
   ``expert_shared_feed_forward_length`` (the shared expert's); the top-k normalisation
   llama.cpp hard-codes per architecture.
@@ -109,6 +111,8 @@ def complete_gguf_config(config: Any, gguf_path: str) -> Any:
     with experts (Mixtral) a new ``MixtralConfig``."""
     meta = _Meta(gguf_path)
     _complete_head_dim(config, meta)
+    if meta.arch in _ROPE_SCALED_ARCHS:
+        _complete_rope(config, meta)
     if meta.arch in ("gemma2", "gemma3"):
         _complete_gemma(config, meta)
     elif meta.arch == "phi3":
@@ -129,6 +133,35 @@ def _complete_head_dim(config: Any, meta: _Meta) -> None:
     key_length = meta.arch_key("attention.key_length")
     if key_length:
         config.head_dim = int(key_length)
+
+
+# Architectures whose RoPE scaling transformers' GGUF reader drops (it keeps only
+# ``rope.freq_base``); Gemma 3 and Phi-3 read theirs in their own functions below.
+_ROPE_SCALED_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+
+def _complete_rope(config: Any, meta: _Meta) -> None:
+    """RoPE scaling as ``convert_hf_to_gguf.py`` writes it, which transformers' GGUF reader
+    left out, so such files ran unscaled RoPE and answered wrongly from the 2nd token:
+    - ``rope_freqs.weight`` (Llama 3.1 / 3.2 / 3.3's ``llama3`` scaling: the converter stores
+      one divisor per frequency and llama.cpp divides by it at every position) as
+      ``config.rope_freq_factors``, which the models' RoPE divides by the same way;
+    - ``rope.scaling.type`` ``linear`` / ``yarn`` with ``rope.scaling.factor`` (and
+      ``original_context_length``) as ``rope_parameters``, as in the checkpoint's config.json
+      (llmserve runs linear; a YaRN file is then refused by name, as its HF directory is).
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", float(meta.arch_key("rope.freq_base", 10000.0)))
+    kind, factor = meta.arch_key("rope.scaling.type"), meta.arch_key("rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor and float(factor) != 1.0:
+        params.update(rope_type=kind, factor=float(factor))
+        orig = meta.arch_key("rope.scaling.original_context_length")
+        if orig:
+            params["original_max_position_embeddings"] = int(orig)
+        config.rope_parameters = params
+    factors = meta.tensor("rope_freqs.weight")
+    if factors is not None and any(f != 1.0 for f in factors):
+        config.rope_freq_factors = factors
 
 
 def _as_mixtral(config: Any, meta: _Meta) -> Any:

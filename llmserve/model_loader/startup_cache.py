@@ -48,8 +48,9 @@ logger = logging.getLogger(__name__)
 # 31); 4: ``-blocks`` entries hold the kernels' layout (``k.*``), not the raw blocks; 5:
 # quantized MoE expert stacks kept packed, one entry per expert (an older entry would leave a
 # Mixtral file's experts dense); 6: a Gemma 3 file without ``attention.sliding_window`` has no
-# sliding layers (an older entry's config.json slides 5 of 6 layers)
-FORMAT_VERSION = "6"
+# sliding layers (an older entry's config.json slides 5 of 6 layers); 7: RoPE scaling of
+# llama / qwen files (rope.scaling.*, rope_freqs) in config.json
+FORMAT_VERSION = "7"
 
 
 def cache_root() -> str:

@@ -120,13 +120,18 @@ def _rope_parameters(config: Any) -> dict:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors:  # a GGUF file's rope_freqs tensor (gguf_config._complete_rope)
+        params["freq_factors"] = list(factors)
     return params
 
 
 def compute_inv_freq(head_dim: int, params: dict, max_position: int) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim // 2]`` float32 (Su et al. 2021), with the
     "linear" (position interpolation) and "llama3" scalings as transformers'
-    ``modeling_rope_utils``. Raises ValueError for other rope types."""
+    ``modeling_rope_utils``, then divided by ``params["freq_factors"]`` where given (one per
+    frequency: llama.cpp's ``rope_freqs``, how its files carry Llama 3.1's scaling). Raises
+    ValueError for other rope types, or factors of the wrong count."""
     rope_type = params["rope_type"]
     if rope_type not in _SUPPORTED_ROPE:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE}")
@@ -147,6 +152,12 @@ def compute_inv_freq(head_dim: int, params: dict, max_position: int) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    factors = params.get("freq_factors")
+    if factors is not None:
+        if len(factors) != inv_freq.numel():
+            raise ValueError(f"rope_freqs has {len(factors)} factors; the rotary dimension {head_dim} needs "
+                             f"{inv_freq.numel()}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq
 
 
