@@ -168,3 +168,21 @@ def test_completion_n_probs_answers_completion_probabilities(server):
     for bad in (21, -1, "2"):
         r = server.http.post("/completion", json={"prompt": "x", "n_predict": 1, "n_probs": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n_probs", (bad, r.text)
+
+
+def test_slots_lists_the_running_requests_in_slot_shape(server):
+    # llama-server's GET /slots (a 404 before): --max-num-seqs entries, running ones first
+    total = server.http.get("/props").json()["total_slots"]
+    idle = server.http.get("/slots", params={"fail_on_no_slot": 1})
+    assert idle.status_code == 200, idle.text
+    assert len(idle.json()) == total and not any(s["is_processing"] for s in idle.json())
+    assert [s["id"] for s in idle.json()] == list(range(total)) and idle.json()[0]["n_ctx"] == 2048
+    body = {"prompt": "Once upon a time", "n_predict": 40, "ignore_eos": True, "temperature": 0, "stream": True}
+    with server.http.stream("POST", "/completion", json=body) as r:
+        lines = r.iter_lines()  # held: a dropped iterator closes the stream (an abort)
+        next(line for line in lines if line.startswith("data: "))  # it runs now
+        busy = server.http.get("/slots").json()
+    slot = busy[0]
+    assert slot["is_processing"] and not busy[1]["is_processing"] and len(busy) == total
+    assert slot["params"]["n_predict"] == 40 and slot["params"]["ignore_eos"] is True and slot["id_request"]
+    assert 1 <= slot["next_token"]["n_decoded"] <= 40 and slot["next_token"]["n_remain"] == 40 - slot["next_token"]["n_decoded"]

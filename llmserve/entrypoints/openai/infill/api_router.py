@@ -3,12 +3,13 @@
 the model the request names; ``POST /apply-template``, a chat request's messages rendered
 through the chat template (``{"prompt": TEXT}``, to edit and send to ``/completion``); and
 ``GET /props``, the server properties llama.cpp's clients read first (the context size, the
-default sampling, the chat template)."""
+default sampling, the chat template); ``GET /slots``, llama-server's per-slot state, made
+from the requests the engine runs (it has no slots: see :func:`slots`)."""
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from starlette.responses import JSONResponse, Response
 
 import llmserve
@@ -18,7 +19,10 @@ from llmserve.entrypoints.openai.infill.fim import gguf_path_of
 from llmserve.entrypoints.openai.infill.protocol import LLAMA_CPP_DEFAULTS, InfillRequest, LlamaCompletionRequest, \
     LlamaSamplingRequest
 from llmserve.entrypoints.openai.infill.serving import create_infill, create_llama_completion
-from llmserve.entrypoints.openai.server_utils import request_id_of, result_response, with_cancellation
+from llmserve.entrypoints.openai.common.errors import make_error
+from llmserve.entrypoints.openai.server_utils import json_response, request_id_of, result_response, \
+    with_cancellation
+from llmserve.entrypoints.openai.tenants import tenant_name_of
 
 router = APIRouter()
 
@@ -96,6 +100,67 @@ async def props(raw_request: Request) -> JSONResponse:
         "modalities": {"vision": False, "audio": False}, "build_info": f"llmserve {llmserve.__version__}"})
 
 
+def _running_params(params: Any) -> dict[str, Any]:
+    """A running request's sampling settings under llama-server's slot ``params`` names
+    (a pooling request, which samples nothing, has only ``n_predict`` 0)."""
+    if not hasattr(params, "temperature"):
+        return {"n_predict": 0}
+    return {"n_predict": -1 if params.max_tokens is None else params.max_tokens,
+            "seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "stop": list(params.stop or []),
+            "max_tokens": -1 if params.max_tokens is None else params.max_tokens,
+            "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0}
+
+
+@router.get("/slots")
+async def slots(raw_request: Request, fail_on_no_slot: int = Query(0)) -> Response:
+    """llama-server's ``GET /slots`` for the served model (the first with
+    ``--extra-model``). The engine has no slots: it runs up to ``--max-num-seqs``
+    sequences at once (``total_slots`` in ``/props``), so the answer is that many
+    entries, the running sequences first (``is_processing: true``, their ``params`` and
+    ``next_token`` with ``n_decoded`` and ``n_remain``; ``id_request`` is the id
+    ``/v1/requests`` shows), then idle ones with the default ``params``. ``id`` and
+    ``id_task`` are positions in this list, not stable ids. Another tenant's running
+    request fills a slot without its details. Queued requests hold no slot.
+    ``fail_on_no_slot=1``: a 503 when no slot is idle. Request timelines off
+    (``--no-request-timelines``, ``--disable-log-stats``): a 501, as llama-server answers
+    with ``--no-slots``."""
+    from llmserve.entrypoints.ollama.info import model_states
+
+    state = model_states(raw_request.app.state)[0]
+    store = getattr(state.engine_client, "request_timelines", None)
+    if store is None:
+        return json_response(make_error("The slots endpoint needs request timelines, which are off on this "
+                                        "server (--no-request-timelines or --disable-log-stats).", 501,
+                                        err_type="not_supported_error"), 501)
+    handler = state.openai_serving_completion
+    config = getattr(state.engine_client, "vllm_config", None)
+    total = config.scheduler_config.max_num_seqs if config is not None else 1
+    tenant = tenant_name_of(raw_request)
+    running = [r for r in list(store.live.values()) if r.state == "running"][:total]
+    if fail_on_no_slot and len(running) >= total:
+        return json_response(make_error("No slot is available: every sequence the engine runs at once is busy.",
+                                        503, "fail_on_no_slot"), 503)
+    idle_params = _params(handler.default_sampling_params or {})
+    entries = []
+    for i in range(total):
+        entry: dict[str, Any] = {"id": i, "id_task": -1, "n_ctx": handler.max_model_len, "speculative": False,
+                                 "is_processing": i < len(running)}
+        if i >= len(running):
+            entry["params"] = idle_params
+        elif running[i].tenant == tenant:
+            rec = running[i]
+            params = _running_params(rec.params)
+            budget = params["n_predict"]
+            entry.update(id_task=i, id_request=rec.id, params=params,
+                         next_token={"has_next_token": True, "n_decoded": rec.generated_tokens,
+                                     "n_remain": -1 if budget < 0 else max(budget - rec.generated_tokens, 0)})
+        entries.append(entry)
+    return JSONResponse(entries)
+
+
 def register_infill_api_routers(app: FastAPI) -> None:
-    """Mount /infill, /completion, /completions, /apply-template and /props."""
+    """Mount /infill, /completion, /completions, /apply-template, /props and /slots."""
     app.include_router(router)
