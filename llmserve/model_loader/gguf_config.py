@@ -225,8 +225,11 @@ def _complete_gemma(config: Any, meta: _Meta) -> None:
         config.layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
                               for i in range(n)]
     full = {"rope_type": "default", "rope_theta": float(meta.arch_key("rope.freq_base", 1e6))}
-    if meta.arch_key("rope.scaling.type") in ("linear",) and meta.arch_key("rope.scaling.factor"):
-        full.update(rope_type="linear", factor=float(meta.arch_key("rope.scaling.factor")))
+    kind, factor = meta.arch_key("rope.scaling.type"), meta.arch_key("rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor and float(factor) != 1.0:  # YaRN: refused by name, as in _complete_rope
+        full.update(rope_type=kind, factor=float(factor))
+        if kind == "yarn" and meta.arch_key("rope.scaling.original_context_length"):
+            full["original_max_position_embeddings"] = int(meta.arch_key("rope.scaling.original_context_length"))
     config.rope_parameters = {
         "full_attention": full,
         "sliding_attention": {"rope_type": "default",

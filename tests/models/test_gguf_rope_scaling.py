@@ -102,3 +102,24 @@ def test_rope_scaling_keys_reach_the_config(tmp_path, arch, kind, model_config_f
     if kind == "yarn":
         with pytest.raises(ValueError, match="'yarn' is not supported"):
             get_model(model_config_fn(resolved, config, "float32"))
+
+
+def test_gemma3_yarn_file_is_refused_by_name(tmp_path, model_config_fn):
+    """Gemma 3's global layers (every 6th): a YaRN-scaled file is refused by name (it ran on
+    unscaled RoPE, its ``rope.scaling.type`` read only when linear)."""
+    import gguf
+    path = str(tmp_path / "gemma3-yarn.gguf")
+    w = gguf.GGUFWriter(path, "gemma3")
+    for add, value in ((w.add_context_length, 512), (w.add_embedding_length, 64), (w.add_block_count, 6),
+                       (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_key_length, 16), (w.add_value_length, 16),
+                       (w.add_sliding_window, 8), (w.add_rope_freq_base, 1e6), (w.add_rope_scaling_factor, 8.0),
+                       (w.add_rope_scaling_orig_ctx_len, 128)):
+        add(value)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    finish_gguf(w)
+    resolved = resolve_model(path)
+    config = load_hf_config(resolved)
+    assert config.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        get_model(model_config_fn(resolved, config, "float32"))
