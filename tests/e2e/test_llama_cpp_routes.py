@@ -1,6 +1,7 @@
 """llama-server's native routes, as a llama.cpp user calls them, on the shared ``server``
 (SmolLM2, float32): ``POST /completion`` (and ``/completions``) with its prompt shapes,
-answer object and ``data:`` stream. FIM (``/infill``) is in test_fim_infill.py.
+answer object and ``data:`` stream, ``/slots``, ``/props``; ``/embedding`` on the shared
+MiniLM server. FIM (``/infill``) is in test_fim_infill.py.
 """
 import json
 import math
@@ -186,3 +187,28 @@ def test_slots_lists_the_running_requests_in_slot_shape(server):
     assert slot["is_processing"] and not busy[1]["is_processing"] and len(busy) == total
     assert slot["params"]["n_predict"] == 40 and slot["params"]["ignore_eos"] is True and slot["id_request"]
     assert 1 <= slot["next_token"]["n_decoded"] <= 40 and slot["next_token"]["n_remain"] == 40 - slot["next_token"]["n_decoded"]
+
+
+def test_embedding_route_answers_llama_servers_list(minilm_server, server):
+    # llama-server's POST /embedding (a 404 before), on the shared MiniLM server
+    http = minilm_server.http
+    r = http.post("/embedding", json={"content": "Hello my name is"})
+    assert r.status_code == 200, r.text
+    [item] = r.json()
+    assert item["index"] == 0 and len(item["embedding"]) == 1
+    ref = http.post("/v1/embeddings", json={"input": "Hello my name is"}).json()["data"][0]["embedding"]
+    vec = item["embedding"][0]  # embd_normalize 2 (Euclidean) by default: /v1/embeddings' vector
+    assert len(vec) == len(ref) == 384 and max(abs(a - b) for a, b in zip(vec, ref)) < 1e-5
+    raw = http.post("/embedding", json={"content": "Hello my name is", "embd_normalize": -1}).json()[0]["embedding"][0]
+    norm = math.sqrt(sum(x * x for x in raw))
+    assert abs(norm - 1) > 0.01 and max(abs(a / norm - b) for a, b in zip(raw, ref)) < 1e-5
+    scaled = http.post("/embedding", json={"content": "Hello my name is", "embd_normalize": 0}).json()[0]["embedding"][0]
+    assert abs(max(abs(x) for x in scaled) - 32760) < 1e-2
+    both = http.post("/embedding", json={"content": ["Hello my name is", "Second text"]}).json()
+    assert [b["index"] for b in both] == [0, 1] and max(abs(a - b) for a, b in zip(both[0]["embedding"][0], vec)) < 1e-5
+    for bad, param in [({}, "content"), ({"content": "a", "normalize": True}, "normalize"), ({"content": []}, "content")]:
+        r = http.post("/embedding", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    # a generating model: /v1/embeddings' refusal
+    r = server.http.post("/embedding", json={"content": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "--runner pooling" in r.text, r.text

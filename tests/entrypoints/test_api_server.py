@@ -32,7 +32,7 @@ FAMILIES = {
     "register_kv_event_sources_api_routers": {"/kv_event_sources", "/get_server_info"},
     "register_responses_api_routers": {"/v1/responses", "/v1/responses/{response_id}",
                                        "/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items"},
-    "register_embeddings_api_routers": {"/v1/embeddings", "/pooling"},
+    "register_embeddings_api_routers": {"/v1/embeddings", "/pooling", "/embedding"},
     "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"},
     "register_classify_api_routers": {"/classify", "/v1/classify"},
     "register_speech_to_text_api_routers": {"/v1/audio/transcriptions", "/v1/audio/translations"},

@@ -22,7 +22,7 @@ from llmserve.entrypoints.openai.admission import AdmissionController, Rejection
 _CAPABILITY_PREFIXES = (("/v1/audio/", "transcription"), ("/v1/embeddings", "embed"), ("/pooling", "embed"),
                         ("/score", "score"), ("/v1/score", "score"), ("/rerank", "score"), ("/v1/rerank", "score"),
                         ("/v2/rerank", "score"), ("/classify", "classify"), ("/v1/classify", "classify"),
-                        ("/api/embed", "embed"))
+                        ("/api/embed", "embed"), ("/embedding", "embed"))
 
 
 class _ModelField(msgspec.Struct):

@@ -18,7 +18,7 @@ TRACKED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions",
     "/v1/audio/translations", "/pooling", "/classify", "/v1/classify", "/score", "/v1/score", "/rerank",
     "/v1/rerank", "/v2/rerank", "/invocations", "/v1/messages", "/infill",  # llama.cpp's FIM
-    "/completion", "/completions",  # llama.cpp's native completion
+    "/completion", "/completions", "/embedding",  # llama.cpp's native completion and embedding
     "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",  # Ollama's
 })
 

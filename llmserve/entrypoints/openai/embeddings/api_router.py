@@ -1,12 +1,13 @@
-"""``POST /v1/embeddings`` and ``POST /pooling``: thin routes over OpenAIServingEmbedding."""
+"""``POST /v1/embeddings``, ``POST /pooling`` and llama-server's ``POST /embedding``: thin
+routes over OpenAIServingEmbedding."""
 from __future__ import annotations
 
 from fastapi import APIRouter, FastAPI, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
-from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest, PoolingRequest
+from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest, LlamaEmbeddingRequest, PoolingRequest
 from llmserve.entrypoints.openai.embeddings.serving import OpenAIServingEmbedding
-from llmserve.entrypoints.openai.server_utils import json_or_499
+from llmserve.entrypoints.openai.server_utils import json_or_499, with_cancellation
 
 router = APIRouter()
 
@@ -25,6 +26,12 @@ async def create_pooling(request: PoolingRequest, raw_request: Request) -> Respo
     return await json_or_499(raw_request, embedding(raw_request).create_pooling(request))
 
 
+@router.post("/embedding")
+async def create_llama_embedding(request: LlamaEmbeddingRequest, raw_request: Request) -> Response:
+    result = await with_cancellation(raw_request, embedding(raw_request).create_llama_embedding(request))
+    return Response(status_code=499) if result is None else JSONResponse(result)
+
+
 def register_embeddings_api_routers(app: FastAPI) -> None:
-    """Mount /v1/embeddings and /pooling."""
+    """Mount /v1/embeddings, /pooling and /embedding."""
     app.include_router(router)

@@ -1,5 +1,5 @@
-"""Protocol of ``POST /v1/embeddings`` (OpenAI's, with vLLM's extra fields) and of
-``POST /pooling`` (vLLM's raw pooling output)."""
+"""Protocol of ``POST /v1/embeddings`` (OpenAI's, with vLLM's extra fields), of
+``POST /pooling`` (vLLM's raw pooling output) and of llama-server's ``POST /embedding``."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
@@ -8,7 +8,7 @@ from pydantic import Field
 
 from llmserve.entrypoints.openai.common.limits import MAX_MESSAGES
 from llmserve.entrypoints.openai.common.pooling import PoolingFields, PoolingInput
-from llmserve.entrypoints.openai.common.protocol import JSONInt, OpenAIBaseModel, UsageInfo
+from llmserve.entrypoints.openai.common.protocol import Int64, JSONInt, OpenAIBaseModel, UsageInfo
 
 
 class EmbeddingRequest(PoolingFields):
@@ -75,3 +75,15 @@ class PoolingResponse(OpenAIBaseModel):
     model: str
     data: list[PoolingResponseData]
     usage: UsageInfo
+
+
+class LlamaEmbeddingRequest(PoolingFields):
+    """llama-server's ``POST /embedding``: ``content`` (a string, strings, token ids or
+    lists of token ids; required) and ``embd_normalize`` (-1: none, 0: scaled so the
+    largest magnitude is 32760, 1: taxicab, 2: Euclidean, the default, above 2: that
+    p-norm), applied to the model's pooled vector before any normalisation of its own."""
+
+    REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = ("content",)
+
+    content: Optional[PoolingInput] = None
+    embd_normalize: Int64 = 2

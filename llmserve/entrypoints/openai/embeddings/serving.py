@@ -1,18 +1,22 @@
 """``POST /v1/embeddings`` and ``POST /pooling`` (vLLM's ``OpenAIServingEmbedding`` and
 ``OpenAIServingPooling``): input -> prompts -> one ``AsyncLLM.encode`` each -> vectors in
 input order, as floats or base64, with ``usage.prompt_tokens``. On a classification model
-``/pooling`` runs its head (task "classify", or "token_classify" for per-token results)."""
+``/pooling`` runs its head (task "classify", or "token_classify" for per-token results).
+llama-server's ``POST /embedding`` runs the same path (``create_llama_embedding``)."""
 from __future__ import annotations
 
+from typing import Any
 
+import numpy as np
 
 from llmserve.entrypoints.openai.common.pooling import PoolingBaseServing, encode_vector
 from llmserve.entrypoints.openai.common.protocol import UsageInfo
 from llmserve.entrypoints.openai.embeddings.protocol import (EmbeddingRequest, EmbeddingResponse,
-                                                             EmbeddingResponseData, PoolingRequest,
-                                                             PoolingResponse, PoolingResponseData)
+                                                             EmbeddingResponseData, LlamaEmbeddingRequest,
+                                                             PoolingRequest, PoolingResponse, PoolingResponseData)
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import PoolingRequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import SamplingParamsError
 from llmserve.tokenizer import check_texts
 
@@ -65,6 +69,41 @@ class OpenAIServingEmbedding(PoolingBaseServing):
         data = [PoolingResponseData(index=i, data=encode_vector(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outs)]
         return PoolingResponse(id=rid, created=self.now(), model=name, data=data, usage=self._usage(outs))
+
+    async def create_llama_embedding(self, request: LlamaEmbeddingRequest) -> list[dict[str, Any]]:
+        """llama-server's ``POST /embedding``: ``[{"index", "embedding": [vector]}]``, one
+        item per prompt of ``content`` in its order, each vector the model's pooled one
+        normalised by ``embd_normalize``. Raises SamplingParamsError (400): ``model`` on a
+        model that does not embed (as ``/v1/embeddings``), ``content`` when it is missing or
+        refused, ``normalize`` when given (``embd_normalize`` says it here)."""
+        self.check_task(request, "embed")
+        if request.content is None:
+            raise SamplingParamsError("content: required (the text, or texts, to embed).", "content")
+        if request.normalize is not None:
+            raise SamplingParamsError("normalize is not read on /embedding: use embd_normalize "
+                                      "(-1 none, 0 max-abs, 1 taxicab, 2 Euclidean, >2 p-norm).", "normalize")
+        params = PoolingParams(normalize=False, truncate_prompt_tokens=request.truncate_prompt_tokens, task="embed")
+        prompts = await self.render_input(request.content, request.add_special_tokens, "content",
+                                          truncate_prompt_tokens=request.truncate_prompt_tokens)
+        outs = await self.encode_all(prompts, params, self.new_request_id("embd"), request.priority, "content")
+        return [{"index": i, "embedding": [_normalized(encode_vector(o.outputs.data, "float"), request.embd_normalize)]}
+                for i, o in enumerate(outs)]
+
+
+def _normalized(vector: list[float], how: int) -> list[float]:
+    """``vector`` under llama-server's ``embd_normalize``: -1 (or below) as it is, 0
+    scaled so that its largest magnitude is 32760 (the int16 range), 1 over its taxicab
+    norm, 2 over its Euclidean norm, p > 2 over its p-norm. A zero vector stays zero."""
+    v = np.asarray(vector, dtype=np.float64)
+    if how < 0:
+        return v.tolist()
+    if how == 0:
+        top = float(np.abs(v).max()) if v.size else 0.0
+        scale = 32760.0 / top if top > 0 else 0.0
+    else:
+        norm = float(np.sum(np.abs(v) ** how) ** (1.0 / how))
+        scale = 1.0 / norm if norm > 0 else 0.0
+    return (v * scale).tolist()
 
 
 __all__ = ["OpenAIServingEmbedding"]
