@@ -88,7 +88,7 @@ def test_infill_layout_extra_chunks_and_stream(fim_server, fim_tokenizer_dir):
     body = {"input_prefix": "def add(a, b):\n", "input_suffix": ["\n", "return c\n"], "prompt": "    c =",
             "input_extra": [{"filename": "util.py", "text": "def mul(a, b):\n    return a * b\n"},
                             {"text": "X = 1\n"}],
-            "n_predict": 4, "temperature": 0, "return_tokens": True}
+            "n_predict": 4, "temperature": 0, "return_tokens": True, "n_probs": 1}
     r = fim_server.http.post("/infill", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -102,12 +102,16 @@ def test_infill_layout_extra_chunks_and_stream(fim_server, fim_tokenizer_dir):
     assert out["prompt"] == tok.decode(expected, skip_special_tokens=False)
     assert out["stop"] is True and out["tokens_predicted"] == len(out["tokens"]) <= 4
     assert out["stop_type"] in ("limit", "eos") and out["model"] == "tiny-fim"
+    # n_probs: llama-server's completion_probabilities, one per middle token (greedy: its own top 1)
+    assert [p["id"] for p in out["completion_probabilities"]] == out["tokens"]
+    assert all([t["id"] for t in p["top_logprobs"]] == [p["id"]] for p in out["completion_probabilities"])
 
     with fim_server.http.stream("POST", "/infill", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [e["stop"] for e in events][-1] is True and not any(e["stop"] for e in events[:-1])
     assert "".join(e["content"] for e in events) == out["content"]  # greedy: the same middle
+    assert [p["id"] for e in events for p in e.get("completion_probabilities", [])] == out["tokens"]
 
 
 def test_infill_bad_input_names_the_field(fim_server):
