@@ -164,6 +164,10 @@ def test_completion_n_probs_answers_completion_probabilities(server):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     streamed = [p for e in events for p in e.get("completion_probabilities", [])]
     assert [p["id"] for p in streamed] == out["tokens"] and "generation_settings" in events[-1]
+    # a stop word's tokens are left out of a whole answer's entries, as llama-server does
+    word = server.http.post("/detokenize", json={"tokens": out["tokens"][1:2]}).json()["content"]
+    cut = server.http.post("/completion", json={**body, "stop": [word]}).json()
+    assert cut["stop_type"] == "word" and len(cut["completion_probabilities"]) == cut["tokens_predicted"] - 1
     plain = server.http.post("/completion", json={"prompt": "1,", "n_predict": 1}).json()
     assert "completion_probabilities" not in plain
     for bad in (21, -1, "2"):

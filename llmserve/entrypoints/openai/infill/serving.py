@@ -130,7 +130,7 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
             stop_type=_stop_type(out.finish_reason, out.stop_reason),
             stopping_word=out.stop_reason if isinstance(out.stop_reason, str) else "",
             timings=_timings(final, len(prompt.token_ids), len(out.token_ids)),
-            completion_probabilities=_probabilities(handler, request, out),
+            completion_probabilities=_without_stop_word(handler, _probabilities(handler, request, out), out),
             generation_settings=_settings(handler, request, params, model_name)))
     return answers
 
@@ -173,6 +173,17 @@ def _probabilities(handler: Any, request: LlamaSamplingRequest, out: Any) -> Opt
         result.append({**entry(tid, chosen.logprob if chosen is not None else None),
                        "top_probs" if post else "top_logprobs": tops})
     return result
+
+
+def _without_stop_word(handler: Any, probs: Optional[list[dict[str, Any]]], out: Any,
+                       ) -> Optional[list[dict[str, Any]]]:
+    """A whole answer's ``completion_probabilities`` without the stop word's tokens, as
+    llama-server leaves them out (as many entries as the word has tokens alone, the text
+    already leaving it out); a stream's events keep theirs, as llama-server's do."""
+    if not probs or not isinstance(out.stop_reason, str) or out.finish_reason != "stop":
+        return probs
+    n = len(handler.tokenizer.encode(out.stop_reason, add_special_tokens=False))
+    return probs[:max(len(probs) - n, 0)]
 
 
 def _settings(handler: Any, request: LlamaSamplingRequest, params: Any, model_name: str) -> dict[str, Any]:
