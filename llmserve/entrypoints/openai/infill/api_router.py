@@ -17,7 +17,7 @@ from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionR
 from llmserve.entrypoints.openai.chat_completion.tool_calling import ToolPlan
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of
 from llmserve.entrypoints.openai.infill.protocol import LLAMA_CPP_DEFAULTS, InfillRequest, LlamaCompletionRequest, \
-    LlamaSamplingRequest
+    LlamaSamplingRequest, llama_settings
 from llmserve.entrypoints.openai.infill.serving import create_infill, create_llama_completion
 from llmserve.entrypoints.openai.common.errors import make_error
 from llmserve.entrypoints.openai.server_utils import json_response, request_id_of, result_response, \
@@ -103,15 +103,7 @@ async def props(raw_request: Request) -> JSONResponse:
 def _running_params(params: Any) -> dict[str, Any]:
     """A running request's sampling settings under llama-server's slot ``params`` names
     (a pooling request, which samples nothing, has only ``n_predict`` 0)."""
-    if not hasattr(params, "temperature"):
-        return {"n_predict": 0}
-    return {"n_predict": -1 if params.max_tokens is None else params.max_tokens,
-            "seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
-            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
-            "repeat_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
-            "frequency_penalty": params.frequency_penalty, "stop": list(params.stop or []),
-            "max_tokens": -1 if params.max_tokens is None else params.max_tokens,
-            "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0}
+    return llama_settings(params) if hasattr(params, "temperature") else {"n_predict": 0}
 
 
 @router.get("/slots")

@@ -113,6 +113,17 @@ class LlamaSamplingRequest(OpenAIRequestModel):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
+def llama_settings(params: SamplingParams) -> dict[str, Any]:
+    """``params`` under llama-server's sampling names (its ``generation_settings`` and
+    ``/slots`` ``params``): ``n_predict``/``max_tokens`` and ``seed`` -1 when unset."""
+    budget = -1 if params.max_tokens is None else params.max_tokens
+    return {"n_predict": budget, "seed": -1 if params.seed is None else params.seed,
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "repeat_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "stop": list(params.stop or []), "max_tokens": budget,
+            "ignore_eos": params.ignore_eos, "n_probs": params.logprobs or 0}
+
+
 class InfillRequest(LlamaSamplingRequest):
     """``POST /infill`` (see the module docstring)."""
 

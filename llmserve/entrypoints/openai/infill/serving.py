@@ -20,7 +20,7 @@ from llmserve.entrypoints.openai.common.request_metrics import llama_timings
 from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started, sse
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_prompt, require_fim_tokens
 from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse, LlamaCompletionRequest, \
-    LlamaSamplingRequest
+    LlamaSamplingRequest, llama_settings
 from llmserve.entrypoints.openai.logprobs import finite_logprob
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.tokenizer import check_encodable
@@ -190,13 +190,7 @@ def _settings(handler: Any, request: LlamaSamplingRequest, params: Any, model_na
     """llama-server's ``generation_settings`` of a finished answer: the sampling settings
     the request ran with (its fields, else the model's defaults, else llama-server's),
     under llama-server's names, with ``n_ctx`` and ``model``."""
-    return {"n_ctx": handler.max_model_len, "model": model_name,
-            "n_predict": -1 if params.max_tokens is None else params.max_tokens,
-            "seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
-            "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
-            "repeat_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
-            "frequency_penalty": params.frequency_penalty, "stop": list(request.stop or []),
-            "ignore_eos": request.ignore_eos, "stream": request.stream, "n_probs": request.n_probs or 0,
+    return {"n_ctx": handler.max_model_len, "model": model_name, **llama_settings(params), "stream": request.stream,
             "post_sampling_probs": request.post_sampling_probs}
 
 
