@@ -345,6 +345,14 @@ class OutputProcessor:
                                        timestamp, eco.model_execute_time)
             if not eco.new_token_ids and finish is None and eco.new_prompt_logprobs is None:
                 continue  # only events (a prefill chunk ran): nothing new for the caller
+            new_ids, new_lps = eco.new_token_ids, eco.new_logprobs
+            if p.max_tokens == 0 and eco.new_token_ids:
+                # A 0-token budget (scoring the prompt): the engine samples once after the
+                # prefill; that token is not output, and the request ends on "length".
+                new_ids, new_lps, stop_reason = [], None, None
+                if finish is None:
+                    result.reqs_to_abort.append(eco.request_id)
+                finish = FinishReason.LENGTH
             if eco.new_token_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
@@ -357,20 +365,20 @@ class OutputProcessor:
                 st.last_token_time = now
                 if iteration_stats is not None:
                     st.last_token_ts = timestamp or 0.0
-                    iteration_stats.num_generation_tokens += len(eco.new_token_ids)
+                    iteration_stats.num_generation_tokens += len(new_ids)
             stop_terminated = finish == FinishReason.STOP and stop_reason is None or (
                 finish == FinishReason.STOP and isinstance(stop_reason, int))
-            stop_str = st.detokenizer.update(eco.new_token_ids, stop_terminated)
+            stop_str = st.detokenizer.update(new_ids, stop_terminated)
             if stop_str is not None:
                 if finish is None:
                     result.reqs_to_abort.append(eco.request_id)
                 finish, stop_reason = FinishReason.STOP, stop_str
-            if st.logprobs is not None and eco.new_logprobs is not None:
-                new = self._to_logprob_dicts(eco.new_logprobs, p.logprobs if p.logprobs >= 0 else 1 << 30)
+            if st.logprobs is not None and new_lps is not None:
+                new = self._to_logprob_dicts(new_lps, p.logprobs if p.logprobs >= 0 else 1 << 30)
                 if st.detokenizer.num_dropped:  # tokens past a stop string (speculative decoding)
                     del new[len(new) - st.detokenizer.num_dropped:]
                 st.logprobs.extend(new)
-                for lists in eco.new_logprobs.logprobs[:len(new)]:
+                for lists in new_lps.logprobs[:len(new)]:
                     st.cumulative_logprob += lists[0]
             if st.prompt_logprobs is not None and eco.new_prompt_logprobs is not None:
                 k = p.prompt_logprobs if p.prompt_logprobs >= 0 else 1 << 30

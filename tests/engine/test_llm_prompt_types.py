@@ -46,3 +46,16 @@ def test_zero_logprobs_offline_c38_and_truncation(llm_fp32):
     ref = llm_fp32.generate([TokensPrompt(prompt_token_ids=ids[-3:])], SamplingParams(temperature=0, max_tokens=2),
                             use_tqdm=False)[0]
     assert cut.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_max_tokens_zero_outputs_no_token(llm_fp32):
+    """SamplingParams(max_tokens=0) offline (a prompt-scoring request): no token is
+    output, finish_reason is "length", the prompt logprobs are there; the engine used to
+    hand back the one token it samples after the prefill (1 token for a 0 budget)."""
+    p = "Your answer: Yes"
+    outs = llm_fp32.generate([p, p], [SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1, logprobs=1),
+                                      SamplingParams(temperature=0, max_tokens=1)], use_tqdm=False)
+    zero, one = outs[0].outputs[0], outs[1].outputs[0]
+    assert (zero.token_ids, zero.text, zero.logprobs, zero.finish_reason) == ([], "", [], "length")
+    assert len(outs[0].prompt_logprobs) == len(outs[0].prompt_token_ids)
+    assert len(one.token_ids) == 1  # the same engine still answers a budget of 1
