@@ -147,21 +147,40 @@ def _complete_rope(config: Any, meta: _Meta) -> None:
       one divisor per frequency and llama.cpp divides by it at every position) as
       ``config.rope_freq_factors``, which the models' RoPE divides by the same way;
     - ``rope.scaling.type`` ``linear`` / ``yarn`` with ``rope.scaling.factor`` (and
-      ``original_context_length``) as ``rope_parameters``, as in the checkpoint's config.json
-      (llmserve runs linear; a YaRN file is then refused by name, as its HF directory is).
+      ``original_context_length``, YaRN's ``yarn_beta_fast`` / ``yarn_beta_slow`` /
+      ``yarn_attn_factor``) as ``rope_parameters``, as in the checkpoint's config.json
+      (:func:`_scaled_rope`).
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.setdefault("rope_theta", float(meta.arch_key("rope.freq_base", 10000.0)))
-    kind, factor = meta.arch_key("rope.scaling.type"), meta.arch_key("rope.scaling.factor")
-    if kind in ("linear", "yarn") and factor and float(factor) != 1.0:
-        params.update(rope_type=kind, factor=float(factor))
-        orig = meta.arch_key("rope.scaling.original_context_length")
-        if orig:
-            params["original_max_position_embeddings"] = int(orig)
+    if _scaled_rope(params, meta):
         config.rope_parameters = params
     factors = meta.tensor("rope_freqs.weight")
     if factors is not None and any(f != 1.0 for f in factors):
         config.rope_freq_factors = factors
+
+
+# YaRN keys convert_hf_to_gguf.py writes from a config.json's rope parameters, and the
+# parameter each came from (its attention_factor is transformers' cos/sin factor).
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
+
+
+def _scaled_rope(params: dict, meta: _Meta) -> bool:
+    """``rope.scaling.*`` of a ``linear`` or ``yarn`` file into ``params`` (rope_type,
+    factor, original_max_position_embeddings, YaRN's betas and attention factor); False,
+    leaving ``params`` alone, for a file without such scaling."""
+    kind, factor = meta.arch_key("rope.scaling.type"), meta.arch_key("rope.scaling.factor")
+    if kind not in ("linear", "yarn") or not factor or float(factor) == 1.0:
+        return False
+    params.update(rope_type=kind, factor=float(factor))
+    orig = meta.arch_key("rope.scaling.original_context_length")
+    if orig:
+        params["original_max_position_embeddings"] = int(orig)
+    for key, name in _YARN_KEYS.items():
+        value = meta.arch_key(f"rope.scaling.{key}") if kind == "yarn" else None
+        if value is not None:
+            params[name] = float(value)
+    return True
 
 
 def _as_mixtral(config: Any, meta: _Meta) -> Any:
@@ -225,11 +244,7 @@ def _complete_gemma(config: Any, meta: _Meta) -> None:
         config.layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention"
                               for i in range(n)]
     full = {"rope_type": "default", "rope_theta": float(meta.arch_key("rope.freq_base", 1e6))}
-    kind, factor = meta.arch_key("rope.scaling.type"), meta.arch_key("rope.scaling.factor")
-    if kind in ("linear", "yarn") and factor and float(factor) != 1.0:  # YaRN: refused by name, as in _complete_rope
-        full.update(rope_type=kind, factor=float(factor))
-        if kind == "yarn" and meta.arch_key("rope.scaling.original_context_length"):
-            full["original_max_position_embeddings"] = int(meta.arch_key("rope.scaling.original_context_length"))
+    _scaled_rope(full, meta)  # the global layers' linear or YaRN scaling
     config.rope_parameters = {
         "full_attention": full,
         "sliding_attention": {"rope_type": "default",

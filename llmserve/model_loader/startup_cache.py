@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 # quantized MoE expert stacks kept packed, one entry per expert (an older entry would leave a
 # Mixtral file's experts dense); 6: a Gemma 3 file without ``attention.sliding_window`` has no
 # sliding layers (an older entry's config.json slides 5 of 6 layers); 7: RoPE scaling of
-# llama / qwen files (rope.scaling.*, rope_freqs) in config.json
-FORMAT_VERSION = "7"
+# llama / qwen files (rope.scaling.*, rope_freqs) in config.json; 8: YaRN's betas and attention
+# factor (rope.scaling.yarn_*) in config.json
+FORMAT_VERSION = "8"
 
 
 def cache_root() -> str:

@@ -103,7 +103,7 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-_SUPPORTED_ROPE = ("default", "linear", "llama3")
+_SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def _rope_parameters(config: Any) -> dict:
@@ -126,12 +126,53 @@ def _rope_parameters(config: Any) -> dict:
     return params
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, base: float, params: dict,
+                   max_position: int) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, "YaRN: Efficient Context Window Extension",
+    section 3.2; the "yarn" rope type of transformers, vLLM and llama.cpp): dimensions that
+    turn fewer than ``beta_slow`` (1) times over the original context are interpolated
+    (divided by ``factor``), those turning more than ``beta_fast`` (32) times keep their
+    frequency, and a linear ramp over the dimension index blends the two between."""
+    factor = float(params["factor"])
+    old_len = params.get("original_max_position_embeddings") or max_position
+    fast, slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_len
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(params: dict) -> float:
+    """The factor YaRN multiplies cos and sin by (``attention_factor``, else its ``0.1 ln(s)
+    + 1`` of the scale s, as a ratio of the two with DeepSeek's ``mscale`` /
+    ``mscale_all_dim``); 1.0 for the other rope types."""
+    if params.get("rope_type") != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(params["factor"])
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    return mscale(factor)
+
+
 def compute_inv_freq(head_dim: int, params: dict, max_position: int) -> torch.Tensor:
     """RoPE inverse frequencies ``[head_dim // 2]`` float32 (Su et al. 2021), with the
-    "linear" (position interpolation) and "llama3" scalings as transformers'
-    ``modeling_rope_utils``, then divided by ``params["freq_factors"]`` where given (one per
-    frequency: llama.cpp's ``rope_freqs``, how its files carry Llama 3.1's scaling). Raises
-    ValueError for other rope types, or factors of the wrong count."""
+    "linear" (position interpolation), "llama3" and "yarn" scalings as transformers'
+    ``modeling_rope_utils`` (YaRN's cos/sin factor: :func:`rope_attention_factor`), then
+    divided by ``params["freq_factors"]`` where given (one per frequency: llama.cpp's
+    ``rope_freqs``, how its files carry Llama 3.1's scaling). Raises ValueError for other
+    rope types, or factors of the wrong count."""
     rope_type = params["rope_type"]
     if rope_type not in _SUPPORTED_ROPE:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE}")
@@ -139,6 +180,8 @@ def compute_inv_freq(head_dim: int, params: dict, max_position: int) -> torch.Te
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, base, params, max_position)
     elif rope_type == "llama3":
         factor = float(params["factor"])
         low = float(params["low_freq_factor"])
@@ -172,6 +215,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         self.max_position = int(max_position)
+        self.attention_factor = rope_attention_factor(params)
         self.register_buffer("inv_freq", compute_inv_freq(head_dim, params, max_position),
                              persistent=False)
         cos, sin = self._tables(min(self.max_position, self._INITIAL_ROWS))
@@ -181,6 +225,8 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(rows, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)
+        if self.attention_factor != 1.0:  # YaRN scales both (transformers' attention_scaling)
+            return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return freqs.cos(), freqs.sin()
 
     def ensure_positions(self, positions: torch.Tensor, max_pos: Optional[int] = None) -> None:

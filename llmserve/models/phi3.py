@@ -24,7 +24,7 @@ from torch import nn
 
 from llmserve.attention.backend import AttentionMetadata
 from llmserve.models.llama import (LlamaForCausalLM, RopeInputs, RotaryEmbedding, _rope_parameters, apply_rope,
-                                   compute_inv_freq)
+                                   compute_inv_freq, rope_attention_factor)
 from llmserve.ops.cpu_ops import cpu_ops_for
 
 _LONGROPE = ("longrope", "su")
@@ -51,6 +51,7 @@ class Phi3RotaryEmbedding(RotaryEmbedding):
             self.mscale = _longrope_mscale(params, self.max_position, self.original_max)
         else:
             short = long = compute_inv_freq(self.rotary_dim, params, max_position)
+            self.mscale = rope_attention_factor(params)
         self.register_buffer("inv_freq", short, persistent=False)
         self.register_buffer("long_inv_freq", long, persistent=False)
         self.rows = min(self.max_position, self._INITIAL_ROWS)

@@ -15,6 +15,8 @@ from tests.models.tiny_arch import finish_gguf, gguf_writer, hf_logits, save_ran
 VOCAB = 1024
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}  # a short original context: the scaling bites at once
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+        "beta_slow": 2.0}
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -34,21 +36,32 @@ def _rope_freqs(cfg) -> np.ndarray:
     return (plain / scaled).numpy().astype(np.float32)
 
 
-def test_llama3_rope_freqs_of_a_gguf_file_match_transformers(tmp_path, tokens_fn, step_runner_cls,
-                                                             model_config_fn):
-    """A Llama 3.1-style file (``rope_freqs.weight``, no ``rope.scaling.*`` keys): its logits
-    equal transformers' on the checkpoint within 1e-4 (llmserve ran plain RoPE: ~0.1-4 off)."""
+@pytest.mark.parametrize("scaling", [LLAMA3, YARN], ids=["llama3", "yarn"])
+def test_scaled_rope_of_a_gguf_file_matches_transformers(tmp_path, tokens_fn, step_runner_cls, model_config_fn,
+                                                         scaling):
+    """A Llama 3.1-style file (``rope_freqs.weight``, no ``rope.scaling.*`` keys) and a YaRN
+    one (``rope.scaling.*`` with the betas the converter copies): logits equal transformers'
+    on the checkpoint within 1e-4 (llmserve ran plain RoPE on the first: ~0.1-4 off, and
+    refused the second)."""
+    import gguf
     import transformers as tf
     cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(scaling))
     hf = save_random(cfg, str(tmp_path / "hf"), 0, lambda name, p: p.mul_(3.0) if "_proj" in name else None)
-    path = str(tmp_path / "llama31.gguf")
+    path = str(tmp_path / "scaled.gguf")
     w = gguf_writer(path, "llama", cfg)
     w.add_rope_freq_base(500000.0)
     w.add_vocab_size(VOCAB)
     w.add_rope_dimension_count(16)
-    w.add_tensor("rope_freqs.weight", _rope_freqs(hf.config))
+    if scaling is LLAMA3:
+        w.add_tensor("rope_freqs.weight", _rope_freqs(hf.config))
+    else:  # as convert_hf_to_gguf.py writes YaRN
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
     for name, p in hf.state_dict().items():
         arr = p.float().numpy()
         if name in ("model.embed_tokens.weight", "model.norm.weight"):
@@ -75,8 +88,7 @@ def test_llama3_rope_freqs_of_a_gguf_file_match_transformers(tmp_path, tokens_fn
 @pytest.mark.parametrize("kind", ["linear", "yarn"])
 def test_rope_scaling_keys_reach_the_config(tmp_path, arch, kind, model_config_fn):
     """``rope.scaling.*`` become ``rope_parameters`` as in the checkpoint's config.json (they
-    were dropped: the file ran plain RoPE): linear runs, YaRN is refused by name as its HF
-    directory is."""
+    were dropped: the file ran plain RoPE), and the model builds with them."""
     import gguf
     path = str(tmp_path / f"{arch}-{kind}.gguf")
     w = gguf.GGUFWriter(path, arch)
@@ -99,14 +111,15 @@ def test_rope_scaling_keys_reach_the_config(tmp_path, arch, kind, model_config_f
     config = load_hf_config(resolved)
     assert config.rope_parameters == {"rope_type": kind, "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 128}
-    if kind == "yarn":
-        with pytest.raises(ValueError, match="'yarn' is not supported"):
-            get_model(model_config_fn(resolved, config, "float32"))
+    from llmserve.models.llama import RotaryEmbedding, _rope_parameters
+    rotary = RotaryEmbedding(16, 512, _rope_parameters(config))  # builds (YaRN was refused here)
+    assert rotary.attention_factor == (1.0 if kind == "linear" else pytest.approx(0.1 * np.log(4.0) + 1))
 
 
-def test_gemma3_yarn_file_is_refused_by_name(tmp_path, model_config_fn):
-    """Gemma 3's global layers (every 6th): a YaRN-scaled file is refused by name (it ran on
-    unscaled RoPE, its ``rope.scaling.type`` read only when linear)."""
+def test_gemma3_yarn_file_scales_its_global_layers(tmp_path, model_config_fn):
+    """Gemma 3's global layers (every 6th): a YaRN-scaled file runs YaRN there (it ran on
+    unscaled RoPE, its ``rope.scaling.type`` read only when linear), the sliding layers
+    plain RoPE on their own base."""
     import gguf
     path = str(tmp_path / "gemma3-yarn.gguf")
     w = gguf.GGUFWriter(path, "gemma3")
@@ -121,5 +134,8 @@ def test_gemma3_yarn_file_is_refused_by_name(tmp_path, model_config_fn):
     resolved = resolve_model(path)
     config = load_hf_config(resolved)
     assert config.rope_parameters["full_attention"]["rope_type"] == "yarn"
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        get_model(model_config_fn(resolved, config, "float32"))
+    from llmserve.models.gemma import _rope_params_for
+    from llmserve.models.llama import RotaryEmbedding
+    rotary = {t: RotaryEmbedding(16, 512, _rope_params_for(config, t)) for t in ("full_attention", "sliding_attention")}
+    assert rotary["full_attention"].attention_factor == pytest.approx(0.1 * np.log(8.0) + 1)
+    assert rotary["sliding_attention"].attention_factor == 1.0

@@ -135,4 +135,4 @@ def test_rope_tables_grow_on_demand_and_match_formula():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         rope.cos_sin(torch.tensor([20000]), torch.float32)
     with pytest.raises(ValueError, match="rope_type"):
-        RotaryEmbedding(16, 64, {"rope_type": "yarn", "rope_theta": 1e4})
+        RotaryEmbedding(16, 64, {"rope_type": "dynamic", "rope_theta": 1e4})
