@@ -36,3 +36,26 @@ def test_params_and_phase_histograms_follow_the_requests(server):
         assert delta(f"vllm:{hist}_count") == 3, hist
     for hist in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
         assert delta(f"vllm:{hist}_sum") > 0, hist
+
+
+def test_a_zero_token_request_counts_no_generated_token(server):
+    """An echo + logprobs request for 0 tokens (prompt scoring) has completion_tokens 0;
+    /metrics counted the one token the engine samples after the prefill (+1 to
+    generation_tokens_total and request_generation_tokens_sum)."""
+    lab = {"model_name": MODEL}
+    before = scrape(server)
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Your answer: Yes", "echo": True, "logprobs": 1,
+                                        "max_tokens": 0, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 0 and body["choices"][0]["text"] == "Your answer: Yes"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == body["usage"]["prompt_tokens"]
+    after = scrape(server)
+
+    def delta(name: str) -> float:
+        return metric(after, name, **lab) - metric(before, name, **lab)
+
+    assert delta("vllm:prompt_tokens_total") == body["usage"]["prompt_tokens"]
+    assert delta("vllm:generation_tokens_total") == 0
+    assert delta("vllm:request_generation_tokens_sum") == 0

@@ -192,12 +192,10 @@ class GenerateBaseServing(BaseServing):
 
     @staticmethod
     def engine_params(params: SamplingParams) -> SamplingParams:
-        """The params sent to the engine: a request for 0 tokens (scoring the prompt,
-        e.g. echo + logprobs) runs 1 step and the server drops the token it made."""
-        if params.max_tokens == 0:
-            params = params.clone()
-            params.max_tokens = 1
-            params.min_tokens = 0
+        """The params sent to the engine: the request's own. A request for 0 tokens
+        (scoring the prompt, e.g. echo + logprobs) goes as it is: the engine runs its one
+        step and outputs no token (OutputProcessor), so /metrics counts no generated
+        token for it, as its usage does not."""
         return params
 
     async def start_generation(self, gens: Sequence[AsyncGenerator[T, None]],
