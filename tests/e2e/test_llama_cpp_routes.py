@@ -216,3 +216,14 @@ def test_embedding_route_answers_llama_servers_list(minilm_server, server):
     # a generating model: /v1/embeddings' refusal
     r = server.http.post("/embedding", json={"content": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "--runner pooling" in r.text, r.text
+
+
+def test_completion_n_predict_zero_generates_nothing(server):
+    """llama-server's n_predict 0: the prompt is evaluated, no token is generated. The
+    answer carried the one token the engine samples after the prefill ("-", 1 predicted)."""
+    r = server.http.post("/completion", json={"prompt": "Hi", "n_predict": 0, "temperature": 0,
+                                              "return_tokens": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert (out["content"], out["tokens"], out["tokens_predicted"]) == ("", [], 0)
+    assert out["stop_type"] == "limit" and out["timings"]["predicted_n"] == 0
