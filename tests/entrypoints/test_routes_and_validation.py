@@ -169,6 +169,29 @@ def test_validation_errors_name_the_field_as_sent_and_say_what_it_accepts(app_an
                     assert not PYDANTIC_TOKENS.search(message + str(param)), (route, name, value, message, param)
 
 
+def test_a_list_of_a_union_names_each_member_in_the_plural():
+    """Fresh-user trial: ``{"prompt": 5}`` on llama-server's /completion was told it "must be
+    a string or a list of integer, a string or a list of integer or a stringss" (the plural
+    of the phrase "an integer or a string"). Each member of a union inside a list is made
+    plural on its own."""
+    import pytest
+    from pydantic import ValidationError
+
+    from llmserve.entrypoints.openai.infill.protocol import InfillRequest, LlamaCompletionRequest
+    from llmserve.entrypoints.openai.validation_errors import problems_of, resolve_unions
+
+    cases = [(LlamaCompletionRequest, {"prompt": 5}, "must be a string or a list of integers, strings or lists of "
+              "integers or strings"),
+             (LlamaCompletionRequest, {"prompt": [1.5, 2]}, "must be an integer, a string or a list of integers or "
+              "strings"),
+             (InfillRequest, {"input_prefix": 5, "input_suffix": "x"}, "must be a string or a list of integers or "
+              "strings")]
+    for cls, body, message in cases:
+        with pytest.raises(ValidationError) as e:
+            cls.model_validate(body)
+        assert [p.msg for p in resolve_unions(problems_of(e.value.errors(), body))] == [message]
+
+
 def test_a_json_body_sent_as_text_is_told_the_content_type(app_and_engine):  # noqa: F811
     """Fresh-user trial: valid chat JSON sent with ``Content-Type: text/plain`` got pydantic's
     "valid dictionary" message. The 400 says the body must be sent as application/json and

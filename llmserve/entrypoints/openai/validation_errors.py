@@ -252,7 +252,7 @@ def describe_label(label: str) -> Optional[str]:
         inner = describe_label(args[0]) if args else None
         if inner in (None, "any value"):
             return "a list"
-        return "a list of " + _plural(inner)
+        return "a list of " + _plural_of_label(args[0])
     if name in ("dict", "typed-dict", "model", "tagged-union", "dataclass"):
         return "an object"
     if name == "literal":
@@ -269,6 +269,20 @@ def describe_label(label: str) -> Optional[str]:
         nouns = [n for n in (describe_label(a) for a in args) if n]
         return _either(nouns) if nouns else None
     return None
+
+
+def _plural_of_label(label: str) -> str:
+    """The plural of what ``label`` accepts, a union's members each made plural ("integers
+    or strings", not the plural of the phrase "an integer or a string")."""
+    name, bracket, rest = label.strip().partition("[")
+    args = _split_args(rest[:-1]) if bracket and rest.endswith("]") else []
+    if args and (name.startswith("function-") or name in ("chain", "default", "nullable", "constrained")):
+        return _plural_of_label(args[-1])
+    if args and name == "union":
+        nouns = [_plural_of_label(a) for a in args if describe_label(a)]
+        return _either(nouns) if nouns else "values"
+    noun = describe_label(label)
+    return _plural(noun) if noun else "values"
 
 
 def _plural(noun: str) -> str:
