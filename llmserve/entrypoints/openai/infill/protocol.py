@@ -57,6 +57,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
 
     model: Optional[str] = None
     n_predict: Optional[Int64] = None  # -1: no limit but the context (llama-server)
+    max_completion_tokens: Optional[Int64] = None  # llama-server's aliases of n_predict (it wins)
+    max_tokens: Optional[Int64] = None
     temperature: Optional[JSONFloat] = None
     top_k: Optional[Int64] = None
     top_p: Optional[JSONFloat] = None
@@ -74,6 +76,16 @@ class LlamaSamplingRequest(OpenAIRequestModel):
     grammar: Optional[str] = None  # a GBNF grammar the answer follows
     n_probs: Optional[Int64] = None  # > 0: each generated token's top n_probs alternatives
     post_sampling_probs: bool = False  # completion_probabilities as probabilities (prob, top_probs)
+
+    def budget(self) -> tuple[Optional[int], str]:
+        """The output budget and the field it came from: ``n_predict``, else its aliases
+        ``max_completion_tokens``, then ``max_tokens``, in llama-server's order (None when
+        none is set)."""
+        for name in ("n_predict", "max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                return value, name
+        return None, "n_predict"
 
     def structured_outputs(self) -> Optional[StructuredOutputsParams]:
         """``json_schema`` or ``grammar`` as a constraint (None without either). Raises
@@ -93,9 +105,10 @@ class LlamaSamplingRequest(OpenAIRequestModel):
         if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.",
                                       "temperature")
-        if self.n_predict is not None and self.n_predict < -1:
-            raise SamplingParamsError(f"n_predict must be -1 (no limit) or at least 0, got {self.n_predict}.",
-                                      "n_predict")
+        budget, budget_name = self.budget()
+        if budget is not None and budget < -1:
+            raise SamplingParamsError(f"{budget_name} must be -1 (no limit) or at least 0, got {budget}.",
+                                      budget_name)
         if self.n_probs is not None and not 0 <= self.n_probs <= MAX_LOGPROBS:
             raise SamplingParamsError(f"n_probs must be between 0 and {MAX_LOGPROBS}, got {self.n_probs}.", "n_probs")
 
@@ -103,7 +116,7 @@ class LlamaSamplingRequest(OpenAIRequestModel):
             return value if value is not None else defaults.get(name, LLAMA_CPP_DEFAULTS[name])
 
         return SamplingParams(
-            max_tokens=None if self.n_predict in (None, -1) else self.n_predict,
+            max_tokens=None if budget in (None, -1) else budget,
             temperature=pick("temperature", self.temperature), top_k=pick("top_k", self.top_k),
             top_p=pick("top_p", self.top_p), min_p=pick("min_p", self.min_p),
             repetition_penalty=pick("repetition_penalty", self.repeat_penalty),

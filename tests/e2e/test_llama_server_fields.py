@@ -1,0 +1,23 @@
+"""llama-server's request fields and route aliases as its users send them, on the shared
+``server`` (SmolLM2, float32): ``max_tokens`` / ``max_completion_tokens`` as aliases of
+``n_predict``. Each case is a few short greedy requests.
+"""
+
+GREEDY = {"prompt": "1, 2, 3,", "temperature": 0}
+
+
+def test_max_tokens_is_an_alias_of_n_predict(server):
+    """llama-server reads ``n_predict``, else ``max_completion_tokens``, else
+    ``max_tokens``. The route ignored both aliases: ``max_tokens: 3`` ran to the context."""
+    def run(**fields):
+        r = server.http.post("/completion", json={**GREEDY, "stop": ["9"], **fields})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    out = run(max_tokens=2)  # without the budget it counts on to the stop word " 9"
+    assert (out["tokens_predicted"], out["stop_type"]) == (2, "limit"), out
+    assert out["generation_settings"]["n_predict"] == 2
+    assert run(max_completion_tokens=1, max_tokens=3)["tokens_predicted"] == 1
+    assert run(n_predict=1, max_completion_tokens=2, max_tokens=3)["tokens_predicted"] == 1
+    r = server.http.post("/completion", json={**GREEDY, "max_tokens": -2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
