@@ -542,3 +542,17 @@ def test_a_final_assistant_message_is_continued_as_ollama_continues_it(app_and_e
     assert engine.prompts[-1]["prompt"].endswith("Capital of France?<|im_end|>\n<|im_start|>assistant\n")
     client.post("/api/generate", json={"model": "m", "stream": False, "prompt": "The capital of France is"})
     assert engine.prompts[-1]["prompt"].endswith("The capital of France is<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_developer_message_is_a_system_message_on_api_chat(app_and_engine):  # noqa: F811
+    """Fresh-user trial: /api/chat refused role ``developer`` (400 "must be one of ['system',
+    'user', 'assistant', 'tool']") while every other chat route takes it; the renderer makes
+    it a system message for a template that does not name it (SmolLM2's)."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post("/api/chat", json={"model": "m", "stream": False, "messages": [
+        {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert engine.prompts[-1]["prompt"].startswith("<|im_start|>system\nAnswer in French.<|im_end|>\n")
+    r = client.post("/api/chat", json={"model": "m", "stream": False, "messages": [{"role": "bogus", "content": "x"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"], r.text

@@ -47,7 +47,9 @@ from llmserve.entrypoints.openai.completion.protocol import CompletionRequest, C
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
 from llmserve.sampling_params import SamplingParamsError
 
-ROLES = ("system", "user", "assistant", "tool")
+# Ollama's roles, and OpenAI's ``developer`` (the renderer makes it a system message unless the
+# template names it, as on every chat route; Ollama passes any role to the template).
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def served_name(state: Any, name: str, pull_hint: bool = False) -> str:
