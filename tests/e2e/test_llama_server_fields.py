@@ -21,3 +21,25 @@ def test_max_tokens_is_an_alias_of_n_predict(server):
     assert run(n_predict=1, max_completion_tokens=2, max_tokens=3)["tokens_predicted"] == 1
     r = server.http.post("/completion", json={**GREEDY, "max_tokens": -2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_logit_bias_in_llama_servers_forms(server):
+    """``logit_bias`` as llama-server takes it: ``[[id, bias]]``, ``[["text", bias]]`` and
+    ``{"id": bias}``, ``false`` banning the token. The route ignored the field: the banned
+    greedy token was still chosen."""
+    def first(**fields):
+        r = server.http.post("/completion", json={**GREEDY, "n_predict": 1, "return_tokens": True, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"][0]
+
+    top = first()
+    assert first(logit_bias=[[top, False]]) != top
+    assert first(logit_bias={str(top): False}) != top
+    text = server.http.post("/detokenize", json={"tokens": [top]}).json()["prompt"]
+    assert first(logit_bias=[[text, False]]) != top
+    hello = server.http.post("/tokenize", json={"prompt": " hello", "add_special_tokens": False}).json()["tokens"]
+    assert len(hello) == 1 and first(logit_bias=[[hello[0], 100]]) == hello[0]
+    assert first(logit_bias={" hello": 100}) == hello[0]
+    for bad in ("x", [[1]], [[1, "a"]], {"1": True}, [[10 ** 7, 1]]):
+        r = server.http.post("/completion", json={**GREEDY, "n_predict": 1, "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bad, r.text)

@@ -9,7 +9,8 @@ token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``
 ``stream``, ``return_tokens``; ``json_schema`` or ``grammar``, a GBNF grammar, constrain
 the answer through structured outputs; ``n_probs`` asks for each generated token's
 probability and its ``n_probs`` likeliest alternatives, ``post_sampling_probs`` writes
-them as probabilities instead of logprobs). ``/completion`` takes the same sampling fields and
+them as probabilities instead of logprobs; ``logit_bias`` in llama-server's forms, ``false``
+banning a token). ``/completion`` takes the same sampling fields and
 ``prompt``: a string, token ids, strings and token ids mixed (one prompt), or a list of
 such prompts (an answer per prompt, in a list; streamed events carry ``index``).
 llama-server's per-slot and cache fields (``id_slot``, ``cache_prompt``,
@@ -25,7 +26,7 @@ its ``post_sampling_probs`` ones, which no engine output holds.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
 from pydantic import Field, model_serializer
 
@@ -35,6 +36,7 @@ from llmserve.entrypoints.openai.common.protocol import MAX_LOGPROBS, MAX_TEMPER
     OpenAIRequestModel, OpenAIRequestPart
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
+from llmserve.tokenizer import check_encodable
 
 MAX_EXTRA_CHUNKS = 1024
 MixedList = Annotated[list[Union[Int64, str]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
@@ -76,6 +78,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
     grammar: Optional[str] = None  # a GBNF grammar the answer follows
     n_probs: Optional[Int64] = None  # > 0: each generated token's top n_probs alternatives
     post_sampling_probs: bool = False  # completion_probabilities as probabilities (prob, top_probs)
+    # [[token id or text, bias or false], ...] or {"token id or text": bias or false}
+    logit_bias: Optional[Any] = None  # its shape is checked by parse_logit_bias
 
     def budget(self) -> tuple[Optional[int], str]:
         """The output budget and the field it came from: ``n_predict``, else its aliases
@@ -98,10 +102,12 @@ class LlamaSamplingRequest(OpenAIRequestModel):
             return StructuredOutputsParams(grammar=self.grammar)
         return None
 
-    def to_sampling_params(self, defaults: dict[str, Any], stop_token_ids: list[int]) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any], stop_token_ids: list[int],
+                           encode: Optional[Callable[[str], list[int]]] = None) -> SamplingParams:
         """SamplingParams of the request: a field left out takes the model's generation
         config default, else llama-server's. ``n_predict`` -1 or absent leaves the budget to
-        the room in the context. Raises SamplingParamsError naming the field."""
+        the room in the context. ``encode`` tokenizes ``logit_bias``'s text keys (without
+        special tokens). Raises SamplingParamsError naming the field."""
         if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.",
                                       "temperature")
@@ -115,7 +121,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
         def pick(name: str, value: Any) -> Any:
             return value if value is not None else defaults.get(name, LLAMA_CPP_DEFAULTS[name])
 
-        return SamplingParams(
+        bias, banned = parse_logit_bias(self.logit_bias, encode)
+        params = SamplingParams(
             max_tokens=None if budget in (None, -1) else budget,
             temperature=pick("temperature", self.temperature), top_k=pick("top_k", self.top_k),
             top_p=pick("top_p", self.top_p), min_p=pick("min_p", self.min_p),
@@ -123,7 +130,53 @@ class LlamaSamplingRequest(OpenAIRequestModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=self.stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
             structured_outputs=self.structured_outputs(), logprobs=self.n_probs or None,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            logit_bias=bias or None)
+        if banned:  # one-token bad words: never sampled (-inf), unlike a clamped -100 bias
+            params.bad_words_token_ids = [[t] for t in banned]
+        return params
+
+
+def parse_logit_bias(value: Any, encode: Optional[Callable[[str], list[int]]],
+                     ) -> tuple[dict[int, float], list[int]]:
+    """llama-server's ``logit_bias``: ``[[key, bias], ...]`` or ``{key: bias}``, where a
+    key is a token id (an integer, or an integer string in the object form) or a text whose
+    every token gets the bias, and a bias is a number or ``false`` (never sampled). Returns
+    the numeric biases by token id (the engine clamps them to [-100, 100]) and the banned
+    ids. Raises SamplingParamsError naming ``logit_bias`` for another shape or type."""
+    if value is None:
+        return {}, []
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list):
+        if any(not isinstance(p, list) or len(p) != 2 for p in value):
+            raise SamplingParamsError("logit_bias: a list holds [token, bias] pairs.", "logit_bias")
+        pairs = [(p[0], p[1]) for p in value]
+    else:
+        raise SamplingParamsError("logit_bias must be a list of [token, bias] pairs or an object mapping a token "
+                                  "to its bias.", "logit_bias")
+    bias: dict[int, float] = {}
+    banned: list[int] = []
+    for key, b in pairs:
+        if b is not False and (isinstance(b, bool) or not isinstance(b, (int, float))):
+            raise SamplingParamsError(f"logit_bias: the bias of {key!r} must be a number or false, got {b!r}.",
+                                      "logit_bias")
+        if isinstance(key, str) and key.lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise SamplingParamsError(f"logit_bias: a token is a token id or a text, got {key!r}.", "logit_bias")
+        if isinstance(key, str):
+            if encode is None:
+                raise SamplingParamsError("logit_bias: text keys are not supported here.", "logit_bias")
+            check_encodable(key, "logit_bias")
+            ids = encode(key)
+        else:
+            ids = [key]
+        for t in ids:  # a ban also biases -100, so the engine checks the id against the vocabulary
+            bias[t] = -100.0 if b is False else float(b)
+            if b is False:
+                banned.append(t)
+    return bias, banned
 
 
 def llama_settings(params: SamplingParams) -> dict[str, Any]:

@@ -103,7 +103,8 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
                stop_ids: list[int], request_id: Optional[str],
                ) -> Union[list[InfillResponse], AsyncGenerator[str, None]]:
     """Run ``prompts`` together: every answer (in the prompts' order), or the stream."""
-    params = request.to_sampling_params(handler.default_sampling_params, stop_ids)
+    params = request.to_sampling_params(handler.default_sampling_params, stop_ids,
+                                        lambda text: handler.tokenizer.encode(text, add_special_tokens=False))
     base = handler.new_request_id(request_id)
     gens = [handler.generate(p, params, base if len(prompts) == 1 else f"{base}-{i}")
             for i, p in enumerate(prompts)]
