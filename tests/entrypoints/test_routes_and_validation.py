@@ -229,6 +229,11 @@ def test_a_body_that_is_not_utf8_is_told_so(app_and_engine):  # noqa: F811
     assert r.json()["type"] == "error" and r.json()["error"] == {
         "type": "invalid_request_error", "message": expected}, r.text
     assert len(engine.prompts) == seen
+    # a body opening with \xff\xfe (UTF-16's byte-order mark): json.loads read it as UTF-16
+    # and the 400 named byte 0x38 at offset 10; the UTF-8 fault is the first byte
+    for route in ("/v1/completions", "/v1/messages", "/tokenize"):
+        r = client.post(route, content=b"\xff\xfe not utf8", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "byte 0xff at offset 0 (invalid start byte)" in r.text, (route, r.text)
 
 
 def test_chat_fields_of_the_wrong_kind_are_400s_naming_them(app_and_engine):  # noqa: F811

@@ -228,7 +228,15 @@ def _not_utf8_message(error: UnicodeDecodeError) -> str:
     """The 400 for a JSON body whose bytes are not UTF-8 (FastAPI raises its bare "There
     was an error parsing the body" from the UnicodeDecodeError of ``json.loads``; a
     fresh-user trial sent ``\\xff\\xfe`` inside a message and could not tell why). Names
-    the byte offset and the byte, never more of the body."""
+    the byte offset and the byte, never more of the body. The bytes are decoded as UTF-8
+    again for that: ``json.loads`` picks UTF-16 or UTF-32 for a body that opens with their
+    byte-order mark or NUL bytes, and its error then named another byte and offset (a
+    trial's ``\xff\xfe ...`` was told "byte 0x38 at offset 10")."""
+    if isinstance(error.object, (bytes, bytearray)) and error.encoding.replace("-", "").lower() != "utf8":
+        try:
+            bytes(error.object).decode("utf-8")
+        except UnicodeDecodeError as utf8_error:
+            error = utf8_error
     bad = error.object[error.start:error.start + 1].hex()
     return (f"The request body is not valid UTF-8: byte 0x{bad} at offset {error.start} "
             f"({error.reason}); send JSON encoded as UTF-8.")
