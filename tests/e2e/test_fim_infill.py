@@ -121,3 +121,13 @@ def test_infill_bad_input_names_the_field(fim_server):
                                  headers={"content-type": "application/json"})
         assert r.status_code == 400, (body, r.text)
         assert (r.json()["error"]["param"] or "").startswith(param), (body, r.text)
+
+
+def test_infill_n_predict_beyond_the_context_stops_at_its_end(fim_server, fim_tokenizer_dir):
+    """llama-server caps ``n_predict`` at the room the prompt leaves; /infill refused it
+    (a 400 naming ``max_tokens``). A +100 bias on ``<|fim_pad|>`` ends the middle at once."""
+    pad = _ids(fim_tokenizer_dir[1], "<|fim_pad|>")
+    r = fim_server.http.post("/infill", json={"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 5000,
+                                              "temperature": 0, "logit_bias": [[pad, 100]]})
+    assert r.status_code == 200, r.text
+    assert r.json()["stop_type"] == "eos" and r.json()["tokens_predicted"] <= 1

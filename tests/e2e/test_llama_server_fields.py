@@ -43,3 +43,15 @@ def test_logit_bias_in_llama_servers_forms(server):
     for bad in ("x", [[1]], [[1, "a"]], {"1": True}, [[10 ** 7, 1]]):
         r = server.http.post("/completion", json={**GREEDY, "n_predict": 1, "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bad, r.text)
+
+
+def test_n_predict_beyond_the_context_stops_at_its_end(server):
+    """llama-server caps the prediction at the context; the route refused it with a 400
+    naming ``max_tokens``, a field the request never sent."""
+    n_ctx = server.http.get("/props").json()["default_generation_settings"]["n_ctx"]
+    r = server.http.post("/completion", json={**GREEDY, "n_predict": n_ctx + 1000, "stop": ["9"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["stop_type"] == "word"
+    # a prompt that alone fills the context is still a 400, naming the prompt
+    r = server.http.post("/completion", json={"prompt": [16] * (n_ctx + 1), "n_predict": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -7,8 +7,9 @@ tokenizes ``prompt`` as llama-server does (``tokenize_mixed`` with ``add_special
 ``parse_special``: the tokenizer's BOS when the prompt starts with text, and special-token
 text such as ``<|im_start|>`` read as those tokens). Either then runs on the same engine
 (``OpenAIServingCompletion``'s ``generate``, so X-Request-Timeout, logging and
-cancellation apply); an engine rejection (context length, empty prompt, a token id
-outside the vocabulary) is a 400 before anything is sent.
+cancellation apply); a budget beyond the room the prompt leaves is cut to it (llama-server
+stops at the context's end); an engine rejection (a prompt that fills the context, an empty
+prompt, a token id outside the vocabulary) is a 400 before anything is sent.
 """
 from __future__ import annotations
 
@@ -99,6 +100,20 @@ async def create_llama_completion(handler: Any, request: LlamaCompletionRequest,
     return result[0] if isinstance(result, list) and len(result) == 1 else result
 
 
+def _fitted(handler: Any, params: Any, prompt: RenderedPrompt) -> Any:
+    """``params`` with ``max_tokens`` cut to the room ``prompt`` leaves in the context, as
+    llama-server stops a prediction at the context's end rather than refusing it (the
+    Anthropic and Ollama routes clamp their budgets the same way, context_room.py; here the
+    prompt is already tokens). A prompt that leaves no room is left to the engine's 400
+    naming ``prompt``."""
+    room = handler.max_model_len - len(prompt.token_ids)
+    if params.max_tokens is None or room < 1 or params.max_tokens <= room:
+        return params
+    fitted = params.clone()
+    fitted.max_tokens = room
+    return fitted
+
+
 async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, prompts: list[RenderedPrompt],
                stop_ids: list[int], request_id: Optional[str],
                ) -> Union[list[InfillResponse], AsyncGenerator[str, None]]:
@@ -106,7 +121,7 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
     params = request.to_sampling_params(handler.default_sampling_params, stop_ids,
                                         lambda text: handler.tokenizer.encode(text, add_special_tokens=False))
     base = handler.new_request_id(request_id)
-    gens = [handler.generate(p, params, base if len(prompts) == 1 else f"{base}-{i}")
+    gens = [handler.generate(p, _fitted(handler, params, p), base if len(prompts) == 1 else f"{base}-{i}")
             for i, p in enumerate(prompts)]
     # a schema or grammar the engine cannot compile: a 400 naming the field it came from
     names = {"structured_outputs": "json_schema" if request.json_schema is not None else "grammar",
