@@ -131,3 +131,11 @@ def test_infill_n_predict_beyond_the_context_stops_at_its_end(fim_server, fim_to
                                               "temperature": 0, "logit_bias": [[pad, 100]]})
     assert r.status_code == 200, r.text
     assert r.json()["stop_type"] == "eos" and r.json()["tokens_predicted"] <= 1
+
+
+def test_infill_negative_temperature_is_greedy(fim_server):
+    """llama-server samples greedily at a temperature below 0; /infill refused it (a 400)."""
+    body = {"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 3, "return_tokens": True}
+    r = fim_server.http.post("/infill", json={**body, "temperature": -1})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == fim_server.http.post("/infill", json={**body, "temperature": 0}).json()["tokens"]

@@ -55,3 +55,16 @@ def test_n_predict_beyond_the_context_stops_at_its_end(server):
     # a prompt that alone fills the context is still a 400, naming the prompt
     r = server.http.post("/completion", json={"prompt": [16] * (n_ctx + 1), "n_predict": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_a_string_stop_and_a_negative_temperature(server):
+    """llama-server takes ``stop`` as a string (one word) and samples greedily at a
+    temperature of 0 or below; the route refused both with a 400."""
+    body = {"prompt": "1, 2, 3,", "n_predict": 8}
+    r = server.http.post("/completion", json={**body, "stop": " 6", "temperature": -0.5})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["stop_type"] == "word" and out["stopping_word"] == " 6", out
+    assert out["generation_settings"]["stop"] == [" 6"] and out["generation_settings"]["temperature"] == 0.0
+    same = server.http.post("/completion", json={**body, "stop": [" 6"], "temperature": 0}).json()
+    assert same["content"] == out["content"]

@@ -4,8 +4,8 @@ and ``POST /completion`` (a plain completion of ``prompt``; ``/completions`` too
 The request: ``input_prefix`` and ``input_suffix`` (a string, or a list of strings and
 token ids), ``input_extra`` (repo-level context: ``[{"filename", "text"}]``), ``prompt``
 (text added after the prefix, before the middle), and llama-server's sampling fields
-(``n_predict``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
-``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``, ``ignore_eos``,
+(``n_predict``, ``temperature`` (greedy at 0 or below), ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``,
+``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop`` (a word or a list), ``ignore_eos``,
 ``stream``, ``return_tokens``; ``json_schema`` or ``grammar``, a GBNF grammar, constrain
 the answer through structured outputs; ``n_probs`` asks for each generated token's
 probability and its ``n_probs`` likeliest alternatives, ``post_sampling_probs`` writes
@@ -69,8 +69,10 @@ class LlamaSamplingRequest(OpenAIRequestModel):
     presence_penalty: Optional[JSONFloat] = None
     frequency_penalty: Optional[JSONFloat] = None
     seed: Optional[Int64] = None
-    stop: Optional[Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
-                             Field(max_length=MAX_STOP_STRINGS)]] = None
+    # a string is one stop word (llama-server)
+    stop: Optional[Union[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)],
+                         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
     ignore_eos: bool = False
     stream: bool = False
     return_tokens: bool = False
@@ -108,8 +110,8 @@ class LlamaSamplingRequest(OpenAIRequestModel):
         config default, else llama-server's. ``n_predict`` -1 or absent leaves the budget to
         the room in the context. ``encode`` tokenizes ``logit_bias``'s text keys (without
         special tokens). Raises SamplingParamsError naming the field."""
-        if self.temperature is not None and not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise SamplingParamsError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}.",
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise SamplingParamsError(f"temperature must be at most {MAX_TEMPERATURE}, got {self.temperature}.",
                                       "temperature")
         budget, budget_name = self.budget()
         if budget is not None and budget < -1:
@@ -124,11 +126,12 @@ class LlamaSamplingRequest(OpenAIRequestModel):
         bias, banned = parse_logit_bias(self.logit_bias, encode)
         params = SamplingParams(
             max_tokens=None if budget in (None, -1) else budget,
-            temperature=pick("temperature", self.temperature), top_k=pick("top_k", self.top_k),
+            # llama-server samples greedily at a temperature of 0 or below
+            temperature=max(pick("temperature", self.temperature), 0.0), top_k=pick("top_k", self.top_k),
             top_p=pick("top_p", self.top_p), min_p=pick("min_p", self.min_p),
             repetition_penalty=pick("repetition_penalty", self.repeat_penalty),
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            seed=self.seed, stop=self.stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
+            seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
             structured_outputs=self.structured_outputs(), logprobs=self.n_probs or None,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             logit_bias=bias or None)
