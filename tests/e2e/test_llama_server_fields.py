@@ -1,7 +1,10 @@
 """llama-server's request fields and route aliases as its users send them, on the shared
-``server`` (SmolLM2, float32): ``max_tokens`` / ``max_completion_tokens`` as aliases of
-``n_predict``. Each case is a few short greedy requests.
+``server`` (SmolLM2, float32; MiniLM for ``/embeddings``): ``max_tokens`` /
+``max_completion_tokens`` as aliases of ``n_predict``, ``logit_bias``, a budget past the
+context, a string ``stop``, a negative ``temperature``, and the routes' other names. Each
+case is a few short greedy requests.
 """
+import httpx
 
 GREEDY = {"prompt": "1, 2, 3,", "temperature": 0}
 
@@ -68,3 +71,32 @@ def test_a_string_stop_and_a_negative_temperature(server):
     assert out["generation_settings"]["stop"] == [" 6"] and out["generation_settings"]["temperature"] == 0.0
     same = server.http.post("/completion", json={**body, "stop": [" 6"], "temperature": 0}).json()
     assert same["content"] == out["content"]
+
+
+def test_llama_servers_route_aliases(server, minilm_server):
+    """llama-server's other names for the routes (404 before): /chat/completions,
+    /models, /v1/health, /reranking and /v1/reranking, /embeddings (llama-server's
+    /embedding answer, not /v1/embeddings'); each behind the same API key as its original.
+    POST /slots/{id}?action=save|restore|erase: a 501 naming ``action``, not a bare 404."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    a = server.http.post("/chat/completions", json=chat)
+    b = server.http.post("/v1/chat/completions", json=chat)
+    assert a.status_code == b.status_code == 200, a.text
+    assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
+    assert server.http.get("/models").json()["data"] == server.http.get("/v1/models").json()["data"]
+    assert server.http.get("/v1/health").status_code == 200
+    rerank = {"query": "q", "documents": ["a"]}  # a generating model: the same refusal as /rerank's
+    refusal = server.http.post("/rerank", json=rerank)
+    for path in ("/reranking", "/v1/reranking"):
+        r = server.http.post(path, json=rerank)
+        assert (r.status_code, r.json()) == (refusal.status_code, refusal.json()), (path, r.text)
+    r = minilm_server.http.post("/embeddings", json={"content": "hi"})
+    assert r.status_code == 200 and r.json() == minilm_server.http.post("/embedding", json={"content": "hi"}).json()
+    for method, path in (("POST", "/chat/completions"), ("GET", "/models"), ("POST", "/reranking"),
+                         ("POST", "/embeddings"), ("POST", "/slots/0?action=save")):
+        r = httpx.request(method, server.url_root + path, json={})
+        assert r.status_code == 401, (path, r.status_code)
+    assert httpx.get(server.url_root + "/v1/health").status_code == 200  # public, as /health
+    for action in ("save", "restore", "erase"):
+        r = server.http.post(f"/slots/0?action={action}", json={"filename": "x.bin"})
+        assert r.status_code == 501 and r.json()["error"]["param"] == "action" and action in r.text, r.text

@@ -35,7 +35,7 @@ from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 
 ERROR_REF = "#/components/schemas/ErrorResponse"
 # Routes whose 200 may be an SSE stream (``"stream": true``).
-STREAMING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+STREAMING_PATHS = ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class HealthResponse(BaseModel):
@@ -154,7 +154,7 @@ def _fix_operation(path: str, method: str, op: dict[str, Any],
         ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
     elif path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
-    elif path == "/health":
+    elif path in ("/health", "/v1/health"):
         ok["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/HealthResponse"}}}
 
 

@@ -19,6 +19,7 @@ TRACKED_PATHS = frozenset({
     "/v1/audio/translations", "/pooling", "/classify", "/v1/classify", "/score", "/v1/score", "/rerank",
     "/v1/rerank", "/v2/rerank", "/invocations", "/v1/messages", "/infill",  # llama.cpp's FIM
     "/completion", "/completions", "/embedding",  # llama.cpp's native completion and embedding
+    "/chat/completions", "/embeddings", "/reranking", "/v1/reranking",  # llama.cpp's aliases
     "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",  # Ollama's
 })
 

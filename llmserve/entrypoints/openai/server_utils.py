@@ -32,7 +32,7 @@ REQUEST_ID_SCOPE_KEY = "llmserve.request_id"
 # the page asks for the key and sends it to the data routes). Every other path (the engine routes, the stored responses,
 # /invocations, /tokenizer_info, any route added later, an unknown path) needs the key.
 PUBLIC_PATHS = frozenset({
-    "/health", "/ready", "/ping", "/version", "/api/version", "/metrics", "/load",
+    "/health", "/v1/health", "/ready", "/ping", "/version", "/api/version", "/metrics", "/load",
     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
 }) | WEBUI_PUBLIC_PATHS
 

@@ -29,6 +29,7 @@ def _restarting_response() -> Response:
 
 
 @router.get("/health")
+@router.get("/v1/health")  # llama-server's alias
 async def health(raw_request: Request) -> Response:
     """200 ``{"status": "ok"}`` only while an engine serves; otherwise 503 with the OpenAI
     error body: the engine is dead (no self-heal, or its restart budget spent), a self-heal

@@ -16,11 +16,12 @@ def chat(raw_request: Request) -> OpenAIServingChat:
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")  # llama-server's alias
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return result_response(await with_cancellation(
         raw_request, chat(raw_request).create_chat_completion(request, request_id_of(raw_request))))
 
 
 def register_chat_api_routers(app: FastAPI) -> None:
-    """Mount /v1/chat/completions."""
+    """Mount /v1/chat/completions (and llama-server's /chat/completions)."""
     app.include_router(router)

@@ -27,11 +27,12 @@ async def create_pooling(request: PoolingRequest, raw_request: Request) -> Respo
 
 
 @router.post("/embedding")
+@router.post("/embeddings")  # llama-server's: the same answer as /embedding (not /v1/embeddings')
 async def create_llama_embedding(request: LlamaEmbeddingRequest, raw_request: Request) -> Response:
     result = await with_cancellation(raw_request, embedding(raw_request).create_llama_embedding(request))
     return Response(status_code=499) if result is None else JSONResponse(result)
 
 
 def register_embeddings_api_routers(app: FastAPI) -> None:
-    """Mount /v1/embeddings, /pooling and /embedding."""
+    """Mount /v1/embeddings, /pooling, /embedding and /embeddings."""
     app.include_router(router)

@@ -4,7 +4,8 @@ the model the request names; ``POST /apply-template``, a chat request's messages
 through the chat template (``{"prompt": TEXT}``, to edit and send to ``/completion``); and
 ``GET /props``, the server properties llama.cpp's clients read first (the context size, the
 default sampling, the chat template); ``GET /slots``, llama-server's per-slot state, made
-from the requests the engine runs (it has no slots: see :func:`slots`)."""
+from the requests the engine runs (it has no slots: see :func:`slots`); ``POST
+/slots/{id}?action=...`` (save, restore, erase) is a 501."""
 from __future__ import annotations
 
 from typing import Any
@@ -153,6 +154,18 @@ async def slots(raw_request: Request, fail_on_no_slot: int = Query(0)) -> Respon
     return JSONResponse(entries)
 
 
+@router.post("/slots/{id_slot}")
+async def slot_action(id_slot: str, action: str = Query("")) -> Response:
+    """llama-server's ``POST /slots/{id}?action=save|restore|erase`` (a slot's prompt cache
+    to or from a file): a 501 naming ``action``, as the engine has no slots to save; its
+    prefix cache is shared by every request and managed by itself."""
+    return json_response(make_error(
+        f"Slot save, restore and erase (POST /slots/{{id}}?action=..., here action '{action}') are not supported: "
+        "this server has no per-slot prompt cache to save or restore; its prefix cache is shared and "
+        "kept automatically.", 501, "action", err_type="not_supported_error"), 501)
+
+
 def register_infill_api_routers(app: FastAPI) -> None:
-    """Mount /infill, /completion, /completions, /apply-template, /props and /slots."""
+    """Mount /infill, /completion, /completions, /apply-template, /props, /slots and
+    /slots/{id_slot} (llama-server's slot actions, a 501)."""
     app.include_router(router)

@@ -13,6 +13,7 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
+@router.get("/models")  # llama-server's alias
 async def show_available_models(raw_request: Request) -> Response:
     """The served models and adapters the caller's key may call (a tenant's
     ``allowed_models`` hides the others, as their requests answer 404)."""

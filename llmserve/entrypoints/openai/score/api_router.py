@@ -25,6 +25,8 @@ async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
 @router.post("/rerank")
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
+@router.post("/reranking")  # llama-server's aliases
+@router.post("/v1/reranking")
 async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
     return await json_or_499(raw_request, scores(raw_request).create_rerank(request))
 
