@@ -100,3 +100,12 @@ def test_llama_servers_route_aliases(server, minilm_server):
     for action in ("save", "restore", "erase"):
         r = server.http.post(f"/slots/0?action={action}", json={"filename": "x.bin"})
         assert r.status_code == 501 and r.json()["error"]["param"] == "action" and action in r.text, r.text
+
+
+def test_llama_embeddings_take_input_as_well_as_content(minilm_server):
+    """llama-server's /embedding and /embeddings read ``input`` (first) or ``content``;
+    ``input`` was refused here (content: required)."""
+    want = minilm_server.http.post("/embedding", json={"content": ["hi", "yo"]}).json()
+    for path in ("/embedding", "/embeddings"):
+        r = minilm_server.http.post(path, json={"input": ["hi", "yo"], "content": "ignored"})
+        assert r.status_code == 200 and r.json() == want, (path, r.text)

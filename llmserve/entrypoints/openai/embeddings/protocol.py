@@ -78,12 +78,14 @@ class PoolingResponse(OpenAIBaseModel):
 
 
 class LlamaEmbeddingRequest(PoolingFields):
-    """llama-server's ``POST /embedding``: ``content`` (a string, strings, token ids or
-    lists of token ids; required) and ``embd_normalize`` (-1: none, 0: scaled so the
+    """llama-server's ``POST /embedding`` (and ``/embeddings``): ``content`` (a string,
+    strings, token ids or lists of token ids; required), or ``input``, which llama-server
+    reads first (the name its ``/embeddings`` documents, as ``/v1/embeddings``), and ``embd_normalize`` (-1: none, 0: scaled so the
     largest magnitude is 32760, 1: taxicab, 2: Euclidean, the default, above 2: that
     p-norm), applied to the model's pooled vector before any normalisation of its own."""
 
     REQUIRED_FIELDS: ClassVar[tuple[str, ...]] = ("content",)
 
     content: Optional[PoolingInput] = None
+    input: Optional[PoolingInput] = None
     embd_normalize: Int64 = 2

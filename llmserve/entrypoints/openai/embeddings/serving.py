@@ -75,17 +75,20 @@ class OpenAIServingEmbedding(PoolingBaseServing):
         item per prompt of ``content`` in its order, each vector the model's pooled one
         normalised by ``embd_normalize``. Raises SamplingParamsError (400): ``model`` on a
         model that does not embed (as ``/v1/embeddings``), ``content`` when it is missing or
-        refused, ``normalize`` when given (``embd_normalize`` says it here)."""
+        refused (``input`` when that is the one sent: llama-server reads it before
+        ``content``), ``normalize`` when given (``embd_normalize`` says it here)."""
         self.check_task(request, "embed")
-        if request.content is None:
-            raise SamplingParamsError("content: required (the text, or texts, to embed).", "content")
+        name = "input" if request.input is not None else "content"
+        value = request.input if request.input is not None else request.content
+        if value is None:
+            raise SamplingParamsError("content: required (the text, or texts, to embed; or input).", "content")
         if request.normalize is not None:
             raise SamplingParamsError("normalize is not read on /embedding: use embd_normalize "
                                       "(-1 none, 0 max-abs, 1 taxicab, 2 Euclidean, >2 p-norm).", "normalize")
         params = PoolingParams(normalize=False, truncate_prompt_tokens=request.truncate_prompt_tokens, task="embed")
-        prompts = await self.render_input(request.content, request.add_special_tokens, "content",
+        prompts = await self.render_input(value, request.add_special_tokens, name,
                                           truncate_prompt_tokens=request.truncate_prompt_tokens)
-        outs = await self.encode_all(prompts, params, self.new_request_id("embd"), request.priority, "content")
+        outs = await self.encode_all(prompts, params, self.new_request_id("embd"), request.priority, name)
         return [{"index": i, "embedding": [_normalized(encode_vector(o.outputs.data, "float"), request.embd_normalize)]}
                 for i, o in enumerate(outs)]
 
