@@ -58,7 +58,7 @@ def test_tokenize_and_detokenize(server):
     t = server.tok("Hello world")
     assert t["tokens"] == [19556, 905] and t["count"] == 2 and t["max_model_len"] == 2048
     d = server.post("/detokenize", {"model": MODEL, "tokens": t["tokens"]}).json()
-    assert d == {"prompt": "Hello world"}
+    assert d == {"prompt": "Hello world", "content": "Hello world"}  # vLLM's key and llama-server's
     strs = server.post("/tokenize", {"model": MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
     assert strs["token_strs"] == ["Hello", " world"]
     # /tokenize only counts: no context limit (C13 A5 on the default server)

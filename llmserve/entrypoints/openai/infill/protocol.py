@@ -36,6 +36,7 @@ from llmserve.entrypoints.openai.common.protocol import MAX_LOGPROBS, MAX_TEMPER
     OpenAIRequestModel, OpenAIRequestPart
 from llmserve.entrypoints.openai.infill.fim import FIM_EXTRA_FILE_NAME
 from llmserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, StructuredOutputsParams
+from llmserve.entrypoints.chat_utils import json_type_name
 from llmserve.tokenizer import check_encodable
 
 MAX_EXTRA_CHUNKS = 1024
@@ -160,14 +161,15 @@ def parse_logit_bias(value: Any, encode: Optional[Callable[[str], list[int]]],
                                   "to its bias.", "logit_bias")
     bias: dict[int, float] = {}
     banned: list[int] = []
-    for key, b in pairs:
+    for i, (key, b) in enumerate(pairs):
         if b is not False and (isinstance(b, bool) or not isinstance(b, (int, float))):
-            raise SamplingParamsError(f"logit_bias: the bias of {key!r} must be a number or false, got {b!r}.",
+            raise SamplingParamsError(f"logit_bias: bias {i} must be a number or false, not {json_type_name(b)}.",
                                       "logit_bias")
         if isinstance(key, str) and key.lstrip("-").isdigit():
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, (int, str)):
-            raise SamplingParamsError(f"logit_bias: a token is a token id or a text, got {key!r}.", "logit_bias")
+            raise SamplingParamsError(f"logit_bias: token {i} must be a token id or a text, not "
+                                      f"{json_type_name(key)}.", "logit_bias")
         if isinstance(key, str):
             if encode is None:
                 raise SamplingParamsError("logit_bias: text keys are not supported here.", "logit_bias")
