@@ -456,7 +456,8 @@ async def _status(app, key):
 # checks each; a new such route must be added here (and scoped), or the test fails.
 NOT_STORED_DATA = {"/v1/models/{model_id:path}",  # the served models: the same for everyone
                    "/api/blobs/{digest}",  # Ollama's model upload: refused (400), nothing stored
-                   "/v1/messages/batches/{rest:path}"}  # Anthropic's Message Batches: not served (404)
+                   "/v1/messages/batches/{rest:path}",  # Anthropic's Message Batches: not served (404)
+                   "/slots/{id_slot}"}  # llama-server's slot save/restore/erase: not served (501)
 
 
 def test_every_stored_data_route_is_scoped_to_its_tenant(smol_tokenizer, tmp_path):
