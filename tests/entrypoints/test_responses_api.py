@@ -160,6 +160,35 @@ def test_function_call_items_and_follow_up_render_as_chat_tool_turns():
     assert msgs[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
 
 
+def test_function_call_output_without_its_call_is_a_400_naming_input(app_and_engine):
+    """OpenAI answers 400 (param ``input``, "No tool call found for function call output
+    with call_id ...") for a ``function_call_output`` whose call_id no ``function_call``
+    of the input or of the ``previous_response_id`` chain made; it was taken (200) and
+    rendered as a tool turn answering nothing. A long call id is not quoted back."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("x", "stop")]
+    call = {"type": "function_call", "call_id": "call_a1", "name": "f", "arguments": "{}"}
+    user = {"role": "user", "content": "hi"}
+    for stream in (False, True):
+        orphan = [user, call, {"type": "function_call_output", "call_id": "call_b2", "output": "x"}]
+        err = _err(client.post("/v1/responses", json={**BASE, "input": orphan, "stream": stream}), 400, "input")
+        assert "No tool call found for function call output with call_id call_b2" in err["message"], err
+        assert "input[2]" in err["message"]
+        long_id = "call_" + "z" * 5000
+        orphan = [user, {"type": "function_call_output", "call_id": long_id, "output": "x"}]
+        err = _err(client.post("/v1/responses", json={**BASE, "input": orphan, "stream": stream}), 400, "input")
+        assert "zzz" not in err["message"] and len(err["message"]) < 300
+    assert engine.prompts == []  # nothing ran
+    # the call made in an earlier turn of the previous_response_id chain is found
+    first = client.post("/v1/responses", json={**BASE, "input": [user, call, {
+        "type": "function_call_output", "call_id": "call_a1", "output": "sunny"}]})
+    assert first.status_code == 200, first.text
+    engine.outputs = [_output("y", "stop")]
+    again = client.post("/v1/responses", json={**BASE, "previous_response_id": first.json()["id"], "input": [
+        {"type": "function_call_output", "call_id": "call_a1", "output": "still sunny"}]})
+    assert again.status_code == 200, again.text
+
+
 def test_store_evicts_oldest_first():
     store = ResponsesStore(2)
     for i in range(3):

@@ -18,6 +18,7 @@ itself (``input.0.id``).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -185,6 +186,35 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
             raise SamplingParamsError(f"input[{i}]: items of type {kind!r} are not supported (message, "
                                       "function_call, function_call_output and reasoning are).", "input")
     return messages
+
+
+# A call id short and plain enough to quote back in an error (OpenAI's message names it);
+# a longer or odd one is left out, so a client's value is never echoed at length.
+_QUOTABLE_CALL_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def check_call_ids(history: list[dict[str, Any]], items: Union[str, list[Any]]) -> None:
+    """Every ``function_call_output`` item of ``items`` (a request's ``input``, already
+    read by :func:`input_messages`) answers a tool call made in the conversation: a
+    ``function_call`` item of the same input, or an assistant tool call of the
+    ``previous_response_id`` chain (``history``, chat messages).
+
+    Raises SamplingParamsError (param ``input``) for the first that answers none, as
+    OpenAI's Responses API does ("No tool call found for function call output with
+    call_id ..."); without the check the orphan output was rendered as a tool turn
+    answering nothing."""
+    if isinstance(items, str):
+        return
+    known = {call.get("id") for m in history for call in m.get("tool_calls") or ()}
+    known.update(item.get("call_id") for item in items if item.get("type") == "function_call")
+    for i, item in enumerate(items):
+        call_id = item.get("call_id")
+        if item.get("type") == "function_call_output" and call_id not in known:
+            quoted = f" {call_id}" if _QUOTABLE_CALL_ID.fullmatch(call_id) else ""
+            raise SamplingParamsError(
+                f"No tool call found for function call output with call_id{quoted} (input[{i}]): send the "
+                "function_call item it answers in input, or continue the response that made the call "
+                "with previous_response_id.", "input")
 
 
 def output_messages(output: list[Any]) -> list[dict[str, Any]]:

@@ -55,6 +55,7 @@ from llmserve.entrypoints.openai.responses.input_items import (
     UNSUPPORTED_TOOLS_DROP,
     UNSUPPORTED_TOOLS_POLICIES,
     ChatToolsView,
+    check_call_ids,
     input_messages,
     output_messages,
     to_chat_tool_choice,
@@ -210,6 +211,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         check_texts([("instructions", request.instructions), ("input", request.input), ("tools", request.tools)])
         history = self._history(request)
         new_messages = input_messages(request.input)
+        check_call_ids(history, request.input)
         for label in self.dropped_tools(request):
             _warn_dropped_tool(label)
         view = ChatToolsView(to_chat_tools(request.tools, self.unsupported_tools),
