@@ -1,7 +1,8 @@
 """``llmserve disagg-proxy``: disaggregated prefill in front of two servers (vLLM's
 disaggregated-prefill proxy pattern, ``examples/.../disagg_proxy``).
 
-Each ``/v1/completions`` or ``/v1/chat/completions`` request goes first to the prefill
+Each ``/v1/completions`` or ``/v1/chat/completions`` request (also ``/chat/completions``,
+and llama-server's ``/completion``, ``/completions`` and ``/infill``) goes first to the prefill
 instance (a ``llmserve serve`` with ``kv_role: kv_producer``) with ``max_tokens=1`` and no
 streaming, which computes the prompt's KV and saves its full blocks through its KV
 connector; then the original request goes to the decode instance (``kv_role:
@@ -21,16 +22,25 @@ from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
-_PREFILL_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# The generation routes whose prompt the prefill instance computes first: vLLM's proxy's two,
+# the main server's alias of chat (``/chat/completions``, llama-server's), and llama-server's
+# native ``/completion`` (also ``/completions``) and ``/infill``, whose budget is ``n_predict``.
+_OPENAI_PREFILL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+_LLAMA_PREFILL_ROUTES = ("/completion", "/completions", "/infill")
+_PREFILL_ROUTES = _OPENAI_PREFILL_ROUTES + _LLAMA_PREFILL_ROUTES
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
 def prefill_body(body: dict, path: str) -> dict:
-    """The request the prefill instance gets: the same prompt, one token, no stream."""
+    """The request the prefill instance gets: the same prompt, one token, no stream. Every
+    budget field the route reads is 1: ``max_tokens``, chat's ``max_completion_tokens``,
+    and on llama-server's routes ``n_predict`` (which wins over its aliases)."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n", "best_of")}
     out["max_tokens"] = 1
     if path.endswith("chat/completions"):
         out["max_completion_tokens"] = 1
+    if path in _LLAMA_PREFILL_ROUTES:
+        out["n_predict"] = 1
     return out
 
 

@@ -62,3 +62,62 @@ def test_prefill_request_is_one_token_without_stream():
     assert prefill_body(body, "/v1/completions") == {"model": "m", "prompt": "x", "max_tokens": 1}
     chat = prefill_body({"messages": [], "max_completion_tokens": 9}, "/v1/chat/completions")
     assert chat == {"messages": [], "max_tokens": 1, "max_completion_tokens": 1}
+
+
+class _Recorder:
+    """A stand-in server (stdlib, port 0, a thread) that records each POST's path and JSON
+    body and answers ``{}``."""
+
+    def __init__(self) -> None:
+        import http.server
+        import json
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+                seen.append((self.path, json.loads(self.rfile.read(int(self.headers["content-length"])))))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_proxy_prefills_the_servers_aliases_and_llama_server_routes():
+    """``/chat/completions`` (the main server's alias of chat) and llama-server's
+    ``/completion``, ``/completions`` and ``/infill`` go to the prefill instance first, with
+    a one-token budget, as ``/v1/chat/completions`` does; they were only forwarded to the
+    decode instance, which then prefilled by itself. Other routes are only forwarded."""
+    from fastapi.testclient import TestClient
+
+    from llmserve.entrypoints.disagg_proxy import build_app
+
+    prefill, decode = _Recorder(), _Recorder()
+    try:
+        with TestClient(build_app(prefill.url, decode.url, prefill_timeout=10)) as client:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+            llama = {"prompt": "x", "n_predict": 9, "stream": True}
+            sent = [("/chat/completions", chat), ("/completion", llama), ("/completions", llama),
+                    ("/infill", {**llama, "input_prefix": "a"}), ("/tokenize", {"prompt": "x"})]
+            for path, body in sent:
+                assert client.post(path, json=body).status_code == 200, path
+        assert decode.seen == sent  # every request as it came
+        assert [path for path, _ in prefill.seen] == ["/chat/completions", "/completion", "/completions", "/infill"]
+        assert prefill.seen[0][1]["max_tokens"] == prefill.seen[0][1]["max_completion_tokens"] == 1
+        assert all(body["n_predict"] == 1 and "stream" not in body for _, body in prefill.seen[1:])
+    finally:
+        prefill.close()
+        decode.close()
