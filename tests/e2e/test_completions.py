@@ -134,8 +134,14 @@ def test_echo_max_tokens_zero_c11(server):
     assert len(ch["logprobs"]["token_logprobs"]) == z1["usage"]["prompt_tokens"]
     assert math.isfinite(ch["logprobs"]["token_logprobs"][-1]) and ch["finish_reason"] == "length"
     server.assert_healthy()
-    z2 = complete(server, prompt="Your answer: Yes", max_tokens=0, temperature=0)
-    assert z2["choices"][0]["text"] == "" and z2["usage"]["completion_tokens"] == 0
+    # without echo a 0-token completion returns nothing: OpenAI and vLLM answer 400 (it was a 200 with text "")
+    for stream in (False, True):
+        z2 = complete(server, 400, prompt="Your answer: Yes", max_tokens=0, temperature=0, stream=stream)
+        assert z2["error"]["param"] == "max_tokens" and "echo" in z2["error"]["message"], z2
+    r = server.post("/v1/completions/render", {"model": MODEL, "prompt": "Your answer: Yes", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text  # as the route runs it
+    z2 = complete(server, prompt="Your answer: Yes", max_tokens=0, echo=True)  # echo alone: the prompt back
+    assert z2["choices"][0]["text"] == "Your answer: Yes" and z2["usage"]["completion_tokens"] == 0
     server.assert_healthy()
     z3 = complete(server, 400, prompt="Your answer: Yes", echo=True, logprobs=1, max_tokens=-1)
     assert "max_tokens" in (z3["error"]["param"] or "") + z3["error"]["message"]

@@ -633,6 +633,7 @@ def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(sm
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, "messages"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "logprobs"),  # the handler's check()
         ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens is 0 without echo"),
         ("/v1/messages", {**anthropic, "service_tier": "priority"}, "service_tier"),
         ("/v1/messages", {**anthropic, "messages": [{"role": "user", "content": ""}]}, "messages.0"),
         ("/api/chat", {**ollama, "messages": [{"role": "assistant", "tool_calls": [

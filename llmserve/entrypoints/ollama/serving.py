@@ -328,7 +328,7 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     if isinstance(common, CompletionRequest):
         completion = handler(state, "openai_serving_completion", name)
         common = _fit_raw(req, completion, common)
-        chunks = completion_chunks(await completion.create_completion(common, request_id))
+        chunks = completion_chunks(await completion.create_completion(common, request_id, openai_budget=False))
     elif req.context:
         chunks, prompt = await _with_context(state, req, name, chat, common, request_id)
         wire.context_of = _context_of(chat, prompt)
@@ -372,7 +372,7 @@ async def _with_context(state: Any, req: OllamaGenerateRequest, name: str, chat:
     request = build_request(CompletionRequest, **_common_fields(req, name, completion=True), prompt=prompt,
                             stream_options={"include_usage": True})
     request = _fit_raw(req, completion, request)
-    return completion_chunks(await completion.create_completion(request, request_id)), prompt
+    return completion_chunks(await completion.create_completion(request, request_id, openai_budget=False)), prompt
 
 
 async def _embed(state: Any, model: str, inputs: list[str], truncate: bool,

@@ -184,6 +184,13 @@ def _check_chat(state: Any, request: Any) -> None:
     request.check()
 
 
+def _check_completion(state: Any, request: Any) -> None:
+    # OpenAIServingCompletion._prepare's first checks, in its order
+    check_model(state, "openai_serving_completion", request)
+    request.check_openai_budget()
+    request.check()
+
+
 def _checks_model(attr: str, then_request: bool = True) -> ModelCheck:
     """The first checks of a handler that runs ``_check_model``, then (``then_request``)
     ``request.check()``: completions, Responses; ``/infill`` and ``/completion`` only the first."""
@@ -221,7 +228,7 @@ def openai_model_checks() -> dict[type, ModelCheck]:
     from llmserve.entrypoints.openai.score.protocol import RerankRequest, ScoreRequest
 
     return {ChatCompletionRequest: _check_chat,
-            CompletionRequest: _checks_model("openai_serving_completion"),
+            CompletionRequest: _check_completion,
             ResponsesRequest: _checks_model("openai_serving_responses"),
             InfillRequest: _checks_model("openai_serving_completion", then_request=False),
             LlamaCompletionRequest: _checks_model("openai_serving_completion", then_request=False),

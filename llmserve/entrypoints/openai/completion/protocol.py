@@ -54,6 +54,20 @@ class CompletionRequest(SamplingRequest):
                 f"best_of ({self.best_of}) must equal n ({self.n or 1}): generating more sequences than are "
                 "returned and keeping the best is not supported; leave best_of out or set it to n.", "best_of")
 
+    def check_openai_budget(self) -> None:
+        """``max_tokens`` 0 (a prompt-scoring request) only with ``echo``, as OpenAI's legacy
+        completions and vLLM take it: without echo the answer would carry nothing (OpenAI:
+        400 "You requested a length 0 completion, but you did not set the 'echo'
+        parameter"; vLLM: 400 "max_tokens must be at least 1"). Raises SamplingParamsError
+        (param ``max_tokens``). ``/v1/completions`` (and its render) only: Ollama's raw
+        ``/api/generate`` with ``num_predict`` 0 shares this request type and stays a
+        0-token answer, as chat's :meth:`check_openai_budget` leaves Ollama's chat alone."""
+        if self.max_tokens == 0 and not self.echo:
+            raise SamplingParamsError(
+                "max_tokens is 0 without echo: a 0-token completion that does not echo the prompt returns "
+                "nothing; set echo to true (with logprobs, to score the prompt) or max_tokens to at least 1.",
+                "max_tokens")
+
     def to_sampling_params(self, max_tokens: Optional[int], defaults: dict[str, Any]) -> SamplingParams:
         """Map the OpenAI fields to SamplingParams. max_tokens: the budget chosen by the
         server (``max_tokens`` or its default). With ``echo`` and ``logprobs`` the prompt's

@@ -89,8 +89,10 @@ class OpenAIServingCompletion(GenerateBaseServing):
         room = self.max_model_len - prompt_len
         return min(budget, room) if room > 0 else budget
 
-    async def _prepare(self, request: CompletionRequest) -> tuple[str, list[_Prompt]]:
+    async def _prepare(self, request: CompletionRequest, openai_budget: bool = True) -> tuple[str, list[_Prompt]]:
         model_name = self._check_model(request)
+        if openai_budget:  # OpenAI's / vLLM's rule; Ollama's num_predict 0 is its own
+            request.check_openai_budget()
         request.check()
         check_texts([("prompt", request.prompt)])  # a lone surrogate named at its item (prompt.1)
         items = _prompt_items(request.prompt)
@@ -127,12 +129,14 @@ class OpenAIServingCompletion(GenerateBaseServing):
                                                    ("prompt", "suffix"))) for item in items]
 
     async def create_completion(self, request: CompletionRequest, request_id: Optional[str] = None,
+                                openai_budget: bool = True,
                                 ) -> Union[CompletionResponse, AsyncGenerator[str, None]]:
         """Serve one request: a CompletionResponse, or (``stream``) an async generator of
         SSE strings. Errors before the stream starts are raised (ModelNotFoundError,
         SamplingParamsError/ValueError from the request or the engine's InputProcessor,
-        EngineDeadError)."""
-        model_name, prompts = await self._prepare(request)
+        EngineDeadError). ``openai_budget`` False (Ollama's raw generate) takes
+        ``max_tokens`` 0 without ``echo`` (:meth:`CompletionRequest.check_openai_budget`)."""
+        model_name, prompts = await self._prepare(request, openai_budget)
         request_id = self.new_request_id(request_id)
         created = int(time.time())
         max_len = self.model_config.max_model_len
