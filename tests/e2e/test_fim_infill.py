@@ -133,6 +133,22 @@ def test_infill_n_predict_beyond_the_context_stops_at_its_end(fim_server, fim_to
     assert r.json()["stop_type"] == "eos" and r.json()["tokens_predicted"] <= 1
 
 
+def test_infill_too_long_names_the_field_that_filled_the_context(fim_server, fim_tokenizer_dir):
+    """A /infill prompt too long for the context is a 400 naming the request field holding
+    most of its tokens; it named ``prompt`` (the engine's name for the whole layout) even
+    when ``prompt`` was empty. Here llama-server's budgets keep 2050 extra, 1536 prefix
+    and 510 suffix tokens: 4099 of the 4096-token context."""
+    word = " x" * 3000  # 3000 tokens
+    body = {"input_prefix": word, "input_suffix": word, "input_extra": [{"filename": "a.py", "text": word}],
+            "n_predict": 2}
+    for stream in (False, True):
+        r = fim_server.http.post("/infill", json={**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "input_extra", r.text
+    r = fim_server.http.post("/infill", json={"input_prefix": "a", "input_suffix": "b", "prompt": word * 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_infill_negative_temperature_is_greedy(fim_server):
     """llama-server samples greedily at a temperature below 0; /infill refused it (a 400)."""
     body = {"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 3, "return_tokens": True}

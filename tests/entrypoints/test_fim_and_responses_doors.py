@@ -8,7 +8,7 @@ import copy
 import pytest
 from test_app import _output, app_and_engine  # noqa: F401  (the fixture)
 
-from llmserve.entrypoints.openai.infill.fim import FimTokens, find_fim_tokens, format_infill
+from llmserve.entrypoints.openai.infill.fim import FimTokens, find_fim_tokens, format_infill, infill_layout
 from llmserve.entrypoints.openai.responses.streaming import EventLog
 
 BASE = {"model": "m", "input": "hi", "max_output_tokens": 2, "store": False}
@@ -56,6 +56,47 @@ def test_format_infill_budgets_and_spm():
     assert ids == extra + [-9, -1] + prefix[-1536:] + [42] + [-2] + suffix[:509] + [-3]
     assert format_infill(t, [1], [2], extra, [], n_ctx=2048)[:4] == [5, 5, -9, -1]  # room for 2048 - 2048 + 2
     assert format_infill(t, [1], [2], [], [], n_ctx=4096, spm=True) == [-9, -2, 2, -1, 1, -3]
+
+
+class _EncodeThreads:
+    """A tokenizer wrapper that records the thread of each ``encode`` of ``text``."""
+
+    def __init__(self, tokenizer, text):
+        self._tokenizer, self._text, self.threads = tokenizer, text, []
+
+    def encode(self, text, *args, **kwargs):
+        if text == self._text:
+            import threading
+            self.threads.append(threading.current_thread().name)
+        return self._tokenizer.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_completion_logit_bias_text_keys_are_tokenized_in_the_renderer_pool(app_and_engine):
+    """llama-server's ``/completion`` tokenizes ``logit_bias``'s text keys: that ran on the
+    event loop (a long key held every other request); now in the renderer's pool, as the
+    prompt's tokenization. The bias still reaches the engine."""
+    client, engine = app_and_engine()
+    engine.outputs = [_output("x", "stop")]
+    handler = client.app.state.openai_serving_completion
+    handler.tokenizer = recorder = _EncodeThreads(handler.tokenizer, " hello")
+    r = client.post("/completion", json={"prompt": "hi", "n_predict": 1, "logit_bias": [[" hello", 3.0]]})
+    assert r.status_code == 200, r.text
+    assert recorder.threads and all(name.startswith("llmserve-renderer") for name in recorder.threads), recorder.threads
+    assert engine.params[-1].logit_bias == {recorder.encode(" hello", add_special_tokens=False)[0]: 3.0}
+
+
+def test_infill_layout_counts_the_kept_tokens_of_each_field(smol_tokenizer):
+    """The field a too-long /infill prompt is blamed on: the one holding most of the laid-out
+    tokens after llama-server's budgets (a 1536-token cap on the prefix, ...)."""
+    t = FimTokens(prefix=-1, suffix=-2, middle=-3)
+    word = " x" * 2000
+    layout = infill_layout(smol_tokenizer, t, word, "b", [], "", n_ctx=512)
+    assert layout.kept == {"input_prefix": 1536, "input_suffix": 1, "input_extra": 0, "prompt": 0}
+    assert layout.largest_field() == "input_prefix" and len(layout.token_ids) == 1536 + 4
+    assert infill_layout(smol_tokenizer, t, "a", "b", [], word + word, n_ctx=512).largest_field() == "prompt"
 
 
 def test_unsupported_tools_reject_policy(app_and_engine):  # noqa: F811

@@ -20,6 +20,7 @@ from llmserve.entrypoints.openai.infill.fim import gguf_path_of
 from llmserve.entrypoints.openai.infill.protocol import LLAMA_CPP_DEFAULTS, InfillRequest, LlamaCompletionRequest, \
     LlamaSamplingRequest, llama_settings
 from llmserve.entrypoints.openai.infill.serving import create_infill, create_llama_completion
+from llmserve.entrypoints.openai.admission_precheck import route_handler
 from llmserve.entrypoints.openai.common.errors import make_error
 from llmserve.entrypoints.openai.server_utils import json_response, request_id_of, result_response, \
     with_cancellation
@@ -29,9 +30,8 @@ router = APIRouter()
 
 
 def completion_handler(raw_request: Request, request: LlamaSamplingRequest):
-    handler = raw_request.app.state.openai_serving_completion
-    pick = getattr(handler, "handler_for", None)  # several models: the one `model` names
-    return pick(request) if pick is not None else handler
+    """The completion handler of the model ``request`` names (:func:`route_handler`)."""
+    return route_handler(raw_request.app.state, "openai_serving_completion", request)
 
 
 @router.post("/infill")
@@ -56,9 +56,7 @@ async def apply_template(request: ChatCompletionRequest, raw_request: Request) -
     would run for this request (its template, tools, ``chat_template_kwargs``,
     ``add_generation_prompt``), without generating. Raises ModelNotFoundError (404) /
     SamplingParamsError (400), as the chat route does."""
-    serving = raw_request.app.state.openai_serving_chat
-    pick = getattr(serving, "handler_for", None)  # several models: the one `model` names
-    serving = pick(request) if pick is not None else serving
+    serving = route_handler(raw_request.app.state, "openai_serving_chat", request)
     serving._check_model(request)
     request.check()
     plan = ToolPlan.of(request, enable_auto_tools=serving.enable_auto_tools, tool_parser_cls=serving.tool_parser_cls,

@@ -209,14 +209,22 @@ def _extra_tokens(tokens: FimTokens, encode: Callable[[str], list[int]],
     return out
 
 
+def _kept(prefix_len: int, suffix_len: int, extra_len: int, prompt_len: int, n_ctx: int, n_batch: int,
+          n_predict: int) -> tuple[int, int, int]:
+    """How many prefix, suffix and extra tokens llama-server's budgets keep."""
+    n_prefix = min(prefix_len, 3 * (n_batch // 4))
+    n_suffix = min(suffix_len, max(0, n_batch // 4 - (2 + prompt_len)))
+    n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), extra_len)
+    return n_prefix, n_suffix, n_extra
+
+
 def format_infill(tokens: FimTokens, prefix_ids: list[int], suffix_ids: list[int], extra_ids: list[int],
                   prompt_ids: list[int], n_ctx: int, n_batch: int = LLAMA_CPP_N_BATCH,
                   n_predict: int = LLAMA_CPP_N_PREDICT, spm: bool = False) -> list[int]:
     """The prompt token ids of one infill request (llama-server's ``format_prompt_infill``;
     see the module docstring). ``spm``: suffix first (llama-server's ``--spm-infill``)."""
-    n_prefix = min(len(prefix_ids), 3 * (n_batch // 4))
-    n_suffix = min(len(suffix_ids), max(0, n_batch // 4 - (2 + len(prompt_ids))))
-    n_extra = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra_ids))
+    n_prefix, n_suffix, n_extra = _kept(len(prefix_ids), len(suffix_ids), len(extra_ids), len(prompt_ids),
+                                        n_ctx, n_batch, n_predict)
     pre = [tokens.prefix] + prefix_ids[len(prefix_ids) - n_prefix:] + prompt_ids
     suf = [tokens.suffix] + suffix_ids[:n_suffix]
     first, second = (suf, pre) if spm else (pre, suf)
@@ -226,13 +234,41 @@ def format_infill(tokens: FimTokens, prefix_ids: list[int], suffix_ids: list[int
     return extra + first + second + [tokens.middle]
 
 
-def infill_prompt(tokenizer: Any, tokens: FimTokens, prefix: MixedInput, suffix: MixedInput,
+@dataclass
+class InfillLayout:
+    """One infill prompt: its token ids, and how many tokens of each request field it
+    keeps (field name -> count, after llama-server's budgets)."""
+
+    token_ids: list[int]
+    kept: dict[str, int]
+
+    def largest_field(self) -> str:
+        """The field holding the most tokens of the prompt: the one a prompt too long for
+        the context is blamed on (the 400's ``param``)."""
+        return max(self.kept, key=lambda name: self.kept[name])
+
+
+def infill_layout(tokenizer: Any, tokens: FimTokens, prefix: MixedInput, suffix: MixedInput,
                   extra: Sequence[tuple[str, str]], prompt: str, n_ctx: int,
-                  params: tuple[str, str] = ("input_prefix", "input_suffix")) -> list[int]:
+                  params: tuple[str, str] = ("input_prefix", "input_suffix")) -> InfillLayout:
     """Tokenize and lay out one infill request (:func:`format_infill` with llama-server's
-    default budgets). ``params``: the field names errors name (prefix, suffix)."""
+    default budgets). ``params``: the field names of prefix and suffix, named by errors
+    and in :attr:`InfillLayout.kept` (with ``input_extra`` and ``prompt``). Raises
+    SamplingParamsError naming ``params[0]`` / ``params[1]`` for a malformed piece."""
     encode = text_encoder(tokenizer)
     prefix_ids = tokenize_mixed(encode, prefix, params[0])
     suffix_ids = tokenize_mixed(encode, suffix, params[1])
     prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
-    return format_infill(tokens, prefix_ids, suffix_ids, _extra_tokens(tokens, encode, extra), prompt_ids, n_ctx)
+    extra_ids = _extra_tokens(tokens, encode, extra)
+    ids = format_infill(tokens, prefix_ids, suffix_ids, extra_ids, prompt_ids, n_ctx)
+    n_prefix, n_suffix, n_extra = _kept(len(prefix_ids), len(suffix_ids), len(extra_ids), len(prompt_ids), n_ctx,
+                                        LLAMA_CPP_N_BATCH, LLAMA_CPP_N_PREDICT)
+    kept = {params[0]: n_prefix, params[1]: n_suffix, "input_extra": n_extra, "prompt": len(prompt_ids)}
+    return InfillLayout(ids, kept)
+
+
+def infill_prompt(tokenizer: Any, tokens: FimTokens, prefix: MixedInput, suffix: MixedInput,
+                  extra: Sequence[tuple[str, str]], prompt: str, n_ctx: int,
+                  params: tuple[str, str] = ("input_prefix", "input_suffix")) -> list[int]:
+    """The token ids of :func:`infill_layout`."""
+    return infill_layout(tokenizer, tokens, prefix, suffix, extra, prompt, n_ctx, params).token_ids

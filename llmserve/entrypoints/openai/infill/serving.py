@@ -18,12 +18,13 @@ from typing import Any, AsyncGenerator, Optional, Union
 
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception
 from llmserve.entrypoints.openai.common.request_metrics import llama_timings
-from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started, sse
-from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_prompt, require_fim_tokens
+from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started, renamed_param, sse
+from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_layout, require_fim_tokens
 from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse, LlamaCompletionRequest, \
     LlamaSamplingRequest, llama_settings
 from llmserve.entrypoints.openai.logprobs import finite_logprob
 from llmserve.entrypoints.renderer import RenderedPrompt
+from llmserve.sampling_params import ContextLengthExceededError
 from llmserve.tokenizer import check_encodable
 
 
@@ -48,23 +49,30 @@ def _check_text(request: InfillRequest) -> None:
     check_encodable(request.prompt, "prompt")
 
 
-async def _prompt(handler: Any, request: InfillRequest) -> tuple[RenderedPrompt, list[int]]:
+async def _prompt(handler: Any, request: InfillRequest) -> tuple[RenderedPrompt, list[int], str]:
+    """The infill prompt, the FIM stop ids, and the field a too-long prompt is blamed on."""
     fim = require_fim_tokens(handler.tokenizer, gguf_path_of(handler.model_config), "input_suffix")
     _check_text(request)
-    ids = await handler.renderer.run_in_pool(
-        infill_prompt, handler.tokenizer, fim, request.input_prefix, request.input_suffix, request.extra_chunks(),
+    layout = await handler.renderer.run_in_pool(
+        infill_layout, handler.tokenizer, fim, request.input_prefix, request.input_suffix, request.extra_chunks(),
         request.prompt, handler.max_model_len)
-    return RenderedPrompt(None, ids), fim.stop_token_ids
+    return RenderedPrompt(None, layout.token_ids), fim.stop_token_ids, layout.largest_field()
 
 
 async def create_infill(handler: Any, request: InfillRequest, request_id: Optional[str] = None,
                         ) -> Union[InfillResponse, AsyncGenerator[str, None]]:
     """Serve one ``/infill`` request on ``handler`` (an OpenAIServingCompletion): the
     InfillResponse, or (``stream``) an async generator of ``data:`` events. Raises
-    SamplingParamsError (400 naming the field), ModelNotFoundError (404), EngineDeadError."""
+    SamplingParamsError (400 naming the field), ModelNotFoundError (404), EngineDeadError.
+    A prompt too long for the context names the field holding most of its tokens
+    (``input_prefix``, ``input_suffix``, ``input_extra`` or ``prompt``): the engine's 400
+    names its own ``prompt``, which on /infill is only the text after the prefix."""
     model_name = handler._check_model(request)
-    prompt, stop_ids = await _prompt(handler, request)
-    result = await _run(handler, request, model_name, [prompt], stop_ids, request_id)
+    prompt, stop_ids, largest = await _prompt(handler, request)
+    try:
+        result = await _run(handler, request, model_name, [prompt], stop_ids, request_id)
+    except ContextLengthExceededError as e:
+        raise renamed_param(e, {"prompt": largest}) from None
     return result[0] if isinstance(result, list) else result
 
 
@@ -114,12 +122,24 @@ def _fitted(handler: Any, params: Any, prompt: RenderedPrompt) -> Any:
     return fitted
 
 
+async def _sampling_params(handler: Any, request: LlamaSamplingRequest, stop_ids: list[int]) -> Any:
+    """``request``'s SamplingParams. With a ``logit_bias`` (whose text keys are tokenized)
+    they are made in the renderer's pool, as every other tokenization of the request is,
+    so a long text key does not hold the event loop."""
+    def encode(text: str) -> list[int]:
+        return handler.tokenizer.encode(text, add_special_tokens=False)
+
+    if request.logit_bias is None:
+        return request.to_sampling_params(handler.default_sampling_params, stop_ids, encode)
+    return await handler.renderer.run_in_pool(request.to_sampling_params, handler.default_sampling_params,
+                                              stop_ids, encode)
+
+
 async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, prompts: list[RenderedPrompt],
                stop_ids: list[int], request_id: Optional[str],
                ) -> Union[list[InfillResponse], AsyncGenerator[str, None]]:
     """Run ``prompts`` together: every answer (in the prompts' order), or the stream."""
-    params = request.to_sampling_params(handler.default_sampling_params, stop_ids,
-                                        lambda text: handler.tokenizer.encode(text, add_special_tokens=False))
+    params = await _sampling_params(handler, request, stop_ids)
     base = handler.new_request_id(request_id)
     gens = [handler.generate(p, _fitted(handler, params, p), base if len(prompts) == 1 else f"{base}-{i}")
             for i, p in enumerate(prompts)]
