@@ -7,13 +7,15 @@ The fields follow Ollama's ``api/types.go`` (``ListModelResponse``, ``ShowRespon
 for agent mode only with ``tools``) and ``model_info["<architecture>.context_length"]``.
 Sizes are bytes of the weight files; the digest is a hash of the model's path and file
 time (a stable id, not Ollama's manifest digest); the models never unload, so
-``expires_at`` is Go's zero time.
+``expires_at`` is where Ollama puts a model loaded with ``keep_alive`` < 0 (forever):
+now plus Go's longest duration (2^63 - 1 ns, ~292 years), which ``ollama ps`` shows as
+"Forever" (Go's zero time, sent before, it showed as "Stopping...").
 """
 from __future__ import annotations
 
 import hashlib
 import os
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from llmserve.entrypoints.ollama.serving import served_name
@@ -23,7 +25,8 @@ from llmserve.entrypoints.ollama.weight_facts import human_number, weight_facts
 # 0.13.4: Ollama serves /v1/responses since 0.13.3 (so does this server), and Codex CLI
 # 0.171's `--oss --local-provider ollama` refuses any Ollama older than 0.13.4.
 OLLAMA_API_VERSION = "0.13.4"
-GO_ZERO_TIME = "0001-01-01T00:00:00Z"
+# Go's longest time.Duration: Ollama's keep_alive < 0 (api/types.go reads it so).
+FOREVER = timedelta(microseconds=(2 ** 63 - 1) // 1000)
 WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 FIM_MARKERS = ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>")
 # SamplingParams names -> Ollama's Modelfile parameter names (``/api/show`` parameters).
@@ -136,13 +139,15 @@ def tags(state: Any) -> dict[str, Any]:
 
 
 def ps(state: Any) -> dict[str, Any]:
-    """``GET /api/ps``: every served model, loaded for the server's life."""
+    """``GET /api/ps``: every served model, loaded for the server's life (``expires_at``
+    in ~292 years: the module docstring)."""
     out = []
+    expires = (datetime.now(timezone.utc) + FOREVER).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     for s in model_states(state):
         config = s.engine_client.model_config
         on_gpu = str(getattr(config, "device", "cpu")).startswith("cuda")
         for card in _cards(s):
-            out.append({**card, "expires_at": GO_ZERO_TIME, "size_vram": card["size"] if on_gpu else 0,
+            out.append({**card, "expires_at": expires, "size_vram": card["size"] if on_gpu else 0,
                         "context_length": config.max_model_len})
     return {"models": out}
 

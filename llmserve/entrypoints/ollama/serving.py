@@ -24,7 +24,11 @@ Without a parser the server cannot tell a call from text, so a turn that ends wi
 user's message must call one of the tools (``"required"``: the call is enforced by
 structured outputs), and a turn that ends with tool results or continues the
 assistant's own text answers in text (tools still shown to the template); the response
-header ``X-Llmserve-Tool-Choice`` says which.
+header ``X-Llmserve-Tool-Choice`` says which. An enforced call is one call (OpenAI's
+``parallel_tool_calls: false``): the grammar closes the array after it, so a small model
+that would repeat the call until ``num_predict`` or the context ran out (SmolLM2 through
+langchain-ollama's ``bind_tools``: 2,000 tokens of the same call, then an error) stops
+after its first. A parser (``auto``) lets the model make several.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from llmserve.entrypoints.openai.chat_completion.context_room import prompt_byte
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
-from llmserve.sampling_params import SamplingParamsError
+from llmserve.sampling_params import ContextLengthExceededError, SamplingParamsError
 
 # Ollama's roles, and OpenAI's ``developer`` (the renderer makes it a system message unless the
 # template names it, as on every chat route; Ollama passes any role to the template).
@@ -156,6 +160,8 @@ def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatComp
     if req.tools:
         choice = _tool_choice(chat, messages, bool(prefill))
         fields.update(tools=req.tools, tool_choice=choice)
+        if choice == "required":  # one enforced call (module docstring)
+            fields["parallel_tool_calls"] = False
     return build_request(ChatCompletionRequest, **fields), choice
 
 
@@ -375,12 +381,41 @@ async def _with_context(state: Any, req: OllamaGenerateRequest, name: str, chat:
     return completion_chunks(await completion.create_completion(request, request_id, openai_budget=False)), prompt
 
 
+def embed_over_context(n: int, context: int) -> SamplingParamsError:
+    """The 400 of an embedding input of ``n`` tokens over a ``context`` of tokens under
+    ``truncate: false``: Ollama's words (``input exceeds maximum context length``, which
+    clients match) first, then the counts and what to change; names ``input``."""
+    return SamplingParamsError(f"input exceeds maximum context length: an input has {n} tokens and the context "
+                               f"(options.num_ctx, at most the model's) is {context}. Shorten it, raise "
+                               f"options.num_ctx or leave truncate on.", "input")
+
+
+async def _refuse_long_inputs(embedding: Any, inputs: list[str], context: int) -> None:
+    """``truncate: false``: raise :func:`embed_over_context` when an input's tokens
+    (special tokens included, as they run) exceed ``context``."""
+    try:
+        prompts = await embedding.render_input(inputs, True)
+    except ContextLengthExceededError:  # over the server's context (the renderer's check)
+        prompts = await embedding.render_input(inputs, True, truncate_prompt_tokens=10 ** 9)
+    longest = max(len(p.token_ids) for p in prompts)
+    if longest > context:
+        raise embed_over_context(longest, context)
+
+
 async def _embed(state: Any, model: str, inputs: list[str], truncate: bool,
-                 dimensions: Optional[int] = None) -> Any:
+                 dimensions: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> Any:
+    """Embed ``inputs`` as Ollama's EmbedHandler does: each input's tokens are at most the
+    context (``options.num_ctx``, never above the model's; context_size); a longer one
+    keeps its first tokens (``truncate``, Ollama's default) or is a 400 (``truncate:
+    false``, :func:`embed_over_context`)."""
     name = served_name(state, model, pull_hint=True)
+    embedding = handler(state, "openai_serving_embedding", name)
+    context = context_size(options, embedding.max_model_len)
+    if not truncate:
+        await _refuse_long_inputs(embedding, inputs, context)
     common = EmbeddingRequest(model=name, input=inputs, dimensions=dimensions,
-                              truncate_prompt_tokens=-1 if truncate else None)
-    return await handler(state, "openai_serving_embedding", name).create_embedding(common)
+                              truncate_prompt_tokens=context if truncate else None)
+    return await embedding.create_embedding(common)
 
 
 async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
@@ -394,7 +429,7 @@ async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
     if not inputs:
         served_name(state, req.model, pull_hint=True)
         return {"model": req.model, "embeddings": []}
-    resp = await _embed(state, req.model, inputs, req.truncate is not False, req.dimensions)
+    resp = await _embed(state, req.model, inputs, req.truncate is not False, req.dimensions, req.options)
     return {"model": req.model, "embeddings": [d.embedding for d in resp.data],
             "total_duration": stats.final_fields()["total_duration"], "load_duration": 0,
             "prompt_eval_count": resp.usage.prompt_tokens}
@@ -407,5 +442,5 @@ async def serve_embeddings(state: Any, req: OllamaEmbeddingsRequest) -> dict[str
     if not req.prompt:
         served_name(state, req.model, pull_hint=True)
         return {"embedding": []}
-    resp = await _embed(state, req.model, [req.prompt], truncate=True)
+    resp = await _embed(state, req.model, [req.prompt], truncate=True, options=req.options)
     return {"embedding": resp.data[0].embedding}

@@ -1,0 +1,77 @@
+"""Faults real Ollama clients hit, replayed with those clients against the shared servers
+(``server``: SmolLM2 float32; ``minilm_server``: all-MiniLM-L6-v2, 128-token context).
+
+- langchain-ollama's ``bind_tools`` / ``with_structured_output(method="function_calling")``
+  on a server without a tool-call parser: the enforced call was an open array, so SmolLM2
+  repeated the same call until ``num_predict`` (or, with langchain's default, the whole
+  2048-token context: minutes) and the request then failed with "max_tokens ended the
+  output before the call was complete". An enforced call is now one call.
+- ``/api/embed``: ``options.num_ctx`` bounds each input's tokens (Ollama's EmbedHandler
+  cuts to min(num_ctx, the model's context)); it was ignored. ``truncate: false`` over
+  the context is Ollama's 400 ``input exceeds maximum context length``; it named
+  ``truncate_prompt_tokens``, a field an Ollama client cannot send.
+- ``/api/ps``: ``expires_at`` was Go's zero time, which ``ollama ps`` shows as
+  "Stopping..."; models here never unload, so it is Ollama's keep-alive-forever time.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import ollama
+import pytest
+
+from e2e_utils import MODEL, RemoteServer
+
+EMB = "all-MiniLM-L6-v2"
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def _client(srv: RemoteServer) -> ollama.Client:
+    return ollama.Client(host=srv.url_root, headers={"Authorization": f"Bearer {srv.api_key}"}, timeout=300)
+
+
+def test_an_enforced_tool_call_is_one_call_not_a_loop(server):
+    # SmolLM2 writes [{"name": "add", ...}, {"name": "add", ...}, ... until the budget ran
+    # out: with 80 tokens the third call was cut and the request failed.
+    resp = _client(server).chat(MODEL, messages=[{"role": "user", "content": "what is 2+3"}], tools=[ADD],
+                                options={"temperature": 0, "num_predict": 80})
+    assert resp.done_reason == "stop" and resp.eval_count < 80, resp
+    (call,) = resp.message.tool_calls
+    assert call.function.name == "add" and set(call.function.arguments) == {"a", "b"}
+
+
+def test_langchain_bind_tools_and_function_calling_output(server):
+    from langchain_ollama import ChatOllama
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    llm = ChatOllama(model=MODEL, base_url=server.url_root, temperature=0, num_predict=80,
+                     client_kwargs={"headers": {"Authorization": f"Bearer {server.api_key}"}})
+    called = llm.bind_tools([ADD]).invoke("what is 2+3")
+    assert [c["name"] for c in called.tool_calls] == ["add"], called
+    person = llm.with_structured_output(Person, method="function_calling").invoke("John is 30 years old.")
+    assert isinstance(person, Person)
+
+
+def test_embed_num_ctx_bounds_inputs_and_truncate_false_is_ollamas_400(minilm_server):
+    client = _client(minilm_server)
+    long_text = "word " * 100  # 102 tokens with [CLS] and [SEP]
+    assert client.embed(EMB, input=long_text, options={"num_ctx": 64}).prompt_eval_count == 64
+    assert client.embed(EMB, input=long_text).prompt_eval_count == 102
+    assert client.embed(EMB, input="word", options={"num_ctx": 64}, truncate=False).prompt_eval_count == 3
+    for inputs, options in ((long_text, {"num_ctx": 64}), (["a", "word " * 500], None)):
+        with pytest.raises(ollama.ResponseError) as e:
+            client.embed(EMB, input=inputs, options=options, truncate=False)
+        assert e.value.status_code == 400 and e.value.error.startswith("input exceeds maximum context length")
+        assert "truncate_prompt_tokens" not in e.value.error and "truncate" in e.value.error
+
+
+def test_ps_says_the_models_stay_loaded(server):
+    (loaded,) = _client(server).ps().models
+    assert loaded.expires_at > datetime.now(timezone.utc) + timedelta(days=365 * 100), loaded.expires_at
