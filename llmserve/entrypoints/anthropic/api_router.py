@@ -22,6 +22,7 @@ from llmserve.entrypoints.anthropic.protocol import (
     anthropic_error_body,
 )
 from llmserve.entrypoints.anthropic.serving import AnthropicServingMessages
+from llmserve.entrypoints.anthropic.threads import MessageThreadStore, with_thread_history
 from llmserve.entrypoints.openai.admission_precheck import check_model
 from llmserve.entrypoints.openai.error_shapes import ErrorShape
 from llmserve.entrypoints.openai.server_utils import request_id_of, result_response, with_cancellation
@@ -38,7 +39,8 @@ router = APIRouter()
 
 
 def messages(raw_request: Request) -> AnthropicServingMessages:
-    return AnthropicServingMessages(raw_request.app.state.openai_serving_chat)
+    state = raw_request.app.state
+    return AnthropicServingMessages(state.openai_serving_chat, getattr(state, "anthropic_threads", None))
 
 
 @router.post("/v1/messages")
@@ -65,7 +67,8 @@ for _path in (BATCHES_PATH, BATCHES_PATH + "/{rest:path}"):
 def _check_messages(state: Any, request: AnthropicMessagesRequest) -> None:
     """The checks ``/v1/messages`` runs before it renders (the mapping, Anthropic's rules,
     the model it names, the chat request's own): admission runs them on a request it
-    would refuse."""
+    would refuse (a thread's continue with the conversation it continues)."""
+    request = with_thread_history(request, getattr(state, "anthropic_threads", None))
     chat_request = to_chat_request(request, auto_tools=False)
     check_model(state, "openai_serving_chat", chat_request)
     chat_request.check()
@@ -76,5 +79,7 @@ ANTHROPIC_MODEL_CHECKS = {AnthropicMessagesRequest: _check_messages}
 
 
 def register_anthropic_api_routers(app: FastAPI) -> None:
-    """Mount /v1/messages and /v1/messages/count_tokens."""
+    """Mount /v1/messages and /v1/messages/count_tokens, with the store of message
+    threads (``app.state.anthropic_threads``)."""
+    app.state.anthropic_threads = MessageThreadStore()
     app.include_router(router)

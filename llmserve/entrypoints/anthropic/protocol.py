@@ -87,6 +87,9 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     top_p: Optional[JSONFloat] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[Int64] = Field(default=None, ge=0)
     output_config: Optional[dict[str, Any]] = None  # format: structured outputs; effort: ignored
+    # beta message threads: {"type": "create"} or {"type": "continue", "previous_message_id"}
+    # (threads.py; checked there, so its errors name thread.<field>)
+    thread: Any = None
 
 
 # ----------------------------------------------------------------------------- responses
@@ -161,12 +164,22 @@ def anthropic_error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
 
 
+# String error codes that Anthropic's body carries as ``error.details.error_code`` (the
+# message-threads beta; the ``anthropic`` SDK's thread state acts on them).
+DETAILED_ERROR_CODES = frozenset({"thread_not_found", "thread_already_continued", "thread_continue_in_flight",
+                                  "thread_unsupported_request"})
+
+
 def anthropic_error_body(status: int, info: dict[str, Any]) -> dict[str, Any]:
     """Anthropic's error body ``{"type": "error", "error": {"type", "message"}}`` of an
     OpenAI error object (the ErrorShape of ``/v1/messages``). Anthropic's body has no
-    ``param``, so the message names the field when it does not already."""
+    ``param``, so the message names the field when it does not already. An OpenAI
+    ``code`` among :data:`DETAILED_ERROR_CODES` becomes ``error.details.error_code``."""
     message = str(info.get("message") or "")
     param = info.get("param")
     if param and param not in message:
         message = f"{param}: {message}"
-    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+    error: dict[str, Any] = {"type": anthropic_error_type(status), "message": message}
+    if info.get("code") in DETAILED_ERROR_CODES:
+        error["details"] = {"error_code": info["code"]}
+    return {"type": "error", "error": error}

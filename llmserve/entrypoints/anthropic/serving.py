@@ -28,6 +28,8 @@ from llmserve.entrypoints.anthropic.protocol import (
 )
 from llmserve.entrypoints.anthropic.streaming import (MessageStreamWriter, message_events, stop_reason_of,
                                                       tool_use_id, usage_of)
+from llmserve.entrypoints.anthropic.threads import (MessageThreadStore, keep_thread, streamed_blocks,
+                                                    with_thread_history)
 from llmserve.entrypoints.openai.common.errors import check_finished_normally
 from llmserve.entrypoints.openai.chat_completion.context_room import prompt_tokens, room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -57,10 +59,12 @@ def prompt_too_long(prompt_tokens: int, max_model_len: int) -> SamplingParamsErr
 
 class AnthropicServingMessages:
     """Handler of the Messages API routes; ``chat``: the server's chat handler
-    (``app.state.openai_serving_chat``, a per-model router with --extra-model)."""
+    (``app.state.openai_serving_chat``, a per-model router with --extra-model);
+    ``threads``: the kept message threads (``threads.py``; None: a continue finds none)."""
 
-    def __init__(self, chat: Any) -> None:
+    def __init__(self, chat: Any, threads: Optional[MessageThreadStore] = None) -> None:
         self.chat = chat
+        self.threads = threads
 
     def _auto_tools(self, request: ChatCompletionRequest) -> bool:
         handler = _handler(self.chat, request)
@@ -89,15 +93,24 @@ class AnthropicServingMessages:
                              ) -> Union[AnthropicMessagesResponse, AsyncGenerator[str, None]]:
         """Serve one messages request: the message, or (``stream``) an async generator
         of SSE events. Errors before the stream starts are raised (SamplingParamsError
-        naming the field, ModelNotFoundError, EngineDeadError), as the chat path raises
-        them."""
-        chat_request, clamped = await self._clamped(request)
+        naming the field, ModelNotFoundError, EngineDeadError; ThreadNotFoundError for
+        an unknown ``thread.previous_message_id``), as the chat path raises them. With
+        ``thread``, the conversation is kept under the message's id (``threads.py``)."""
+        seen = with_thread_history(request, self.threads)
+        chat_request, clamped = await self._clamped(seen)
         result = await self.chat.create_chat_completion(chat_request, request_id, wire=False)
         message_id = f"msg_{random_uuid()}"
+
+        def keep(blocks: list[dict[str, Any]]) -> None:
+            keep_thread(self.threads, request, seen, message_id, blocks)
+
         if chat_request.stream:
-            writer = MessageStreamWriter(message_id, request.model, request.stop_sequences, clamped)
+            writer = MessageStreamWriter(message_id, request.model, request.stop_sequences, clamped,
+                                         on_finish=lambda blocks: keep(streamed_blocks(blocks)))
             return message_events(result, writer)
-        return message_of(result, message_id, request, clamped)
+        message = message_of(result, message_id, seen, clamped)
+        keep([block.model_dump() for block in message.content])
+        return message
 
     async def count_tokens(self, request: AnthropicCountTokensRequest) -> AnthropicCountTokensResponse:
         """``input_tokens``: the prompt's tokens as ``/v1/messages`` would render it."""

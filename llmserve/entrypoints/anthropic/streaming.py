@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any, AsyncGenerator, Optional
+from typing import Any, AsyncGenerator, Callable, Optional
 
 from llmserve.entrypoints.anthropic.protocol import AnthropicUsage, anthropic_error_body
 from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
@@ -85,11 +85,17 @@ class MessageStreamWriter:
 
     message_id / model: the message's ``id`` and ``model``; stop_sequences: the
     request's (to tell a stop sequence from the end of the turn); clamped: whether
-    ``max_tokens`` was clamped to the room in the context."""
+    ``max_tokens`` was clamped to the room in the context; on_finish: called with the
+    blocks sent (as JSON; a ``tool_use`` block's input as the ``partial_json`` text of its
+    deltas) once the stream ended normally, before ``message_stop`` goes out (a message
+    thread keeps them: ``threads.py``)."""
 
-    def __init__(self, message_id: str, model: str, stop_sequences: Optional[list[str]], clamped: bool = False):
+    def __init__(self, message_id: str, model: str, stop_sequences: Optional[list[str]], clamped: bool = False,
+                 on_finish: Optional[Callable[[list[dict[str, Any]]], None]] = None):
         self.message_id, self.model, self.stop_sequences = message_id, model, stop_sequences
         self.clamped = clamped
+        self.on_finish = on_finish
+        self.blocks: list[dict[str, Any]] = []  # what was sent, block by block
         self.started = False
         self.pinged = False
         self.index = -1  # the open block's index (-1: none open)
@@ -118,11 +124,16 @@ class MessageStreamWriter:
             return []
         events = self._close()
         self.block, self.index = key, self.index + 1
+        self.blocks.append({k: v for k, v in block.items() if not (k == "input" and block["type"] == "tool_use")})
         events.append(sse_event("content_block_start", {"index": self.index, "content_block": block}))
         if not self.pinged:
             self.pinged = True
             events.append(sse_event("ping", {}))
         return events
+
+    def _record(self, key: str, piece: str) -> None:
+        block = self.blocks[-1]
+        block[key] = block.get(key, "") + piece
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return sse_event("content_block_delta", {"index": self.index, "delta": delta})
@@ -137,6 +148,7 @@ class MessageStreamWriter:
                                   "name": name or "", "input": {}})
         args = call.function.arguments if call.function is not None else None
         if args and self.block == ("tool_use", call.index):
+            self._record("partial_json", args)
             events.append(self._delta({"type": "input_json_delta", "partial_json": args}))
         return events
 
@@ -151,9 +163,11 @@ class MessageStreamWriter:
         events = self._start(chunk.usage)
         if delta.reasoning:
             events += self._open(("thinking", None), {"type": "thinking", "thinking": "", "signature": ""})
+            self._record("thinking", delta.reasoning)
             events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.content:
             events += self._open(("text", None), {"type": "text", "text": ""})
+            self._record("text", delta.content)
             events.append(self._delta({"type": "text_delta", "text": delta.content}))
         for call in delta.tool_calls or ():
             events += self._tool_events(call)
@@ -173,6 +187,8 @@ class MessageStreamWriter:
         reason, sequence = stop_reason_of(self.finish, self.matched, self.stop_sequences, self.tool_called,
                                           self.clamped)
         final = usage_of(usage).model_dump()
+        if self.on_finish is not None:
+            self.on_finish(self.blocks)
         events.append(sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                   "usage": final}))
         events.append(sse_event("message_stop", {}))

@@ -38,6 +38,8 @@ class NotFoundError(LookupError):
     """A resource named by the request (other than the model) does not exist, e.g. a
     stored response id: HTTP 404 with ``param`` (OpenAI's NotFoundError)."""
 
+    code: Optional[str] = None  # a string code for the body's ``code`` (None: the status)
+
     def __init__(self, message: str, param: Optional[str] = None) -> None:
         super().__init__(message)
         self.param = param
@@ -121,7 +123,7 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     if isinstance(exc, ModelNotFoundError):
         return 404, make_error(str(exc), 404, "model")
     if isinstance(exc, (NotFoundError, LoRANotFoundError)):
-        return 404, make_error(str(exc.args[0]), 404, exc.param)
+        return 404, make_error(str(exc.args[0]), 404, exc.param, code=getattr(exc, "code", None))
     if isinstance(exc, RequestDeadlineExceeded):
         return 408, make_error(str(exc), 408, exc.param)
     if isinstance(exc, EngineStartError):

@@ -14,7 +14,8 @@ class ModelCard(OpenAIBaseModel):
     """One entry of ``GET /v1/models``; ``created`` is a Unix time in seconds.
 
     OpenAI's fields, and also those Anthropic's ``ModelInfo`` requires (``type``,
-    ``display_name``, ``lifecycle``, ``created_at`` as RFC 3339), so the ``anthropic`` SDK's
+    ``display_name``, ``lifecycle``, ``created_at`` as RFC 3339; ``max_input_tokens`` and
+    ``max_tokens`` from ``max_model_len``), so the ``anthropic`` SDK's
     ``models.list()`` / ``models.retrieve()`` against this server give complete objects
     (without them ``created_at`` and ``display_name`` came back None; ``created_at`` is a
     required datetime there). Extra fields are ignored by the ``openai`` SDK."""
@@ -38,6 +39,20 @@ class ModelCard(OpenAIBaseModel):
     @property
     def created_at(self) -> str:
         return datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def max_input_tokens(self) -> Optional[int]:
+        """Anthropic's context window of the model (``ModelInfo.max_input_tokens``): the
+        longest prompt, ``max_model_len - 1`` (one token is left for the answer)."""
+        return self.max_model_len - 1 if self.max_model_len else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def max_tokens(self) -> Optional[int]:
+        """Anthropic's largest output (``ModelInfo.max_tokens``), in tokens: what a
+        one-token prompt leaves of the context (a larger ``max_tokens`` is clamped)."""
+        return self.max_model_len - 1 if self.max_model_len else None
 
 
 class ModelList(OpenAIBaseModel):
