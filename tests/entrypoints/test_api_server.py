@@ -30,7 +30,7 @@ FAMILIES = {
     "register_tokenize_api_routers": {"/tokenize", "/detokenize"},
     "register_render_api_routers": {"/v1/completions/render", "/v1/chat/completions/render"},
     "register_kv_event_sources_api_routers": {"/kv_event_sources", "/get_server_info"},
-    "register_responses_api_routers": {"/v1/responses", "/v1/responses/{response_id}",
+    "register_responses_api_routers": {"/v1/responses", "/v1/responses/{response_id}", "/v1/responses/input_tokens",
                                        "/v1/responses/{response_id}/cancel", "/v1/responses/{response_id}/input_items"},
     "register_embeddings_api_routers": {"/v1/embeddings", "/pooling", "/embedding", "/embeddings"},
     "register_score_api_routers": {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/reranking",

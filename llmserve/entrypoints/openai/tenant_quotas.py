@@ -56,6 +56,7 @@ _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens",
 # ``allowed_models`` only: the trial of stop 42 found /tokenize and count_tokens answering
 # 200 on models the key may not call.
 MODEL_NAMING_PATHS = {"/tokenize": ("model",), "/detokenize": ("model",), "/v1/messages/count_tokens": ("model",),
+                      "/v1/responses/input_tokens": ("model",),
                       "/v1/completions/render": ("model",), "/v1/chat/completions/render": ("model",),
                       "/api/show": ("model", "name"), "/v1/unload_lora_adapter": ("lora_name",),
                       "/api/pull": ("model", "name"), "/api/push": ("model", "name"), "/api/delete": ("model", "name"),

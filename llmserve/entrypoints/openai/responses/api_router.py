@@ -1,15 +1,19 @@
 """``/v1/responses`` routes: create (``POST``), retrieve (``GET``, and with
 ``?stream=true[&starting_after=N]`` the stored events again), the input items (``GET
-.../input_items``), delete (``DELETE``) and cancel (``POST .../cancel``), thin over
-OpenAIServingResponses."""
+.../input_items``), delete (``DELETE``) and cancel (``POST .../cancel``), and the
+prompt's token count (``POST /v1/responses/input_tokens``), thin over
+OpenAIServingResponses. ``POST /v1/responses/compact`` (OpenAI's server-side compaction,
+the client's ``responses.compact``) is not served: a 404 that says so
+(:func:`compact_not_supported`), not the 405 of ``/v1/responses/{response_id}``."""
 from __future__ import annotations
 
 from typing import Optional
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from starlette.responses import Response
 
-from llmserve.entrypoints.openai.responses.protocol import DeletedResponse, ResponsesRequest, ResponsesResponse
+from llmserve.entrypoints.openai.responses.protocol import DeletedResponse, ResponsesInputTokens, \
+    ResponsesInputTokensRequest, ResponsesRequest, ResponsesResponse
 from llmserve.entrypoints.openai.responses.listing import DEFAULT_LIMIT, ResponseItemList
 from llmserve.entrypoints.openai.responses.serving import DROPPED_TOOLS_HEADER, OpenAIServingResponses, \
     dropped_tools_header
@@ -32,6 +36,20 @@ async def create_responses(request: ResponsesRequest, raw_request: Request) -> R
     if dropped:  # --responses-unsupported-tools drop: say which tools the model never saw
         response.headers[DROPPED_TOOLS_HEADER] = dropped_tools_header(dropped)
     return response
+
+
+@router.post("/v1/responses/input_tokens", response_model=ResponsesInputTokens)
+async def count_input_tokens(request: ResponsesInputTokensRequest, raw_request: Request) -> Response:
+    return result_response(await with_cancellation(raw_request, responses(raw_request).count_input_tokens(request)))
+
+
+@router.post("/v1/responses/compact", include_in_schema=False)
+async def compact_not_supported() -> None:
+    """OpenAI's compaction endpoint: 404 saying it is not served (its output is an
+    encrypted item only OpenAI's models read)."""
+    raise HTTPException(404, "POST /v1/responses/compact (server-side compaction) is not supported by this server; "
+                             "compact the conversation on the client (summarise it with POST /v1/responses) or "
+                             "use truncation: \"auto\".")
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponsesResponse)

@@ -10,6 +10,9 @@ completions_format``).
 - flat function tools (``{"type": "function", "name", "parameters"}``) and
   ``{"type": "function", "name"}`` tool choices -> chat's nested ``function`` form.
 - output items -> the assistant messages a follow-up (``previous_response_id``) sees.
+- ``item_reference`` items (``{"type": "item_reference", "id"}``) -> the stored item of
+  that id (an output or input item of a stored response), before anything else reads the
+  input (:func:`resolve_item_references`).
 
 Every problem is a SamplingParamsError naming ``input``, ``tools`` or ``tool_choice``; a
 field of an item or content part of the wrong JSON type (:data:`ITEM_FIELD_TYPES`) names
@@ -20,9 +23,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from llmserve.entrypoints.chat_utils import check_json_types
+from llmserve.entrypoints.openai.common.errors import NotFoundError
 from llmserve.sampling_params import SamplingParamsError
 
 # The JSON types of each input item's fields (OpenAI's ``ResponseInputItemParam`` types),
@@ -36,6 +40,7 @@ ITEM_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "function_call_output": {"id": _STR, "call_id": _STR, "output": (str, list), "status": _STR},
     "reasoning": {"id": _STR, "summary": (list,), "content": (list,), "encrypted_content": _STR,
                   "status": _STR},
+    "item_reference": {"id": _STR},
 }
 PART_FIELD_TYPES = {"text": _STR, "refusal": _STR, "annotations": (list,), "logprobs": (list,)}
 
@@ -186,6 +191,43 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
             raise SamplingParamsError(f"input[{i}]: items of type {kind!r} are not supported (message, "
                                       "function_call, function_call_output and reasoning are).", "input")
     return messages
+
+
+def resolve_item_references(items: Union[str, list[Any], None],
+                            find: Callable[[str], Optional[dict[str, Any]]]) -> Union[str, list[Any], None]:
+    """``items`` with each ``item_reference`` item replaced by the stored item it names
+    (``find``: item id -> the item as JSON, None when no stored response of the caller
+    has it); ``items`` itself when it holds none. Raises SamplingParamsError (param
+    ``input.<i>.id``) for a reference without a string id, ItemNotFoundError (404, as
+    OpenAI answers "Item with id ... not found") for an unknown one."""
+    if not isinstance(items, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference"
+                                              for i in items):
+        return items
+    out = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, dict) and item.get("type") == "item_reference"):
+            out.append(item)
+            continue
+        item_id = item.get("id")
+        if not isinstance(item_id, str):
+            raise SamplingParamsError(f"input.{i}.id: an item_reference needs the string id of a stored item.",
+                                      f"input.{i}.id")
+        found = find(item_id)
+        if found is None:
+            raise ItemNotFoundError(i)
+        out.append(found)
+    return out
+
+
+class ItemNotFoundError(NotFoundError):
+    """An ``item_reference`` whose id no stored response of the caller holds (never
+    stored, ``store: false``, deleted or evicted): 404 naming ``input.<i>.id``; the id is
+    not quoted back."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"input.{index}.id: no stored item has this id (items of responses created with store: "
+                         "false, deleted or evicted are not kept); send the item itself instead of a reference.",
+                         f"input.{index}.id")
 
 
 # A call id short and plain enough to quote back in an error (OpenAI's message names it);

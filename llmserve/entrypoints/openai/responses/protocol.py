@@ -187,6 +187,22 @@ class ResponsesRequest(OpenAIServiceFields):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
 
+class ResponsesInputTokensRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens`` (the ``openai`` client's
+    ``responses.input_tokens.count``): the prompt part of a Responses request, whose
+    ``input`` may be left out when ``previous_response_id`` gives the conversation."""
+
+    input: Optional[Union[str, Annotated[list[Any], Field(max_length=MAX_MESSAGES)]]] = None  # type: ignore[assignment]
+
+
+class ResponsesInputTokens(OpenAIBaseModel):
+    """OpenAI's answer to ``POST /v1/responses/input_tokens``: the prompt's tokens as
+    ``/v1/responses`` would render it (instructions, history, input, tools)."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 # ----------------------------------------------------------------------------- output
 class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"

@@ -56,6 +56,7 @@ from llmserve.entrypoints.openai.responses.input_items import (
     UNSUPPORTED_TOOLS_POLICIES,
     ChatToolsView,
     check_call_ids,
+    resolve_item_references,
     input_messages,
     output_messages,
     to_chat_tool_choice,
@@ -70,6 +71,8 @@ from llmserve.entrypoints.openai.responses.protocol import (
     OutputTokensDetails,
     ReasoningItem,
     ResponseError,
+    ResponsesInputTokens,
+    ResponsesInputTokensRequest,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
@@ -203,15 +206,20 @@ class OpenAIServingResponses(GenerateBaseServing):
             return []
         return list(self.store.get(request.previous_response_id, "previous_response_id").messages)
 
-    async def _prepare(self, request: ResponsesRequest, model_name: str, request_id: Optional[str]) -> ResponsesJob:
-        """Check and render the request (everything that can fail before it runs)."""
+    async def _prompt(self, request: ResponsesRequest) -> tuple[RenderedPrompt, list[dict[str, Any]], Any, Any]:
+        """Check and render the request's prompt: (prompt, conversation as chat messages,
+        tools view, tool plan). ``input`` None (``/v1/responses/input_tokens`` only) adds
+        no message. Raises SamplingParamsError naming the field, ResponseNotFoundError."""
         request.check()
         # a lone surrogate named at the client's field and position (input.0.content), not
         # at the rendered prompt's, which the error would otherwise call ``messages``
         check_texts([("instructions", request.instructions), ("input", request.input), ("tools", request.tools)])
+        items = request.input if request.input is not None else []
         history = self._history(request)
-        new_messages = input_messages(request.input)
-        check_call_ids(history, request.input)
+        new_messages = input_messages(items)
+        if not history and not new_messages:
+            raise SamplingParamsError("input: give the input to count, or a previous_response_id.", "input")
+        check_call_ids(history, items)
         for label in self.dropped_tools(request):
             _warn_dropped_tool(label)
         view = ChatToolsView(to_chat_tools(request.tools, self.unsupported_tools),
@@ -225,12 +233,31 @@ class OpenAIServingResponses(GenerateBaseServing):
             prompt = await self._render(request, system, history + new_messages, plan.template_tools)
         except SamplingParamsError as e:
             raise _renamed(e, PARAM_NAMES) from None
+        return prompt, history + new_messages, view, plan
+
+    async def count_input_tokens(self, request: ResponsesInputTokensRequest) -> ResponsesInputTokens:
+        """``POST /v1/responses/input_tokens``: the tokens of the prompt ``/v1/responses``
+        would render for ``request`` (OpenAI's ``responses.input_tokens.count``). Raises
+        ModelNotFoundError / ResponseNotFoundError (404), SamplingParamsError (400)."""
+        self._check_model(request)
+        prompt = (await self._prompt(self._with_referenced_items(request)))[0]
+        return ResponsesInputTokens(input_tokens=len(prompt.token_ids))
+
+    def _with_referenced_items(self, request: ResponsesRequest) -> ResponsesRequest:
+        """The request with its ``item_reference`` input items replaced by the stored
+        items they name (input_items.resolve_item_references); itself when it has none."""
+        items = resolve_item_references(request.input, self.store.find_item)
+        return request if items is request.input else request.model_copy(update={"input": items})
+
+    async def _prepare(self, request: ResponsesRequest, model_name: str, request_id: Optional[str]) -> ResponsesJob:
+        """Check and render the request (everything that can fail before it runs)."""
+        prompt, conversation, view, plan = await self._prompt(request)
         params = request.to_sampling_params(self.default_sampling_params)
         params.structured_outputs, text_echo = self._text_format(request)
         make_parser, gen_kwargs = setup_output_parsing(self, view, plan, params, prompt.token_ids)
         response = self._skeleton(request, model_name, request_id, params, text_echo)
         job = ResponsesJob(request, response, prompt, params, OutputParsing(plan, make_parser, "max_output_tokens"), gen_kwargs,
-                           history + new_messages)
+                           conversation)
         job.input_items = stored_input_items(request.input) if response.store else []
         return job
 
@@ -345,6 +372,7 @@ class OpenAIServingResponses(GenerateBaseServing):
         generator of SSE strings. Raises ModelNotFoundError / ResponseNotFoundError (404),
         SamplingParamsError (400 naming the field), EngineDeadError (503)."""
         model_name = self._check_model(request)
+        request = self._with_referenced_items(request)
         try:
             job = await self._prepare(request, model_name, request_id)
         except ContextLengthExceededError as e:  # a text too long to render (limits.PromptCharLimit)

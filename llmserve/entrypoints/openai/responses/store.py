@@ -102,6 +102,22 @@ class ResponsesStore:
             raise ResponseNotFoundError(response_id, param)
         return entry
 
+    def find_item(self, item_id: str) -> Optional[dict[str, Any]]:
+        """The caller's stored item with id ``item_id`` as an input item (JSON), newest
+        response first: an output item (message, function_call, reasoning) or an input
+        item as ``GET .../input_items`` lists it; None when none has it."""
+        caller = _caller()
+        for entry in reversed(self._entries.values()):
+            if entry.tenant != caller:
+                continue
+            for item in entry.response.output:
+                if getattr(item, "id", None) == item_id:
+                    return item.model_dump(exclude_none=True)
+            for item in entry.input_items:
+                if item.get("id") == item_id:
+                    return dict(item)
+        return None
+
     def pop(self, response_id: str) -> StoredResponse:
         """Remove and return the entry; raises ResponseNotFoundError (404)."""
         self.get(response_id)  # 404 unless the caller's
