@@ -31,6 +31,10 @@ class PoolingParams:
       use_activation: apply the classification head's activation (softmax / sigmoid, see
         ``PoolerConfig``) to its logits (None: yes, as vLLM); False returns raw logits.
       output_kind: FINAL_ONLY (a pooling request has one output).
+      hidden_state_embed: an "embed" request a generating model may serve (Ollama's
+        embeddings from any model): its last prompt token's final hidden state, pooled in
+        the generate runner's step beside sampled rows (no second model). False (vLLM's
+        rule): only a pooling model embeds.
       compressed_token_type_ids: set by the engine, not by callers: where the second
         segment of a text pair starts (BERT's token_type_ids are 0 before it, 1 from it;
         vLLM keeps the same number in ``extra_kwargs``), None for a single text.
@@ -44,6 +48,7 @@ class PoolingParams:
     use_activation: Optional[bool] = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     compressed_token_type_ids: Optional[int] = None
+    hidden_state_embed: bool = False
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (not isinstance(self.dimensions, int)

@@ -40,7 +40,8 @@ class Scheduler:
     ``update_streaming_request`` gives it the next chunk or closes its input.
 
     Pooling requests (``request.pooling_params``) are scheduled whole (never chunked) and
-    finish in the step that runs them, with the pooled vector. ``needs_kv=False`` (an
+    finish in the step that runs them, with the pooled vector; a generating model's
+    embedding (``hidden_state_embed``) is chunked like a prompt and finishes with its last chunk. ``needs_kv=False`` (an
     encoder model) allocates and caches no KV blocks at all. ``enable_kv_cache_events``:
     the KV cache manager records block events (``--kv-events-config``).
     ``kv_sliding_window``: the window of a model whose every layer is windowed; blocks it
@@ -392,7 +393,10 @@ class Scheduler:
                     if self.connector is not None:  # tokens an external KV tier holds past the RAM hit
                         num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)[0]
                 n = req.num_tokens - req.num_computed_tokens - num_hit - num_ext
-                if n > budget and (not self.config.enable_chunked_prefill or req.pooling_params is not None):
+                # a pooling model's request runs whole; a generating model's embedding
+                # (hidden_state_embed) is chunked like any prompt and pools at its end
+                whole = req.pooling_params is not None and not req.pooling_params.hidden_state_embed
+                if n > budget and (not self.config.enable_chunked_prefill or whole):
                     break
                 n = min(n, budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(req, num_ext + n, computed_blocks) \
@@ -504,7 +508,8 @@ class Scheduler:
             if self.needs_kv:
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
             if req.pooling_params is not None:
-                self._finish_pooling(req, runner_out, outputs, finished)
+                if req.num_computed_tokens >= req.num_tokens:  # else a chunk of its prompt ran
+                    self._finish_pooling(req, runner_out, outputs, finished)
                 continue
             tok = runner_out.sampled_token_ids.get(req.request_id)
             if req.beam_group is not None:

@@ -11,6 +11,7 @@ from llmserve.config import CacheConfig, ModelConfig
 from llmserve.engine.messages import EncoderInputs, EngineCoreRequest
 from llmserve.engine.pooling_inputs import (classified_prefix, compress_token_type_ids, task_hint, truncate_start,
                                            truncate_text_ids)
+from llmserve.pooler_config import PoolerConfig
 from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import ContextLengthExceededError, SamplingParams, SamplingParamsError
 from llmserve.structured_output.grammar import validate_structured_outputs
@@ -18,6 +19,9 @@ from llmserve.tokenizer import check_encodable
 
 # The most bad ids an error message lists (the body stays small for huge requests).
 MAX_LISTED_IDS = 100
+# The pooler of a generating model's embeddings (PoolingParams.hidden_state_embed): the last
+# token's hidden state, normalised, as vLLM's embed conversion of a causal LM (--convert embed).
+HIDDEN_STATE_POOLER = PoolerConfig("LAST", True)
 
 
 def list_ids(ids: list[Any]) -> str:
@@ -252,11 +256,12 @@ class InputProcessor:
         ``token_type_ids`` when they do not fit the prompt."""
         mc = self.model_config
         task = params.task or "embed"
-        if task not in mc.supported_tasks:
+        hidden = self._hidden_state_embed(params, task)
+        if task not in mc.supported_tasks and not hidden:
             raise SamplingParamsError(
                 f"This model does not support the {task!r} pooling task (it supports "
                 f"{list(mc.supported_tasks)}). {task_hint(task)}", "model")
-        pc = mc.pooler_config
+        pc = HIDDEN_STATE_POOLER if hidden else mc.pooler_config
         params = params.verify(task, int(mc.hf_config.hidden_size), list(pc.matryoshka_dimensions or ()),
                                pc.is_matryoshka)
         text, ids = self.tokenize_prompt(prompt)
@@ -282,6 +287,13 @@ class InputProcessor:
                                 arrival_time=arrival_time if arrival_time is not None else time.time(),
                                 priority=priority, pooling_params=params)
         return req, text
+
+    def _hidden_state_embed(self, params: PoolingParams, task: str) -> bool:
+        """True for an embedding a generating decoder serves from its hidden states
+        (``params.hidden_state_embed``, task "embed"; not an encoder-decoder)."""
+        mc = self.model_config
+        return (params.hidden_state_embed and task == "embed" and mc.runner == "generate"
+                and not mc.is_encoder_decoder)
 
     def _check_prompt(self, ids: list[int], pooling: bool = False) -> None:
         max_len = self.model_config.max_model_len

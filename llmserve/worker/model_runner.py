@@ -67,6 +67,9 @@ class _Planned:
     # Speculative decoding: the draft tokens verified this step; their logit rows follow
     # sample_row (sample/rejection_sampler.py).
     draft: Optional[list] = None
+    # An embedding of a generating model (``PoolingParams.hidden_state_embed``): the
+    # hidden-state row of its last prompt token (-1: none); it samples nothing.
+    pool_row: int = -1
 
 
 @dataclass
@@ -105,6 +108,23 @@ def _advise_huge_pages(addr: int, nbytes: int, huge_pages: bool = True) -> None:
     if length > 0:
         _madvise(start, length, 14 if huge_pages else 15)  # MADV_HUGEPAGE / MADV_NOHUGEPAGE
 
+
+
+def _pool_hidden_rows(hidden: torch.Tensor, plan: list, out: ModelRunnerOutput) -> None:
+    """The embeddings of this step's pooling requests on a generating model: each one's
+    last prompt token's final hidden state (vLLM's embed conversion of a causal LM: LAST
+    pooling), its first ``dimensions`` values, L2-normalised unless ``normalize`` is
+    False; float32 on the CPU in ``out.pooler_output``."""
+    for p in plan:
+        if p.pool_row < 0:
+            continue
+        params = p.req.pooling_params
+        v = hidden[p.pool_row].float()
+        if params.dimensions is not None:
+            v = v[:params.dimensions]
+        if params.normalize is not False:
+            v = torch.nn.functional.normalize(v, p=2, dim=-1)
+        out.pooler_output[p.req.request_id] = v.cpu()
 
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
@@ -438,6 +458,7 @@ class ModelRunner:
                 kvc.clear_connector_metadata()
             if self.lora_manager is not None:
                 self.lora_manager.end_step()
+            _pool_hidden_rows(hidden, inputs.plan, out)
             if not inputs.logit_rows:
                 return out
             logits = self._compute_logits(hidden, inputs.logit_rows)
@@ -502,6 +523,10 @@ class ModelRunner:
                     st.prompt_lp_next = hi
                     plan_plp = (lo, hi)
             sample_row = -1
+            if req.pooling_params is not None:  # its last prompt token pools (in the last chunk)
+                plan.append(_Planned(req, st, None, 0, 0, -1, pool_row=t + n - 1 if c + n >= req.num_tokens else -1))
+                t += n
+                continue
             if s.spec_token_ids:  # logits at the real token and at every draft
                 sample_row = len(logit_rows)
                 logit_rows.extend(range(t, t + n))

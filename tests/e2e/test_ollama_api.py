@@ -143,9 +143,26 @@ def test_embed_and_embeddings(emb_server, server):
     old = client.embeddings(EMB, prompt=texts[0]).embedding
     np.testing.assert_allclose(old, out.embeddings[0], atol=1e-6)
     assert "embedding" in client.show(EMB).capabilities
-    with pytest.raises(ollama.ResponseError) as e:  # a chat model does not pool
-        _client(server).embed(MODEL, input="x")
-    assert e.value.status_code == 400 and "model" in e.value.error
+
+
+def test_a_chat_model_embeds_through_its_hidden_states(server, hf_model):
+    """Ollama embeds with any model; a chat model was a 400 here. Each input's vector is
+    its last token's final hidden state, L2-normalised (vLLM's --convert embed pooling of
+    a causal LM), equal to transformers'; /v1/embeddings still refuses it (vLLM's rule)."""
+    import torch
+
+    client = _client(server)
+    texts = ["The cat sat on the mat.", "Hi"]
+    out = client.embed(MODEL, input=texts)
+    ids = [server.tok(t)["tokens"] for t in texts]
+    assert out.prompt_eval_count == sum(len(i) for i in ids)
+    for vector, tokens in zip(out.embeddings, ids):
+        with torch.inference_mode():
+            h = hf_model.model(torch.tensor([tokens])).last_hidden_state[0, -1].float()
+        np.testing.assert_allclose(vector, torch.nn.functional.normalize(h, dim=0).numpy(), atol=1e-4)
+    np.testing.assert_allclose(client.embeddings(MODEL, prompt=texts[0]).embedding, out.embeddings[0], atol=1e-6)
+    r = server.post("/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -97,6 +97,9 @@ def test_registry_routes_by_model_and_task():
         ModelRoutedHandler(reg, "openai_serving_chat").create(req, 3)
     cards = reg.serving_models().show_available_models().data
     assert [(c.id, c.max_model_len) for c in cards] == [("chat", 2048), ("emb", 512)]
+    # Ollama's embeddings take any model (a generating one embeds its hidden states)
+    assert ModelRoutedHandler(reg, "openai_serving_embedding").handler_for(
+        SimpleNamespace(model="chat"), any_model=True) is reg.resolve("chat").state.openai_serving_embedding
 
 
 def test_speech_model_is_not_routed_text_requests():

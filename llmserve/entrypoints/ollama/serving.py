@@ -37,6 +37,8 @@ import json
 from types import SimpleNamespace
 from typing import Any, AsyncGenerator, Awaitable, Callable, Optional
 
+import numpy as np
+
 from llmserve.entrypoints.assistant_prefill import continuation_fields
 from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, over_context, truncating
 from llmserve.entrypoints.ollama.names import resolve
@@ -64,13 +66,14 @@ def served_name(state: Any, name: str, pull_hint: bool = False) -> str:
     return resolve(name, names, pull_hint)
 
 
-def handler(state: Any, attr: str, model: str) -> Any:
+def handler(state: Any, attr: str, model: str, any_model: bool = False) -> Any:
     """The handler ``attr`` (``openai_serving_chat``...) of the model named ``model``
     (on a multi-model server, the one that model's engine serves). Raises
-    ModelNotFoundError, or a 400 naming ``model`` when it cannot serve the route."""
+    ModelNotFoundError, or a 400 naming ``model`` when it cannot serve the route (not
+    with ``any_model``: ModelRoutedHandler.handler_for)."""
     routed = getattr(state, attr)
     if hasattr(type(routed), "handler_for"):
-        return routed.handler_for(SimpleNamespace(model=model))
+        return routed.handler_for(SimpleNamespace(model=model), any_model)
     return routed
 
 
@@ -168,10 +171,15 @@ def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatComp
 def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
     """The common request of ``/api/generate``: a chat request (template applied), or a
     completion request with ``raw`` or ``suffix``. Raises SamplingParamsError for the
-    fields Ollama has and this server does not (``template``, ``images``). ``context`` is
-    served by serve_generate (_with_context)."""
+    fields Ollama has and this server does not (``template``, ``images``), and, as Ollama
+    does (routes.go), for ``raw`` with ``template``, ``system`` or ``context``: a raw
+    prompt goes to the model as it is, so they would be dropped without a word. ``context``
+    is served by serve_generate (_with_context)."""
     if req.images:
         raise SamplingParamsError("images: this server runs no vision model; send text only.", "images")
+    if req.raw and (req.template or req.system or req.context):
+        raise SamplingParamsError("raw mode does not support template, system, or context (raw: true sends the "
+                                  "prompt as it is; write the system text into it, or leave raw out).", "raw")
     if req.template:
         raise SamplingParamsError("template: Ollama's Go templates are not served here; the model's chat template "
                                   "is applied (or send raw: true with the prompt written out).", "template")
@@ -403,19 +411,32 @@ async def _refuse_long_inputs(embedding: Any, inputs: list[str], context: int) -
 
 
 async def _embed(state: Any, model: str, inputs: list[str], truncate: bool,
-                 dimensions: Optional[int] = None, options: Optional[dict[str, Any]] = None) -> Any:
+                 options: Optional[dict[str, Any]] = None) -> Any:
     """Embed ``inputs`` as Ollama's EmbedHandler does: each input's tokens are at most the
     context (``options.num_ctx``, never above the model's; context_size); a longer one
     keeps its first tokens (``truncate``, Ollama's default) or is a 400 (``truncate:
     false``, :func:`embed_over_context`)."""
     name = served_name(state, model, pull_hint=True)
-    embedding = handler(state, "openai_serving_embedding", name)
+    embedding = handler(state, "openai_serving_embedding", name, any_model=True)
     context = context_size(options, embedding.max_model_len)
     if not truncate:
         await _refuse_long_inputs(embedding, inputs, context)
-    common = EmbeddingRequest(model=name, input=inputs, dimensions=dimensions,
-                              truncate_prompt_tokens=context if truncate else None)
-    return await embedding.create_embedding(common)
+    common = EmbeddingRequest(model=name, input=inputs, truncate_prompt_tokens=context if truncate else None)
+    # Ollama embeds with any model: a generating one through its hidden states
+    return await embedding.create_embedding(common, hidden_state_embed=True)
+
+
+def ollama_vector(vector: list[float], dimensions: Optional[int]) -> list[float]:
+    """One ``/api/embed`` vector as Ollama's EmbedHandler returns it: scaled to unit L2
+    norm, then, with ``dimensions`` from 1 to below its length, cut to its first ``dimensions``
+    values and scaled to unit norm again, whatever the model (Ollama does not ask whether
+    it was trained for shorter vectors, as OpenAI's ``dimensions`` does). A zero vector
+    stays zero."""
+    v = np.asarray(vector, dtype=np.float64)
+    if dimensions is not None and 0 < dimensions < v.size:
+        v = v[:dimensions]
+    norm = float(np.linalg.norm(v))
+    return (v / norm if norm > 0 else v).tolist()
 
 
 async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
@@ -429,8 +450,8 @@ async def serve_embed(state: Any, req: OllamaEmbedRequest) -> dict[str, Any]:
     if not inputs:
         served_name(state, req.model, pull_hint=True)
         return {"model": req.model, "embeddings": []}
-    resp = await _embed(state, req.model, inputs, req.truncate is not False, req.dimensions, req.options)
-    return {"model": req.model, "embeddings": [d.embedding for d in resp.data],
+    resp = await _embed(state, req.model, inputs, req.truncate is not False, options=req.options)
+    return {"model": req.model, "embeddings": [ollama_vector(d.embedding, req.dimensions) for d in resp.data],
             "total_duration": stats.final_fields()["total_duration"], "load_duration": 0,
             "prompt_eval_count": resp.usage.prompt_tokens}
 

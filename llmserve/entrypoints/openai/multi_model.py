@@ -236,8 +236,12 @@ class ModelRoutedHandler:
         self._attr = attr
         self._task, self._flag = ROUTED_HANDLERS[attr]
 
-    def handler_for(self, request: Any) -> Any:
-        model = self._registry.resolve(getattr(request, "model", None), self._task, self._flag)
+    def handler_for(self, request: Any, any_model: bool = False) -> Any:
+        """The handler of the model ``request.model`` names; a 400 naming ``model`` when
+        that model lacks this handler's capability, unless ``any_model`` (Ollama's
+        embeddings, which a generating model serves from its hidden states)."""
+        model = self._registry.resolve(getattr(request, "model", None), None if any_model else self._task,
+                                       self._flag)
         return getattr(model.state, self._attr)
 
     def __getattr__(self, method: str) -> Callable[..., Any]:

@@ -39,9 +39,18 @@ class OpenAIServingEmbedding(PoolingBaseServing):
         return await self.render_input(request.input, request.add_special_tokens,
                                        truncate_prompt_tokens=request.truncate_prompt_tokens)
 
-    async def _run(self, request: EmbeddingRequest, task: str, prefix: str) -> tuple[str, str, list[PoolingRequestOutput]]:
-        name = self.check_task(request, task)
+    def _embeds_hidden_states(self) -> bool:
+        """True when this model generates and has no pooler of its own (not Whisper): it
+        can embed only through :attr:`PoolingParams.hidden_state_embed`."""
+        tasks = getattr(self.model_config, "supported_tasks", ())
+        return tuple(tasks) == ("generate",)
+
+    async def _run(self, request: EmbeddingRequest, task: str, prefix: str, hidden_state_embed: bool = False,
+                   ) -> tuple[str, str, list[PoolingRequestOutput]]:
+        hidden = hidden_state_embed and task == "embed" and self._embeds_hidden_states()
+        name = self._check_model(request) if hidden else self.check_task(request, task)
         params = self.pooling_params(request, task, request.dimensions)
+        params.hidden_state_embed = hidden
         prompts = await self._prompts(request)
         request_id = self.new_request_id(prefix)
         param = "messages" if request.messages is not None else "input"
@@ -52,8 +61,14 @@ class OpenAIServingEmbedding(PoolingBaseServing):
         n = sum(len(o.prompt_token_ids) for o in outs)
         return UsageInfo(prompt_tokens=n, total_tokens=n)
 
-    async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        name, rid, outs = await self._run(request, "embed", "embd")
+    async def create_embedding(self, request: EmbeddingRequest, hidden_state_embed: bool = False,
+                               ) -> EmbeddingResponse:
+        """The embeddings of ``request``. ``hidden_state_embed`` (Ollama's routes, whose
+        server embeds with any model): a generating model answers too, with each input's
+        last token's final hidden state, L2-normalised (vLLM's ``--convert embed``
+        pooling of a causal LM), computed in its own generate steps; otherwise such a
+        model is a 400 naming ``model`` (vLLM's rule)."""
+        name, rid, outs = await self._run(request, "embed", "embd", hidden_state_embed)
         data = [EmbeddingResponseData(index=i, embedding=encode_vector(o.outputs.data, request.encoding_format))
                 for i, o in enumerate(outs)]
         return EmbeddingResponse(id=rid, created=self.now(), model=name, data=data, usage=self._usage(outs))
