@@ -10,6 +10,15 @@
   cuts to min(num_ctx, the model's context)); it was ignored. ``truncate: false`` over
   the context is Ollama's 400 ``input exceeds maximum context length``; it named
   ``truncate_prompt_tokens``, a field an Ollama client cannot send.
+- ``/api/embed`` ``dimensions``: Ollama cuts every model's (unit) vector to its first
+  ``dimensions`` values and renormalises; it was a 400 "does not support matryoshka" for
+  all-MiniLM, so langchain-ollama's ``OllamaEmbeddings(dimensions=...)`` failed.
+- ``/api/generate`` with ``raw: true`` and ``system`` or ``context``: the system text and
+  context were dropped without a word; Ollama answers 400 "raw mode does not support
+  template, system, or context".
+- ``/api/show`` for VS Code Copilot Chat (User-Agent ``GitHubCopilotChat/...``), which
+  names a model by ``model_info["general.basename"]``: Ollama puts the name the client
+  asked for there; it was the weights' file name.
 - ``/api/ps``: ``expires_at`` was Go's zero time, which ``ollama ps`` shows as
   "Stopping..."; models here never unload, so it is Ollama's keep-alive-forever time.
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import numpy as np
 import ollama
 import pytest
 
@@ -75,3 +85,36 @@ def test_embed_num_ctx_bounds_inputs_and_truncate_false_is_ollamas_400(minilm_se
 def test_ps_says_the_models_stay_loaded(server):
     (loaded,) = _client(server).ps().models
     assert loaded.expires_at > datetime.now(timezone.utc) + timedelta(days=365 * 100), loaded.expires_at
+
+
+def test_embed_dimensions_cut_any_models_vectors_as_ollama_does(minilm_server):
+    from langchain_ollama import OllamaEmbeddings
+
+    client = _client(minilm_server)
+    full = np.array(client.embed(EMB, input="The cat sat on the mat.").embeddings[0])
+    assert full.size == 384 and abs(np.linalg.norm(full) - 1) < 1e-5
+    (short,) = client.embed(EMB, input="The cat sat on the mat.", dimensions=8).embeddings
+    np.testing.assert_allclose(short, full[:8] / np.linalg.norm(full[:8]), atol=1e-6)
+    assert len(client.embed(EMB, input="x", dimensions=0).embeddings[0]) == 384  # Go's 0: unset
+    assert len(client.embed(EMB, input="x", dimensions=1000).embeddings[0]) == 384
+    lc = OllamaEmbeddings(model=EMB, base_url=minilm_server.url_root, dimensions=8,
+                          client_kwargs={"headers": {"Authorization": f"Bearer {minilm_server.api_key}"}})
+    np.testing.assert_allclose(lc.embed_query("The cat sat on the mat."), short, atol=1e-6)
+
+
+def test_raw_generate_refuses_what_it_would_drop(server):
+    client = _client(server)
+    for extra in ({"system": "Answer in French."}, {"context": [1, 2, 3]}, {"template": "{{ .Prompt }}"}):
+        with pytest.raises(ollama.ResponseError) as e:
+            client.generate(MODEL, prompt="Hello", raw=True, options={"num_predict": 1}, **extra)
+        assert e.value.status_code == 400, extra
+        assert e.value.error.startswith("raw mode does not support template, system, or context"), e.value.error
+    assert client.generate(MODEL, prompt="Hello", raw=True, options={"num_predict": 1}).eval_count == 1
+
+
+def test_show_gives_copilot_chat_the_name_it_asked_for(server):
+    name = f"{MODEL.lower()}:latest"
+    copilot = server.http.post("/api/show", json={"model": name}, headers={"User-Agent": "GitHubCopilotChat/0.31.0"})
+    assert copilot.status_code == 200 and copilot.json()["model_info"]["general.basename"] == name, copilot.text
+    other = server.http.post("/api/show", json={"model": name}).json()["model_info"]
+    assert other["general.basename"] != name and other["llama.context_length"] > 0

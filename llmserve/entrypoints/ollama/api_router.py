@@ -40,6 +40,8 @@ from llmserve.sampling_params import SamplingParamsError
 router = APIRouter()
 T = TypeVar("T", bound=BaseModel)
 NDJSON = "application/x-ndjson"
+# The User-Agent prefix of VS Code's Copilot Chat (Ollama's routes.go treats it apart in /api/show).
+COPILOT_CHAT_USER_AGENT = "GitHubCopilotChat/"
 UNSUPPORTED = {"/api/create": "POST", "/api/blobs/{digest}": "POST"}
 
 
@@ -171,7 +173,10 @@ async def show(raw_request: Request) -> JSONResponse:
     model = request.model or request.name
     if not model:
         raise SamplingParamsError("model is required.", "model")
-    return JSONResponse(info.show(raw_request.app.state, model))
+    # VS Code Copilot Chat names a model by model_info's general.basename: Ollama puts the
+    # name the client asked for there (what /api/tags listed), for that client only
+    copilot = raw_request.headers.get("user-agent", "").startswith(COPILOT_CHAT_USER_AGENT)
+    return JSONResponse(info.show(raw_request.app.state, model, basename=model if copilot else None))
 
 
 @router.post("/api/chat")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Optional
 
 from llmserve.entrypoints.ollama.serving import served_name
 from llmserve.entrypoints.ollama.weight_facts import human_number, weight_facts
@@ -198,8 +198,10 @@ def chat_template(s: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
-def show(state: Any, model: str) -> dict[str, Any]:
-    """``POST /api/show``. Raises ModelNotFoundError (404) for an unknown name."""
+def show(state: Any, model: str, basename: Optional[str] = None) -> dict[str, Any]:
+    """``POST /api/show``. ``basename``: model_info's ``general.basename`` in place of the
+    weights' file name (Ollama puts the requested name there for VS Code Copilot Chat,
+    which names the model by it). Raises ModelNotFoundError (404) for an unknown name."""
     name = served_name(state, model)
     s = state_of(state, name)
     config = s.engine_client.model_config
@@ -213,6 +215,9 @@ def show(state: Any, model: str) -> dict[str, Any]:
     modelfile = f"# Modelfile of {name}, served by llmserve\nFROM {_weights_path(config)}\n{adapter}" + \
         (f'TEMPLATE """{template}"""\n' if template else "") + \
         "".join(f"PARAMETER {line}\n" for line in params.splitlines())
+    facts = model_info(config)
+    if basename is not None:
+        facts["general.basename"] = basename
     return {"modelfile": modelfile, "parameters": params, "template": template, "details": shown,
-            "model_info": model_info(config), "capabilities": capabilities(s),
+            "model_info": facts, "capabilities": capabilities(s),
             "modified_at": modified_at(config)}

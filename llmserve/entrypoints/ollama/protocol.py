@@ -116,12 +116,14 @@ class OllamaGenerateRequest(OllamaBaseGenerate):
 
 class OllamaEmbedRequest(OpenAIRequestModel):
     """``POST /api/embed``: ``input`` a string or strings; ``truncate`` (default true)
-    cuts inputs to the context instead of failing; ``dimensions`` for Matryoshka models."""
+    cuts inputs to the context instead of failing; ``dimensions`` (a Go int: 0 or less is
+    unset, as Ollama reads it) keeps each vector's first values, renormalised, for any
+    model (serving.ollama_vector)."""
 
     model: str = Field(min_length=1)
     input: Union[str, list[str]] = ""
     truncate: Optional[bool] = True
-    dimensions: Optional[StrictInt] = Field(default=None, ge=1)
+    dimensions: Optional[StrictInt] = None
     options: Optional[dict[str, Any]] = None
     keep_alive: KeepAlive = None
 
