@@ -5,7 +5,9 @@ SDK's tool runner (threaded by default) and ``client.beta.messages.thread()`` se
 each turn's new messages, so the server must keep the conversation (``anthropic/threads.py``).
 ``models.list()`` / ``retrieve()``: ``max_input_tokens`` and ``max_tokens`` (the SDK's
 ``ModelInfo`` fields; Claude Code 2.1.197 has a reader for them behind a switch), and
-Anthropic's paging (``after_id``, ``before_id``, ``limit``).
+Anthropic's paging (``after_id``, ``before_id``, ``limit``). Compaction (beta
+``compact-2026-01-12``, ``compaction`` on ``/v1/messages``): the summary block, streamed
+or not, and read back as text (``anthropic/compaction.py``).
 
 Greedy decoding on the float32 server is batch-invariant: a thread's turn must equal the
 same conversation sent whole.
@@ -116,3 +118,36 @@ def test_models_list_pages_as_anthropic_does(client):
     assert [m.id for m in page.data] == [MODEL] and page.has_more is False
     with pytest.raises(anthropic.BadRequestError, match="limit"):
         client.models.list(limit=0)
+
+
+CONVERSATION = [{"role": "user", "content": "My name is Ada and I like green."},
+                {"role": "assistant", "content": "Nice to meet you, Ada!"},
+                {"role": "user", "content": "What do I like?"}]
+
+
+def test_compaction_answers_with_the_summary_block(client):
+    # `compaction` was an ignored unknown field: the model answered the last turn as a text
+    # block (stop_reason end_turn / max_tokens), and the SDK's runner kept the whole history
+    kwargs = dict(model=MODEL, max_tokens=24, messages=CONVERSATION, compaction={"type": "summarize"},
+                  betas=["compact-2026-01-12"], extra_body=GREEDY)
+    made = client.beta.messages.create(**kwargs)
+    assert made.stop_reason == "compaction" and [b.type for b in made.content] == ["compaction"]
+    assert made.content[0].content and made.usage.output_tokens >= 1
+    with client.beta.messages.stream(**kwargs) as s:
+        streamed = s.get_final_message()
+    assert streamed.stop_reason == "compaction" and streamed.content[0].content == made.content[0].content
+    # sent back first in messages, the block stands for the conversation it summarises
+    after = [made.to_param(), {"role": "user", "content": "Go on."}]
+    went_on = client.beta.messages.create(model=MODEL, max_tokens=4, messages=after, extra_body=GREEDY)
+    failed = [{"role": "assistant", "content": [{"type": "compaction", "content": None}]}, after[1]]
+    no_op = client.beta.messages.create(model=MODEL, max_tokens=4, messages=failed, extra_body=GREEDY)
+    total = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    assert went_on.stop_reason in ("end_turn", "max_tokens") and total(went_on) > total(no_op) + 5
+
+
+def test_malformed_compaction_is_a_400_naming_it(server):
+    for compaction, param in (("summarize", "compaction"), ({"type": "shorten"}, "compaction.type"),
+                              ({"type": "summarize", "instructions": 5}, "compaction.instructions")):
+        r = server.post("/v1/messages", {"model": MODEL, "max_tokens": 2, "compaction": compaction,
+                                         "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{param}: "), r.text

@@ -10,7 +10,8 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
   assistant message become its ``tool_calls``; ``tool_result`` blocks of a user message
   become ``tool`` messages (``tool_call_id``) before that message's remaining text.
 - ``thinking`` / ``redacted_thinking`` blocks sent back in assistant turns are dropped
-  (templates leave earlier turns' reasoning out of the prompt too).
+  (templates leave earlier turns' reasoning out of the prompt too); a ``compaction``
+  block sent back is read as its summary's text (``compaction.py``).
 - Plain-text ``document`` blocks (source ``text``, or ``content``: a string or text
   blocks) and ``search_result`` blocks, in a user message or a ``tool_result``, become
   text: their title (and a document's ``context``, a search result's ``source``) on lines
@@ -51,6 +52,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from llmserve.entrypoints.anthropic import compaction
 from llmserve.entrypoints.anthropic.accepted_fields import check_accepted_fields
 from llmserve.entrypoints.anthropic.checks import (check_contents, check_forced_tools, check_prefill,
                                                    check_stop_sequences, check_system_messages, check_texts,
@@ -80,6 +82,7 @@ BLOCK_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "tool_result": {"tool_use_id": _STR, "content": (str, list), "is_error": _BOOL},
     "thinking": {"thinking": _STR, "signature": _STR},
     "redacted_thinking": {"data": _STR},
+    "compaction": {"content": _STR, "encrypted_content": _STR, "signature": _STR, "tool_changes": _LIST},
 }
 # a document's source, by its type
 DOCUMENT_SOURCE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
@@ -126,7 +129,8 @@ def _refuse_block(kind: str, where: str) -> SamplingParamsError:
         return SamplingParamsError(f"{where}: {kind} blocks are not supported: this server runs a text-only model "
                                    "(send the content as text).", where)
     return SamplingParamsError(f"{where}: content blocks of type {kind!r} are not supported here (supported: "
-                               "text, plain-text document, search_result, tool_use, tool_result, thinking).", where)
+                               "text, plain-text document, search_result, tool_use, tool_result, thinking, "
+                               "compaction).", where)
 
 
 def _optional_text(block: dict[str, Any], key: str, where: str) -> str:
@@ -219,14 +223,16 @@ def _tool_use_call(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages (tool results first, as their own
-    ``tool`` messages)."""
+    """One Anthropic message as chat messages (compaction summaries first, each as its
+    own user turn, so that a history made of one is no assistant prefill; then tool
+    results, as their own ``tool`` messages; then the rest). A message of compaction
+    blocks only adds nothing else (a failed one, content null, nothing at all)."""
     where = f"messages.{i}.content"
     if role == "system":
         return [{"role": "system", "content": system_text(content, where)}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    texts, calls, results = [], [], []
+    texts, calls, results, summaries = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.{j}"
         kind = _block_type(block, at)
@@ -234,6 +240,8 @@ def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
             texts.append(_read_block(kind, block, at))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use_call(block, at))
+        elif kind == "compaction":  # a summary sent back (compaction.py)
+            summaries.append({"role": "user", "content": compaction.block_text(block)})
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise SamplingParamsError(f"{at}: a tool_result block needs a string `tool_use_id`.", at)
@@ -241,8 +249,8 @@ def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
                             "content": _tool_result_text(block, at)})
         elif kind not in _DROPPED_BLOCKS:
             raise _refuse_block(kind, at)
-    out = list(results)
-    if texts or calls or not results:
+    out = [m for m in summaries if m["content"]] + results
+    if texts or calls or not (results or summaries):
         msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
         if calls:
             msg["tool_calls"] = calls

@@ -90,6 +90,8 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     # beta message threads: {"type": "create"} or {"type": "continue", "previous_message_id"}
     # (threads.py; checked there, so its errors name thread.<field>)
     thread: Any = None
+    # beta compaction: {"type": "summarize", "instructions"?} (compaction.py)
+    compaction: Any = None
 
 
 # ----------------------------------------------------------------------------- responses
@@ -114,7 +116,15 @@ class ToolUseBlock(OpenAIBaseModel):
     input: dict[str, Any]
 
 
-ContentBlock = Union[TextBlock, ThinkingBlock, ToolUseBlock]
+class CompactionBlock(OpenAIBaseModel):
+    """The summary a compaction request answers with (``compaction.py``); ``content``
+    None: the model wrote none."""
+
+    type: Literal["compaction"] = "compaction"
+    content: Optional[str] = None
+
+
+ContentBlock = Union[TextBlock, ThinkingBlock, ToolUseBlock, CompactionBlock]
 
 
 class AnthropicUsage(OpenAIBaseModel):

@@ -7,7 +7,9 @@ Anthropic's message or stream events (``streaming.py``). vLLM's equivalent is
 ``max_tokens`` above the room the prompt leaves in the context is clamped to that room
 (llama.cpp's rule: Claude Code asks for 32000 tokens whatever the model), not a 400; an
 answer cut there stops with ``model_context_window_exceeded`` (Anthropic's reason). The
-prompt is counted only when it might not fit (``context_room.py``).
+prompt is counted only when it might not fit (``context_room.py``). Message threads
+(``thread``) are kept in ``threads.py``'s store; a ``compaction`` request answers with the
+conversation's summary (``compaction.py``).
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ import json
 import logging
 from typing import Any, AsyncGenerator, Optional, Union
 
+from llmserve.entrypoints.anthropic.compaction import (STOP_REASON, compaction_block, compaction_events,
+                                                       summary_prompt, summary_request)
 from llmserve.entrypoints.anthropic.conversion import to_chat_request
 from llmserve.entrypoints.anthropic.protocol import (
     AnthropicCountTokensRequest,
     AnthropicCountTokensResponse,
     AnthropicMessagesRequest,
     AnthropicMessagesResponse,
+    CompactionBlock,
     ContentBlock,
     TextBlock,
     ThinkingBlock,
@@ -96,7 +101,10 @@ class AnthropicServingMessages:
         naming the field, ModelNotFoundError, EngineDeadError; ThreadNotFoundError for
         an unknown ``thread.previous_message_id``), as the chat path raises them. With
         ``thread``, the conversation is kept under the message's id (``threads.py``)."""
+        prompt = summary_prompt(request.compaction)
         seen = with_thread_history(request, self.threads)
+        if prompt is not None:
+            return await self._compact(request, seen, prompt, request_id)
         chat_request, clamped = await self._clamped(seen)
         result = await self.chat.create_chat_completion(chat_request, request_id, wire=False)
         message_id = f"msg_{random_uuid()}"
@@ -111,6 +119,21 @@ class AnthropicServingMessages:
         message = message_of(result, message_id, seen, clamped)
         keep([block.model_dump() for block in message.content])
         return message
+
+    async def _compact(self, request: AnthropicMessagesRequest, seen: AnthropicMessagesRequest, prompt: str,
+                       request_id: Optional[str]) -> Union[AnthropicMessagesResponse, AsyncGenerator[str, None]]:
+        """A compaction request (``compaction.py``): the summary of ``seen`` (the
+        conversation with its thread's history) as the one ``compaction`` block, streamed
+        when asked; with ``thread``, the summary alone is kept as the conversation."""
+        chat_request, _ = await self._clamped(summary_request(seen, prompt))
+        response = await self.chat.create_chat_completion(chat_request, request_id, wire=False)
+        choice = response.choices[0]
+        check_finished_normally(choice.finish_reason, response.usage.completion_tokens if response.usage else None)
+        block = compaction_block(choice.message.content)
+        message = AnthropicMessagesResponse(model=request.model, content=[CompactionBlock(**block)],
+                                            stop_reason=STOP_REASON, usage=usage_of(response.usage))
+        keep_thread(self.threads, request, seen.model_copy(update={"messages": []}), message.id, [block])
+        return compaction_events(message) if request.stream else message
 
     async def count_tokens(self, request: AnthropicCountTokensRequest) -> AnthropicCountTokensResponse:
         """``input_tokens``: the prompt's tokens as ``/v1/messages`` would render it."""
