@@ -109,7 +109,6 @@ def _advise_huge_pages(addr: int, nbytes: int, huge_pages: bool = True) -> None:
         _madvise(start, length, 14 if huge_pages else 15)  # MADV_HUGEPAGE / MADV_NOHUGEPAGE
 
 
-
 def _pool_hidden_rows(hidden: torch.Tensor, plan: list, out: ModelRunnerOutput) -> None:
     """The embeddings of this step's pooling requests on a generating model: each one's
     last prompt token's final hidden state (vLLM's embed conversion of a causal LM: LAST
@@ -125,6 +124,7 @@ def _pool_hidden_rows(hidden: torch.Tensor, plan: list, out: ModelRunnerOutput) 
         if params.normalize is not False:
             v = torch.nn.functional.normalize(v, p=2, dim=-1)
         out.pooler_output[p.req.request_id] = v.cpu()
+
 
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
