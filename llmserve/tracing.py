@@ -100,9 +100,24 @@ def init_tracer(instrumenting_module_name: str, otlp_traces_endpoint: str) -> An
             raise ValueError(f"Unsupported OTLP traces protocol {proto!r}: use grpc or http/protobuf")
     except ImportError as e:
         raise ValueError(f"{OTEL_INSTALL_HINT} ({e})") from e
-    provider = TracerProvider(resource=Resource.create({"service.name": "llmserve"}))
+    provider = TracerProvider(resource=service_resource(Resource))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider.get_tracer(instrumenting_module_name)
+
+
+DEFAULT_SERVICE_NAME = "llmserve"
+
+
+def service_resource(resource_cls: Any) -> Any:
+    """The Resource the spans carry: the SDK's from the environment (``OTEL_SERVICE_NAME``,
+    ``OTEL_RESOURCE_ATTRIBUTES``: vLLM's OpenTelemetry guide sets ``OTEL_SERVICE_NAME``, and
+    vLLM's bare TracerProvider honours it), with ``service.name`` "llmserve" only where the
+    environment names no service (the SDK's ``unknown_service:...``). ``resource_cls``:
+    ``opentelemetry.sdk.resources.Resource``."""
+    env = resource_cls.create()
+    if str(env.attributes.get("service.name", "")).startswith("unknown_service"):
+        return env.merge(resource_cls({"service.name": DEFAULT_SERVICE_NAME}))
+    return env
 
 
 def extract_trace_context(headers: Optional[Mapping[str, str]]) -> Any:
