@@ -3,7 +3,8 @@ reasoning paths).
 
 - :func:`check_tools`: validates ``tools`` and ``tool_choice`` as vLLM/OpenAI do (400s
   naming the field) and normalises them: tools without a choice mean ``"auto"``,
-  ``"required"`` with no tools means ``"none"``.
+  ``"required"`` with no tools means ``"none"``, and OpenAI's ``allowed_tools`` choice
+  (:func:`allowed_tools`) becomes its mode over the allowed tools only.
 - :class:`ToolPlan`: what one request needs: the tools handed to the chat template, the
   JSON schema that ``"required"`` or a named choice forces through structured outputs,
   and the parser of the output.
@@ -58,14 +59,46 @@ def check_tool(tool: Any, i: int) -> str:
     return name
 
 
+def allowed_tools(tools: Optional[list[Any]], names: list[str], choice: dict[str, Any]) -> tuple[list[Any], str]:
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools": [{"type":
+    "function", "function": {"name"}}]}}`` tool choice (chat's form; the Responses form is
+    mapped to it) as ``(the allowed tools, mode)``: the model sees and may call only the
+    allowed tools, ``mode`` "auto" (it may answer without a call) or "required". ``tools``
+    were checked (``names``: theirs). Raises SamplingParamsError naming the field."""
+    if tools is None:
+        raise SamplingParamsError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    spec = choice.get("allowed_tools")
+    where = "tool_choice.allowed_tools"
+    if not isinstance(spec, dict):
+        raise SamplingParamsError(f"{where}: must be an object with `mode` and `tools`.", where)
+    mode = spec.get("mode")
+    if mode not in ("auto", "required"):
+        raise SamplingParamsError(f"{where}.mode: must be 'auto' or 'required'.", f"{where}.mode")
+    wanted = spec.get("tools")
+    if not isinstance(wanted, list) or not wanted:
+        raise SamplingParamsError(f"{where}.tools: must be a non-empty list of tools.", f"{where}.tools")
+    allowed = set()
+    for k, item in enumerate(wanted):
+        fn = item.get("function") if isinstance(item, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise SamplingParamsError(f"{where}.tools.{k}: must be a function tool named as one of `tools`.",
+                                      f"{where}.tools.{k}")
+        allowed.add(name)
+    return [t for t, n in zip(tools, names) if n in allowed], mode
+
+
 def check_tools(request: Any) -> None:
     """Validate and normalise ``request.tools`` / ``request.tool_choice`` (vLLM's
     ``check_tool_usage``). Raises SamplingParamsError naming ``tools`` or ``tool_choice``."""
     tools, choice = request.tools, request.tool_choice
+    names: list[str] = []
     if tools is not None:
         names = [check_tool(t, i) for i, t in enumerate(tools)]
         if len(set(names)) != len(names):
             raise SamplingParamsError("tools: function names must be unique.", "tools")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        request.tools, request.tool_choice = tools, choice = allowed_tools(tools, names, choice)
     if choice is None:
         if tools:
             request.tool_choice = "auto"

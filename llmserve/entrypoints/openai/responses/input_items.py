@@ -110,14 +110,22 @@ def to_chat_tools(tools: Optional[list[Any]], policy: str = UNSUPPORTED_TOOLS_RE
 
 def to_chat_tool_choice(choice: Any) -> Any:
     """``{"type": "function", "name": N}`` -> chat's ``{"type": "function", "function":
-    {"name": N}}``; strings pass. Raises SamplingParamsError (``tool_choice``) for other
-    forms (allowed_tools, hosted tool types)."""
+    {"name": N}}``; ``{"type": "allowed_tools", "mode", "tools": [{"type": "function",
+    "name"}]}`` -> chat's ``allowed_tools`` form (its names checked by the chat path's
+    ``check_tools``); strings pass. Raises SamplingParamsError (``tool_choice``) for
+    other forms (hosted tool types)."""
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise SamplingParamsError("tool_choice: must be \"none\", \"auto\", "
-                              "\"required\" or {\"type\": \"function\", \"name\": \"my_function\"}.", "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        tools = choice.get("tools")
+        chat_tools = [{"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+                      for t in tools] if isinstance(tools, list) else tools
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": chat_tools}}
+    raise SamplingParamsError("tool_choice: must be \"none\", \"auto\", \"required\", {\"type\": \"function\", "
+                              "\"name\": \"my_function\"} or {\"type\": \"allowed_tools\", \"mode\", \"tools\"}.",
+                              "tool_choice")
 
 
 def _content_text(content: Any, i: int) -> str:

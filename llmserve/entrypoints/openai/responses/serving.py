@@ -134,6 +134,20 @@ def _renamed(e: SamplingParamsError, names: dict[str, str]) -> SamplingParamsErr
     return renamed_param(e, names)
 
 
+_CHAT_ALLOWED_TOOLS = "tool_choice.allowed_tools"
+
+
+def _flat_choice_param(e: SamplingParamsError) -> SamplingParamsError:
+    """``e`` named as Responses names an ``allowed_tools`` choice's fields (flat:
+    ``tool_choice.mode``, ``tool_choice.tools.0``), not as the chat path checked them
+    (``tool_choice.allowed_tools.mode``); other errors unchanged."""
+    param = e.param or ""
+    if not param.startswith(_CHAT_ALLOWED_TOOLS + "."):
+        return e
+    return SamplingParamsError(str(e).replace(_CHAT_ALLOWED_TOOLS + ".", "tool_choice."),
+                               param.replace(_CHAT_ALLOWED_TOOLS + ".", "tool_choice.", 1))
+
+
 async def _raise_at_first(exc: BaseException) -> AsyncGenerator[Any, None]:
     """A stand-in for a generation's outputs that fails at its first step with ``exc``
     (an error found before the stream, reported in it by :meth:`_stream`)."""
@@ -225,7 +239,10 @@ class OpenAIServingResponses(GenerateBaseServing):
         view = ChatToolsView(to_chat_tools(request.tools, self.unsupported_tools),
                              to_chat_tool_choice(request.tool_choice),
                              request.parallel_tool_calls, chat_template_kwargs=request.chat_template_kwargs)
-        check_tools(view)
+        try:
+            check_tools(view)
+        except SamplingParamsError as e:
+            raise _flat_choice_param(e) from None
         plan = ToolPlan.of(view, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
                            exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
