@@ -7,6 +7,7 @@ are not valid UTF-8 on their own (part of a multi-byte character) is written as
 """
 from __future__ import annotations
 
+import codecs
 import math
 import re
 from typing import Any, Optional, Sequence
@@ -147,28 +148,51 @@ def _ranked(step: dict[int, Any], num: int) -> list[tuple[int, Any]]:
     return items[:num]
 
 
+class TextOffsets:
+    """Where each token starts in the text its choice decodes to, in characters.
+
+    A token holding part of a multi-byte character adds nothing until the token that
+    completes the character, so the tokens of one character share its offset and the next
+    token starts one character later (llama-cpp-python's fix of text_offset for
+    multi-token characters, PR 1037). The length is that of the token's real text even
+    when the API writes tokens as ``token_id:N`` (vLLM issue 19368). One instance per
+    choice; a streamed choice keeps it across chunks, so a character split over two
+    chunks is counted once.
+    """
+
+    def __init__(self, text_fmt: "TokenFormatter", start: int = 0):
+        self._fmt = text_fmt
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = start
+
+    def advance(self, token_id: int) -> int:
+        """The offset of ``token_id`` (the characters decoded before it); moves past it."""
+        at = self.offset
+        self.offset += len(self._decoder.decode(bytes(self._fmt.raw_bytes(token_id))))
+        return at
+
+
 def build_completion_logprobs(
     fmt: TokenFormatter,
     token_ids: Sequence[int],
     top_logprobs: Sequence[Optional[dict[int, Any]]],
     num_output_top_logprobs: int,
-    initial_text_offset: int = 0,
+    offsets: Optional[TextOffsets] = None,
 ) -> CompletionLogProbs:
     """Legacy completions logprobs for ``token_ids`` (prompt and/or generated).
 
     ``top_logprobs[i]`` is the engine's {token_id: Logprob} for position i (None for the
     first prompt token). Each ``top_logprobs`` entry of the result holds the chosen token
     and the ``num_output_top_logprobs`` best tokens. ``text_offset`` counts characters
-    from the start of the choice's text.
+    from the start of the choice's text, as ``offsets`` (a TextOffsets over the tokens'
+    real text; a new one from 0 over ``fmt`` when not given) places them.
     """
     out = CompletionLogProbs()
-    offset = initial_text_offset
+    offsets = offsets if offsets is not None else TextOffsets(fmt)
     for tid, step in zip(token_ids, top_logprobs):
         token = fmt.text(tid)
         out.tokens.append(token)
-        out.text_offset.append(offset)
-        if not token.startswith("bytes:"):
-            offset += len(token)
+        out.text_offset.append(offsets.advance(tid))
         if step is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

@@ -117,7 +117,9 @@ class GenerateBaseServing(BaseServing):
         super().__init__(engine_client, models, log_requests=log_requests)
         self.renderer = renderer
         self.tokenizer = engine_client.tokenizer
-        self.token_formatter = TokenFormatter(self.tokenizer)
+        # text_formatter: the tokens' real text (text offsets); token_formatter: how the API
+        # writes them (--return-tokens-as-token-ids replaces it)
+        self.token_formatter = self.text_formatter = TokenFormatter(self.tokenizer)
         self.token_id_formatter = TokenIdFormatter()
         self.default_sampling_params = default_sampling_params(engine_client)
 

@@ -41,7 +41,7 @@ from llmserve.entrypoints.openai.completion.protocol import (
     CompletionStreamResponse,
 )
 from llmserve.entrypoints.openai.infill.fim import FimTokens, gguf_path_of, infill_prompt, require_fim_tokens
-from llmserve.entrypoints.openai.logprobs import build_completion_logprobs, build_prompt_logprobs
+from llmserve.entrypoints.openai.logprobs import TextOffsets, build_completion_logprobs, build_prompt_logprobs
 from llmserve.entrypoints.renderer import RenderedPrompt
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams, SamplingParamsError
@@ -196,7 +196,10 @@ class OpenAIServingCompletion(GenerateBaseServing):
             **(timing.fields(finals[0], prompt_tokens, completion_tokens) if timing.active else {}))
 
     def _logprobs(self, request: CompletionRequest, p: _Prompt, prompt_logprobs: Optional[list],
-                  token_ids: list[int], sample_logprobs: list, echo_prefix: bool = True) -> CompletionLogProbs:
+                  token_ids: list[int], sample_logprobs: list, echo_prefix: bool = True,
+                  offsets: Optional[TextOffsets] = None) -> CompletionLogProbs:
+        """One choice's logprobs: the echoed prompt's (when ``echo_prefix``) then the
+        generated tokens'; ``offsets`` carries a streamed choice's text offsets across chunks."""
         ids: list[int] = []
         tops: list[Any] = []
         if request.echo and echo_prefix:
@@ -205,7 +208,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
             tops.extend(pl + [None] * (len(p.ids) - len(pl)))
         ids.extend(token_ids)
         tops.extend(list(sample_logprobs) + [{}] * (len(token_ids) - len(sample_logprobs)))
-        return build_completion_logprobs(self.formatter(request), ids, tops, request.logprobs or 0)
+        return build_completion_logprobs(self.formatter(request), ids, tops, request.logprobs or 0,
+                                         offsets if offsets is not None else TextOffsets(self.text_formatter))
 
     # ---- streaming -------------------------------------------------------------
     async def _stream(self, request: CompletionRequest, request_id: str, created: int, model_name: str,
@@ -219,8 +223,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
         num_tokens = [0] * (len(prompts) * n)
         echoed = [False] * (len(prompts) * n)
         sent_ids = [False] * (len(prompts) * n)
-        # text offset of the next token in each choice's text (for logprobs.text_offset)
-        offsets = [0] * (len(prompts) * n)
+        # each choice's logprobs.text_offset, kept across chunks (a character may span two)
+        offsets = [TextOffsets(self.text_formatter) for _ in range(len(prompts) * n)]
         prompt_lps: list[Optional[list]] = [None] * len(prompts)
         timing = ResponseTimings(request, self.enable_per_request_metrics, single=len(num_tokens) == 1)
         try:
@@ -246,9 +250,7 @@ class OpenAIServingCompletion(GenerateBaseServing):
                     if request.logprobs is not None:
                         logprobs = self._logprobs(request, p, prompt_lps[i], token_ids,
                                                   [] if p.zero_output else (out.logprobs or []),
-                                                  echo_prefix=echo_now)
-                        logprobs.text_offset = [o + offsets[idx] for o in logprobs.text_offset]
-                    offsets[idx] += len(text)
+                                                  echo_prefix=echo_now, offsets=offsets[idx])
                     if (not text and finish is None and not (logprobs and logprobs.tokens)
                             and not (request.return_token_ids and token_ids)):
                         continue
