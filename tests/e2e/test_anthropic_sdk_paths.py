@@ -7,7 +7,8 @@ each turn's new messages, so the server must keep the conversation (``anthropic/
 ``ModelInfo`` fields; Claude Code 2.1.197 has a reader for them behind a switch), and
 Anthropic's paging (``after_id``, ``before_id``, ``limit``). Compaction (beta
 ``compact-2026-01-12``, ``compaction`` on ``/v1/messages``): the summary block, streamed
-or not, and read back as text (``anthropic/compaction.py``).
+or not, and read back as text (``anthropic/compaction.py``). ``mcp_servers`` (the MCP
+connector): a 400 naming it, as Anthropic's other server-run tools.
 
 Greedy decoding on the float32 server is batch-invariant: a thread's turn must equal the
 same conversation sent whole.
@@ -151,3 +152,16 @@ def test_malformed_compaction_is_a_400_naming_it(server):
         r = server.post("/v1/messages", {"model": MODEL, "max_tokens": 2, "compaction": compaction,
                                          "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{param}: "), r.text
+
+
+def test_mcp_servers_are_refused_naming_the_field(client):
+    # the MCP connector's servers were an ignored unknown field: the model answered
+    # without the tools the client meant it to have
+    with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):
+        client.beta.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+                                    mcp_servers=[{"type": "url", "url": "https://example.com/sse", "name": "ex"}],
+                                    betas=["mcp-client-2025-11-20"])
+    # an empty list asks for nothing
+    made = client.beta.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+                                       mcp_servers=[])
+    assert made.usage.output_tokens >= 1

@@ -22,7 +22,7 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
   document's source too), dropped blocks included: ``"is_error": "yes"`` or
   ``"thinking": 5`` is a 400 naming the field and the value's kind, never the value.
 - ``tools``: client tools (``input_schema``) become function tools; server tools
-  (``web_search_*``, ``bash_*``, ...) are a 400 naming them, as is a name outside
+  (``web_search_*``, ``bash_*``, ...) and ``mcp_servers`` are a 400 naming them, as is a name outside
   ``^[a-zA-Z0-9_-]{1,64}$`` or an invalid schema (``tools.<i>.name`` / ``.input_schema``).
 - ``tool_choice``: ``auto`` -> "auto", ``any`` -> "required", ``tool`` -> the named
   function, ``none`` -> "none"; ``disable_parallel_tool_use`` -> ``parallel_tool_calls``.
@@ -285,7 +285,14 @@ def _check_tool(tool: Any, i: int) -> None:
 
 def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, Any]]]:
     """The client tools as OpenAI function tools. Raises SamplingParamsError naming
-    ``tools.<i>`` for a server tool or a missing ``input_schema``."""
+    ``tools.<i>`` for a server tool or a missing ``input_schema``, and ``mcp_servers``
+    when it lists any: Anthropic's MCP connector (beta ``mcp-client-*``) has the API
+    call those servers' tools, which this server does not do (the field was an ignored
+    unknown one, so the model answered without the tools the client meant it to have)."""
+    if (request.model_extra or {}).get("mcp_servers"):
+        raise SamplingParamsError("mcp_servers: the MCP connector is not available on this server (it does not call "
+                                  "MCP servers); connect to them on the client and send their tools in `tools`.",
+                                  "mcp_servers")
     if not request.tools:
         return None
     tools = []
