@@ -97,7 +97,7 @@ def test_generate_context_round_trip(server):
     assert text.endswith("My name is Bob.<|im_end|>\n<|im_start|>assistant\n" + first.response)
     parts = list(client.generate(MODEL, prompt="What is my name?", context=first.context, options=GREEDY,
                                  stream=True))
-    turn = client.generate(MODEL, prompt="What is my name?", raw=True, options={"num_predict": 0}).prompt_eval_count
+    turn = client.generate(MODEL, prompt="What is my name?", raw=True, options={"num_predict": 1}).prompt_eval_count
     whole = server.post("/detokenize", {"tokens": parts[-1].context}).json()["prompt"]
     assert whole.startswith(text) and "What is my name?<|im_end|>" in whole[len(text):]
     raw = client.generate(MODEL, prompt=whole[:len(whole) - len("".join(p.response for p in parts))], raw=True,

@@ -19,6 +19,8 @@
 - ``/api/show`` for VS Code Copilot Chat (User-Agent ``GitHubCopilotChat/...``), which
   names a model by ``model_info["general.basename"]``: Ollama puts the name the client
   asked for there; it was the weights' file name.
+- ``options.num_predict`` 0 or below -2: Ollama's runner stops on num_predict only above
+  0, so both are "no limit" there; 0 gave an empty answer and -3 a 400.
 - ``/api/ps``: ``expires_at`` was Go's zero time, which ``ollama ps`` shows as
   "Stopping..."; models here never unload, so it is Ollama's keep-alive-forever time.
 """
@@ -118,3 +120,14 @@ def test_show_gives_copilot_chat_the_name_it_asked_for(server):
     assert copilot.status_code == 200 and copilot.json()["model_info"]["general.basename"] == name, copilot.text
     other = server.http.post("/api/show", json={"model": name}).json()["model_info"]
     assert other["general.basename"] != name and other["llama.context_length"] > 0
+
+
+def test_num_predict_zero_and_negative_are_no_limit_as_in_ollama(server):
+    client = _client(server)
+    hi = [{"role": "user", "content": "hi"}]
+    unlimited = client.chat(MODEL, messages=hi, options={"temperature": 0, "num_predict": -1})
+    assert unlimited.done_reason == "stop" and unlimited.eval_count > 0
+    for n in (0, -3):
+        resp = client.chat(MODEL, messages=hi, options={"temperature": 0, "num_predict": n})
+        assert (resp.done_reason, resp.eval_count, resp.message.content) == \
+            ("stop", unlimited.eval_count, unlimited.message.content), n

@@ -34,8 +34,10 @@ def test_options_map_to_sampling_fields():
                            "stop": ["\n"], "num_ctx": 8192, "num_thread": 4, "mirostat": 0, "new_knob": 1})
     assert got == {"temperature": 0.2, "top_k": 40, "max_tokens": None, "repetition_penalty": 1.1, "stop": ["\n"]}
     assert sampling_fields({"num_predict": 5, "seed": 3.0}) == {"max_tokens": 5, "seed": 3}
+    for no_limit in (0, -2, -3):  # Ollama's runner limits only above 0
+        assert sampling_fields({"num_predict": no_limit}) == {"max_tokens": None}
     for bad, param in (({"mirostat": 2}, "options.mirostat"), ({"temperature": "hot"}, "options.temperature"),
-                       ({"top_k": 1.5}, "options.top_k"), ({"num_predict": -3}, "options.num_predict"),
+                       ({"top_k": 1.5}, "options.top_k"), ({"num_predict": 2.5}, "options.num_predict"),
                        ({"stop": [1]}, "options.stop"), ({"seed": True}, "options.seed")):
         with pytest.raises(SamplingParamsError) as e:
             sampling_fields(bad)

@@ -3,8 +3,9 @@ chat / completion request's sampling and structured-output fields).
 
 Ollama's runner options (``docs/modelfile.md``, ``api/types.go`` ``Options``):
 - mapped: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``num_predict``
-  (-> ``max_tokens``; -1 "no limit" and -2 "fill the context" leave the budget to the
-  engine: the room left in the context), ``stop``, ``repeat_penalty`` (->
+  (-> ``max_tokens``; 0 and every negative value, -1 "no limit" and -2 "fill the
+  context" included, leave the budget to the engine: the room left in the context, as
+  Ollama's runner stops on num_predict only when it is above 0), ``stop``, ``repeat_penalty`` (->
   ``repetition_penalty``), ``presence_penalty``, ``frequency_penalty``;
 - ``num_ctx``: the context of this request in tokens (:func:`context_size`): the prompt
   is shortened to fit it (``truncate``) and the answer stops at it, as in Ollama, whose
@@ -73,12 +74,12 @@ def _stop(value: Any) -> list[str]:
 
 
 def _max_tokens(value: Any) -> Optional[int]:
+    """``options.num_predict`` as ``max_tokens``: None (no limit: the room left in the
+    context) for 0 and below, which Ollama's runner reads as no limit (its check is
+    ``numPredict > 0``; its server caps a negative one at 10 x num_ctx, past the context
+    anyway); else the integer."""
     n = _number("num_predict", value)
-    if n in (-1, -2):  # no limit / fill the context: the room left in the context
-        return None
-    if n < 0:
-        raise SamplingParamsError(f"options.num_predict must be at least -2, got {n}.", "options.num_predict")
-    return n
+    return n if n > 0 else None
 
 
 def sampling_fields(options: Optional[dict[str, Any]]) -> dict[str, Any]:
