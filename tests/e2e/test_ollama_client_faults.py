@@ -18,7 +18,10 @@
   template, system, or context".
 - ``/api/show`` for VS Code Copilot Chat (User-Agent ``GitHubCopilotChat/...``), which
   names a model by ``model_info["general.basename"]``: Ollama puts the name the client
-  asked for there; it was the weights' file name.
+  asked for there; it was the weights' file name. Copilot chats through
+  ``/v1/chat/completions`` and turns on agent mode (tools) when ``capabilities`` lists
+  "tools": without ``--enable-auto-tool-choice`` that route answers tools with a 400, so
+  "tools" is listed to Copilot only when the route takes them.
 - ``options.num_predict`` 0 or below -2: Ollama's runner stops on num_predict only above
   0, so both are "no limit" there; 0 gave an empty answer and -3 a 400.
 - ``/api/ps``: ``expires_at`` was Go's zero time, which ``ollama ps`` shows as
@@ -118,8 +121,14 @@ def test_show_gives_copilot_chat_the_name_it_asked_for(server):
     name = f"{MODEL.lower()}:latest"
     copilot = server.http.post("/api/show", json={"model": name}, headers={"User-Agent": "GitHubCopilotChat/0.31.0"})
     assert copilot.status_code == 200 and copilot.json()["model_info"]["general.basename"] == name, copilot.text
-    other = server.http.post("/api/show", json={"model": name}).json()["model_info"]
-    assert other["general.basename"] != name and other["llama.context_length"] > 0
+    other = server.http.post("/api/show", json={"model": name}).json()
+    assert other["model_info"]["general.basename"] != name and other["model_info"]["llama.context_length"] > 0
+    # the shared server has no tool-call parser: /api/chat enforces calls, /v1 refuses tools
+    assert "tools" in other["capabilities"] and "tools" not in copilot.json()["capabilities"]
+    assert "completion" in copilot.json()["capabilities"]
+    agent = server.post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"}], "tools": [ADD], "max_tokens": 2})
+    assert agent.status_code == 400, agent.text  # what agent mode would have met
 
 
 def test_num_predict_zero_and_negative_are_no_limit_as_in_ollama(server):

@@ -173,10 +173,10 @@ async def show(raw_request: Request) -> JSONResponse:
     model = request.model or request.name
     if not model:
         raise SamplingParamsError("model is required.", "model")
-    # VS Code Copilot Chat names a model by model_info's general.basename: Ollama puts the
-    # name the client asked for there (what /api/tags listed), for that client only
+    # VS Code Copilot Chat names a model by model_info's general.basename (Ollama puts the
+    # name the client asked for there, for that client only) and chats through /v1
     copilot = raw_request.headers.get("user-agent", "").startswith(COPILOT_CHAT_USER_AGENT)
-    return JSONResponse(info.show(raw_request.app.state, model, basename=model if copilot else None))
+    return JSONResponse(info.show(raw_request.app.state, model, copilot=copilot))
 
 
 @router.post("/api/chat")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import Any
 
 from llmserve.entrypoints.ollama.serving import served_name
 from llmserve.entrypoints.ollama.weight_facts import human_number, weight_facts
@@ -152,14 +152,28 @@ def ps(state: Any) -> dict[str, Any]:
     return {"models": out}
 
 
-def capabilities(s: Any) -> list[str]:
+def openai_route_takes_tools(s: Any) -> bool:
+    """Whether ``/v1/chat/completions`` serves ``tools`` with the default (``auto``) tool
+    choice: only with ``--enable-auto-tool-choice --tool-call-parser`` (vLLM's rule; it
+    is a 400 otherwise)."""
+    chat = getattr(s, "openai_serving_chat", None)
+    return bool(getattr(chat, "enable_auto_tools", False)) and getattr(chat, "tool_parser_cls", None) is not None
+
+
+def capabilities(s: Any, openai_client: bool = False) -> list[str]:
     """What the model does here, in Ollama's words: completion (and tools: a call is
-    enforced or parsed, see serving.py), thinking (with ``--reasoning-parser``), insert
-    (FIM tokens in the vocabulary), embedding (a pooling model)."""
+    enforced or parsed on /api/chat, see serving.py), thinking (with
+    ``--reasoning-parser``), insert (FIM tokens in the vocabulary), embedding (a pooling
+    model). ``openai_client``: the asker sends its chats to ``/v1/chat/completions``
+    (VS Code Copilot Chat, which turns on tool calling, agent mode, when "tools" is
+    listed): "tools" only where that route takes them (:func:`openai_route_takes_tools`),
+    so agent mode is not offered to fail with a 400 on its first request."""
     tasks = tuple(getattr(s.engine_client.model_config, "supported_tasks", ("generate",)))
     caps = []
     if "generate" in tasks:
-        caps += ["completion", "tools"]
+        caps.append("completion")
+        if not openai_client or openai_route_takes_tools(s):
+            caps.append("tools")
         if getattr(s.openai_serving_chat, "reasoning_parser_cls", None) is not None:
             caps.append("thinking")
         vocab = s.engine_client.tokenizer.get_vocab()
@@ -198,10 +212,12 @@ def chat_template(s: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
-def show(state: Any, model: str, basename: Optional[str] = None) -> dict[str, Any]:
-    """``POST /api/show``. ``basename``: model_info's ``general.basename`` in place of the
-    weights' file name (Ollama puts the requested name there for VS Code Copilot Chat,
-    which names the model by it). Raises ModelNotFoundError (404) for an unknown name."""
+def show(state: Any, model: str, copilot: bool = False) -> dict[str, Any]:
+    """``POST /api/show``. ``copilot``: the asker is VS Code Copilot Chat, which names the
+    model by model_info's ``general.basename`` (Ollama puts the requested name there for
+    it, in place of the weights' file name) and chats through ``/v1/chat/completions``
+    (``capabilities(openai_client=True)``). Raises ModelNotFoundError (404) for an
+    unknown name."""
     name = served_name(state, model)
     s = state_of(state, name)
     config = s.engine_client.model_config
@@ -216,8 +232,8 @@ def show(state: Any, model: str, basename: Optional[str] = None) -> dict[str, An
         (f'TEMPLATE """{template}"""\n' if template else "") + \
         "".join(f"PARAMETER {line}\n" for line in params.splitlines())
     facts = model_info(config)
-    if basename is not None:
-        facts["general.basename"] = basename
+    if copilot:
+        facts["general.basename"] = model
     return {"modelfile": modelfile, "parameters": params, "template": template, "details": shown,
-            "model_info": facts, "capabilities": capabilities(s),
+            "model_info": facts, "capabilities": capabilities(s, openai_client=copilot),
             "modified_at": modified_at(config)}
