@@ -51,12 +51,21 @@ def held_back(text: str, marker: str) -> int:
 def canonical_arguments(call: RawCall) -> Optional[str]:
     """The call's arguments as canonical JSON text (``json.dumps(args,
     ensure_ascii=False)``), or None when they are not one complete JSON object. A call
-    without arguments gets ``{}``."""
+    without arguments gets ``{}``. Arguments the model wrote as a JSON string holding the
+    object (``"arguments": "{\\"city\\": \\"Oslo\\"}"``, as Granite 4 does) are that
+    object, and an empty string is ``{}``: sent on as a string, clients decoded a string
+    and dropped the arguments (vLLM PR 54964)."""
     raw = call.args.strip() or "{}"
     try:
         value = json.loads(raw)
     except ValueError:
         return None
+    if isinstance(value, str):
+        raw = value.strip() or "{}"
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
     if not isinstance(value, dict):
         return None
     return canonical_json_prefix(raw)
@@ -64,7 +73,10 @@ def canonical_arguments(call: RawCall) -> Optional[str]:
 
 def streamed_arguments(call: RawCall) -> str:
     """The argument text streamed for ``call`` so far ({} for a finished call that has
-    none, as :func:`canonical_arguments`)."""
+    none, as :func:`canonical_arguments`). Arguments written as a JSON string are held
+    back until the call is complete, then sent whole as the object they hold."""
+    if call.args.lstrip().startswith('"'):
+        return (canonical_arguments(call) or "") if call.complete else ""
     args = canonical_json_prefix(call.args)
     return "{}" if not args and call.complete else args
 
