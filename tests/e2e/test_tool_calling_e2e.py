@@ -264,6 +264,28 @@ def test_thinking_on_the_constraint_applies_after_the_reasoning_c59(qwen3_server
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
 
 
+def test_completions_structured_output_applies_under_a_reasoning_parser(qwen3_server):
+    """vLLM issue 57726 (a neighbour of C59): with ``--reasoning-parser`` set, a
+    /v1/completions request with ``structured_outputs`` came back unconstrained with a 200
+    (the grammar waited for a ``</think>`` that a plain prompt never opened; here the
+    scripted model writes its free-text reasoning). A completion's text is not split into
+    reasoning, so the constraint holds from its first token, streamed or not, and on
+    llama-server's /completion ``json_schema`` too."""
+    schema_body = {"model": "tiny-qwen3", "prompt": "Answer in JSON:", "max_tokens": 40, "temperature": 0,
+                   "structured_outputs": {"json": ANSWER}}
+    choice = qwen3_server.post("/v1/completions", schema_body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["text"]), ANSWER)
+    forced = {**schema_body, "structured_outputs": {"choice": ["alpha beta"]}}
+    assert qwen3_server.post("/v1/completions", forced).json()["choices"][0]["text"] == "alpha beta"
+    chunks = qwen3_server.stream_chunks("/v1/completions", {**schema_body, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    r = qwen3_server.post("/completion", {"prompt": "Answer in JSON:", "n_predict": 40, "temperature": 0,
+                                          "json_schema": ANSWER})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["content"]), ANSWER)
+
+
 # ---- C25 on the real SmolLM2: required and named choices are forced by structured outputs ----
 SUBTRACT = [{"type": "function", "function": {
     "name": "subtract", "description": "Return a minus b",

@@ -343,3 +343,12 @@ async def _aclose(it: Any) -> None:
             await close()
         except RuntimeError:  # still running in a cancelled task: it closes itself
             pass
+
+
+def grammar_from_first_token(params: SamplingParams) -> dict[str, Any]:
+    """The ``AsyncLLM.generate`` argument that makes a completion's structured output
+    apply from its first token. A completion's text is never split into reasoning and
+    content, so under ``--reasoning-parser`` its grammar must not wait for an end-of-
+    reasoning marker the prompt never opened: it did, and ``structured_outputs`` on
+    /v1/completions (and llama-server's /completion) came back unconstrained with a 200 (vLLM issue 57726)."""
+    return {"reasoning_ended": True} if params.structured_outputs is not None else {}

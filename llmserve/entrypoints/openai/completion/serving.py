@@ -28,6 +28,7 @@ from llmserve.entrypoints.openai.common.serving import (
     SSE_DONE,
     GenerateBaseServing,
     aclose_all,
+    grammar_from_first_token,
     merge_started,
     sse,
     sse_error,
@@ -142,7 +143,8 @@ class OpenAIServingCompletion(GenerateBaseServing):
         max_len = self.model_config.max_model_len
         gens = [self.generate(p.rendered, self.engine_params(p.params), f"{request_id}-{i}", request.priority,
                               response_id=request_id,
-                              beam_search_params=beam_search_request(request, p.params, max_len))
+                              beam_search_params=beam_search_request(request, p.params, max_len),
+                              **grammar_from_first_token(p.params))
                 for i, p in enumerate(prompts)]
         firsts = await self.start_generation(gens)
         merged = merge_started(firsts, gens)

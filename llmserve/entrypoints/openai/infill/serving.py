@@ -18,7 +18,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 
 from llmserve.entrypoints.openai.common.errors import error_response_from_exception
 from llmserve.entrypoints.openai.common.request_metrics import llama_timings
-from llmserve.entrypoints.openai.common.serving import aclose_all, merge_started, renamed_param, sse
+from llmserve.entrypoints.openai.common.serving import aclose_all, grammar_from_first_token, merge_started, renamed_param, sse
 from llmserve.entrypoints.openai.infill.fim import gguf_path_of, infill_layout, require_fim_tokens
 from llmserve.entrypoints.openai.infill.protocol import InfillRequest, InfillResponse, LlamaCompletionRequest, \
     LlamaSamplingRequest, llama_settings
@@ -141,7 +141,8 @@ async def _run(handler: Any, request: LlamaSamplingRequest, model_name: str, pro
     """Run ``prompts`` together: every answer (in the prompts' order), or the stream."""
     params = await _sampling_params(handler, request, stop_ids)
     base = handler.new_request_id(request_id)
-    gens = [handler.generate(p, _fitted(handler, params, p), base if len(prompts) == 1 else f"{base}-{i}")
+    gens = [handler.generate(p, _fitted(handler, params, p), base if len(prompts) == 1 else f"{base}-{i}",
+                             **grammar_from_first_token(params))
             for i, p in enumerate(prompts)]
     # a schema or grammar the engine cannot compile: a 400 naming the field it came from
     names = {"structured_outputs": "json_schema" if request.json_schema is not None else "grammar",
