@@ -434,10 +434,12 @@ class KVEventsConfig:
     TCP port + r (vLLM's offset). buffer_steps: batches kept for replay; hwm: the PUB
     socket's send high-water mark (messages); max_queue_size: batches waiting for the
     sending thread before the engine step blocks; topic: the first frame of each message.
-    event_layout (llmserve's, not vLLM's): "array" encodes each event as a msgpack array
-    (the layout of vLLM's documented subscriber example), "map" as a map tagged
-    ``"type"`` with the fields newer vLLM adds (``lora_name``, ``group_idx``), the layout
-    vllm-router's kv_aware policy decodes. Raises ValueError naming the field."""
+    event_layout (llmserve's, not vLLM's): "map" (default) encodes each event as a map
+    tagged ``"type"`` with the fields newer vLLM adds (``lora_name``, ``group_idx``): what
+    current vLLM sends (its ``KVCacheEvent`` is no longer ``array_like``) and the only
+    layout vllm-router's kv_aware policy decodes; "array" as a msgpack array, for
+    subscribers written against older vLLM (``array_like`` events). Raises ValueError
+    naming the field."""
 
     enable_kv_cache_events: bool = False
     publisher: Optional[str] = None
@@ -447,7 +449,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
-    event_layout: str = "array"
+    event_layout: str = "map"
 
     def __post_init__(self) -> None:
         if self.event_layout not in ("array", "map"):

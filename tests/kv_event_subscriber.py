@@ -81,14 +81,37 @@ class MapKVEventBatch(EventBatch):
     events: list[Union[MapBlockStored, MapBlockRemoved, MapAllBlocksCleared]]
 
 
+_ARRAY_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_MAP_DECODER = msgspec.msgpack.Decoder(MapKVEventBatch)
+
+
+def _from_map(event: Any) -> KVCacheEvent:
+    if isinstance(event, MapBlockStored):
+        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                           event.lora_id, event.medium)
+    if isinstance(event, MapBlockRemoved):
+        return BlockRemoved(event.block_hashes, event.medium)
+    return AllBlocksCleared()
+
+
+def decode_batch(payload: bytes) -> tuple[KVEventBatch, str]:
+    """A batch in either layout as the array structs (a map event's extra fields left
+    out) and the layout it came in: "map" (current vLLM's tagged maps) or "array"."""
+    try:
+        batch = _MAP_DECODER.decode(payload)
+    except msgspec.ValidationError:
+        return _ARRAY_DECODER.decode(payload), "array"
+    return KVEventBatch(batch.ts, [_from_map(e) for e in batch.events], batch.data_parallel_rank), "map"
+
+
 class Subscriber:
     """Collects every batch (live, gaps replayed) in a thread; ``sync()`` waits for the
     stream to go quiet and fetches any tail by replay. ``batches``: seq -> batch."""
 
     def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "", live: bool = True) -> None:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.batches: dict[int, KVEventBatch] = {}
+        self.layouts: set[str] = set()  # the layouts the batches came in (decode_batch)
         self.next_seq = 0
         self.replayed = 0  # batches that came through the replay socket
         self.last_message = time.monotonic()
@@ -115,10 +138,15 @@ class Subscriber:
                 if seq > self.next_seq:  # missed some (or joined late): replay them first
                     self.replay(self.next_seq)
                 if seq == self.next_seq:
-                    self.batches[seq] = self.decoder.decode(payload)
+                    self.batches[seq] = self._decode(payload)
                     self.next_seq = seq + 1
                 self.last_message = time.monotonic()
         sub.close(linger=0)
+
+    def _decode(self, payload: bytes) -> KVEventBatch:
+        batch, layout = decode_batch(payload)
+        self.layouts.add(layout)
+        return batch
 
     def replay(self, start: int) -> int:
         """Ask the replay socket for batches from ``start``; returns how many came."""
@@ -136,7 +164,7 @@ class Subscriber:
             seq = int.from_bytes(seq_bytes, "big")
             if seq >= self.next_seq:
                 assert seq == self.next_seq, f"replay skipped from {self.next_seq} to {seq}"
-                self.batches[seq] = self.decoder.decode(payload)
+                self.batches[seq] = self._decode(payload)
                 self.next_seq = seq + 1
                 got += 1
         sock.close(linger=0)

@@ -11,9 +11,9 @@ Dynamo's KV router read):
   or DEALER client) and answers ``[client id, b"", seq, payload]`` for every batch still
   buffered (the last ``buffer_steps``) from ``start seq`` on, then the end marker
   ``[client id, b"", -1 as 8 signed big-endian bytes, b""]``;
-* the payload is ``[ts, events, data_parallel_rank]``; each event an array
-  ``["BlockStored", ...fields]`` (``event_layout`` "array") or a map tagged ``"type"``
-  ("map", see ``as_tagged_map``);
+* the payload is ``[ts, events, data_parallel_rank]``; each event a map tagged ``"type"``
+  (``event_layout`` "map", the default: current vLLM's, see ``as_tagged_map``) or an
+  array ``["BlockStored", ...fields]`` ("array": older vLLM's ``array_like`` events);
 * with data parallel, rank r binds ``endpoint`` and ``replay_endpoint`` with the TCP
   port + r (``ipc``/``inproc`` names get ``_dp<r>``) and stamps ``data_parallel_rank``
   on its batches.
@@ -102,7 +102,7 @@ class ZmqEventPublisher:
 
     def __init__(self, data_parallel_rank: int = 0, endpoint: str = "tcp://*:5557",
                  replay_endpoint: Optional[str] = None, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 max_queue_size: int = 100_000, topic: str = "", event_layout: str = "array") -> None:
+                 max_queue_size: int = 100_000, topic: str = "", event_layout: str = "map") -> None:
         self.data_parallel_rank = data_parallel_rank
         self._as_maps = event_layout == "map"
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)

@@ -83,8 +83,9 @@ def test_kv_aware_discovery_routes_answer_on_the_shared_server(tiny_server):
 
 
 def _tiny_with_kv_events(tiny_model_dir) -> RemoteServer:
+    # vLLM's flags alone: the default event layout is the tagged maps kv_aware decodes
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
-              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv", "event_layout": "map"}
+              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
     return RemoteServer(["--model", tiny_model_dir, "--served-model-name", "tiny", "--dtype", "float32",
                          "--kv-cache-memory", "32MiB", "--num-threads", "1",
                          "--kv-events-config", json.dumps(events)], api_key=None)

@@ -51,6 +51,7 @@ def test_vllm_schema_subscriber_tracks_the_prefix_cache_and_replays(tiny_path, t
               f"{len(pool.cached)} blocks cached")
         assert live.count(BlockStored) > 0 and live.count(BlockRemoved) > 0  # evictions happened
         assert {b.data_parallel_rank for b in live.batches.values()} == {0}
+        assert live.layouts == {"map"}  # the default: current vLLM's tagged-map events
         assert live.tracked_blocks() == set(pool.cached)
         stored = next(ev for b in live.batches.values() for ev in b.events if isinstance(ev, BlockStored))
         assert stored.parent_block_hash is None and stored.block_size == BLOCK and stored.medium == "GPU"
@@ -169,7 +170,7 @@ def test_malformed_kv_events_config_names_the_field(value, field):
 def test_kv_events_config_defaults_follow_vllm():
     cfg = EngineArgs(kv_events_config='{"enable_kv_cache_events": true}').kv_events_config
     assert (cfg.publisher, cfg.endpoint, cfg.replay_endpoint, cfg.topic, cfg.buffer_steps, cfg.hwm,
-            cfg.max_queue_size) == ("zmq", "tcp://*:5557", None, "", 10_000, 100_000, 100_000)
+            cfg.max_queue_size, cfg.event_layout) == ("zmq", "tcp://*:5557", None, "", 10_000, 100_000, 100_000, "map")
     assert EngineArgs(kv_events_config={}).kv_events_config.publisher == "null"
 
 
