@@ -24,13 +24,12 @@ the Responses store (``responses/store.py``).
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from llmserve.engine.tenant_context import tenant_fields
 from llmserve.entrypoints.anthropic.protocol import AnthropicMessageParam, AnthropicMessagesRequest
 from llmserve.entrypoints.openai.common.errors import NotFoundError
+from llmserve.entrypoints.tenant_store import TenantBoundedStore, caller_tenant
 from llmserve.sampling_params import SamplingParamsError
 
 DEFAULT_MAX_THREADS = 1000
@@ -61,36 +60,24 @@ class StoredThread:
     tenant: str = "default"
 
 
-def _caller() -> str:
-    return tenant_fields()[0] or "default"
-
-
-class MessageThreadStore:
-    """Message id -> StoredThread, at most ``max_entries`` (>= 1), the oldest evicted first.
-    Runs on the server's event loop only (no lock)."""
+class MessageThreadStore(TenantBoundedStore[StoredThread]):
+    """Message id -> StoredThread, at most ``max_entries`` (>= 1), the oldest evicted first
+    (``tenant_store.TenantBoundedStore``)."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_THREADS) -> None:
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"max_entries must be an integer >= 1, got {max_entries!r}")
-        self.max_entries = max_entries
-        self._entries: "OrderedDict[str, StoredThread]" = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        super().__init__(max_entries)
 
     def get(self, message_id: str) -> StoredThread:
         """The caller's conversation kept under ``message_id``; raises ThreadNotFoundError."""
-        entry = self._entries.get(message_id)
-        if entry is None or entry.tenant != _caller():
+        entry = self._mine(message_id)
+        if entry is None:
             raise ThreadNotFoundError()
         return entry
 
     def put(self, message_id: str, entry: StoredThread) -> None:
         """Keep ``entry`` under ``message_id`` (a fresh server-made id) for the caller."""
-        entry.tenant = _caller()
-        self._entries[message_id] = entry
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        entry.tenant = caller_tenant()
+        self._keep(message_id, entry)
 
 
 def thread_kind(thread: Any) -> Optional[str]:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from llmserve.engine.tenant_context import tenant_fields
 from llmserve.entrypoints.openai.common.errors import NotFoundError
 from llmserve.entrypoints.openai.responses.protocol import ResponsesResponse
+from llmserve.entrypoints.tenant_store import TenantBoundedStore, caller_tenant
 
 
 class ResponseNotFoundError(NotFoundError):
@@ -55,25 +54,15 @@ class StoredResponse:
     tenant: Optional[str] = None  # who stored it (set by ResponsesStore.put)
 
 
-def _caller() -> str:
-    return tenant_fields()[0] or "default"
-
-
-class ResponsesStore:
-    """Response id -> StoredResponse, oldest evicted first past ``max_entries`` (>= 1)."""
+class ResponsesStore(TenantBoundedStore[StoredResponse]):
+    """Response id -> StoredResponse, oldest evicted first past ``max_entries`` (>= 1;
+    ``tenant_store.TenantBoundedStore``)."""
 
     def __init__(self, max_entries: int = 1000) -> None:  # DEFAULT_STORE_MAX_ENTRIES
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"responses_store_max_entries must be an integer >= 1, got {max_entries!r}")
-        self.max_entries = max_entries
-        self._entries: "OrderedDict[str, StoredResponse]" = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        super().__init__(max_entries, "responses_store_max_entries")
 
     def __contains__(self, response_id: object) -> bool:
-        entry = self._entries.get(response_id)  # type: ignore[call-overload]
-        return entry is not None and entry.tenant == _caller()
+        return isinstance(response_id, str) and self._mine(response_id) is not None
 
     def new_response_id(self) -> str:
         """A fresh id, ``resp_`` and 48 hex digits (192 random bits from ``secrets``, as
@@ -87,18 +76,16 @@ class ResponsesStore:
         """Store (or replace) ``entry`` under its response id, evicting the oldest
         entries beyond the bound (an evicted background task keeps running unstored).
         The entry belongs to the calling tenant; another tenant's entry is never replaced."""
-        entry.tenant = entry.tenant or _caller()
+        entry.tenant = entry.tenant or caller_tenant()
         old = self._entries.get(entry.response.id)
         if old is not None and old.tenant != entry.tenant:
             raise ResponseNotFoundError(entry.response.id)
-        self._entries[entry.response.id] = entry
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._keep(entry.response.id, entry)
 
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
         """The entry; raises ResponseNotFoundError (404, naming ``param``)."""
-        entry = self._entries.get(response_id)
-        if entry is None or entry.tenant != _caller():
+        entry = self._mine(response_id)
+        if entry is None:
             raise ResponseNotFoundError(response_id, param)
         return entry
 
@@ -106,7 +93,7 @@ class ResponsesStore:
         """The caller's stored item with id ``item_id`` as an input item (JSON), newest
         response first: an output item (message, function_call, reasoning) or an input
         item as ``GET .../input_items`` lists it; None when none has it."""
-        caller = _caller()
+        caller = caller_tenant()
         for entry in reversed(self._entries.values()):
             if entry.tenant != caller:
                 continue
