@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = 0 if self.include_stop or not self.stop else max(len(s) for s in self.stop) - 1
         self._sent = 0
         self.num_dropped = 0  # tokens of the last update dropped after a stop string
+        self.hidden_stops = _hidden_stop_tokens(tokenizer, self.stop) if self.skip_special_tokens else {}
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -62,6 +63,9 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         if not self.detokenize:
             return None
+        hidden = self._hidden_stop(new_token_ids, stop_terminated)
+        if hidden is not None:
+            return hidden
         n_text = len(new_token_ids)
         if stop_terminated and not self.include_stop:
             n_text -= 1
@@ -77,6 +81,18 @@ class IncrementalDetokenizer:
         if self.stop and len(self.output_text) > start_len and len(self.token_ids) > self.min_tokens:
             return self._check_stop(start_len)
         return None
+
+    def _hidden_stop(self, new_token_ids: list[int], stop_terminated: bool) -> Optional[str]:
+        """The stop string whose special token (skipped from the text) was just generated,
+        with the text ending before it (or holding the string with
+        include_stop_str_in_output); None when no such token came, or when it is the EOS
+        or stop token that ends the request anyway (stop_terminated)."""
+        if len(new_token_ids) != 1 or stop_terminated or len(self.token_ids) <= self.min_tokens:
+            return None
+        stop = self.hidden_stops.get(new_token_ids[0])
+        if stop is not None and self.include_stop:
+            self.output_text += stop
+        return stop
 
     def _check_stop(self, start_len: int) -> Optional[str]:
         best: Optional[tuple[int, str]] = None
@@ -102,3 +118,19 @@ class IncrementalDetokenizer:
         out = self.output_text[self._sent:n]
         self._sent = n
         return out
+
+
+def _hidden_stop_tokens(tokenizer, stops: list[str]) -> dict[int, str]:
+    """{token id: stop string} for the stop strings that are one special token which
+    skip_special_tokens leaves out of the text (``"<|im_end|>"``): matched on the text
+    alone they could never fire, so generation ran on to max_tokens (vLLM issue 2123,
+    koboldcpp issues 791 and 812, which now stop on such a token)."""
+    out: dict[int, str] = {}
+    for stop in stops:
+        tid = tokenizer.convert_tokens_to_ids(stop)
+        if not isinstance(tid, int) or tid < 0:
+            continue
+        if tokenizer.decode([tid], skip_special_tokens=False) == stop and \
+                tokenizer.decode([tid], skip_special_tokens=True) == "":
+            out[tid] = stop
+    return out

@@ -46,3 +46,31 @@ def test_text_offset_follows_the_text_over_byte_tokens(server):
     assert offsets[0] == 0 and offsets == sorted(offsets)
     assert offsets[n_prompt:] == [o + len(EMOJI_PROMPT) for o in want]
     no_nonfinite(server.post("/v1/completions", {**body, "echo": True}).text)
+
+
+def test_a_stop_string_that_is_a_skipped_special_token_stops(server):
+    """stop/special-token-stop-string (vLLM issue 2123; koboldcpp issues 791 and 812):
+    ``stop: ["<|im_end|>"]`` with ``ignore_eos`` and the default
+    ``skip_special_tokens`` never matched, because the token's text is left out of the
+    output, so generation ran on to ``max_tokens``. It stops where it does with the
+    special tokens kept: same text, same token count, ``stop_reason`` the string,
+    streamed too; ``include_stop_str_in_output`` adds the string."""
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True, "stop": ["<|im_end|>"]}
+    kept = server.post("/v1/chat/completions", {**base, "skip_special_tokens": False}).json()
+    assert kept["choices"][0]["finish_reason"] == "stop", kept  # the precondition: the model ends its turn
+    got = server.post("/v1/chat/completions", base).json()
+    choice = got["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "<|im_end|>"), choice
+    assert choice["message"]["content"] == kept["choices"][0]["message"]["content"]
+    assert got["usage"]["completion_tokens"] == kept["usage"]["completion_tokens"] < 40
+    chunks = server.stream_chunks("/v1/chat/completions", {**base, "stream": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+        choice["message"]["content"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["stop"]
+    incl = server.post("/v1/chat/completions", {**base, "include_stop_str_in_output": True}).json()
+    assert incl["choices"][0]["message"]["content"] == choice["message"]["content"] + "<|im_end|>"
+    # the EOS itself still ends a request without ignore_eos as an EOS (stop_reason null)
+    eos = server.post("/v1/chat/completions", {**base, "ignore_eos": False}).json()["choices"][0]
+    assert (eos["finish_reason"], eos["stop_reason"]) == ("stop", None)
