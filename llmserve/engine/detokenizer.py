@@ -127,7 +127,10 @@ def _hidden_stop_tokens(tokenizer, stops: list[str]) -> dict[int, str]:
     koboldcpp issues 791 and 812, which now stop on such a token)."""
     out: dict[int, str] = {}
     for stop in stops:
-        tid = tokenizer.convert_tokens_to_ids(stop)
+        try:
+            tid = tokenizer.convert_tokens_to_ids(stop)
+        except (AttributeError, TypeError, ValueError, KeyError):  # a tokenizer without the lookup
+            continue
         if not isinstance(tid, int) or tid < 0:
             continue
         if tokenizer.decode([tid], skip_special_tokens=False) == stop and \
