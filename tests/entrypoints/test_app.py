@@ -41,7 +41,7 @@ class ScriptedEngine:
         if self.dead:
             raise EngineDeadError()
 
-    async def generate(self, prompt, params, request_id, priority=0):
+    async def generate(self, prompt, params, request_id, priority=0, **kwargs):
         self.prompts.append(prompt)
         self.params.append(params)
         try:

@@ -470,7 +470,7 @@ def test_stream_cut_by_its_request_timeout_fails_with_code_timeout(smol_tokenize
     from llmserve.entrypoints.openai.responses.protocol import ResponseError
 
     class SlowEngine(ScriptedEngine):
-        async def generate(self, prompt, params, request_id, priority=0):
+        async def generate(self, prompt, params, request_id, priority=0, **kwargs):
             yield _output("Hel")
             await asyncio.sleep(0.3)  # past the 0.1 s deadline: the server aborts the request
             yield _output("lo", "abort")

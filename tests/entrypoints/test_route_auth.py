@@ -38,7 +38,7 @@ class _Engine:
     async def check_health(self):
         return None
 
-    async def generate(self, prompt, params, request_id, priority=0):
+    async def generate(self, prompt, params, request_id, priority=0, **kwargs):
         yield RequestOutput(request_id, None, [1], None, [CompletionOutput(0, "ok", [5], None, None, "stop")], True)
 
 
