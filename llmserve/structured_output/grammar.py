@@ -114,14 +114,40 @@ def _legacy_structures(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return structures
 
 
+# xgrammar's own words around the reason, left out of the 400: its C++ check and the
+# client's whole schema quoted back after the reason.
+_CHECK_PREFIX = "Check failed: (error.empty()) is false: "
+_QUOTED_INPUT = ". The JSON string is:"
+
+
 def _short(e: BaseException) -> str:
-    """xgrammar's error without its ``[time] /project/cpp/file.cc:line:`` prefix."""
+    """xgrammar's error without its ``[time] /project/cpp/file.cc:line:`` prefix, its
+    ``Check failed`` words and the input it quotes back."""
     msg = str(e).strip()
     if msg.startswith("[") and ": " in msg:
         head, _, rest = msg.partition(": ")
         if ".cc:" in head or ".h:" in head:
             msg = rest.split(": ", 1)[-1] if rest[:1].isdigit() else rest
+    msg = msg.removeprefix(_CHECK_PREFIX).split(_QUOTED_INPUT, 1)[0]
     return msg.splitlines()[0] if msg else type(e).__name__
+
+
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
+def _check_unicode(params: StructuredOutputsParams, where: str, param: str) -> None:
+    """Raise SamplingParamsError naming ``param`` when a string of the constraint (object
+    keys too) holds a lone surrogate: valid JSON, but no grammar compiler takes it
+    (xgrammar's parser answered with its C++ check and the whole schema quoted back)."""
+    for name in _CONSTRAINT_FIELDS:
+        value = getattr(params, name, None)
+        if value is None:
+            continue
+        try:
+            (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode("utf-8")
+        except UnicodeEncodeError:
+            raise SamplingParamsError(f"Invalid {where}: a string in it holds a lone surrogate code point, which is "
+                                      "not valid Unicode; send UTF-8 text.", param) from None
 
 
 def json_schema_error(schema: Any) -> Optional[str]:
@@ -160,9 +186,10 @@ def validate_structured_outputs(params: StructuredOutputsParams, param: str = "s
         key = grammar_key(params, any_whitespace)
     except SamplingParamsError as e:
         raise SamplingParamsError(str(e), param) from None
+    where = f"{param}.{key[0]}" if param == "structured_outputs" else param
+    _check_unicode(params, where, param)
     try:
         _check_key(key)
     except ValueError as e:
-        where = f"{param}.{key[0]}" if param == "structured_outputs" else param
         raise SamplingParamsError(f"Invalid {where}: {e}", param) from None
     return key

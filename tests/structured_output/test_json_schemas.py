@@ -92,3 +92,27 @@ def test_properties_come_in_the_schemas_order(llm_fp32):
     out = llm_fp32.generate(["JSON please: "], SamplingParams(temperature=0, max_tokens=60,
                                                             structured_outputs=SO(json=schema)), use_tqdm=False)
     assert list(json.loads(out[0].outputs[0].text)) == ["zeta", "alpha", "mid"]
+
+
+@pytest.mark.parametrize("so", [SO(json={"type": "object", "properties": {"\ud800": {"type": "string"}}}),
+                                SO(json={"type": "string", "enum": ["ok", "\udfff"]}), SO(regex="a\ud800b"),
+                                SO(choice=["x", "\ud800"]), SO(grammar='root ::= "\ud800"')])
+def test_lone_surrogate_in_a_constraint_is_a_clean_400(so):
+    """A lone surrogate (valid JSON, not Unicode) anywhere in a constraint, object keys
+    included: xgrammar's parser answered "Check failed: (error.empty()) is false ... The
+    JSON string is:" with the client's whole schema quoted back (fresh-user trial)."""
+    from llmserve.structured_output.grammar import validate_structured_outputs
+
+    with pytest.raises(SamplingParamsError) as e:
+        validate_structured_outputs(so, "response_format")
+    msg = str(e.value)
+    assert e.value.param == "response_format" and "lone surrogate" in msg
+    assert "Check failed" not in msg and "JSON string is" not in msg and "\\ud800" not in msg
+
+
+def test_xgrammar_errors_leave_out_its_check_and_the_quoted_input():
+    from llmserve.structured_output.grammar import _short
+
+    raw = ValueError('[12:00:00] /project/cpp/json_schema_converter.cc:77: Check failed: (error.empty()) is false: '
+                     'Failed to parse JSON: syntax error at line 1. The JSON string is:{"secret": 1}')
+    assert _short(raw) == "Failed to parse JSON: syntax error at line 1"
