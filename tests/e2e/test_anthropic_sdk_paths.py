@@ -165,3 +165,22 @@ def test_mcp_servers_are_refused_naming_the_field(client):
     made = client.beta.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
                                        mcp_servers=[])
     assert made.usage.output_tokens >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_cut_by_max_tokens_is_stop_reason_max_tokens(client, server, stream):
+    # Anthropic answers a tool_use cut by max_tokens with a 200 and stop_reason
+    # "max_tokens" (the client retries with more); it was a 400 after generating. The
+    # OpenAI route keeps vLLM's 400 naming max_tokens.
+    ask = dict(model=MODEL, max_tokens=8, tools=[WEATHER], tool_choice={"type": "any"}, extra_body=GREEDY,
+               messages=[{"role": "user", "content": "What is the weather in Oslo?"}])
+    if stream:
+        with client.messages.stream(**ask) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**ask)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+    openai_tool = {"type": "function", "function": {"name": WEATHER["name"], "parameters": WEATHER["input_schema"]}}
+    r = server.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 8, "tools": [openai_tool],
+                                             "tool_choice": "required", "messages": ask["messages"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

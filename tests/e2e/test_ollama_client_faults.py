@@ -58,6 +58,19 @@ def test_an_enforced_tool_call_is_one_call_not_a_loop(server):
     assert call.function.name == "add" and set(call.function.arguments) == {"a", "b"}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_enforced_tool_call_cut_by_num_predict_is_done_reason_length(server, stream):
+    # Ollama has no forced tool choice: a budget that ends the output is done_reason
+    # "length" with a 200; the call this server enforces was a 400 once cut.
+    ask = dict(messages=[{"role": "user", "content": "what is 2+3"}], tools=[ADD],
+               options={"temperature": 0, "num_predict": 6})
+    if stream:
+        last = list(_client(server).chat(MODEL, stream=True, **ask))[-1]
+    else:
+        last = _client(server).chat(MODEL, **ask)
+    assert last.done and last.done_reason == "length" and last.eval_count == 6, last
+
+
 def test_langchain_bind_tools_and_function_calling_output(server):
     from langchain_ollama import ChatOllama
     from pydantic import BaseModel

@@ -133,7 +133,7 @@ class OpenAIServingChat(GenerateBaseServing):
             names["structured_outputs"] = "tools"
         firsts = await self.start_generation(gens, names)
         merged = merge_started(firsts, gens)
-        parsing = OutputParsing(plan, make_parser, max_param)
+        parsing = OutputParsing(plan, make_parser, max_param, cut_call_fails=wire)
         # the other front doors always report the prefix-cache hits (Anthropic's cache_read_input_tokens)
         usage_options = self.usage_options if wire else dataclasses.replace(self.usage_options,
                                                                             enable_prompt_tokens_details=True)

@@ -325,18 +325,23 @@ class OutputParsing:
     """The output parsing of one request: ``make_parser`` (None: outputs pass as
     content) builds each choice's ChoiceOutputParser; streamed choices keep theirs."""
 
-    def __init__(self, plan: ToolPlan, make_parser: Optional[Any], max_tokens_param: str = "max_tokens") -> None:
+    def __init__(self, plan: ToolPlan, make_parser: Optional[Any], max_tokens_param: str = "max_tokens",
+                 cut_call_fails: bool = True) -> None:
         self.plan = plan
         self.make_parser = make_parser
         self.active = make_parser is not None
         self.max_tokens_param = max_tokens_param  # named in ForcedToolCallCutError
+        # False (Anthropic's and Ollama's front doors): a forced call cut by the budget ends
+        # as any cut output, finish "length" (Anthropic: stop_reason max_tokens with the
+        # incomplete call; Ollama: done_reason length), as those APIs document it
+        self.cut_call_fails = cut_call_fails
         self._streams: dict[int, ChoiceOutputParser] = {}
 
     def check_forced(self, parser: "ChoiceOutputParser", finish_reason: Optional[str]) -> None:
         """Raise ForcedToolCallCutError when a forced choice ended by ``length`` without a
-        complete call."""
-        if self.plan.mode in ("required", "named") and finish_reason == "length" and parser.tool_parser is not None \
-                and not forced_call_complete(parser):
+        complete call (unless ``cut_call_fails`` is False)."""
+        if self.cut_call_fails and self.plan.mode in ("required", "named") and finish_reason == "length" \
+                and parser.tool_parser is not None and not forced_call_complete(parser):
             raise ForcedToolCallCutError(self.max_tokens_param)
 
     def parse_whole(self, text: str, finish_reason: Optional[str]) -> ParsedOutput:
