@@ -86,6 +86,48 @@ def test_unknown_thread_is_thread_not_found_and_the_sdk_replays(server, client):
     assert "thread.previous_message_id" in error["message"] and "0123456789abcdef" not in error["message"]
 
 
+def test_a_message_is_continued_once_and_the_sdk_replays(server, client):
+    # Continuing the same previous_message_id twice silently branched the thread; Anthropic
+    # answers 400 thread_already_continued (the SDK's ThreadAlreadyContinuedError), on
+    # which the SDK's thread sends the whole history again under a new thread.
+    hi = [{"role": "user", "content": "Hi"}]
+    first = server.post("/v1/messages", {"model": MODEL, "max_tokens": 1, "thread": {"type": "create"},
+                                         "messages": hi})
+    assert first.status_code == 200, first.text
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Again"}],
+            "thread": {"type": "continue", "previous_message_id": first.json()["id"]}}
+    assert server.post("/v1/messages", body).status_code == 200
+    for stream in (False, True):
+        r = server.post("/v1/messages", {**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["details"] == {"error_code": "thread_already_continued"}
+        assert error["message"].startswith("thread.previous_message_id: ")
+    with pytest.raises(anthropic.types.ThreadAlreadyContinuedError):
+        client.beta.messages.create(model=MODEL, max_tokens=1, **{k: body[k] for k in ("messages", "thread")},
+                                    betas=["message-threads-2026-08-12"])
+    # a continue that failed (here a 400 before generating) gives its id back
+    fresh = server.post("/v1/messages", {"model": MODEL, "max_tokens": 1, "thread": {"type": "create"},
+                                         "messages": hi}).json()["id"]
+    bad = {**body, "thread": {"type": "continue", "previous_message_id": fresh}, "temperature": 2}
+    assert server.post("/v1/messages", bad).status_code == 400
+    again = {**body, "thread": {"type": "continue", "previous_message_id": fresh}}
+    assert server.post("/v1/messages", again).status_code == 200
+
+
+def test_continue_in_flight_and_released_claims():
+    from llmserve.entrypoints.anthropic.threads import (MessageThreadStore, StoredThread,
+                                                        ThreadContinueInFlightError)
+    store = MessageThreadStore()
+    store.put("msg_a", StoredThread(system=None, tools=None, messages=[]))
+    store.claim("msg_a")
+    with pytest.raises(ThreadContinueInFlightError):
+        store.get("msg_a")
+    store.settle("msg_a", continued=False)
+    assert store.claim("msg_a") is not None
+
+
 @pytest.mark.parametrize("field, value", [("system", "Be brief."), ("tools", [WEATHER])])
 def test_continue_refuses_the_create_only_fields(server, field, value):
     first = server.post("/v1/messages", {"model": MODEL, "max_tokens": 2, "thread": {"type": "create"},

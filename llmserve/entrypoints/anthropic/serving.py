@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncGenerator, Optional, Union
+from typing import Any, AsyncGenerator, Callable, Optional, Union
 
 from llmserve.entrypoints.anthropic.compaction import (STOP_REASON, compaction_block, compaction_events,
                                                        summary_prompt, summary_request)
@@ -33,8 +33,8 @@ from llmserve.entrypoints.anthropic.protocol import (
 )
 from llmserve.entrypoints.anthropic.streaming import (MessageStreamWriter, message_events, stop_reason_of,
                                                       tool_use_id, usage_of)
-from llmserve.entrypoints.anthropic.threads import (MessageThreadStore, keep_thread, streamed_blocks,
-                                                    with_thread_history)
+from llmserve.entrypoints.anthropic.threads import (MessageThreadStore, keep_thread, release_thread,
+                                                    streamed_blocks, with_thread_history)
 from llmserve.entrypoints.openai.common.errors import check_finished_normally
 from llmserve.entrypoints.openai.chat_completion.context_room import prompt_tokens, room_left
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -101,8 +101,20 @@ class AnthropicServingMessages:
         naming the field, ModelNotFoundError, EngineDeadError; ThreadNotFoundError for
         an unknown ``thread.previous_message_id``), as the chat path raises them. With
         ``thread``, the conversation is kept under the message's id (``threads.py``)."""
+        seen = with_thread_history(request, self.threads, claim=True)
+        try:
+            served = await self._serve(request, seen, request_id)
+        except BaseException:
+            release_thread(self.threads, request)
+            raise
+        if isinstance(served, AnthropicMessagesResponse):
+            return served
+        return _released(served, lambda: release_thread(self.threads, request))
+
+    async def _serve(self, request: AnthropicMessagesRequest, seen: AnthropicMessagesRequest,
+                     request_id: Optional[str]) -> Union[AnthropicMessagesResponse, AsyncGenerator[str, None]]:
+        """:meth:`create_message` once the thread's history is in ``seen``."""
         prompt = summary_prompt(request.compaction)
-        seen = with_thread_history(request, self.threads)
         if prompt is not None:
             return await self._compact(request, seen, prompt, request_id)
         chat_request, clamped = await self._clamped(seen)
@@ -140,6 +152,17 @@ class AnthropicServingMessages:
         chat_request = self._chat_request(request)
         chat_request.check()  # tools and tool_choice, as the messages request checks them
         return AnthropicCountTokensResponse(input_tokens=await prompt_tokens(_handler(self.chat, chat_request), chat_request))
+
+
+async def _released(events: AsyncGenerator[str, None], release: Callable[[], None]) -> AsyncGenerator[str, None]:
+    """``events``, then ``release()`` however the stream ends (a thread's claim given
+    back when no reply was kept: an error event, a client gone)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        release()
+        await events.aclose()
 
 
 def _tool_block(call: Any) -> ContentBlock:

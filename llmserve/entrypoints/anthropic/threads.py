@@ -14,8 +14,14 @@ runner's second request held only a ``tool_result`` and was refused.
 An unknown ``previous_message_id`` (never kept, evicted, another tenant's, or kept by
 another API-server process) is a 404 whose ``error.details.error_code`` is
 ``thread_not_found``: the SDK then sends the whole history again under a new thread.
-Each kept id names its whole conversation, so continuing the same id twice branches
-(Anthropic answers ``thread_already_continued``; nothing here depends on the order).
+Each kept id can be continued once, as Anthropic's threads are (the SDK's
+``ThreadAlreadyContinuedError``: "each response can be continued only once"): a second
+continue of an id whose continuation finished is a 400 whose ``error.details.error_code``
+is ``thread_already_continued``, and one sent while another continue of the same id is
+still being answered is a 400 ``thread_continue_in_flight``; on either the SDK sends the
+whole history again under a new thread, as on ``thread_not_found``. (Continuing twice
+silently branched the thread.) A continue that fails (an error, a stream cut off) gives
+its id back: it may be continued again.
 
 The store is bounded (:data:`DEFAULT_MAX_THREADS` entries, the oldest evicted first),
 per API-server process, and each entry is seen only by the tenant that stored it, as
@@ -35,6 +41,33 @@ from llmserve.sampling_params import SamplingParamsError
 DEFAULT_MAX_THREADS = 1000
 # The request fields a continue takes from its thread (the SDK's CREATE_ONLY_FIELDS)
 CREATE_ONLY_FIELDS = ("system", "tools")
+
+
+class ThreadAlreadyContinuedError(SamplingParamsError):
+    """``thread.previous_message_id`` names a reply that a finished request already
+    continued: a 400 with ``code`` ``thread_already_continued`` (Anthropic's
+    ``error.details.error_code``; the SDK's ThreadAlreadyContinuedError)."""
+
+    code = "thread_already_continued"
+
+    def __init__(self) -> None:
+        super().__init__("thread.previous_message_id: this message was already continued, and each message of a "
+                         "thread can be continued only once; continue from the thread's most recent message id, or "
+                         "send the whole conversation again with thread {\"type\": \"create\"}.",
+                         "thread.previous_message_id")
+
+
+class ThreadContinueInFlightError(SamplingParamsError):
+    """``thread.previous_message_id`` names a reply that another request is continuing
+    right now: a 400 with ``code`` ``thread_continue_in_flight`` (the SDK's
+    ThreadContinueInFlightError)."""
+
+    code = "thread_continue_in_flight"
+
+    def __init__(self) -> None:
+        super().__init__("thread.previous_message_id: another request is still continuing this message; wait for "
+                         "its reply and continue from that reply's id, or send the whole conversation again with "
+                         "thread {\"type\": \"create\"}.", "thread.previous_message_id")
 
 
 class ThreadNotFoundError(NotFoundError):
@@ -58,6 +91,8 @@ class StoredThread:
     tools: Any
     messages: list[AnthropicMessageParam]
     tenant: str = "default"
+    # None: may be continued; "in_flight": a request is continuing it; "continued": done
+    state: Optional[str] = None
 
 
 class MessageThreadStore(TenantBoundedStore[StoredThread]):
@@ -68,11 +103,31 @@ class MessageThreadStore(TenantBoundedStore[StoredThread]):
         super().__init__(max_entries)
 
     def get(self, message_id: str) -> StoredThread:
-        """The caller's conversation kept under ``message_id``; raises ThreadNotFoundError."""
+        """The caller's conversation kept under ``message_id``, if it may be continued.
+        Raises ThreadNotFoundError (404), ThreadAlreadyContinuedError or
+        ThreadContinueInFlightError (400)."""
         entry = self._mine(message_id)
         if entry is None:
             raise ThreadNotFoundError()
+        if entry.state == "continued":
+            raise ThreadAlreadyContinuedError()
+        if entry.state == "in_flight":
+            raise ThreadContinueInFlightError()
         return entry
+
+    def claim(self, message_id: str) -> StoredThread:
+        """:meth:`get`, then mark the entry as being continued (the event loop runs one
+        request at a time between awaits, so two continues cannot both claim it)."""
+        entry = self.get(message_id)
+        entry.state = "in_flight"
+        return entry
+
+    def settle(self, message_id: str, continued: bool) -> None:
+        """End a claim: the entry is ``continued`` for good, or (a failed continue) may
+        be continued again. No-op for an id no longer kept or not claimed."""
+        entry = self._mine(message_id)
+        if entry is not None and entry.state == "in_flight":
+            entry.state = "continued" if continued else None
 
     def put(self, message_id: str, entry: StoredThread) -> None:
         """Keep ``entry`` under ``message_id`` (a fresh server-made id) for the caller."""
@@ -98,11 +153,14 @@ def thread_kind(thread: Any) -> Optional[str]:
 
 
 def with_thread_history(request: AnthropicMessagesRequest, store: Optional[MessageThreadStore],
-                        ) -> AnthropicMessagesRequest:
+                        claim: bool = False) -> AnthropicMessagesRequest:
     """The request as the model sees it: for a ``continue``, a copy with the kept
     conversation before its ``messages`` and the kept ``system`` and ``tools``; else the
-    request itself. Raises SamplingParamsError (a continue that sends ``system`` or
-    ``tools``, a malformed ``thread``) or ThreadNotFoundError (404)."""
+    request itself. ``claim``: mark the continued id as being continued (the request that
+    serves it; end the claim with :func:`keep_thread` or :func:`release_thread`). Raises
+    SamplingParamsError (a continue that sends ``system`` or ``tools``, a malformed
+    ``thread``), ThreadNotFoundError (404), ThreadAlreadyContinuedError or
+    ThreadContinueInFlightError (400)."""
     if thread_kind(request.thread) != "continue":
         return request
     for name in CREATE_ONLY_FIELDS:
@@ -110,7 +168,9 @@ def with_thread_history(request: AnthropicMessagesRequest, store: Optional[Messa
             raise SamplingParamsError(f"{name}: a request that continues a thread takes `{name}` from the thread; "
                                       f"leave it out (or start a new thread with thread {{\"type\": \"create\"}}).",
                                       name)
-    kept = (store or MessageThreadStore()).get(request.thread["previous_message_id"])
+    store = store or MessageThreadStore()
+    previous = request.thread["previous_message_id"]
+    kept = store.claim(previous) if claim else store.get(previous)
     return request.model_copy(update={"messages": [*kept.messages, *request.messages], "system": kept.system,
                                       "tools": kept.tools})
 
@@ -140,6 +200,16 @@ def keep_thread(store: Optional[MessageThreadStore], sent: AnthropicMessagesRequ
         return
     store.put(message_id, StoredThread(system=seen.system, tools=seen.tools,
                                        messages=_reply_param(list(seen.messages), reply)))
+    if thread_kind(sent.thread) == "continue":
+        store.settle(sent.thread["previous_message_id"], continued=True)
+
+
+def release_thread(store: Optional[MessageThreadStore], sent: AnthropicMessagesRequest) -> None:
+    """Give back the id a continue claimed when its request ended without a kept reply
+    (an error, a cut stream): it may be continued again. No-op once :func:`keep_thread`
+    kept the reply, and for a request without a continue."""
+    if store is not None and thread_kind(sent.thread) == "continue":
+        store.settle(sent.thread["previous_message_id"], continued=False)
 
 
 def streamed_blocks(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:

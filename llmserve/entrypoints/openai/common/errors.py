@@ -107,13 +107,20 @@ def in_band_code(exc: BaseException, body: ErrorResponse) -> Any:
     return CONTEXT_LENGTH_EXCEEDED if isinstance(exc, ContextLengthExceededError) else body.error.code
 
 
+def _string_code(exc: BaseException) -> Optional[str]:
+    """The exception's string ``code`` attribute (None: none, or not a string)."""
+    code = getattr(exc, "code", None)
+    return code if isinstance(code, str) else None
+
+
 def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Map an exception to (HTTP status, error body).
 
     ModelNotFoundError, NotFoundError, LoRANotFoundError -> 404; RequestDeadlineExceeded -> 408;
     SamplingParamsError (ContextLengthExceededError among them: its in-band code is
     :func:`in_band_code`'s) /
-    ValueError -> 400 (``param`` from the exception when it has one); NotImplementedError -> 400 (an unsupported feature:
+    ValueError -> 400 (``param`` from the exception when it has one, and its string ``code`` when it has one:
+    the message-threads errors); NotImplementedError -> 400 (an unsupported feature:
     never a 5xx, which the official clients retry twice); EngineDeadError -> 503 (EngineStartError: type "EngineStartError", its
     ``Retry-After`` added by server_utils.error_json);
     RequestAbortedError (a generation cut off) -> 500 with its own message; other
@@ -131,7 +138,8 @@ def error_response_from_exception(exc: BaseException) -> tuple[int, ErrorRespons
     if isinstance(exc, EngineDeadError):
         return 503, make_error(f"The engine is not running: {exc}", 503, err_type="EngineDeadError")
     if isinstance(exc, (SamplingParamsError, ValueError, OverflowError)):
-        return 400, make_error(str(exc) or exc.__class__.__name__, 400, getattr(exc, "param", None))
+        return 400, make_error(str(exc) or exc.__class__.__name__, 400, getattr(exc, "param", None),
+                               code=_string_code(exc))
     if isinstance(exc, NotImplementedError):
         return 400, make_error(str(exc) or "This feature is not supported by this server.", 400,
                                getattr(exc, "param", None))
