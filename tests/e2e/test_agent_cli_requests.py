@@ -203,4 +203,4 @@ def test_head_requests_claude_code_and_ollama_clients_send(server):
     assert head.headers["content-length"] == get.headers["content-length"]
     assert server.http.head("/v1/models").status_code == 200
     assert server.http.head("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert server.http.head("/v1/chat/completions").status_code == 405
+    assert server.http.head("/v1/completions").status_code == 405  # a POST-only path

@@ -141,4 +141,4 @@ def test_unserved_features_answer_400_not_200(server):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400, "messages")
     # unknown routes and methods still answer with the OpenAI error body
     assert_error(server.http.get("/v1/nope"), 404)
-    assert_error(server.http.get("/v1/chat/completions"), 405)
+    assert_error(server.http.get("/v1/completions"), 405)

@@ -220,3 +220,22 @@ def test_not_served_endpoints_answer_4xx_never_5xx(app_and_engine):
     r = client.post("/v1/responses", content='{"model": "m", "input": "a\\ud800"}'.encode(),
                     headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_stored_chat_completion_routes_are_one_openai_404(app_and_engine):
+    """vLLM keeps no chat completions: the requests of the openai SDK's chat.completions.list /
+    retrieve / update / delete / messages.list all meet one 404 in OpenAI's error body saying
+    so (the list was a 405 "GET is not allowed", the others Starlette's bare "Not Found");
+    the id is not echoed; POST .../render is still the renderer."""
+    client, _ = app_and_engine()
+    calls = [("GET", "/v1/chat/completions?limit=5", None), ("GET", "/v1/chat/completions/chatcmpl-secret1", None),
+             ("POST", "/v1/chat/completions/chatcmpl-secret1", {"metadata": {"k": "v"}}),
+             ("DELETE", "/v1/chat/completions/chatcmpl-secret1", None),
+             ("GET", "/v1/chat/completions/chatcmpl-secret1/messages", None),
+             ("GET", "/v1/chat/completions/render", None)]
+    for method, path, body in calls:
+        r = client.request(method, path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 404 and "does not keep chat completions" in error["message"], (path, r.text)
+        assert error["type"] == "NotFoundError" and "secret1" not in error["message"], (path, error)
+    assert client.post("/v1/chat/completions/render", json=CHAT).status_code == 200

@@ -44,6 +44,7 @@ from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admi
 from llmserve.entrypoints.openai.admission_precheck import Prechecks, openai_model_checks
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
+from llmserve.entrypoints.openai.chat_completion.stored import register_stored_chat_api_routers
 from llmserve.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from llmserve.entrypoints.openai.cli_args import flag_message, make_arg_parser, validate_parsed_serve_args
 from llmserve.entrypoints.openai.completion.api_router import register_completion_api_routers
@@ -114,6 +115,7 @@ API_ROUTER_REGISTRARS = (
     register_infill_api_routers,
     register_tokenize_api_routers,
     register_render_api_routers,
+    register_stored_chat_api_routers,  # after render: POST .../render is not a stored id
     register_kv_event_sources_api_routers,
     register_responses_api_routers,
     register_embeddings_api_routers,
