@@ -119,6 +119,33 @@ def test_the_anthropic_client_authenticates_with_x_api_key(client):
             bad.get("/v1/models", cast_to=object)
 
 
+def test_anthropic_clients_get_anthropics_error_body_on_shared_routes(client):
+    """``/v1/models`` is both APIs' route: a request with ``anthropic-version`` (every
+    ``anthropic`` SDK call) gets Anthropic's error body there (and on unknown paths), so
+    ``models.retrieve`` of an unknown id raises the SDK's NotFoundError with the message
+    (it was OpenAI's body: the SDK showed the raw JSON); OpenAI clients keep OpenAI's."""
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url="http://testserver", http_client=client, max_retries=0, api_key=KEY)
+    assert sdk.models.retrieve("m").id == "m"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        sdk.models.retrieve("no-such-model")
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError) as unauthorized:
+        anthropic.Anthropic(base_url="http://testserver", http_client=client, max_retries=0,
+                            api_key="wrong").models.list()
+    assert unauthorized.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError) as bad_page:
+        sdk.models.list(limit=0)
+    assert bad_page.value.body["error"]["type"] == "invalid_request_error"
+    head = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    for method, path in (("GET", "/v1/no-such-route"), ("POST", "/v1/models/m")):
+        r = client.request(method, path, headers=head)
+        assert r.status_code in (404, 405) and r.json()["type"] == "error", r.text
+    openai_style = client.get("/v1/models/no-such-model", headers={"Authorization": f"Bearer {KEY}"})
+    assert openai_style.status_code == 404 and openai_style.json()["error"]["code"] == 404
+
+
 def test_405_allow_lists_every_method_of_the_path(client):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = client.post("/v1/responses/resp_x", headers=auth)

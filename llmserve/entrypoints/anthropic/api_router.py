@@ -32,8 +32,11 @@ BATCHES_PATH = "/v1/messages/batches"
 BATCHES_METHODS = ["GET", "POST", "DELETE"]  # list, create / cancel, delete (the SDK's calls)
 # Anthropic's request-id header on every response and request_id in error bodies (its SDKs'
 # message._request_id and APIStatusError.request_id)
+# On the shared routes (/v1/models...), a request with the anthropic-version header (every
+# Anthropic SDK call, Claude Code's too) gets Anthropic's body as well.
 ANTHROPIC_ERROR_SHAPE = ErrorShape(prefixes=("/v1/messages",), shape=anthropic_error_body,
-                                   request_id_header="request-id", request_id_field="request_id")
+                                   request_id_header="request-id", request_id_field="request_id",
+                                   client_header="anthropic-version")
 
 router = APIRouter()
 

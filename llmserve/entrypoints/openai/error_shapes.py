@@ -6,8 +6,12 @@ Every error in the server is produced once, as the OpenAI body ``{"error": {"mes
 :class:`ErrorShape`: its path prefixes and a function from (status, OpenAI error info) to
 its own body. :class:`ErrorShapeMiddleware` rewrites the JSON error responses of those
 paths, whoever produced them (validation, auth, admission, body limits, handlers), so no
-producer needs to know which API it is answering. Streams that already started report
-their errors in-band in their own format (each endpoint's job). An API whose responses
+producer needs to know which API it is answering. On the paths no front door owns
+(``/v1/models``, shared by OpenAI's and Anthropic's clients, and unknown paths), a request
+carrying a front door's ``client_header`` (``anthropic-version``) gets that door's body, so
+the ``anthropic`` SDK's ``models.retrieve`` of an unknown id raises its NotFoundError with
+the message. Streams that already started report their errors in-band in their own
+format (each endpoint's job). An API whose responses
 carry the request's id under its own names (``request_id_header``, ``request_id_field``:
 Anthropic's ``request-id`` header on every response and ``request_id`` in error bodies,
 which its SDKs read as ``_request_id`` / ``APIStatusError.request_id``) gets the id
@@ -31,12 +35,24 @@ class ErrorShape:
     it; a prefix ending in ``/`` covers a folder, else the path itself and its sub-paths)
     and ``shape`` (status and the OpenAI error object -> that API's JSON body);
     ``request_id_header`` / ``request_id_field``: the response header and error-body key
-    that carry the request's id in that API (None: none)."""
+    that carry the request's id in that API (None: none); ``client_header``: a header
+    only this API's clients send (Anthropic's SDKs: ``anthropic-version`` on every call),
+    which gives the request this API's body on the paths no API owns: the routes both
+    APIs share (``/v1/models``, ``/v1/models/{id}``) and unknown paths."""
 
     prefixes: tuple[str, ...]
     shape: ShapeFn
     request_id_header: Optional[str] = None
     request_id_field: Optional[str] = None
+    client_header: Optional[str] = None
+
+    def sent_by_client(self, scope: dict) -> bool:
+        """Whether the request carries ``client_header`` (lower case), the header this
+        API's clients send on every call."""
+        if self.client_header is None:
+            return False
+        name = self.client_header.encode("latin-1")
+        return any(k.lower() == name for k, _ in scope.get("headers") or [])
 
     def covers(self, path: str) -> bool:
         """Whether ``path`` is one of this API's routes."""
@@ -93,6 +109,8 @@ class ErrorShapeMiddleware:
         if scope["type"] == "http" and self.shapes:
             path = _path_of(scope)
             shape = next((s for s in self.shapes if s.covers(path)), None)
+            if shape is None:  # a shared route: the body of the API whose client asks
+                shape = next((s for s in self.shapes if s.sent_by_client(scope)), None)
         if shape is None:
             return await self.app(scope, receive, send)
         request_id = _request_id(scope) if shape.request_id_header or shape.request_id_field else None
