@@ -648,6 +648,9 @@ def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(sm
         assert words in message, (path, message)
     assert client.post("/v1/messages", content=b'{"model": ', headers={"content-type": "application/json"}).json()[
         "error"]["type"] == "invalid_request_error"
+    long_int = client.post("/v1/completions", content=b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 4400
+                           + b"}", headers={"content-type": "application/json"})
+    assert long_int.status_code == 400 and long_int.json()["error"]["param"] == "max_tokens", long_int.text
     # what the route refuses before rendering, besides the body's fields: the model it
     # names, a body that is not JSON, a speech-to-text form, a SageMaker invocation
     openai = lambda b: b["error"]["message"]  # noqa: E731

@@ -108,6 +108,46 @@ def test_deep_json_is_a_400_naming_the_field_on_every_route(app_and_engine, leve
     assert r.status_code == 200, r.text
 
 
+def test_long_integer_field_names_where_it_is():
+    from llmserve.entrypoints.openai.json_depth import long_integer_field
+
+    big = b"9" * 50
+    assert long_integer_field(b'{"max_tokens": ' + big + b"}", 40) == "max_tokens"
+    assert long_integer_field(b'{"prompt": [1, -' + big + b'], "x": 1}', 40) == "prompt[1]"
+    assert long_integer_field(b'{"a": {"b": [{"c": ' + big + b"}]}}", 40) == "a.b[0].c"
+    assert long_integer_field(b"[" + big + b"]", 40) == "[0]"
+    assert long_integer_field(b'{"text": "' + big + b'"}', 40) is None  # digits in a string are text
+    assert long_integer_field(b'{"n": 1.' + big + b"}", 40) is None  # a float has no such bound
+    assert long_integer_field(b'{"n": ' + b"9" * 40 + b"}", 40) is None
+
+
+def test_an_over_long_integer_is_a_400_naming_the_field_on_every_route(app_and_engine):  # noqa: F811
+    """An integer past Python's 4300-digit bound for reading one (``int_max_str_digits``)
+    was FastAPI's bare "There was an error parsing the body" without ``param`` on the
+    OpenAI routes and Anthropic's; each route now names the field, in its API's own body."""
+    client, engine = app_and_engine()
+    big = "9" * 4400
+    head = {"content-type": "application/json"}
+    openai_cases = [("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+                                             f'"max_tokens": {big}}}', "max_tokens"),
+                    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+                                             f'"logit_bias": {{"5": -{big}}}}}', "logit_bias.5"),
+                    ("/v1/completions", f'{{"model": "m", "prompt": [1, {big}]}}', "prompt[1]"),
+                    ("/v1/responses", f'{{"model": "m", "input": "hi", "max_output_tokens": {big}}}',
+                     "max_output_tokens")]
+    for path, body, param in openai_cases:
+        err = _error(client.post(path, content=body, headers=head), param)
+        assert "4300 digits" in err["message"] and "999" not in err["message"], err
+    r = client.post("/v1/messages", content='{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+                                            f'"max_tokens": {big}}}', headers=head)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "`max_tokens`" in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/api/chat", content='{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+                                         f'"options": {{"num_predict": {big}}}}}', headers=head)
+    assert r.status_code == 400 and "`options.num_predict`" in r.json()["error"], r.text
+    assert engine.prompts == []
+
+
 def test_body_depth_ignores_strings_and_escapes():
     from llmserve.entrypoints.openai.json_depth import body_too_deep
 

@@ -87,6 +87,12 @@ def parse_as_fastapi(model: type[BaseModel], body: bytes, content_type: Optional
     if not body:  # FastAPI reads no body as a missing one
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}],
                                      body=None)
+    from llmserve.entrypoints.openai.json_depth import long_integer_field, long_integer_message
+    from llmserve.sampling_params import SamplingParamsError
+
+    field_at = long_integer_field(body) if _is_json(content_type) else None
+    if field_at is not None:  # the route's own 400 (JsonDepthMiddleware's, inside admission)
+        raise SamplingParamsError(long_integer_message(field_at), field_at or None)
     try:
         value: Any = json.loads(body) if _is_json(content_type) else body
     except json.JSONDecodeError as e:

@@ -9,10 +9,18 @@ are dropped, quotes toggle "inside a string", and the running sum of ``[{`` (+1)
 ``]}`` (-1) outside strings is the nesting depth. Schemas given as
 JSON *text* (``structured_outputs.json``) are bounded where they are parsed
 (``structured_output/grammar.py``), with the same limit.
+
+The same middleware refuses an integer with more digits than Python reads from text
+(``int_max_str_digits``, 4300): a 400 naming where it is (``max_tokens``,
+``logit_bias.50256``, ``prompt[2]``) on every route, in each API's own error body,
+rather than FastAPI's "There was an error parsing the body" without a field.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -70,6 +78,62 @@ def _nth_string(unescaped: bytes, closing: int) -> str:
     return unescaped[at[closing - 1] + 1:at[closing]].decode("utf-8", "replace")[:128]
 
 
+class _LongInteger:
+    """What :func:`long_integer_field`'s parse puts where an over-long integer was."""
+
+
+def _digit_limit() -> int:
+    """Python's bound on the digits of an integer read from text (``int_max_str_digits``,
+    4300 by default; 0: none)."""
+    getter = getattr(sys, "get_int_max_str_digits", None)
+    return getter() if getter is not None else 0
+
+
+def json_path(parts: list[Any]) -> str:
+    """A location in a JSON value as a client writes it: keys joined by dots, list
+    indexes in brackets (``logit_bias.50256``, ``prompt[2]``, ``tools[0].function.name``)."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _path_to(value: Any, target: Any) -> Optional[list[Any]]:
+    """The keys and indexes from ``value`` to the object ``target`` (by identity), found
+    iteratively (depth is bounded before this runs); None when it is not there."""
+    stack: list[tuple[Any, list[Any]]] = [(value, [])]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((child, [*path, key]) for key, child in reversed(list(items)))
+    return None
+
+
+def long_integer_field(body: bytes, limit: Optional[int] = None) -> Optional[str]:
+    """For a JSON body holding an integer with more digits than Python reads (``limit``,
+    default ``int_max_str_digits``): where it is (:func:`json_path`; "" at the root), else
+    None. Without it the JSON parser's ValueError was FastAPI's bare "There was an error
+    parsing the body", naming no field. A linear scan for such a run of digits first (the
+    lookbehind starts a match only at a run's first digit); only a body that has one is
+    parsed, with long integers read as a marker, to find the first."""
+    limit = _digit_limit() if limit is None else limit
+    if not limit or len(body) <= limit or re.search(rb"(?<![0-9])[0-9]{%d}" % (limit + 1), body) is None:
+        return None
+    marker = _LongInteger()
+
+    def parse_int(text: str) -> Any:
+        return marker if len(text.lstrip("-")) > limit else int(text)
+
+    try:
+        value = json.loads(body, parse_int=parse_int)
+    except (ValueError, RecursionError):  # not JSON for another reason: the route's parser says so
+        return None
+    path = _path_to(value, marker)
+    return None if path is None else json_path(path)
+
+
 def _is_json(headers: Headers) -> bool:
     """JSON bodies and bodies without a content type (``/invocations`` clients); never
     uploads (multipart audio) or forms."""
@@ -103,6 +167,9 @@ class JsonDepthMiddleware:
         field = body_too_deep(body, self.max_depth)
         if field is not None:
             return await _refuse(send, field, self.max_depth)
+        field = long_integer_field(body)
+        if field is not None:
+            return await _refuse_long_integer(send, field)
         await prepare_grammar_backend(body)  # xgrammar's first import, off the event loop
         try:
             await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
@@ -135,9 +202,25 @@ def _replay(messages: list[dict], receive: Any) -> Any:
 
 async def _refuse(send: Any, field: str, max_depth: int) -> None:
     where = f"`{field}`" if field else "The request body"
-    err = make_error(f"{where} is nested too deeply: at most {max_depth} levels of JSON arrays and objects "
-                     "are accepted in a request body.", 400, field or None)
-    body = err.model_dump_json().encode()
+    await _send_400(send, f"{where} is nested too deeply: at most {max_depth} levels of JSON arrays and objects "
+                          "are accepted in a request body.", field or None)
+
+
+def long_integer_message(field: str) -> str:
+    """The 400's words for an over-long integer at ``field`` (never the number itself)."""
+    where = f"`{field}`" if field else "The request body"
+    return (f"{where}: the integer has more than {_digit_limit()} digits, more than this server reads from JSON; "
+            "send a smaller number.")
+
+
+async def _refuse_long_integer(send: Any, field: str) -> None:
+    await _send_400(send, long_integer_message(field), field or None)
+
+
+async def _send_400(send: Any, message: str, param: Optional[str]) -> None:
+    """A whole 400 response in OpenAI's error body (reshaped on the other APIs' paths by
+    ErrorShapeMiddleware, outside this one)."""
+    body = make_error(message, 400, param).model_dump_json().encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
