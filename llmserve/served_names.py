@@ -23,7 +23,7 @@ and inner spaces, e.g. ``org/model:tag``, ``ft:gpt-4o-mini:acme::abc123``,
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Optional
 
 from llmserve.sampling_params import SamplingParamsError
 
@@ -62,3 +62,44 @@ def check_served_name(name: Any, param: str) -> str:
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
         raise SamplingParamsError(f"{param} {shown} is not a valid name: it {problem}.", param)
     return name
+
+
+# Ollama's tag of a name written without one (its types/model/name.go): ``m`` is ``m:latest``.
+DEFAULT_TAG = "latest"
+
+
+def has_tag(name: str) -> bool:
+    """Whether ``name`` ends in a tag as Ollama reads one: a ``:`` after the last ``/``
+    (``llama3:8b`` has one, ``host:5000/m`` has none)."""
+    return name.rfind(":") > name.rfind("/")
+
+
+def latest_match(requested: Optional[str], names: Iterable[str]) -> Optional[str]:
+    """The name of ``names`` (served names, or the names a key may call) that ``requested``
+    calls when the two are written alike or differ only by Ollama's default tag
+    ``:latest`` (``m:latest`` calls ``m``; ``m`` calls ``m:latest``); None for none.
+    Case counts (the Ollama routes add case folding: ollama/names.py). This is how every
+    route reads a model name, so the ``name:latest`` an Ollama client takes from
+    ``/api/tags`` (VS Code Copilot Chat sends it to ``/v1/chat/completions``) calls the
+    model served as ``name``; ``m:1b`` stays another model."""
+    if not requested:
+        return None
+    names = list(names)
+    if requested in names:
+        return requested
+    suffix = f":{DEFAULT_TAG}"
+    if requested.endswith(suffix) and has_tag(requested):
+        bare = requested[:-len(suffix)]
+        if bare in names and not has_tag(bare):
+            return bare
+    elif not has_tag(requested) and requested + suffix in names:
+        return requested + suffix
+    return None
+
+
+def ollama_listed_name(name: str) -> str:
+    """``name`` as Ollama lists it (``/api/tags``, ``/api/ps``): with ``:latest`` when it
+    has no tag, so clients that compare listed names with ``NAME:latest``
+    (langchain-ollama's ``validate_model_on_init``) find it; :func:`latest_match` makes
+    the listed name call the model on every route."""
+    return name if has_tag(name) else f"{name}:{DEFAULT_TAG}"

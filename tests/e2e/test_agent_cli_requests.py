@@ -191,7 +191,7 @@ def test_codex_oss_ollama_handshake(server):
     version = server.http.get("/api/version").json()["version"]
     assert tuple(int(p) for p in version.split(".")) >= (0, 13, 4), version
     names = [m["name"] for m in server.http.get("/api/tags").json()["models"]]
-    assert MODEL in names
+    assert f"{MODEL}:latest" in names  # as Ollama lists it; /v1 serves that name as MODEL
 
 
 def test_head_requests_claude_code_and_ollama_clients_send(server):

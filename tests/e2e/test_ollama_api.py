@@ -47,7 +47,7 @@ def _error(r: httpx.Response, status: int, *words: str) -> str:
 def test_list_show_ps_version(server):
     client = _client(server)
     names = [m.model for m in client.list().models]
-    assert names == [MODEL]
+    assert names == [f"{MODEL}:latest"]  # as Ollama lists a name without a tag
     context = server.http.get("/v1/models").json()["data"][0]["max_model_len"]
     shown = client.show(MODEL)
     assert {"completion", "tools"} <= set(shown.capabilities) and "embedding" not in shown.capabilities
@@ -56,7 +56,7 @@ def test_list_show_ps_version(server):
     assert "im_start" in shown.template and shown.details.family == "llama"
     assert client.show(f"{MODEL}:latest").template == shown.template  # Ollama's default tag
     ps = client.ps().models
-    assert [m.model for m in ps] == [MODEL] and ps[0].context_length == context and ps[0].size > 0
+    assert [m.model for m in ps] == names and ps[0].context_length == context and ps[0].size > 0
     assert httpx.get(server.url_for("api/version")).json()["version"]
 
 

@@ -81,6 +81,9 @@ def test_langchain_bind_tools_and_function_calling_output(server):
 
     llm = ChatOllama(model=MODEL, base_url=server.url_root, temperature=0, num_predict=80,
                      client_kwargs={"headers": {"Authorization": f"Bearer {server.api_key}"}})
+    for name in (MODEL, f"{MODEL}:latest"):  # looks the name up in /api/tags (it listed no :latest)
+        ChatOllama(model=name, base_url=server.url_root, validate_model_on_init=True,
+                   client_kwargs={"headers": {"Authorization": f"Bearer {server.api_key}"}})
     called = llm.bind_tools([ADD]).invoke("what is 2+3")
     assert [c["name"] for c in called.tool_calls] == ["add"], called
     person = llm.with_structured_output(Person, method="function_calling").invoke("John is 30 years old.")
@@ -133,6 +136,11 @@ def test_raw_generate_refuses_what_it_would_drop(server):
 def test_show_gives_copilot_chat_the_name_it_asked_for(server):
     name = f"{MODEL.lower()}:latest"
     copilot = server.http.post("/api/show", json={"model": name}, headers={"User-Agent": "GitHubCopilotChat/0.31.0"})
+    # Copilot's flow: the name /api/tags lists (Ollama's name:latest) goes to /v1/chat/completions
+    (listed,) = [m["name"] for m in server.http.get("/api/tags").json()["models"]]
+    chat = server.post("/v1/chat/completions", {"model": listed, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 1})
+    assert listed == f"{MODEL}:latest" and chat.status_code == 200 and chat.json()["model"] == MODEL, chat.text
     assert copilot.status_code == 200 and copilot.json()["model_info"]["general.basename"] == name, copilot.text
     other = server.http.post("/api/show", json={"model": name}).json()
     assert other["model_info"]["general.basename"] != name and other["model_info"]["llama.context_length"] > 0

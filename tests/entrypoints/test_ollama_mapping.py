@@ -169,9 +169,10 @@ def test_tags_and_ps_list_the_lora_adapters_that_chat_serves(tmp_path):
                             openai_serving_models=OpenAIServingModels([BaseModelPath("m", str(base))], 64,
                                                                       lora=[adapters]))
     tags = info.tags(state)["models"]
-    assert [(t["name"], t["size"], t["details"]["parent_model"]) for t in tags] == [("m", 10, ""), ("sql", 3, "m")]
+    assert [(t["name"], t["size"], t["details"]["parent_model"]) for t in tags] == \
+        [("m:latest", 10, ""), ("sql:latest", 3, "m")]
     assert tags[0]["digest"] != tags[1]["digest"]
-    assert [m["name"] for m in info.ps(state)["models"]] == ["m", "sql"]
+    assert [m["name"] for m in info.ps(state)["models"]] == ["m:latest", "sql:latest"]
     # /api/show of the adapter says so as Ollama does (ADAPTER after FROM, its base as
     # parent_model); it showed the base model's Modelfile and details
     state.engine_client.tokenizer = SimpleNamespace(chat_template=None, get_vocab=dict)
@@ -558,3 +559,50 @@ def test_a_developer_message_is_a_system_message_on_api_chat(app_and_engine):  #
     assert engine.prompts[-1]["prompt"].startswith("<|im_start|>system\nAnswer in French.<|im_end|>\n")
     r = client.post("/api/chat", json={"model": "m", "stream": False, "messages": [{"role": "bogus", "content": "x"}]})
     assert r.status_code == 400 and "role" in r.json()["error"], r.text
+
+
+def _weights_at(engine, path) -> None:
+    """Give the stub engine's model config what /api/tags reads (a weights folder)."""
+    engine.model_config.__dict__.update(model_path=str(path), gguf_file=None, quantization=None, dtype="bfloat16",
+                                        hf_config=SimpleNamespace(model_type="llama"))
+
+
+def test_tags_list_name_latest_and_every_route_serves_that_name(app_and_engine, tmp_path):  # noqa: F811
+    """/api/tags lists a name served without a tag as Ollama lists it, ``name:latest``
+    (langchain-ollama's ``validate_model_on_init`` looks for ``NAME:latest`` there and
+    failed on the bare name: the client itself in test_ollama_client_faults.py), and every route takes that listed name for the served one:
+    VS Code Copilot Chat reads the name from /api/tags and sends it to
+    /v1/chat/completions (a 404 once /api/tags listed tags). /v1/models keeps the served
+    names; another tag or case stays another model on the OpenAI routes."""
+    client, engine = app_and_engine()
+    _weights_at(engine, tmp_path)
+    listed = [m["name"] for m in client.get("/api/tags").json()["models"]]
+    assert listed == ["m:latest"] and [m["model"] for m in client.get("/api/ps").json()["models"]] == listed
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["m"]
+    assert client.get("/v1/models/m:latest").json()["id"] == "m"
+    ask = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": ask}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/messages", {"messages": ask}), ("/v1/responses", {"input": "hi"}),
+                       ("/api/chat", {"messages": ask, "stream": False})):
+        engine.outputs = [_output("ok", "stop")]
+        r = client.post(path, json={"model": listed[0], "max_tokens": 3, **body})
+        assert r.status_code == 200, (path, r.text)
+        assert r.json()["model"] == ("m" if path.startswith("/v1/c") or path == "/v1/responses" else listed[0])
+    for name in ("m:1b", "M:latest", "m:latest:latest"):
+        r = client.post("/v1/chat/completions", json={"model": name, "messages": ask, "max_tokens": 3})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", (name, r.text)
+
+
+def test_latest_match_is_the_default_tag_rule_of_every_route():
+    """served_names.latest_match: ``m:latest`` calls ``m`` and ``m`` calls ``m:latest``,
+    the exact name first; another tag, another case, a port (``host:5000/m``) or a doubled
+    tag is no match."""
+    from llmserve.served_names import latest_match, ollama_listed_name
+    served = ["m", "llama3:latest", "host:5000/team/x", "both", "both:latest"]
+    assert latest_match("m:latest", served) == "m" and latest_match("llama3", served) == "llama3:latest"
+    assert latest_match("host:5000/team/x:latest", served) == "host:5000/team/x"
+    assert latest_match("both", served) == "both" and latest_match("both:latest", served) == "both:latest"
+    for name in ("m:1b", "M", "M:latest", "m:latest:latest", "host:5000/team/x:5000", "", None):
+        assert latest_match(name, served) is None, name
+    assert [ollama_listed_name(n) for n in ("m", "llama3:8b", "host:5000/x")] == \
+        ["m:latest", "llama3:8b", "host:5000/x:latest"]

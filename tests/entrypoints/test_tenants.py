@@ -249,7 +249,7 @@ def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_p
     got = asyncio.run(run())
     listed = {k: ([m["id"] for m in r[0].json()["data"]], [m["name"] for m in r[2].json()["models"]],
                   [m["name"] for m in r[3].json()["models"]]) for k, r in got.items()}
-    assert listed["key-a"] == (["m"], ["m"], ["m"]) and got["key-a"][1].json()["id"] == "m"
+    assert listed["key-a"] == (["m"], ["m:latest"], ["m:latest"]) and got["key-a"][1].json()["id"] == "m"
     assert listed["key-c"] == ([], [], [])  # carol may call only "other"
     hidden = got["key-c"][1]
     # The 404 lists the served names carol may call: none ("other" is allowed but not
@@ -258,12 +258,16 @@ def test_model_listings_hide_models_outside_allowed_models(smol_tokenizer, tmp_p
     assert hidden.status_code == 404 and "`other`" not in message and "No model served here can be called" in message
 
 
-def test_an_ollama_latest_tag_is_allowed_as_its_model_on_ollama_routes_only(smol_tokenizer, tmp_path):
+def test_an_ollama_latest_tag_is_allowed_as_its_model(smol_tokenizer, tmp_path):
     """A key allowed "m" may call "m:latest" (and "M") on Ollama's routes, where that name serves
     "m" (the fresh-user trial: a key allowed only a LoRA adapter got 404 for
-    "sql:latest" while "sql" worked); on the OpenAI routes "m:latest" stays a 404."""
+    "sql:latest" while "sql" worked), and "m:latest" on the OpenAI routes, which serve it as
+    "m" (/api/tags lists "m:latest"; VS Code Copilot Chat sends that name to /v1); case
+    still counts there."""
     app, engine, _ = _app(smol_tokenizer, tmp_path, KEYS + [{"key": "key-m", "tenant": "mallory",
                                                              "allowed_models": ["m"]}])
+    engine.model_config.__dict__.update(model_path=str(tmp_path), gguf_file=None, quantization=None,
+                                        dtype="bfloat16", hf_config=SimpleNamespace(model_type="llama"))  # what /api/tags reads
 
     async def run():
         async with _client(app) as c:
@@ -274,13 +278,16 @@ def test_an_ollama_latest_tag_is_allowed_as_its_model_on_ollama_routes_only(smol
             upper = await c.post("/api/generate", json={"model": "M", "prompt": "hi", "stream": False,
                                                         "options": {"num_predict": 2}}, headers=_auth("key-m"))
             openai = await c.post("/v1/chat/completions", json={**CHAT, "model": "m:latest"}, headers=_auth("key-m"))
-            return gen, other, openai, upper
-    gen, other, openai, upper = asyncio.run(run())
+            cased = await c.post("/v1/chat/completions", json={**CHAT, "model": "M"}, headers=_auth("key-m"))
+            tags = await c.get("/api/tags", headers=_auth("key-m"))
+            return gen, other, openai, upper, cased, tags
+    gen, other, openai, upper, cased, tags = asyncio.run(run())
+    assert cased.status_code == 404 and [m["name"] for m in tags.json()["models"]] == ["m:latest"], tags.text
     assert gen.status_code == 200 and gen.json()["response"] == "ok", gen.text
     assert upper.status_code == 200 and upper.json()["model"] == "M", upper.text  # Ollama ignores case
     assert other.status_code == 404 and other.json() == {"error": "model 'other:latest' not found"}
-    assert openai.status_code == 404 and openai.json()["error"]["param"] == "model"
-    assert engine.started == 2
+    assert openai.status_code == 200 and openai.json()["model"] == "m", openai.text
+    assert engine.started == 3
 
 
 def test_request_list_shows_only_the_engines_of_the_keys_models(smol_tokenizer, tmp_path):

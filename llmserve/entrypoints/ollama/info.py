@@ -20,6 +20,7 @@ from typing import Any
 
 from llmserve.entrypoints.ollama.serving import served_name
 from llmserve.entrypoints.ollama.weight_facts import human_number, weight_facts
+from llmserve.served_names import ollama_listed_name
 
 # The Ollama API version these routes follow (clients compare it with their minimum).
 # 0.13.4: Ollama serves /v1/responses since 0.13.3 (so does this server), and Codex CLI
@@ -108,8 +109,11 @@ def details(config: Any) -> dict[str, Any]:
 
 
 def _card(s: Any, name: str) -> dict[str, Any]:
+    """The listing of the model served as ``name``, listed as Ollama lists names
+    (``name:latest`` when it has no tag: served_names.ollama_listed_name)."""
     config = s.engine_client.model_config
-    return {"name": name, "model": name, "modified_at": modified_at(config), "size": size_bytes(config),
+    listed = ollama_listed_name(name)
+    return {"name": listed, "model": listed, "modified_at": modified_at(config), "size": size_bytes(config),
             "digest": digest(config), "details": details(config)}
 
 
@@ -134,7 +138,10 @@ def _cards(s: Any) -> list[dict[str, Any]]:
 
 def tags(state: Any) -> dict[str, Any]:
     """``GET /api/tags``: every served name, LoRA adapters included (an Ollama client
-    offers only the models listed here)."""
+    offers only the models listed here), each as Ollama lists it, ``name:latest`` for a
+    name served without a tag: langchain-ollama's ``validate_model_on_init`` looks for
+    ``NAME:latest`` here. Every route takes that name for the served one (VS Code Copilot
+    Chat sends it to ``/v1/chat/completions``: served_names.latest_match)."""
     return {"models": [card for s in model_states(state) for card in _cards(s)]}
 
 

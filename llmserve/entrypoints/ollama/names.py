@@ -1,6 +1,7 @@
 """The one rule by which Ollama's routes (``/api/...``) find a served model from the name a
 request gives, and what they answer when none matches. The OpenAI and Anthropic routes
-keep their own rule (the exact served name).
+keep a narrower rule (served_names.latest_match: the exact served name, or it with or
+without ``:latest``, so the ``name:latest`` that ``/api/tags`` lists calls it there too).
 
 Ollama (``types/model/name.go``, ``server/routes.go`` ``getExistingName``) reads a name as
 ``[host/][namespace/]model[:tag]``, the tag being ``latest`` when none is written, and
@@ -26,17 +27,15 @@ import json
 from typing import Iterable, Optional
 
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
-from llmserve.served_names import MAX_SERVED_NAME_CHARS
+from llmserve.served_names import DEFAULT_TAG, MAX_SERVED_NAME_CHARS, has_tag
 
-DEFAULT_TAG = "latest"
 # Routes whose 404 carries Ollama's "try pulling it first" (see the module docstring).
 PULL_HINT_ROUTES = frozenset({"/api/embed", "/api/embeddings"})
 
 
 def name_key(name: str) -> str:
     """``name`` as Ollama compares it: lower case, with ``:latest`` when it has no tag."""
-    tagged = name.rfind(":") > name.rfind("/")
-    return (name if tagged else f"{name}:{DEFAULT_TAG}").lower()
+    return (name if has_tag(name) else f"{name}:{DEFAULT_TAG}").lower()
 
 
 def match_name(requested: str, names: Iterable[str]) -> Optional[str]:

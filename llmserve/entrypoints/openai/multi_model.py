@@ -198,7 +198,7 @@ class ModelRegistry:
         that can when the named model cannot do ``task``."""
         if not name:
             return next((m for m in self.models if task is None or task in m.capabilities), self.models[0])
-        model = self.by_name.get(name) or self._adapter_owner(name)
+        model = self.by_name.get(name) or self._adapter_owner(name) or self._latest_owner(name)
         if model is None:
             raise ModelNotFoundError(name, self.model_names + self.serving_models().lora_names)
         if task is not None and task not in model.capabilities:
@@ -208,6 +208,11 @@ class ModelRegistry:
     def _adapter_owner(self, name: str) -> Optional[ServedModel]:
         """The model whose engine serves the LoRA adapter ``name`` (loaded at any time)."""
         return next((m for m in self.models if m.state.openai_serving_models.lora_request(name) is not None), None)
+
+    def _latest_owner(self, name: str) -> Optional[ServedModel]:
+        """The model serving the name ``name`` differs from only by Ollama's default tag
+        (``m:latest`` for ``m``: OpenAIServingModels.served_as), after exact names."""
+        return next((m for m in self.models if m.state.openai_serving_models.served_as(name) is not None), None)
 
     def _cannot_message(self, name: str, model: ServedModel, task: str, flag: Optional[str]) -> str:
         able = [m.names[0] for m in self.models if task in m.capabilities]

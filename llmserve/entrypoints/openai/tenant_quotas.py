@@ -44,6 +44,7 @@ from llmserve.entrypoints.openai.fan_out import fan_out_of
 from llmserve.entrypoints.ollama.names import match_name, not_found
 from llmserve.entrypoints.openai.models.serving import ModelNotFoundError
 from llmserve.sampling_params import SamplingParamsError
+from llmserve.served_names import latest_match
 from llmserve.entrypoints.openai.server_load import TRACKED_PATHS
 from llmserve.entrypoints.openai.server_utils import json_response
 from llmserve.entrypoints.openai.tenants import TENANT_IN_FLIGHT_KEY, TENANT_OUTCOME_KEY, Tenant, tenant_of
@@ -90,7 +91,7 @@ def callable_models(tenant: Tenant, state: Any) -> list[str]:
     list: never a name the server does not serve."""
     serving = getattr(state, "openai_serving_models", None)
     served = (serving.model_names + serving.lora_names) if serving is not None else []
-    return [n for n in served if tenant.allowed_models is None or n in tenant.allowed_models]
+    return [n for n in served if tenant.allowed_models is None or latest_match(n, tenant.allowed_models) is not None]
 
 
 def _default_model_allowed(tenant: Tenant, state: Any) -> bool:
@@ -98,12 +99,15 @@ def _default_model_allowed(tenant: Tenant, state: Any) -> bool:
     Such a request goes to the default model (one model: any of its names; on an
     ``--extra-model`` server, the first that can serve the endpoint), so it may run
     only when the tenant may call every model it could reach."""
-    allowed = set(tenant.allowed_models or ())
+    allowed = tenant.allowed_models or ()
+
+    def any_allowed(names: list[str]) -> bool:
+        return any(latest_match(n, allowed) is not None for n in names)
     registry = getattr(state, "model_registry", None)
     if registry is not None:
-        return all(allowed & set(m.names) for m in registry.models)
+        return all(any_allowed(m.names) for m in registry.models)
     serving = getattr(state, "openai_serving_models", None)
-    return serving is not None and bool(allowed & set(serving.model_names))
+    return serving is not None and any_allowed(serving.model_names)
 
 
 def model_refusal(tenant: Tenant, model: Optional[str], state: Any,
@@ -125,7 +129,7 @@ def model_refusal(tenant: Tenant, model: Optional[str], state: Any,
             if match_name(model, tenant.allowed_models) is not None:
                 return None
             return not_found(model, ollama_route)
-        if model in tenant.allowed_models:
+        if latest_match(model, tenant.allowed_models) is not None:  # m:latest is m (served_names)
             return None
         return ModelNotFoundError(model, callable_models(tenant, state))
     if _default_model_allowed(tenant, state):

@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Optional
 
+from llmserve.served_names import latest_match
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT_NAME = "default"
@@ -71,9 +73,11 @@ def tenant_of(request: Any) -> Tenant:
 
 def tenant_sees_model(request: Any, name: str) -> bool:
     """Whether the request's tenant may call (and so may see listed) the served model or
-    adapter ``name``: its ``allowed_models``, or every model when it has none (issue 34)."""
+    adapter ``name``: its ``allowed_models``, or every model when it has none (issue 34).
+    ``name`` and an allowed name that differ only by Ollama's default tag are one model
+    (``served_names.latest_match``: /api/tags lists ``m:latest`` for ``m``)."""
     allowed = tenant_of(request).allowed_models
-    return allowed is None or name in allowed
+    return allowed is None or latest_match(name, allowed) is not None
 
 
 def tenant_name_of(request: Any) -> str:

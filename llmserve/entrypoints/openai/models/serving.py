@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from llmserve.entrypoints.openai.models.protocol import ModelCard, ModelList
-from llmserve.served_names import MAX_SERVED_NAME_CHARS
+from llmserve.served_names import MAX_SERVED_NAME_CHARS, latest_match
 
 if TYPE_CHECKING:  # lora.py imports common.errors, which imports this module
     from llmserve.entrypoints.openai.models.lora import LoRAAdapters
@@ -75,16 +75,25 @@ class OpenAIServingModels:
     def is_base_model(self, model_name: Optional[str]) -> bool:
         return any(p.name == model_name for p in self.base_model_paths)
 
+    def served_as(self, model_name: Optional[str]) -> Optional[str]:
+        """The served name (base model or adapter) that ``model_name`` calls: itself, or
+        the name it differs from only by Ollama's default tag (``m:latest`` for ``m``,
+        ``served_names.latest_match``: /api/tags lists ``m:latest`` and VS Code Copilot
+        sends that to the OpenAI routes); None for an unknown name."""
+        return latest_match(model_name, self.model_names + self.lora_names)
+
     def resolve(self, model_name: Optional[str]) -> str:
         """The served name to report for a request's ``model`` field.
 
-        None or "" (field left out) means the default model, as in vLLM.
+        None or "" (field left out) means the default model, as in vLLM; ``name:latest``
+        calls ``name`` (:meth:`served_as`), and the served name is reported.
         Raises ModelNotFoundError for any other unknown name.
         """
         if not model_name:
             return self.base_model_paths[0].name
-        if self.is_base_model(model_name) or self.lora_request(model_name) is not None:
-            return model_name
+        served = self.served_as(model_name)
+        if served is not None:
+            return served
         raise ModelNotFoundError(model_name, self.model_names + self.lora_names)
 
     def _card(self, p: BaseModelPath) -> ModelCard:
@@ -97,7 +106,9 @@ class OpenAIServingModels:
         return ModelList(data=[self._card(p) for p in self.base_model_paths] + adapters)
 
     def show_model(self, model_id: str) -> ModelCard:
-        """The body of ``GET /v1/models/{model_id}``. Raises ModelNotFoundError (404)."""
+        """The body of ``GET /v1/models/{model_id}`` (``name:latest`` gives ``name``'s
+        card, :meth:`served_as`). Raises ModelNotFoundError (404)."""
+        model_id = self.served_as(model_id) or model_id
         for p in self.base_model_paths:
             if p.name == model_id:
                 return self._card(p)
