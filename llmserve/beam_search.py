@@ -27,9 +27,11 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, array_like=True, gc=F
     """Beam search settings (vLLM's ``BeamSearchParams``, plus transformers' early_stopping).
 
     beam_width: live beams per step and sequences returned (>= 1). max_tokens: new tokens
-    per beam (>= 1). ignore_eos: EOS does not end a beam. temperature: accepted for
-    vLLM's signature; beams are scored with the raw log-probabilities (vLLM v1's
-    ``raw_logprobs``, transformers' ``log_softmax`` of the logits), so it changes nothing.
+    per beam (>= 1). ignore_eos: EOS does not end a beam. temperature: >= 0; beams are
+    scored with ``log_softmax(logits / temperature)`` (vLLM applies the temperature before
+    the log-softmax its beams are ranked on); 0 (the default) and 1 score them on the raw
+    log-probabilities (transformers' ``log_softmax`` of the logits). The returned
+    ``logprobs`` and ``cum_logprob`` are those scores.
     length_penalty: a finished hypothesis scores ``cum_logprob / generated_len **
     length_penalty`` (generated_len counts the EOS token; transformers' BeamSearchScorer).
     include_stop_str_in_output: keep the EOS token in the returned tokens and text.
@@ -52,8 +54,9 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, array_like=True, gc=F
             raise _field_error(f"beam_width must be an integer >= 1, got {self.beam_width!r}.", "beam_width")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise _field_error(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.", "max_tokens")
-        if self.temperature < 0:
-            raise _field_error(f"temperature must be >= 0, got {self.temperature}.", "temperature")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise _field_error("temperature must be a finite number >= 0.", "temperature")
         if self.early_stopping not in (True, False, "never"):
             raise _field_error(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}.",
                                "early_stopping")

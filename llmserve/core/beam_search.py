@@ -2,8 +2,10 @@
 
 A beam-search request (``Request.beam_search_params``) enters the scheduler as one beam,
 a Request of its own (id ``<request id>#0``), that prefills the prompt once. Each beam
-asks the runner for its top-K raw logprobs (K = beams_to_keep, below) instead of a
-sampled token. When every live beam of the group has its row, ``BeamGroup.step`` picks the
+asks the runner for its top-K logprobs (K = beams_to_keep, below) instead of a
+sampled token: ``log_softmax(logits / temperature)`` (``Request.beam_temperature``; vLLM
+scores beams on the logprobs of the temperature-scaled logits), the raw logprobs with
+temperature 0 (the default) or 1. When every live beam of the group has its row, ``BeamGroup.step`` picks the
 next beams exactly as transformers' ``_beam_search`` (generation/utils.py, 5.x) does:
 
 * candidates: every (beam, token) with score cum_logprob + logprob; the best
@@ -174,6 +176,7 @@ def _clone_beam(parent: Request, rid: str) -> Request:
     child.num_cached_tokens = parent.num_cached_tokens
     child.tenant, child.tenant_weight = getattr(parent, "tenant", None), getattr(parent, "tenant_weight", 1.0)
     child.lora_request = parent.lora_request  # every beam runs with the request's adapter
+    child.beam_temperature = parent.beam_temperature
     return child
 
 
@@ -344,5 +347,6 @@ def _clone_beam_from_request(request: Request, group: BeamGroup) -> Request:
     beam.encoder_cache_key = request.request_id
     beam.tenant, beam.tenant_weight = getattr(request, "tenant", None), getattr(request, "tenant_weight", 1.0)
     beam.lora_request = request.lora_request  # the beams' rows run with the request's adapter
+    beam.beam_temperature = request.beam_search_params.temperature  # rows of log_softmax(logits / T)
     return beam
 

@@ -120,6 +120,9 @@ class Request:
         # each beam (a Request of its own), the BeamGroup it belongs to.
         self.beam_search_params = None
         self.beam_group = None
+        # On a beam: the search's temperature; the runner computes the beam's top-K row
+        # as log_softmax(logits / temperature) (0 or 1: the raw logprobs).
+        self.beam_temperature = 0.0
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
         if self.log_stats:

@@ -82,6 +82,11 @@ def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
                 f"(vocab size {vocab_size}).", "logit_bias")
 
 
+def _inv_temperature(t: float) -> float:
+    """1 / t, and 1.0 for t == 0 (greedy rows keep the raw logprobs)."""
+    return 1.0 / t if t > 0 else 1.0
+
+
 @dataclass
 class RequestSamplingCache:
     """Tensors the sampler derives from one request and keeps between steps.
@@ -109,6 +114,9 @@ class SamplingRequestState:
     ``sampling_params.seed`` is set, else None (the default RNG is used). eos_token_id: the
     model's EOS id, blocked together with ``all_stop_token_ids`` until ``min_tokens``.
     cache: tensors the sampler derives lazily (private to ``llmserve.sample``).
+    logprobs_temperature: the temperature its logprobs are computed at,
+    ``log_softmax(logits / T)``; 0 or 1: the raw logprobs (every request but a beam of a
+    beam search with a temperature: core/beam_search.py).
     """
 
     sampling_params: SamplingParams
@@ -117,6 +125,7 @@ class SamplingRequestState:
     generator: Optional[SeededStream] = None
     eos_token_id: Optional[int] = None
     cache: RequestSamplingCache = field(default_factory=RequestSamplingCache, repr=False)
+    logprobs_temperature: float = 0.0
 
 
 @dataclass
@@ -156,6 +165,8 @@ class SamplingMetadata:
     truncated_group: random rows using top-k and/or top-p (and maybe min-p).
     max_num_logprobs: K for the sampled-token logprobs (-1 is turned into vocab_size);
       None when no row asks. logprobs_rows: rows that ask (None = all rows).
+    logprobs_scale: float32 [B, 1], 1 / logprobs_temperature per row (1.0 for raw rows);
+      None when every row's logprobs are raw.
     penalty_rows, allowed_rows, bad_words_rows, min_tokens_rows, logit_bias_rows: rows
       using each logits-processing feature (empty lists when none: the work is skipped).
     presence/frequency/repetition_penalties: float32 [P] for ``penalty_rows``.
@@ -178,6 +189,7 @@ class SamplingMetadata:
     bad_words_rows: list[int]
     min_tokens_rows: list[int]
     logit_bias_rows: list[int]
+    logprobs_scale: Optional[torch.Tensor] = None
 
     @property
     def num_rows(self) -> int:
@@ -211,6 +223,7 @@ class SamplingMetadata:
         bad_rows: list[int] = []
         min_rows: list[int] = []
         bias_rows: list[int] = []
+        scaled = False
         for i, st in enumerate(reqs):
             sp = st.sampling_params
             if sp.temperature < 1e-5 or sp.top_k == 1:
@@ -221,6 +234,8 @@ class SamplingMetadata:
                 full.append(i)
             if sp.logprobs is not None:
                 lp_rows.append(i)
+                if st.logprobs_temperature not in (0.0, 1.0):
+                    scaled = True
                 k = vocab_size if sp.logprobs == -1 else min(sp.logprobs, vocab_size)
                 max_lp = k if max_lp is None else max(max_lp, k)
             if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
@@ -292,5 +307,7 @@ class SamplingMetadata:
             bad_words_rows=bad_rows,
             min_tokens_rows=min_rows,
             logit_bias_rows=bias_rows,
+            logprobs_scale=f32([_inv_temperature(st.logprobs_temperature) for st in reqs]).unsqueeze(1)
+            if scaled else None,
         )
 

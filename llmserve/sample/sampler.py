@@ -10,7 +10,8 @@ row needs it:
      distribution), then min-p (keep p >= min_p * p_max), then draw one token.
 
 Logprobs are computed from the *raw* logits (logprobs.py), so they do not depend on the
-sampling settings.
+sampling settings; the one exception is a beam-search row, whose top-K row is that of
+``logits / temperature`` (``SamplingMetadata.logprobs_scale``; core/beam_search.py).
 
 Drawing: each random row draws ONE uniform number u in [0, 1) per step: a seeded
 request's is a function of (seed, output position) (``metadata.SeededStream``), others
@@ -254,7 +255,8 @@ class Sampler(nn.Module):
         sampled = self.sample(x, meta)
         lp = None
         if meta.max_num_logprobs is not None:
-            lp = compute_sampled_logprobs(logits, sampled, meta.max_num_logprobs, meta.logprobs_rows)
+            lp_logits = logits if meta.logprobs_scale is None else logits * meta.logprobs_scale
+            lp = compute_sampled_logprobs(lp_logits, sampled, meta.max_num_logprobs, meta.logprobs_rows)
         return SamplerOutput(sampled, lp)
 
     @staticmethod

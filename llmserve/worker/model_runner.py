@@ -418,7 +418,8 @@ class ModelRunner:
             st = _ReqState(SamplingRequestState(
                 sampling_params=sp, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, generator=gen,
-                eos_token_id=req.eos_token_id), req.num_prompt_tokens)
+                eos_token_id=req.eos_token_id,
+                logprobs_temperature=getattr(req, "beam_temperature", 0.0)), req.num_prompt_tokens)
             self.states[req.request_id] = st
         return st
 

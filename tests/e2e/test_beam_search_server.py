@@ -9,9 +9,9 @@ import pytest
 from llmserve.beam_search import BeamSearchParams
 
 
-def _texts(llm, prompt, k: int, max_tokens: int) -> list[str]:
+def _texts(llm, prompt, k: int, max_tokens: int, temperature: float = 0.0) -> list[str]:
     tok = llm.get_tokenizer()
-    out = llm.beam_search(prompt, BeamSearchParams(beam_width=k, max_tokens=max_tokens))[0]
+    out = llm.beam_search(prompt, BeamSearchParams(beam_width=k, max_tokens=max_tokens, temperature=temperature))[0]
     n = len(tok.encode(prompt)) if isinstance(prompt, str) else len(llm.apply_chat_template(prompt))
     return [tok.decode(s.tokens[n:], skip_special_tokens=True) for s in out.sequences]
 
@@ -33,6 +33,17 @@ def test_completions_and_chat_equal_offline(server, llm_fp32):
     ids = llm_fp32.apply_chat_template(conv)
     ref = llm_fp32.beam_search(conv, BeamSearchParams(beam_width=2, max_tokens=12, early_stopping=True))[0]
     assert got == [tok.decode(s.tokens[len(ids):], skip_special_tokens=True) for s in ref.sequences]
+
+
+def test_temperature_scales_the_scores_as_offline(server, llm_fp32):
+    """vLLM scores beams on log_softmax(logits / temperature): at 0.3 the server's beams
+    are LLM.beam_search's at 0.3 (here not the raw ones: ', I used to' came first)."""
+    prompt = "Once upon a time"
+    r = server.post("/v1/completions", {"model": server.model_id(), "prompt": prompt, "max_tokens": 4, "n": 3,
+                                         "use_beam_search": True, "temperature": 0.3})
+    assert r.status_code == 200, r.text
+    got = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert got == _texts(llm_fp32, prompt, 3, 4, 0.3) and got[0] != ", I used to"
 
 
 @pytest.mark.slow

@@ -77,6 +77,29 @@ def test_tiny_beams_equal_transformers(tiny, k, lp, es):
     assert ended, "no beam ended on EOS: the test would not cover EOS handling"
 
 
+def test_temperature_scales_the_logits_the_beams_are_scored_on(tiny):
+    """vLLM ranks beams on log_softmax(logits / temperature): at 0.5 the beams equal
+    transformers' beams on the same model with its LM head scaled by 1 / 0.5 (and differ
+    from the raw ones); 0 (the default) and 1 keep the raw beams."""
+    import copy
+
+    llm, hf, prompts = tiny
+    t, p = 0.5, prompts[1]
+    hot = copy.deepcopy(hf)
+    with torch.no_grad():
+        hot.lm_head.weight.div_(t)
+
+    def beams(temperature: float):
+        return llm.beam_search({"prompt_token_ids": p}, BeamSearchParams(
+            beam_width=3, max_tokens=5, length_penalty=0.5, temperature=temperature,
+            include_stop_str_in_output=True))[0]
+
+    scaled, raw = beams(t), beams(0.0)
+    assert_same_beams(scaled, hf_beams(hot, p, 3, 5, 0.5, False), len(p), "temperature 0.5")
+    assert [s.cum_logprob for s in scaled.sequences] != [s.cum_logprob for s in raw.sequences]
+    assert [s.tokens for s in beams(1.0).sequences] == [s.tokens for s in raw.sequences]
+
+
 def _width3_beams(path: str, prompts: list[list[int]]) -> list:
     """``LLM.beam_search`` (width 3, 8 tokens, length_penalty 0.5, EOS kept) on the
     checkpoint at ``path``, in a fresh in-process engine."""
