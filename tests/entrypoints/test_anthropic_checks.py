@@ -420,3 +420,36 @@ def test_a_final_assistant_message_is_continued_not_answered(app_and_engine):  #
     for fine in ({"type": "disabled"}, None):
         assert to_chat_request(_request(PREFILL, thinking=fine), auto_tools=False).continue_final_message
     to_chat_request(_request([PREFILL[0], tool_turn], thinking={"type": "adaptive"}), auto_tools=False)
+
+
+def test_tool_references_load_deferred_tools():
+    # Claude Code's tool search: deferred tools (defer_loading) stay out of the prompt until a
+    # tool_result's tool_reference block names one; the block was a 400 ("content blocks of
+    # type 'tool_reference' are not supported").
+    schema = {"type": "object", "properties": {}}
+    tools = [{"name": "ToolSearch", "input_schema": schema},
+             {"name": "get_weather", "input_schema": schema, "defer_loading": True},
+             {"name": "get_time", "input_schema": schema, "defer_loading": True}]
+    search = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "ToolSearch",
+                                                "input": {"query": "weather"}}]}
+    found = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+        {"type": "tool_reference", "tool_name": "get_weather", "cache_control": {"type": "ephemeral"}}]}]}
+    names = lambda chat: [t["function"]["name"] for t in chat.tools or ()]  # noqa: E731
+    assert names(to_chat_request(_request([ASK], tools=tools), auto_tools=True)) == ["ToolSearch"]
+    chat = to_chat_request(_request([ASK, search, found], tools=tools), auto_tools=True)
+    assert names(chat) == ["ToolSearch", "get_weather"]
+    assert chat.messages[-1].content == "Tool loaded: get_weather"
+    counted = AnthropicCountTokensRequest(model="m", messages=[ASK, search, found], tools=tools)
+    assert names(to_chat_request(counted, auto_tools=False)) == ["ToolSearch", "get_weather"]
+    unknown = json.loads(json.dumps(found).replace("get_weather", "no_such_tool"))
+    with pytest.raises(SamplingParamsError) as e:
+        to_chat_request(_request([ASK, search, unknown], tools=tools), auto_tools=True)
+    assert e.value.param == "messages.2.content.0.content.0.tool_name" and e.value.code == "tool_reference_unresolved"
+    assert "no_such_tool" not in str(e.value)
+    broken = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+        {"type": "tool_reference", "tool_name": 5}]}]}
+    assert _param(lambda: to_chat_request(_request([ASK, search, broken], tools=tools), auto_tools=True))[0] == \
+        "messages.2.content.0.content.0.tool_name"
+    wrong = [{**tools[1], "defer_loading": "yes"}]
+    assert _param(lambda: to_chat_request(_request([ASK], tools=wrong), auto_tools=True))[0] == \
+        "tools.0.defer_loading"

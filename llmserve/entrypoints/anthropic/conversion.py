@@ -21,6 +21,11 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
 - Every block's fields take Anthropic's JSON types (:data:`BLOCK_FIELD_TYPES`, a
   document's source too), dropped blocks included: ``"is_error": "yes"`` or
   ``"thinking": 5`` is a 400 naming the field and the value's kind, never the value.
+- ``tool_reference`` blocks in a ``tool_result``'s content (a tool search's answer,
+  Claude Code's ``ToolSearch``) load the tool they name: a tool with
+  ``defer_loading: true`` is shown to the model only once one names it (Anthropic's tool
+  search), and the block reads as ``Tool loaded: <name>``; one naming no tool is a 400
+  (``tool_reference_unresolved``).
 - ``tools``: client tools (``input_schema``) become function tools; server tools
   (``web_search_*``, ``bash_*``, ...) and ``mcp_servers`` are a 400 naming them, as is a name outside
   ``^[a-zA-Z0-9_-]{1,64}$`` or an invalid schema (``tools.<i>.name`` / ``.input_schema``).
@@ -83,6 +88,7 @@ BLOCK_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "thinking": {"thinking": _STR, "signature": _STR},
     "redacted_thinking": {"data": _STR},
     "compaction": {"content": _STR, "encrypted_content": _STR, "signature": _STR, "tool_changes": _LIST},
+    "tool_reference": {"tool_name": _STR},
 }
 # a document's source, by its type
 DOCUMENT_SOURCE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
@@ -201,13 +207,31 @@ def system_text(system: Any, where: str = "system") -> str:
     return "\n".join(texts)
 
 
+def _tool_reference_text(block: dict[str, Any], where: str) -> str:
+    """A ``tool_reference`` block (a tool search's answer, inside a ``tool_result``) as the
+    line the model reads; the tool's definition is loaded into ``tools`` (:func:`chat_tools`)."""
+    name = block.get("tool_name")
+    if not isinstance(name, str):
+        raise SamplingParamsError(f"{where}.tool_name: a tool_reference block needs the string `tool_name` of a "
+                                  "tool in `tools`.", f"{where}.tool_name")
+    return f"Tool loaded: {name}"
+
+
+def _tool_result_part(block: Any, where: str) -> str:
+    """One block of a ``tool_result``'s content list as text."""
+    kind = _block_type(block, where)
+    if kind == "tool_reference":
+        return _tool_reference_text(block, where)
+    return _read_block(kind, block, where)
+
+
 def _tool_result_text(block: dict[str, Any], where: str) -> str:
     content = block.get("content", "")
     if isinstance(content, str):
         text = content
     elif isinstance(content, list):
         at = f"{where}.content"
-        text = "\n".join(_read_block(_block_type(b, f"{at}.{k}"), b, f"{at}.{k}") for k, b in enumerate(content))
+        text = "\n".join(_tool_result_part(b, f"{at}.{k}") for k, b in enumerate(content))
     else:
         raise SamplingParamsError(f"{where}.content must be a string or a list of text blocks.", where)
     return f"Error: {text}" if block.get("is_error") is True else text
@@ -283,8 +307,56 @@ def _check_tool(tool: Any, i: int) -> None:
         raise SamplingParamsError(f"tools.{i}.input_schema is not a valid JSON schema {err}", f"tools.{i}.input_schema")
 
 
+class ToolReferenceUnresolvedError(SamplingParamsError):
+    """A ``tool_reference`` names no tool of ``tools``: a 400 whose Anthropic body
+    carries ``error.details.error_code`` ``tool_reference_unresolved`` (the SDK's
+    ToolReferenceUnresolvedError)."""
+
+    code = "tool_reference_unresolved"
+
+
+def referenced_tools(messages: Any) -> dict[str, str]:
+    """The ``tool_name`` of every ``tool_reference`` block in the ``tool_result`` content
+    lists of ``messages`` (AnthropicMessageParam), each with its block's path
+    (``messages.<i>.content.<j>.content.<k>``), the first one of a name kept."""
+    names: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str):
+            continue
+        for j, block in enumerate(message.content):
+            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            for k, part in enumerate(inner if isinstance(inner, list) else ()):
+                if isinstance(part, dict) and part.get("type") == "tool_reference" \
+                        and isinstance(part.get("tool_name"), str):
+                    names.setdefault(part["tool_name"], f"messages.{i}.content.{j}.content.{k}")
+    return names
+
+
+def _loaded_tools(request: AnthropicCountTokensRequest) -> list[tuple[int, Any]]:
+    """``(index, tool)`` of the tools the model is shown: every tool without
+    ``defer_loading: true``, and the deferred ones a ``tool_reference`` names (Anthropic's
+    tool search: a deferred tool is left out of the prompt until a search result loads
+    it; Claude Code's own tool search answers with ``tool_reference`` blocks). Raises
+    SamplingParamsError naming ``tools.<i>.defer_loading`` (not a boolean) or
+    ToolReferenceUnresolvedError naming the block of a reference to no tool."""
+    tools = list(enumerate(request.tools or ()))
+    for i, tool in tools:
+        if tool.defer_loading is not None and not isinstance(tool.defer_loading, bool):
+            raise SamplingParamsError(f"tools.{i}.defer_loading: must be a boolean.", f"tools.{i}.defer_loading")
+    names = {tool.name for _, tool in tools}
+    refs = referenced_tools(request.messages)
+    for name, where in refs.items():
+        if name not in names:
+            raise ToolReferenceUnresolvedError(f"{where}.tool_name: the tool_reference names no tool in `tools` "
+                                               "(each referenced tool must be defined there, with defer_loading "
+                                               "when it is loaded on reference).", f"{where}.tool_name")
+    return [(i, tool) for i, tool in tools if tool.defer_loading is not True or tool.name in refs]
+
+
 def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, Any]]]:
-    """The client tools as OpenAI function tools. Raises SamplingParamsError naming
+    """The client tools the model is shown (:func:`_loaded_tools`: a tool with
+    ``defer_loading: true`` only once a ``tool_reference`` loads it) as OpenAI function
+    tools. Raises SamplingParamsError naming
     ``tools.<i>`` for a server tool or a missing ``input_schema``, and ``mcp_servers``
     when it lists any: Anthropic's MCP connector (beta ``mcp-client-*``) has the API
     call those servers' tools, which this server does not do (the field was an ignored
@@ -296,7 +368,7 @@ def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, 
     if not request.tools:
         return None
     tools = []
-    for i, tool in enumerate(request.tools):
+    for i, tool in _loaded_tools(request):
         if tool.type not in (None, "custom"):
             raise SamplingParamsError(f"tools.{i}: the server tool {tool.type!r} ({tool.name!r}) is not available "
                                       "on this server; only client tools (with `input_schema`) are.", f"tools.{i}")
@@ -308,7 +380,7 @@ def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, 
         if tool.description is not None:
             fn["description"] = tool.description
         tools.append({"type": "function", "function": fn})
-    return tools
+    return tools or None
 
 
 def chat_tool_choice(choice: Optional[dict[str, Any]], has_tools: bool,

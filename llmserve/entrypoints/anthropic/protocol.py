@@ -46,6 +46,8 @@ class AnthropicToolParam(OpenAIRequestPart):
     input_schema: Optional[dict[str, Any]] = None
     type: Optional[str] = None
     cache_control: Any = None  # checked by accepted_fields.py, in Anthropic's words
+    # tool search: left out of the prompt until a tool_reference loads it (conversion.py)
+    defer_loading: Any = None
 
     @field_validator("input_schema")
     @classmethod
@@ -177,7 +179,7 @@ def anthropic_error_type(status: int) -> str:
 # String error codes that Anthropic's body carries as ``error.details.error_code`` (the
 # message-threads beta; the ``anthropic`` SDK's thread state acts on them).
 DETAILED_ERROR_CODES = frozenset({"thread_not_found", "thread_already_continued", "thread_continue_in_flight",
-                                  "thread_unsupported_request"})
+                                  "thread_unsupported_request", "tool_reference_unresolved"})
 
 
 def anthropic_error_body(status: int, info: dict[str, Any]) -> dict[str, Any]:
