@@ -7,6 +7,10 @@ Dynamo's KV router read):
 
 * a PUB socket at ``endpoint`` sends each batch as three frames: ``topic`` (UTF-8),
   the batch's sequence number (8 bytes, big-endian, from 0) and the msgpack payload;
+  the numbers go on rising across the engine processes of one server (sleep level 2's
+  wake-up, ``--restart-engine-on-failure``: distributed/kv_event_seq.py), and a
+  publisher that resumes a sequence first sends ``AllBlocksCleared`` (the ended
+  process's cache is gone);
 * a ROUTER socket at ``replay_endpoint`` takes ``[client id, b"", start seq]`` (a REQ
   or DEALER client) and answers ``[client id, b"", seq, payload]`` for every batch still
   buffered (the last ``buffer_steps``) from ``start seq`` on, then the end marker
@@ -23,13 +27,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Optional
 
 import msgspec
 import zmq
 
-from llmserve.core.kv_events import BlockRemoved, BlockStored, EventBatch
+from llmserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEventBatch
+from llmserve.distributed.kv_event_seq import SeqFile, seq_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +104,14 @@ class ZmqEventPublisher:
 
     ``publish`` only queues (``max_queue_size`` batches; past that it blocks the caller
     until the thread catches up, as vLLM's). The sockets are bound in ``__init__``, so a
-    taken port is a ``zmq.ZMQError`` at engine start, not a silent thread death."""
+    taken port is a ``zmq.ZMQError`` at engine start, not a silent thread death.
+    ``seq_path``: the file that carries the sequence number over from this rank's
+    previous publisher (``kv_event_seq.SeqFile``; None: count from 0)."""
 
     def __init__(self, data_parallel_rank: int = 0, endpoint: str = "tcp://*:5557",
                  replay_endpoint: Optional[str] = None, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 max_queue_size: int = 100_000, topic: str = "", event_layout: str = "map") -> None:
+                 max_queue_size: int = 100_000, topic: str = "", event_layout: str = "map",
+                 seq_path: Optional[str] = None) -> None:
         self.data_parallel_rank = data_parallel_rank
         self._as_maps = event_layout == "map"
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
@@ -123,9 +132,12 @@ class ZmqEventPublisher:
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot open {self.endpoint} / {self.replay_endpoint}: {e}") from e
+        self._seq = SeqFile(seq_path)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
+        if self._seq.start:  # a fresh engine after an ended one: its blocks are gone
+            self.publish(KVEventBatch(time.time(), [AllBlocksCleared()]))
 
     def publish(self, batch: EventBatch) -> None:
         """Queue one batch (stamped with this rank). Raises RuntimeError after shutdown."""
@@ -151,7 +163,7 @@ class ZmqEventPublisher:
         self._ctx.term()
 
     def _run(self) -> None:
-        seq = 0
+        seq = self._seq.start
         while self._running or not self._queue.empty():
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
@@ -169,6 +181,8 @@ class ZmqEventPublisher:
                 continue
             self._buffer.append((seq, payload))
             seq += 1
+            self._seq.store(seq)
+        self._seq.close()
 
     def _serve_replay(self) -> None:
         """Answer one replay request: the buffered batches from its start seq, then END_SEQ."""
@@ -198,7 +212,7 @@ def make_kv_event_publisher(config) -> Optional[ZmqEventPublisher | NullEventPub
         return None
     rank = config.parallel_config.data_parallel_rank or 0
     pub = ZmqEventPublisher(rank, kec.endpoint, kec.replay_endpoint, kec.buffer_steps, kec.hwm,
-                            kec.max_queue_size, kec.topic, kec.event_layout)
+                            kec.max_queue_size, kec.topic, kec.event_layout, seq_file_path(kec, rank))
     # vLLM's rule (_binds) surprises operators: tcp://127.0.0.1:5557 is connected to, so a
     # router that connects to it (vllm-router's --kv-event-source) never gets an event.
     how = ("publishing on" if _binds(pub.endpoint) else

@@ -155,6 +155,9 @@ def spawn_engine_process(config: Any, input_addr: str, output_addr: str, executo
     started) and hand it its start-up arguments (the EngineConfig and the socket
     addresses) on stdin. A fresh interpreter, unlike multiprocessing's spawn, never
     re-imports the user's ``__main__`` module."""
+    from llmserve.distributed.kv_event_seq import attach_seq_dir
+
+    attach_seq_dir(getattr(config, "kv_events_config", None))  # KV event seq numbers outlive the process
     env = engine_env(config)
     proc = _take_prestarted(env) or _start_interpreter(env)
     try:

@@ -302,3 +302,72 @@ def test_events_give_a_router_the_request_block_keys_of_each_adapter():
     assert [a[-1] for a in arrays] == [None, "sql-adapter"] and {len(a) for a in arrays} == {1 + 7}  # tag + fields
     decoded = msgspec.msgpack.Decoder(BlockStored).decode(msgspec.msgpack.encode(events[-1]))
     assert decoded.token_ids == prompt[:2 * BLOCK] and decoded.lora_id == 3
+
+
+def _replayed(endpoint: str, want: int) -> list[tuple[int, list[str]]]:
+    """(seq, event type names) of the batches a replay from 0 answers, once ``want`` have
+    reached the publisher's buffer (its thread sends them first)."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    got: list = []
+    try:
+        for _ in range(100):
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert sock.poll(5000), "no replay answer"
+            got = []
+            while True:
+                _, seq, payload = sock.recv_multipart()
+                if not payload:
+                    break
+                ts, events, rank = msgspec.msgpack.decode(payload)
+                got.append((int.from_bytes(seq, "big"), [e["type"] for e in events]))
+            if len(got) >= want:
+                return got
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return got
+
+
+def test_sequence_numbers_go_on_rising_in_the_next_engine_process(tmp_path):
+    """Sleep level 2's wake-up and --restart-engine-on-failure start a fresh engine process
+    with the same config: its publisher carries on the sequence (a subscriber saw it go
+    back to 0 and dropped the batches) and first clears the ended process's blocks. An
+    engine in its caller's process (no spawn: no sequence directory) counts from 0."""
+    import pickle
+    from types import SimpleNamespace
+
+    from llmserve.config import KVEventsConfig
+    from llmserve.core import kv_events as ev
+    from llmserve.distributed.kv_event_seq import attach_seq_dir
+    from llmserve.distributed.kv_events import make_kv_event_publisher
+
+    kec = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
+                         replay_endpoint=f"ipc://{tmp_path}/replay")
+
+    def engine(cfg):  # the publisher an engine process makes from the config it was sent
+        return make_kv_event_publisher(SimpleNamespace(
+            kv_events_config=pickle.loads(pickle.dumps(cfg)), parallel_config=SimpleNamespace(data_parallel_rank=0),
+            cache_config=SimpleNamespace(enable_prefix_caching=True)))
+
+    stored = ev.BlockStored([7], None, list(range(16)), 16, None, "GPU")
+    inproc = engine(kec)  # before any spawn: no directory
+    inproc.publish(ev.KVEventBatch(1.0, [stored]))
+    assert _replayed(inproc.replay_endpoint, 1) == [(0, ["BlockStored"])]
+    inproc.shutdown()
+    assert attach_seq_dir(kec) == attach_seq_dir(kec)  # the spawning process keeps one per config
+    seqs = []
+    for _ in range(2):  # an engine process, then the one started after it ended
+        pub = engine(kec)
+        try:
+            for _ in range(2):
+                pub.publish(ev.KVEventBatch(1.0, [stored]))
+            seqs.append(_replayed(pub.replay_endpoint, 2 + len(seqs)))
+        finally:
+            pub.shutdown()
+    assert seqs[0] == [(0, ["BlockStored"]), (1, ["BlockStored"])]
+    assert seqs[1] == [(2, ["AllBlocksCleared"]), (3, ["BlockStored"]), (4, ["BlockStored"])]
