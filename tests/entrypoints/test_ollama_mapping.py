@@ -367,12 +367,35 @@ def test_ollama_type_errors_name_the_field_in_gos_words(app_and_engine):  # noqa
          "options.temperature must be a number, got bool."),
         ("/api/embed", {"model": "m", "input": "x", "options": {"stop": 5}}, "options.stop must be a list of strings."),
         ("/api/chat", {**chat, "keep_alive": "forever"},
-         'keep_alive: time: invalid duration "forever" (a Go duration such as "5m", "1h30m" or "-1s")'),
+         'keep_alive: time: invalid duration (a Go duration such as "5m", "1h30m" or "-1s", or a number of seconds)'),
+        # options ignored here still have Ollama's JSON types (its Options.FromMap refuses
+        # others); they were a silent 200 with any value
+        ("/api/chat", {**chat, "options": {"use_mmap": "yes"}}, "options.use_mmap must be a boolean, got str."),
+        ("/api/generate", {"model": "m", "prompt": "hi", "options": {"num_thread": "4"}},
+         "options.num_thread must be a number, got str."),
+        ("/api/embed", {"model": "m", "input": "x", "options": {"low_vram": 1}},
+         "options.low_vram must be a boolean, got int."),
+        ("/api/embeddings", {"model": "m", "prompt": "x", "options": {"num_gpu": None, "num_keep": [1]}},
+         "options.num_keep must be a number, got list."),
     ]
     for route, body, error in cases:
         r = client.post(route, json=body)
         assert r.status_code == 400 and r.json() == {"error": error}, (route, body, r.text)
-    assert engine.prompts == []
+    # the client's value is not echoed back (role, think, format, keep_alive, context)
+    secret = "s3cr3t-value"
+    for route, body, param in (
+            ("/api/chat", {**chat, "messages": [{"role": secret, "content": "x"}]}, "messages"),
+            ("/api/chat", {**chat, "think": secret}, "think"),
+            ("/api/chat", {**chat, "format": secret}, "format"),
+            ("/api/chat", {**chat, "keep_alive": secret}, "keep_alive"),
+            ("/api/generate", {"model": "m", "prompt": "x", "stream": False, "context": [987654321]}, "context")):
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and param in r.json()["error"], (route, r.text)
+        assert secret not in r.text and "987654321" not in r.text, r.text
+    ok = client.post("/api/chat", json={**chat, "options": {"use_mmap": True, "num_thread": 2, "mirostat_eta": 0.1,
+                                                            "numa": False, "num_gpu": None}})
+    assert ok.status_code == 200, ok.text
+    assert len(engine.prompts) == 1  # only the last request ran
 
 
 @pytest.mark.parametrize("file_arch,model_type", [("gemma3", "gemma3_text"), ("llama", "mixtral")])

@@ -10,7 +10,9 @@ Ollama's runner options (``docs/modelfile.md``, ``api/types.go`` ``Options``):
 - ``num_ctx``: the context of this request in tokens (:func:`context_size`): the prompt
   is shortened to fit it (``truncate``) and the answer stops at it, as in Ollama, whose
   runner is sized by it;
-- accepted and ignored, since they describe Ollama's own runner, not the answer:
+- accepted and ignored, since they describe Ollama's own runner, not the answer (each
+  still of the JSON type Ollama requires, as its Options.FromMap checks: a boolean or a
+  number, else a 400 naming it):
   ``num_batch``,
   ``num_gpu``, ``main_gpu``, ``num_thread``, ``numa``, ``low_vram``, ``f16_kv``,
   ``use_mmap``, ``use_mlock``, ``vocab_only``, ``logits_all``, ``embedding_only``,
@@ -41,11 +43,13 @@ NUMERIC_OPTIONS = {
     "frequency_penalty": "frequency_penalty",
 }
 INTEGER_OPTIONS = frozenset({"top_k", "seed", "num_predict", "num_ctx"})
-IGNORED_OPTIONS = frozenset({
-    "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram", "f16_kv", "use_mmap",
-    "use_mlock", "vocab_only", "logits_all", "embedding_only", "num_keep", "repeat_last_n", "penalize_newline",
-    "mirostat_tau", "mirostat_eta",
-})
+# Ignored options by the JSON type Ollama's Options.FromMap requires of them: a value of
+# another type is its error there ("option %q must be of type boolean"), a 400 here.
+IGNORED_NUMBER_OPTIONS = frozenset({"num_batch", "num_gpu", "main_gpu", "num_thread", "num_keep", "repeat_last_n",
+                                    "mirostat_tau", "mirostat_eta"})
+IGNORED_BOOL_OPTIONS = frozenset({"numa", "low_vram", "f16_kv", "use_mmap", "use_mlock", "vocab_only", "logits_all",
+                                  "embedding_only", "penalize_newline"})
+IGNORED_OPTIONS = IGNORED_NUMBER_OPTIONS | IGNORED_BOOL_OPTIONS
 # Ollama's scheduler raises a smaller num_ctx to 4 tokens (server/sched.go getRunner), with
 # no error: 0 and negative values included.
 MIN_NUM_CTX = 4
@@ -54,15 +58,28 @@ NEUTRAL_OPTIONS = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
 
 
 def _number(key: str, value: Any) -> Any:
+    """``options.<key>`` checked as a finite number (an integer for INTEGER_OPTIONS).
+    The message names the option and the JSON type sent, never the value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SamplingParamsError(f"options.{key} must be a number, got {type(value).__name__}.", f"options.{key}")
     if isinstance(value, float) and not math.isfinite(value):
-        raise SamplingParamsError(f"options.{key} must be a finite number, got {value}.", f"options.{key}")
+        raise SamplingParamsError(f"options.{key} must be a finite number.", f"options.{key}")
     if key in INTEGER_OPTIONS:
         if value != int(value):
-            raise SamplingParamsError(f"options.{key} must be an integer, got {value}.", f"options.{key}")
+            raise SamplingParamsError(f"options.{key} must be an integer, got a fraction.", f"options.{key}")
         return int(value)
     return value
+
+
+def _check_ignored(key: str, value: Any) -> None:
+    """An ignored option still needs the JSON type Ollama's Options.FromMap requires
+    (IGNORED_BOOL_OPTIONS a boolean, IGNORED_NUMBER_OPTIONS a number); a client sending
+    ``use_mmap: "yes"`` gets Ollama's refusal as a 400, not a silent 200. Raises
+    SamplingParamsError naming ``options.<key>``."""
+    if key in IGNORED_BOOL_OPTIONS and not isinstance(value, bool):
+        raise SamplingParamsError(f"options.{key} must be a boolean, got {type(value).__name__}.", f"options.{key}")
+    if key in IGNORED_NUMBER_OPTIONS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise SamplingParamsError(f"options.{key} must be a number, got {type(value).__name__}.", f"options.{key}")
 
 
 def _stop(value: Any) -> list[str]:
@@ -100,9 +117,11 @@ def sampling_fields(options: Optional[dict[str, Any]]) -> dict[str, Any]:
         elif key in NEUTRAL_OPTIONS:
             if _number(key, value) != NEUTRAL_OPTIONS[key]:
                 raise SamplingParamsError(
-                    f"options.{key}={value} is not supported by this server (only {NEUTRAL_OPTIONS[key]}, off).",
+                    f"options.{key}: only {NEUTRAL_OPTIONS[key]} (off) is supported by this server.",
                     f"options.{key}")
-        elif key not in IGNORED_OPTIONS:
+        elif key in IGNORED_OPTIONS:
+            _check_ignored(key, value)
+        else:
             logger.warning("Ollama option %r is not known here; it is ignored.", key)
     return out
 
@@ -120,6 +139,8 @@ def check_options(options: Optional[dict[str, Any]]) -> None:
             _number(key, value)
         elif key == "stop":
             _stop(value)
+        elif key in IGNORED_OPTIONS:
+            _check_ignored(key, value)
 
 
 def context_size(options: Optional[dict[str, Any]], max_model_len: int) -> int:
@@ -145,7 +166,8 @@ def structured_fields(fmt: Any) -> dict[str, Any]:
     elif isinstance(fmt, dict):
         spec = {"json": fmt}
     else:
-        raise SamplingParamsError(f'format must be "json" or a JSON schema object, got {fmt!r}.', "format")
+        raise SamplingParamsError('format must be "json" or a JSON schema object (a string that holds JSON is '
+                                  'not read as a schema).', "format")
     try:
         structured_outputs_params(None, spec)
     except ValueError as e:

@@ -30,7 +30,8 @@ _GO_DURATION = re.compile(r"[-+]?(\d+(\.\d*)?|((\d+(\.\d*)?|\.\d+)(ns|us|\u00b5s
 
 def _check_duration(value: Optional[Union[str, float]]) -> Optional[Union[str, float]]:
     if isinstance(value, str) and not _GO_DURATION.fullmatch(value):
-        raise ValueError(f'time: invalid duration "{value[:40]}" (a Go duration such as "5m", "1h30m" or "-1s")')
+        raise ValueError('time: invalid duration (a Go duration such as "5m", "1h30m" or "-1s", or a number of '
+                         'seconds)')
     return value
 
 

@@ -95,7 +95,7 @@ def openai_message(m: OllamaMessage, i: int) -> dict[str, Any]:
         raise SamplingParamsError(f"messages[{i}].images: this server runs no vision model; send text only.",
                                   "messages")
     if m.role not in ROLES:
-        raise SamplingParamsError(f"messages[{i}].role must be one of {list(ROLES)}, got {m.role!r}.", "messages")
+        raise SamplingParamsError(f"messages[{i}].role must be one of {list(ROLES)}.", "messages")
     out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
     if m.role == "assistant" and m.tool_calls:
         out["tool_calls"] = [_tool_call(c, i, j) for j, c in enumerate(m.tool_calls)]
@@ -120,7 +120,7 @@ def _think_fields(think: Any, chat: Any) -> dict[str, Any]:
     if think is None:
         return {}
     if isinstance(think, str) and think not in ("low", "medium", "high"):
-        raise SamplingParamsError(f'think must be true, false, "low", "medium" or "high", got {think!r}.', "think")
+        raise SamplingParamsError('think must be true, false, "low", "medium" or "high".', "think")
     if think is not False and chat.reasoning_parser_cls is None:
         raise SamplingParamsError("think: this model does not support thinking here (start the server with "
                                   "--reasoning-parser).", "think")
@@ -378,7 +378,7 @@ async def _with_context(state: Any, req: OllamaGenerateRequest, name: str, chat:
     vocab = chat.model_config.vocab_size
     for i, t in enumerate(req.context or []):
         if not 0 <= t < vocab:
-            raise SamplingParamsError(f"context.{i}: token id {t} is out of vocabulary (valid ids are "
+            raise SamplingParamsError(f"context.{i}: the token id is out of vocabulary (valid ids are "
                                       f"0..{vocab - 1}).", f"context.{i}")
     earlier = await chat.renderer.run_in_pool(chat.tokenizer.decode, list(req.context), skip_special_tokens=False)
     prompt = earlier + await _prompt_text(chat, common)
