@@ -130,7 +130,8 @@ def test_unserved_features_answer_400_not_200(server):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
     assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "tools": bad_tools,
-                                                      "tool_choice": "required"}), 400, "tools")
+                                                      "tool_choice": "required"}), 400,
+                 "tools[0].function.parameters")
     assert_error(server.post("/v1/chat/completions", {"model": MODEL, "messages": HI,
                                                       "tool_choice": "required"}), 400, "tool_choice")
     none = server.post("/v1/chat/completions", {"model": MODEL, "messages": HI, "tools": tools, "tool_choice": "none",

@@ -137,6 +137,13 @@ def test_a_bad_tool_is_named_by_its_anthropic_path(tool, param):
     request = _request([ASK], tools=[tool])
     got, message = _param(lambda r: to_chat_request(r, auto_tools=False), request)
     assert got == param and message.startswith(param)
+    assert "weather!" not in message  # the name is not quoted back
+
+
+def test_a_duplicate_tool_name_is_named_by_its_anthropic_path():
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    got, message = _param(lambda r: to_chat_request(r, auto_tools=False), _request([ASK], tools=[tool, tool]))
+    assert got == "tools.1.name" and message.startswith("tools.1.name"), message
 
 
 @pytest.mark.parametrize("messages,param", [

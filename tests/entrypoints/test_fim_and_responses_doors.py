@@ -103,7 +103,7 @@ def test_unsupported_tools_reject_policy(app_and_engine):  # noqa: F811
     client, engine = app_and_engine("--responses-unsupported-tools", "reject")
     engine.outputs = [_output("x", "stop")]
     r = client.post("/v1/responses", json={**BASE, "tools": [{"type": "image_generation"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].type"
     assert "image_generation" in r.json()["error"]["message"] and engine.prompts == []
     client, engine = app_and_engine()  # the default drops it and says so
     engine.outputs = [_output("x", "stop")]

@@ -37,9 +37,11 @@ def test_response_format_forms():
 
 
 @pytest.mark.parametrize("kw,param", [
+    # the exact field, as OpenAI names it
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "value": 5}}, "response_format.value"),
     ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"nope": 1}}, "structured_outputs"),

@@ -171,19 +171,26 @@ def test_c25_none_and_no_tools(app):
                                        "chat_template": TOOL_TEMPLATE})
     assert t.json()["tokens"] == engine.calls[0].prompt["prompt_token_ids"]  # /tokenize renders the tools too
     bad = client.post("/tokenize", json={"model": "m", "messages": W1["messages"], "tools": [{"type": "x"}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
     body = {k: v for k, v in W1.items() if k != "tools"}  # W5
     r = post(client, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
 @pytest.mark.parametrize("tools,choice,param", [
-    ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools"),
-    ([{"type": "retrieval"}], "required", "tools"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "required", "tools"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}], "required", "tools"),
+    # the exact field, as OpenAI names it (it was "tools" for all of these)
+    ([{"type": "function", "function": {"name": "bad name!"}}], "required", "tools[0].function.name"),
+    ([{"type": "function", "function": {"description": "no name"}}], "required", "tools[0].function.name"),
+    ([{"type": "function"}], "required", "tools[0].function"),
+    ([{"type": "retrieval"}], "required", "tools[0].type"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "required",
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}], "required",
+     "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "description": 5}}], "required", "tools[0].function.description"),
+    ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "required", "tools[0].function.strict"),
     ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
-     "required", "tools"),
+     "required", "tools[1].function.name"),
     (SUBTRACT, {"type": "function", "function": {"name": "add"}}, "tool_choice"),
     (SUBTRACT, {"type": "function"}, "tool_choice.function"),
     (SUBTRACT, "sometimes", "tool_choice"),

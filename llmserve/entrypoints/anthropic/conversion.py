@@ -300,8 +300,7 @@ def _check_tool(tool: Any, i: int) -> None:
     ``input_schema`` (a valid JSON schema), named by their Anthropic path (the chat
     path's own check would name ``tools[i].function...``, a field the client never sent)."""
     if not TOOL_NAME_RE.match(tool.name):
-        raise SamplingParamsError(f"tools.{i}.name must be 1-64 letters, digits, '_' or '-'; got {tool.name!r}.",
-                                  f"tools.{i}.name")
+        raise SamplingParamsError(f"tools.{i}.name must be 1-64 letters, digits, '_' or '-'.", f"tools.{i}.name")
     err = json_schema_error(tool.input_schema)
     if err is not None:
         raise SamplingParamsError(f"tools.{i}.input_schema is not a valid JSON schema {err}", f"tools.{i}.input_schema")
@@ -376,6 +375,8 @@ def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, 
             raise SamplingParamsError(f"tools.{i}.input_schema: a client tool needs an `input_schema`.",
                                       f"tools.{i}.input_schema")
         _check_tool(tool, i)
+        if any(t["function"]["name"] == tool.name for t in tools):  # named here, not as the chat path's tools[i].function
+            raise SamplingParamsError(f"tools.{i}.name: tool names must be unique.", f"tools.{i}.name")
         fn = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             fn["description"] = tool.description

@@ -31,31 +31,44 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def _check_schema(schema: Any, i: int) -> None:
+    where = f"tools[{i}].function.parameters"
     if not isinstance(schema, dict):
-        raise SamplingParamsError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+        raise SamplingParamsError(f"{where} must be a JSON schema object, not {json_type_name(schema)}.", where)
     err = json_schema_error(schema)
     if err is not None:
-        raise SamplingParamsError(f"tools[{i}].function.parameters is not a valid JSON schema {err}", "tools")
+        raise SamplingParamsError(f"{where} is not a valid JSON schema {err}", where)
 
 
 def check_tool(tool: Any, i: int) -> str:
     """Validate ``tools[i]`` (a function tool: name, description, parameters schema,
-    strict); returns its name. Raises SamplingParamsError naming ``tools``."""
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-        raise SamplingParamsError(f"tools[{i}]: only tools of type 'function' are supported.", "tools")
+    strict); returns its name. Raises SamplingParamsError whose ``param`` is the exact
+    field at fault, as OpenAI names it (``tools[0].function.name``,
+    ``tools[0].function.parameters``...); the client's value is never quoted back."""
+    if not isinstance(tool, dict):
+        raise SamplingParamsError(f"tools[{i}] must be an object, not {json_type_name(tool)}.", f"tools[{i}]")
+    if tool.get("type", "function") != "function":
+        raise SamplingParamsError(f"tools[{i}].type: only tools of type 'function' are supported.",
+                                  f"tools[{i}].type")
     fn = tool.get("function")
     if not isinstance(fn, dict):
-        raise SamplingParamsError(f"tools[{i}].function must be an object with a 'name'.", "tools")
+        got = "it is missing" if fn is None else f"got {json_type_name(fn)}"
+        raise SamplingParamsError(f"tools[{i}].function must be an object with a 'name' ({got}).",
+                                  f"tools[{i}].function")
     name = fn.get("name")
+    where = f"tools[{i}].function.name"
+    if name is None:
+        raise SamplingParamsError(f"Missing required parameter: '{where}'.", where)
     if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
-        raise SamplingParamsError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', "
-                                  f"got {name!r}.", "tools")
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise SamplingParamsError(f"tools[{i}].function.description must be a string.", "tools")
+        got = f"got {json_type_name(name)}" if not isinstance(name, str) else \
+            "got an empty string" if not name else f"got a string of {len(name)} characters that does not match"
+        raise SamplingParamsError(f"{where} must be 1-64 letters, digits, '_' or '-' ({got}).", where)
+    for key, kind in (("description", str), ("strict", bool)):
+        if fn.get(key) is not None and not isinstance(fn[key], kind):
+            noun = "a string" if kind is str else "a boolean"
+            raise SamplingParamsError(f"tools[{i}].function.{key} must be {noun}, not {json_type_name(fn[key])}.",
+                                      f"tools[{i}].function.{key}")
     if fn.get("parameters") is not None:
         _check_schema(fn["parameters"], i)
-    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-        raise SamplingParamsError(f"tools[{i}].function.strict must be a boolean.", "tools")
     return name
 
 
@@ -95,8 +108,11 @@ def check_tools(request: Any) -> None:
     names: list[str] = []
     if tools is not None:
         names = [check_tool(t, i) for i, t in enumerate(tools)]
-        if len(set(names)) != len(names):
-            raise SamplingParamsError("tools: function names must be unique.", "tools")
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                where = f"tools[{i}].function.name"
+                raise SamplingParamsError(f"{where}: function names must be unique (tools[{names.index(name)}] "
+                                          "has the same name).", where)
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         request.tools, request.tool_choice = tools, choice = allowed_tools(tools, names, choice)
     if choice is None:

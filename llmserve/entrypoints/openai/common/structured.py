@@ -88,15 +88,26 @@ def _from_response_format(rf: ResponseFormat) -> Optional[StructuredOutputsParam
         if schema is None:
             return StructuredOutputsParams(json_object=True)
         if not isinstance(schema, dict):
-            raise SamplingParamsError("response_format.value must be a JSON schema object.", "response_format")
+            raise SamplingParamsError("response_format.value must be a JSON schema object.", "response_format.value")
         return StructuredOutputsParams(json=schema)
     if rf.json_schema is None:
         raise SamplingParamsError("response_format of type 'json_schema' needs a 'json_schema' object "
-                                  "with a 'schema'.", "response_format")
+                                  "with a 'schema'.", "response_format.json_schema")
     schema = rf.json_schema.json_schema_
     if schema is None:  # OpenAI allows it; any JSON object then
         return StructuredOutputsParams(json_object=True)
     return StructuredOutputsParams(json=schema)
+
+
+def _constraint_param(rf: ResponseFormat) -> str:
+    """Where ``response_format``'s constraint is, for the ``param`` of a constraint that
+    does not compile: ``response_format.json_schema.schema`` (OpenAI's path),
+    TGI's ``response_format.value`` / ``.schema``, else ``response_format``."""
+    if rf.type == "json_schema":
+        return "response_format.json_schema.schema"
+    if rf.type in ("json_object", "json") and rf.tgi_schema() is not None:
+        return "response_format.value" if "value" in (rf.model_extra or {}) else "response_format.schema"
+    return "response_format"
 
 
 def structured_outputs_params(response_format: Optional[ResponseFormat],
@@ -112,7 +123,8 @@ def structured_outputs_params(response_format: Optional[ResponseFormat],
     if from_rf is not None and from_so is not None:
         raise SamplingParamsError("Set either response_format (json_object / json_schema) or "
                                   "structured_outputs, not both.", "structured_outputs")
-    params, param = (from_rf, "response_format") if from_rf is not None else (from_so, "structured_outputs")
+    params, param = (from_rf, _constraint_param(response_format)) if from_rf is not None else \
+        (from_so, "structured_outputs")
     if params is not None:
         validate_structured_outputs(params, param)
     return params

@@ -102,7 +102,7 @@ def to_chat_tools(tools: Optional[list[Any]], policy: str = UNSUPPORTED_TOOLS_RE
                 continue
             raise SamplingParamsError(
                 f"tools[{i}]: tools of type {tool_label(tool)!r} cannot run on this server (only 'function' tools "
-                "can); leave it out, or start the server with --responses-unsupported-tools drop.", "tools")
+                "can); leave it out, or start the server with --responses-unsupported-tools drop.", f"tools[{i}].type")
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
@@ -128,11 +128,14 @@ def to_chat_tool_choice(choice: Any) -> Any:
                               "tool_choice")
 
 
-def _content_text(content: Any, i: int) -> str:
+def _content_text(content: Any, i: int, field: str = "content") -> str:
+    """The text of item ``i``'s ``field`` (a string, or a list of text parts). Raises
+    SamplingParamsError naming the exact path (``input[0].content[1].text``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise SamplingParamsError(f"input[{i}].content must be a string or a list of content parts.", "input")
+        raise SamplingParamsError(f"input[{i}].{field} must be a string or a list of content parts.",
+                                  f"input[{i}].{field}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -141,10 +144,11 @@ def _content_text(content: Any, i: int) -> str:
         # a list or object `type` is unhashable: looked up as it came, it was a 500
         key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
-            raise SamplingParamsError(f"input[{i}].content[{j}]: content part of type {kind!r} is not supported "
-                                      "(this model takes text only: input_text).", "input")
+            raise SamplingParamsError(f"input[{i}].{field}[{j}]: content part of type {kind!r} is not supported "
+                                      "(this model takes text only: input_text).", f"input[{i}].{field}[{j}].type")
         if not isinstance(part.get(key), str):
-            raise SamplingParamsError(f"input[{i}].content[{j}] needs a string `{key}`.", "input")
+            raise SamplingParamsError(f"input[{i}].{field}[{j}] needs a string `{key}`.",
+                                      f"input[{i}].{field}[{j}].{key}")
         texts.append(part[key])
     return "\n".join(texts)
 
@@ -152,7 +156,8 @@ def _content_text(content: Any, i: int) -> str:
 def _str_field(item: dict[str, Any], name: str, i: int) -> str:
     value = item.get(name)
     if not isinstance(value, str):
-        raise SamplingParamsError(f"input[{i}] of type {item.get('type')!r} needs a string `{name}`.", "input")
+        raise SamplingParamsError(f"input[{i}] of type {item.get('type')!r} needs a string `{name}`.",
+                                  f"input[{i}].{name}")
     return value
 
 
@@ -163,21 +168,21 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise SamplingParamsError(f"input[{i}] must be an object.", "input")
+            raise SamplingParamsError(f"input[{i}] must be an object.", f"input[{i}]")
         check_json_types(item, {"type": _STR}, f"input.{i}")
         kind = item.get("type", "message")
         check_json_types(item, ITEM_FIELD_TYPES.get(kind, {}), f"input.{i}")
         if kind == "message":
             role = item.get("role")
             if not isinstance(role, str) or role not in _ROLES:
-                raise SamplingParamsError(f"input[{i}].role must be one of {list(_ROLES)}, got {role!r}.", "input")
+                raise SamplingParamsError(f"input[{i}].role must be one of {list(_ROLES)}.", f"input[{i}].role")
             messages.append({"role": role, "content": _content_text(item.get("content"), i)})
         elif kind == "function_call":
             args = _str_field(item, "arguments", i)
             try:
                 json.loads(args)
             except ValueError:
-                raise SamplingParamsError(f"input[{i}].arguments is not valid JSON.", "input") from None
+                raise SamplingParamsError(f"input[{i}].arguments is not valid JSON.", f"input[{i}].arguments") from None
             call = {"id": _str_field(item, "call_id", i), "type": "function",
                     "function": {"name": _str_field(item, "name", i), "arguments": args}}
             last = messages[-1] if messages else None
@@ -187,7 +192,7 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else _content_text(output, i)
+            text = output if isinstance(output, str) else _content_text(output, i, "output")
             messages.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", i), "content": text})
         elif kind == "reasoning":
             for k, part in enumerate(item.get("summary") or ()):
@@ -197,7 +202,7 @@ def input_messages(items: Union[str, list[Any]]) -> list[dict[str, Any]]:
             continue
         else:
             raise SamplingParamsError(f"input[{i}]: items of type {kind!r} are not supported (message, "
-                                      "function_call, function_call_output and reasoning are).", "input")
+                                      "function_call, function_call_output and reasoning are).", f"input[{i}].type")
     return messages
 
 
@@ -264,7 +269,7 @@ def check_call_ids(history: list[dict[str, Any]], items: Union[str, list[Any]]) 
             raise SamplingParamsError(
                 f"No tool call found for function call output with call_id{quoted} (input[{i}]): send the "
                 "function_call item it answers in input, or continue the response that made the call "
-                "with previous_response_id.", "input")
+                "with previous_response_id.", "input")  # OpenAI's param for it
 
 
 def output_messages(output: list[Any]) -> list[dict[str, Any]]:

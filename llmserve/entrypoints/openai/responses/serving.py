@@ -37,6 +37,7 @@ import asyncio
 import collections
 import functools
 import logging
+import re
 import urllib.parse
 from typing import Any, AsyncGenerator, Optional, Union
 
@@ -148,6 +149,25 @@ def _flat_choice_param(e: SamplingParamsError) -> SamplingParamsError:
                                param.replace(_CHAT_ALLOWED_TOOLS + ".", "tool_choice.", 1))
 
 
+_CHAT_TOOL_PATH = re.compile(r"tools\[(\d+)\](?:\.function)?")
+
+
+def _flat_tool_param(e: SamplingParamsError, kept: list[int]) -> SamplingParamsError:
+    """``e`` named as Responses names a function tool's fields (flat, at the tool's index
+    in the request: ``tools[2].name``), not as the chat path checked them
+    (``tools[0].function.name`` in the function tools kept, ``kept``: their indexes in
+    the request); other errors unchanged."""
+    param = e.param or ""
+
+    def flat(match: re.Match) -> str:
+        k = int(match.group(1))
+        return f"tools[{kept[k] if k < len(kept) else k}]"
+
+    if not _CHAT_TOOL_PATH.match(param):
+        return e
+    return SamplingParamsError(_CHAT_TOOL_PATH.sub(flat, str(e)), _CHAT_TOOL_PATH.sub(flat, param, count=1))
+
+
 async def _raise_at_first(exc: BaseException) -> AsyncGenerator[Any, None]:
     """A stand-in for a generation's outputs that fails at its first step with ``exc``
     (an error found before the stream, reported in it by :meth:`_stream`)."""
@@ -203,14 +223,15 @@ class OpenAIServingResponses(GenerateBaseServing):
         if fmt is None or fmt.type == "text":
             return None, {"type": "text"}
         if fmt.type == "json_schema" and (not fmt.name or fmt.schema_ is None):
-            raise SamplingParamsError("text.format of type 'json_schema' needs a `name` and a `schema`.",
-                                      "text.format")
+            missing = "text.format.name" if not fmt.name else "text.format.schema"
+            raise SamplingParamsError(f"text.format of type 'json_schema' needs a `name` and a `schema` "
+                                      f"(missing: {missing}).", missing)
         rf = ResponseFormat(type=fmt.type, json_schema=JsonSchemaResponseFormat(
             name=fmt.name, schema=fmt.schema_, strict=fmt.strict) if fmt.type == "json_schema" else None)
         try:
             params = structured_outputs_params(rf, None)
         except SamplingParamsError as e:
-            raise _renamed(e, PARAM_NAMES) from None
+            raise _renamed(e, {**PARAM_NAMES, "response_format.json_schema.schema": "text.format.schema"}) from None
         return params, fmt.model_dump(by_alias=True, exclude_none=True)
 
     def _history(self, request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -242,7 +263,8 @@ class OpenAIServingResponses(GenerateBaseServing):
         try:
             check_tools(view)
         except SamplingParamsError as e:
-            raise _flat_choice_param(e) from None
+            kept = [i for i, t in enumerate(request.tools or ()) if isinstance(t, dict) and t.get("type") == "function"]
+            raise _flat_tool_param(_flat_choice_param(e), kept) from None
         plan = ToolPlan.of(view, enable_auto_tools=self.enable_auto_tools, tool_parser_cls=self.tool_parser_cls,
                            exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none)
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
