@@ -182,12 +182,23 @@ def test_slots_lists_the_running_requests_in_slot_shape(server):
     assert idle.status_code == 200, idle.text
     assert len(idle.json()) == total and not any(s["is_processing"] for s in idle.json())
     assert [s["id"] for s in idle.json()] == list(range(total)) and idle.json()[0]["n_ctx"] == 2048
+    # every entry (and /props' default_generation_settings) has llama-server's documented fields
+    documented = {"id", "id_task", "n_ctx", "speculative", "is_processing", "params", "prompt", "next_token"}
+    next_token = {"has_next_token", "has_new_line", "n_remain", "n_decoded", "stopping_word"}
+    defaults = server.http.get("/props").json()["default_generation_settings"]
+    for s in idle.json() + [defaults]:
+        assert documented <= set(s) and set(s["next_token"]) == next_token and s["id_task"] == -1, s
+        assert s["next_token"]["n_decoded"] == 0 and s["prompt"] == "" and "n_predict" in s["params"]
     body = {"prompt": "Once upon a time", "n_predict": 40, "ignore_eos": True, "temperature": 0, "stream": True}
     with server.http.stream("POST", "/completion", json=body) as r:
         lines = r.iter_lines()  # held: a dropped iterator closes the stream (an abort)
         next(line for line in lines if line.startswith("data: "))  # it runs now
         busy = server.http.get("/slots").json()
+        again = server.http.get("/slots").json()
     slot = busy[0]
+    assert all(documented <= set(s) and set(s["next_token"]) == next_token for s in busy)
+    assert isinstance(slot["id_task"], int) and slot["id_task"] >= 0 and again[0]["id_task"] == slot["id_task"]
+    assert set(slot["params"]) == set(idle.json()[0]["params"])  # the same keys as an idle slot's
     assert slot["is_processing"] and not busy[1]["is_processing"] and len(busy) == total
     assert slot["params"]["n_predict"] == 40 and slot["params"]["ignore_eos"] is True and slot["id_request"]
     assert 1 <= slot["next_token"]["n_decoded"] <= 40 and slot["next_token"]["n_remain"] == 40 - slot["next_token"]["n_decoded"]

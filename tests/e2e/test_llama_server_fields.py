@@ -100,6 +100,8 @@ def test_llama_servers_route_aliases(server, minilm_server):
     for action in ("save", "restore", "erase"):
         r = server.http.post(f"/slots/0?action={action}", json={"filename": "x.bin"})
         assert r.status_code == 501 and r.json()["error"]["param"] == "action" and action in r.text, r.text
+    r = server.http.post("/slots/0?action=<script>x</script>", json={})
+    assert r.status_code == 501 and "<script>" not in r.text  # the client's value is not echoed
 
 
 def test_llama_embeddings_take_input_as_well_as_content(minilm_server):

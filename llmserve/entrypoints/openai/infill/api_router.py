@@ -8,6 +8,7 @@ from the requests the engine runs (it has no slots: see :func:`slots`); ``POST
 /slots/{id}?action=...`` (save, restore, erase) is a 501."""
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -74,7 +75,7 @@ def _params(defaults: dict[str, Any]) -> dict[str, Any]:
     return {"n_predict": -1, "seed": -1, "temperature": pick["temperature"], "top_k": pick["top_k"],
             "top_p": pick["top_p"], "min_p": pick["min_p"], "repeat_penalty": pick["repetition_penalty"],
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": [], "max_tokens": -1, "ignore_eos": False,
-            "stream": False}
+            "stream": False, "n_probs": 0}
 
 
 @router.get("/props")
@@ -91,12 +92,30 @@ async def props(raw_request: Request) -> JSONResponse:
     config_of_model = state.engine_client.model_config
     slots = config.scheduler_config.max_num_seqs if config is not None else 1
     return JSONResponse({
-        "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": handler.max_model_len,
-                                        "speculative": False, "is_processing": False,
-                                        "params": _params(handler.default_sampling_params or {})},
+        "default_generation_settings": _slot(0, handler.max_model_len, _params(handler.default_sampling_params or {})),
         "total_slots": slots, "model_path": gguf_path_of(config_of_model) or config_of_model.model_path,
         "model_alias": state.openai_serving_models.model_names[0], "chat_template": chat_template(state),
         "modalities": {"vision": False, "audio": False}, "build_info": f"llmserve {llmserve.__version__}"})
+
+
+def _slot(slot_id: int, n_ctx: int, params: dict[str, Any], id_task: int = -1, n_decoded: int = 0) -> dict[str, Any]:
+    """One entry of llama-server's ``/slots`` (also ``/props``' ``default_generation_settings``),
+    with every documented field: ``id``, ``id_task`` (-1 when idle), ``n_ctx``,
+    ``speculative``, ``is_processing``, ``params``, ``prompt`` (kept empty: the server keeps
+    no prompt text) and ``next_token`` (``has_next_token``, ``has_new_line``, ``n_remain``
+    (-1: no budget), ``n_decoded``, ``stopping_word``)."""
+    budget = params.get("n_predict", -1)
+    busy = id_task >= 0
+    return {"id": slot_id, "id_task": id_task, "n_ctx": n_ctx, "speculative": False, "is_processing": busy,
+            "params": params, "prompt": "",
+            "next_token": {"has_next_token": True, "has_new_line": False,
+                           "n_remain": -1 if not busy or budget < 0 else max(budget - n_decoded, 0),
+                           "n_decoded": n_decoded, "stopping_word": ""}}
+
+
+def _task_id(request_id: str) -> int:
+    """A running request's ``id_task``: a non-negative int fixed for the request's life."""
+    return zlib.crc32(request_id.encode("utf-8")) & 0x7FFFFFFF
 
 
 def _running_params(params: Any) -> dict[str, Any]:
@@ -112,9 +131,11 @@ async def slots(raw_request: Request, fail_on_no_slot: int = Query(0)) -> Respon
     sequences at once (``total_slots`` in ``/props``), so the answer is that many
     entries, the running sequences first (``is_processing: true``, their ``params`` and
     ``next_token`` with ``n_decoded`` and ``n_remain``; ``id_request`` is the id
-    ``/v1/requests`` shows), then idle ones with the default ``params``. ``id`` and
-    ``id_task`` are positions in this list, not stable ids. Another tenant's running
-    request fills a slot without its details. Queued requests hold no slot.
+    ``/v1/requests`` shows), then idle ones with the default ``params``; every entry has
+    llama-server's fields (:func:`_slot`). ``id`` is a position in this list (0 to
+    total - 1); ``id_task`` a number fixed for the running request's life (-1 when idle).
+    Another tenant's running request fills a slot without its details (default
+    ``params``, ``n_decoded`` 0). Queued requests hold no slot.
     ``fail_on_no_slot=1``: a 503 when no slot is idle. Request timelines off
     (``--no-request-timelines``, ``--disable-log-stats``): a 501, as llama-server answers
     with ``--no-slots``."""
@@ -137,18 +158,16 @@ async def slots(raw_request: Request, fail_on_no_slot: int = Query(0)) -> Respon
     idle_params = _params(handler.default_sampling_params or {})
     entries = []
     for i in range(total):
-        entry: dict[str, Any] = {"id": i, "id_task": -1, "n_ctx": handler.max_model_len, "speculative": False,
-                                 "is_processing": i < len(running)}
         if i >= len(running):
-            entry["params"] = idle_params
-        elif running[i].tenant == tenant:
+            entries.append(_slot(i, handler.max_model_len, idle_params))
+        elif running[i].tenant != tenant:  # busy, without another tenant's details
+            entries.append(_slot(i, handler.max_model_len, idle_params, _task_id(running[i].request_id)))
+        else:
             rec = running[i]
-            params = _running_params(rec.params)
-            budget = params["n_predict"]
-            entry.update(id_task=i, id_request=rec.id, params=params,
-                         next_token={"has_next_token": True, "n_decoded": rec.generated_tokens,
-                                     "n_remain": -1 if budget < 0 else max(budget - rec.generated_tokens, 0)})
-        entries.append(entry)
+            entry = _slot(i, handler.max_model_len, {**idle_params, **_running_params(rec.params)},
+                          _task_id(rec.request_id), rec.generated_tokens)
+            entry["id_request"] = rec.id
+            entries.append(entry)
     return JSONResponse(entries)
 
 
@@ -158,7 +177,7 @@ async def slot_action(id_slot: str, action: str = Query("")) -> Response:
     to or from a file): a 501 naming ``action``, as the engine has no slots to save; its
     prefix cache is shared by every request and managed by itself."""
     return json_response(make_error(
-        f"Slot save, restore and erase (POST /slots/{{id}}?action=..., here action '{action}') are not supported: "
+        "Slot save, restore and erase (POST /slots/{id}?action=...) are not supported: "
         "this server has no per-slot prompt cache to save or restore; its prefix cache is shared and "
         "kept automatically.", 501, "action", err_type="not_supported_error"), 501)
 
