@@ -1,8 +1,11 @@
 """End-to-end fixtures (helpers in e2e_utils.py).
 
-``server``: one per session: the default model in float32 (greedy outputs are then
-batch-invariant), default settings plus an API key, so every test also goes through the
-auth middleware. ``server_512``: ``--max-model-len 512`` in the default dtype with a KV
+``server``: one per session: the default model in its default dtype (packed 4-bit
+weights: greedy outputs are batch-invariant there too, and it decodes ~7x faster than
+float32 on 2 AVX2 cores: 5-6 against 38-40 ms a token at batch 1, which took ~100 s off
+the e2e files that use it), default settings plus an API key, so every test also goes
+through the auth middleware. Comparisons with transformers' float32 run in process
+(tests/engine, tests/models, tests/pooling). ``server_512``: ``--max-model-len 512`` in the default dtype with a KV
 cache too small for 8 full-length sequences (cases C12/C13), one per module that uses it. ``tiny_server``: a tiny random Llama
 directory whose generation_config.json sets a default budget and extra EOS ids, served
 with a deliberately slow ``--chat-template`` and ``--renderer-num-workers 4``.
@@ -17,7 +20,7 @@ from e2e_utils import SLOW_CHAT_TEMPLATE, TINY_MAX_NEW_TOKENS, RemoteServer
 
 @pytest.fixture(scope="session")
 def server():
-    srv = RemoteServer(["--dtype", "float32", "--kv-cache-memory", "256MiB"])
+    srv = RemoteServer(["--kv-cache-memory", "256MiB"])
     yield srv
     srv.stop()
 

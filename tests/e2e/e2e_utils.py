@@ -72,7 +72,11 @@ class RemoteServer:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=new_session)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url_root, headers=headers, timeout=120.0)
+        # Idle connections are dropped after 2 s, well before the server's 5 s keep-alive:
+        # at the same 5 s a pooled connection could be reused just as the server closed it,
+        # and the request met a reset (seen once in test_chat.py once the tests got faster).
+        self.http = httpx.Client(base_url=self.url_root, headers=headers, timeout=120.0,
+                                 limits=httpx.Limits(keepalive_expiry=2.0))
         self._wait_ready()
 
     @property
