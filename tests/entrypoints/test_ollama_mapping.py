@@ -539,6 +539,9 @@ def test_model_management_routes_answer_as_ollama_for_served_and_unknown_models(
         r = client.request(method, route, json=body)
         want = (200, {"status": "success"}) if error is None else (400, {"error": error})
         assert (r.status_code, r.json()) == want, (route, body, r.text)
+    # the Go client's `ollama create` asks HEAD /api/blobs/<digest> first: 404 (no blob
+    # here) lets it go on to the upload's 501; it was a 405
+    assert client.head(f"/api/blobs/sha256:{'a' * 64}").status_code == 404
     assert engine.prompts == []
 
 

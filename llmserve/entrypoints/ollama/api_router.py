@@ -236,6 +236,15 @@ for _path, _method in UNSUPPORTED.items():
     router.add_api_route(_path, _unsupported(_path), methods=[_method], include_in_schema=False)
 
 
+@router.head("/api/blobs/{digest}", include_in_schema=False)
+async def blob_exists(digest: str) -> None:
+    """``HEAD /api/blobs/<digest>``: Ollama's check before an upload (the Go client's
+    ``ollama create``) answers 404 for a blob it lacks; no blob is stored here, so always
+    404 (it was a 405, which that client reports as a failure of its own). The upload
+    that follows is the 501 of ``POST /api/blobs``."""
+    raise HTTPException(404, "blob not found: llmserve stores no blobs; " + not_available("/api/blobs/{digest}"))
+
+
 async def _check_chat_body(state: Any, body: bytes, _content_type: Optional[str] = None) -> None:
     await check_chat(state, parse_body(body, OllamaChatRequest))
 
