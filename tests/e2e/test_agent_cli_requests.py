@@ -29,6 +29,8 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "agent_clis"
 # long · the request is ~N tokens (limit M)" (its other 400s are shown as "API Error: 400 ...").
 CLAUDE_PROMPT_TOO_LONG = re.compile(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", re.I)
 ANTHROPIC_EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+# Anthropic's usage splits the prompt in three: the rest, cache writes, cache reads
+PROMPT_PARTS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
 RESPONSES_EVENT = TypeAdapter(openai.types.responses.ResponseStreamEvent)
 
 
@@ -102,7 +104,7 @@ def test_claude_code_tool_result_turn_streams_events_the_sdk_parses(server):
     assert delta["delta"]["stop_reason"] in ("max_tokens", "end_turn") and delta["usage"]["output_tokens"] >= 1
     start = events[0][1]["message"]
     assert start["model"] == MODEL
-    used = start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"]
+    used = sum(start["usage"][k] for k in PROMPT_PARTS)
     assert used == count_tokens(server, headers, body)
 
 
@@ -122,8 +124,7 @@ def test_claude_code_2_1_332_thinking_display_updates_is_served(server):
         events = sse(r)
     kinds = [k for k, _ in events]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
-    assert count_tokens(server, headers, body) == (events[0][1]["message"]["usage"]["input_tokens"]
-                                                   + events[0][1]["message"]["usage"]["cache_read_input_tokens"])
+    assert count_tokens(server, headers, body) == sum(events[0][1]["message"]["usage"][k] for k in PROMPT_PARTS)
 
 
 def codex() -> tuple[str, dict, dict]:

@@ -23,6 +23,11 @@ WEATHER = {"name": "get_weather", "description": "The weather of a city.",
 EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
 
 
+def prompt_of(usage) -> int:
+    """The prompt's tokens: Anthropic splits them in three (read, written, the rest)."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 @pytest.fixture(scope="module")
 def client(server):
     # x-api-key, as the SDK sends it; the timeout lets a non-streamed request ask for a
@@ -61,10 +66,35 @@ def test_claude_code_shaped_request_clamps_max_tokens_and_reports_cache_hits(cli
     assert first.content[0].type == "text" and first.content[0].text.strip()
     assert first.stop_reason == "end_turn" and first.model == MODEL
     assert second.content[0].text == first.content[0].text
-    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    prompt = prompt_of(first.usage)
     assert second.usage.cache_read_input_tokens > 0  # the whole prompt was cached by the first
-    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt
+    assert prompt_of(second.usage) == prompt
     assert second.usage.output_tokens == first.usage.output_tokens > 0
+
+
+def test_cache_writes_and_reads_add_up_to_the_prompt(client, server):
+    # cache_creation_input_tokens was always 0: a request with cache_control breakpoints is
+    # told the whole KV blocks it wrote to the prefix cache (streaming.usage_of), a later
+    # one what it read; the three parts add up to the prompt in the message, message_start
+    # and message_delta alike. Without a breakpoint nothing is reported written.
+    import uuid
+
+    system = [{"type": "text", "text": f"Session {uuid.uuid4().hex}: answer in one word.",
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    ask = dict(model=MODEL, max_tokens=1, system=system, messages=HELLO)
+    prompt = client.messages.count_tokens(model=MODEL, system=system, messages=HELLO).input_tokens
+    whole = (prompt // 16) * 16  # the server's KV blocks hold 16 tokens
+    first = client.messages.create(**ask).usage
+    assert (first.cache_read_input_tokens, first.cache_creation_input_tokens, first.input_tokens) == \
+        (0, whole, prompt - whole)
+    assert first.cache_creation.ephemeral_1h_input_tokens == whole
+    events = sse_events(server, {**ask, "temperature": 0})
+    start, delta = events[0][1]["message"]["usage"], events[-2][1]["usage"]
+    assert start["cache_read_input_tokens"] > 0 and prompt_of(anthropic.types.Usage(**start)) == prompt
+    parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert [delta[k] for k in parts] == [start[k] for k in parts]
+    plain = client.messages.create(**{**ask, "system": system[0]["text"]}).usage
+    assert plain.cache_creation_input_tokens == 0 and prompt_of(plain) == prompt
 
 
 def test_stream_equals_create_and_events_follow_anthropics_sequence(client, server):
@@ -114,7 +144,7 @@ def test_tool_round_trip_and_count_tokens(client, server):
                                     extra_body=GREEDY)
     assert answer.content and answer.content[0].type == "text" and answer.content[0].text.strip()
     counted = client.messages.count_tokens(model=MODEL, messages=turn, tools=[WEATHER])
-    assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+    assert counted.input_tokens == prompt_of(answer.usage)
     # a history written before (OpenAI-style ids from the chat path) still goes through
     old_id = "chatcmpl-tool-" + "0123456789abcdef" * 2
     old = json.loads(json.dumps(turn).replace(use.id, old_id))

@@ -17,6 +17,7 @@ import anthropic
 import pytest
 
 from e2e_utils import API_KEY, MODEL
+from test_anthropic_messages import prompt_of
 
 GREEDY = {"temperature": 0}
 WEATHER = {"name": "get_weather", "description": "The weather of a city.",
@@ -50,7 +51,7 @@ def test_tool_runner_round_trip_keeps_the_conversation(client):
     assert [m.stop_reason for m in sent] == ["tool_use", "tool_use"]
     assert all(b.type == "tool_use" and b.name == "get_weather" for m in sent for b in m.content)
     # the second turn's prompt held the first turn (user, tool_use, tool_result), not only the result
-    first, second = (m.usage.input_tokens + m.usage.cache_read_input_tokens for m in sent)
+    first, second = (prompt_of(m.usage) for m in sent)
     assert second > first + 10
 
 
@@ -72,7 +73,7 @@ def test_thread_turn_equals_the_whole_conversation(client, stream):
                                    messages=[user1, {"role": "assistant", "content": reply1.content[0].text},
                                              user2])
     assert reply2.content[0].text == whole.content[0].text
-    total = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    total = lambda m: prompt_of(m.usage)  # noqa: E731
     assert total(reply2) == total(whole)
 
 
@@ -184,7 +185,7 @@ def test_compaction_answers_with_the_summary_block(client):
     went_on = client.beta.messages.create(model=MODEL, max_tokens=4, messages=after, extra_body=GREEDY)
     failed = [{"role": "assistant", "content": [{"type": "compaction", "content": None}]}, after[1]]
     no_op = client.beta.messages.create(model=MODEL, max_tokens=4, messages=failed, extra_body=GREEDY)
-    total = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    total = lambda m: prompt_of(m.usage)  # noqa: E731
     assert went_on.stop_reason in ("end_turn", "max_tokens") and total(went_on) > total(no_op) + 5
 
 

@@ -144,6 +144,13 @@ def check_cache_controls(request: Any) -> None:
                                   f"Found {found}.", None)
 
 
+def cache_breakpoint_ttls(request: Any) -> list[str]:
+    """The ``ttl`` of each cache breakpoint of the request (a ``cache_control`` that is not
+    null; ``"5m"`` when it names none), in Anthropic's order (tools, system, messages);
+    call after :func:`check_cache_controls`."""
+    return [value.get("ttl") or "5m" for value, _ in _cache_controls(request) if isinstance(value, dict)]
+
+
 def check_accepted_fields(request: Any) -> None:
     """The accepted-and-ignored fields of a messages or count_tokens request (module
     docstring); SamplingParamsError naming the first one at fault."""

@@ -129,15 +129,24 @@ class CompactionBlock(OpenAIBaseModel):
 ContentBlock = Union[TextBlock, ThinkingBlock, ToolUseBlock, CompactionBlock]
 
 
+class CacheCreation(OpenAIBaseModel):
+    """Anthropic's ``usage.cache_creation``: the tokens written to the cache, by the
+    ``ttl`` of the breakpoint that wrote them."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class AnthropicUsage(OpenAIBaseModel):
-    """Token counts. Anthropic's ``input_tokens`` leaves out the prompt tokens read from
-    the cache (``cache_read_input_tokens``: the prefix-cache hits); nothing is written
-    to a cache on request (``cache_creation_input_tokens`` is 0)."""
+    """Token counts; ``input_tokens + cache_creation_input_tokens +
+    cache_read_input_tokens`` is the prompt (``streaming.usage_of`` says which tokens go
+    where: the prefix cache's reads and, for a request with ``cache_control``, its writes)."""
 
     input_tokens: int = 0
     output_tokens: int = 0
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = Field(default_factory=CacheCreation)
 
 
 class AnthropicMessagesResponse(OpenAIBaseModel):

@@ -17,6 +17,7 @@ import json
 import logging
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
+from llmserve.entrypoints.anthropic.accepted_fields import cache_breakpoint_ttls
 from llmserve.entrypoints.anthropic.compaction import (STOP_REASON, compaction_block, compaction_events,
                                                        summary_prompt, summary_request)
 from llmserve.entrypoints.anthropic.conversion import to_chat_request
@@ -31,8 +32,8 @@ from llmserve.entrypoints.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from llmserve.entrypoints.anthropic.streaming import (MessageStreamWriter, message_events, stop_reason_of,
-                                                      tool_use_id, usage_of)
+from llmserve.entrypoints.anthropic.streaming import (CacheWrites, MessageStreamWriter, message_events,
+                                                      stop_reason_of, tool_use_id, usage_of)
 from llmserve.entrypoints.anthropic.threads import (MessageThreadStore, keep_thread, release_thread,
                                                     streamed_blocks, with_thread_history)
 from llmserve.entrypoints.openai.common.errors import check_finished_normally
@@ -118,6 +119,7 @@ class AnthropicServingMessages:
         if prompt is not None:
             return await self._compact(request, seen, prompt, request_id)
         chat_request, clamped = await self._clamped(seen)
+        writes = cache_writes(_handler(self.chat, chat_request), seen)
         result = await self.chat.create_chat_completion(chat_request, request_id, wire=False)
         message_id = f"msg_{random_uuid()}"
 
@@ -126,9 +128,9 @@ class AnthropicServingMessages:
 
         if chat_request.stream:
             writer = MessageStreamWriter(message_id, request.model, request.stop_sequences, clamped,
-                                         on_finish=lambda blocks: keep(streamed_blocks(blocks)))
+                                         on_finish=lambda blocks: keep(streamed_blocks(blocks)), writes=writes)
             return message_events(result, writer)
-        message = message_of(result, message_id, seen, clamped)
+        message = message_of(result, message_id, seen, clamped, writes)
         keep([block.model_dump() for block in message.content])
         return message
 
@@ -152,6 +154,17 @@ class AnthropicServingMessages:
         chat_request = self._chat_request(request)
         chat_request.check()  # tools and tool_choice, as the messages request checks them
         return AnthropicCountTokensResponse(input_tokens=await prompt_tokens(_handler(self.chat, chat_request), chat_request))
+
+
+def cache_writes(handler: Any, request: AnthropicMessagesRequest) -> Optional[CacheWrites]:
+    """The cache writes ``request`` is told about (``streaming.usage_of``): when it has a
+    ``cache_control`` breakpoint and the serving engine's prefix cache is on (its
+    ``cache_config``), else None."""
+    ttls = cache_breakpoint_ttls(request)
+    cache = getattr(getattr(getattr(handler, "engine_client", None), "vllm_config", None), "cache_config", None)
+    if not ttls or cache is None or not getattr(cache, "enable_prefix_caching", False):
+        return None
+    return CacheWrites(block_size=cache.block_size, ttl=ttls[-1])
 
 
 async def _released(events: AsyncGenerator[str, None], release: Callable[[], None]) -> AsyncGenerator[str, None]:
@@ -178,9 +191,10 @@ def _tool_block(call: Any) -> ContentBlock:
 
 
 def message_of(response: ChatCompletionResponse, message_id: str, request: AnthropicMessagesRequest,
-               clamped: bool = False) -> AnthropicMessagesResponse:
+               clamped: bool = False, writes: Optional[CacheWrites] = None) -> AnthropicMessagesResponse:
     """The Anthropic message of the chat path's response (its first and only choice);
-    clamped: ``max_tokens`` was clamped to the context. Raises RequestAbortedError (a 500,
+    clamped: ``max_tokens`` was clamped to the context; writes: the request's cache
+    writes (``streaming.usage_of``). Raises RequestAbortedError (a 500,
     Anthropic's api_error) when the generation was cut off (finish reason "abort")."""
     choice = response.choices[0]
     check_finished_normally(choice.finish_reason, response.usage.completion_tokens if response.usage else None)
@@ -195,4 +209,4 @@ def message_of(response: ChatCompletionResponse, message_id: str, request: Anthr
     reason, sequence = stop_reason_of(choice.finish_reason, choice.stop_reason, request.stop_sequences, called,
                                       clamped)
     return AnthropicMessagesResponse(id=message_id, model=request.model, content=content, stop_reason=reason,
-                                     stop_sequence=sequence, usage=usage_of(response.usage))
+                                     stop_sequence=sequence, usage=usage_of(response.usage, writes))

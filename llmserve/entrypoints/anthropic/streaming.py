@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable, Optional
 
-from llmserve.entrypoints.anthropic.protocol import AnthropicUsage, anthropic_error_body
+from llmserve.entrypoints.anthropic.protocol import AnthropicUsage, CacheCreation, anthropic_error_body
 from llmserve.entrypoints.openai.common.errors import check_finished_normally, error_response_from_exception
 
 
@@ -55,14 +56,47 @@ def tool_use_id(call_id: Optional[str]) -> str:
     return "toolu_01" + "".join(reversed(digits))
 
 
-def usage_of(usage: Any) -> AnthropicUsage:
-    """Anthropic's usage of the chat path's UsageInfo (None: all zeros)."""
+@dataclass(frozen=True)
+class CacheWrites:
+    """A request that asked for caching (a ``cache_control`` breakpoint) on a server whose
+    prefix cache is on: ``block_size``: the KV block size in tokens (the cache keeps
+    whole blocks); ``ttl``: its last breakpoint's (``"5m"`` or ``"1h"``)."""
+
+    block_size: int
+    ttl: str = "5m"
+
+
+def usage_of(usage: Any, writes: Optional[CacheWrites] = None) -> AnthropicUsage:
+    """Anthropic's usage of the chat path's UsageInfo (None: all zeros).
+
+    Anthropic splits a prompt in three: ``cache_read_input_tokens`` (read from the cache),
+    ``cache_creation_input_tokens`` (written to it at the request's ``cache_control``
+    breakpoints) and ``input_tokens`` (the rest); the three add up to the prompt, here as
+    there, in ``message_start``, ``message_delta`` and the message alike. The prefix cache
+    here is automatic, so what is honest to report is what it did:
+
+    - reads: the prompt's prefix-cache hits (``prompt_tokens_details.cached_tokens``),
+      with or without breakpoints: they were not computed again;
+    - writes (``writes`` given: the request has a breakpoint and prefix caching is on):
+      the prompt's whole KV blocks that were not read, since after the request the
+      cache holds every whole block of the prompt and a later request reads them. They
+      count after the last breakpoint too (the cache keeps those blocks as well), under
+      ``cache_creation.ephemeral_<ttl>_input_tokens``; ``input_tokens`` is then the last,
+      partial block (the cache keeps no partial block);
+    - without a breakpoint (or with the prefix cache off) nothing is reported written,
+      as Anthropic writes nothing then (the blocks kept anyway are the server's own
+      business), and ``input_tokens`` is the prompt less its reads.
+    """
     if usage is None:
         return AnthropicUsage()
     details = usage.prompt_tokens_details
     cached = int(details.cached_tokens or 0) if details is not None else 0
-    return AnthropicUsage(input_tokens=usage.prompt_tokens - cached, output_tokens=usage.completion_tokens or 0,
-                          cache_read_input_tokens=cached)
+    prompt = usage.prompt_tokens
+    written = max(0, prompt // writes.block_size * writes.block_size - cached) if writes is not None else 0
+    by_ttl = {f"ephemeral_{writes.ttl if writes is not None else '5m'}_input_tokens": written}
+    return AnthropicUsage(input_tokens=prompt - cached - written, output_tokens=usage.completion_tokens or 0,
+                          cache_read_input_tokens=cached, cache_creation_input_tokens=written,
+                          cache_creation=CacheCreation(**by_ttl))
 
 
 def stop_reason_of(finish_reason: Optional[str], matched: Any, stop_sequences: Optional[list[str]],
@@ -88,12 +122,15 @@ class MessageStreamWriter:
     ``max_tokens`` was clamped to the room in the context; on_finish: called with the
     blocks sent (as JSON; a ``tool_use`` block's input as the ``partial_json`` text of its
     deltas) once the stream ended normally, before ``message_stop`` goes out (a message
-    thread keeps them: ``threads.py``)."""
+    thread keeps them: ``threads.py``); writes: the request's cache writes, reported in
+    the usage (:func:`usage_of`)."""
 
     def __init__(self, message_id: str, model: str, stop_sequences: Optional[list[str]], clamped: bool = False,
-                 on_finish: Optional[Callable[[list[dict[str, Any]]], None]] = None):
+                 on_finish: Optional[Callable[[list[dict[str, Any]]], None]] = None,
+                 writes: Optional[CacheWrites] = None):
         self.message_id, self.model, self.stop_sequences = message_id, model, stop_sequences
         self.clamped = clamped
+        self.writes = writes
         self.on_finish = on_finish
         self.blocks: list[dict[str, Any]] = []  # what was sent, block by block
         self.started = False
@@ -110,7 +147,7 @@ class MessageStreamWriter:
         self.started = True
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": usage_of(usage).model_dump()}
+                   "usage": usage_of(usage, self.writes).model_dump()}
         return [sse_event("message_start", {"message": message})]
 
     def _close(self) -> list[str]:
@@ -186,7 +223,8 @@ class MessageStreamWriter:
             events.append(sse_event("ping", {}))
         reason, sequence = stop_reason_of(self.finish, self.matched, self.stop_sequences, self.tool_called,
                                           self.clamped)
-        final = usage_of(usage).model_dump()
+        # MessageDeltaUsage: the cumulative counts, without the breakdown by ttl
+        final = usage_of(usage, self.writes).model_dump(exclude={"cache_creation"})
         if self.on_finish is not None:
             self.on_finish(self.blocks)
         events.append(sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
