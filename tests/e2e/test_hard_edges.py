@@ -6,6 +6,7 @@ over-long prompt is a 400 without tokenizing, and schemathesis finds no 5xx and 
 response that disagrees with /openapi.json."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import select
@@ -133,12 +134,20 @@ def test_idle_keep_alive_connection_is_closed(edge_server):
 
 def test_oversized_bodies_get_413_json(edge_server):
     big = json.dumps({"model": "tiny", "prompt": "x" * (5 * BODY_LIMIT)}).encode()
-    with _connect(edge_server) as s:  # Content-Length: answered before the body is read
+    with _connect(edge_server) as s:  # Content-Length and Expect: answered before the body is sent
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"x-request-id: big-1\r\ncontent-length: %d\r\n\r\n" % len(big))
+                  b"expect: 100-continue\r\nx-request-id: big-1\r\ncontent-length: %d\r\n\r\n" % len(big))
         raw = _read_all(s)
     err = _assert_error(raw, 413)
     assert str(BODY_LIMIT) in err["message"] and _parse(raw)[1]["x-request-id"] == "big-1"
+    # a client that sends its whole body before it reads (http.client, requests): the body is
+    # discarded and the 413 read; the server used to close on the unread body, and the
+    # client's send failed with "Connection reset by peer"
+    conn = http.client.HTTPConnection("127.0.0.1", edge_server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=big, headers={"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == 413
+    conn.close()
     with _connect(edge_server) as s:  # chunked: counted as it streams in
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"transfer-encoding: chunked\r\n\r\n")
@@ -146,6 +155,7 @@ def test_oversized_bodies_get_413_json(edge_server):
             for i in range(0, 2 * BODY_LIMIT, 65536):
                 part = big[i:i + 65536]
                 s.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+            s.sendall(b"0\r\n\r\n")
         except OSError:  # the server answered and closed while we were still sending
             pass
         _assert_error(_read_all(s), 413)

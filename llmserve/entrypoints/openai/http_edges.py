@@ -4,8 +4,8 @@ end badly.
 
 - :class:`BodyLimitMiddleware`: reads every request body whole before any route (or
   admission control) sees the request, then replays it: ``--max-request-body-bytes`` (413
-  before the body is read when Content-Length says so, else as soon as the streamed bytes
-  pass it); ``--timeout-request-body`` (408 unless the whole body has arrived that many
+  when Content-Length says so, else as soon as the streamed bytes pass it; the rest of the
+  body is discarded first, within bounds, so the client is not reset mid-send); ``--timeout-request-body`` (408 unless the whole body has arrived that many
   seconds after the headers: a deadline for the body, not for each read, so a one-byte
   drip cannot hold a connection); ``--min-request-body-rate`` (408 for a body slower than
   that many bytes per second after a short grace); ``--max-request-bodies-per-client``
@@ -74,6 +74,14 @@ DEFAULT_MAX_REQUEST_BODIES_PER_CLIENT = 64  # unfinished bodies of one client ad
 # (SmolLM2 server, 2-core machine). A drip is still cut once it has dripped this long.
 BODY_CUT_GRACE_S = 2.0
 DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 512  # open connections of one client address
+# A body over the limit is read and thrown away, up to this many bytes past the limit and
+# for at most this many seconds, before its 413 is sent: a server that answers and closes
+# with request bytes still unread makes the kernel reset the connection, and a client that
+# sends its whole body before it reads (Python's http.client, curl without Expect) saw
+# "Connection reset by peer" instead of the 413. nginx discards such a body the same way.
+# A body larger still (or slower) is answered and cut as before.
+MAX_DISCARDED_BODY_BYTES = 64 * 1024 * 1024
+MAX_DISCARD_S = 10.0
 
 
 class _BodyCut(Exception):
@@ -125,8 +133,10 @@ class BodyLimitMiddleware:
     path_limits: path prefix -> its own body limit (the audio uploads).
     state: the app state; its ``admission`` controller (when set) counts the bodies
       being received, for /metrics.
-    Every refusal is the OpenAI error body with ``Connection: close`` (the rest of the
-    body is never read).
+    Every refusal is the OpenAI error body with ``Connection: close``; a 413's body is
+    read and thrown away first (:func:`discard_body`, bounded by MAX_DISCARDED_BODY_BYTES
+    and MAX_DISCARD_S) unless the client asked ``Expect: 100-continue``, so that the
+    client reads the 413 rather than a connection reset.
     """
 
     def __init__(self, app: Any, max_body_bytes: int, body_timeout_s: float = 0.0,
@@ -159,16 +169,28 @@ class BodyLimitMiddleware:
         headers = Headers(scope=scope)
         length = headers.get("content-length")
         if limit and length is not None and length.isdigit() and int(length) > limit:
+            # a client that sent ``Expect: 100-continue`` waits for the answer before it
+            # sends the body: answered at once (reading would ask it for the body)
+            expects = headers.get("expect", "").lower() == "100-continue"
+            if not expects and int(length) <= limit + MAX_DISCARDED_BODY_BYTES:
+                await discard_body(receive, int(length), self._discard_s())
             return await send_error(send, 413, str(RequestBodyTooLarge(limit).detail), headers=_CLOSE)
         if (length is None or length == "0") and "transfer-encoding" not in headers:
             return await self.app(scope, receive, send)  # no body to wait for
         try:
             messages = await self._receive_body(scope, receive, limit)
         except _BodyCut as cut:
+            if cut.status == 413:  # a streamed body past the limit: the rest is read and thrown away first
+                await discard_body(receive, limit + MAX_DISCARDED_BODY_BYTES, self._discard_s())
             return await send_error(send, cut.status, cut.message, headers=cut.headers)
         if messages is None:
             return  # the client went away before its body ended: nobody to answer
         await self.app(scope, _replay(messages, receive), send)
+
+    def _discard_s(self) -> float:
+        """Seconds an over-limit body may take to be discarded (MAX_DISCARD_S, or the
+        body deadline when that is shorter)."""
+        return min(MAX_DISCARD_S, self.body_timeout_s) if self.body_timeout_s else MAX_DISCARD_S
 
     async def _receive_body(self, scope: dict, receive: Any, limit: int) -> Optional[list[dict]]:
         """The body's messages, once the last has arrived; None when the client
@@ -263,6 +285,28 @@ class BodyLimitMiddleware:
         controller = getattr(self.state, "admission", None) if self.state is not None else None
         if controller is not None:
             controller.body_receiving(delta)
+
+
+async def discard_body(receive: Any, max_bytes: int, timeout_s: float) -> bool:
+    """Read the rest of a request body and throw it away, up to ``max_bytes`` (counting
+    what is read here) and ``timeout_s`` seconds; True when the body ended within both
+    (the connection can then close without a reset), False otherwise (or when the client
+    left)."""
+    loop = asyncio.get_running_loop()
+    end, read = loop.time() + timeout_s, 0
+    while True:
+        left = end - loop.time()
+        if left <= 0 or read > max_bytes:
+            return False
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return False
+        if message["type"] != "http.request":
+            return False
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
 
 
 def _replay(messages: list[dict], receive: Any) -> Any:
