@@ -22,7 +22,7 @@ Q = "What is 2+2?"
 
 @pytest.fixture(scope="module")
 def rserver():
-    srv = RemoteServer(["--dtype", "float32", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
+    srv = RemoteServer(["--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
                         "--tool-call-parser", "hermes", "--responses-store-max-entries", "64"])
     yield srv
     srv.stop()
@@ -192,7 +192,7 @@ def test_openai_agents_agent_with_a_function_tool(rserver):
 
     agent = Agent(name="weather", instructions="Answer weather questions with the tool.", model=MODEL,
                   tools=[get_weather], model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
-                                                                    max_tokens=16))
+                                                                    max_tokens=64))
     result = asyncio.run(Runner.run(agent, "What is the weather in Oslo?", max_turns=4))
     kinds = [type(i).__name__ for i in result.new_items]
     assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds

@@ -27,7 +27,7 @@ def flags_server(tmp_path_factory):
         "loggers": {"llmserve": {"handlers": ["console"], "level": "INFO", "propagate": False}},
     }))
     srv = RemoteServer([
-        "--dtype", "float32", "--kv-cache-memory", "256MiB", "--block-size", str(BLOCK),
+        "--kv-cache-memory", "256MiB", "--block-size", str(BLOCK),
         "--enable-prompt-tokens-details", "--enable-force-include-usage", "--enable-server-load-tracking",
         "--enable-tokenizer-info-endpoint", "--enable-request-id-headers", "--disable-fastapi-docs",
         "--middleware", "starlette.middleware.gzip.GZipMiddleware", "--response-role", "bot",
