@@ -2,7 +2,7 @@
 ends that request's ``generate()`` with a final "abort" output holding the tokens so far;
 no output of an aborted request reaches a new request that reuses its id; n > 1, aborts
 while queued, and the offline ``LLMEngine.abort_request`` follow the same rules.
-Real model (float32, greedy, so the tokens so far are a prefix of the full answer)."""
+Real model (default dtype, greedy, so the tokens so far are a prefix of the full answer)."""
 import asyncio
 import time
 
@@ -16,7 +16,7 @@ PROMPT = "The history of the bicycle"
 
 
 def _kw():
-    return dict(model="SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="256MiB", max_model_len=512)
+    return dict(model="SmolLM2-135M-Instruct", kv_cache_memory="256MiB", max_model_len=512)
 
 
 class _Reasons:
