@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -49,6 +50,24 @@ class ContextLengthExceededError(SamplingParamsError):
 
 def _err(param: str, message: str) -> SamplingParamsError:
     return SamplingParamsError(message, param)
+
+
+# SamplingParams fields that must be integers when set (None allowed where the default is).
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_REQUIRED_INT_FIELDS = ("n", "min_tokens")  # None is not allowed for these
+
+
+def _str_list(param: str, value) -> list:
+    """``stop`` / ``bad_words``: None -> [], a string -> [it], a list (or tuple) of
+    strings -> a list. Raises SamplingParamsError naming ``param`` for anything else."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _err(param, f"{param} must be a string or a list of strings.")
+    return list(value)
 
 
 @dataclass
@@ -260,18 +279,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self._validated:  # decoded from another process: already checked and derived
             return
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
+        self.stop = _str_list("stop", self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple, set)):
+            raise _err("stop_token_ids", "stop_token_ids must be a list of token ids.")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
-        if self.bad_words is None:
-            self.bad_words = []
+        self.bad_words = _str_list("bad_words", self.bad_words)
+        self._verify_types()
         if self.logit_bias:
             self.logit_bias = _clamp_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:  # a dict of its fields offline, as the server takes
@@ -295,6 +311,30 @@ class SamplingParams:
         ``SamplingParams.from_optional``), e.g. the model's generation-config defaults.
         ``max_tokens=None`` is kept (the rest of the context). Raises SamplingParamsError."""
         return cls(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
+
+    def _verify_types(self) -> None:
+        """Integer fields hold integers (not bools, floats or strings: a float ``logprobs``
+        reached the sampler's topk and failed the engine step); ``temperature`` and
+        ``repetition_penalty`` are finite; ``output_kind`` is a RequestOutputKind;
+        ``allowed_token_ids`` is a list. Raises SamplingParamsError naming the field."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name not in _REQUIRED_INT_FIELDS:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise _err(name, f"{name} must be an integer.")
+            setattr(self, name, int(v))  # numpy integers too
+        for name in ("temperature", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isinf(v):
+                raise _err(name, f"{name} must be a finite number.")
+            setattr(self, name, float(v))
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise _err("output_kind", "output_kind must be a RequestOutputKind (0, 1 or 2).") from None
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (list, tuple, set)):
+            raise _err("allowed_token_ids", "allowed_token_ids must be a list of token ids.")
 
     def _verify_args(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -68,3 +68,26 @@ def test_clone_keeps_derived_stop_ids():
     sp = SamplingParams(stop_token_ids=[3])
     sp.all_stop_token_ids.add(9)
     assert sp.clone().all_stop_token_ids == {3, 9}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logprobs", 1.5), ("logprobs", "3"), ("prompt_logprobs", 1.5), ("max_tokens", 2.5), ("min_tokens", 1.5),
+    ("top_k", 1.5), ("truncate_prompt_tokens", 1.5), ("n", True), ("n", "2"), ("seed", True), ("seed", 1.5),
+    ("stop", 5), ("stop", ["a", 1]), ("stop_token_ids", 5), ("bad_words", [1]), ("bad_words", 7),
+    ("allowed_token_ids", 5), ("temperature", float("inf")), ("repetition_penalty", float("inf")),
+    ("temperature", "0.5"), ("output_kind", 7), ("min_tokens", None),
+])
+def test_a_value_of_the_wrong_type_is_a_value_error_naming_the_field(field, value):
+    """vLLM's SamplingParams fields and types: a float logprobs reached the sampler's topk
+    and failed the engine step, stop=5 was Python's 'not iterable' TypeError; each is now
+    a ValueError naming the field, without the value."""
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field and repr(value) not in str(e.value).replace(field, "")
+
+
+def test_numpy_numbers_and_a_lone_bad_word_are_taken():
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(seed=np.int64(3), max_tokens=np.int32(4), temperature=np.float32(0.5), bad_words="foo")
+    assert (sp.seed, sp.max_tokens, sp.temperature, sp.bad_words) == (3, 4, 0.5, ["foo"])
+    assert type(sp.seed) is int and type(sp.temperature) is float
