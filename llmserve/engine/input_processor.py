@@ -92,6 +92,24 @@ def truncate_prompt(ids: list[int], truncate_prompt_tokens: Optional[int], max_m
 PromptType = Union[str, dict[str, Any], list[int]]
 
 
+def check_prompt_fits(n_prompt: int, requested: Optional[int], max_model_len: int) -> None:
+    """The server's context rules for a generation (vLLM's words): a prompt of
+    ``n_prompt`` tokens must leave room for output (ContextLengthExceededError naming
+    ``prompt``), and ``requested`` output tokens (None: as many as fit) must fit beside
+    it (naming ``max_tokens``). The HTTP layer applies them too, to a request admission
+    control would refuse (a 400 comes before a 429)."""
+    if n_prompt >= max_model_len:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{n_prompt} input tokens, which leaves no room for output. Please reduce the length of "
+            f"the input.", "prompt")
+    if requested is not None and requested > max_model_len - n_prompt:
+        raise ContextLengthExceededError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion). "
+            f"Please reduce the length of the prompt or of max_tokens.", "max_tokens")
+
+
 class InputProcessor:
     """The one owner of request validation and derived fields (vLLM's ``InputProcessor``).
 
@@ -308,11 +326,8 @@ class InputProcessor:
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of the "
                 f"input (or set truncate_prompt_tokens).", "input")
-        if not pooling and len(ids) >= max_len:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{len(ids)} input tokens, which leaves no room for output. Please reduce the length of "
-                f"the input.", "prompt")
+        if not pooling:
+            check_prompt_fits(len(ids), None, max_len)
 
     def _max_tokens(self, n: int, requested: Optional[int]) -> int:
         """The output budget: ``requested``, or when None the smaller of the room left and
@@ -322,11 +337,8 @@ class InputProcessor:
         room = max_len - n
         if requested is None:
             return min(room, self.default_max_tokens) if self.default_max_tokens is not None else room
-        if requested > room and self.strict_max_tokens:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{n + requested} tokens ({n} in the prompt, {requested} in the completion). "
-                f"Please reduce the length of the prompt or of max_tokens.", "max_tokens")
+        if self.strict_max_tokens:
+            check_prompt_fits(n, requested, max_len)
         return requested
 
     def _check_logprobs(self, params: SamplingParams) -> None:

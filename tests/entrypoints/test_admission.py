@@ -648,6 +648,24 @@ def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(sm
         assert words in message, (path, message)
     assert client.post("/v1/messages", content=b'{"model": ', headers={"content-type": "application/json"}).json()[
         "error"]["type"] == "invalid_request_error"
+    # a prompt that cannot fit the context (64 tokens here), or leaves no room for the
+    # budget asked: the route's own 400 (the engine's context rule), not the 429
+    long_text = "word " * 100
+    too_long = [("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": long_text}]}, "messages"),
+                ("/v1/chat/completions", {**CHAT, "max_tokens": 60}, "max_tokens"),
+                ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 60}, "max_completion_tokens"),
+                ("/v1/completions", {"model": "m", "prompt": long_text, "max_tokens": 1}, "prompt"),
+                ("/v1/completions", {"model": "m", "prompt": ["hi", long_text], "max_tokens": 1}, "prompt"),
+                ("/v1/responses", {"model": "m", "input": long_text}, "input"),
+                ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 60}, "max_output_tokens"),
+                ("/invocations", {"model": "m", "prompt": long_text, "max_tokens": 1}, "prompt")]
+    for path, body, param in too_long:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        assert "maximum context length is 64 tokens" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/messages", json={**anthropic, "messages": [{"role": "user", "content": long_text}]})
+    assert r.status_code == 400 and "prompt is too long" in r.json()["error"]["message"], r.text
+    assert client.post("/v1/messages", json={**anthropic, "max_tokens": 60}).status_code == 429  # clamped, as it runs
     long_int = client.post("/v1/completions", content=b'{"model": "m", "prompt": "x", "max_tokens": ' + b"9" * 4400
                            + b"}", headers={"content-type": "application/json"})
     assert long_int.status_code == 400 and long_int.json()["error"]["param"] == "max_tokens", long_int.text
@@ -696,5 +714,5 @@ def test_a_malformed_request_gets_its_own_400_not_the_429_on_every_front_door(sm
         r = client.post("/v1/audio/transcriptions", data={"model": "m"}, files={"file": ("a.wav", data)})
         assert r.status_code == status, r.text
         assert status == 429 or r.json()["error"]["message"].startswith("Invalid or unsupported audio file")
-    assert 'reason="queue_full"} 5.0' in client.get("/metrics").text  # the malformed ones are not counted
+    assert 'reason="queue_full"} 6.0' in client.get("/metrics").text  # the malformed ones are not counted
     assert controller.in_flight == controller.max_num_seqs + 1

@@ -77,8 +77,18 @@ def _check_messages(state: Any, request: AnthropicMessagesRequest) -> None:
     chat_request.check()
 
 
-# Body model -> its first checks (admission_precheck.Prechecks.by_model)
+async def _fits_messages(state: Any, request: AnthropicMessagesRequest) -> None:
+    """The prompt ``/v1/messages`` would render, against the context, as the route holds
+    it (``max_tokens`` is clamped to the room; no room at all is its "prompt is too long"
+    400): run on a request admission would refuse, so that 400 comes before the 429."""
+    serving = AnthropicServingMessages(state.openai_serving_chat, getattr(state, "anthropic_threads", None))
+    await serving._clamped(with_thread_history(request, getattr(state, "anthropic_threads", None)))
+
+
+# Body model -> its first checks (admission_precheck.Prechecks.by_model), and its
+# context-length check (Prechecks.fits)
 ANTHROPIC_MODEL_CHECKS = {AnthropicMessagesRequest: _check_messages}
+ANTHROPIC_FIT_CHECKS = {AnthropicMessagesRequest: _fits_messages}
 
 
 def register_anthropic_api_routers(app: FastAPI) -> None:

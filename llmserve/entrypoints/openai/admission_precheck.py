@@ -24,10 +24,14 @@ What is checked, without rendering a prompt or touching the engine:
   dispatches to, whose body-model checks then run; speech to text reads its multipart
   form, the model and the file, whose audio is probed, not decoded).
 
-Left to the route, so refused as before: what needs the prompt rendered and tokenized
-(its length against the context: the tokens are known only once the route renders it,
-after admission, and tokenizing every refused request would make a 429 cost a prompt's
-tokenization under overload), and audio that opens but fails to decode.
+Then, for a request that passed those and would generate (chat, completions,
+Responses, Anthropic Messages: :attr:`Prechecks.fits`), its prompt is rendered as the
+route renders it and held against the context (``input_processor.check_prompt_fits``):
+a prompt too long, or one that leaves no room for ``max_tokens``, is the route's 400 too
+(it was the 429, which the client retried into the same 400). This costs a refused
+request its prompt's tokenization, bounded by the prompt character limit, once.
+
+Left to the route, so refused as before: audio that opens but fails to decode.
 """
 from __future__ import annotations
 
@@ -60,11 +64,20 @@ class Prechecks:
 
     by_model: Mapping[type, ModelCheck] = field(default_factory=dict)
     by_path: Mapping[str, BodyCheck] = field(default_factory=dict)
+    fits: Mapping[type, ModelCheck] = field(default_factory=dict)
 
     def model_check(self, model: type) -> Optional[ModelCheck]:
+        return self._nearest(self.by_model, model)
+
+    def fit_check(self, model: type) -> Optional[ModelCheck]:
+        """The context-length check of a generating request of body model ``model``."""
+        return self._nearest(self.fits, model)
+
+    @staticmethod
+    def _nearest(checks: Mapping[type, ModelCheck], model: type) -> Optional[ModelCheck]:
         for base in model.__mro__:
-            if base in self.by_model:
-                return self.by_model[base]
+            if base in checks:
+                return checks[base]
         return None
 
 
@@ -143,11 +156,11 @@ async def malformed_response(prechecks: Prechecks, router: Any, state: Any, scop
                 return None
             required = required_fields_of(model)
             request = parse_as_fastapi(model, body, content_type)
-        check = prechecks.model_check(model)
-        if check is not None:
-            pending = check(state, request)
-            if pending is not None:
-                await pending
+        for check in (prechecks.model_check(model), prechecks.fit_check(model)):
+            if check is not None:
+                pending = check(state, request)
+                if pending is not None:
+                    await pending
     except RecursionError:
         return None
     except Exception as e:  # the route's own error, whatever its kind, mapped as the app maps it
@@ -219,6 +232,65 @@ def _checks_task(attr: str, task: Optional[str]) -> ModelCheck:
             wanted = handler.default_pooling_task()
         check_model(state, attr, request, wanted)
     return check
+
+
+def check_fits(serving: Any, n_prompt: int, max_tokens: Optional[int], names: Mapping[str, str]) -> None:
+    """The engine's context rules (:func:`~llmserve.engine.input_processor.check_prompt_fits`)
+    for a prompt of ``n_prompt`` tokens and ``max_tokens`` output tokens on ``serving``'s
+    model, the error's field renamed to the route's (``names``: ``prompt`` -> ``messages``...)."""
+    from llmserve.engine.input_processor import check_prompt_fits
+    from llmserve.entrypoints.openai.common.serving import renamed_param
+    from llmserve.sampling_params import SamplingParamsError
+
+    try:
+        check_prompt_fits(n_prompt, max_tokens, serving.model_config.max_model_len)
+    except SamplingParamsError as e:
+        raise renamed_param(e, names) from None
+
+
+async def fits_chat(state: Any, request: Any, names: Optional[Mapping[str, str]] = None) -> None:
+    """A chat request's prompt, rendered as ``/v1/chat/completions`` renders it, against
+    the context (:func:`check_fits`)."""
+    from llmserve.entrypoints.openai.render import render_chat
+
+    serving = route_handler(state, "openai_serving_chat", request)
+    if serving is None:
+        return
+    rendered = await render_chat(serving, request)
+    if names is None:
+        names = {"prompt": "messages",
+                 "max_tokens": "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"}
+    check_fits(serving, len(rendered.token_ids), rendered.sampling_params.get("max_tokens"), names)
+
+
+async def _fits_completion(state: Any, request: Any) -> None:
+    from llmserve.entrypoints.openai.render import render_completion
+
+    serving = route_handler(state, "openai_serving_completion", request)
+    if serving is None:
+        return
+    for item in (await render_completion(serving, request)).items:
+        check_fits(serving, len(item.token_ids), item.sampling_params.get("max_tokens"), {})
+
+
+async def _fits_responses(state: Any, request: Any) -> None:
+    from llmserve.entrypoints.openai.responses.serving import PARAM_NAMES
+
+    serving = route_handler(state, "openai_serving_responses", request)
+    if serving is None:
+        return
+    model_name = serving._check_model(request)
+    job = await serving._prepare(serving._with_referenced_items(request), model_name, None)
+    check_fits(serving, len(job.prompt.token_ids), job.params.max_tokens, PARAM_NAMES)
+
+
+def openai_fit_checks() -> dict[type, ModelCheck]:
+    """The context-length checks of the OpenAI routes that generate, by body model."""
+    from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from llmserve.entrypoints.openai.completion.protocol import CompletionRequest
+    from llmserve.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    return {ChatCompletionRequest: fits_chat, CompletionRequest: _fits_completion, ResponsesRequest: _fits_responses}
 
 
 def openai_model_checks() -> dict[type, ModelCheck]:

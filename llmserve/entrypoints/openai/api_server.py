@@ -36,12 +36,12 @@ from fastapi.middleware.cors import CORSMiddleware
 import llmserve
 from llmserve.engine_args import AsyncEngineArgs, UsageContext
 from llmserve.gc_utils import freeze_gc_heap
-from llmserve.entrypoints.anthropic.api_router import (ANTHROPIC_ERROR_SHAPE, ANTHROPIC_MODEL_CHECKS,
+from llmserve.entrypoints.anthropic.api_router import (ANTHROPIC_ERROR_SHAPE, ANTHROPIC_FIT_CHECKS, ANTHROPIC_MODEL_CHECKS,
                                                       register_anthropic_api_routers)
 from llmserve.entrypoints.ollama.api_router import OLLAMA_BODY_CHECKS, OLLAMA_ERROR_SHAPE, register_ollama_api_routers
 from llmserve.entrypoints.launcher import bind_listening_socket, check_uds_path, serve_http
 from llmserve.entrypoints.openai.admission import AdmissionMiddleware, make_admission_controller
-from llmserve.entrypoints.openai.admission_precheck import Prechecks, openai_model_checks
+from llmserve.entrypoints.openai.admission_precheck import Prechecks, openai_fit_checks, openai_model_checks
 from llmserve.entrypoints.openai.basic.api_router import register_basic_api_routers
 from llmserve.entrypoints.openai.chat_completion.api_router import register_chat_api_routers
 from llmserve.entrypoints.openai.chat_completion.stored import register_stored_chat_api_routers
@@ -133,7 +133,8 @@ API_ROUTER_REGISTRARS = (
 ERROR_SHAPES: tuple[ErrorShape, ...] = (ANTHROPIC_ERROR_SHAPE, OLLAMA_ERROR_SHAPE)
 # Each front door's first checks, run on a request admission would refuse (admission_precheck.py)
 PRECHECKS = Prechecks(by_model={**openai_model_checks(), **ANTHROPIC_MODEL_CHECKS},
-                      by_path={**OLLAMA_BODY_CHECKS, **SAGEMAKER_BODY_CHECKS, **SPEECH_TO_TEXT_BODY_CHECKS})
+                      by_path={**OLLAMA_BODY_CHECKS, **SAGEMAKER_BODY_CHECKS, **SPEECH_TO_TEXT_BODY_CHECKS},
+                      fits={**openai_fit_checks(), **ANTHROPIC_FIT_CHECKS})
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
