@@ -22,6 +22,8 @@
   ``/v1/chat/completions`` and turns on agent mode (tools) when ``capabilities`` lists
   "tools": without ``--enable-auto-tool-choice`` that route answers tools with a 400, so
   "tools" is listed to Copilot only when the route takes them.
+- ``/api/generate`` ``template`` (a Go template in place of the model's): rendered as
+  Ollama renders it (go_template.py); it was a 400.
 - ``options.num_predict`` 0 or below -2: Ollama's runner stops on num_predict only above
   0, so both are "no limit" there; 0 gave an empty answer and -3 a 400.
 - ``/api/ps``: ``expires_at`` was Go's zero time, which ``ollama ps`` shows as
@@ -131,6 +133,10 @@ def test_raw_generate_refuses_what_it_would_drop(server):
         assert e.value.status_code == 400, extra
         assert e.value.error.startswith("raw mode does not support template, system, or context"), e.value.error
     assert client.generate(MODEL, prompt="Hello", raw=True, options={"num_predict": 1}).eval_count == 1
+    # without raw, a request's Go template is rendered as Ollama renders it (it was a 400)
+    chatml = "<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n{{ .Response }}<|im_end|>"
+    templated = client.generate(MODEL, prompt="Hello", template=chatml, options={"num_predict": 1, "temperature": 0})
+    assert templated.eval_count == 1 and templated.prompt_eval_count == 10 and len(templated.context) == 11, templated
 
 
 def test_show_gives_copilot_chat_the_name_it_asked_for(server):

@@ -632,3 +632,33 @@ def test_latest_match_is_the_default_tag_rule_of_every_route():
         assert latest_match(name, served) is None, name
     assert [ollama_listed_name(n) for n in ("m", "llama3:8b", "host:5000/x")] == \
         ["m:latest", "llama3:8b", "host:5000/x:latest"]
+
+
+def test_generate_template_is_rendered_as_ollama_renders_it(app_and_engine):  # noqa: F811
+    """/api/generate ``template`` (the ollama client's ``generate(template=...)``) was a 400
+    "not served here"; Ollama renders the request's Go template over .System, .Prompt,
+    .Messages..., keeps what comes before {{ .Response }} and runs that text, returning a
+    context. Unsupported Go template parts are a 400 naming ``template`` (no echo)."""
+    from llmserve.entrypoints.ollama.go_template import TemplateError, render_prompt
+    chatml = ("{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}{{ if .Prompt }}<|im_start|>user\n"
+              "{{ .Prompt }}<|im_end|>\n{{ end }}<|im_start|>assistant\n{{ .Response }}<|im_end|>\n")
+    assert render_prompt(chatml, None, "hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ranged = "{{- range .Messages }}[{{ .Role }}] {{ .Content }}\n{{ end }}{{ if eq $.Suffix \"\" }}A:{{ end -}}  "
+    assert render_prompt(ranged, "be brief", "hi") == "[system] be brief\n[user] hi\nA:"
+    branches = '{{ if not .System }}none{{ else if and .System .Prompt }}both{{ else }}sys{{ end }} {{/* c */}}'
+    assert [render_prompt(branches, s, p) for s, p in ((None, "p"), ("s", "p"), ("s", ""))] == \
+        ["none ", "both ", "sys "]
+    for bad in ("{{ .Prompt", "{{ if .System }}x", "{{ end }}", "{{ $x := 1 }}", '{{ printf "%s" .Prompt }}',
+                "{{ .Prompt | upper }}"):
+        with pytest.raises(TemplateError):
+            render_prompt(bad, None, "p")
+    client, engine = app_and_engine()
+    engine.outputs = [_output("ok", "stop")]
+    r = client.post("/api/generate", json={"model": "m", "prompt": "hi", "system": "S", "stream": False,
+                                           "template": chatml, "options": {"num_predict": 2}})
+    assert r.status_code == 200 and r.json()["response"] == "ok" and r.json()["context"], r.text
+    assert engine.prompts[-1]["prompt"] == \
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", engine.prompts[-1]
+    bad = client.post("/api/generate", json={"model": "m", "prompt": "hi", "stream": False,
+                                             "template": "{{ s3cr3t .Prompt }}"})
+    assert bad.status_code == 400 and bad.json()["error"].startswith("template: ") and "s3cr3t" not in bad.text

@@ -103,8 +103,9 @@ class OllamaGenerateRequest(OllamaBaseGenerate):
     """``POST /api/generate``: ``prompt`` rendered with the chat template as one user
     turn (``system`` before it), or sent as it is with ``raw``; ``suffix`` asks for
     fill-in-the-middle. ``context`` (the token ids an earlier answer returned, Ollama's
-    deprecated memory) puts their text before this turn's; ``template`` (a Go template) is
-    Ollama's own and refused; ``images`` needs a vision model."""
+    deprecated memory) puts their text before this turn's; ``template`` (a Go template, in
+    place of the model's) makes the prompt as Ollama does (go_template.py); ``images`` needs a
+    vision model."""
 
     prompt: Optional[str] = ""
     suffix: Optional[str] = None

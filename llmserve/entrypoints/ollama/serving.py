@@ -13,7 +13,8 @@ OpenAI routes use, through its ``wire=False`` seam; only the wire format is Olla
 - ``/api/generate`` -> the chat handler with ``system`` + ``prompt`` as one user turn
   (Ollama applies the model's template), or, with ``raw`` or ``suffix``, the
   completion handler (the prompt as it is; ``suffix`` is the completions' fill-in-the-
-  middle, a 400 naming ``suffix`` when the model has no FIM tokens). The completion
+  middle, a 400 naming ``suffix`` when the model has no FIM tokens), or with ``template``
+  (the request's Go template, rendered as Ollama does: go_template.py). The completion
   handler answers SSE only, so its events are read back as chunk objects.
 - ``/api/embed`` / ``/api/embeddings`` -> EmbeddingRequest -> the embedding handler
   (a pooling model: served alone or with ``--extra-model``).
@@ -41,6 +42,7 @@ import numpy as np
 
 from llmserve.entrypoints.assistant_prefill import continuation_fields
 from llmserve.entrypoints.ollama.context_fit import fit_chat, fit_completion, over_context, truncating
+from llmserve.entrypoints.ollama.go_template import TemplateError, render_prompt
 from llmserve.entrypoints.ollama.names import resolve
 from llmserve.entrypoints.ollama.options import (build_request, check_options, context_size, in_ollama_terms,
                                                  sampling_fields, structured_fields)
@@ -170,8 +172,10 @@ def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatComp
 
 def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
     """The common request of ``/api/generate``: a chat request (template applied), or a
-    completion request with ``raw`` or ``suffix``. Raises SamplingParamsError for the
-    fields Ollama has and this server does not (``template``, ``images``), and, as Ollama
+    completion request with ``raw``, ``suffix`` or ``template`` (the request's Go template
+    rendered as Ollama renders it: go_template.py; ``.Suffix`` is the template's to use).
+    Raises SamplingParamsError for ``images`` (no vision model), a template this server
+    cannot read (naming ``template``), and, as Ollama
     does (routes.go), for ``raw`` with ``template``, ``system`` or ``context``: a raw
     prompt goes to the model as it is, so they would be dropped without a word. ``context``
     is served by serve_generate (_with_context)."""
@@ -180,9 +184,14 @@ def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
     if req.raw and (req.template or req.system or req.context):
         raise SamplingParamsError("raw mode does not support template, system, or context (raw: true sends the "
                                   "prompt as it is; write the system text into it, or leave raw out).", "raw")
-    if req.template:
-        raise SamplingParamsError("template: Ollama's Go templates are not served here; the model's chat template "
-                                  "is applied (or send raw: true with the prompt written out).", "template")
+    if req.template:  # the request's own template (a Go template, as Ollama's) makes the prompt text
+        try:
+            prompt = render_prompt(req.template, req.system, req.prompt or "", req.suffix)
+        except TemplateError as e:
+            raise SamplingParamsError(f"template: {e} (Ollama's Go template subset read here: "
+                                      "llmserve/entrypoints/ollama/go_template.py).", "template") from None
+        return build_request(CompletionRequest, **_common_fields(req, name, completion=True), prompt=prompt,
+                             stream_options={"include_usage": True})
     # An empty suffix is no suffix (Ollama's Go field is a plain string: "" is unset): the
     # template applies, as without one.
     if req.raw or req.suffix:
@@ -341,6 +350,9 @@ async def serve_generate(state: Any, req: OllamaGenerateRequest, request_id: Opt
     stats = RunStats()
     if isinstance(common, CompletionRequest):
         completion = handler(state, "openai_serving_completion", name)
+        if req.template:  # not raw: the earlier context goes first, and a context comes back
+            common.prompt = await _context_text(chat, req) + common.prompt
+            wire.context_of = _context_of(chat, common.prompt)
         common = _fit_raw(req, completion, common)
         chunks = completion_chunks(await completion.create_completion(common, request_id, openai_budget=False))
     elif req.context:
@@ -369,19 +381,26 @@ def _context_of(chat: Any, prompt: str) -> Callable[[str], Awaitable[list[int]]]
     return context
 
 
+async def _context_text(chat: Any, req: OllamaGenerateRequest) -> str:
+    """The text of ``req.context`` (Ollama's token ids of an earlier answer; "" for none).
+    Raises SamplingParamsError naming ``context.<i>`` for an id outside the vocabulary."""
+    if not req.context:
+        return ""
+    vocab = chat.model_config.vocab_size
+    for i, t in enumerate(req.context):
+        if not 0 <= t < vocab:
+            raise SamplingParamsError(f"context.{i}: the token id is out of vocabulary (valid ids are "
+                                      f"0..{vocab - 1}).", f"context.{i}")
+    return await chat.renderer.run_in_pool(chat.tokenizer.decode, list(req.context), skip_special_tokens=False)
+
+
 async def _with_context(state: Any, req: OllamaGenerateRequest, name: str, chat: Any, common: ChatCompletionRequest,
                         request_id: Optional[str]) -> tuple[Any, str]:
     """A templated ``/api/generate`` with Ollama's (deprecated) ``context``: the text of
     those token ids, then the template's text of this turn, run as one completion (the
     chunks, and that prompt text). Raises SamplingParamsError naming ``context`` for an
     id outside the vocabulary."""
-    vocab = chat.model_config.vocab_size
-    for i, t in enumerate(req.context or []):
-        if not 0 <= t < vocab:
-            raise SamplingParamsError(f"context.{i}: the token id is out of vocabulary (valid ids are "
-                                      f"0..{vocab - 1}).", f"context.{i}")
-    earlier = await chat.renderer.run_in_pool(chat.tokenizer.decode, list(req.context), skip_special_tokens=False)
-    prompt = earlier + await _prompt_text(chat, common)
+    prompt = await _context_text(chat, req) + await _prompt_text(chat, common)
     completion = handler(state, "openai_serving_completion", name)
     request = build_request(CompletionRequest, **_common_fields(req, name, completion=True), prompt=prompt,
                             stream_options={"include_usage": True})
