@@ -7,6 +7,7 @@ imports nothing of llmserve but ``outputs``' Logprob type.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -50,13 +51,19 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, array_like=True, gc=F
     early_stopping: Union[bool, str] = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise _field_error(f"beam_width must be an integer >= 1, got {self.beam_width!r}.", "beam_width")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise _field_error(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.", "max_tokens")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
             raise _field_error("temperature must be a finite number >= 0.", "temperature")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise _field_error("length_penalty must be a finite number.", "length_penalty")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _field_error(f"{name} must be true or false.", name)
         if self.early_stopping not in (True, False, "never"):
             raise _field_error(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}.",
                                "early_stopping")

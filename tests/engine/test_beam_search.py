@@ -254,3 +254,17 @@ def test_newer_architectures_beams_equal_transformers(tmp_path_factory, arch):
     outs = _width3_beams(path, prompts)
     for i, (p, out) in enumerate(zip(prompts, outs)):
         assert_same_beams(out, hf_beams(hf, p, 3, 8, 0.5, False), len(p), f"{arch} prompt {i}")
+
+
+@pytest.mark.parametrize("field,value", [("length_penalty", "x"), ("length_penalty", float("nan")),
+                                         ("length_penalty", float("inf")), ("beam_width", True),
+                                         ("ignore_eos", "no"), ("include_stop_str_in_output", 1),
+                                         ("temperature", float("inf")), ("temperature", "0.5")])
+def test_bad_beam_search_params_are_a_value_error_naming_the_field(field, value):
+    """A length_penalty of the wrong type reached the engine's scoring (a TypeError in the
+    engine step); each bad value is a ValueError naming the field before it is sent."""
+    from llmserve.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError) as e:
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 3, field: value})
+    assert e.value.param == field

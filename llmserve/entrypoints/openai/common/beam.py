@@ -4,7 +4,9 @@
 the engine (core/beam_search.py); the choices arrive together when it ends, so a stream
 sends them at the end (vLLM does the same).
 
-Refused with a 400 naming the field, since the beams are ranked by raw logprobs and
+``temperature`` scales the logits the beams are scored on (the engine's beam rows are
+``log_softmax(logits / temperature)``, as vLLM's; 0 and 1 score raw logprobs).
+Refused with a 400 naming the field, since the beams are ranked by those logprobs and
 arrive at the end: ``stop`` strings, ``logit_bias``, ``allowed_token_ids``, ``bad_words``,
 structured outputs (``response_format``, ``structured_outputs``), ``min_tokens``, the
 penalties, top alternatives (``logprobs`` > 0 on completions, ``top_logprobs`` > 0 on
@@ -64,7 +66,8 @@ def beam_search_request(request: Any, params: SamplingParams, max_model_len: int
 def beam_sampling_params(params: SamplingParams) -> SamplingParams:
     """The request's SamplingParams for its beam search: one sequence (the beams are the
     engine's), greedy rows, the model's default penalties and sampling knobs off (the
-    beams are ranked by raw logprobs; what the user set was checked by ``_check``)."""
+    beams are ranked by logprobs, at BeamSearchParams.temperature; what the user set was
+    checked by ``_check``)."""
     sp = params.clone()
     sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed = 1, 0.0, 1.0, 0, 0.0, None
     sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty = 1.0, 0.0, 0.0
