@@ -6,7 +6,10 @@ each parser only describes its format, in one method, :meth:`ToolParser.scan`: t
 content text and the calls (name, raw JSON arguments) visible in a text so far. Both
 extraction methods derive from it, and the streaming one is a pure function of
 ``previous_text`` and ``current_text`` (the difference of their scans), so a stream split
-anywhere gives the same content and the same calls as the whole text.
+anywhere gives the same content and the same calls as the whole text. The free-text
+formats hold their calls back until the output ends (``holds_calls_until_end``): a call
+the model broke (bad JSON inside the markers, an object never closed) makes the whole
+output content, and a stream that had already sent its name could not take it back.
 """
 from __future__ import annotations
 
@@ -91,6 +94,11 @@ class ToolParser:
 
     # Markers that are special tokens must survive detokenization.
     keeps_special_tokens = False
+    # Free-text formats (the model may write a broken call): a stream sends the calls only
+    # once the output has ended and the whole output holds valid ones, so that streamed and
+    # whole outputs agree (a malformed call is content with finish "stop" either way).
+    # The forced formats, whose JSON a grammar enforces, stream each call as it grows.
+    holds_calls_until_end = True
 
     def __init__(self, tokenizer: Any) -> None:
         self.model_tokenizer = tokenizer
@@ -145,19 +153,25 @@ class ToolParser:
         """The delta between the scans of ``previous_text`` and ``current_text``: new
         content, the first fragment of each call whose name just became known (index,
         id, type, name, arguments so far), and argument fragments of calls already
-        started. None when nothing new is certain yet."""
-        return self._diff(self.scan(previous_text, final=False), self.scan(current_text, final=False))
+        started; with :attr:`holds_calls_until_end`, content only (the calls come from
+        :meth:`flush_streaming`). None when nothing new is certain yet."""
+        return self._diff(self._streamed(self.scan(previous_text, final=False)),
+                          self._streamed(self.scan(current_text, final=False)))
+
+    def _streamed(self, scan: ScanResult) -> ScanResult:
+        """What of a scan a stream sends before the output ends."""
+        return ScanResult(content=scan.content) if self.holds_calls_until_end else scan
 
     def flush_streaming(self, text: str, request: Any = None) -> Optional[DeltaMessage]:
         """At the end of a stream: what the final scan of ``text`` adds (text held back
-        because it might have started a call, arguments whose last token was pending).
-        When no call was streamed and the whole text holds none, the text held back is
-        content, as :meth:`extract_tool_calls` says."""
+        because it might have started a call, the calls held back, arguments whose last
+        token was pending). When no call was streamed and the whole text holds no valid
+        one, the text held back is content, as :meth:`extract_tool_calls` says."""
         if type(self).scan is ToolParser.scan:
             # A vLLM-style plugin parser (its own extract_* methods, no scan): vLLM's
             # streaming has no flush, its streaming method already sent everything.
             return None
-        before = self.scan(text, final=False)
+        before = self._streamed(self.scan(text, final=False))
         if all(c.name is None for c in before.calls) and not self.extract_tool_calls(text, request).tools_called:
             rest = text[len(before.content):] if text.startswith(before.content) else ""
             return DeltaMessage(content=rest) if rest else None

@@ -14,6 +14,8 @@ from llmserve.tool_parsers.json_scan import RawCall, scan_call_list, skip_ws, va
 class RequiredToolParser(ToolParser):
     """``[{"name": ..., "parameters": {...}}, ...]``."""
 
+    holds_calls_until_end = False  # the grammar keeps it valid JSON: each call streams as it grows
+
     def scan(self, text: str, final: bool) -> ScanResult:
         i = skip_ws(text, 0)
         if i >= len(text):
@@ -26,6 +28,8 @@ class RequiredToolParser(ToolParser):
 
 class NamedToolParser(ToolParser):
     """The output is the arguments object of the function ``name``."""
+
+    holds_calls_until_end = False
 
     def __init__(self, tokenizer: Any, name: str) -> None:
         super().__init__(tokenizer)

@@ -246,6 +246,26 @@ def test_parallel_tool_calls_false_keeps_the_first_auto_call_c56(app, think_toke
     assert [c["name"] for c in assemble(stream_chunks(client, unset))[2]] == ["get_n", "get_weather"]
 
 
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "get_n", "arguments": {"n": 1,,}}\n</tool_call>',  # broken JSON inside the markers
+    '<tool_call>\n{"name": "get_n", "arguments": {"n": 1}\n</tool_call>',  # the object never closed
+    'Sure. <tool_call>\n{"name": "get_n", "arguments": {"n": 1}}\n</tool_call>\n<tool_call>{"name": "get_n", '
+    '"arguments": {"n": tw',  # a good call, then a broken one: the whole output is content (vLLM)
+])
+def test_a_malformed_tool_call_is_the_same_content_streamed_or_not(app, think_tokenizer, text):
+    """A malformed call inside the markers: the whole output is content with finish
+    "stop" (vLLM's whole-output rule), and the stream, one character per delta, says the
+    same: it sent the call's name and arguments as they came, then finished "tool_calls"
+    with a call whose arguments were not JSON."""
+    client, engine = app("--enable-auto-tool-choice", "--tool-call-parser", "hermes", tokenizer=think_tokenizer)
+    engine.text = text
+    body = {**W1, "tools": [GET_N], "tool_choice": "auto"}
+    choice = post(client, body).json()["choices"][0]
+    assert choice["message"]["content"] == text and not choice["message"]["tool_calls"]
+    content, _, calls, finish = assemble(stream_chunks(client, body))
+    assert (content, calls, finish) == (text, [], choice["finish_reason"])
+
+
 def test_parallel_tool_calls_false_on_responses_c56(app, think_tokenizer):
     """C56 A4 (and A5) on /v1/responses, flat tool form: ``"required"`` with the flag
     false forces at most one call (the schema's maxItems) and gives one ``function_call``
