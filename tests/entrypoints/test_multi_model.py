@@ -77,6 +77,7 @@ def _served(name: str, tasks: tuple[str, ...], max_len: int) -> ServedModel:
 def test_registry_routes_by_model_and_task():
     reg = ModelRegistry([_served("chat", ("generate",), 2048), _served("emb", ("encode", "embed"), 512)])
     assert reg.resolve("emb").names == ["emb"]
+    assert reg.resolve("emb:latest").names == ["emb"]  # the name /api/tags lists (Ollama's default tag)
     assert reg.resolve(None, "embed").names == ["emb"]  # no `model`: the first that can
     assert reg.resolve("", "text").names == ["chat"]
     assert reg.resolve(None).names == ["chat"]
