@@ -649,9 +649,12 @@ def test_generate_template_is_rendered_as_ollama_renders_it(app_and_engine):  # 
     assert [render_prompt(branches, s, p) for s, p in ((None, "p"), ("s", "p"), ("s", ""))] == \
         ["none ", "both ", "sys "]
     for bad in ("{{ .Prompt", "{{ if .System }}x", "{{ end }}", "{{ $x := 1 }}", '{{ printf "%s" .Prompt }}',
-                "{{ .Prompt | upper }}"):
+                "{{ .Prompt | upper }}", "{{ not " + "(" * 5000 + ".Prompt" + ")" * 5000 + " }}",
+                "{{ if .Prompt }}" * 100 + "{{ end }}" * 100,  # nesting, steps and output are bounded:
+                "{{ range $.Messages }}" * 60 + "{{ end }}" * 60,  # 2**60 loops writing nothing
+                "{{ range $.Messages }}" * 30 + "{{ $.Prompt }}" + "{{ end }}" * 30):
         with pytest.raises(TemplateError):
-            render_prompt(bad, None, "p")
+            render_prompt(bad, "s", "p" * 100_000)  # two messages to range over
     client, engine = app_and_engine()
     engine.outputs = [_output("ok", "stop")]
     r = client.post("/api/generate", json={"model": "m", "prompt": "hi", "system": "S", "stream": False,

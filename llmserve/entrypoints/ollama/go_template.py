@@ -28,6 +28,8 @@ _ACTION = re.compile(r"\{\{(-\s)?(.*?)(\s-)?\}\}", re.S)
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|`[^`]*`|\(|\)|[^\s()]+')
 MAX_TEMPLATE_CHARS = 100_000
 MAX_OUTPUT_CHARS = 4_000_000  # a range over a long list cannot grow past this
+MAX_DEPTH = 64  # nested if / range / with
+MAX_STEPS = 100_000  # nodes run: nested ranges that write nothing still end
 RESPONSE_FIELD = ".Response"
 
 
@@ -84,8 +86,11 @@ def parse(source: str) -> list[_Node]:
     return nodes
 
 
-def _parse_block(parts: list[tuple[str, str]], i: int, top: bool = False) -> tuple[list[_Node], int]:
+def _parse_block(parts: list[tuple[str, str]], i: int, top: bool = False, depth: int = 0,
+                 ) -> tuple[list[_Node], int]:
     """Nodes from ``parts[i]`` up to an ``else`` / ``end`` (returned index points at it)."""
+    if depth > MAX_DEPTH:
+        raise TemplateError(f"if, range and with are nested more than {MAX_DEPTH} deep")
     nodes: list[_Node] = []
     while i < len(parts):
         kind, body = parts[i]
@@ -97,13 +102,15 @@ def _parse_block(parts: list[tuple[str, str]], i: int, top: bool = False) -> tup
             i += 1
             continue
         words = _tokens(body)
+        if words.count("(") > MAX_DEPTH:
+            raise TemplateError(f"an action has more than {MAX_DEPTH} parentheses")
         head = words[0] if words else ""
         if head in ("end", "else"):
             if top:
                 raise TemplateError(f"{{{{ {head} }}}} has no matching if, range or with")
             return nodes, i
         if head in ("if", "range", "with"):
-            node, i = _parse_control(parts, i, head, words[1:])
+            node, i = _parse_control(parts, i, head, words[1:], depth + 1)
             nodes.append(node)
             continue
         if head in ("template", "block", "define", "break", "continue") or ":=" in words or "=" in words:
@@ -119,20 +126,21 @@ def _parse_block(parts: list[tuple[str, str]], i: int, top: bool = False) -> tup
     return nodes, i
 
 
-def _parse_control(parts: list[tuple[str, str]], i: int, head: str, cond: list[str]) -> tuple[_Node, int]:
+def _parse_control(parts: list[tuple[str, str]], i: int, head: str, cond: list[str], depth: int,
+                   ) -> tuple[_Node, int]:
     if not cond:
         raise TemplateError(f"{{{{ {head} }}}} needs a value")
     node = _Node(head, tokens=cond)
-    node.body, i = _parse_block(parts, i + 1)
+    node.body, i = _parse_block(parts, i + 1, depth=depth)
     words = _tokens(parts[i][1])
     if words[0] == "else":
         if len(words) > 1 and words[1] == "if" and head == "if":
-            inner, i = _parse_control(parts, i, "if", words[2:])  # ends at the shared {{ end }}
+            inner, i = _parse_control(parts, i, "if", words[2:], depth + 1)  # ends at the shared {{ end }}
             node.orelse = [inner]
             return node, i
         if len(words) > 1:
             raise TemplateError("'else' followed by anything but 'if' (in an if) is not supported")
-        node.orelse, i = _parse_block(parts, i + 1)
+        node.orelse, i = _parse_block(parts, i + 1, depth=depth)
         if _tokens(parts[i][1])[0] != "end":
             raise TemplateError("an else is followed by another else")
     return node, i + 1
@@ -143,8 +151,12 @@ def _truth(value: Any) -> bool:
 
 
 class _Scope:
-    def __init__(self, root: dict[str, Any], dot: Any):
+    def __init__(self, root: dict[str, Any], dot: Any, steps: Optional[list[int]] = None):
         self.root, self.dot = root, dot
+        self.steps = steps if steps is not None else [0, 0]  # [nodes run, characters out]: one run's
+
+    def at(self, dot: Any) -> "_Scope":
+        return _Scope(self.root, dot, self.steps)
 
 
 def _field(value: Any, path: str) -> Any:
@@ -228,26 +240,37 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _step(scope: _Scope) -> None:
+    scope.steps[0] += 1
+    if scope.steps[0] > MAX_STEPS:
+        raise TemplateError(f"it runs more than {MAX_STEPS} steps")
+
+
+def _write(scope: _Scope, out: list[str], text: str) -> None:
+    scope.steps[1] += len(text)
+    if scope.steps[1] > MAX_OUTPUT_CHARS:
+        raise TemplateError(f"its output is longer than {MAX_OUTPUT_CHARS} characters")
+    out.append(text)
+
+
 def _run(nodes: list[_Node], scope: _Scope, out: list[str]) -> bool:
     """Write ``nodes`` to ``out``; False once ``{{ .Response }}`` is reached (Ollama keeps
     only what comes before it)."""
     for node in nodes:
-        if sum(map(len, out)) > MAX_OUTPUT_CHARS:
-            raise TemplateError(f"its output is longer than {MAX_OUTPUT_CHARS} characters")
+        _step(scope)
         if node.kind == "text":
-            out.append(node.text)
+            _write(scope, out, node.text)
         elif node.kind == "response":
             return False
         elif node.kind == "expr":
-            out.append(_text(_call(node.tokens, scope)))
+            _write(scope, out, _text(_call(node.tokens, scope)))
         elif node.kind == "if":
             branch = node.body if _truth(_call(node.tokens, scope)) else node.orelse
             if not _run(branch, scope, out):
                 return False
         elif node.kind == "with":
             value = _call(node.tokens, scope)
-            if not _run(node.body if _truth(value) else node.orelse,
-                        _Scope(scope.root, value) if _truth(value) else scope, out):
+            if not _run(node.body if _truth(value) else node.orelse, scope.at(value) if _truth(value) else scope, out):
                 return False
         elif node.kind == "range":
             items = _call(node.tokens, scope)
@@ -256,7 +279,8 @@ def _run(nodes: list[_Node], scope: _Scope, out: list[str]) -> bool:
             if not isinstance(items, (list, tuple)) and items is not None:
                 raise TemplateError("range needs a list")
             for item in items or ():
-                if not _run(node.body, _Scope(scope.root, item), out):
+                _step(scope)
+                if not _run(node.body, scope.at(item), out):
                     return False
             if not items and not _run(node.orelse, scope, out):
                 return False
@@ -271,5 +295,8 @@ def render_prompt(source: str, system: Optional[str], prompt: str, suffix: Optio
     root = {"System": system or "", "Prompt": prompt, "Suffix": suffix or "", "Response": "", "Messages": messages,
             "Tools": None, "Think": False, "ThinkLevel": "", "IsThinkSet": False}
     out: list[str] = []
-    _run(parse(source), _Scope(root, root), out)
+    try:
+        _run(parse(source), _Scope(root, root), out)
+    except RecursionError:  # thousands of nested parentheses
+        raise TemplateError("its actions are nested too deep") from None
     return "".join(out)
