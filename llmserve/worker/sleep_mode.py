@@ -34,7 +34,7 @@ SLEEP_TAGS = ("weights", "kv_cache")
 def check_level(level: Any) -> int:
     """The sleep level as an int; ValueError naming ``level`` unless it is 1 or 2."""
     if isinstance(level, bool) or level not in (1, 2):
-        raise ValueError(f"level must be 1 or 2, got {level!r}")
+        raise ValueError("level must be 1 or 2.")
     return int(level)
 
 
@@ -45,7 +45,8 @@ def check_tags(tags: Optional[Iterable[str]]) -> tuple[str, ...]:
     tags = tuple(tags)
     bad = [t for t in tags if t not in SLEEP_TAGS]
     if bad or not tags:
-        raise ValueError(f"tags must be a non-empty subset of {list(SLEEP_TAGS)}, got {list(tags)}")
+        raise ValueError(f"tags must be a non-empty subset of {list(SLEEP_TAGS)}"
+                         f"{' (an unknown tag was given)' if bad else ''}.")
     return tags
 
 

@@ -71,11 +71,12 @@ def test_wake_up_endpoint_and_bad_input(tiny_server):
     assert _asleep(tiny_server)  # the KV cache still sleeps
     assert http.post("/wake_up", params=[("tags", "kv_cache")]).status_code == 200
     assert not _asleep(tiny_server)
-    for path, param in (("/sleep?level=3", "level"), ("/sleep?level=deep", "level"),
-                        ("/wake_up?tags=activations", "tags")):
+    for path, param in (("/sleep?level=3", "level"), ("/sleep?level=deepXQ", "level"),
+                        ("/wake_up?tags=activationsXQ", "tags")):
         r = http.post(path)
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["code"] == 400 and r.json()["error"]["param"] == param
+        assert "XQ" not in r.text  # the client's value is not echoed
     assert httpx.post(tiny_server.url_for("sleep")).status_code == 401  # no API key
     assert not _asleep(tiny_server)
 

@@ -46,7 +46,7 @@ async def sleep(raw_request: Request, level: str = "1") -> Response:
     """Put the engine to sleep (200, empty body); 400 for a bad ``level`` or a busy engine."""
     try:
         if level.strip() not in ("1", "2"):
-            raise SamplingParamsError(f"level must be 1 or 2, got {level!r}", "level")
+            raise SamplingParamsError("level must be 1 or 2.", "level")
         await _call(raw_request, "sleep", int(level))
     except Exception as e:  # noqa: BLE001 - mapped by the one error function (ValueError: 400)
         return error_json(e)
