@@ -171,8 +171,9 @@ def _template_tool_call(call: Any, index: int, j: int) -> Any:
     elif isinstance(args, str):
         try:
             fn["arguments"] = json.loads(args)
-        except ValueError:
-            raise SamplingParamsError(f"{call_at}.function.arguments: not valid JSON: {args[:100]!r}",
+        except ValueError as e:  # where it breaks, never the client's text (it may be long or private)
+            where = f" ({e.msg} at character {e.pos})" if isinstance(e, json.JSONDecodeError) else ""
+            raise SamplingParamsError(f"{call_at}.function.arguments: not valid JSON{where}.",
                                       f"{call_at}.function.arguments") from None
         if not isinstance(fn["arguments"], dict):
             raise SamplingParamsError(f"{call_at}.function.arguments: must be the JSON text of an object, not of "

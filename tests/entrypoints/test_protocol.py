@@ -88,6 +88,16 @@ def test_chat_check_names_the_param(kw, param):
     assert e.value.param == param
 
 
+def test_tool_errors_do_not_quote_the_clients_values_back():
+    secret = "secret_" + "x" * 60
+    for kw in ({"tools": [{"type": "function", "function": {"name": secret + " !"}}]},
+               {"tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": secret}}}):
+        with pytest.raises(SamplingParamsError) as e:
+            chat(**kw).check()
+        assert "secret" not in str(e.value), e.value
+
+
 @pytest.mark.parametrize("kw,param", [({"top_k": -5}, "top_k"), ({"top_p": 0}, "top_p"), ({"stop": [""]}, "stop"),
                                       ({"presence_penalty": 2.5}, "presence_penalty"),
                                       ({"repetition_penalty": 0}, "repetition_penalty")])

@@ -353,7 +353,8 @@ def test_content_parts_and_tool_calls_name_the_field_that_is_wrong(app_and_engin
         ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": "f"}]},
          "messages.0.tool_calls.0.function", "messages.0.tool_calls.0: each call needs a 'function' object."),
         ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
-         "messages.0.tool_calls.0.function.arguments", "messages.0.tool_calls.0.function.arguments: not valid JSON: '{x'"),
+         "messages.0.tool_calls.0.function.arguments", "messages.0.tool_calls.0.function.arguments: not valid JSON (Expecting property name enclosed in double quotes "
+         "at character 1)."),  # the text is not quoted back
         # a call's id, name and arguments of the wrong JSON type reached the template as they were
         ({"role": "assistant", "content": None, "tool_calls": [{"id": 5, "function": {"name": "f"}}]},
          "messages.0.tool_calls.0.id", "messages.0.tool_calls.0.id: must be a string, not a number."),

@@ -145,8 +145,8 @@ def check_tools(request: Any) -> None:
         raise SamplingParamsError(f"tool_choice.function.name: must be the name of one of `tools` ({got}). "
                                   f"{_CHOICE_USAGE}", "tool_choice.function.name")
     if name not in names:
-        raise SamplingParamsError(f"The tool {name!r} in `tool_choice` does not match any of the specified "
-                                  "`tools`.", "tool_choice")
+        raise SamplingParamsError("The tool named in `tool_choice` (tool_choice.function.name) does not match any "
+                                  "of the specified `tools`.", "tool_choice")
 
 
 def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
