@@ -665,3 +665,18 @@ def test_generate_template_is_rendered_as_ollama_renders_it(app_and_engine):  # 
     bad = client.post("/api/generate", json={"model": "m", "prompt": "hi", "stream": False,
                                              "template": "{{ s3cr3t .Prompt }}"})
     assert bad.status_code == 400 and bad.json()["error"].startswith("template: ") and "s3cr3t" not in bad.text
+
+
+def test_a_missing_capability_is_ollamas_does_not_support_400(app_and_engine):  # noqa: F811
+    """``think`` on a server without a reasoning parser and ``suffix`` on a model without
+    FIM tokens: Ollama's 400 says ``"NAME" does not support thinking`` / ``insert`` (its
+    CLI matches that phrase to go on without thinking); they said other words."""
+    client, engine = app_and_engine()
+    for route, body, error in (
+            ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "think": True},
+             '"m:latest" does not support thinking ('),
+            ("/api/generate", {"prompt": "hi", "think": "high"}, '"m:latest" does not support thinking ('),
+            ("/api/generate", {"prompt": "def f(", "suffix": "  return 1"}, '"m:latest" does not support insert (')):
+        r = client.post(route, json={"model": "m:latest", "stream": False, **body})
+        assert r.status_code == 400 and r.json()["error"].startswith(error), (route, r.text)
+    assert engine.prompts == []

@@ -53,6 +53,7 @@ from llmserve.entrypoints.openai.chat_completion.context_room import prompt_byte
 from llmserve.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from llmserve.entrypoints.openai.completion.protocol import CompletionRequest, CompletionStreamResponse
 from llmserve.entrypoints.openai.embeddings.protocol import EmbeddingRequest
+from llmserve.entrypoints.openai.infill.fim import find_fim_tokens, gguf_path_of
 from llmserve.sampling_params import ContextLengthExceededError, SamplingParamsError
 
 # Ollama's roles, and OpenAI's ``developer`` (the renderer makes it a system message unless the
@@ -116,16 +117,26 @@ def _tool_choice(chat: Any, messages: list[dict[str, Any]], prefill: bool) -> st
     return "none" if prefill or (messages and messages[-1]["role"] == "tool") else "required"
 
 
-def _think_fields(think: Any, chat: Any) -> dict[str, Any]:
+def does_not_support(model: str, capability: str, why: str, param: str) -> SamplingParamsError:
+    """Ollama's 400 for a request that needs a capability the model lacks, in its words
+    (routes.go: ``"NAME" does not support thinking``, ``... does not support insert``;
+    clients such as Ollama's own CLI match that phrase to retry without the feature),
+    then ``why`` here; names ``param``."""
+    return SamplingParamsError(f"{json.dumps(model, ensure_ascii=False)} does not support {capability} ({why}).",
+                               param)
+
+
+def _think_fields(think: Any, chat: Any, model: str = "") -> dict[str, Any]:
     """``think`` (true/false or "low"/"medium"/"high") -> the template's switches.
-    Raises SamplingParamsError (``think``) when the server cannot split reasoning out."""
+    Raises SamplingParamsError (``think``) when the server cannot split reasoning out
+    (Ollama's ``"NAME" does not support thinking``, ``model`` the requested name)."""
     if think is None:
         return {}
     if isinstance(think, str) and think not in ("low", "medium", "high"):
         raise SamplingParamsError('think must be true, false, "low", "medium" or "high".', "think")
     if think is not False and chat.reasoning_parser_cls is None:
-        raise SamplingParamsError("think: this model does not support thinking here (start the server with "
-                                  "--reasoning-parser).", "think")
+        raise does_not_support(model, "thinking", "think: this server splits reasoning out only when started with "
+                               "--reasoning-parser", "think")
     kwargs: dict[str, Any] = {"enable_thinking": think is not False}
     if isinstance(think, str):
         kwargs["reasoning_effort"] = think
@@ -160,7 +171,8 @@ def chat_request(req: OllamaChatRequest, name: str, chat: Any) -> tuple[ChatComp
     ``assistant_prefill.continuation_fields``."""
     messages = [openai_message(m, i) for i, m in enumerate(req.messages)]
     prefill = continuation_fields(messages)
-    fields = {**_common_fields(req, name), "messages": messages, **_think_fields(req.think, chat), **prefill}
+    fields = {**_common_fields(req, name), "messages": messages, **_think_fields(req.think, chat, req.model),
+              **prefill}
     choice = None
     if req.tools:
         choice = _tool_choice(chat, messages, bool(prefill))
@@ -194,13 +206,16 @@ def generate_request(req: OllamaGenerateRequest, name: str, chat: Any) -> Any:
                              stream_options={"include_usage": True})
     # An empty suffix is no suffix (Ollama's Go field is a plain string: "" is unset): the
     # template applies, as without one.
+    if req.suffix and find_fim_tokens(chat.tokenizer, gguf_path_of(chat.model_config)) is None:
+        raise does_not_support(req.model, "insert", "suffix needs fill-in-the-middle, and this model's tokenizer "
+                               "has no FIM tokens such as <|fim_prefix|>, <fim_prefix> or <PRE>", "suffix")
     if req.raw or req.suffix:
         return build_request(CompletionRequest, **_common_fields(req, name, completion=True), prompt=req.prompt or "",
                              suffix=req.suffix, stream_options={"include_usage": True})
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
         [{"role": "user", "content": req.prompt or ""}]
     return build_request(ChatCompletionRequest, **_common_fields(req, name), messages=messages,
-                         **_think_fields(req.think, chat))
+                         **_think_fields(req.think, chat, req.model))
 
 
 # ----------------------------------------------------------------------------- serving
