@@ -106,6 +106,16 @@ def test_bad_prompts_name_the_prompt(config, tokenizer, prompt, match):
     assert e.value.param == "prompt"
 
 
+def test_a_field_set_to_a_bad_type_after_construction_names_the_field(config, tokenizer):
+    """SamplingParams validates at construction; a float logprobs set afterwards reached
+    the sampler's topk (a TypeError in the engine step). The InputProcessor checks again."""
+    sp = SamplingParams(logprobs=2)
+    sp.logprobs = 1.5
+    with pytest.raises(SamplingParamsError) as e:
+        _proc(config, tokenizer).process_inputs("a", [5, 6], sp)
+    assert e.value.param == "logprobs"
+
+
 def test_stop_ids_hold_the_generation_configs_extra_eos(config, tokenizer):
     proc = _proc(config, tokenizer)
     user = SamplingParams(stop_token_ids=[40])

@@ -202,6 +202,7 @@ class InputProcessor:
                 text, ids = None, kept
         self._check_prompt(ids)
         params = params.clone()
+        params._verify_types()  # a field set after construction (e.g. sp.logprobs = 1.5) fails here, not in a step
         requested = params.max_tokens
         params.max_tokens = self._max_tokens(len(ids), requested)
         if requested is None and params.min_tokens > params.max_tokens:
