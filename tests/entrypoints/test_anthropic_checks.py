@@ -457,6 +457,19 @@ def test_tool_references_load_deferred_tools():
         {"type": "tool_reference", "tool_name": 5}]}]}
     assert _param(lambda: to_chat_request(_request([ASK, search, broken], tools=tools), auto_tools=True))[0] == \
         "messages.2.content.0.content.0.tool_name"
+    # mid-conversation tool changes (Claude Code 2.1.332's beta): offered / withdrawn by name
+    change = lambda kind, name: {"role": "user", "content": [  # noqa: E731
+        {"type": kind, "tool": {"type": "tool_reference", "name": name}}, {"type": "text", "text": "Go on."}]}
+    chat = to_chat_request(_request([change("tool_addition", "get_time")], tools=tools), auto_tools=True)
+    assert names(chat) == ["ToolSearch", "get_time"] and chat.messages[-1].content == "Tool available: get_time\nGo on."
+    later = [change("tool_addition", "get_time"), {"role": "assistant", "content": "Ok."},
+             change("tool_removal", "ToolSearch")]
+    assert names(to_chat_request(_request(later, tools=tools), auto_tools=True)) == ["get_time"]
+    assert _param(lambda: to_chat_request(_request([change("tool_removal", "nope")], tools=tools),
+                                          auto_tools=True))[0] == "messages.0.content.0.tool.name"
+    mcp = {"role": "user", "content": [{"type": "tool_addition", "tool": {"type": "mcp_toolset_reference"}}]}
+    assert _param(lambda: to_chat_request(_request([mcp], tools=tools), auto_tools=True))[0] == \
+        "messages.0.content.0.tool"
     wrong = [{**tools[1], "defer_loading": "yes"}]
     assert _param(lambda: to_chat_request(_request([ASK], tools=wrong), auto_tools=True))[0] == \
         "tools.0.defer_loading"

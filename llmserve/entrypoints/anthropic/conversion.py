@@ -24,8 +24,12 @@ outputs and sampling are the chat path's. Rules (Anthropic's documented meaning)
 - ``tool_reference`` blocks in a ``tool_result``'s content (a tool search's answer,
   Claude Code's ``ToolSearch``) load the tool they name: a tool with
   ``defer_loading: true`` is shown to the model only once one names it (Anthropic's tool
-  search), and the block reads as ``Tool loaded: <name>``; one naming no tool is a 400
-  (``tool_reference_unresolved``).
+  search), and the block reads as ``Tool loaded: <name>``. ``tool_addition`` /
+  ``tool_removal`` blocks (beta mid-conversation tool changes, Claude Code 2.1.332's)
+  offer or withdraw the tool their ``tool_reference`` names, and read as ``Tool
+  available: <name>`` / ``Tool removed: <name>``; the tools offered are those at the end
+  of the conversation (a chat template lists tools once). A change naming no tool of
+  ``tools`` is a 400 (``tool_reference_unresolved``).
 - ``tools``: client tools (``input_schema``) become function tools; server tools
   (``web_search_*``, ``bash_*``, ...) and ``mcp_servers`` are a 400 naming them, as is a name outside
   ``^[a-zA-Z0-9_-]{1,64}$`` or an invalid schema (``tools.<i>.name`` / ``.input_schema``).
@@ -72,6 +76,7 @@ from llmserve.sampling_params import SamplingParamsError
 from llmserve.structured_output.grammar import json_schema_error
 
 _DROPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+_TOOL_CHANGES = frozenset({"tool_addition", "tool_removal"})  # read by chat_tools, shown as a line
 _MEDIA_BLOCKS = frozenset({"image", "document", "container_upload"})
 # The JSON types of each content block's fields (Anthropic's ``*BlockParam`` types), checked
 # where given and not null: the blocks stay plain JSON in the request model, so a field of
@@ -89,6 +94,8 @@ BLOCK_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "redacted_thinking": {"data": _STR},
     "compaction": {"content": _STR, "encrypted_content": _STR, "signature": _STR, "tool_changes": _LIST},
     "tool_reference": {"tool_name": _STR},
+    "tool_addition": {"tool": _OBJ},
+    "tool_removal": {"tool": _OBJ},
 }
 # a document's source, by its type
 DOCUMENT_SOURCE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
@@ -136,7 +143,7 @@ def _refuse_block(kind: str, where: str) -> SamplingParamsError:
                                    "(send the content as text).", where)
     return SamplingParamsError(f"{where}: content blocks of type {kind!r} are not supported here (supported: "
                                "text, plain-text document, search_result, tool_use, tool_result, thinking, "
-                               "compaction).", where)
+                               "compaction, tool_addition, tool_removal).", where)
 
 
 def _optional_text(block: dict[str, Any], key: str, where: str) -> str:
@@ -271,6 +278,9 @@ def _message_to_chat(i: int, role: str, content: Any) -> list[dict[str, Any]]:
                 raise SamplingParamsError(f"{at}: a tool_result block needs a string `tool_use_id`.", at)
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                             "content": _tool_result_text(block, at)})
+        elif kind in _TOOL_CHANGES:
+            verb = "available" if kind == "tool_addition" else "removed"
+            texts.append(f"Tool {verb}: {_tool_change_name(block, at)}")
         elif kind not in _DROPPED_BLOCKS:
             raise _refuse_block(kind, at)
     out = [m for m in summaries if m["content"]] + results
@@ -314,42 +324,66 @@ class ToolReferenceUnresolvedError(SamplingParamsError):
     code = "tool_reference_unresolved"
 
 
-def referenced_tools(messages: Any) -> dict[str, str]:
-    """The ``tool_name`` of every ``tool_reference`` block in the ``tool_result`` content
-    lists of ``messages`` (AnthropicMessageParam), each with its block's path
-    (``messages.<i>.content.<j>.content.<k>``), the first one of a name kept."""
-    names: dict[str, str] = {}
+def _tool_change_name(block: dict[str, Any], where: str) -> str:
+    """The tool name a ``tool_addition`` / ``tool_removal`` block (beta
+    ``mid-conversation-tool-changes-2026-07-01``) names: its ``tool`` must be
+    ``{"type": "tool_reference", "name": ...}``. Raises SamplingParamsError naming
+    ``<where>.tool`` for another shape: MCP references need the MCP connector and inline
+    ``tool_definition``s the ``inline-tools`` beta, neither served here (declare the tool
+    in ``tools``, with ``defer_loading`` to offer it later)."""
+    tool = block.get("tool")
+    if not isinstance(tool, dict) or tool.get("type") != "tool_reference" or not isinstance(tool.get("name"), str):
+        raise SamplingParamsError(f"{where}.tool: only {{\"type\": \"tool_reference\", \"name\": ...}} naming a tool "
+                                  "in `tools` is supported here (no MCP connector, no inline tool definitions).",
+                                  f"{where}.tool")
+    return tool["name"]
+
+
+def tool_changes(messages: Any) -> list[tuple[bool, str, str]]:
+    """The conversation's changes to the tools offered, in order: ``(added, name, path)``
+    for each ``tool_reference`` in a ``tool_result``'s content (added; ``tool_name``),
+    ``tool_addition`` (added) and ``tool_removal`` (withdrawn) block of ``messages``
+    (AnthropicMessageParam); path: the field naming the tool. Raises SamplingParamsError
+    for a tool change of another shape (:func:`_tool_change_name`)."""
+    changes: list[tuple[bool, str, str]] = []
     for i, message in enumerate(messages):
-        if isinstance(message.content, str):
-            continue
-        for j, block in enumerate(message.content):
-            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+        for j, block in enumerate(message.content if isinstance(message.content, list) else ()):
+            at = f"messages.{i}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind in _TOOL_CHANGES:
+                changes.append((kind == "tool_addition", _tool_change_name(block, at), f"{at}.tool.name"))
+            inner = block.get("content") if kind == "tool_result" else None
             for k, part in enumerate(inner if isinstance(inner, list) else ()):
                 if isinstance(part, dict) and part.get("type") == "tool_reference" \
                         and isinstance(part.get("tool_name"), str):
-                    names.setdefault(part["tool_name"], f"messages.{i}.content.{j}.content.{k}")
-    return names
+                    changes.append((True, part["tool_name"], f"{at}.content.{k}.tool_name"))
+    return changes
 
 
 def _loaded_tools(request: AnthropicCountTokensRequest) -> list[tuple[int, Any]]:
-    """``(index, tool)`` of the tools the model is shown: every tool without
-    ``defer_loading: true``, and the deferred ones a ``tool_reference`` names (Anthropic's
-    tool search: a deferred tool is left out of the prompt until a search result loads
-    it; Claude Code's own tool search answers with ``tool_reference`` blocks). Raises
-    SamplingParamsError naming ``tools.<i>.defer_loading`` (not a boolean) or
-    ToolReferenceUnresolvedError naming the block of a reference to no tool."""
+    """``(index, tool)`` of the tools offered to the model at the end of the conversation:
+    every tool without ``defer_loading: true``, then the conversation's tool changes in
+    order (:func:`tool_changes`): a ``tool_reference`` in a tool result (Anthropic's tool
+    search; Claude Code's ``ToolSearch`` answers with them) or a ``tool_addition`` offers
+    the tool it names, a ``tool_removal`` withdraws it. Raises SamplingParamsError naming
+    ``tools.<i>.defer_loading`` (not a boolean) or ToolReferenceUnresolvedError naming the
+    field of a change that names no tool of ``tools``."""
     tools = list(enumerate(request.tools or ()))
     for i, tool in tools:
         if tool.defer_loading is not None and not isinstance(tool.defer_loading, bool):
             raise SamplingParamsError(f"tools.{i}.defer_loading: must be a boolean.", f"tools.{i}.defer_loading")
     names = {tool.name for _, tool in tools}
-    refs = referenced_tools(request.messages)
-    for name, where in refs.items():
+    offered = {tool.name for _, tool in tools if tool.defer_loading is not True}
+    for added, name, where in tool_changes(request.messages):
         if name not in names:
-            raise ToolReferenceUnresolvedError(f"{where}.tool_name: the tool_reference names no tool in `tools` "
-                                               "(each referenced tool must be defined there, with defer_loading "
-                                               "when it is loaded on reference).", f"{where}.tool_name")
-    return [(i, tool) for i, tool in tools if tool.defer_loading is not True or tool.name in refs]
+            raise ToolReferenceUnresolvedError(f"{where}: names no tool in `tools` (a tool that a tool_reference, "
+                                               "tool_addition or tool_removal names must be declared there; "
+                                               "defer_loading keeps it out until then).", where)
+        if added:
+            offered.add(name)
+        else:
+            offered.discard(name)
+    return [(i, tool) for i, tool in tools if tool.name in offered]
 
 
 def chat_tools(request: AnthropicCountTokensRequest) -> Optional[list[dict[str, Any]]]:
