@@ -31,6 +31,10 @@ def grammar_key(params: StructuredOutputsParams, any_whitespace: bool = True) ->
             except json.JSONDecodeError as e:
                 raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {e}",
                                           "structured_outputs") from None
+            except ValueError:  # an integer past int_max_str_digits (not a JSONDecodeError): never Python's words
+                raise SamplingParamsError("structured_outputs.json holds an integer with more digits than this "
+                                          "server reads from JSON; send a smaller number.",
+                                          "structured_outputs") from None
             except RecursionError:  # past ~1000 levels; the depth check below catches the rest
                 raise SamplingParamsError("structured_outputs.json is nested too deeply.", "structured_outputs") \
                     from None

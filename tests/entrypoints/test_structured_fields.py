@@ -118,7 +118,9 @@ MALFORMED = [
 # well typed, but the constraint does not compile (checked by validate_structured_outputs:
 # the front ends and the offline InputProcessor)
 UNCOMPILABLE = [({"structural_tag": {"a": 1}}, "structured_outputs.structural_tag"),
-                ({"regex": "("}, "structured_outputs.regex"), ({"grammar": "nonsense"}, "structured_outputs.grammar")]
+                ({"regex": "("}, "structured_outputs.regex"), ({"grammar": "nonsense"}, "structured_outputs.grammar"),
+                # JSON text with an integer past int_max_str_digits: was Python's "Exceeds the limit" without param
+                ({"json": '{"type": "integer", "maximum": ' + "9" * 5000 + "}"}, "structured_outputs.json holds")]
 
 
 @pytest.mark.parametrize("value,named", MALFORMED + UNCOMPILABLE)
