@@ -526,6 +526,14 @@ def test_tenant_metrics_reach_a_multi_model_servers_merged_metrics():
     assert 'vllm:tenant_in_flight_requests{tenant="alice"}' in text
 
 
+def test_an_allowed_name_latest_counts_as_served():
+    """allowed_models ["m:latest"] on a server of "m" calls "m" (served_names.latest_match),
+    so it is not warned about as a model the server does not serve; "m:1b" still is."""
+    from llmserve.entrypoints.openai.tenants import unknown_allowed_models
+    tenants = [Tenant("t", allowed_models=("m:latest", "m:1b")), Tenant("u", allowed_models=("n",))]
+    assert unknown_allowed_models(tenants, ["m", "n:latest"]) == {"t": ["m:1b"]}
+
+
 def _unknown_model_warnings(caplog):
     return [r.getMessage() for r in caplog.records
             if r.levelno == logging.WARNING and "does not serve" in r.getMessage()]

@@ -176,12 +176,13 @@ def load_keys_file(path: str) -> dict[bytes, Tenant]:
 
 
 def unknown_allowed_models(tenants: Iterable[Tenant], served: Iterable[str]) -> dict[str, list[str]]:
-    """Tenant name -> the sorted names in its ``allowed_models`` that are not in ``served``
-    (tenants whose every allowed name is served, or with no list, are left out)."""
-    served_set = set(served)
+    """Tenant name -> the sorted names in its ``allowed_models`` that call none of ``served``
+    (``m:latest`` calls ``m``: served_names.latest_match; tenants whose every allowed name
+    is served, or with no list, are left out)."""
+    served = list(served)
     out: dict[str, list[str]] = {}
     for tenant in tenants:
-        missing = sorted(set(tenant.allowed_models or ()) - served_set)
+        missing = sorted(n for n in set(tenant.allowed_models or ()) if latest_match(n, served) is None)
         if missing:
             out[tenant.name] = missing
     return out
