@@ -100,8 +100,11 @@ class AnthropicServingMessages:
         """Serve one messages request: the message, or (``stream``) an async generator
         of SSE events. Errors before the stream starts are raised (SamplingParamsError
         naming the field, ModelNotFoundError, EngineDeadError; ThreadNotFoundError for
-        an unknown ``thread.previous_message_id``), as the chat path raises them. With
-        ``thread``, the conversation is kept under the message's id (``threads.py``)."""
+        an unknown ``thread.previous_message_id``, ThreadAlreadyContinuedError /
+        ThreadContinueInFlightError for one already continued or being continued), as the
+        chat path raises them. With ``thread``, the conversation is kept under the
+        message's id (``threads.py``); a continue holds its id until the reply is kept,
+        and gives it back when the request fails or the stream ends without one."""
         seen = with_thread_history(request, self.threads, claim=True)
         try:
             served = await self._serve(request, seen, request_id)
