@@ -149,7 +149,7 @@ def test_a_chat_model_embeds_through_its_hidden_states(server, hf_model):
     """Ollama embeds with any model; a chat model was a 400 here. Each input's vector is
     its last token's final hidden state, L2-normalised (vLLM's --convert embed pooling of
     a causal LM): transformers' float32 one up to the server's packed 4-bit weights
-    (cosine > 0.999; the exact float32 match is tests/pooling/test_llama_pooling.py);
+    (cosine > 0.995 in bfloat16 too; the exact float32 match is tests/pooling/test_llama_pooling.py);
     /v1/embeddings still refuses it (vLLM's rule)."""
     import torch
 
@@ -162,7 +162,7 @@ def test_a_chat_model_embeds_through_its_hidden_states(server, hf_model):
         with torch.inference_mode():
             h = hf_model.model(torch.tensor([tokens])).last_hidden_state[0, -1].float()
         ref = torch.nn.functional.normalize(h, dim=0).numpy()
-        assert abs(np.linalg.norm(vector) - 1) < 1e-5 and float(np.dot(vector, ref)) > 0.999
+        assert abs(np.linalg.norm(vector) - 1) < 1e-5 and float(np.dot(vector, ref)) > 0.995  # bf16: 0.9987
     np.testing.assert_allclose(client.embeddings(MODEL, prompt=texts[0]).embedding, out.embeddings[0], atol=1e-6)
     r = server.post("/v1/embeddings", {"model": MODEL, "input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text

@@ -99,7 +99,9 @@ def test_playground_streams_an_answer(server, browser):
     expect(page.locator(".msg.assistant .md")).to_have_text(answer)
     # Stop aborts the fetch: the answer ends early, marked stopped
     page.fill("#max_tokens", "400")
-    page.fill("#prompt", "Count from 1 to 300, one number per line.")
+    # A prompt the model answers to the 400-token budget in float32, bfloat16 and packed
+    # weights alike (the counting prompt ended at 122 tokens, before a slow click could land)
+    page.fill("#prompt", "Write a long story about a dragon, at least 500 words.")
     page.press("#prompt", "Enter")
     expect(page.locator(".msg.assistant.pending .md")).not_to_be_empty()
     page.click("#stop")
