@@ -96,6 +96,9 @@ def test_tool_errors_do_not_quote_the_clients_values_back():
         with pytest.raises(SamplingParamsError) as e:
             chat(**kw).check()
         assert "secret" not in str(e.value), e.value
+    with pytest.raises(SamplingParamsError) as e:
+        chat(modalities=["text", secret]).check()
+    assert e.value.param == "modalities" and "secret" not in str(e.value) and "modalities[1]" in str(e.value)
 
 
 @pytest.mark.parametrize("kw,param", [({"top_k": -5}, "top_k"), ({"top_p": 0}, "top_p"), ({"stop": [""]}, "stop"),

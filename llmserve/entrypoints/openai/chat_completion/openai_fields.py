@@ -28,8 +28,10 @@ def check_openai_only_fields(request: Any) -> None:
         raise SamplingParamsError("Audio output is not supported: this model produces text only "
                                   "(leave out `audio`).", "audio")
     if request.modalities is not None and any(m != "text" for m in request.modalities):
-        raise SamplingParamsError(
-            f"modalities {request.modalities!r} are not supported: this model produces text only "
+        at = next(i for i, m in enumerate(request.modalities) if m != "text")
+        what = "audio output is" if request.modalities[at] == "audio" else "only \"text\" is"
+        raise SamplingParamsError(  # the client's values are not quoted back
+            f"modalities[{at}]: {what} not supported: this model produces text only "
             "(send [\"text\"] or leave the field out).", "modalities")
     if request.web_search_options is not None:
         raise SamplingParamsError("Web search is not supported by this server (leave out `web_search_options`).",
