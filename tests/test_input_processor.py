@@ -104,6 +104,8 @@ def test_bad_prompts_name_the_prompt(config, tokenizer, prompt, match):
     with pytest.raises(SamplingParamsError, match=match) as e:
         _proc(config, tokenizer).process_inputs("a", prompt, SamplingParams())
     assert e.value.param == "prompt"
+    if match == "out of vocabulary":  # the position, not the client's value
+        assert "position 1" in str(e.value) and str(prompt[1]) not in str(e.value)
 
 
 def test_a_field_set_to_a_bad_type_after_construction_names_the_field(config, tokenizer):

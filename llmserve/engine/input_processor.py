@@ -318,10 +318,11 @@ class InputProcessor:
         max_len = self.model_config.max_model_len
         if not ids:
             raise SamplingParamsError("The prompt cannot be empty.", "prompt")
-        for t in ids:
+        for i, t in enumerate(ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise SamplingParamsError(
-                    f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).", "prompt")
+                raise SamplingParamsError(  # its position, not the value (which may be thousands of digits)
+                    f"The token id at position {i} of the prompt is out of vocabulary (valid ids are "
+                    f"0..{self.vocab_size - 1}).", "prompt")
         if pooling and len(ids) > max_len:
             raise ContextLengthExceededError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "

@@ -82,9 +82,9 @@ class OpenAIServingTokenization(BaseServing):
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:
         """Raise SamplingParamsError unless every id is an int in [0, vocab_size)."""
-        for t in ids:
+        for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise SamplingParamsError(
-                    f"{param}: token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).",
+                raise SamplingParamsError(  # its position, not the value
+                    f"{param}[{i}]: the token id is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).",
                     param)
         return list(ids)
