@@ -85,7 +85,7 @@ def _openai_error(r, words, param="input"):
 def test_responses_input_part_type_or_role_that_is_unhashable_is_a_400(app_and_engine, kind):  # noqa: F811
     client, engine = app_and_engine()
     part = {**RESPONSES, "input": [{"role": "user", "content": [{"type": kind, "text": "hi"}]}]}
-    _openai_error(client.post("/v1/responses", json=part), "input[0].content[0]")
+    _openai_error(client.post("/v1/responses", json=part), "input[0].content[0]", "input[0].content[0].type")
     role = {**RESPONSES, "input": [{"role": kind, "content": "hi"}]}
     # a role that is no string is named by the item's field since input items' fields are
     # type-checked (input_items.ITEM_FIELD_TYPES)
