@@ -464,7 +464,9 @@ async def _status(app, key):
 NOT_STORED_DATA = {"/v1/models/{model_id:path}",  # the served models: the same for everyone
                    "/api/blobs/{digest}",  # Ollama's model upload: refused (400), nothing stored
                    "/v1/messages/batches/{rest:path}",  # Anthropic's Message Batches: not served (404)
-                   "/slots/{id_slot}"}  # llama-server's slot save/restore/erase: not served (501)
+                   "/slots/{id_slot}",  # llama-server's slot save/restore/erase: not served (501)
+                   # OpenAI's stored chat completions: nothing is stored, one 404 for all (chat_completion/stored.py)
+                   "/v1/chat/completions/{completion_id}", "/v1/chat/completions/{completion_id}/messages"}
 
 
 def test_every_stored_data_route_is_scoped_to_its_tenant(smol_tokenizer, tmp_path):
