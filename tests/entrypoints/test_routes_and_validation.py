@@ -493,6 +493,23 @@ def test_a_lone_surrogate_is_named_at_the_clients_field_and_position(app_and_eng
     assert engine.prompts == []
 
 
+def test_an_unknown_model_name_with_a_lone_surrogate_is_a_clean_404(app_and_engine):  # noqa: F811
+    """Fresh-user trial: ``"model": "\\ud800x"`` on the OpenAI routes was a 400 whose message
+    was pydantic's "Error serializing to JSON: UnicodeEncodeError: 'utf-8' codec can't
+    encode character..." with param null: the 404 naming the unknown model could not be
+    written. Now the 404 naming ``model``, as for any unknown name, its text valid Unicode."""
+    client, engine = app_and_engine()
+    for route, fields in (("/v1/chat/completions", '"messages":[{"role":"user","content":"hi"}]'),
+                          ("/v1/completions", '"prompt":"hi"'), ("/v1/responses", '"input":"hi"'),
+                          ("/v1/embeddings", '"input":"hi"'), ("/tokenize", '"prompt":"hi"')):
+        body = '{"model":"a\\ud800b","max_tokens":2,%s}' % fields
+        r = client.post(route, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 404, (route, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["type"]) == ("model", "NotFoundError") and "serializ" not in err["message"], r.text
+    assert engine.prompts == []
+
+
 def test_a_tool_message_without_tool_call_id_is_a_400_naming_it(app_and_engine):  # noqa: F811
     """OpenAI answers 400 "Missing required parameter: 'messages[2].tool_call_id'"; it was a
     200 here (vLLM's lenience), the result reaching the template unpaired with its call."""

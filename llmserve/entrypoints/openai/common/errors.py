@@ -7,6 +7,7 @@ error looks the same wherever it happens.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 
 from llmserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStartError
@@ -92,10 +93,17 @@ def error_type_for(status_code: int) -> str:
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def make_error(message: str, status_code: int = 400, param: Optional[str] = None,
                err_type: Optional[str] = None, code: Optional[str] = None) -> ErrorResponse:
     """Build the OpenAI error body ``{"error": {message, type, param, code}}``; ``code``:
-    OpenAI's string code, else the HTTP status (vLLM's)."""
+    OpenAI's string code, else the HTTP status (vLLM's). A lone surrogate a message
+    quotes from the request (an unknown ``model`` such as ``"a\\ud800b"``) becomes U+FFFD,
+    as JSON decoders such as Go's read it: the body must be valid UTF-8 to be sent at all
+    (it was a 400 with pydantic's "Error serializing to JSON" text instead)."""
+    message = _LONE_SURROGATE.sub("\ufffd", message)
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type or error_type_for(status_code),
                                          param=param, code=code or status_code))
 
