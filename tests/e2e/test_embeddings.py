@@ -229,6 +229,26 @@ C66_DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffe
             "Berlin is the capital of Germany."]
 
 
+def test_score_and_rerank_name_the_side_and_item_at_fault(emb_server):
+    """Fresh-user trial: a bad text on /score or /rerank was named at the second side
+    whatever side held it (a lone surrogate in ``query`` was ``documents.0``, in ``text_1``
+    ``text_2.0``, in ``documents[1]`` ``documents.2``; an over-long ``query`` or ``text_1``
+    was ``documents`` / ``text_2``). Each is now named at the client's own field and item."""
+    s = emb_server
+    cases = [("/v1/rerank", '"query":"a\\ud800","documents":["b"]', "query"),
+             ("/v1/rerank", '"query":"q","documents":["b",{"text":"a\\ud800"}]', "documents.1.text"),
+             ("/score", '"text_1":"a\\ud800","text_2":"b"', "text_1"),
+             ("/score", '"text_1":["x","y"],"text_2":["b","a\\ud800"]', "text_2.1"),
+             ("/score", '"queries":"a\\ud800","documents":["b"]', "queries")]
+    for path, fields, param in cases:
+        r = s.http.post(path, content='{"model":"%s",%s}' % (MODEL, fields), headers={"content-type": "application/json"})
+        assert "surrogate" in _error_json(r, param)["message"], (path, fields)
+    long = "mill " * 200  # past the shared server's 128-token context
+    _error_json(s.post("/v1/rerank", {"model": MODEL, "query": long, "documents": ["b"]}), "query")
+    _error_json(s.post("/score", {"model": MODEL, "text_1": long, "text_2": ["b", "c"]}), "text_1")
+    _error_json(s.post("/score", {"model": MODEL, "text_1": "a", "text_2": ["b", long]}), "text_2")
+
+
 def _check_ranked(body, n):
     """``n`` results, by relevance_score high to low, distinct indexes in range, each
     document's text the one at its index."""
