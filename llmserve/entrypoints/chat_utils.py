@@ -22,6 +22,16 @@ _RESERVED_KWARGS = frozenset({
 
 # Content part types whose text the model reads, and the field holding it.
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+# Content part types the OpenAI APIs define that a text-only model refuses: an error may
+# name these; any other value the client sent is not quoted back (it may be anything).
+_KNOWN_NON_TEXT_PARTS = frozenset({"image_url", "input_image", "input_audio", "audio_url", "video_url",
+                                   "file", "input_file", "image", "document", "thinking"})
+
+
+def part_type_words(kind: Any) -> str:
+    """How an error names a content part's ``type``: ``of type 'image_url'`` for a part
+    type the OpenAI APIs define, else ``of this type`` (a client's value is not echoed)."""
+    return f"of type {kind!r}" if isinstance(kind, str) and kind in _KNOWN_NON_TEXT_PARTS else "of this type"
 _JSON_TYPE_NAMES = ((bool, "a boolean"), (dict, "an object"), (list, "a list"), (str, "a string"),
                     ((int, float), "a number"))
 
@@ -50,7 +60,7 @@ def content_to_text(content: Any, index: int) -> Optional[str]:
             raise SamplingParamsError(f"{where}.type: must be a string (\"text\"), not {json_type_name(kind)}.",
                                       f"{where}.type")
         if kind not in _TEXT_PARTS:
-            raise SamplingParamsError(f"{where}: content part of type {kind!r} is not supported "
+            raise SamplingParamsError(f"{where}: content part {part_type_words(kind)} is not supported "
                                       "(this model takes text only).", f"{where}.type")
         key = _TEXT_PARTS[kind]
         text = part.get(key)

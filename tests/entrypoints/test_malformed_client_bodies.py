@@ -95,6 +95,23 @@ def test_responses_input_part_type_or_role_that_is_unhashable_is_a_400(app_and_e
     assert client.post("/v1/responses", json=RESPONSES).status_code == 200
 
 
+@pytest.mark.parametrize("kind", [["input_text"], {"a": "SECRET"}, "SECRET-" + "x" * 5000])
+def test_an_unsupported_part_type_is_not_quoted_back(app_and_engine, kind):  # noqa: F811
+    """A content part type the model cannot take is a 400 naming the field, on chat and on
+    Responses, without the client's value in the message (it may be anything, of any size);
+    a part type the OpenAI APIs define (image_url) is still named."""
+    client, engine = app_and_engine()
+    chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": kind, "text": "hi"}]}], "max_tokens": 3}
+    resp = {**RESPONSES, "input": [{"role": "user", "content": [{"type": kind, "text": "hi"}]}]}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/responses", resp)):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"].endswith(".type"), r.text
+        assert "SECRET" not in r.text and len(r.text) < 1000, r.text[:300]
+    known = {**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert "'image_url'" in client.post("/v1/chat/completions", json=known).json()["error"]["message"]
+    assert engine.prompts == []
+
+
 # h11's field-value grammar (RFC 9110 field-content): visible ASCII, inner spaces/tabs
 # only, and obs-text bytes; uvicorn refuses to send anything else and drops the connection
 FIELD_VALUE = re.compile(r"([\x21-\x7e](?:[ \t]*[\x21-\x7e])*)?")

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from llmserve.entrypoints.chat_utils import check_json_types
+from llmserve.entrypoints.chat_utils import check_json_types, part_type_words
 from llmserve.entrypoints.openai.common.errors import NotFoundError
 from llmserve.sampling_params import SamplingParamsError
 
@@ -144,7 +144,7 @@ def _content_text(content: Any, i: int, field: str = "content") -> str:
         # a list or object `type` is unhashable: looked up as it came, it was a 500
         key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
-            raise SamplingParamsError(f"input[{i}].{field}[{j}]: content part of type {kind!r} is not supported "
+            raise SamplingParamsError(f"input[{i}].{field}[{j}]: content part {part_type_words(kind)} is not supported "
                                       "(this model takes text only: input_text).", f"input[{i}].{field}[{j}].type")
         if not isinstance(part.get(key), str):
             raise SamplingParamsError(f"input[{i}].{field}[{j}] needs a string `{key}`.",
